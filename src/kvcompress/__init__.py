@@ -1,0 +1,37 @@
+"""kvcompress: KV-cache compression as real ``transformers`` caches.
+
+    >>> cache = kvcompress.cache_for(model, "streaming", budget=256)
+    >>> model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from kvcompress.attention import prepare_model
+from kvcompress.cache import CompressedCache, CompressedLayer
+from kvcompress.methods import METHODS, MethodConfig, make_config
+
+__version__ = "0.1.0"
+
+
+def cache_for(model: PreTrainedModel, method: str | MethodConfig = "full", **params: object) -> CompressedCache:
+    """Prepare ``model`` for kvcompress attention and return an empty cache applying ``method`` to every layer.
+
+    ``method`` is a registry name (see ``kvcompress.METHODS``) with its parameters as keywords, e.g.
+    ``cache_for(model, "h2o", budget=512)``, or a method config object. Use a fresh cache per generation.
+    """
+    config = make_config(method, **params)
+    prepare_model(model)
+    return CompressedCache(model, config)
+
+
+__all__ = [
+    "METHODS",
+    "CompressedCache",
+    "CompressedLayer",
+    "MethodConfig",
+    "cache_for",
+    "make_config",
+    "prepare_model",
+]

@@ -1,0 +1,73 @@
+"""Scissorhands (Liu et al., 2023, arXiv:2305.17118): the persistence of importance.
+
+Each KV head counts, over a history window of the last ``history`` queries, how often a token received less than
+the average attention of its row (``1 / visible keys``); the tokens with the most such low-importance counts are
+evicted first and the ``recent`` newest tokens are always kept. A token counts as low only for queries that could
+see it. With grouped-query attention the row is averaged over the query heads of a KV head.
+
+Choices where the paper is silent for our setting: eviction runs every step down to the budget (the paper drops a
+batch of ``m`` tokens when the buffer is full; a batch drop needs a cache larger than the budget), ties go to the
+newer token, and ``recent`` defaults to a quarter of the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.methods.base import (
+    MethodConfig,
+    Policy,
+    StatsRequest,
+    check_budget,
+    check_int_range,
+    keep_top,
+    recent_mask,
+)
+
+
+class ScissorhandsPolicy(Policy):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.stats = StatsRequest(last_queries=config.history)
+
+    def init_state(self, layer, keys):
+        batch, heads, count = keys.shape[:3]
+        return {"low": torch.zeros(batch, heads, count, self.config.history, dtype=torch.bool, device=keys.device)}
+
+    def observe(self, layer, stats):
+        rows = stats.last.mean(dim=2)  # [B, H_kv, n, L]
+        visible = stats.last_visible.expand_as(rows)
+        average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
+        low = (visible & (rows < average)).transpose(-1, -2)  # [B, H_kv, L, n]
+        kept = layer.state["low"][..., low.shape[-1] :]
+        layer.state["low"] = torch.cat([kept, low], dim=-1)
+
+    def select(self, layer):
+        low_count = layer.state["low"].sum(dim=-1).double()
+        newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): breaks ties towards newer tokens
+        return keep_top(layer, newer_first - low_count, self.config.budget, recent_mask(layer, self.recent))
+
+    @property
+    def recent(self) -> int:
+        return self.config.budget // 4 if self.config.recent is None else self.config.recent
+
+
+@dataclass(frozen=True)
+class ScissorhandsConfig(MethodConfig):
+    """Evict the tokens most often below average attention within a history window."""
+
+    budget: int = 1024  # tokens kept per layer and KV head
+    history: int = 256  # queries in the history window
+    recent: int | None = None  # newest tokens always kept; None = budget // 4
+
+    name = "scissorhands"
+    paper = "https://arxiv.org/abs/2305.17118"
+    policy_class = ScissorhandsPolicy
+
+    def validate(self) -> None:
+        check_budget(self.budget)
+        check_int_range(self.history, "history", 1)
+        if self.recent is not None:
+            check_int_range(self.recent, "recent", 0, self.budget)

@@ -1,0 +1,83 @@
+"""SnapKV (Li et al., 2024, arXiv:2404.14469): one-shot compression of the prompt.
+
+The last ``window`` prompt tokens (the observation window, where the question usually sits) vote for the earlier
+tokens: their attention rows are summed, averaged over the query heads of each KV head, smoothed with a 1D max
+pool of width ``kernel``, and each KV head keeps its top tokens plus the whole window. The cache is compressed
+once, after the prompt; decoding then appends without eviction. The budget is in tokens or a ratio of the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcompress.methods.base import (
+    MethodConfig,
+    Policy,
+    StatsRequest,
+    check_budget,
+    check_choice,
+    check_int_range,
+    check_ratio,
+    keep_top,
+    ratio_budget,
+    recent_mask,
+)
+
+
+class SnapKVPolicy(Policy):
+    one_shot = True
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.stats = StatsRequest(last_queries=config.window)
+
+    def init_state(self, layer, keys):
+        return {"vote": torch.zeros(keys.shape[:3], device=keys.device)}
+
+    def observe(self, layer, stats):
+        if stats.query_count < 2 or layer.compressed:
+            return
+        votes = stats.last.sum(dim=3).mean(dim=2)  # [B, H_kv, L]
+        if self.config.kernel > 1:
+            pool = F.max_pool1d if self.config.pooling == "max" else F.avg_pool1d
+            shape = votes.shape
+            votes = pool(votes.reshape(-1, 1, shape[-1]), self.config.kernel, 1, self.config.kernel // 2)
+            votes = votes.reshape(shape)
+        layer.state["vote"] = votes
+
+    def select(self, layer):
+        n_valid = layer.valid.sum(-1).amax(1)
+        keep = self.config.budget if self.config.ratio is None else ratio_budget(n_valid, self.config.ratio)
+        return keep_top(layer, layer.state["vote"], keep, recent_mask(layer, self.config.window))
+
+
+@dataclass(frozen=True)
+class SnapKVConfig(MethodConfig):
+    """Observation-window voting with pooling, top-k per KV head, once after the prompt."""
+
+    budget: int | None = None  # tokens kept per layer and KV head (give this or ratio)
+    ratio: float | None = None  # fraction of the prompt kept, in (0, 1] (give this or budget)
+    window: int = 32  # observation window: last prompt tokens that vote, always kept
+    kernel: int = 7  # pooling width (odd)
+    pooling: str = "max"  # "max" or "avg"
+
+    name = "snapkv"
+    paper = "https://arxiv.org/abs/2404.14469"
+    policy_class = SnapKVPolicy
+
+    def validate(self) -> None:
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError("snapkv needs exactly one of budget (tokens, >= 1) or ratio (in (0, 1])")
+        if self.budget is not None:
+            check_budget(self.budget)
+            check_int_range(self.window, "window", 1, self.budget)
+        else:
+            check_ratio(self.ratio)
+            check_int_range(self.window, "window", 1)
+        check_int_range(self.kernel, "kernel", 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel}")
+        check_choice(self.pooling, "pooling", ("max", "avg"))

@@ -1,0 +1,51 @@
+"""StreamingLLM (Xiao et al., 2023, arXiv:2309.17453): attention sinks plus a window of recent tokens.
+
+The budget counts sinks and recent tokens together (4 sinks + 252 recent for a budget of 256). As in the paper,
+positions are re-indexed inside the cache by default (``position_mode="cache"``): a token's RoPE position is its
+rank in the cache at every step, so the model never sees positions beyond the cache size. ``original`` keeps the
+positions the keys were written with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.methods.base import (
+    MethodConfig,
+    Policy,
+    check_budget,
+    check_choice,
+    check_int_range,
+    keep_top,
+    sink_mask,
+)
+from kvcompress.positions import POSITION_MODES
+
+
+class StreamingPolicy(Policy):
+    per_head = False
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.position_mode = config.position_mode
+
+    def select(self, layer):
+        return keep_top(layer, layer.token_idx[:, :1], self.config.budget, sink_mask(layer, self.config.sinks))
+
+
+@dataclass(frozen=True)
+class StreamingConfig(MethodConfig):
+    """Attention sinks + recent window."""
+
+    budget: int = 1024  # tokens kept per layer and KV head, sinks included
+    sinks: int = 4  # first tokens always kept (the paper's 4 attention sinks)
+    position_mode: str = "cache"  # "cache": re-index positions inside the cache (paper); "original": keep them
+
+    name = "streaming"
+    paper = "https://arxiv.org/abs/2309.17453"
+    policy_class = StreamingPolicy
+
+    def validate(self) -> None:
+        check_budget(self.budget)
+        check_int_range(self.sinks, "sinks", 0, self.budget)
+        check_choice(self.position_mode, "position_mode", POSITION_MODES)

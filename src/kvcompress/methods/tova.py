@@ -1,0 +1,43 @@
+"""TOVA, Token Omission Via Attention (Oren et al., 2024, "Transformers are Multi-State RNNs", arXiv:2401.06104).
+
+At every step the layer drops the token that receives the least attention from the current (last) query,
+averaged over all heads of the layer, so every head keeps the same tokens. Scores are not accumulated: only the
+current query counts. On a multi-token prefill the last prompt token is the current query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.methods.base import MethodConfig, Policy, StatsRequest, check_budget, keep_top
+
+
+class TOVAPolicy(Policy):
+    stats = StatsRequest(last_queries=1)
+    per_head = False
+
+    def init_state(self, layer, keys):
+        return {"attention": torch.zeros(keys.shape[:3], device=keys.device)}
+
+    def observe(self, layer, stats):
+        current = stats.last[:, :, :, -1].mean(dim=(1, 2))[:, None]  # [B, 1, L]
+        layer.state["attention"] = current.expand_as(layer.state["attention"]).clone()
+
+    def select(self, layer):
+        return keep_top(layer, layer.state["attention"][:, :1], self.config.budget)
+
+
+@dataclass(frozen=True)
+class TOVAConfig(MethodConfig):
+    """Evict the token with the lowest current attention, averaged over heads."""
+
+    budget: int = 1024  # tokens kept per layer
+
+    name = "tova"
+    paper = "https://arxiv.org/abs/2401.06104"
+    policy_class = TOVAPolicy
+
+    def validate(self) -> None:
+        check_budget(self.budget)

@@ -1,0 +1,32 @@
+"""Local window: keep only the most recent tokens, no sinks.
+
+The "local" / "window attention" baseline of StreamingLLM (Xiao et al., 2023, arXiv:2309.17453) and BUZZ. Keys
+keep their original RoPE positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.methods.base import MethodConfig, Policy, check_budget, keep_top
+
+
+class WindowPolicy(Policy):
+    per_head = False
+
+    def select(self, layer):
+        return keep_top(layer, layer.token_idx[:, :1], self.config.budget)
+
+
+@dataclass(frozen=True)
+class WindowConfig(MethodConfig):
+    """Keep the ``budget`` most recent tokens per layer."""
+
+    budget: int = 1024  # tokens kept per layer and KV head
+
+    name = "window"
+    paper = "https://arxiv.org/abs/2309.17453"
+    policy_class = WindowPolicy
+
+    def validate(self) -> None:
+        check_budget(self.budget)
