@@ -112,7 +112,7 @@ def attention_with_stats(
         logits = (grouped[:, :, :, start:stop] @ keys_t).float() * scale
         chunk_mask = mask[:, :, start:stop][:, :, None]
         probs = logits.masked_fill(~chunk_mask, float("-inf")).softmax(dim=-1)
-        outputs.append((probs.to(value.dtype) @ values_g))
+        outputs.append(probs.to(value.dtype) @ values_g)
         if received is not None:
             received += probs.sum(dim=-2)
         if last_n and stop > queries - last_n:

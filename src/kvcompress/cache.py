@@ -101,7 +101,11 @@ class CompressedLayer(CacheLayerMixin):
             return tensor.gather(2, shaped.expand(*index.shape, *tensor.shape[3:]))
 
         self.keys, self.values = take(self.keys), take(self.values)
-        self.token_idx, self.rope_pos, self.valid = take(self.token_idx), take(self.rope_pos), take(self.valid)
+        self.token_idx, self.rope_pos, self.valid = (
+            take(self.token_idx),
+            take(self.rope_pos),
+            take(self.valid),
+        )
         if selection.valid is not None:
             self.valid = self.valid & selection.valid
         self.state = {name: take(value) for name, value in self.state.items()}

@@ -131,7 +131,8 @@ def keep_top(
     """Keep, per sequence and head, the ``keep`` highest-scoring valid tokens; ``protected`` tokens first.
 
     ``scores`` is ``[B, H_kv or 1, L]``; ``keep`` an int or ``[B]`` counts. Returns ``None`` when no sequence holds
-    more valid tokens than it may keep (nothing to evict).
+    more valid tokens than it may keep (nothing to evict). Equal scores go to the newer token (a stable sort over
+    the reversed stream order), so selections are deterministic.
     """
     valid = layer.valid
     n_valid = valid.sum(-1).amax(1)  # [B]; equal across heads
@@ -145,7 +146,9 @@ def keep_top(
     if protected is not None:
         ranked = ranked.masked_fill(protected & valid, math.inf)
     k = int(keep.max())
-    order = ranked.topk(k, dim=-1).indices  # best first
+    length = ranked.shape[-1]
+    newest_first = ranked.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    order = length - 1 - newest_first  # best first
     slot_ok = torch.arange(k, device=valid.device)[None, None, :] < keep[:, None, None]
     indices, perm = order.sort(dim=-1)
     slot_ok = slot_ok.expand_as(order).gather(-1, perm) & valid.gather(-1, indices)

@@ -1,0 +1,93 @@
+"""Feeding tokens through a compressed cache: chunked prefill and streaming next-token loss.
+
+``model.generate(ids, past_key_values=cache)`` needs nothing from here. These helpers cover what ``generate``
+does not: a prefill in chunks with eviction between them (peak memory bounded by chunk + budget for methods that
+evict as they go; one-shot methods compress once at the end), and the token-by-token (or chunk-by-chunk) loss
+along a long stream used by streaming perplexity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+
+from kvcompress.cache import CompressedCache
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions of a left-padded batch, as ``generate`` computes them (padding at position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _check_chunk_size(chunk_size: int | None) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an integer >= 1 or None (one pass), got {chunk_size!r}")
+
+
+@torch.no_grad()
+def prefill(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: CompressedCache,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Run the prompt through the model into ``cache`` and return the last position's logits ``[B, vocab]``.
+
+    ``chunk_size`` splits the prompt into forwards of that many tokens; methods that evict as they go do so
+    between chunks, one-shot methods (SnapKV, NaCl) compress once after the last chunk. The cache may already
+    hold earlier tokens (then ``attention_mask`` covers them too).
+    """
+    _check_chunk_size(chunk_size)
+    seen = cache.get_seq_length()
+    total = seen + input_ids.shape[1]
+    if attention_mask is None:
+        attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
+    positions = positions_from_mask(attention_mask)
+    step = chunk_size or input_ids.shape[1]
+    logits = None
+    with cache.deferred_compression():
+        for start in range(0, input_ids.shape[1], step):
+            stop = min(start + step, input_ids.shape[1])
+            out = model(
+                input_ids=input_ids[:, start:stop],
+                attention_mask=attention_mask[:, : seen + stop],
+                position_ids=positions[:, seen + start : seen + stop],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1]
+    return logits
+
+
+@torch.no_grad()
+def stream_nll(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: CompressedCache,
+    chunk_size: int = 1,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Negative log-likelihood of every next token of one stream (``[1, T]`` ids) fed through ``cache``.
+
+    Tokens are fed ``chunk_size`` at a time (1 = token by token, what the papers did); the cache evicts after
+    every forward. Returns ``[T - 1]`` float32 losses: entry ``t`` is ``-log p(x[t+1] | x[..t])``.
+    """
+    _check_chunk_size(chunk_size)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"stream_nll takes one stream (input_ids of shape [1, T]); got batch {input_ids.shape[0]}")
+    length = input_ids.shape[1]
+    losses = torch.empty(length - 1)
+    starts = range(0, length - 1, chunk_size)
+    if progress:
+        from rich.progress import track
+
+        starts = track(starts, description=f"stream ({length} tokens)", transient=True)
+    for start in starts:
+        stop = min(start + chunk_size, length - 1)
+        logits = model(input_ids=input_ids[:, start:stop], past_key_values=cache, use_cache=True).logits[0]
+        targets = input_ids[0, start + 1 : stop + 1]
+        losses[start:stop] = F.cross_entropy(logits.float(), targets, reduction="none").cpu()
+    return losses

@@ -1,0 +1,67 @@
+"""Helpers for driving models and single cache layers in tests."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.cache import CompressedLayer
+from kvcompress.methods.base import AttentionStats
+
+
+def own_logits(model, input_ids, attention_mask=None, new_tokens=6):
+    """Greedy generation with the model's own SDPA attention and DynamicCache: the reference."""
+    model.set_attn_implementation("sdpa")
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return torch.stack(out.logits, 1), out.sequences
+
+
+def cache_logits(model, input_ids, cache, attention_mask=None, new_tokens=6):
+    """Greedy generation through a kvcompress cache (``cache_for`` has prepared the model)."""
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return torch.stack(out.logits, 1), out.sequences
+
+
+def filled_layer(config, keys: torch.Tensor, values: torch.Tensor | None = None, layer_idx: int = 0):
+    """A cache layer holding ``keys`` ``[B, H, L, d]`` as one prompt, before its eviction step."""
+    layer = CompressedLayer(config.policy(layer_idx))
+    layer.update(keys, keys.clone() if values is None else values)
+    length = keys.shape[2]
+    layer.register_new_tokens(torch.arange(length)[None].expand(keys.shape[0], -1), None)
+    return layer
+
+
+def stats_from_rows(rows: torch.Tensor, received: bool = True) -> AttentionStats:
+    """Hand-made statistics from attention rows ``[B, H_kv, G, n, L]`` (every key visible to every row)."""
+    return AttentionStats(
+        query_count=rows.shape[3],
+        received=rows.sum(dim=3) if received else None,
+        last=rows,
+        last_visible=torch.ones(rows.shape[0], 1, rows.shape[3], rows.shape[4], dtype=torch.bool),
+    )
+
+
+def kept_tokens(layer) -> list[list[list[int]]]:
+    """Stream indices of the real tokens kept, per sequence and head."""
+    return [
+        [[int(t) for t, v in zip(row_t, row_v, strict=True) if v] for row_t, row_v in zip(seq_t, seq_v, strict=True)]
+        for seq_t, seq_v in zip(layer.token_idx, layer.valid, strict=True)
+    ]

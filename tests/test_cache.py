@@ -1,0 +1,120 @@
+"""Property tests of the compressed cache: budgets, order, padding, logical vs stored length, bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress.generation import prefill, stream_nll
+from tests.helpers import cache_logits
+
+EVICTING = {
+    "window": {"budget": 12},
+    "streaming": {"budget": 12, "sinks": 4},
+    "streaming-original": {"budget": 12, "sinks": 4, "position_mode": "original"},
+    "h2o": {"budget": 12},
+    "tova": {"budget": 12},
+    "scissorhands": {"budget": 12, "history": 8},
+    "snapkv": {"budget": 12, "window": 4},
+    "random": {"budget": 12},
+    "knorm": {"budget": 12},
+}
+
+
+def method_of(key: str) -> str:
+    return key.split("-")[0]
+
+
+def ids_of(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("key", sorted(EVICTING))
+def test_budget_never_exceeded_and_order_kept_while_decoding(key, tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, method_of(key), **EVICTING[key])
+    ids = ids_of(1, 30)
+    with torch.no_grad():
+        tiny_llama(ids, past_key_values=cache)
+        for step in range(25):
+            tiny_llama(ids_of(1, 1, seed=step + 1), past_key_values=cache)
+            for layer in cache.compressed_layers:
+                real = layer.valid.sum(-1)
+                limit = 12 + (step + 1 if key == "snapkv" else 0)  # one-shot: decoding appends
+                assert int(real.max()) <= limit
+                assert bool((layer.token_idx.diff(dim=-1) > 0).all())
+    assert cache.get_seq_length() == cache.tokens_seen() == 55
+
+
+@pytest.mark.parametrize("key", sorted(EVICTING))
+def test_padded_batch_equals_single_runs(key, tiny_llama):
+    long, short = ids_of(1, 26, seed=3), ids_of(1, 19, seed=4)
+    batch = torch.zeros(2, 26, dtype=torch.long)
+    mask = torch.zeros(2, 26, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, 7:], mask[1, 7:] = short[0], 1
+    method, params = method_of(key), EVICTING[key]
+    batch_logits, _ = cache_logits(tiny_llama, batch, kvcompress.cache_for(tiny_llama, method, **params), mask, 8)
+    for row, ids in enumerate((long, short)):
+        single, _ = cache_logits(tiny_llama, ids, kvcompress.cache_for(tiny_llama, method, **params), None, 8)
+        torch.testing.assert_close(batch_logits[row], single[0], rtol=1e-4, atol=1e-5)
+
+
+def test_padding_never_takes_budget(tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, "window", budget=10)
+    ids = ids_of(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :22] = 0  # the second sequence has only 8 real tokens
+    prefill(tiny_llama, ids, cache, attention_mask=mask)
+    layer = cache.compressed_layers[0]
+    assert layer.valid.sum(-1).tolist() == [[10, 10], [8, 8]]
+    assert layer.stored_length() == 10
+
+
+def test_stored_bytes_constant_once_budget_reached_over_4000_tokens(tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, "streaming", budget=64)
+    model_config = tiny_llama.config
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * 16 * 4
+    sizes = []
+    with torch.no_grad():
+        for token in ids_of(1, 4000, seed=5)[0]:
+            tiny_llama(token.view(1, 1), past_key_values=cache)
+            sizes.append(cache.nbytes())
+    assert sizes[62] == 63 * per_token
+    assert set(sizes[63:]) == {64 * per_token}
+    assert cache.tokens_seen() == 4000
+
+
+def test_chunked_prefill_bounds_storage_and_matches_one_pass_for_full(tiny_llama):
+    ids = ids_of(1, 50, seed=6)
+    one = kvcompress.cache_for(tiny_llama, "full")
+    chunked = kvcompress.cache_for(tiny_llama, "full")
+    torch.testing.assert_close(
+        prefill(tiny_llama, ids, chunked, chunk_size=7), prefill(tiny_llama, ids, one), rtol=1e-4, atol=1e-5
+    )
+    bounded = kvcompress.cache_for(tiny_llama, "h2o", budget=16)
+    prefill(tiny_llama, ids, bounded, chunk_size=8)
+    assert bounded.tokens_stored() == [16, 16]
+
+
+def test_one_shot_method_compresses_once_after_a_chunked_prefill(tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, "snapkv", ratio=0.25, window=4)
+    prefill(tiny_llama, ids_of(1, 40, seed=7), cache, chunk_size=8)
+    assert cache.tokens_stored() == [10, 10]
+
+
+def test_stream_nll_with_full_cache_equals_one_forward(tiny_llama):
+    ids = ids_of(1, 40, seed=8)
+    tiny_llama.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logits = tiny_llama(ids).logits[0, :-1]
+    reference = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+    losses = stream_nll(tiny_llama, ids, kvcompress.cache_for(tiny_llama, "full"), chunk_size=3)
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_crop_is_refused_with_a_reason(tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, "window", budget=8)
+    prefill(tiny_llama, ids_of(1, 10), cache)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(5)

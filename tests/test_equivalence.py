@@ -1,0 +1,70 @@
+"""Invariant 1: with nothing to evict, every method reproduces the model's own logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from tests.helpers import cache_logits, own_logits
+
+NO_EVICTION = {
+    "full": {},
+    "window": {"budget": 512},
+    "streaming": {"budget": 512},
+    "h2o": {"budget": 512},
+    "tova": {"budget": 512},
+    "scissorhands": {"budget": 512},
+    "snapkv": {"ratio": 1.0},
+    "random": {"budget": 512},
+    "knorm": {"budget": 512},
+}
+
+
+def test_every_registered_method_is_covered():
+    assert set(NO_EVICTION) == set(kvcompress.METHODS)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("method", sorted(NO_EVICTION))
+def test_budget_above_length_reproduces_model_logits(method, model_fixture, request):
+    model = request.getfixturevalue(model_fixture)
+    ids = torch.randint(1, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
+    reference, ref_sequences = own_logits(model, ids)
+    cache = kvcompress.cache_for(model, method, **NO_EVICTION[method])
+    logits, sequences = cache_logits(model, ids, cache)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sequences, ref_sequences)
+
+
+def test_prepared_model_still_works_with_an_ordinary_cache(tiny_llama):
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    reference, _ = own_logits(tiny_llama, ids, mask)
+    kvcompress.prepare_model(tiny_llama)
+    out = tiny_llama.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    torch.testing.assert_close(torch.stack(out.logits, 1), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_for_every_method():
+    from kvcompress.models import load_model
+
+    torch.set_num_threads(2)
+    model, tokenizer = load_model("smollm2-135m")
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    reference, _ = own_logits(model, ids, new_tokens=4)
+    for method, params in NO_EVICTION.items():
+        cache = kvcompress.cache_for(model, method, **params)
+        logits, _ = cache_logits(model, ids, cache, new_tokens=4)
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4, msg=method)
