@@ -1,0 +1,394 @@
+"""``cache-op``: latency of one KV-cache update per method, in the Cascading KV Cache paper's Table 4 setup.
+
+Setup (paper §4.5 and its code, ``bench_against_naive``): 4 sink tokens, a window of 1024, batch 8, 32 heads, head
+dim 128, fp32 random keys and values; 100 tokens of warm-up, then 4,096 timed tokens, one token per update. The
+paper times the cache operation only: no attention, RoPE or model.
+
+What one update is here:
+
+- our methods: ``CompressedLayer.update()`` (append, return what attention sees) + ``after_attention(stats)`` (the
+  method folds in the attention statistics and evicts). Methods that read attention get synthetic statistics of the
+  right shape (a softmax over random logits, one query per KV head: the paper's 32 heads are all KV heads), built
+  once outside the timed region. The layer is built from ``config.policy(0)`` as ``CompressedCache`` does;
+- ``concat sink (reference)``: the usual sink cache (StreamingLLM's ``StartRecentKVCache``, HF's old ``SinkCache``):
+  ``torch.cat`` the new token, then ``torch.cat`` the sinks with the most recent ``window`` tokens;
+- ``circular sink (reference)``: a buffer of ``sinks + window`` slots allocated once, the new token overwrites the
+  oldest non-sink slot in place (what the paper's circular buffers do, without cascades or scores): the floor;
+- ``DynamicCache (transformers)``: ``DynamicCache.update`` (concatenation, no eviction: it grows);
+- ``streaming + positioned()``: our ``streaming`` update plus the attention-side work its re-indexed positions cost
+  every step (``register_new_tokens`` + ``positioned``, which re-rotates every stored key), for comparison.
+
+Bounded caches start full (``sinks + window`` tokens stored, written in one untimed update), so every timed update
+is an eviction step; unbounded ones (``full``, ``snapkv`` after its one-shot compression, ``DynamicCache``) start
+from the same tokens and grow. Budgets: ``sinks + window`` tokens per layer and head for every method (for
+``streaming`` that is ``sinks`` sinks + ``window`` recent tokens, as in the paper).
+
+The full setup stores 8 x 32 x 1028 x 128 fp32 = 134 MB per tensor, and a concatenating cache rewrites it every
+step (about 0.2 s per update on a 2-core VM): the default therefore times 64 tokens after 8 warm-up tokens at the
+paper's shapes; ``--tokens 4096 --warmup 100`` reproduces the paper's count where time allows, and ``--quick``
+runs small shapes for CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from kvcompress.bench.common import Timing, environment, set_threads, time_calls
+from kvcompress.bench.table import Column, markdown_table, save_rows
+from kvcompress.cache import CompressedLayer
+from kvcompress.methods import make_config
+from kvcompress.methods.base import AttentionStats, StatsRequest
+
+CACHE_OP_METHODS: tuple[str, ...] = (
+    "full",
+    "window",
+    "streaming",
+    "h2o",
+    "tova",
+    "scissorhands",
+    "snapkv",
+    "random",
+    "knorm",
+)
+CONCAT_SINK = "concat sink (reference)"
+CIRCULAR_SINK = "circular sink (reference)"
+DYNAMIC = "DynamicCache (transformers)"
+STREAMING_POSITIONED = "streaming + positioned()"
+_POOL = 16  # distinct new tokens, reused in turn (a fresh random token per step would time the RNG too)
+
+
+@dataclass(frozen=True)
+class CacheOpSetup:
+    """Shapes and counts of the ``cache-op`` benchmark; the defaults are the paper's shapes."""
+
+    batch: int = 8
+    heads: int = 32
+    head_dim: int = 128
+    sinks: int = 4
+    window: int = 1024
+    warmup: int = 8
+    tokens: int = 64
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "head_dim", "window", "tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("sinks", "warmup"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE pairs), got {self.head_dim}")
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+    def random(self, tokens: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.batch, self.heads, tokens, self.head_dim, generator=generator).to(self.dtype)
+
+
+QUICK = CacheOpSetup(batch=1, heads=8, head_dim=64, window=256, warmup=10, tokens=100)
+
+
+# --- references --------------------------------------------------------------------------------------------------
+
+
+class ConcatSinkCache:
+    """The usual sink cache: concatenate the new tokens, then cut out the oldest non-sink ones by concatenation.
+
+    Keeps the first ``sinks`` tokens and the last ``window`` tokens, in stream order (StreamingLLM's
+    ``StartRecentKVCache`` evicting after the append; stored keys are not re-rotated).
+    """
+
+    def __init__(self, sinks: int, window: int) -> None:
+        self.sinks, self.window = sinks, window
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+        if self.keys.shape[-2] > self.sinks + self.window:
+            sinks, recent = self.sinks, -self.window
+            self.keys = torch.cat([self.keys[:, :, :sinks], self.keys[:, :, recent:]], dim=-2)
+            self.values = torch.cat([self.values[:, :, :sinks], self.values[:, :, recent:]], dim=-2)
+        return self.keys, self.values
+
+
+class CircularSinkCache:
+    """A sink cache in a buffer of ``sinks + window`` slots allocated once; a new token overwrites the oldest slot.
+
+    Slot order is not stream order once the window wraps (attention does not care, given correct positions).
+    ``update`` returns the occupied slots.
+    """
+
+    def __init__(self, sinks: int, window: int) -> None:
+        self.sinks, self.window = sinks, window
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            shape = (*keys.shape[:2], self.sinks + self.window, keys.shape[-1])
+            self.keys = keys.new_empty(shape)
+            self.values = values.new_empty(shape)
+        for i in range(keys.shape[-2]):  # one slot per token; decoding writes one
+            self.keys[:, :, self._slot(self.seen)] = keys[:, :, i]
+            self.values[:, :, self._slot(self.seen)] = values[:, :, i]
+            self.seen += 1
+        stored = min(self.seen, self.sinks + self.window)
+        return self.keys[:, :, :stored], self.values[:, :, :stored]
+
+    def _slot(self, token: int) -> int:
+        if token < self.sinks:
+            return token
+        return self.sinks + (token - self.sinks) % self.window
+
+
+# --- our layers ----------------------------------------------------------------------------------------------
+
+
+def method_params(method: str, setup: CacheOpSetup) -> dict[str, object]:
+    """The parameters each method runs with: a budget of ``sinks + window`` tokens (``full`` has none)."""
+    if method == "full":
+        return {}
+    if method == "streaming":
+        return {"budget": setup.capacity, "sinks": setup.sinks}
+    return {"budget": setup.capacity}
+
+
+def synthetic_stats(
+    request: StatsRequest,
+    setup: CacheOpSetup,
+    length: int,
+    query_count: int,
+    generator: torch.Generator,
+) -> AttentionStats | None:
+    """Attention statistics of the shapes ``request`` asks for over ``length`` keys: softmaxes of random logits.
+
+    One query head per KV head (``G = 1``) and one attention row (``n = 1``) for ``last``, whatever
+    ``query_count`` is: only the shapes matter for timing.
+    """
+    if not request.any:
+        return None
+    stats = AttentionStats(query_count=query_count)
+    shape = (setup.batch, setup.heads, 1)
+    if request.received:
+        stats.received = torch.randn(*shape, length, generator=generator).softmax(-1)
+    if request.last_queries:
+        stats.last = torch.randn(*shape, 1, length, generator=generator).softmax(-1)
+        stats.last_visible = torch.ones(setup.batch, 1, 1, length, dtype=torch.bool)
+    return stats
+
+
+def _inv_freq(head_dim: int) -> torch.Tensor:
+    return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def _layer_step(method: str, setup: CacheOpSetup, generator: torch.Generator, positioned: bool = False):
+    """A filled ``CompressedLayer`` and the function doing one timed update on it."""
+    policy = make_config(method, **method_params(method, setup)).policy(0)
+    layer = CompressedLayer(policy, _inv_freq(setup.head_dim))
+    fill = setup.random(setup.capacity, generator)
+    layer.update(fill, fill.clone())
+    layer.after_attention(synthetic_stats(policy.stats, setup, setup.capacity, setup.capacity, generator))
+    # in steady state a bounded layer attends over capacity + 1 keys before evicting back to capacity
+    stats = synthetic_stats(policy.stats, setup, setup.capacity + 1, 1, generator)
+    keys, values = setup.random(_POOL, generator), setup.random(_POOL, generator)
+    query = setup.random(1, generator)
+
+    def step(i: int) -> None:
+        slot = i % _POOL
+        layer.update(keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
+        if positioned:
+            layer.register_new_tokens(None, None)
+            layer.positioned(query, layer.keys)
+        layer.after_attention(stats)
+
+    return layer, step
+
+
+def _reference_step(name: str, setup: CacheOpSetup, generator: torch.Generator):
+    if name == CONCAT_SINK:
+        cache = ConcatSinkCache(setup.sinks, setup.window)
+        update = cache.update
+    elif name == CIRCULAR_SINK:
+        cache = CircularSinkCache(setup.sinks, setup.window)
+        update = cache.update
+    elif name == DYNAMIC:
+        cache = DynamicCache()
+
+        def update(k: torch.Tensor, v: torch.Tensor) -> None:
+            cache.update(k, v, 0)
+
+    else:
+        raise ValueError(f"unknown reference {name!r}")
+    fill = setup.random(setup.capacity, generator)
+    update(fill, fill.clone())
+    keys, values = setup.random(_POOL, generator), setup.random(_POOL, generator)
+
+    def step(i: int) -> None:
+        slot = i % _POOL
+        update(keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
+
+    return cache, step
+
+
+def _stored(cache: object) -> int:
+    if isinstance(cache, CompressedLayer):
+        return cache.stored_length()
+    if isinstance(cache, DynamicCache):
+        return cache.get_seq_length()
+    return int(cache.keys.shape[-2]) if cache.keys is not None else 0
+
+
+def run_cache_op(
+    methods: Sequence[str] = CACHE_OP_METHODS,
+    *,
+    batch: int = 8,
+    heads: int = 32,
+    head_dim: int = 128,
+    sinks: int = 4,
+    window: int = 1024,
+    warmup: int = 8,
+    tokens: int = 64,
+    references: bool = True,
+    threads: int = 1,
+    seed: int = 0,
+) -> list[dict[str, object]]:
+    """Time one cache update per method (and the references); returns one row per cache, slowest last.
+
+    Row keys: ``cache``, ``kind`` (``kvcompress`` / ``reference`` / ``transformers``), ``bounded``,
+    ``median_us``, ``p10_us``, ``p90_us``, ``steps``, ``stored`` (tokens stored per head at the end),
+    ``vs_concat_sink`` and ``vs_streaming`` (median ratios, from this run; missing when that cache did not run).
+    """
+    set_threads(threads)
+    setup = CacheOpSetup(batch, heads, head_dim, sinks, window, warmup, tokens)
+    unknown = sorted(set(methods) - set(CACHE_OP_METHODS))
+    if unknown:
+        raise ValueError(f"methods must be among {', '.join(CACHE_OP_METHODS)}; got {', '.join(unknown)}")
+    plan: list[tuple[str, str, Callable]] = []
+    if references:
+        plan += [(name, "reference", _reference_step) for name in (CONCAT_SINK, CIRCULAR_SINK)]
+        plan.append((DYNAMIC, "transformers", _reference_step))
+    plan += [(method, "kvcompress", _layer_step) for method in methods]
+    if "streaming" in methods:
+        plan.append((STREAMING_POSITIONED, "kvcompress", _layer_step))
+
+    rows = []
+    with torch.inference_mode():
+        for name, kind, build in plan:
+            generator = torch.Generator().manual_seed(seed)
+            if name == STREAMING_POSITIONED:
+                cache, step = build("streaming", setup, generator, positioned=True)
+            else:
+                cache, step = build(name, setup, generator)
+            timing: Timing = time_calls(step, setup.tokens, setup.warmup)
+            stored = _stored(cache)
+            rows.append(
+                {
+                    "cache": name,
+                    "kind": kind,
+                    "bounded": stored <= setup.capacity,
+                    "median_us": timing.median * 1e6,
+                    "p10_us": timing.p10 * 1e6,
+                    "p90_us": timing.p90 * 1e6,
+                    "steps": timing.count,
+                    "stored": stored,
+                }
+            )
+            del cache, step
+            gc.collect()
+    by_name = {row["cache"]: row["median_us"] for row in rows}
+    for row in rows:
+        for key, reference in (("vs_concat_sink", CONCAT_SINK), ("vs_streaming", "streaming")):
+            if reference in by_name:
+                row[key] = row["median_us"] / by_name[reference]
+    return rows
+
+
+CACHE_OP_COLUMNS: tuple[Column, ...] = (
+    ("cache", "cache", ""),
+    ("bounded", "bounded", ""),
+    ("median_us", "median µs / update", ".0f"),
+    ("p10_us", "p10 µs", ".0f"),
+    ("p90_us", "p90 µs", ".0f"),
+    ("vs_concat_sink", "× concat sink", ".2f"),
+    ("vs_streaming", "× our streaming", ".2f"),
+    ("stored", "stored tokens (end)", "d"),
+)
+
+
+def cache_op_table(rows: Sequence[dict[str, object]]) -> str:
+    """The markdown table of ``run_cache_op`` rows."""
+    return markdown_table(rows, CACHE_OP_COLUMNS)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.cache_op", description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default=",".join(CACHE_OP_METHODS), help="comma-separated method names")
+    parser.add_argument("--batch", type=int, default=CacheOpSetup.batch)
+    parser.add_argument("--heads", type=int, default=CacheOpSetup.heads)
+    parser.add_argument("--head-dim", type=int, default=CacheOpSetup.head_dim)
+    parser.add_argument("--sinks", type=int, default=CacheOpSetup.sinks)
+    parser.add_argument("--window", type=int, default=CacheOpSetup.window)
+    parser.add_argument("--warmup", type=int, default=None, help=f"untimed updates (default {CacheOpSetup.warmup})")
+    parser.add_argument("--tokens", type=int, default=None, help=f"timed updates (default {CacheOpSetup.tokens})")
+    parser.add_argument("--quick", action="store_true", help="small shapes for CI (batch 1, 8 heads, dim 64, 256)")
+    parser.add_argument("--no-references", action="store_true", help="time only our methods")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="folder for cache_op.json, cache_op.md")
+    args = parser.parse_args(argv)
+    base = QUICK if args.quick else CacheOpSetup()
+    shape = {
+        name: getattr(args, name) if not args.quick else getattr(base, name)
+        for name in ("batch", "heads", "head_dim", "window")
+    }
+    warmup = args.warmup if args.warmup is not None else base.warmup
+    tokens = args.tokens if args.tokens is not None else base.tokens
+    methods = [m for m in args.methods.split(",") if m]
+    rows = run_cache_op(
+        methods,
+        **shape,
+        sinks=args.sinks,
+        warmup=warmup,
+        tokens=tokens,
+        references=not args.no_references,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    meta = {
+        "benchmark": "cache-op",
+        **shape,
+        "sinks": args.sinks,
+        "warmup": warmup,
+        "tokens": tokens,
+        **environment(args.threads),
+    }
+    table = cache_op_table(rows)
+    print(f"cache-op: batch {shape['batch']}, {shape['heads']} heads, head dim {shape['head_dim']}, "
+          f"{args.sinks} sinks + window {shape['window']}, fp32, {warmup} warm-up + {tokens} timed updates; "
+          f"{meta['machine']}\n")
+    print(table)
+    if args.out is not None:
+        save_rows(args.out / "cache_op.json", rows, meta)
+        (args.out / "cache_op.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

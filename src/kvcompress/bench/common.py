@@ -1,0 +1,160 @@
+"""Timing, memory and environment helpers shared by the benchmarks.
+
+Timings on a shared CPU are noisy: benchmarks time every call separately and report medians (and the 10th/90th
+percentiles), and compare methods by ratios measured in the same run. Torch's thread count is always set
+explicitly (``set_threads``): on a loaded 2-core machine two threads ran single-token decoding 5-15x slower than one.
+
+Peak memory is the process's resident-set high-water mark (``VmHWM``), reset before each measurement by writing
+``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0). Where that is not possible (other systems, restricted
+containers) ``resource.getrusage`` gives the lifetime peak and the result says so (``peak_resettable=False``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MIB = 1 << 20
+
+
+def set_threads(threads: int) -> None:
+    """Set torch's intra-op thread count (an integer >= 1); benchmarks never run with the default."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Summary of repeated timings, in seconds."""
+
+    median: float
+    p10: float
+    p90: float
+    count: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        if not samples:
+            raise ValueError("no timing samples")
+        ordered = sorted(samples)
+
+        def quantile(q: float) -> float:
+            return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+        return cls(statistics.median(ordered), quantile(0.1), quantile(0.9), len(ordered))
+
+
+def time_calls(fn: Callable[[int], object], count: int, warmup: int = 0) -> Timing:
+    """Call ``fn(i)`` ``warmup`` times untimed, then ``count`` times, timing each call; returns the summary."""
+    for i in range(warmup):
+        fn(i)
+    samples = []
+    for i in range(warmup, warmup + count):
+        start = time.perf_counter()
+        fn(i)
+        samples.append(time.perf_counter() - start)
+    return Timing.of(samples)
+
+
+# --- memory ---------------------------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def current_rss() -> int:
+    """Resident set size now, in bytes (``VmRSS``; falls back to the lifetime peak where /proc is missing)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else _rusage_peak()
+
+
+def _rusage_peak() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Reset the resident-set high-water mark to the current RSS; returns False where this is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return _status_kib("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """Resident-set high-water mark in bytes since the last ``reset_peak_rss`` (or since the process started)."""
+    kib = _status_kib("VmHWM")
+    return kib * 1024 if kib is not None else _rusage_peak()
+
+
+class PeakMemory:
+    """Context manager measuring the peak RSS of a block: ``peak`` (bytes) and ``extra`` (peak minus RSS at entry).
+
+    >>> with PeakMemory() as memory:
+    ...     work()
+    >>> memory.extra
+    """
+
+    def __enter__(self) -> PeakMemory:
+        self.resettable = reset_peak_rss()
+        self.baseline = current_rss()
+        self.peak = self.extra = 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = peak_rss()
+        self.extra = max(0, self.peak - self.baseline)
+
+
+# --- environment ----------------------------------------------------------------------------------------------
+
+
+def machine_description(threads: int) -> str:
+    """One line naming the machine the numbers came from, e.g. ``2-core CPU VM (Intel Xeon), torch 2.13 CPU, 1 thread``."""
+    cores = os.cpu_count() or 0
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    version = torch.__version__.split("+")[0]
+    plural = "" if threads == 1 else "s"
+    return f"{cores}-core {cpu}, torch {version} {device}, {threads} thread{plural}"
+
+
+def environment(threads: int) -> dict[str, object]:
+    """Facts recorded beside every benchmark result."""
+    import transformers
+
+    return {
+        "machine": machine_description(threads),
+        "threads": threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
