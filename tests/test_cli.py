@@ -1,0 +1,59 @@
+"""The command line: generate with a compressed cache on the real model, and the listing commands."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcompress.cli import app, parse_params
+
+runner = CliRunner()
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def test_parse_params_types_values():
+    assert parse_params(["sinks=4", "ratio=0.5", "position_mode=original", "recent=None", "x=true"]) == {
+        "sinks": 4,
+        "ratio": 0.5,
+        "position_mode": "original",
+        "recent": None,
+        "x": True,
+    }
+
+
+def test_methods_lists_every_method_with_defaults():
+    result = runner.invoke(app, ["methods"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in ("full", "window", "streaming", "h2o", "tova", "scissorhands", "snapkv", "random", "knorm"):
+        assert name in result.output
+    assert "sinks=4" in result.output
+
+
+def test_generate_rejects_bad_budget_before_loading_a_model():
+    result = runner.invoke(app, ["generate", "hi", "--method", "h2o", "--budget", "0"])
+    assert result.exit_code != 0
+    assert "budget must be an integer >= 1" in str(result.exception)
+
+
+@pytest.mark.slow
+def test_generate_streaming_256_on_4000_token_prompt_stores_256_tokens(tmp_path):
+    essay = (DATA / "paul_graham_essays" / "founders.txt").read_text(encoding="utf-8-sig")
+    essay += (DATA / "paul_graham_essays" / "gh.txt").read_text(encoding="utf-8-sig")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(essay[:17000] + "\n\nWhat is the main advice of the essay above? Answer in two sentences.")
+    args = ["generate", "--file", str(prompt), "--method", "streaming", "--budget", "256", "--max-new-tokens", "24"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    numbers = {
+        key: int(value.replace(",", "")) for key, value in re.findall(r"│ ([a-zA-Z ,()]+?)\s+│ ([\d,]+)", result.output)
+    }
+    assert numbers["prompt tokens"] > 3900
+    assert numbers["tokens stored per layer (physical)"] == 256
+    bytes_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, head_dim 64, fp32 keys + values
+    assert numbers["KV bytes stored"] == 256 * bytes_per_token
+    assert numbers["KV bytes, full cache"] == numbers["tokens seen (logical)"] * bytes_per_token
+    text = result.output.split("streaming on smollm2-135m")[0]
+    assert len(re.findall(r"[A-Za-z]{3,}", text)) >= 5  # real words came out
