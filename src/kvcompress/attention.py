@@ -50,15 +50,21 @@ def kvcompress_attention(
     query, key = layer.positioned(query, key)
     mask = layer.attention_mask(queries, sliding_window)
     request = layer.policy.stats
-    if request.any:
+    custom = layer.policy.attend(layer, query, key, value, mask, scaling)
+    if custom is not None:
+        output, stats = custom
+    elif request.any:
         output, stats = attention_with_stats(query, key, value, mask, scaling, request)
     else:
-        output, stats = _sdpa(query, key, value, mask, scaling), None
+        output, stats = sdpa(query, key, value, mask, scaling), None
     layer.after_attention(stats)
     return output.transpose(1, 2).contiguous(), None
 
 
-def _sdpa(query, key, value, mask, scaling) -> torch.Tensor:
+def sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """PyTorch SDPA with a ``[B, H_kv or 1, q, L]`` boolean mask (``None``: causal if square, else all visible)."""
     groups = query.shape[1] // key.shape[1]
     if mask is not None and mask.shape[1] > 1:
         mask = mask.repeat_interleave(groups, dim=1)
@@ -81,7 +87,7 @@ def _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_
         mask = mask & (attention_mask[:, None, None, -length:].bool() | (key_idx == query_idx)[None, None])
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
-    return _sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
+    return sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
 
 
 def attention_with_stats(

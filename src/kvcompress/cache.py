@@ -237,7 +237,8 @@ class CompressedCache(Cache):
         layers = text_config.num_hidden_layers
         needs_rope = any(config.policy(i).position_mode == "cache" for i in range(layers))
         inv_freq = find_inv_freq(model) if needs_rope else None
-        super().__init__(layers=[CompressedLayer(config.policy(i), inv_freq) for i in range(layers)])
+        layer_class = config.layer_class()
+        super().__init__(layers=[layer_class(config.policy(i), inv_freq) for i in range(layers)])
         self.config = config
 
     @property

@@ -77,6 +77,20 @@ class Policy:
         """Return what to keep, or ``None`` to keep everything."""
         return None
 
+    def attend(
+        self,
+        layer: CompressedLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float | None,
+    ) -> tuple[torch.Tensor, AttentionStats | None] | None:
+        """Override the attention computation (``[B, H, q, d]`` output and statistics), or ``None`` for the
+        default (SDPA, or an exact chunked softmax when ``stats`` asks for statistics). Methods that change the
+        attention itself (log-n scaling, a low-rank state, logits shared across layers) implement this."""
+        return None
+
 
 @dataclass(frozen=True)
 class MethodConfig:
@@ -85,6 +99,12 @@ class MethodConfig:
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     policy_class: ClassVar[type[Policy]] = Policy
+
+    def layer_class(self) -> type[CompressedLayer]:
+        """The cache layer type this method stores tokens in (a subclass for special storage layouts)."""
+        from kvcompress.cache import CompressedLayer
+
+        return CompressedLayer
 
     def __post_init__(self) -> None:
         self.validate()
