@@ -98,37 +98,54 @@ def attention_with_stats(
     scaling: float | None,
     request: StatsRequest,
 ) -> tuple[torch.Tensor, AttentionStats]:
-    """Exact softmax attention in query chunks, collecting the requested statistics in float32."""
-    batch, q_heads, queries, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = q_heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
-    grouped = query.view(batch, kv_heads, groups, queries, dim)
-    keys_t, values_g = key[:, :, None].transpose(-1, -2), value[:, :, None]
+    """Attention plus the requested statistics, in float32.
+
+    Mass received needs every query's probabilities: an exact softmax in query chunks. Rows of the last ``n``
+    queries alone need only that ``n x L`` block: SDPA computes the output and the block is computed apart.
+    """
+    queries, length = query.shape[2], key.shape[2]
     if mask is None:  # plain causal prefill
         key_idx = torch.arange(length, device=query.device)
         query_idx = torch.arange(length - queries, length, device=query.device)
         mask = (key_idx[None, :] <= query_idx[:, None])[None, None]
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
     last_n = min(request.last_queries, queries)
-    received = torch.zeros(batch, kv_heads, groups, length, device=query.device) if request.received else None
+    stats = AttentionStats(query_count=queries)
+    if request.received:
+        output, stats.received, last = _chunked_softmax_attention(query, key, value, mask, scaling, last_n)
+    else:
+        output = sdpa(query, key, value, mask, scaling)
+        last = attention_rows(query[:, :, queries - last_n :], key, mask[:, :, queries - last_n :], scaling)
+    if last_n:
+        stats.last, stats.last_visible = last, mask[:, :, queries - last_n :]
+    return output, stats
+
+
+def attention_rows(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Softmax attention probabilities ``[B, H_kv, G, q, L]`` (float32) of a few queries over all keys."""
+    batch, q_heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.view(batch, kv_heads, q_heads // kv_heads, queries, dim)
+    logits = (grouped @ key[:, :, None].transpose(-1, -2)).float() * scale
+    return logits.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+
+
+def _chunked_softmax_attention(query, key, value, mask, scaling, last_n):
+    batch, q_heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+    received = torch.zeros(batch, kv_heads, groups, length, device=query.device)
     outputs, last_rows = [], []
     for start in range(0, queries, chunk):
         stop = min(start + chunk, queries)
-        logits = (grouped[:, :, :, start:stop] @ keys_t).float() * scale
-        chunk_mask = mask[:, :, start:stop][:, :, None]
-        probs = logits.masked_fill(~chunk_mask, float("-inf")).softmax(dim=-1)
-        outputs.append(probs.to(value.dtype) @ values_g)
-        if received is not None:
-            received += probs.sum(dim=-2)
+        probs = attention_rows(query[:, :, start:stop], key, mask[:, :, start:stop], scaling)
+        outputs.append(probs.to(value.dtype) @ value[:, :, None])
+        received += probs.sum(dim=-2)
         if last_n and stop > queries - last_n:
             last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
     output = torch.cat(outputs, dim=3).reshape(batch, q_heads, queries, dim)
-    stats = AttentionStats(query_count=queries, received=received)
-    if last_n:
-        stats.last = torch.cat(last_rows, dim=3)
-        stats.last_visible = mask[:, :, queries - last_n :]
-    return output, stats
+    return output, received, torch.cat(last_rows, dim=3) if last_rows else None
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:

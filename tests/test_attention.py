@@ -1,0 +1,63 @@
+"""The attention function's statistics equal those of the explicit attention matrix; RoPE re-rotation is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompress import attention
+from kvcompress.methods.base import StatsRequest
+from kvcompress.positions import rotate_by
+
+B, HQ, HKV, Q, L, D = 2, 6, 2, 5, 12, 8
+
+
+def naive(query, key, value, mask, scale):
+    key = key.repeat_interleave(HQ // HKV, dim=1)
+    value = value.repeat_interleave(HQ // HKV, dim=1)
+    full_mask = mask.expand(B, HQ if mask.shape[1] > 1 else 1, Q, L)
+    if mask.shape[1] > 1:
+        full_mask = mask.repeat_interleave(HQ // HKV, dim=1)
+    probs = ((query @ key.transpose(-1, -2)) * scale).masked_fill(~full_mask, float("-inf")).softmax(-1)
+    return probs @ value, probs
+
+
+@pytest.fixture
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(B, h, n, D, generator=g) for h, n in ((HQ, Q), (HKV, L), (HKV, L)))
+    mask = torch.rand(B, HKV, Q, L, generator=g) > 0.3
+    mask[..., -1] = True  # no empty row
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("received", [True, False])
+def test_statistics_equal_the_explicit_attention_matrix(inputs, received, monkeypatch):
+    monkeypatch.setattr(attention, "CHUNK_ELEMENTS", HQ * L * 2 * B)  # force several query chunks
+    query, key, value, mask = inputs
+    output, stats = attention.attention_with_stats(
+        query, key, value, mask, 0.3, StatsRequest(received=received, last_queries=3)
+    )
+    expected, probs = naive(query, key, value, mask, 0.3)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    grouped = probs.view(B, HKV, HQ // HKV, Q, L)
+    torch.testing.assert_close(stats.last, grouped[:, :, :, -3:], rtol=1e-5, atol=1e-6)
+    if received:
+        torch.testing.assert_close(stats.received, grouped.sum(dim=3), rtol=1e-5, atol=1e-5)
+    else:
+        assert stats.received is None
+
+
+def test_sdpa_path_matches_explicit_attention(inputs):
+    query, key, value, mask = inputs
+    expected, _ = naive(query, key, value, mask, 0.3)
+    torch.testing.assert_close(attention.sdpa(query, key, value, mask, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rerotation_equals_rotating_at_the_new_position():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    x = torch.randn(3, 7, D)
+    start = torch.randint(0, 500, (3, 7))
+    target = torch.randint(0, 500, (3, 7))
+    once = rotate_by(rotate_by(x, start, inv_freq), target - start, inv_freq)
+    torch.testing.assert_close(once, rotate_by(x, target, inv_freq), rtol=1e-4, atol=1e-4)
