@@ -15,9 +15,7 @@ B, HQ, HKV, Q, L, D = 2, 6, 2, 5, 12, 8
 def naive(query, key, value, mask, scale):
     key = key.repeat_interleave(HQ // HKV, dim=1)
     value = value.repeat_interleave(HQ // HKV, dim=1)
-    full_mask = mask.expand(B, HQ if mask.shape[1] > 1 else 1, Q, L)
-    if mask.shape[1] > 1:
-        full_mask = mask.repeat_interleave(HQ // HKV, dim=1)
+    full_mask = mask.repeat_interleave(HQ // HKV, dim=1) if mask.shape[1] > 1 else mask
     probs = ((query @ key.transpose(-1, -2)) * scale).masked_fill(~full_mask, float("-inf")).softmax(-1)
     return probs @ value, probs
 
