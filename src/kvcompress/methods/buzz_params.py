@@ -1,0 +1,98 @@
+"""BUZZ parameter estimation: Theorem 3.1 and the (k, w, T, s) that hit a target average or peak cache size.
+
+Theorem 3.1 of BUZZ (Zhao et al., 2024, arXiv:2410.23079) sets the threshold from the window and the stride,
+``T / w = (s² + 1) / (s + 1)`` for odd ``s`` and ``s − 1`` for even ``s``: the steady-state number of sampled history
+tokens ``a*`` (the fixed point of ``a = a/ŝ + (T − a)/s``, spec §1.9) then equals ``w``.
+
+Cache sizes here are what a layer stores between decoding steps (after the step's eviction), the quantity a
+``streaming`` or ``h2o`` cache of ``budget`` tokens keeps constant:
+
+- *peak* = ``k + w + T`` (the step that triggers an eviction attends one token more, ``k + w + T + 1``, just as a
+  fixed-budget cache attends ``budget + 1``);
+- *average* = the mean over steady decoding, ``k + w + (a' + T) / 2`` with ``a'`` the middle length right after an
+  eviction. ``a'`` comes from iterating the exact integer recurrence (ceil counts, trigger at ``M = T + 1``), not from
+  the theorem's real-valued fixed point, which is about one token lower (spec §1.9).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+
+def small_stride(stride: int) -> int:
+    """ŝ = ⌊(s + 1) / 2⌋, the interval-sampling stride of old tokens."""
+    return (stride + 1) // 2
+
+
+def theorem_ratio(stride: int) -> float:
+    """T / w from Theorem 3.1 (Eq. 6): ``(s² + 1) / (s + 1)`` for odd ``s``, ``s − 1`` for even ``s``."""
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 3:
+        raise ValueError(f"stride must be an integer >= 3 (s <= 2 never shrinks the cache), got {stride!r}")
+    return (stride * stride + 1) / (stride + 1) if stride % 2 else float(stride - 1)
+
+
+def fixed_point(threshold: int, stride: int) -> float:
+    """a* of Theorem 3.1: steady-state number of old (sampled) tokens, real-valued (spec §1.9 corrected proof)."""
+    return threshold / theorem_ratio(stride)
+
+
+def middle_after_eviction(old: int, new: int, stride: int, old_stride: int | None = None) -> int:
+    """Old tokens after one eviction: ``⌈n_old / ŝ⌉ + ⌈n_new / s⌉``."""
+    old_stride = small_stride(stride) if old_stride is None else old_stride
+    return -(-old // old_stride) + -(-new // stride)
+
+
+@lru_cache(maxsize=4096)
+def steady_cycle(threshold: int, stride: int, old_stride: int | None = None, cycles: int = 200) -> tuple[int, ...]:
+    """Middle lengths right after each eviction in steady decoding (the last 8 cycles of ``cycles``)."""
+    old, after = 0, []
+    for _ in range(cycles):
+        old = middle_after_eviction(old, threshold + 1 - old, stride, old_stride)
+        after.append(old)
+    return tuple(after[-8:])
+
+
+def steady_sizes(sinks: int, window: int, threshold: int, stride: int) -> tuple[float, int, int]:
+    """(average, minimum, peak) stored length per layer and head in steady decoding."""
+    cycle = steady_cycle(threshold, stride)
+    steps = sum(threshold - a + 1 for a in cycle)  # a cycle holds a', a' + 1, ..., T after its steps
+    total = sum((a + threshold) * (threshold - a + 1) / 2 for a in cycle)
+    return sinks + window + total / steps, sinks + window + min(cycle), sinks + window + threshold
+
+
+def threshold_for(window: int, stride: int, tw_ratio: float | None = None) -> int:
+    """T = round(r · w) with r = ``tw_ratio`` or Theorem 3.1's ratio; at least 1."""
+    ratio = theorem_ratio(stride) if tw_ratio is None else tw_ratio
+    return max(1, round(ratio * window))
+
+
+@lru_cache(maxsize=1024)
+def buzz_params(
+    budget: int, kind: str = "average", sinks: int = 4, stride: int = 5, tw_ratio: float | None = None
+) -> tuple[int, int, int, int]:
+    """(k, w, T, s) whose steady-state ``kind`` ("average" or "peak") stored length is closest to ``budget``.
+
+    Peak: the largest ``w`` with ``k + w + T <= budget``. Average: the ``w`` whose simulated steady-state average is
+    nearest ``budget`` (ties to the smaller ``w``); the first guess is spec §1.9's ``w = (B − k) / (1.5 + r/2)``.
+    """
+    if kind not in ("average", "peak"):
+        raise ValueError(f"budget_kind must be one of average, peak; got {kind!r}")
+    ratio = theorem_ratio(stride) if tw_ratio is None else tw_ratio
+    if budget < sinks + 1 + threshold_for(1, stride, ratio):
+        raise ValueError(
+            f"budget must be at least sinks + 1 + T(w=1) = {sinks + 1 + threshold_for(1, stride, ratio)} "
+            f"for sinks={sinks}, stride={stride}, T/w={ratio:.3g}; got {budget!r}"
+        )
+    if kind == "peak":
+        window = max(1, math.floor((budget - sinks) / (1 + ratio)) + 1)
+        while window > 1 and sinks + window + threshold_for(window, stride, ratio) > budget:
+            window -= 1
+        return sinks, window, threshold_for(window, stride, ratio), stride
+    guess = max(1, round((budget - sinks) / (1.5 + ratio / 2)))
+    candidates = range(max(1, guess - 6), guess + 7)
+    best = min(
+        candidates,
+        key=lambda w: (abs(steady_sizes(sinks, w, threshold_for(w, stride, ratio), stride)[0] - budget), w),
+    )
+    return sinks, best, threshold_for(best, stride, ratio), stride
