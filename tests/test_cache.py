@@ -19,6 +19,8 @@ EVICTING = {
     "snapkv": {"budget": 12, "window": 4},
     "random": {"budget": 12},
     "knorm": {"budget": 12},
+    "buzz": {"budget": 12, "budget_kind": "peak"},
+    "buzz-logn": {"budget": 12, "budget_kind": "peak", "log_n": True},
 }
 
 

@@ -18,6 +18,7 @@ NO_EVICTION = {
     "snapkv": {"ratio": 1.0},
     "random": {"budget": 512},
     "knorm": {"budget": 512},
+    "buzz": {"budget": 512},
 }
 
 

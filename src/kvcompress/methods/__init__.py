@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvcompress.methods.base import MethodConfig
+from kvcompress.methods.buzz import BuzzConfig
 from kvcompress.methods.full import FullConfig
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.knorm import KnormConfig
@@ -27,6 +28,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         SnapKVConfig,
         RandomConfig,
         KnormConfig,
+        BuzzConfig,
     )
 }
 
