@@ -240,6 +240,7 @@ class CompressedCache(Cache):
         layer_class = config.layer_class()
         super().__init__(layers=[layer_class(config.policy(i), inv_freq) for i in range(layers)])
         self.config = config
+        config.connect(self.compressed_layers)
 
     @property
     def compressed_layers(self) -> list[CompressedLayer]:

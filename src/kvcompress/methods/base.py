@@ -115,6 +115,9 @@ class MethodConfig:
     def policy(self, layer_idx: int) -> Policy:
         return self.policy_class(self, layer_idx)
 
+    def connect(self, layers: list[CompressedLayer]) -> None:
+        """Called once with all the cache's layers, for methods whose layers read each other (PoD)."""
+
 
 def check_budget(budget: object, name: str = "budget") -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
