@@ -19,6 +19,11 @@ NO_EVICTION = {
     "random": {"budget": 512},
     "knorm": {"budget": 512},
     "buzz": {"budget": 512},
+    "nacl": {"ratio": 1.0},
+    "h2o_oneshot": {"ratio": 1.0},
+    "tova_oneshot": {"ratio": 1.0},
+    "scissorhands_oneshot": {"ratio": 1.0},
+    "streaming_oneshot": {"ratio": 1.0},
 }
 
 

@@ -8,12 +8,17 @@ from kvcompress.methods.base import MethodConfig
 from kvcompress.methods.buzz import BuzzConfig
 from kvcompress.methods.full import FullConfig
 from kvcompress.methods.h2o import H2OConfig
+from kvcompress.methods.h2o_oneshot import OneShotH2OConfig
 from kvcompress.methods.knorm import KnormConfig
+from kvcompress.methods.nacl import NaClConfig
 from kvcompress.methods.random import RandomConfig
 from kvcompress.methods.scissorhands import ScissorhandsConfig
+from kvcompress.methods.scissorhands_oneshot import OneShotScissorhandsConfig
 from kvcompress.methods.snapkv import SnapKVConfig
 from kvcompress.methods.streaming import StreamingConfig
+from kvcompress.methods.streaming_oneshot import OneShotStreamingConfig
 from kvcompress.methods.tova import TOVAConfig
+from kvcompress.methods.tova_oneshot import OneShotTOVAConfig
 from kvcompress.methods.window import WindowConfig
 
 METHODS: dict[str, type[MethodConfig]] = {
@@ -28,6 +33,11 @@ METHODS: dict[str, type[MethodConfig]] = {
         SnapKVConfig,
         RandomConfig,
         KnormConfig,
+        NaClConfig,
+        OneShotH2OConfig,
+        OneShotTOVAConfig,
+        OneShotScissorhandsConfig,
+        OneShotStreamingConfig,
         BuzzConfig,
     )
 }

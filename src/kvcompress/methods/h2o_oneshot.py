@@ -1,0 +1,43 @@
+"""One-shot H2O: the H2O rule (Zhang et al., 2023, arXiv:2306.14048) applied once, after the prompt.
+
+The baseline NaCl compares against at the same ratio budget (NaCl §3, spec ``nacl.md`` A13): every KV head keeps
+its most recent tokens plus the tokens with the largest attention mass accumulated over *all* the prompt's queries
+(NaCl's proxy score with every prompt token as proxy), once, right after the prefill; decoding then appends. The
+mass is summed over the query heads of a KV head, as in ``h2o``. The paper's half heavy / half recent split is
+the default. The accumulated mass needs every query's softmax: it is computed exactly in query chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.methods.base import MethodConfig, keep_top
+from kvcompress.methods.h2o import H2OPolicy
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence, recent_tokens
+
+
+class OneShotH2OPolicy(H2OPolicy):
+    one_shot = True
+
+    def select(self, layer):
+        keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
+        recent = keep - (keep.double() * self.config.heavy_ratio).floor().long()
+        return keep_top(layer, layer.state["mass"], keep, recent_tokens(layer.valid, recent))
+
+
+@dataclass(frozen=True)
+class OneShotH2OConfig(MethodConfig):
+    """Heavy hitters by attention accumulated over the whole prompt + recent window, once after the prompt."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer and KV head
+    heavy_ratio: float = 0.5  # share of the kept tokens chosen by accumulated attention; the rest are recent
+
+    name = "h2o_oneshot"
+    paper = "https://arxiv.org/abs/2306.14048"
+    policy_class = OneShotH2OPolicy
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
+        if isinstance(self.heavy_ratio, bool) or not 0 <= self.heavy_ratio <= 1:
+            raise ValueError(f"heavy_ratio must be in [0, 1], got {self.heavy_ratio!r}")

@@ -1,0 +1,34 @@
+"""Shared pieces of the one-shot baselines (``*_oneshot``): a ratio-or-tokens budget per sequence.
+
+The one-shot variants of H2O, TOVA, Scissorhands and StreamingLLM compress once after the prompt, like SnapKV and
+NaCl, at the same kept count: ``max(1, floor(ratio * n))`` of a sequence's ``n`` real prompt tokens, or a fixed
+number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.methods.base import check_budget, check_ratio, ratio_budget
+
+
+def kept_per_sequence(n_real: torch.Tensor, ratio: float | None, budget: int | None) -> torch.Tensor:
+    """Tokens kept per sequence (``[B]``) from the real prompt lengths ``n_real`` (``[B]``)."""
+    if budget is not None:
+        return torch.clamp(n_real, max=budget)
+    return torch.minimum(ratio_budget(n_real, ratio), n_real)
+
+
+def recent_tokens(valid: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, H, L]``: the last ``recent[b]`` valid tokens of each sequence."""
+    from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1
+    return valid & (from_end < recent[:, None, None])
+
+
+def check_ratio_or_budget(method: str, ratio: object, budget: object) -> None:
+    if (budget is None) == (ratio is None):
+        raise ValueError(f"{method} needs exactly one of ratio (in (0, 1]) or budget (tokens, >= 1)")
+    if budget is not None:
+        check_budget(budget)
+    else:
+        check_ratio(ratio)

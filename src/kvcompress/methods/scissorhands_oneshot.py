@@ -1,0 +1,46 @@
+"""One-shot Scissorhands: the Scissorhands rule (Liu et al., 2023, arXiv:2305.17118) applied once, after the prompt.
+
+A NaCl baseline at the same ratio budget (spec ``nacl.md`` A13): each KV head counts, over the last ``history``
+prompt queries, how often a token received less than its row's average attention (rows averaged over the query
+heads of the KV head, as in ``scissorhands``), keeps the most recent quarter of the budget, and fills the rest
+with the tokens least often below average (ties to the newer token); decoding then appends without eviction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.methods.base import MethodConfig, check_int_range, keep_top
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence, recent_tokens
+from kvcompress.methods.scissorhands import ScissorhandsPolicy
+
+
+class OneShotScissorhandsPolicy(ScissorhandsPolicy):
+    one_shot = True
+
+    def select(self, layer):
+        keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
+        recent = (keep.double() * self.config.recent_share).floor().long()
+        low_count = layer.state["low"].sum(dim=-1).double()
+        newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): ties go to newer tokens
+        return keep_top(layer, newer_first - low_count, keep, recent_tokens(layer.valid, recent))
+
+
+@dataclass(frozen=True)
+class OneShotScissorhandsConfig(MethodConfig):
+    """Evict the prompt tokens most often below average attention in the last queries, once after the prompt."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer and KV head
+    history: int = 256  # last prompt queries whose rows are counted
+    recent_share: float = 0.25  # share of the kept tokens that are the most recent ones
+
+    name = "scissorhands_oneshot"
+    paper = "https://arxiv.org/abs/2305.17118"
+    policy_class = OneShotScissorhandsPolicy
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
+        check_int_range(self.history, "history", 1)
+        if isinstance(self.recent_share, bool) or not 0 <= self.recent_share <= 1:
+            raise ValueError(f"recent_share must be in [0, 1], got {self.recent_share!r}")

@@ -1,0 +1,42 @@
+"""One-shot attention sink (StreamingLLM, Xiao et al., 2023, arXiv:2309.17453) applied once, after the prompt.
+
+NaCl's "Attention Sink" baseline at the same ratio budget (spec ``nacl.md`` A13): the first ``sinks`` tokens plus
+the most recent prompt tokens are kept, once, right after the prefill; decoding then appends without eviction.
+Positions are re-indexed inside the cache as in StreamingLLM (``position_mode="cache"``) unless ``original``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.methods.base import MethodConfig, check_choice, check_int_range, keep_top, sink_mask
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.streaming import StreamingPolicy
+from kvcompress.positions import POSITION_MODES
+
+
+class OneShotStreamingPolicy(StreamingPolicy):
+    one_shot = True
+
+    def select(self, layer):
+        keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
+        return keep_top(layer, layer.token_idx[:, :1], keep, sink_mask(layer, self.config.sinks))
+
+
+@dataclass(frozen=True)
+class OneShotStreamingConfig(MethodConfig):
+    """Attention sinks + the most recent prompt tokens, once after the prompt."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer, sinks included
+    sinks: int = 4  # first tokens always kept (the paper's 4 attention sinks)
+    position_mode: str = "cache"  # "cache": re-index positions inside the cache (paper); "original": keep them
+
+    name = "streaming_oneshot"
+    paper = "https://arxiv.org/abs/2309.17453"
+    policy_class = OneShotStreamingPolicy
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
+        check_int_range(self.sinks, "sinks", 0)
+        check_choice(self.position_mode, "position_mode", POSITION_MODES)

@@ -1,0 +1,38 @@
+"""One-shot TOVA / MSRNN: the TOVA rule (Oren et al., 2024, arXiv:2401.06104) applied once, after the prompt.
+
+The baseline NaCl calls MSRNN, at the same ratio budget (spec ``nacl.md`` A13): the layer keeps the prompt tokens
+that receive the most attention from the last prompt token (NaCl's proxy score with the current token as the only
+proxy), averaged over all heads of the layer as in TOVA, so every head keeps the same tokens; decoding then
+appends without eviction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.methods.base import MethodConfig, keep_top
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.tova import TOVAPolicy
+
+
+class OneShotTOVAPolicy(TOVAPolicy):
+    one_shot = True
+
+    def select(self, layer):
+        keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
+        return keep_top(layer, layer.state["attention"][:, :1], keep)
+
+
+@dataclass(frozen=True)
+class OneShotTOVAConfig(MethodConfig):
+    """Top tokens by the last prompt token's attention, averaged over heads, once after the prompt."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer
+
+    name = "tova_oneshot"
+    paper = "https://arxiv.org/abs/2401.06104"
+    policy_class = OneShotTOVAPolicy
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
