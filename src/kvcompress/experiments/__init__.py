@@ -1,0 +1,1 @@
+"""Experiment scripts behind the result documents in docs/results (run with python -m)."""
