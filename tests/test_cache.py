@@ -7,6 +7,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import prefill, stream_nll
+from kvcompress.methods.snapkv import SnapKVConfig
 from tests.helpers import cache_logits
 
 EVICTING = {
@@ -29,6 +30,7 @@ EVICTING = {
     "tova_oneshot": {"budget": 12},
     "scissorhands_oneshot": {"budget": 12, "history": 8},
     "streaming_oneshot": {"budget": 12},
+    "pod-snapkv": {"block_size": 2, "n_sink": 2, "n_recent": 4, "base": SnapKVConfig(budget=12, window=4)},
 }
 
 

@@ -24,6 +24,7 @@ NO_EVICTION = {
     "tova_oneshot": {"ratio": 1.0},
     "scissorhands_oneshot": {"ratio": 1.0},
     "streaming_oneshot": {"ratio": 1.0},
+    "pod": {"block_size": 2, "n_recent": 512},
 }
 
 

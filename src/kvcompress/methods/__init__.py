@@ -11,6 +11,7 @@ from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.h2o_oneshot import OneShotH2OConfig
 from kvcompress.methods.knorm import KnormConfig
 from kvcompress.methods.nacl import NaClConfig
+from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.random import RandomConfig
 from kvcompress.methods.scissorhands import ScissorhandsConfig
 from kvcompress.methods.scissorhands_oneshot import OneShotScissorhandsConfig
@@ -39,6 +40,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         OneShotScissorhandsConfig,
         OneShotStreamingConfig,
         BuzzConfig,
+        PoDConfig,
     )
 }
 
