@@ -14,6 +14,7 @@ EVICTING = {
     "window": {"budget": 12},
     "streaming": {"budget": 12, "sinks": 4},
     "streaming-original": {"budget": 12, "sinks": 4, "position_mode": "original"},
+    "cascade": {"budget": 12, "sinks": 4, "cascades": 4},
     "h2o": {"budget": 12},
     "tova": {"budget": 12},
     "scissorhands": {"budget": 12, "history": 8},

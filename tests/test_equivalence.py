@@ -12,6 +12,7 @@ NO_EVICTION = {
     "full": {},
     "window": {"budget": 512},
     "streaming": {"budget": 512},
+    "cascade": {"budget": 516},
     "h2o": {"budget": 512},
     "tova": {"budget": 512},
     "scissorhands": {"budget": 512},

@@ -6,6 +6,7 @@ import dataclasses
 
 from kvcompress.methods.base import MethodConfig
 from kvcompress.methods.buzz import BuzzConfig
+from kvcompress.methods.cascade import CascadeConfig
 from kvcompress.methods.full import FullConfig
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.h2o_oneshot import OneShotH2OConfig
@@ -28,6 +29,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         FullConfig,
         WindowConfig,
         StreamingConfig,
+        CascadeConfig,
         H2OConfig,
         TOVAConfig,
         ScissorhandsConfig,
