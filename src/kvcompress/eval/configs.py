@@ -1,0 +1,130 @@
+"""Method configurations to evaluate: parsing ``"name:key=value,..."`` strings and crossing them with budgets.
+
+A method is given as ``"h2o"`` or ``"h2o:heavy_ratio=0.25"``. Budgets are integers (tokens kept per layer and KV
+head, the method's ``budget=``) or, for methods that have a ``ratio`` parameter (SnapKV), floats in ``(0, 1)``
+(a fraction of the prompt). A method without a ``budget`` parameter (``full``) is run once, whatever the
+budgets; a method whose parameters already fix ``budget`` or ``ratio`` is not crossed with the budgets either.
+A float budget is skipped for methods without ``ratio`` (it has no meaning for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcompress.methods import METHODS, make_config
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One cache configuration of a run: a registry method, its extra parameters and the budget (or ratio)."""
+
+    method: str
+    params: tuple[tuple[str, object], ...] = ()  # extra parameters, sorted by name (budget/ratio excluded)
+    budget: int | float | None = None  # tokens kept (int), prompt fraction (float < 1) or None (no budget)
+
+    @property
+    def param_dict(self) -> dict[str, object]:
+        return dict(self.params)
+
+    def cache_params(self) -> dict[str, object]:
+        """Keyword arguments for ``kvcompress.cache_for(model, self.method, **...)``."""
+        params = self.param_dict
+        if isinstance(self.budget, float):
+            params["ratio"] = self.budget
+        elif self.budget is not None:
+            params["budget"] = self.budget
+        return params
+
+    @property
+    def label(self) -> str:
+        """Method name with its extra parameters, e.g. ``h2o(heavy_ratio=0.25)`` (the budget is not in it)."""
+        return method_label(self.method, self.param_dict)
+
+    def key(self) -> str:
+        """A canonical string identifying this configuration (method, parameters and budget)."""
+        return json.dumps([self.method, self.param_dict, self.budget], sort_keys=True)
+
+
+def method_label(method: str, params: dict[str, object]) -> str:
+    if not params:
+        return method
+    return method + "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+
+
+def _parse_value(text: str) -> object:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, object]]:
+    """``"h2o:heavy_ratio=0.25,budget=64"`` -> ``("h2o", {"heavy_ratio": 0.25, "budget": 64})``."""
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    if name not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(sorted(METHODS))}; got {name!r} (in {spec!r})")
+    params: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"method parameters must be key=value pairs separated by commas; got {item!r} in {spec!r}")
+        params[key.strip()] = _parse_value(value.strip())
+    return name, params
+
+
+def parse_budget(value: str | int | float) -> int | float:
+    """An int >= 1 (tokens) or a float in (0, 1) (a prompt ratio); ``"0.1"`` and ``"128"`` are accepted."""
+    if isinstance(value, str):
+        value = _parse_value(value.strip())  # type: ignore[assignment]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"budget must be an integer >= 1 or a ratio in (0, 1); got {value!r}")
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        value = int(value)
+    if isinstance(value, int) and value >= 1:
+        return value
+    if isinstance(value, float) and 0 < value < 1:
+        return value
+    raise ValueError(f"budget must be an integer >= 1 or a ratio in (0, 1); got {value!r}")
+
+
+def _fields(method: str) -> set[str]:
+    return {field.name for field in dataclasses.fields(METHODS[method])}
+
+
+def expand_configs(methods: Sequence[str], budgets: Sequence[int | float | str]) -> list[EvalConfig]:
+    """Cross method strings with budgets into validated ``EvalConfig``s, in the order given.
+
+    Each config is checked by building the method config once, so a bad parameter fails before any model work.
+    """
+    parsed_budgets = [parse_budget(b) for b in budgets]
+    configs: list[EvalConfig] = []
+    for spec in methods:
+        name, params = parse_method(spec)
+        fields = _fields(name)
+        fixed = {"budget", "ratio"} & set(params)
+        if fixed or not ({"budget", "ratio"} & fields) or not parsed_budgets:
+            budget = params.pop("budget", None)
+            if budget is None and "ratio" in params:
+                budget = float(params.pop("ratio"))  # type: ignore[arg-type]
+            candidates: list[int | float | None] = [budget]
+        else:
+            candidates = [
+                b for b in parsed_budgets if ("ratio" in fields if isinstance(b, float) else "budget" in fields)
+            ]
+        for budget in candidates:
+            config = EvalConfig(name, tuple(sorted(params.items())), budget)
+            make_config(name, **config.cache_params())  # raises ValueError naming the bad parameter
+            if config not in configs:
+                configs.append(config)
+    return configs

@@ -1,0 +1,243 @@
+"""Turn evaluation JSONL files into markdown tables and PNG plots.
+
+    python -m kvcompress.eval.report docs/results/runs/baselines --out docs/results/baselines/report
+
+``write_report(run_dir, out_prefix)`` reads every ``*.jsonl`` under ``run_dir`` (or one file) and writes
+``<out_prefix>.md`` plus ``<out_prefix>-<task>[-<mode>]-<plot>.png`` beside it. For every task and mode it gives,
+per metric, a table of the mean score per method (rows) and budget (columns) with ``± standard error`` of the
+mean over samples and the sample count; then the stored KV cache (tokens per layer and MiB) and the time per
+sample. ``niah`` also gets a per-subtask table. Plots: score against budget per method (the full cache as a
+horizontal line) and, for ``stream-ppl``, perplexity along the stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcompress.eval.runner import read_rows
+
+LOWER_IS_BETTER = {"ppl", "nll"}
+
+
+def load_results(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(results, environments)`` rows of every JSONL file under ``run_dir`` (or of that one file)."""
+    path = Path(run_dir)
+    files = [path] if path.is_file() else sorted(path.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no .jsonl results in {str(path)!r}")
+    rows = [row for file in files for row in read_rows(file)]
+    results = [r for r in rows if r.get("kind", "result") == "result"]
+    environments = [r for r in rows if r.get("kind") == "environment"]
+    return results, environments
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and standard error of the mean (sample std / sqrt(n)); ``None`` for one value."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(variance / n)
+
+
+def budget_sort_key(budget: Any) -> tuple[int, float]:
+    if budget is None:
+        return (0, 0.0)
+    return (1, float(budget)) if isinstance(budget, float) and budget < 1 else (2, float(budget))
+
+
+def budget_name(budget: Any) -> str:
+    if budget is None:
+        return "no limit"
+    if isinstance(budget, float) and budget < 1:
+        return f"ratio {budget:g}"
+    return str(budget)
+
+
+def _format(mean: float, se: float | None, n: int, digits: int) -> str:
+    text = f"{mean:.{digits}f}"
+    if se is not None:
+        text += f" ± {se:.{digits}f}"
+    return f"{text} ({n})"
+
+
+def _digits(metric: str, values: Iterable[float]) -> int:
+    largest = max((abs(v) for v in values), default=0.0)
+    if metric in LOWER_IS_BETTER:
+        return 2 if largest < 100 else 1
+    return 3 if largest <= 1 else 2
+
+
+def group_rows(results: list[dict[str, Any]]) -> dict[tuple[str, str | None], list[dict[str, Any]]]:
+    """Results by ``(task, mode)``, in first-seen order."""
+    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = defaultdict(list)
+    for row in results:
+        groups[(row["task"], row.get("mode"))].append(row)
+    return dict(groups)
+
+
+def metric_names(rows: list[dict[str, Any]]) -> list[str]:
+    """Metrics of a group: the task's declared order when the task is known, else the scores' own order."""
+    from kvcompress.eval.tasks import TASKS
+
+    seen = list(dict.fromkeys(name for row in rows for name in row["scores"]))
+    task = TASKS.get(rows[0]["task"])
+    if task is not None and task.metrics:
+        ordered = [m for m in task.metrics if m in seen]
+        return ordered + [m for m in seen if m not in ordered]
+    return seen
+
+
+def _cells(rows, value) -> tuple[list[str], list[Any], dict[tuple[str, Any], list[float]]]:
+    labels = list(dict.fromkeys(row.get("label", row["method"]) for row in rows))
+    budgets = sorted({row["budget"] for row in rows}, key=budget_sort_key)
+    cells: dict[tuple[str, Any], list[float]] = defaultdict(list)
+    for row in rows:
+        v = value(row)
+        if v is not None:
+            cells[(row.get("label", row["method"]), row["budget"])].append(v)
+    return labels, budgets, cells
+
+
+def table(rows: list[dict[str, Any]], value, digits: int | None = None, metric: str = "", errors: bool = True) -> str:
+    """Markdown table: one line per method label, one column per budget, ``mean ± se (n)`` in each cell
+    (``mean (n)`` without ``errors``)."""
+    labels, budgets, cells = _cells(rows, value)
+    if digits is None:
+        digits = _digits(metric, [v for values in cells.values() for v in values])
+    lines = [
+        "| method | " + " | ".join(budget_name(b) for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    for label in labels:
+        entries = []
+        for budget in budgets:
+            values = cells.get((label, budget))
+            if not values:
+                entries.append("")
+                continue
+            mean, se = mean_se(values)
+            entries.append(_format(mean, se if errors else None, len(values), digits))
+        lines.append(f"| {label} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+def _stored_tokens(row: dict[str, Any]) -> float | None:
+    stored = row.get("tokens_stored")
+    return float(max(stored)) if stored else None
+
+
+def _title(task: str, mode: str | None) -> str:
+    return task if mode is None else f"{task} ({mode})"
+
+
+def _machine(environments: list[dict[str, Any]]) -> str:
+    if not environments:
+        return "unknown machine"
+    env = environments[-1]
+    threads = env.get("torch_threads")
+    return (
+        f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} cores, {threads} torch thread{'s' if threads != 1 else ''}"
+    )
+
+
+def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[str], plots: bool = True) -> Path:
+    """Write ``<out_prefix>.md`` (tables) and PNG plots from the results in ``run_dir``; return the markdown path."""
+    from kvcompress.eval import plots as plotting
+
+    results, environments = load_results(run_dir)
+    if not results:
+        raise ValueError(f"no result rows in {str(run_dir)!r}")
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    models = sorted({row.get("model", "?") for row in results})
+    machine = _machine(environments)
+    lines = [
+        f"# Evaluation report: {', '.join(models)}",
+        "",
+        f"Results from `{run_dir}`; machine: {machine}. Cells: mean ± standard error over samples (sample count).",
+        "Budgets are tokens kept per layer and KV head; `no limit` is a method without a budget (the full cache).",
+        "",
+    ]
+    for (task, mode), rows in group_rows(results).items():
+        lines += [f"## {_title(task, mode)}", ""]
+        params = rows[0].get("task_params") or {}
+        if params:
+            shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
+            lines += [f"Task parameters: {shown}; seed {rows[0].get('seed')}.", ""]
+        metrics = metric_names(rows)
+        for metric in metrics:
+            arrow = "lower is better" if metric in LOWER_IS_BETTER else "higher is better"
+            lines += [
+                f"**{metric}** ({arrow})",
+                "",
+                table(rows, lambda r, m=metric: r["scores"].get(m), metric=metric),
+                "",
+            ]
+        subtasks = list(dict.fromkeys(r["info"]["subtask"] for r in rows if "subtask" in (r.get("info") or {})))
+        if len(subtasks) > 1:
+            lines += [f"**{metrics[0]} by subtask**", "", subtask_table(rows, metrics[0], subtasks), ""]
+        lines += [
+            "**stored KV tokens per layer** (largest layer, at the end of each sample)",
+            "",
+            table(rows, _stored_tokens, digits=0, errors=False),
+            "",
+            "**stored KV MiB** (keys and values, all layers)",
+            "",
+            table(rows, lambda r: r["kv_bytes"] / 2**20 if "kv_bytes" in r else None, digits=2, errors=False),
+            "",
+            "**seconds per sample** (wall time on a shared machine: indicative only)",
+            "",
+            table(rows, lambda r: r.get("time_s"), digits=1, errors=False),
+            "",
+        ]
+        if plots:
+            title = f"{_title(task, mode)} — {', '.join(models)} — {machine}"
+            stem = f"{out_prefix.name}-{task}" + (f"-{mode}" if mode else "")
+            for path in plotting.plot_group(rows, metrics[0], out_prefix.parent / stem, title):
+                lines += [f"![{path.stem}]({path.name})", ""]
+    path = out_prefix.with_suffix(".md")
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def subtask_table(rows: list[dict[str, Any]], metric: str, subtasks: list[str]) -> str:
+    """Markdown table of the mean ``metric`` per method and budget (rows) and subtask (columns)."""
+    cells: dict[tuple[str, Any, str], list[float]] = defaultdict(list)
+    keys: dict[tuple[str, Any], None] = {}
+    for row in rows:
+        key = (row.get("label", row["method"]), row["budget"])
+        keys[key] = None
+        cells[(*key, row["info"]["subtask"])].append(row["scores"][metric])
+    labels = list(dict.fromkeys(label for label, _ in keys))
+    ordered = sorted(keys, key=lambda k: (labels.index(k[0]), budget_sort_key(k[1])))
+    lines = ["| method | budget | " + " | ".join(subtasks) + " |", "|---|---|" + "---|" * len(subtasks)]
+    for label, budget in ordered:
+        entries = []
+        for sub in subtasks:
+            values = cells.get((label, budget, sub))
+            entries.append(f"{sum(values) / len(values):.2f} ({len(values)})" if values else "")
+        lines.append(f"| {label} | {budget_name(budget)} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.eval.report", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", help="folder of .jsonl results (or one .jsonl file)")
+    parser.add_argument("--out", required=True, help="output prefix: writes PREFIX.md and PREFIX-*.png")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    print(write_report(args.run_dir, args.out, plots=not args.no_plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Lost-in-the-middle multi-document QA (Liu et al., 2023, arXiv:2307.03172) with synthetic facts.
+
+Each prompt holds ``documents`` short documents in LITM's format ("Document [i](Title: ...) text"): excerpts of
+the Paul Graham essays, each carrying one synthetic fact "The code word of the {team} team is {word}." about a
+different team. The question asks for one team's code word; the document holding it sits at a chosen position
+(``position``, 0-based; ``None``: sample ``i`` uses position ``i mod documents``, so positions are covered
+evenly). No offline QA set exists, hence synthetic facts in real text; the other nine documents are
+distractors of the same form, as LITM's retrieved-but-wrong passages are.
+
+Score: LITM's ``best_subspan_em``: 1 if the normalised answer (lower case, no punctuation, articles or extra
+spaces) is a substring of the normalised prediction. Chance is about 1 / ``documents`` for a model that picks a
+code word from the prompt at random.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+
+from kvcompress.eval.data import essays
+from kvcompress.eval.tasks.base import Result, Sample, Task, check_positive_int
+from kvcompress.eval.tasks.prompting import MODES, answer, sentences, split_prompt, take_sentences
+
+TEAMS = (
+    "red blue green yellow orange purple silver golden black white north south east west river mountain "
+    "forest desert harbor valley"
+).split()
+WORDS = (
+    "apricot bramble cobalt dynamo ember falcon garnet hickory indigo juniper kestrel lantern marble nutmeg "
+    "obsidian pepper quartz raven saffron thistle umber velvet willow xenon yarrow zephyr"
+).split()
+INSTRUCTION = (
+    "Write a high-quality answer for the given question using only the provided search results "
+    "(some of which might be irrelevant)."
+)
+FACT = "The code word of the {team} team is {word}."
+QUESTION = "Question: What is the code word of the {team} team?"
+ANSWER_PREFIX = "Answer: The code word of the {team} team is"
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD / LITM normalisation: lower case, drop punctuation and articles, collapse white space."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def best_subspan_em(prediction: str, answers: list[str]) -> float:
+    """1.0 if any normalised answer is a substring of the normalised prediction (LITM's metric)."""
+    normalized = normalize_answer(prediction)
+    return float(any(normalize_answer(a) in normalized for a in answers))
+
+
+class DocQATask(Task):
+    name = "docqa"
+    metrics = ("accuracy",)
+    description = "10 documents, one holds the answer at a chosen position; exact match"
+    defaults = {
+        "documents": 10,
+        "doc_tokens": 90,  # essay tokens per document (about 1K tokens of prompt for 10 documents)
+        "position": None,
+        "chunk_size": 64,
+        "max_new_tokens": 8,
+        "modes": ("aware",),
+        "corpus": None,
+        "data": None,
+    }
+
+    @property
+    def modes(self):
+        return tuple(self.params["modes"])
+
+    def validate(self) -> None:
+        check_positive_int(self.params["documents"], "documents", 2)
+        if self.params["documents"] > len(TEAMS):
+            raise ValueError(f"documents must be at most {len(TEAMS)}, got {self.params['documents']}")
+        check_positive_int(self.params["doc_tokens"], "doc_tokens", 8)
+        check_positive_int(self.params["chunk_size"], "chunk_size")
+        check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
+        position = self.params["position"]
+        if position is not None:
+            check_positive_int(position, "position", 0)
+            if position >= self.params["documents"]:
+                raise ValueError(f"position must be in [0, documents - 1], got {position}")
+        for mode in self.params["modes"]:
+            if mode not in MODES:
+                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
+
+    def build_samples(self, count: int) -> list[Sample]:
+        docs = essays(self.params["corpus"], self.params["data"])
+        rng = random.Random(self.seed)
+        n = self.params["documents"]
+        samples = []
+        for i in range(count):
+            position = self.params["position"]
+            if position is None:
+                position = i % n
+            teams, words = rng.sample(TEAMS, n), rng.sample(WORDS, n)
+            chosen = rng.sample(docs, n) if len(docs) >= n else rng.choices(docs, k=n)
+            blocks = []
+            for j, (doc, team, word) in enumerate(zip(chosen, teams, words, strict=True)):
+                pieces = sentences(doc.text)
+                excerpt = take_sentences(self.tokenizer, pieces, self.params["doc_tokens"], rng.randrange(len(pieces)))
+                excerpt.insert(rng.randint(0, len(excerpt)), FACT.format(team=team, word=word))
+                title = doc.name.replace("_", " ").title()
+                blocks.append(f"Document [{j + 1}](Title: {title}) {' '.join(excerpt)}")
+            target = teams[position]
+            context = INSTRUCTION + "\n\n" + "\n".join(blocks)
+            context_ids, question_ids = split_prompt(
+                self.tokenizer, context, QUESTION.format(team=target), ANSWER_PREFIX.format(team=target)
+            )
+            samples.append(
+                Sample(
+                    id=f"docqa-{i:03d}",
+                    inputs={"context_ids": context_ids, "question_ids": question_ids, "answer": words[position]},
+                    info={
+                        "position": position,
+                        "answer": words[position],
+                        "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
+                    },
+                )
+            )
+        return samples
+
+    def evaluate(self, sample, config, cache, mode):
+        text = answer(
+            self.model,
+            self.tokenizer,
+            sample.inputs["context_ids"],
+            sample.inputs["question_ids"],
+            cache,
+            mode,
+            self.params["chunk_size"],
+            self.params["max_new_tokens"],
+        )
+        return Result(scores={"accuracy": best_subspan_em(text, [sample.inputs["answer"]])}, extra={"prediction": text})

@@ -1,0 +1,110 @@
+"""Summary fidelity: ROUGE of each method's summary of a passage against the full-cache summary of it.
+
+No reference summaries exist offline, so the reference is what the model writes with its full cache: the score
+measures how much compression changes the output, not summary quality (the full cache scores 1 by definition).
+Sample ``i`` is a passage of about ``length`` tokens of consecutive sentences from essay ``i mod (number of
+essays)``, at a seeded offset. The prompt asks for a three-sentence summary; ``max_new_tokens`` tokens are
+decoded greedily. Scores: ROUGE-1, ROUGE-2 and ROUGE-L F-measures from ``rouge-score`` (Porter stemming).
+The full-cache summary is generated once per sample and mode and shared by every configuration.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvcompress.eval.configs import EvalConfig
+from kvcompress.eval.data import essays
+from kvcompress.eval.tasks.base import Result, Sample, Task, check_positive_int
+from kvcompress.eval.tasks.prompting import MODES, answer, sentences, split_prompt, take_sentences
+
+QUESTION = "Summarize the text above in three sentences."
+ANSWER_PREFIX = ""
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+
+
+def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-1/2/L F-measures of ``prediction`` against ``reference`` (``rouge-score``, stemmed).
+
+    Identical texts score 1 on every measure, also when too short for bigrams (where ROUGE itself gives 0).
+    """
+    from rouge_score import rouge_scorer
+
+    if prediction.strip() == reference.strip():
+        return dict.fromkeys(ROUGE_TYPES, 1.0)
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    scores = scorer.score(reference, prediction)
+    return {name: scores[name].fmeasure for name in ROUGE_TYPES}
+
+
+class SummaryTask(Task):
+    name = "summary"
+    metrics = ROUGE_TYPES
+    description = "ROUGE of each summary against the full-cache summary"
+    defaults = {
+        "length": 1024,
+        "chunk_size": 64,
+        "max_new_tokens": 64,
+        "modes": ("aware",),
+        "corpus": None,
+        "data": None,
+    }
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._references: dict[tuple[str, str | None], str] = {}
+
+    @property
+    def modes(self):
+        return tuple(self.params["modes"])
+
+    def validate(self) -> None:
+        check_positive_int(self.params["length"], "length", 32)
+        check_positive_int(self.params["chunk_size"], "chunk_size")
+        check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
+        for mode in self.params["modes"]:
+            if mode not in MODES:
+                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
+
+    def build_samples(self, count: int) -> list[Sample]:
+        docs = essays(self.params["corpus"], self.params["data"])
+        rng = random.Random(self.seed)
+        samples = []
+        for i in range(count):
+            doc = docs[i % len(docs)]
+            pieces = sentences(doc.text)
+            passage = take_sentences(self.tokenizer, pieces, self.params["length"] - 60, rng.randrange(len(pieces)))
+            context_ids, question_ids = split_prompt(self.tokenizer, " ".join(passage), QUESTION, ANSWER_PREFIX)
+            samples.append(
+                Sample(
+                    id=f"summary-{i:03d}",
+                    inputs={"context_ids": context_ids, "question_ids": question_ids},
+                    info={"essay": doc.name, "prompt_tokens": context_ids.shape[1] + question_ids.shape[1]},
+                )
+            )
+        return samples
+
+    def _summarize(self, sample: Sample, cache, mode) -> str:
+        return answer(
+            self.model,
+            self.tokenizer,
+            sample.inputs["context_ids"],
+            sample.inputs["question_ids"],
+            cache,
+            mode,
+            self.params["chunk_size"],
+            self.params["max_new_tokens"],
+        )
+
+    def reference(self, sample: Sample, mode: str | None) -> str:
+        """The full-cache summary of ``sample`` (generated once, then shared by every configuration)."""
+        key = (sample.id, mode)
+        if key not in self._references:
+            self._references[key] = self._summarize(sample, self.new_cache(EvalConfig("full")), mode)
+        return self._references[key]
+
+    def evaluate(self, sample, config, cache, mode):
+        text = self._summarize(sample, cache, mode)
+        if config.method == "full" and not config.params and (sample.id, mode) not in self._references:
+            self._references[(sample.id, mode)] = text
+        reference = self.reference(sample, mode)
+        return Result(scores=rouge_scores(text, reference), extra={"prediction": text})
