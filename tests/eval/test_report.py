@@ -85,3 +85,14 @@ def test_running_ppl_pools_streams_and_accumulates():
     xs, ys = running_ppl(rows)
     assert xs == [2, 4]
     assert ys == pytest.approx([math.exp(2.0), math.exp(2.0)])
+
+
+def test_rows_with_other_task_parameters_are_not_averaged_together(tmp_path):
+    short = [_row("window", 64, "s0", accuracy=1.0)]
+    long = [_row("window", 64, "s0", accuracy=0.0)]
+    long[0]["task_params"] = {"length": 4096}
+    _write(tmp_path / "passkey.jsonl", short + long)
+    md = write_report(tmp_path, tmp_path / "r", plots=False).read_text()
+    assert "## passkey (aware)\n" in md and "## passkey (aware) [parameter set 2]" in md
+    assert "| window | 1.000 (1) |" in md and "| window | 0.000 (1) |" in md
+    assert "0.500" not in md

@@ -13,6 +13,7 @@ horizontal line) and, for ``stream-ppl``, perplexity along the stream.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -76,11 +77,13 @@ def _digits(metric: str, values: Iterable[float]) -> int:
     return 3 if largest <= 1 else 2
 
 
-def group_rows(results: list[dict[str, Any]]) -> dict[tuple[str, str | None], list[dict[str, Any]]]:
-    """Results by ``(task, mode)``, in first-seen order."""
-    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = defaultdict(list)
+def group_rows(results: list[dict[str, Any]]) -> dict[tuple[str, str | None, str], list[dict[str, Any]]]:
+    """Results by ``(task, mode, task parameters as JSON)``, in first-seen order: rows run with other task
+    parameters (another context length, chunk size, ...) are never averaged together."""
+    groups: dict[tuple[str, str | None, str], list[dict[str, Any]]] = defaultdict(list)
     for row in results:
-        groups[(row["task"], row.get("mode"))].append(row)
+        params = json.dumps(row.get("task_params") or {}, sort_keys=True)
+        groups[(row["task"], row.get("mode"), params)].append(row)
     return dict(groups)
 
 
@@ -167,8 +170,13 @@ def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[
         "Budgets are tokens kept per layer and KV head; `no limit` is a method without a budget (the full cache).",
         "",
     ]
-    for (task, mode), rows in group_rows(results).items():
-        lines += [f"## {_title(task, mode)}", ""]
+    groups = group_rows(results)
+    variants: dict[tuple[str, str | None], int] = defaultdict(int)
+    for (task, mode, _params), rows in groups.items():
+        variants[(task, mode)] += 1
+        variant = variants[(task, mode)]
+        heading = _title(task, mode) + (f" [parameter set {variant}]" if variant > 1 else "")
+        lines += [f"## {heading}", ""]
         params = rows[0].get("task_params") or {}
         if params:
             shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
@@ -200,8 +208,8 @@ def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[
             "",
         ]
         if plots:
-            title = f"{_title(task, mode)} — {', '.join(models)} — {machine}"
-            stem = f"{out_prefix.name}-{task}" + (f"-{mode}" if mode else "")
+            title = f"{heading} — {', '.join(models)} — {machine}"
+            stem = f"{out_prefix.name}-{task}" + (f"-{mode}" if mode else "") + (f"-{variant}" if variant > 1 else "")
             for path in plotting.plot_group(rows, metrics[0], out_prefix.parent / stem, title):
                 lines += [f"![{path.stem}]({path.name})", ""]
     path = out_prefix.with_suffix(".md")
