@@ -108,10 +108,12 @@ def adapt(
     pod: PoDConfig | None,
     config: AdaptConfig,
     out: str | os.PathLike[str],
-) -> Path:
+    stop_after: int | None = None,
+) -> Path | None:
     """Train ``model`` in place on ``windows`` ``[N, length]`` with PoD attention (``pod``) or dense (``None``).
 
-    Resumes from ``out/checkpoint.pt`` when present. Returns the path of ``out/final.pt``.
+    Resumes from ``out/checkpoint.pt`` when present; ``stop_after`` ends this call (with a checkpoint) after that
+    many steps, to split a run across sessions. Returns the path of ``out/final.pt`` (``None`` if stopped early).
     """
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,8 @@ def adapt(
     )
     model.train()
     log = (out / "log.jsonl").open("a")
-    while step < config.steps:
+    first = step
+    while step < config.steps and (stop_after is None or step - first < stop_after):
         started = time.perf_counter()
         lr = lr_at(step, config)
         for group in optimizer.param_groups:
@@ -160,7 +163,8 @@ def adapt(
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
-        if step % config.save_every == 0 or step == config.steps:
+        last = step == config.steps or (stop_after is not None and step - first == stop_after)
+        if step % config.save_every == 0 or last:
             _save(
                 checkpoint_path,
                 {
@@ -172,6 +176,8 @@ def adapt(
             )
     log.close()
     model.eval()
+    if step < config.steps:
+        return None
     final = out / "final.pt"
     _save(final, {"config": asdict(config), "params": {name: p.detach() for name, p in params.items()}})
     return final
@@ -199,8 +205,9 @@ def pod_adapt(
     query_source: str = "block_start",
     control: bool = False,
     threads: int = 1,
+    stop_after: int | None = None,
     **hyper: object,
-) -> Path:
+) -> Path | None:
     """Command-line entry as a function: load the model and data, build the PoD config (or none for the
     control), train. ``hyper`` are ``AdaptConfig`` fields."""
     from kvcompress.models import load_model
@@ -223,7 +230,7 @@ def pod_adapt(
     files = list(data) if data else default_training_files()
     windows = token_windows(tokenizer, files, config.length)
     logger.info("training on %d windows of %d tokens from %d files", len(windows), config.length, len(files))
-    return adapt(model, windows, pod, config, out)
+    return adapt(model, windows, pod, config, out, stop_after)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -239,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--query-source", choices=("block_start", "own"), default="block_start")
     parser.add_argument("--control", action="store_true", help="dense attention: the same-extra-training control")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--stop-after", type=int, default=None, help="end this call after that many steps")
     defaults = AdaptConfig()
     for name in ("steps", "batch", "length", "seed", "save_every"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
@@ -261,11 +269,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             "query_source",
             "control",
             "threads",
+            "stop_after",
         )
     }
     fixed["model_name"] = fixed.pop("model")
     path = pod_adapt(out, **fixed, **args)
-    print(f"wrote {path}")
+    print(f"wrote {path}" if path is not None else f"stopped early; rerun the same command to resume from {out}")
 
 
 if __name__ == "__main__":
