@@ -57,3 +57,24 @@ def test_generate_streaming_256_on_4000_token_prompt_stores_256_tokens(tmp_path)
     assert numbers["KV bytes, full cache"] == numbers["tokens seen (logical)"] * bytes_per_token
     text = result.output.split("streaming on smollm2-135m")[0]
     assert len(re.findall(r"[A-Za-z]{3,}", text)) >= 5  # real words came out
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["eval", "--help"], "--budgets"),
+        (["report", "--help"], "--no-plots"),
+        (["bench", "decode", "--help"], "--methods"),
+        (["train", "pod-calibrate", "--help"], "usage"),
+    ],
+)
+def test_pass_through_commands_show_their_module_help(args, expected, capsys):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0
+    assert expected in result.output + capsys.readouterr().out
+
+
+def test_unknown_benchmark_names_the_choices():
+    result = runner.invoke(app, ["bench", "nope"])
+    assert result.exit_code != 0
+    assert "cache-op, decode, prefill" in result.output

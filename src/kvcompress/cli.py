@@ -1,8 +1,15 @@
-"""The ``kvcompress`` command line: generate, methods, models (eval, report, bench and train join later)."""
+"""The ``kvcompress`` command line.
+
+``generate``, ``methods`` and ``models`` live here. ``eval``, ``report``, ``bench`` and ``train`` hand their
+arguments unchanged to the ``main(argv)`` of the module that does the work, so each option is defined once
+(``kvcompress eval --help`` prints the runner's own help).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -146,6 +153,57 @@ def models() -> None:
         )
     console.print(table)
     console.print("Any Hugging Face id (owner/model) or local path also works where the Hub is reachable.")
+
+
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+BENCHMARKS = {
+    "cache-op": "kvcompress.bench.cache_op",
+    "decode": "kvcompress.bench.decode",
+    "prefill": "kvcompress.bench.prefill",
+}
+TRAINERS = {
+    "less": "kvcompress.train.less",
+    "pod-calibrate": "kvcompress.train.pod_calibrate",
+    "pod-adapt": "kvcompress.train.pod_adapt",
+}
+
+
+def delegate(module: str, argv: list[str], prog: str) -> None:
+    """Run ``module.main(argv)`` as if it were this command, and exit with its status."""
+    sys.argv[0] = prog
+    status = importlib.import_module(module).main(argv)
+    raise typer.Exit(status or 0)
+
+
+def choose(kind: str, name: str, table: dict[str, str]) -> str:
+    if name not in table:
+        raise typer.BadParameter(f"{kind} must be one of {', '.join(table)}; got {name!r}")
+    return table[name]
+
+
+@app.command("eval", context_settings=PASS_THROUGH)
+def evaluate(ctx: typer.Context) -> None:
+    """Evaluate methods x budgets on a task into resumable JSONL (TASK --methods --budgets --samples --out ...)."""
+    delegate("kvcompress.eval.runner", ctx.args, "kvcompress eval")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def report(ctx: typer.Context) -> None:
+    """Turn a results folder into a markdown table and PNG plots (RUN_DIR --out PREFIX)."""
+    delegate("kvcompress.eval.report", ctx.args, "kvcompress report")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="cache-op | decode | prefill")]) -> None:
+    """Benchmarks: cache-op latency, decode step time vs context, prefill time and peak memory."""
+    delegate(choose("benchmark", name, BENCHMARKS), ctx.args, f"kvcompress bench {name}")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def train(ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt")]) -> None:
+    """Training steps: LESS kernels, PoD calibration and adaptation."""
+    delegate(choose("trainer", name, TRAINERS), ctx.args, f"kvcompress train {name}")
 
 
 def main() -> None:
