@@ -23,6 +23,8 @@ EVICTING = {
     "knorm": {"budget": 12},
     "buzz": {"budget": 12, "budget_kind": "peak"},
     "buzz-logn": {"budget": 12, "budget_kind": "peak", "log_n": True},
+    "less": {"budget": 12},
+    "less-lambda": {"base": "streaming", "budget": 12},
     "nacl": {"budget": 12},
     "nacl-ratio": {"ratio": 0.4},
     "nacl-shared": {"budget": 12, "head_wise": False},

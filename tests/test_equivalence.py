@@ -20,6 +20,7 @@ NO_EVICTION = {
     "random": {"budget": 512},
     "knorm": {"budget": 512},
     "buzz": {"budget": 512},
+    "less": {"budget": 512},
     "nacl": {"ratio": 1.0},
     "h2o_oneshot": {"ratio": 1.0},
     "tova_oneshot": {"ratio": 1.0},

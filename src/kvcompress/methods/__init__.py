@@ -11,6 +11,7 @@ from kvcompress.methods.full import FullConfig
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.h2o_oneshot import OneShotH2OConfig
 from kvcompress.methods.knorm import KnormConfig
+from kvcompress.methods.less import LessConfig
 from kvcompress.methods.nacl import NaClConfig
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.random import RandomConfig
@@ -42,6 +43,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         OneShotScissorhandsConfig,
         OneShotStreamingConfig,
         BuzzConfig,
+        LessConfig,
         PoDConfig,
     )
 }

@@ -1,0 +1,385 @@
+"""Experiments behind ``docs/results/less.md``: LESS against its sparse policy (Baseline), the policy with the same
+extra memory (Baseline+) and the full cache, on SmolLM2-135M and WikiText-2 test.
+
+Every table in the document comes from one of these commands (results append to a JSONL file; rows already there
+are skipped, so a run can be resumed; ``report`` turns the file into markdown tables and plots)::
+
+    python -m kvcompress.experiments.less ppl --policy h2o --budgets 24 50 102 --kernels DIR [--mode masked|decode]
+    python -m kvcompress.experiments.less training DIR [DIR ...]   # per-layer MSE, cost, kernel size
+    python -m kvcompress.experiments.less report                   # markdown tables + docs/results/less_*.png
+
+Protocol: ``--windows`` windows of ``--window`` tokens (default 16 x 512) evenly spaced over WikiText-2 test (never
+used for training), token-level perplexity of every next token of each window. Budgets are tokens per layer and KV
+head, given as shares of the 512-token window (5 / 10 / 20 % = 24 / 50 / 102 for H2O's even split; spec A4).
+Two ways to run a configuration:
+
+- ``masked``: one parallel forward per window with every layer in the masked form (``kvcompress.less_kernels``):
+  each layer simulates its base policy on its own queries and keys (generation rule) and LESS adds the evicted
+  tokens' low-rank term. This is the paper's Table 2 style evaluation.
+- ``decode``: the real compressed cache, token 0 as the prompt and every later token fed alone (Algorithm 1):
+  what ``model.generate`` does. By construction it equals ``masked`` up to float rounding, which this checks.
+
+Rows: ``full``; ``baseline`` (the policy at budget B); ``baseline+`` (B + R/2 = B + 4 tokens per KV head, the memory
+of LESS's state H); ``less`` (B + the state, kernels trained at the budget recorded in ``train_budget``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+import kvcompress
+
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "docs" / "results" / "less_results.jsonl"
+PLOTS = ROOT / "docs" / "results"
+MODEL = "smollm2-135m"
+
+
+# --- data and configurations ---------------------------------------------------------------------------------
+
+
+def wikitext_windows(tokenizer: Any, count: int, window: int) -> torch.Tensor:
+    """``count`` windows ``[count, window]`` evenly spaced over the WikiText-2 test split."""
+    from kvcompress.eval.data import wikitext_test
+
+    ids = tokenizer(wikitext_test(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    last = ids.numel() - window
+    starts = [round(i * last / max(1, count - 1)) for i in range(count)]
+    return torch.stack([ids[s : s + window] for s in starts])
+
+
+def policy_config(policy: str, budget: int):
+    """The sparse policy at ``budget``: ``h2o`` (50/50 split) or ``lambda`` (4 sinks + recent, original positions)."""
+    from kvcompress.methods.h2o import H2OConfig
+    from kvcompress.methods.streaming import StreamingConfig
+
+    if policy == "h2o":
+        return H2OConfig(budget=budget)
+    if policy == "lambda":
+        return StreamingConfig(budget=budget, sinks=4, position_mode="original")
+    raise ValueError(f"policy must be h2o or lambda, got {policy!r}")
+
+
+def row_config(variant: str, policy: str, budget: int, kernels: Any = None, rank: int = 8):
+    from kvcompress.methods.full import FullConfig
+    from kvcompress.methods.less import LessConfig, baseline_plus
+
+    base = policy_config(policy, budget)
+    if variant == "full":
+        return FullConfig()
+    if variant == "baseline":
+        return base
+    if variant == "baseline+":
+        return baseline_plus(base, rank)
+    if variant == "less":
+        return LessConfig(base=base, kernels=kernels)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+# --- scoring ---------------------------------------------------------------------------------------------------
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S-1]`` negative log-likelihood of every next token."""
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+
+
+@torch.no_grad()
+def masked_nll(model, ids: torch.Tensor, config, batch: int = 4) -> torch.Tensor:
+    from kvcompress.less_kernels import masked_forward, masked_run
+
+    layers = model.config.num_hidden_layers
+    parts = []
+    for start in range(0, ids.shape[0], batch):
+        chunk = ids[start : start + batch]
+        parts.append(_nll(masked_forward(model, chunk, masked_run(config, layers)), chunk))
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def decode_nll(model, ids: torch.Tensor, config, batch: int = 16) -> torch.Tensor:
+    parts = []
+    for start in range(0, ids.shape[0], batch):
+        chunk = ids[start : start + batch]
+        cache = kvcompress.cache_for(model, config)
+        logits = [model(chunk[:, t : t + 1], past_key_values=cache).logits for t in range(chunk.shape[1] - 1)]
+        parts.append(_nll(torch.cat(logits + [logits[-1]], dim=1), chunk))
+    return torch.cat(parts)
+
+
+def _done(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    return {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def run_ppl(
+    policy: str,
+    budgets: Sequence[int],
+    kernels: Sequence[str],
+    modes: Sequence[str],
+    variants: Sequence[str],
+    windows: int,
+    window: int,
+    out: Path,
+    allow_missing: bool = False,
+) -> None:
+    from kvcompress.less_kernels import load_kernels
+    from kvcompress.models import load_model
+
+    model, tokenizer = load_model(MODEL)
+    ids = wikitext_windows(tokenizer, windows, window)
+    done = _done(out)
+    loaded = {path: load_kernels(path, allow_missing=allow_missing) for path in kernels}
+    jobs: list[tuple[str, int, str | None]] = []
+    for budget in budgets:
+        for variant in variants:
+            if variant == "less":
+                jobs += [(variant, budget, path) for path in kernels]
+            elif variant != "full" or budget == budgets[0]:
+                jobs.append((variant, budget, None))
+    for mode in modes:
+        for variant, budget, path in jobs:
+            kernel_set = loaded.get(path) if path else None
+            train_budget = kernel_set.meta.get("base", {}).get("budget") if kernel_set else None
+            missing = kernel_set.meta.get("missing_layers", []) if kernel_set else []
+            key = json.dumps([policy, variant, budget if variant != "full" else 0, train_budget, len(missing), mode,
+                              windows, window])  # fmt: skip
+            if key in done:
+                continue
+            config = row_config(variant, policy, budget, kernel_set)
+            started = time.perf_counter()
+            nll = (masked_nll if mode == "masked" else decode_nll)(model, ids, config)
+            seconds = time.perf_counter() - started
+            after = nll[:, budget:]  # next-token losses of rows that have lost tokens (row >= budget + 1)
+            record = {
+                "key": key,
+                "model": MODEL,
+                "policy": policy,
+                "variant": variant,
+                "budget": budget if variant != "full" else None,
+                "train_budget": train_budget,
+                "kernels": path,
+                "missing_layers": missing,
+                "mode": mode,
+                "windows": windows,
+                "window": window,
+                "tokens": nll.numel(),
+                "ppl": math.exp(float(nll.mean())),
+                "ppl_after_eviction": math.exp(float(after.mean())),
+                "seconds": seconds,
+            }
+            with out.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            print(f"{policy} {variant} B={budget} train={train_budget} {mode}: ppl {record['ppl']:.4f} "
+                  f"({record['ppl_after_eviction']:.4f} after eviction) {seconds:.0f} s", flush=True)  # fmt: skip
+
+
+# --- training summary --------------------------------------------------------------------------------------------
+
+
+def training_summary(directories: Sequence[str]) -> str:
+    """Markdown: per kernel set the settings, cost and size, and the per-layer validation MSE; plus a plot."""
+    from kvcompress.less_kernels import layer_file, load_layer, read_meta
+
+    lines = []
+    curves = {}
+    for directory in directories:
+        meta = read_meta(directory)
+        records = {}
+        for i in range(meta["num_layers"]):
+            if layer_file(directory, i).is_file():
+                records[i] = load_layer(directory, i)[1]
+        if not records:
+            continue
+        train = meta["training"]
+        params = sum(
+            sum(t.numel() for t in torch.load(layer_file(directory, i), weights_only=True)["state_dict"].values())
+            for i in records
+        )
+        per_layer = [r["time_s"] for r in records.values()]
+        tokens = next(iter(records.values()))["train_tokens"]
+        lines += [
+            f"**{meta['base']['name']} at {meta['base']['budget']} tokens** (`{directory}`): "
+            f"{len(records)}/{meta['num_layers']} layers trained; {train['windows']} windows x {train['window']} "
+            f"tokens ({tokens} training tokens per layer, {train['epochs']} epochs, R = {meta['rank']}, "
+            f"R' = {meta['hidden']}); {sum(per_layer) / len(per_layer):.0f} s per layer (min {min(per_layer):.0f}, "
+            f"max {max(per_layer):.0f}; 1 thread, shared 2-core machine); {params / len(records):,.0f} parameters "
+            f"per layer, {params / len(records) * meta['num_layers'] * 2 / 2**20:.1f} MiB in fp16 for all layers.",
+            "",
+            "| layer | Baseline MSE | Baseline+ MSE | LESS MSE (best epoch) | LESS vs Baseline | LESS vs Baseline+ |",
+            "|---|---|---|---|---|---|",
+        ]
+        wins = [0, 0]
+        for i, r in records.items():
+            less, base, plus = r["best_val_mse"], r["baseline_val_mse"], r["baseline_plus_val_mse"]
+            wins[0] += less < base
+            wins[1] += less < plus
+            lines.append(
+                f"| {i} | {base:.5f} | {plus:.5f} | {less:.5f} ({r['best_epoch']}) | {less / base - 1:+.1%} | "
+                f"{less / plus - 1:+.1%} |"
+            )
+        lines += [
+            "",
+            f"LESS < Baseline in {wins[0]}/{len(records)} layers, < Baseline+ in {wins[1]}/{len(records)}.",
+            "",
+        ]
+        curves[f"{meta['base']['name']} {meta['base']['budget']}"] = records
+    if curves:
+        _plot_mse(curves, PLOTS / "less_layer_mse.png")
+    return "\n".join(lines)
+
+
+def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, records in curves.items():
+        layers = sorted(records)
+        base = [records[i]["baseline_val_mse"] for i in layers]
+        ax.plot(layers, [records[i]["baseline_plus_val_mse"] / b for i, b in zip(layers, base, strict=True)],
+                "s--", label=f"Baseline+ ({label})")  # fmt: skip
+        ax.plot(layers, [records[i]["best_val_mse"] / b for i, b in zip(layers, base, strict=True)], "o-",
+                label=f"LESS ({label})")  # fmt: skip
+    ax.axhline(1.0, color="gray", lw=1, label="Baseline")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("validation MSE / Baseline MSE")
+    ax.set_title("Attention-block output error after W_O, SmolLM2-135M")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+
+def report(path: Path = RESULTS) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for mode in ("masked", "decode"):
+        for policy in ("h2o", "lambda"):
+            chosen = [r for r in rows if r["mode"] == mode and r["policy"] == policy]
+            if not chosen:
+                continue
+            full = next((r for r in chosen if r["variant"] == "full"), None)
+            budgets = sorted({r["budget"] for r in chosen if r["budget"] is not None})
+            header = "| row | " + " | ".join(f"B = {b}" for b in budgets) + " |"
+            out += [f"**{policy}, {mode} form** (token perplexity, {chosen[0]['windows']} x {chosen[0]['window']})", ""]
+            out += [header, "|---" * (len(budgets) + 1) + "|"]
+            if full:
+                out.append("| Full cache | " + " | ".join(f"{full['ppl']:.3f}" for _ in budgets) + " |")
+            labels = [("baseline", None, "Baseline"), ("baseline+", None, "Baseline+ (+4 tokens)")]
+            trains = sorted({r["train_budget"] for r in chosen if r["variant"] == "less"})
+            labels += [("less", t, f"LESS ({t})") for t in trains]
+            for variant, train, label in labels:
+                cells = []
+                for b in budgets:
+                    match = [r for r in chosen if r["variant"] == variant and r["budget"] == b
+                             and (train is None or r["train_budget"] == train)]  # fmt: skip
+                    if match:
+                        note = "*" if match[-1]["missing_layers"] else ""
+                        cells.append(f"{match[-1]['ppl']:.3f}{note}")
+                    else:
+                        cells.append("–")
+                out.append(f"| {label} | " + " | ".join(cells) + " |")
+            out.append("")
+            if full:
+                out += _gap_lines(chosen, full, budgets)
+    return "\n".join(out)
+
+
+def _gap_lines(rows: list[dict], full: dict, budgets: list[int]) -> list[str]:
+    lines = []
+    for b in budgets:
+        get = {r["variant"]: r for r in rows if r["budget"] == b and r["variant"] != "less"}
+        for r in (r for r in rows if r["budget"] == b and r["variant"] == "less"):
+            if "baseline" not in get:
+                continue
+            base, plus, less = get["baseline"]["ppl"], get.get("baseline+", {}).get("ppl"), r["ppl"]
+            gap = (base - less) / (base - full["ppl"])
+            text = f"- B = {b}, LESS({r['train_budget']}): closes {gap:.1%} of the Baseline-to-full gap"
+            if plus is not None:
+                text += f", {(plus - less) / (plus - full['ppl']):.1%} of the Baseline+-to-full gap"
+                text += "; LESS < Baseline+ < Baseline: " + ("yes" if less < plus < base else "no")
+            lines.append(text)
+    return lines + [""] if lines else []
+
+
+def plot_ppl(path: Path = RESULTS) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["mode"] == "masked" and r["policy"] == "h2o"]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    full = next((r for r in rows if r["variant"] == "full"), None)
+    series = [("baseline", None), ("baseline+", None)]
+    series += [("less", t) for t in sorted({r["train_budget"] for r in rows if r["variant"] == "less"})]
+    for variant, train in series:
+        pts = sorted((r["budget"], r["ppl"]) for r in rows if r["variant"] == variant
+                     and (train is None or r["train_budget"] == train))  # fmt: skip
+        if pts:
+            label = {"baseline": "H2O (Baseline)", "baseline+": "H2O + 4 tokens (Baseline+)"}.get(
+                variant, f"LESS (trained at {train})"
+            )
+            ax.plot(*zip(*pts, strict=True), "o-", label=label)
+    if full:
+        ax.axhline(full["ppl"], color="gray", ls="--", label="full cache")
+    ax.set_xlabel("tokens kept per KV head (of 512)")
+    ax.set_ylabel("WikiText-2 test token perplexity")
+    ax.set_title("SmolLM2-135M, masked form")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(PLOTS / "less_ppl.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.experiments.less")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ppl = sub.add_parser("ppl", help="WikiText-2 test perplexity of full / baseline / baseline+ / less")
+    ppl.add_argument("--policy", default="h2o", choices=("h2o", "lambda"))
+    ppl.add_argument("--budgets", type=int, nargs="+", default=[24, 50, 102])
+    ppl.add_argument("--kernels", nargs="*", default=[], help="trained kernel directories (one LESS row each)")
+    ppl.add_argument("--variants", nargs="+", default=["full", "baseline", "baseline+", "less"])
+    ppl.add_argument("--mode", nargs="+", default=["masked"], choices=("masked", "decode"))
+    ppl.add_argument("--windows", type=int, default=16)
+    ppl.add_argument("--window", type=int, default=512)
+    ppl.add_argument("--allow-missing", action="store_true", help="untrained layers get psi = 0 (marked *)")
+    ppl.add_argument("--out", type=Path, default=RESULTS)
+    ppl.add_argument("--threads", type=int, default=1)
+    training = sub.add_parser("training", help="per-layer MSE, cost and size of trained kernels")
+    training.add_argument("directories", nargs="+")
+    rep = sub.add_parser("report", help="markdown tables and plots from the results file")
+    rep.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.command == "ppl":
+        torch.set_num_threads(args.threads)
+        run_ppl(args.policy, args.budgets, args.kernels, args.mode, args.variants, args.windows, args.window,
+                args.out, args.allow_missing)  # fmt: skip
+    elif args.command == "training":
+        print(training_summary(args.directories))
+    else:
+        plot_ppl(args.results)
+        print(report(args.results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training for methods that learn something: LESS kernels (``kvcompress.train.less``)."""
