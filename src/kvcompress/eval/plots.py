@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, LogLocator  # noqa: E402
 
 UNITS = {
     "accuracy": "exact-match accuracy",
@@ -79,7 +80,7 @@ def plot_score_vs_budget(rows: list[dict[str, Any]], metric: str, path: Path, ti
     ax.set_xlabel("cache budget (tokens kept per layer and KV head)")
     ax.set_ylabel(UNITS.get(metric, metric))
     if metric == "ppl":
-        ax.set_yscale("log")
+        _plain_log_axis(ax)
     elif metric in ("accuracy", "score") or metric.startswith("rouge"):
         ax.set_ylim(-0.05, 1.05)
     ax.set_title(title, fontsize=9)
@@ -132,13 +133,25 @@ def plot_stream(rows: list[dict[str, Any]], path: Path, title: str) -> Path | No
         ax.set_xlabel("tokens seen")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("running perplexity (all streams pooled)")
-    axes[0][0].set_yscale("log")
-    axes[0][-1].legend(fontsize=7, loc="upper right", ncol=2)
+    _plain_log_axis(axes[0][0])
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), fontsize=8, loc="center right", title="method")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plain_log_axis(ax) -> None:
+    """Log scale with plain-number tick labels (20, 30, 40 rather than 2x10^1)."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter(""))
 
 
 def plot_group(rows: list[dict[str, Any]], metric: str, stem: Path, title: str) -> list[Path]:
