@@ -215,8 +215,31 @@ def load_layer(directory: str | os.PathLike[str], index: int) -> tuple[LayerKern
     return layer, {k: v for k, v in payload.items() if k != "state_dict"}
 
 
+SHIPPED = Path(__file__).resolve().parent / "data" / "less"  # kernels that come with the package
+
+
+def shipped_kernels() -> list[str]:
+    """Names of the kernel sets shipped with the package (usable as ``LessConfig(kernels=NAME)``)."""
+    return sorted(p.name for p in SHIPPED.iterdir() if (p / META_FILE).is_file()) if SHIPPED.is_dir() else []
+
+
+def resolve_kernels(name_or_path: str | os.PathLike[str]) -> Path:
+    """A kernel directory: an existing path, or the name of a shipped kernel set."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    if (SHIPPED / str(name_or_path) / META_FILE).is_file():
+        return SHIPPED / str(name_or_path)
+    raise FileNotFoundError(
+        f"LESS kernels {str(name_or_path)!r}: no such directory and no shipped kernel set of that name "
+        f"(shipped: {', '.join(shipped_kernels()) or 'none'})"
+    )
+
+
 def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False) -> LessKernels:
-    """Load a kernel directory. Layers not trained yet raise, or with ``allow_missing`` get ψ ≡ 0 (= base policy)."""
+    """Load a kernel directory (or shipped set by name). Layers not trained yet raise, or with ``allow_missing`` get
+    ψ ≡ 0 (= the base policy)."""
+    directory = resolve_kernels(directory)
     meta = read_meta(directory)
     if meta.get("format") != KERNEL_FORMAT:
         raise ValueError(f"LESS kernel format {meta.get('format')!r} in {str(directory)!r}; expected {KERNEL_FORMAT}")
@@ -322,24 +345,26 @@ def sparse_attention(
 def low_rank_parallel(
     phi_q: torch.Tensor, psi_k: torch.Tensor, value: torch.Tensor, evict_at: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``num = φ(q_i) H_i`` ``[B, H_q, S, D]`` and ``den = φ(q_i) z_iᵀ`` ``[B, H_q, S]`` for every row ``i``.
+    """``num = φ(q_i) H_i`` ``[B, H_q, n, D]`` and ``den = φ(q_i) z_iᵀ`` ``[B, H_q, n]`` for the last ``n`` rows ``i``
+    (``phi_q`` ``[B, H_q, n, R]`` holds the features of those rows' queries; ``n = S`` for every row).
 
     ``H_i = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ v_j`` (Eq. 6), built as a scatter of each token's outer product to its
     eviction row followed by a cumulative sum over rows; differentiable in φ and ψ.
     """
     batch, kv_heads, length, rank = psi_k.shape
     dim = value.shape[-1]
+    rows = phi_q.shape[2]
     slot = evict_at.clamp(max=length)  # never evicted: row S, beyond the window
     outer = psi_k[..., :, None] * value.float()[..., None, :]  # [B, Hkv, S, R, D]
     state = outer.new_zeros(batch, kv_heads, length + 1, rank, dim)
     state = state.scatter_add(2, slot[..., None, None].expand_as(outer), outer).cumsum(2)[:, :, :length]
     norm = psi_k.new_zeros(batch, kv_heads, length + 1, rank)
     norm = norm.scatter_add(2, slot[..., None].expand_as(psi_k), psi_k).cumsum(2)[:, :, :length]
-    f = grouped(phi_q, kv_heads)  # [B, Hkv, G, S, R]
-    num = torch.einsum("bkgsr,bksrd->bkgsd", f, state)
-    den = torch.einsum("bkgsr,bksr->bkgs", f, norm)
+    f = grouped(phi_q, kv_heads)  # [B, Hkv, G, n, R]
+    num = torch.einsum("bkgsr,bksrd->bkgsd", f, state[:, :, length - rows :])
+    den = torch.einsum("bkgsr,bksr->bkgs", f, norm[:, :, length - rows :])
     q_heads = phi_q.shape[1]
-    return num.reshape(batch, q_heads, length, dim), den.reshape(batch, q_heads, length)
+    return num.reshape(batch, q_heads, rows, dim), den.reshape(batch, q_heads, rows)
 
 
 def less_masked_attention(

@@ -6,6 +6,7 @@ are skipped, so a run can be resumed; ``report`` turns the file into markdown ta
 
     python -m kvcompress.experiments.less ppl --policy h2o --budgets 24 50 102 --kernels DIR [--mode masked|decode]
     python -m kvcompress.experiments.less training DIR [DIR ...]   # per-layer MSE, cost, kernel size
+    python -m kvcompress.experiments.less ship DIR NAME             # fp16 copy into the package (kernels=NAME)
     python -m kvcompress.experiments.less report                   # markdown tables + docs/results/less_*.png
 
 Protocol: ``--windows`` windows of ``--window`` tokens (default 16 x 512) evenly spaced over WikiText-2 test (never
@@ -94,7 +95,7 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def masked_nll(model, ids: torch.Tensor, config, batch: int = 4) -> torch.Tensor:
+def masked_nll(model, ids: torch.Tensor, config, batch: int = 8) -> torch.Tensor:
     from kvcompress.less_kernels import masked_forward, masked_run
 
     layers = model.config.num_hidden_layers
@@ -274,7 +275,8 @@ def report(path: Path = RESULTS) -> str:
             chosen = [r for r in rows if r["mode"] == mode and r["policy"] == policy]
             if not chosen:
                 continue
-            full = next((r for r in chosen if r["variant"] == "full"), None)
+            full = next((r for r in rows if r["mode"] == mode and r["variant"] == "full"
+                         and r["windows"] == chosen[0]["windows"]), None)  # fmt: skip
             budgets = sorted({r["budget"] for r in chosen if r["budget"] is not None})
             header = "| row | " + " | ".join(f"B = {b}" for b in budgets) + " |"
             out += [f"**{policy}, {mode} form** (token perplexity, {chosen[0]['windows']} x {chosen[0]['window']})", ""]
@@ -367,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ppl.add_argument("--threads", type=int, default=1)
     training = sub.add_parser("training", help="per-layer MSE, cost and size of trained kernels")
     training.add_argument("directories", nargs="+")
+    ship = sub.add_parser("ship", help="copy trained kernels (fp16) into the package as a named set")
+    ship.add_argument("directory")
+    ship.add_argument("name")
     rep = sub.add_parser("report", help="markdown tables and plots from the results file")
     rep.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -376,6 +381,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.out, args.allow_missing)  # fmt: skip
     elif args.command == "training":
         print(training_summary(args.directories))
+    elif args.command == "ship":
+        from kvcompress.less_kernels import SHIPPED, load_kernels
+
+        target = load_kernels(args.directory).save(SHIPPED / args.name, dtype=torch.float16)
+        size = sum(p.stat().st_size for p in target.iterdir())
+        print(f"{target}: {size / 2**20:.1f} MiB; use LessConfig(kernels={args.name!r})")
     else:
         plot_ppl(args.results)
         print(report(args.results))

@@ -237,21 +237,22 @@ def train_layer(
     kv_heads = k.shape[1]
     with torch.no_grad():
         evict_at = base_config_evictions(base_config, layer_idx, q, k, v, scaling)
-        evict_plus = base_config_evictions(plus_config, layer_idx, q, k, v, scaling)
-    start = int(evict_at.min())  # first row that has lost a token
+    start = int(evict_at.min())  # first row that has lost a token; the loss covers rows start..S-1
     lse_s, out_s = _sparse_parts(q, k, v, evict_at, scaling)
-    _, out_plus = _sparse_parts(q, k, v, evict_plus, scaling)
-    prep_s = time.perf_counter() - started
-
+    lse_s, out_s, target = lse_s[:, :, start:], out_s[:, :, start:], target[:, start:]  # the loss rows only
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     n_val = max(1, round(count * settings["val_fraction"]))
     val, train = order[:n_val], order[n_val:]
+    with torch.no_grad():  # Baseline+ (reference only): on the validation windows
+        evict_plus = base_config_evictions(plus_config, layer_idx, q[val], k[val], v[val], scaling)
+    out_plus = _sparse_parts(q[val], k[val], v[val], evict_plus, scaling)[1][:, :, start:]
+    prep_s = time.perf_counter() - started
     o_proj = module.o_proj
     baseline = {
-        "val": _projected_mse(o_proj, out_s[val], target[val], start),
-        "train": _projected_mse(o_proj, out_s[train], target[train], start),
+        "val": _projected_mse(o_proj, out_s[val], target[val], 0),
+        "train": _projected_mse(o_proj, out_s[train], target[train], 0),
     }
-    baseline_plus = _projected_mse(o_proj, out_plus[val], target[val], start)
+    baseline_plus = _projected_mse(o_proj, out_plus, target[val], 0)
 
     kernels = init_kernels(
         q_heads,
@@ -270,7 +271,7 @@ def train_layer(
         p.requires_grad_(False)
 
     def forward(idx: torch.Tensor) -> torch.Tensor:
-        num, den = low_rank_parallel(kernels.phi(q[idx]), kernels.psi(k[idx]), v[idx], evict_at[idx])
+        num, den = low_rank_parallel(kernels.phi(q[idx, :, start:]), kernels.psi(k[idx]), v[idx], evict_at[idx])
         return _project(o_proj, mix_low_rank(lse_s[idx], out_s[idx], num, den))
 
     history = []
@@ -283,7 +284,7 @@ def train_layer(
         losses = []
         for s in range(0, perm.numel(), batch):
             idx = perm[s : s + batch]
-            loss = _mse(forward(idx), target[idx], start)
+            loss = _mse(forward(idx), target[idx], 0)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -294,8 +295,7 @@ def train_layer(
         with torch.no_grad():
             val_mse = (
                 sum(
-                    float(_mse(forward(val[i : i + batch]), target[val[i : i + batch]], start))
-                    * len(val[i : i + batch])
+                    float(_mse(forward(val[i : i + batch]), target[val[i : i + batch]], 0)) * len(val[i : i + batch])
                     for i in range(0, val.numel(), batch)
                 )
                 / val.numel()
@@ -511,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logger.setLevel(logging.INFO)  # also under `kvcompress train less`, whose CLI configured WARNING
     budget: float | int = int(args.budget) if args.budget >= 1 else args.budget
     out = train_less(
         args.model,
