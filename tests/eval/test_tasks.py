@@ -46,6 +46,13 @@ def test_passkey_default_depths_spread_and_stay_when_more_samples_are_asked(tiny
     assert [van_der_corput(i) for i in range(5)] == [0.0, 0.5, 0.25, 0.75, 0.125]
 
 
+def test_list_parameters_accept_a_single_value(tiny, corpus):
+    model, tokenizer = tiny
+    task = make_task("niah", model, tokenizer, modes="aware", subtasks=["vt"], haystack=str(corpus))
+    assert task.modes == ("aware",) and task.params["subtasks"] == ("vt",)
+    assert "modes" not in task.record_params()  # rows name their own mode
+
+
 def test_passkey_rejects_bad_parameters(tiny):
     model, tokenizer = tiny
     with pytest.raises(ValueError, match="depth"):

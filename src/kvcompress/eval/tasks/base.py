@@ -64,7 +64,11 @@ class Task:
         self.model = model
         self.tokenizer = tokenizer
         self.seed = seed
-        self.params: dict[str, Any] = {**self.defaults, **{k: v for k, v in params.items() if v is not None}}
+        given = {k: v for k, v in params.items() if v is not None}
+        for key, value in given.items():  # list parameters given one value ("modes=aware") become 1-tuples
+            if isinstance(self.defaults[key], tuple):
+                given[key] = (value,) if isinstance(value, str) else tuple(value)
+        self.params: dict[str, Any] = {**self.defaults, **given}
         self.validate()
 
     @property
@@ -75,8 +79,10 @@ class Task:
         """Raise ``ValueError`` naming a bad parameter and its allowed range."""
 
     def record_params(self) -> dict[str, Any]:
-        """The task parameters as written in every row (JSON-safe)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(self.params.items())}
+        """The task parameters as written in every row (JSON-safe). ``modes`` is left out: it only says which
+        modes to run, each row names its own mode, and a row's result does not depend on the other modes run
+        (so ``--param modes=aware`` and ``--param modes=agnostic`` can run side by side and resume each other)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(self.params.items()) if k != "modes"}
 
     def build_samples(self, count: int) -> list[Sample]:
         raise NotImplementedError
