@@ -406,3 +406,20 @@ def test_delta_for_target_saving_is_the_largest_reaching_it():
     delta = delta_for_saving(sim, 1 / 6)  # one merge (B = 2 of 3)
     assert delta == pytest.approx(0.9)
     assert delta_for_saving(sim, 1 / 3) == pytest.approx(0.6)
+
+
+def test_training_path_with_autograd_equals_inference_path(model):
+    """With gradients on, PoD runs one fused SDPA over doubled keys; without, the two-call Eq. 4 merge."""
+    ids = ids_of(60, seed=16)
+    expected, _ = pod_logits(model, ids)
+    cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    weight.requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            logits = model(ids, past_key_values=cache).logits
+            logits.sum().backward()
+        assert weight.grad is not None
+    finally:
+        weight.grad = None
+    torch.testing.assert_close(logits.detach(), expected, rtol=1e-4, atol=1e-4)

@@ -275,6 +275,11 @@ def pod_attention(
             raise RuntimeError(f"pod: layer {starts[h]} (block start of layer {layer.index}) has no matching step")
         source_query = step.query if config.query_source == "block_start" else query
         sources.append((source_query[:, h], step.keys[:, step.full_pos[h // groups]]))
+    if config.tau is None and config.combine == "softmax" and not request.any:
+        if torch.is_grad_enabled() and query.requires_grad:
+            return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
+        if _FLASH is not None:
+            return _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
     chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
     outputs, last_rows, received = [], [], None
     last_n = min(request.last_queries, queries)
@@ -328,6 +333,72 @@ def pod_attention(
             stats.last = torch.cat(last_rows, dim=2).view(batch, kv_heads, groups, last_n, length)
             stats.last_visible = visible[:, :, queries - last_n :]
     return output, stats
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale) -> torch.Tensor:
+    """Inference path (no autograd): Eq. 4 literally, with two fused attention calls that return their
+    log-sum-exp: ``o_P, LSE_P`` over proximal tokens with own logits, ``o_D, LSE_D`` over distant tokens with the
+    block start's logits, ``o = g o_P + (1 - g) o_D``, ``g = sigmoid(LSE_P - LSE_D)`` (``g = 1`` without distant
+    tokens). Block-start heads run plain SDPA. Equal to the mixed softmax (tests)."""
+    batch, q_heads, queries, dim = query.shape
+    length = keys_q.shape[2]
+    groups = q_heads // proximal.shape[1]
+    share_idx = torch.tensor(sharing, device=query.device)
+    kv_of = share_idx // groups
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, length), scale=scale
+    )
+    values = value_q[:, share_idx]
+    prox_bias = torch.zeros(proximal[:, kv_of].shape, dtype=query.dtype, device=query.device)
+    prox_bias = prox_bias.masked_fill(~proximal[:, kv_of], -math.inf)
+    o_prox, lse_prox = _FLASH(
+        query[:, share_idx], keys_q[:, share_idx], values, 0.0, False, attn_mask=prox_bias, scale=scale
+    )
+    dist_mask = distant[:, kv_of]
+    has_distant = dist_mask.any(-1)  # [B, S, q]
+    dist_bias = torch.zeros(dist_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~dist_mask, -math.inf)
+    dist_bias = dist_bias.masked_fill(~has_distant[..., None], 0.0)  # rows without distant tokens: dropped below
+    source_query = torch.stack([q for q, _ in sources], dim=1)
+    source_keys = torch.stack([k for _, k in sources], dim=1)
+    o_dist, lse_dist = _FLASH(source_query, source_keys, values, 0.0, False, attn_mask=dist_bias, scale=scale)
+    lse_dist = lse_dist.masked_fill(~has_distant, -math.inf)
+    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(query.dtype)
+    mixed = gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
+    return out.index_copy(1, share_idx, mixed)
+
+
+def _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale) -> torch.Tensor:
+    """The mixed softmax as one fused SDPA call: every key appears twice, once as ``[k_own, 0]`` and once as
+    ``[0, k_start]``, against the query ``[q_own, q_start]``; the mask picks, per (query, key), the own copy for
+    proximal tokens (all visible tokens at block-start heads) and the block-start copy for distant tokens. Values
+    are the layer's own for both copies. Exactly the single softmax over mixed logits, with no ``L x L`` tensor
+    of floats (autograd included)."""
+    batch, q_heads, queries, dim = query.shape
+    length = keys_q.shape[2]
+    heads = len(sharing)
+    groups = q_heads // proximal.shape[1]
+    share_idx = torch.tensor(sharing, device=query.device)
+    kv_of = share_idx // groups
+    source_query = query.new_zeros(batch, q_heads, queries, dim)
+    source_keys = keys_q.new_zeros(batch, q_heads, length, dim)
+    source_query = source_query.index_copy(1, share_idx, torch.stack([q for q, _ in sources], dim=1))
+    source_keys = source_keys.index_copy(1, share_idx, torch.stack([k for _, k in sources], dim=1))
+    zeros = keys_q.new_zeros(batch, q_heads, length, dim)
+    keys = torch.cat([torch.cat([keys_q, zeros], dim=-1), torch.cat([zeros, source_keys], dim=-1)], dim=2)
+    own_allowed = visible_q.expand(batch, q_heads, queries, length)
+    own_allowed = own_allowed.index_copy(1, share_idx, proximal[:, kv_of].expand(batch, heads, queries, length))
+    dist_allowed = torch.zeros_like(own_allowed)
+    dist_allowed = dist_allowed.index_copy(1, share_idx, distant[:, kv_of].expand(batch, heads, queries, length))
+    return torch.nn.functional.scaled_dot_product_attention(
+        torch.cat([query, source_query], dim=-1),
+        keys,
+        torch.cat([value_q, value_q], dim=2),
+        attn_mask=torch.cat([own_allowed, dist_allowed], dim=-1),
+        scale=scale,
+    )
 
 
 def pod_stats(cache) -> dict[str, float]:
