@@ -95,7 +95,7 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def masked_nll(model, ids: torch.Tensor, config, batch: int = 8) -> torch.Tensor:
+def masked_nll(model, ids: torch.Tensor, config, batch: int = 16) -> torch.Tensor:
     from kvcompress.less_kernels import masked_forward, masked_run
 
     layers = model.config.num_hidden_layers
@@ -188,7 +188,7 @@ def run_ppl(
 # --- training summary --------------------------------------------------------------------------------------------
 
 
-def training_summary(directories: Sequence[str]) -> str:
+def training_summary(directories: Sequence[str], plots: Path = PLOTS) -> str:
     """Markdown: per kernel set the settings, cost and size, and the per-layer validation MSE; plus a plot."""
     from kvcompress.less_kernels import layer_file, load_layer, read_meta
 
@@ -236,7 +236,7 @@ def training_summary(directories: Sequence[str]) -> str:
         ]
         curves[f"{meta['base']['name']} {meta['base']['budget']}"] = records
     if curves:
-        _plot_mse(curves, PLOTS / "less_layer_mse.png")
+        _plot_mse(curves, plots / "less_layer_mse.png")
     return "\n".join(lines)
 
 
@@ -349,7 +349,7 @@ def plot_ppl(path: Path = RESULTS) -> None:
     ax.set_title("SmolLM2-135M, masked form")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(PLOTS / "less_ppl.png", dpi=120)
+    fig.savefig(path.parent / "less_ppl.png", dpi=120)
     plt.close(fig)
 
 
@@ -369,18 +369,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     ppl.add_argument("--threads", type=int, default=1)
     training = sub.add_parser("training", help="per-layer MSE, cost and size of trained kernels")
     training.add_argument("directories", nargs="+")
+    training.add_argument("--write", type=Path, default=None, help="replace the block between the report markers")
     ship = sub.add_parser("ship", help="copy trained kernels (fp16) into the package as a named set")
     ship.add_argument("directory")
     ship.add_argument("name")
     rep = sub.add_parser("report", help="markdown tables and plots from the results file")
     rep.add_argument("--results", type=Path, default=RESULTS)
+    rep.add_argument("--write", type=Path, default=None, help="replace the block between the report markers here")
     args = parser.parse_args(argv)
     if args.command == "ppl":
         torch.set_num_threads(args.threads)
         run_ppl(args.policy, args.budgets, args.kernels, args.mode, args.variants, args.windows, args.window,
                 args.out, args.allow_missing)  # fmt: skip
     elif args.command == "training":
-        print(training_summary(args.directories))
+        text = training_summary(args.directories, args.write.parent if args.write else PLOTS)
+        print(text)
+        if args.write is not None:
+            write_block(args.write, "training", text)
     elif args.command == "ship":
         from kvcompress.less_kernels import SHIPPED, load_kernels
 
@@ -389,7 +394,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{target}: {size / 2**20:.1f} MiB; use LessConfig(kernels={args.name!r})")
     else:
         plot_ppl(args.results)
-        print(report(args.results))
+        text = report(args.results)
+        print(text)
+        if args.write is not None:
+            write_block(args.write, "ppl", text)
+
+
+def write_block(path: Path, name: str, text: str) -> None:
+    """Replace the text between ``<!-- less:NAME -->`` and ``<!-- /less:NAME -->`` in ``path``."""
+    start, end = f"<!-- less:{name} -->", f"<!-- /less:{name} -->"
+    doc = path.read_text()
+    if start not in doc or end not in doc:
+        raise ValueError(f"{path} has no {start} ... {end} block")
+    head, rest = doc.split(start, 1)
+    path.write_text(head + start + "\n" + text.strip() + "\n" + end + rest.split(end, 1)[1])
 
 
 if __name__ == "__main__":
