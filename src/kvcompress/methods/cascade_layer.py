@@ -179,9 +179,10 @@ class CascadeLayer(CompressedLayer):
         write = reached
         new_score = torch.zeros(batch, 1, device=self.device) if score is None else score.float()[:, None]
         if self.policy.needs_scores:
-            evicted_score = self._score.gather(1, evicted)
+            scores, seq = self._score.view(-1), self._bases()[1][:, None]
+            evicted_score = scores[seq + evicted]
             arriving = torch.cat([new_score, evicted_score], 1)
-            resident = self._score.gather(1, dest)
+            resident = scores[seq + dest]
             loses = arriving < resident if config.tie == "incoming" else arriving <= resident
             write = reached & ~(select & loses)
         self._count = count + (reached & ~(passes | select)).long()
@@ -197,25 +198,41 @@ class CascadeLayer(CompressedLayer):
         self._n_real = seen + real.long()
         if not self._filled:
             self._filled = bool((self._n_real >= slots).all())
-        # items: the new token (lead columns), then the tokens evicted from cascades 0..N-2
+        # items: the new token (lead columns), then the tokens evicted from cascades 0..N-2; moved as whole rows of
+        # flattened buffers (index_select / index_copy_ copy contiguous rows, unlike gather / scatter)
         heads, width_kv = self._kv.shape[1], self._kv.shape[-1]
-        items = [kv.expand(batch, heads, lead, width_kv)]
+        rows, seq = self._bases()
+        kv_rows = self._kv.view(-1, width_kv)
+        items = kv.expand(batch, heads, lead, width_kv)
         if self.cascades > 1:
-            items.append(self._kv.gather(2, evicted[:, None, :, None].expand(-1, heads, -1, width_kv)))
-        items = torch.cat(items, 2)
+            moved = kv_rows.index_select(0, (rows[:, :, None] + evicted[:, None, :]).flatten())
+            items = torch.cat([items, moved.view(batch, heads, -1, width_kv)], 2)
         if self.inv_freq is not None:  # rotate each key from where it was (0 for the new one) to its slot
             source = torch.cat([torch.zeros_like(dest[:, :lead]), evicted], 1)
-            items[..., : self._key_dim] = rotate_by(
-                items[..., : self._key_dim], (dest - source)[:, None], self.inv_freq
-            )
-        self._kv.scatter_(2, dest[:, None, :, None].expand(-1, heads, -1, width_kv), items)
-        meta_items = [meta.expand(batch, lead, 2)]
+            keys = rotate_by(items[..., : self._key_dim], (dest - source)[:, None], self.inv_freq)
+            items = torch.cat([keys, items[..., self._key_dim :]], -1)
+        kv_rows.index_copy_(0, (rows[:, :, None] + dest[:, None, :]).flatten(), items.reshape(-1, width_kv))
+        meta_rows = self._meta.view(-1, 2)
+        meta_items = meta.expand(batch, lead, 2)
         if self.cascades > 1:
-            meta_items.append(self._meta.gather(1, evicted[:, :, None].expand(-1, -1, 2)))
-        self._meta.scatter_(1, dest[:, :, None].expand(-1, -1, 2), torch.cat(meta_items, 1))
+            moved = meta_rows.index_select(0, (seq[:, None] + evicted).flatten()).view(batch, -1, 2)
+            meta_items = torch.cat([meta_items, moved], 1)
+        meta_rows.index_copy_(0, (seq[:, None] + dest).flatten(), meta_items.reshape(-1, 2))
         if self.policy.needs_scores:
             score_items = torch.cat([new_score.expand(batch, lead), evicted_score], 1)
-            self._score.scatter_(1, dest, score_items)
+            self._score.view(-1).index_copy_(0, (seq[:, None] + dest).flatten(), score_items.flatten())
+
+    def _bases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row offsets of each (sequence, head) in the flattened key/value buffer and of each sequence in the
+        flattened per-slot buffers (cached per batch size)."""
+        batch, heads = self._kv.shape[:2]
+        if getattr(self, "_bases_for", None) != batch:
+            slots = self.capacity + 1
+            sequences = torch.arange(batch, device=self.device)
+            self._row_base = (sequences[:, None] * heads + torch.arange(heads, device=self.device)) * slots
+            self._seq_base = sequences * slots
+            self._bases_for = batch
+        return self._row_base, self._seq_base
 
     # --- positions and attention ----------------------------------------------------------------------------
     def ranks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,25 +257,27 @@ class CascadeLayer(CompressedLayer):
         difference) and each slot takes the logit of its group: ``O(N)`` small rotations instead of ``O(|C|)``.
         """
         keys = self._k
-        if self.inv_freq is None:
-            return query @ keys[:, :, None].transpose(-1, -2)
         batch, kv_heads, groups, count, dim = query.shape
+        slots = self.capacity
+        if self.inv_freq is None:
+            logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
+            return logits.view(batch, kv_heads, groups, count, slots)
         cascades, width, sinks = self.cascades, self.width, self.sinks
         older = self._count.flip(1).cumsum(1).flip(1) - self._count
         shift = self._n_sink[:, None] + older - self._first_slot - self._start  # [B, N]
         wrapped = self._ring < self._start[:, :, None]  # [B, N, W]: rank = slot + shift + W
         at = top[:, :, None] - shift[:, None, :]  # [B, n, N]
-        positions = torch.cat([top[:, :, None], at, at - width], 2)  # [B, n, 1 + 2N]: sinks, then both groups
+        pairs = torch.stack([at, at - width], -1).flatten(2)  # [B, n, 2N]: both groups of each cascade
+        positions = torch.cat([top[:, :, None], pairs], 2)  # [B, n, 1 + 2N]
         rotated = rotate_by(query[:, :, :, :, None, :], positions[:, None, None], self.inv_freq)  # [B,H,G,n,V,d]
-        logits = [rotated[:, :, :, :, 0] @ keys[:, :, None, :sinks].transpose(-1, -2)] if sinks else []
-        grouped = rotated[:, :, :, :, 1:].reshape(batch, kv_heads, groups, count, 2, cascades, dim)
-        grouped = grouped.permute(0, 1, 5, 4, 2, 3, 6).reshape(batch, kv_heads, cascades, 2 * groups * count, dim)
-        ring_keys = keys[:, :, sinks:].reshape(batch, kv_heads, cascades, width, dim)
-        both = (grouped @ ring_keys.transpose(-1, -2)).view(batch, kv_heads, cascades, 2, groups * count, width)
-        chosen = torch.where(wrapped[:, None, :, None], both[:, :, :, 1], both[:, :, :, 0])
-        chosen = chosen.view(batch, kv_heads, cascades, groups, count, width).permute(0, 1, 3, 4, 2, 5)
-        logits.append(chosen.reshape(batch, kv_heads, groups, count, cascades * width))
-        return torch.cat(logits, -1) if sinks else logits[0]
+        rows = rotated.permute(0, 1, 4, 2, 3, 5).reshape(batch, kv_heads, 1 + 2 * cascades, groups * count, dim)
+        blocks = [rows[:, :, 0] @ keys[:, :, :sinks].transpose(-1, -2)] if sinks else []
+        for i in range(cascades):  # one matmul per cascade over views of the buffer: nothing is copied
+            first = sinks + i * width
+            pair = rows[:, :, 1 + 2 * i : 3 + 2 * i].reshape(batch, kv_heads, 2 * groups * count, dim)
+            both = (pair @ keys[:, :, first : first + width].transpose(-1, -2)).view(batch, kv_heads, 2, -1, width)
+            blocks.append(torch.where(wrapped[:, i, None, None, :], both[:, :, 1], both[:, :, 0]))
+        return torch.cat(blocks, -1).view(batch, kv_heads, groups, count, slots)
 
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return query, key  # positions are assigned inside cascade_attention, token by token
@@ -303,10 +322,11 @@ class CascadeLayer(CompressedLayer):
         logits = self._cache_logits(query, top).float() * scale  # [B, H_kv, G, 1, L]
         visible = occupied | ~real[:, None]  # a padding query (stored nowhere) reads anything finite
         probs = logits.masked_fill(~visible[:, None, None, None], float("-inf")).softmax(-1)
-        output = probs.to(self._kv.dtype) @ self._v[:, :, None]
+        batch, kv_heads, groups = probs.shape[:3]
+        output = probs.to(self._kv.dtype).view(batch, kv_heads, groups, -1) @ self._v
         if self.policy.needs_scores:
             self._fold_scores(probs[:, :, :, 0], real)
-        return output
+        return output[:, :, :, None]
 
     def _fold_scores(self, probs: torch.Tensor, real: torch.Tensor | None) -> None:
         """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` over the cascade slots (sinks have no score).
@@ -334,14 +354,15 @@ class CascadeLayer(CompressedLayer):
             chunk_keys = rotate_by(chunk_keys, rank[:, None], self.inv_freq)
             chunk_queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
         cache_logits = self._cache_logits(queries, rank)  # [B, H_kv, G, q, L]
-        own_logits = chunk_queries @ chunk_keys[:, :, None].transpose(-1, -2)  # [B, H_kv, G, q, q]
+        own_logits = chunk_queries.reshape(batch, kv_heads, groups * count, dim) @ chunk_keys.transpose(-1, -2)
+        own_logits = own_logits.view(batch, kv_heads, groups, count, count)
         logits = torch.cat([cache_logits, own_logits], -1).float() * scale
         step = torch.arange(count, device=self.device)
         causal = (step[None, :] <= step[:, None])[None] & (real[:, None, :] | (step[None, :] == step[:, None]))
         visible = torch.cat([(self._tok >= 0)[:, None, :].expand(-1, count, -1), causal], 2)  # [B, q, L + q]
         probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
-        weights = probs.to(self._kv.dtype)
-        output = weights[..., :slots] @ self._v[:, :, None] + weights[..., slots:] @ values[:, :, None]
+        weights = probs.to(self._kv.dtype).reshape(batch, kv_heads, groups * count, slots + count)
+        output = weights[..., :slots] @ self._v + weights[..., slots:] @ values
         scores = None
         if self.policy.needs_scores:
             gamma = self.policy.gamma
