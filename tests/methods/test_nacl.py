@@ -114,12 +114,12 @@ def test_proxy_scores_equal_the_full_attention_matrix(causal, reduce):
 
 
 def test_proxy_scores_are_computed_in_row_chunks(monkeypatch):
-    import kvcompress.attention
+    import kvcompress.methods.nacl
 
     query, keys = hand_made()
     config = make_config("nacl", ratio=0.2, proxy_tokens=30)
     _, whole = evict(config, query, keys)
-    monkeypatch.setattr(kvcompress.attention, "CHUNK_ELEMENTS", B * HKV * G * L * 4)  # 4 proxy rows per chunk
+    monkeypatch.setattr(kvcompress.methods.nacl, "PROXY_CHUNK_ELEMENTS", B * HKV * G * L * 4)  # 4 rows per chunk
     _, chunked = evict(config, query, keys)
     torch.testing.assert_close(chunked, whole)
     torch.testing.assert_close(whole, reference_scores(query, keys, L - 30, L), rtol=1e-5, atol=1e-6)

@@ -3,8 +3,8 @@
 Every table in the document comes from one of these commands (rows append to a JSONL file; rows already there are
 skipped, so a run can be resumed; ``report`` turns the file into markdown tables and plots)::
 
-    python -m kvcompress.experiments.nacl main --samples 5        # passkey + niah, 10/20/30 %, aware + agnostic
-    python -m kvcompress.experiments.nacl ablation --samples 8 --modes aware \\
+    python -m kvcompress.experiments.nacl main --samples 3        # passkey + niah, 10/20/30 %, aware + agnostic
+    python -m kvcompress.experiments.nacl ablation --samples 3 --modes aware \\
         --out docs/results/nacl_ablation_results.jsonl            # Table 3 analog at 20 %
     python -m kvcompress.experiments.nacl report                  # markdown tables + docs/results/nacl_*.png
     python -m kvcompress.experiments.nacl check --samples 1       # replay == ordinary chunked prefill
@@ -65,7 +65,7 @@ CAPTURE = "kvcompress_nacl_capture"
 MODEL_REF: list = []  # the model of the current run (compress_copy builds caches for it)
 
 RATIOS = (0.1, 0.2, 0.3)
-GREEDY_SAMPLES = 4  # per task
+GREEDY_SAMPLES = 3  # per task
 SEEDS = (0, 1, 2)
 TASKS = {"passkey": {}, "niah": {"subtasks": ("single", "multikey")}}  # one answer each (teacher-forced)
 BASELINES = ("h2o_oneshot", "tova_oneshot", "scissorhands_oneshot", "streaming_oneshot", "snapkv")
@@ -76,6 +76,7 @@ ABLATIONS = {  # Table 3 row -> NaCl parameters
     "− probability sampling (uniform)": {"sampling": "uniform"},
     "− global eviction (greedy, every 64 tokens)": {"eviction": "greedy"},
     "− head-wise eviction (shared by heads)": {"head_wise": False},
+    "proxy = the question only (not in Table 3)": {"proxy_tokens": "question"},
 }
 
 
@@ -163,12 +164,17 @@ def main_configs(ratios: Sequence[float] = RATIOS, seeds: Sequence[int] = SEEDS)
     return configs
 
 
-def ablation_configs(prompt_tokens: int, greedy: bool = True, ratio: float = 0.2, seeds: Sequence[int] = SEEDS):
-    """(row label, ratio, config) of the Table 3 analog; greedy needs the budget in tokens of this prompt."""
+def ablation_configs(
+    prompt_tokens: int, question_tokens: int, greedy: bool = True, ratio: float = 0.2, seeds: Sequence[int] = SEEDS
+):
+    """(row label, ratio, config) of the Table 3 analog; greedy needs the budget in tokens of this prompt, the
+    question-proxy variant the question's length (its tokens inside the compressed prompt)."""
     configs = []
     for label, params in ABLATIONS.items():
         if params.get("eviction") == "greedy" and not greedy:
             continue
+        if params.get("proxy_tokens") == "question":
+            params = {"proxy_tokens": question_tokens}
         deterministic = params.get("random_share") == 0.0
         for seed in seeds[:1] if deterministic else seeds:
             extra = dict(params, seed=seed)
@@ -248,7 +254,10 @@ def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: P
                 lengths = {"aware": prompt.shape[1] - 1, "agnostic": sample.inputs["context_ids"].shape[1]}
                 work = []
                 for mode in modes:
-                    configs = main_configs() if experiment == "main" else ablation_configs(lengths[mode], greedy)
+                    question = sample.inputs["question_ids"].shape[1] - 1 if mode == "aware" else 1
+                    configs = (
+                        main_configs() if experiment == "main" else ablation_configs(lengths[mode], question, greedy)
+                    )
                     for label, ratio, config in configs:
                         key = row_key(experiment, task_name, sample.id, mode, label, config)
                         if key not in done:

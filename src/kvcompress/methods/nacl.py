@@ -74,6 +74,7 @@ TABLE4: dict[float, tuple[float, float, float, float]] = {
 OFFICIAL_128K: tuple[float, float, float, float] = (0.01, 0.01, 0.12, 0.07)
 PRESET_SINKS = {"table4": 4, "official-128k": 256}
 PRESET_MIN_EVICT = {"table4": 0, "official-128k": 2048}
+PROXY_CHUNK_ELEMENTS = 1 << 22  # proxy-score logits per chunk (16 MiB of float32), whatever the prompt length
 EPS = 1e-9  # guards floors against float error (0.1 * 700 = 70.00000000000001 is fine, 0.29 * 100 is not)
 
 
@@ -175,8 +176,6 @@ class NaClPolicy(Policy):
 
         Computed in chunks of proxy rows from the buffered queries, so at most ``chunk x L`` logits per head exist.
         """
-        from kvcompress.attention import CHUNK_ELEMENTS
-
         query, rows = self.proxy_query, self.proxy_rows
         keys = layer.keys.float()
         batch, q_heads, n_rows, dim = query.shape
@@ -186,16 +185,17 @@ class NaClPolicy(Policy):
         is_proxy = self._proxy_row_mask(layer, rows)  # [B, n]
         key_valid, key_idx = layer.valid[:, :, None, None, :], layer.token_idx[:, :, None, None, :]
         total = torch.zeros(batch, kv_heads, groups, length, device=keys.device)
-        chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+        chunk = max(1, PROXY_CHUNK_ELEMENTS // max(1, batch * q_heads * length))
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             grouped = query[:, :, start:stop].float().reshape(batch, kv_heads, groups, stop - start, dim)
-            logits = (grouped @ keys[:, :, None].transpose(-1, -2)) * scale  # [B, H_kv, G, c, L]
-            visible = key_valid
+            logits = grouped @ keys[:, :, None].transpose(-1, -2)  # [B, H_kv, G, c, L]
+            hidden = ~key_valid
             if self.config.proxy_causal:
-                visible = visible & (key_idx <= rows[start:stop][None, None, None, :, None])
-            probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-            probs = torch.where(is_proxy[:, None, None, start:stop, None], probs, 0.0)
+                hidden = hidden | (key_idx > rows[start:stop][None, None, None, :, None])
+            probs = logits.mul_(scale).masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+            del logits
+            probs.nan_to_num_(0.0).mul_(is_proxy[:, None, None, start:stop, None])  # rows that are not proxies: 0
             total += probs.sum(dim=3)
         return reduce_groups(total, self.config.gqa_reduce)
 
