@@ -312,7 +312,8 @@ def _gap_lines(rows: list[dict], full: dict, budgets: list[int]) -> list[str]:
                 continue
             base, plus, less = get["baseline"]["ppl"], get.get("baseline+", {}).get("ppl"), r["ppl"]
             gap = (base - less) / (base - full["ppl"])
-            text = f"- B = {b}, LESS({r['train_budget']}): closes {gap:.1%} of the Baseline-to-full gap"
+            partial = f", {len(r['missing_layers'])} layers untrained" if r["missing_layers"] else ""
+            text = f"- B = {b}, LESS({r['train_budget']}{partial}): closes {gap:.1%} of the Baseline-to-full gap"
             if plus is not None:
                 text += f", {(plus - less) / (plus - full['ppl']):.1%} of the Baseline+-to-full gap"
                 text += "; LESS < Baseline+ < Baseline: " + ("yes" if less < plus < base else "no")
