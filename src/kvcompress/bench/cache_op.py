@@ -381,13 +381,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         **environment(args.threads),
     }
     table = cache_op_table(rows)
-    print(f"cache-op: batch {shape['batch']}, {shape['heads']} heads, head dim {shape['head_dim']}, "
-          f"{args.sinks} sinks + window {shape['window']}, fp32, {warmup} warm-up + {tokens} timed updates; "
-          f"{meta['machine']}\n")
+    setup = (
+        f"batch {shape['batch']}, {shape['heads']} heads, head dim {shape['head_dim']}, {args.sinks} sinks + "
+        f"window {shape['window']}, fp32, {warmup} warm-up + {tokens} timed updates"
+    )
+    print(f"cache-op: {setup}; {meta['machine']}\n")
     print(table)
     if args.out is not None:
+        from kvcompress.bench.plots import plot_cache_op
+
         save_rows(args.out / "cache_op.json", rows, meta)
         (args.out / "cache_op.md").write_text(table + "\n")
+        plot_cache_op(rows, args.out / "cache_op.png", setup=setup, machine=str(meta["machine"]))
 
 
 if __name__ == "__main__":

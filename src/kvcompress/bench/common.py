@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 MIB = 1 << 20
 
@@ -129,7 +130,7 @@ class PeakMemory:
 
 
 def machine_description(threads: int) -> str:
-    """One line naming the machine the numbers came from, e.g. ``2-core CPU VM (Intel Xeon), torch 2.13 CPU, 1 thread``."""
+    """One line naming the machine the numbers came from: cores, CPU model, torch version and device, threads."""
     cores = os.cpu_count() or 0
     cpu = platform.processor() or platform.machine()
     try:
@@ -158,3 +159,12 @@ def environment(threads: int) -> dict[str, object]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
     }
+
+
+def load_bench_model(model: str | PreTrainedModel) -> tuple[PreTrainedModel, str]:
+    """A loaded model and its display name: a registry name / path / HF id is loaded with ``load_model``."""
+    if isinstance(model, str):
+        from kvcompress.models import load_model
+
+        return load_model(model)[0], model
+    return model, getattr(model.config, "name_or_path", "") or type(model).__name__

@@ -1,0 +1,283 @@
+"""``decode``: decode step time, tokens/s, stored KV bytes and peak RSS against logical context length.
+
+For each method one cache is grown through the context lengths in turn (1K, 2K, 4K, 8K, 16K by default): the
+prompt is extended to the next length with a chunked prefill (``kvcompress.generation.prefill``; bounded methods
+evict between chunks, so reaching a long logical context costs ``O(L x (chunk + budget))``, not ``O(L^2)``), then
+``steps`` single-token decode forwards are timed (after ``warmup_steps`` untimed ones) and the median is reported.
+Token ids are random (timing does not depend on the text). The logical context at a measurement is the prompt
+length; the decode steps themselves add ``warmup_steps + steps`` tokens before the next extension.
+
+``full`` is our cache without eviction; ``DynamicCache (sdpa)`` is transformers' own cache with SDPA attention,
+the reference for our bookkeeping overhead. One-shot methods (``snapkv``) are not in the default list: they
+compress the prompt once and then grow like the full cache while decoding.
+
+SmolLM2's trained context is 8K. Positions beyond it still run (RoPE extrapolates); the model's output there is
+meaningless, which does not matter for a timing benchmark. ``streaming`` re-indexes positions inside the cache
+(its keys are re-rotated every step; see ``CompressedLayer.positioned``), the other methods keep original positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+import kvcompress
+from kvcompress.bench.common import (
+    MIB,
+    current_rss,
+    environment,
+    load_bench_model,
+    peak_rss,
+    reset_peak_rss,
+    set_threads,
+    time_calls,
+)
+from kvcompress.bench.table import Column, markdown_table, save_rows
+from kvcompress.generation import prefill
+
+logger = logging.getLogger(__name__)
+
+DECODE_METHODS: tuple[str, ...] = ("full", "window", "streaming", "h2o", "tova", "scissorhands", "random", "knorm")
+DYNAMIC = "DynamicCache (sdpa)"
+CONTEXTS: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
+Row = dict[str, object]
+
+
+def _check_contexts(contexts: Sequence[int]) -> list[int]:
+    contexts = list(contexts)
+    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts):
+        raise ValueError(f"contexts must be a non-empty list of integers >= 1, got {contexts!r}")
+    if contexts != sorted(set(contexts)):
+        raise ValueError(f"contexts must be strictly increasing, got {contexts!r}")
+    return contexts
+
+
+def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk_size: int) -> None:
+    for start in range(0, ids.shape[1], chunk_size):
+        model(input_ids=ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
+def _bench_method(
+    model: PreTrainedModel,
+    method: str,
+    budget: int,
+    ids: torch.Tensor,
+    contexts: list[int],
+    steps: int,
+    warmup_steps: int,
+    chunk_size: int,
+) -> list[Row]:
+    if method == DYNAMIC:
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+
+        def extend(new_ids: torch.Tensor) -> None:
+            _dynamic_prefill(model, new_ids, cache, chunk_size)
+
+        def kv_bytes() -> int:
+            return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+        def stored() -> int:
+            return cache.get_seq_length()
+
+        params: dict[str, object] = {}
+    else:
+        params = {} if method == "full" else {"budget": budget}
+        cache = kvcompress.cache_for(model, method, **params)
+
+        def extend(new_ids: torch.Tensor) -> None:
+            prefill(model, new_ids, cache, chunk_size=chunk_size)
+
+        def kv_bytes() -> int:
+            return cache.nbytes()
+
+        def stored() -> int:
+            return cache.tokens_stored()[0]
+
+    rows: list[Row] = []
+    position = 0
+    reset_peak_rss()
+    for context in contexts:
+        start = time.perf_counter()
+        extend(ids[:, position:context])
+        prefill_s = time.perf_counter() - start
+        position = context
+        decode_ids = ids[:, context : context + warmup_steps + steps]
+
+        def step(i: int, decode_ids: torch.Tensor = decode_ids) -> None:
+            model(input_ids=decode_ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+
+        timing = time_calls(step, steps, warmup_steps)
+        position = context + warmup_steps + steps
+        rows.append(
+            {
+                "method": method,
+                "budget": budget if params.get("budget") else None,
+                "context": context,
+                "step_ms": timing.median * 1e3,
+                "p10_ms": timing.p10 * 1e3,
+                "p90_ms": timing.p90 * 1e3,
+                "tokens_per_s": 1.0 / timing.median,
+                "steps": timing.count,
+                "stored_tokens": stored(),
+                "kv_mib": kv_bytes() / MIB,
+                "rss_mib": current_rss() / MIB,
+                "peak_rss_mib": peak_rss() / MIB,
+                "prefill_s": prefill_s,
+            }
+        )
+        logger.info("decode %s @ %d: %.1f ms/step", method, context, timing.median * 1e3)
+    if method == DYNAMIC:
+        kvcompress.prepare_model(model)
+    return rows
+
+
+def run_decode(
+    model: str | PreTrainedModel = "smollm2-135m",
+    methods: Sequence[str] = DECODE_METHODS,
+    *,
+    budget: int = 512,
+    contexts: Sequence[int] = CONTEXTS,
+    steps: int = 16,
+    warmup_steps: int = 2,
+    chunk_size: int = 512,
+    dynamic: bool = True,
+    threads: int = 1,
+    seed: int = 0,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """Decode step time vs logical context for each method (and transformers' ``DynamicCache`` if ``dynamic``).
+
+    ``model`` is a registry name (loaded with ``kvcompress.models.load_model``) or a loaded model. Bounded methods
+    run at ``budget`` tokens per layer and KV head; ``full`` (and ``DynamicCache``) keep everything. ``on_row`` is
+    called with each row as it is measured (to save partial results of a long run).
+
+    Row keys: ``method``, ``budget``, ``context``, ``step_ms``, ``p10_ms``, ``p90_ms``, ``tokens_per_s``, ``steps``,
+    ``stored_tokens`` (layer 0, per head), ``kv_mib`` (stored keys + values, all layers), ``rss_mib``,
+    ``peak_rss_mib`` (high-water mark since this method's cache was created), ``prefill_s`` (time to extend the
+    prompt to this context), and, added at the end, ``vs_first`` (step time over this method's step time at the
+    second context, 2K by default, or the first if there is one) and ``vs_full`` (over ``full`` at the same context).
+    """
+    set_threads(threads)
+    contexts = _check_contexts(contexts)
+    for name, value, low in (("steps", steps, 1), ("warmup_steps", warmup_steps, 0), ("chunk_size", chunk_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    model, _ = load_bench_model(model)
+    names = list(methods) + ([DYNAMIC] if dynamic else [])
+    unknown = [m for m in methods if m not in kvcompress.METHODS]
+    if unknown:
+        raise ValueError(f"methods must be among {', '.join(kvcompress.METHODS)}; got {', '.join(unknown)}")
+    vocab = model.config.get_text_config().vocab_size
+    total = contexts[-1] + warmup_steps + steps
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, total), generator=torch.Generator().manual_seed(seed))
+    rows: list[Row] = []
+    with torch.inference_mode():
+        for method in names:
+            for row in _bench_method(model, method, budget, ids, contexts, steps, warmup_steps, chunk_size):
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+            gc.collect()  # the method's cache is gone with _bench_method's frame
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """Add ``vs_first`` (step time over the same method's at its second context) and ``vs_full`` in place."""
+    by_method: dict[str, list[Row]] = {}
+    for row in rows:
+        by_method.setdefault(str(row["method"]), []).append(row)
+    full = {row["context"]: row["step_ms"] for row in by_method.get("full", [])}
+    for method_rows in by_method.values():
+        reference = method_rows[1 if len(method_rows) > 1 else 0]["step_ms"]
+        for row in method_rows:
+            row["vs_first"] = row["step_ms"] / reference
+            if row["context"] in full:
+                row["vs_full"] = row["step_ms"] / full[row["context"]]
+
+
+DECODE_COLUMNS: tuple[Column, ...] = (
+    ("method", "method", ""),
+    ("context", "context (tokens)", "d"),
+    ("step_ms", "median step (ms)", ".1f"),
+    ("p10_ms", "p10 (ms)", ".1f"),
+    ("p90_ms", "p90 (ms)", ".1f"),
+    ("tokens_per_s", "tokens/s", ".1f"),
+    ("vs_first", "× own step at 2K", ".2f"),
+    ("vs_full", "× full at same context", ".2f"),
+    ("stored_tokens", "stored tokens / layer", "d"),
+    ("kv_mib", "stored KV (MiB)", ".1f"),
+    ("peak_rss_mib", "peak RSS (MiB)", ".0f"),
+)
+
+
+def decode_table(rows: Sequence[Row]) -> str:
+    """The markdown table of ``run_decode`` rows."""
+    return markdown_table(rows, DECODE_COLUMNS)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.decode", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or HF id")
+    parser.add_argument("--methods", default=",".join(DECODE_METHODS), help="comma-separated method names")
+    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head (bounded methods)")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated, increasing")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk used to reach each context")
+    parser.add_argument("--no-dynamic", action="store_true", help="skip transformers' DynamicCache reference")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="folder for decode.json/.md/.png (+ partial .jsonl)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    on_row = None
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        partial = args.out / "decode.partial.jsonl"
+        partial.write_text("")
+
+        def on_row(row: Row) -> None:
+            with partial.open("a") as file:
+                file.write(json.dumps(row) + "\n")
+
+    rows = run_decode(
+        args.model,
+        [m for m in args.methods.split(",") if m],
+        budget=args.budget,
+        contexts=[int(c) for c in args.contexts.split(",") if c],
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        chunk_size=args.chunk_size,
+        dynamic=not args.no_dynamic,
+        threads=args.threads,
+        seed=args.seed,
+        on_row=on_row,
+    )
+    meta = {
+        "benchmark": "decode",
+        **{k: str(v) for k, v in vars(args).items() if k != "out"},
+        **environment(args.threads),
+    }
+    table = decode_table(rows)
+    print(f"decode: {args.model}, budget {args.budget}; {meta['machine']}\n")
+    print(table)
+    if args.out is not None:
+        from kvcompress.bench.plots import plot_decode
+
+        save_rows(args.out / "decode.json", rows, meta)
+        (args.out / "decode.md").write_text(table + "\n")
+        plot_decode(rows, args.out / "decode.png", model=args.model, machine=str(meta["machine"]), budget=args.budget)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Plots of benchmark rows (matplotlib, Agg backend): units on the axes, a legend, model and machine in the title."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+Row = dict[str, object]
+
+
+def _by(rows: Sequence[Row], key: str) -> dict[str, list[Row]]:
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(str(row[key]), []).append(row)
+    return groups
+
+
+def plot_decode(rows: Sequence[Row], path: str | Path, *, model: str, machine: str, budget: int) -> Path:
+    """Decode step time (left) and stored KV (right) vs logical context, one line per method, log-x."""
+    fig, (ax_time, ax_kv) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for method, group in _by(rows, "method").items():
+        group = sorted(group, key=lambda r: r["context"])
+        contexts = [r["context"] for r in group]
+        style = {"linewidth": 2.4, "color": "black"} if method in ("full", "DynamicCache (sdpa)") else {}
+        if method == "DynamicCache (sdpa)":
+            style = {"linewidth": 1.6, "color": "grey", "linestyle": "--"}
+        ax_time.plot(contexts, [r["step_ms"] for r in group], marker="o", label=method, **style)
+        ax_kv.plot(contexts, [r["kv_mib"] for r in group], marker="o", label=method, **style)
+    for ax in (ax_time, ax_kv):
+        ax.set_xscale("log", base=2)
+        contexts = sorted({r["context"] for r in rows})
+        ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.set_xlabel("logical context length (tokens, log scale)")
+        ax.grid(True, alpha=0.3)
+    ax_time.set_ylabel("median decode step time (ms)")
+    ax_time.set_ylim(bottom=0)
+    ax_time.set_title("decode step time")
+    ax_kv.set_ylabel("stored keys + values, all layers (MiB)")
+    ax_kv.set_yscale("log")
+    ax_kv.set_title("stored KV cache")
+    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}")
+    fig.suptitle(f"decode vs context — {model}, {machine}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_prefill(rows: Sequence[Row], path: str | Path, *, model: str, machine: str) -> Path:
+    """Grouped bars: prefill time (left) and peak RSS above start (right) per method, one pass vs chunked."""
+    prompts = sorted({r["prompt"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    labels = [f"{m}\n{p // 1024}K" if p % 1024 == 0 else f"{m}\n{p}" for p in prompts for m in methods]
+    index = {(r["method"], r["prompt"], r["mode"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.8 / len(modes)
+    for ax, key, ylabel in (
+        (axes[0], "time_s", "prefill time (s)"),
+        (axes[1], "peak_extra_mib", "peak RSS above start of prefill (MiB)"),
+    ):
+        for k, mode in enumerate(modes):
+            values = [index.get((m, p, mode), {}).get(key, 0) for p in prompts for m in methods]
+            positions = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(values))]
+            ax.bar(positions, values, width, label=mode)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xlabel("method / prompt length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("prefill time")
+    axes[1].set_title("peak memory")
+    fig.suptitle(f"prefill one pass vs chunked — {model}, {machine}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_cache_op(rows: Sequence[Row], path: str | Path, *, setup: str, machine: str) -> Path:
+    """Horizontal bars: median µs per cache update, with the 10th-90th percentile range."""
+    rows = list(rows)
+    names = [str(r["cache"]) for r in rows]
+    medians = [float(r["median_us"]) for r in rows]
+    low = [m - float(r["p10_us"]) for m, r in zip(medians, rows, strict=True)]
+    high = [float(r["p90_us"]) - m for m, r in zip(medians, rows, strict=True)]
+    colors = ["tab:grey" if r["kind"] != "kvcompress" else "tab:blue" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.8))
+    ax.barh(range(len(rows)), medians, xerr=[low, high], color=colors, capsize=3)
+    ax.set_yticks(range(len(rows)), names, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("median latency per cache update (µs, log scale; bars: p10-p90)")
+    ax.grid(True, axis="x", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    ax.legend(
+        handles=[Patch(color="tab:blue", label="kvcompress"), Patch(color="tab:grey", label="references")],
+        fontsize=8,
+        loc="lower right",
+    )
+    ax.set_title(f"cache-op — {setup}\n{machine}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

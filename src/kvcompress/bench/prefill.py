@@ -1,0 +1,200 @@
+"""``prefill``: time and peak memory of a long prompt prefilled in one pass vs in chunks with eviction between them.
+
+For each method and prompt length the prompt (random token ids) is run through ``kvcompress.generation.prefill``
+once with ``chunk_size=None`` (one forward over the whole prompt: every key is stored before the method evicts)
+and once in chunks (bounded methods evict between chunks, so the stored cache never exceeds budget + chunk).
+Peak memory is the process's resident-set high-water mark during the prefill minus the RSS just before it (the
+model's weights are already resident), reset before each run (see ``kvcompress.bench.common``). Each configuration
+runs ``repeats`` times on a fresh cache; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+import kvcompress
+from kvcompress.bench.common import MIB, PeakMemory, environment, load_bench_model, set_threads
+from kvcompress.bench.table import Column, markdown_table, save_rows
+from kvcompress.generation import prefill
+
+logger = logging.getLogger(__name__)
+
+PREFILL_METHODS: tuple[str, ...] = ("full", "streaming", "h2o")
+PROMPTS: tuple[int, ...] = (4096, 8192)
+Row = dict[str, object]
+
+
+def run_prefill(
+    model: str | PreTrainedModel = "smollm2-135m",
+    methods: Sequence[str] = PREFILL_METHODS,
+    *,
+    budget: int = 512,
+    prompt_lengths: Sequence[int] = PROMPTS,
+    chunk_size: int = 512,
+    repeats: int = 1,
+    threads: int = 1,
+    seed: int = 0,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """Prefill time and peak memory, one pass vs chunked, per method and prompt length.
+
+    Row keys: ``method``, ``budget``, ``prompt``, ``mode`` (``one pass`` / ``chunks of N``), ``chunk_size``
+    (``None`` for one pass), ``time_s``, ``tokens_per_s``, ``peak_extra_mib`` (peak RSS above the RSS before the
+    prefill), ``peak_rss_mib``, ``kv_mib`` and ``stored_tokens`` after the prefill, ``repeats``, and
+    ``time_vs_one_pass`` / ``memory_vs_one_pass`` (chunked over one pass, same method and prompt).
+    """
+    set_threads(threads)
+    for name, value in (("chunk_size", chunk_size), ("repeats", repeats), ("budget", budget)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not prompt_lengths or any(not isinstance(p, int) or p < 2 for p in prompt_lengths):
+        raise ValueError(f"prompt_lengths must be integers >= 2, got {list(prompt_lengths)!r}")
+    unknown = [m for m in methods if m not in kvcompress.METHODS]
+    if unknown:
+        raise ValueError(f"methods must be among {', '.join(kvcompress.METHODS)}; got {', '.join(unknown)}")
+    model, _ = load_bench_model(model)
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, max(prompt_lengths)), generator=generator)
+    rows: list[Row] = []
+    with torch.inference_mode():
+        for prompt in prompt_lengths:
+            for method in methods:
+                params = {} if method == "full" else {"budget": budget}
+                for chunk in (None, chunk_size):
+                    times, extras, peaks = [], [], []
+                    for _ in range(repeats):
+                        cache = kvcompress.cache_for(model, method, **params)
+                        gc.collect()
+                        with PeakMemory() as memory:
+                            start = time.perf_counter()
+                            prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
+                            times.append(time.perf_counter() - start)
+                        extras.append(memory.extra)
+                        peaks.append(memory.peak)
+                        kv, stored = cache.nbytes(), cache.tokens_stored()[0]
+                        del cache
+                    seconds = statistics.median(times)
+                    row = {
+                        "method": method,
+                        "budget": params.get("budget"),
+                        "prompt": prompt,
+                        "mode": "one pass" if chunk is None else f"chunks of {chunk}",
+                        "chunk_size": chunk,
+                        "time_s": seconds,
+                        "tokens_per_s": prompt / seconds,
+                        "peak_extra_mib": statistics.median(extras) / MIB,
+                        "peak_rss_mib": statistics.median(peaks) / MIB,
+                        "kv_mib": kv / MIB,
+                        "stored_tokens": stored,
+                        "repeats": repeats,
+                    }
+                    rows.append(row)
+                    logger.info(
+                        "prefill %s %d %s: %.1f s, +%.0f MiB",
+                        method,
+                        prompt,
+                        row["mode"],
+                        seconds,
+                        row["peak_extra_mib"],
+                    )
+                    if on_row is not None:
+                        on_row(row)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """Add ``time_vs_one_pass`` and ``memory_vs_one_pass`` to every row, in place."""
+    one_pass = {(r["method"], r["prompt"]): r for r in rows if r["chunk_size"] is None}
+    for row in rows:
+        base = one_pass.get((row["method"], row["prompt"]))
+        if base is not None:
+            row["time_vs_one_pass"] = row["time_s"] / base["time_s"]
+            # a peak below 1 MiB is noise, not a base for a ratio
+            row["memory_vs_one_pass"] = (
+                row["peak_extra_mib"] / base["peak_extra_mib"] if base["peak_extra_mib"] >= 1 else None
+            )
+
+
+PREFILL_COLUMNS: tuple[Column, ...] = (
+    ("method", "method", ""),
+    ("prompt", "prompt (tokens)", "d"),
+    ("mode", "mode", ""),
+    ("time_s", "time (s)", ".1f"),
+    ("tokens_per_s", "tokens/s", ".0f"),
+    ("time_vs_one_pass", "time × one pass", ".2f"),
+    ("peak_extra_mib", "peak RSS above start (MiB)", ".0f"),
+    ("memory_vs_one_pass", "peak × one pass", ".2f"),
+    ("kv_mib", "stored KV after (MiB)", ".1f"),
+    ("stored_tokens", "stored tokens / layer", "d"),
+)
+
+
+def prefill_table(rows: Sequence[Row]) -> str:
+    """The markdown table of ``run_prefill`` rows."""
+    return markdown_table(rows, PREFILL_COLUMNS)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.prefill", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or HF id")
+    parser.add_argument("--methods", default=",".join(PREFILL_METHODS), help="comma-separated method names")
+    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head (bounded methods)")
+    parser.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="comma-separated prompt lengths")
+    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="folder for prefill.json/.md/.png (+ partial .jsonl)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    on_row = None
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        partial = args.out / "prefill.partial.jsonl"
+        partial.write_text("")
+
+        def on_row(row: Row) -> None:
+            with partial.open("a") as file:
+                file.write(json.dumps(row) + "\n")
+
+    rows = run_prefill(
+        args.model,
+        [m for m in args.methods.split(",") if m],
+        budget=args.budget,
+        prompt_lengths=[int(p) for p in args.prompts.split(",") if p],
+        chunk_size=args.chunk_size,
+        repeats=args.repeats,
+        threads=args.threads,
+        seed=args.seed,
+        on_row=on_row,
+    )
+    meta = {
+        "benchmark": "prefill",
+        **{k: str(v) for k, v in vars(args).items() if k != "out"},
+        **environment(args.threads),
+    }
+    table = prefill_table(rows)
+    print(f"prefill: {args.model}, budget {args.budget}; {meta['machine']}\n")
+    print(table)
+    if args.out is not None:
+        from kvcompress.bench.plots import plot_prefill
+
+        save_rows(args.out / "prefill.json", rows, meta)
+        (args.out / "prefill.md").write_text(table + "\n")
+        plot_prefill(rows, args.out / "prefill.png", model=args.model, machine=str(meta["machine"]))
+
+
+if __name__ == "__main__":
+    main()
