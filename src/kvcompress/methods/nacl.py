@@ -186,17 +186,29 @@ class NaClPolicy(Policy):
         key_valid, key_idx = layer.valid[:, :, None, None, :], layer.token_idx[:, :, None, None, :]
         total = torch.zeros(batch, kv_heads, groups, length, device=keys.device)
         chunk = max(1, PROXY_CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+        no_padding = bool(layer.valid.all())  # then stored index == stream index and every row sees a key
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
-            grouped = query[:, :, start:stop].float().reshape(batch, kv_heads, groups, stop - start, dim)
+            grouped = query[:, :, start:stop].float().reshape(batch, kv_heads, groups, stop - start, dim) * scale
             logits = grouped @ keys[:, :, None].transpose(-1, -2)  # [B, H_kv, G, c, L]
-            hidden = ~key_valid
-            if self.config.proxy_causal:
-                hidden = hidden | (key_idx > rows[start:stop][None, None, None, :, None])
-            probs = logits.mul_(scale).masked_fill_(hidden, float("-inf")).softmax(dim=-1)
-            del logits
-            probs.nan_to_num_(0.0).mul_(is_proxy[:, None, None, start:stop, None])  # rows that are not proxies: 0
-            total += probs.sum(dim=3)
+            row_idx = rows[start:stop][None, None, None, :, None]
+            if no_padding:  # causal masking only touches the columns from this chunk's first row on
+                if self.config.proxy_causal:
+                    first = int(rows[start])
+                    future = key_idx[..., first:] > row_idx
+                    logits[..., first:].masked_fill_(future, float("-inf"))
+            else:
+                hidden = ~key_valid
+                if self.config.proxy_causal:
+                    hidden = hidden | (key_idx > row_idx)
+                logits.masked_fill_(hidden, float("-inf"))
+            # sum over rows of softmax = (1 / row sums) @ exp(logits - row max): no normalised copy is made
+            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            weight = is_proxy[:, None, None, start:stop].to(logits.dtype) / logits.sum(dim=-1)
+            weight = weight.nan_to_num_(0.0)  # rows with no visible key (padding) count for nothing
+            if not no_padding:
+                logits.nan_to_num_(0.0)
+            total += (weight[..., None, :] @ logits).squeeze(-2)
         return reduce_groups(total, self.config.gqa_reduce)
 
     # --- Algorithm 1 lines 26-27: optional re-eviction while decoding ---------------------------------------
