@@ -168,6 +168,8 @@ def method_params(method: str, setup: CacheOpSetup) -> dict[str, object]:
         return {}
     if method == "streaming":
         return {"budget": setup.capacity, "sinks": setup.sinks}
+    if method == "snapkv":  # its observation window (32 by default) must fit in the budget
+        return {"budget": setup.capacity, "window": min(32, setup.capacity)}
     return {"budget": setup.capacity}
 
 

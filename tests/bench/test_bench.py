@@ -1,0 +1,120 @@
+"""Mechanics of the benchmarks (no timing assertions: timings on a shared CPU are noise)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.bench.cache_op import (
+    CONCAT_SINK,
+    CacheOpSetup,
+    CircularSinkCache,
+    ConcatSinkCache,
+    run_cache_op,
+    synthetic_stats,
+)
+from kvcompress.bench.decode import DECODE_COLUMNS, decode_table, run_decode
+from kvcompress.bench.prefill import run_prefill
+from kvcompress.bench.table import load_rows, markdown_table, save_rows
+from kvcompress.cache import CompressedLayer
+from kvcompress.methods import make_config
+from kvcompress.models import tiny_model
+
+
+def _token(index: int, batch: int = 2, heads: int = 3, dim: int = 4) -> torch.Tensor:
+    """A key whose every entry is its stream index, so kept tokens can be read back from the cache."""
+    return torch.full((batch, heads, 1, dim), float(index))
+
+
+def test_concat_sink_reference_keeps_the_same_tokens_as_streaming_layer():
+    sinks, window = 2, 5
+    reference = ConcatSinkCache(sinks, window)
+    layer = CompressedLayer(make_config("streaming", budget=sinks + window, sinks=sinks).policy(0))
+    for i in range(20):
+        key = _token(i)
+        reference.update(key, key.clone())
+        layer.update(key, key.clone())
+        layer.after_attention(None)
+        assert torch.equal(reference.keys, layer.keys), f"after token {i}"
+        assert torch.equal(reference.values, layer.values)
+    assert reference.keys[0, 0, :, 0].tolist() == [0, 1, 15, 16, 17, 18, 19]
+
+
+def test_circular_sink_reference_keeps_the_same_token_set():
+    sinks, window = 2, 5
+    concat, circular = ConcatSinkCache(sinks, window), CircularSinkCache(sinks, window)
+    for i in range(17):
+        concat.update(_token(i), _token(i))
+        keys, _ = circular.update(_token(i), _token(i))
+        assert sorted(keys[0, 0, :, 0].tolist()) == concat.keys[0, 0, :, 0].tolist()
+
+
+def test_synthetic_stats_have_the_shapes_policies_read():
+    setup = CacheOpSetup(batch=2, heads=3, head_dim=4, window=8, tokens=1)
+    generator = torch.Generator().manual_seed(0)
+    for method in ("h2o", "tova", "scissorhands", "snapkv", "streaming"):
+        policy = make_config(method, budget=40).policy(0)
+        stats = synthetic_stats(policy.stats, setup, length=41, query_count=1, generator=generator)
+        if not policy.stats.any:
+            assert stats is None
+            continue
+        if policy.stats.received:
+            assert stats.received.shape == (2, 3, 1, 41)
+            assert torch.allclose(stats.received.sum(-1), torch.ones(2, 3, 1))
+        if policy.stats.last_queries:
+            assert stats.last.shape == (2, 3, 1, 1, 41)
+            assert stats.last_visible.shape == (2, 1, 1, 41)
+
+
+def test_cache_op_runs_every_method_and_reference_with_ratios():
+    rows = run_cache_op(batch=1, heads=2, head_dim=8, window=16, warmup=1, tokens=3)
+    names = [row["cache"] for row in rows]
+    assert CONCAT_SINK in names and "streaming" in names and "DynamicCache (transformers)" in names
+    for row in rows:
+        assert row["steps"] == 3 and row["median_us"] > 0
+        assert row["vs_concat_sink"] > 0 and row["vs_streaming"] > 0
+    stored = {row["cache"]: row["stored"] for row in rows}
+    assert stored["streaming"] == stored[CONCAT_SINK] == 4 + 16
+    assert stored["full"] == 4 + 16 + 1 + 3  # unbounded: fill + warm-up + timed tokens
+
+
+def test_markdown_table_formats_and_escapes():
+    rows = [{"a": "x|y", "b": 1.234, "c": None}, {"a": "z", "b": 10.0, "c": True}]
+    table = markdown_table(rows, [("a", "name", ""), ("b", "value", ".1f"), ("c", "flag", "")])
+    assert table.splitlines() == [
+        "| name | value | flag |",
+        "|---|---:|---|",
+        "| x\\|y | 1.2 | — |",
+        "| z | 10.0 | yes |",
+    ]
+
+
+def test_save_and_load_rows_round_trip(tmp_path):
+    path = save_rows(tmp_path / "sub" / "r.json", [{"a": 1}], {"machine": "m"})
+    assert load_rows(path) == ([{"a": 1}], {"machine": "m"})
+
+
+def test_tiny_model_decode_bench_returns_rows_with_expected_keys():
+    model = tiny_model("llama")
+    seen = []
+    rows = run_decode(
+        model, ["full", "streaming", "h2o"], budget=16, contexts=[32, 64], steps=2, chunk_size=16, on_row=seen.append
+    )
+    assert len(rows) == 8 and seen == rows  # 3 methods + DynamicCache, 2 contexts each
+    expected = {key for key, _, _ in DECODE_COLUMNS} | {"budget", "rss_mib", "prefill_s"}
+    for row in rows:
+        assert expected <= set(row)
+    stored = {(row["method"], row["context"]): row["stored_tokens"] for row in rows}
+    assert stored[("streaming", 64)] == 16 and stored[("full", 64)] == 64 + 2 + 2  # + warm-up and timed steps
+    assert "| full | 32 |" in decode_table(rows)
+
+
+def test_tiny_model_prefill_bench_compares_one_pass_and_chunks():
+    rows = run_prefill(tiny_model("llama"), ["full", "streaming"], budget=16, prompt_lengths=[48], chunk_size=16)
+    assert [(row["method"], row["mode"]) for row in rows] == [
+        ("full", "one pass"),
+        ("full", "chunks of 16"),
+        ("streaming", "one pass"),
+        ("streaming", "chunks of 16"),
+    ]
+    assert [row["stored_tokens"] for row in rows] == [48, 48, 16, 16]
+    assert all(row["time_vs_one_pass"] > 0 for row in rows)
