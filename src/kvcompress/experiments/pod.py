@@ -15,7 +15,8 @@ Setting (all runs): n = 512-token contexts, n_sink = 16, n_recent = 64 (the pape
 ``weights``: ``base`` (the model as shipped), ``adapted`` (after ``pod-adapt`` with PoD attention, delta = 0.5) or
 ``control`` (the same training with dense attention). Perplexity: NLL of the last 256 tokens of each window (every
 one of them has at least 176 distant tokens); PoD and the dense model are teacher-forced in one forward (tests
-check that equals decoding); eviction baselines are fed 4 tokens per forward so that they really evict.
+check that equals decoding); eviction baselines are fed 16 tokens per forward so that they really evict (a query
+sees at most budget + 15 keys: a small advantage to them).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ DOCS = ROOT / "docs" / "results"
 RESULTS = DOCS / "pod_results.jsonl"
 MODEL = "smollm2-135m"
 LENGTH, NS, NR, SCORED = 512, 16, 64, 256
+STREAM_CHUNK = 16  # eviction baselines: tokens per forward (a query sees at most budget + 15 keys)
 POD_RUNS = Path.home() / ".cache" / "kvcompress" / "pod"
 WEIGHTS = {"adapted": POD_RUNS / "adapt-d05" / "final.pt", "control": POD_RUNS / "control" / "final.pt"}
 DELTAS = (0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
@@ -127,8 +129,8 @@ def window_nll(model, ids: torch.Tensor, method: str, params: dict, feed: str) -
         logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0]
     else:
         parts = [
-            model(input_ids=ids[None, s : s + 4], past_key_values=cache, use_cache=True).logits[0]
-            for s in range(0, LENGTH, 4)
+            model(input_ids=ids[None, s : s + STREAM_CHUNK], past_key_values=cache, use_cache=True).logits[0]
+            for s in range(0, LENGTH, STREAM_CHUNK)
         ]
         logits = torch.cat(parts)
     targets = ids[LENGTH - SCORED :]
@@ -308,14 +310,14 @@ def report() -> None:
 def _plot_tau(groups) -> None:
     points = []
     for (experiment, weights, label), group in groups.items():
-        if experiment != "tau" or "tau" not in label:
+        if experiment not in ("tau", "ppl") or not label.startswith("pod-d0.5") or "v2" in label:
+            continue
+        if experiment == "ppl" and label not in ("pod-d0.5", "pod-d0.5-tau0"):
             continue
         gates = [r["gate"] for r in group]
         eligible = sum(g["eligible"] for g in gates)
-        if eligible:
-            points.append(
-                (weights, sum(g["skipped"] for g in gates) / eligible, math.exp(_mean([r["nll"] for r in group])))
-            )
+        fraction = sum(g["skipped"] for g in gates) / eligible if eligible else 0.0
+        points.append((weights, fraction, math.exp(_mean([r["nll"] for r in group]))))
     if not points:
         return
     import matplotlib
