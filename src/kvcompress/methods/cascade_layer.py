@@ -173,38 +173,43 @@ class CascadeLayer(CompressedLayer):
             reached = torch.cat([into_cascades[:, None], passes[:, :-1]], 1).cumprod(1).bool()
         else:
             reached = into_cascades[:, None]
+        self._count = count + (reached & ~(passes | select)).long()
+        self._start = (start + (reached & passes).long()) % width
+        depth = int(reached.sum(1).max())  # cascades the deepest sequence reaches: only those columns move
+        reached, select = reached[:, :depth], select[:, :depth]
         # (b) oldest slot = start + count (mod W) when full; (a) next free; (c) start; (d) newest slot
-        dest = self._first_slot + (start + count - select.long()) % width  # [B, N]
-        evicted = self._first_slot[:-1] + start[:, :-1]  # [B, N-1]: the oldest slot of cascades 0..N-2
+        first_slot, start, count = self._first_slot[:depth], start[:, :depth], count[:, :depth]
+        dest = first_slot + (start + count - select.long()) % width  # [B, depth]
+        evicted = first_slot[:-1] + start[:, :-1]  # [B, depth - 1]: the oldest slots the chain passes through
         write = reached
         new_score = torch.zeros(batch, 1, device=self.device) if score is None else score.float()[:, None]
-        if self.policy.needs_scores:
+        if self.policy.needs_scores and depth:
             scores, seq = self._score.view(-1), self._bases()[1][:, None]
             evicted_score = scores[seq + evicted]
             arriving = torch.cat([new_score, evicted_score], 1)
             resident = scores[seq + dest]
             loses = arriving < resident if config.tie == "incoming" else arriving <= resident
             write = reached & ~(select & loses)
-        self._count = count + (reached & ~(passes | select)).long()
-        self._start = (start + (reached & passes).long()) % width
         dest = torch.where(write, dest, slots)  # columns that write nothing write the scratch slot
-        lead = 1
+        lead = 1 if depth else 0  # columns that take the new token
         if not self._sinks_full:
             to_sink = real & (seen < sinks)
             dest = torch.cat([torch.where(to_sink, seen, slots)[:, None], dest], 1)
             self._n_sink = self._n_sink + to_sink.long()
-            lead = 2  # the new token is the item of the sink column and of cascade 0
+            lead += 1  # the new token is also the item of the sink column
             self._sinks_full = bool((self._n_sink == sinks).all())
         self._n_real = seen + real.long()
         if not self._filled:
             self._filled = bool((self._n_real >= slots).all())
+        if not lead:
+            return  # padding only
         # items: the new token (lead columns), then the tokens evicted from cascades 0..N-2; moved as whole rows of
         # flattened buffers (index_select / index_copy_ copy contiguous rows, unlike gather / scatter)
         heads, width_kv = self._kv.shape[1], self._kv.shape[-1]
         rows, seq = self._bases()
         kv_rows = self._kv.view(-1, width_kv)
         items = kv.expand(batch, heads, lead, width_kv)
-        if self.cascades > 1:
+        if depth > 1:
             moved = kv_rows.index_select(0, (rows[:, :, None] + evicted[:, None, :]).flatten())
             items = torch.cat([items, moved.view(batch, heads, -1, width_kv)], 2)
         if self.inv_freq is not None:  # rotate each key from where it was (0 for the new one) to its slot
@@ -214,11 +219,11 @@ class CascadeLayer(CompressedLayer):
         kv_rows.index_copy_(0, (rows[:, :, None] + dest[:, None, :]).flatten(), items.reshape(-1, width_kv))
         meta_rows = self._meta.view(-1, 2)
         meta_items = meta.expand(batch, lead, 2)
-        if self.cascades > 1:
+        if depth > 1:
             moved = meta_rows.index_select(0, (seq[:, None] + evicted).flatten()).view(batch, -1, 2)
             meta_items = torch.cat([meta_items, moved], 1)
         meta_rows.index_copy_(0, (seq[:, None] + dest).flatten(), meta_items.reshape(-1, 2))
-        if self.policy.needs_scores:
+        if self.policy.needs_scores and depth:
             score_items = torch.cat([new_score.expand(batch, lead), evicted_score], 1)
             self._score.view(-1).index_copy_(0, (seq[:, None] + dest).flatten(), score_items.flatten())
 
