@@ -276,7 +276,8 @@ def run_cache_op(
 
     Row keys: ``cache``, ``kind`` (``kvcompress`` / ``reference`` / ``transformers``), ``bounded``,
     ``median_us``, ``p10_us``, ``p90_us``, ``steps``, ``stored`` (tokens stored per head at the end),
-    ``vs_concat_sink`` and ``vs_streaming`` (median ratios, from this run; missing when that cache did not run).
+    ``cpu_us`` (median process CPU time per update), ``vs_concat_sink`` and ``vs_streaming`` (median ratios, from
+    this run; missing when that cache did not run) and the same ratios of CPU time, ``cpu_vs_...``.
     """
     set_threads(threads)
     setup = CacheOpSetup(batch, heads, head_dim, sinks, window, warmup, tokens)
@@ -309,6 +310,7 @@ def run_cache_op(
                     "median_us": timing.median * 1e6,
                     "p10_us": timing.p10 * 1e6,
                     "p90_us": timing.p90 * 1e6,
+                    "cpu_us": timing.cpu_median * 1e6,
                     "steps": timing.count,
                     "stored": stored,
                 }
@@ -316,10 +318,12 @@ def run_cache_op(
             del cache, step
             gc.collect()
     by_name = {row["cache"]: row["median_us"] for row in rows}
+    by_cpu = {row["cache"]: row["cpu_us"] for row in rows}
     for row in rows:
         for key, reference in (("vs_concat_sink", CONCAT_SINK), ("vs_streaming", "streaming")):
             if reference in by_name:
                 row[key] = row["median_us"] / by_name[reference]
+                row["cpu_" + key] = row["cpu_us"] / by_cpu[reference]
     return rows
 
 
@@ -331,6 +335,9 @@ CACHE_OP_COLUMNS: tuple[Column, ...] = (
     ("p90_us", "p90 µs", ".0f"),
     ("vs_concat_sink", "× concat sink", ".2f"),
     ("vs_streaming", "× our streaming", ".2f"),
+    ("cpu_us", "median CPU µs", ".0f"),
+    ("cpu_vs_concat_sink", "CPU × concat sink", ".2f"),
+    ("cpu_vs_streaming", "CPU × our streaming", ".2f"),
     ("stored", "stored tokens (end)", "d"),
 )
 

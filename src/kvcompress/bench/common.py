@@ -41,9 +41,10 @@ class Timing:
     p10: float
     p90: float
     count: int
+    cpu_median: float | None = None  # median CPU time of this process per call (robust to other processes' load)
 
     @classmethod
-    def of(cls, samples: Sequence[float]) -> Timing:
+    def of(cls, samples: Sequence[float], cpu_samples: Sequence[float] | None = None) -> Timing:
         if not samples:
             raise ValueError("no timing samples")
         ordered = sorted(samples)
@@ -51,19 +52,25 @@ class Timing:
         def quantile(q: float) -> float:
             return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
-        return cls(statistics.median(ordered), quantile(0.1), quantile(0.9), len(ordered))
+        cpu = statistics.median(cpu_samples) if cpu_samples else None
+        return cls(statistics.median(ordered), quantile(0.1), quantile(0.9), len(ordered), cpu)
 
 
 def time_calls(fn: Callable[[int], object], count: int, warmup: int = 0) -> Timing:
-    """Call ``fn(i)`` ``warmup`` times untimed, then ``count`` times, timing each call; returns the summary."""
+    """Call ``fn(i)`` ``warmup`` times untimed, then ``count`` times, timing each call; returns the summary.
+
+    Each call's wall time and this process's CPU time are both recorded: on a shared, overloaded machine the wall
+    time includes waiting for a core, the CPU time (with one torch thread) does not.
+    """
     for i in range(warmup):
         fn(i)
-    samples = []
+    samples, cpu_samples = [], []
     for i in range(warmup, warmup + count):
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         fn(i)
         samples.append(time.perf_counter() - start)
-    return Timing.of(samples)
+        cpu_samples.append(time.process_time() - cpu_start)
+    return Timing.of(samples, cpu_samples)
 
 
 # --- memory ---------------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def _bench_method(
                 "p10_ms": timing.p10 * 1e3,
                 "p90_ms": timing.p90 * 1e3,
                 "tokens_per_s": 1.0 / timing.median,
+                "cpu_ms": timing.cpu_median * 1e3,
                 "steps": timing.count,
                 "stored_tokens": stored(),
                 "kv_mib": kv_bytes() / MIB,
@@ -163,8 +164,9 @@ def run_decode(
     Row keys: ``method``, ``budget``, ``context``, ``step_ms``, ``p10_ms``, ``p90_ms``, ``tokens_per_s``, ``steps``,
     ``stored_tokens`` (layer 0, per head), ``kv_mib`` (stored keys + values, all layers), ``rss_mib``,
     ``peak_rss_mib`` (high-water mark since this method's cache was created), ``prefill_s`` (time to extend the
-    prompt to this context), and, added at the end, ``vs_first`` (step time over this method's step time at the
-    second context, 2K by default, or the first if there is one) and ``vs_full`` (over ``full`` at the same context).
+    prompt to this context), ``cpu_ms`` (median process CPU time per step: robust to other processes' load), and,
+    added at the end, ``vs_first`` / ``cpu_vs_first`` (over this method's own step at its second context, 2K by
+    default, or its first if it has one) and ``vs_full`` / ``cpu_vs_full`` (over ``full`` at the same context).
     """
     set_threads(threads)
     contexts = _check_contexts(contexts)
@@ -197,12 +199,16 @@ def add_ratios(rows: list[Row]) -> None:
     for row in rows:
         by_method.setdefault(str(row["method"]), []).append(row)
     full = {row["context"]: row["step_ms"] for row in by_method.get("full", [])}
+    full_cpu = {row["context"]: row["cpu_ms"] for row in by_method.get("full", [])}
     for method_rows in by_method.values():
-        reference = method_rows[1 if len(method_rows) > 1 else 0]["step_ms"]
+        reference_row = method_rows[1 if len(method_rows) > 1 else 0]
+        reference, cpu_reference = reference_row["step_ms"], reference_row["cpu_ms"]
         for row in method_rows:
             row["vs_first"] = row["step_ms"] / reference
+            row["cpu_vs_first"] = row["cpu_ms"] / cpu_reference
             if row["context"] in full:
                 row["vs_full"] = row["step_ms"] / full[row["context"]]
+                row["cpu_vs_full"] = row["cpu_ms"] / full_cpu[row["context"]]
 
 
 DECODE_COLUMNS: tuple[Column, ...] = (
@@ -212,8 +218,9 @@ DECODE_COLUMNS: tuple[Column, ...] = (
     ("p10_ms", "p10 (ms)", ".1f"),
     ("p90_ms", "p90 (ms)", ".1f"),
     ("tokens_per_s", "tokens/s", ".1f"),
-    ("vs_first", "× own step at 2K", ".2f"),
-    ("vs_full", "× full at same context", ".2f"),
+    ("cpu_ms", "median CPU / step (ms)", ".1f"),
+    ("cpu_vs_first", "CPU × own at 2K", ".2f"),
+    ("cpu_vs_full", "CPU × full", ".2f"),
     ("stored_tokens", "stored tokens / layer", "d"),
     ("kv_mib", "stored KV (MiB)", ".1f"),
     ("peak_rss_mib", "peak RSS (MiB)", ".0f"),

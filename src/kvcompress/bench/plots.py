@@ -43,7 +43,7 @@ def plot_decode(rows: Sequence[Row], path: str | Path, *, model: str, machine: s
     ax_kv.set_ylabel("stored keys + values, all layers (MiB)")
     ax_kv.set_yscale("log")
     ax_kv.set_title("stored KV cache")
-    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}")
+    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}", loc="upper left")
     fig.suptitle(f"decode vs context — {model}, {machine}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
@@ -104,7 +104,7 @@ def plot_cache_op(rows: Sequence[Row], path: str | Path, *, setup: str, machine:
     ax.legend(
         handles=[Patch(color="tab:blue", label="kvcompress"), Patch(color="tab:grey", label="references")],
         fontsize=8,
-        loc="lower right",
+        loc="upper right",
     )
     ax.set_title(f"cache-op — {setup}\n{machine}", fontsize=10)
     fig.tight_layout()
