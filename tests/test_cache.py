@@ -112,6 +112,16 @@ def test_chunked_prefill_bounds_storage_and_matches_one_pass_for_full(tiny_llama
     assert bounded.tokens_stored() == [16, 16]
 
 
+def test_chunked_prefill_keeps_snapkv_window_inside_the_last_chunk(tiny_llama):
+    ids = ids_of(1, 70, seed=9)  # 70 = 6 + 64: the remainder chunk comes first
+    one_pass = kvcompress.cache_for(tiny_llama, "snapkv", budget=20, window=16)
+    chunked = kvcompress.cache_for(tiny_llama, "snapkv", budget=20, window=16)
+    prefill(tiny_llama, ids, one_pass)
+    prefill(tiny_llama, ids, chunked, chunk_size=32)
+    for single, split in zip(one_pass.compressed_layers, chunked.compressed_layers, strict=True):
+        assert torch.equal(single.token_idx, split.token_idx)
+
+
 def test_one_shot_method_compresses_once_after_a_chunked_prefill(tiny_llama):
     cache = kvcompress.cache_for(tiny_llama, "snapkv", ratio=0.25, window=4)
     prefill(tiny_llama, ids_of(1, 40, seed=7), cache, chunk_size=8)

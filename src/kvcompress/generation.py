@@ -36,8 +36,9 @@ def prefill(
     """Run the prompt through the model into ``cache`` and return the last position's logits ``[B, vocab]``.
 
     ``chunk_size`` splits the prompt into forwards of that many tokens; methods that evict as they go do so
-    between chunks, one-shot methods (SnapKV, NaCl) compress once after the last chunk. The cache may already
-    hold earlier tokens (then ``attention_mask`` covers them too).
+    between chunks, one-shot methods (SnapKV, NaCl) compress once after the last chunk. The remainder goes in
+    the first chunk, so the last chunk is always full and an observation window of up to ``chunk_size`` prompt
+    tokens lies inside it. The cache may already hold earlier tokens (then ``attention_mask`` covers them too).
     """
     _check_chunk_size(chunk_size)
     seen = cache.get_seq_length()
@@ -45,11 +46,12 @@ def prefill(
     if attention_mask is None:
         attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
     positions = positions_from_mask(attention_mask)
-    step = chunk_size or input_ids.shape[1]
+    length = input_ids.shape[1]
+    step = chunk_size or length
+    bounds = [0, *range(length % step or step, length + 1, step)]
     logits = None
     with cache.deferred_compression():
-        for start in range(0, input_ids.shape[1], step):
-            stop = min(start + step, input_ids.shape[1])
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
             out = model(
                 input_ids=input_ids[:, start:stop],
                 attention_mask=attention_mask[:, : seen + stop],
