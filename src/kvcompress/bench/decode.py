@@ -74,6 +74,7 @@ def _bench_method(
     steps: int,
     warmup_steps: int,
     chunk_size: int,
+    on_row: Callable[[Row], None] | None,
 ) -> list[Row]:
     if method == DYNAMIC:
         model.set_attn_implementation("sdpa")
@@ -135,6 +136,8 @@ def _bench_method(
                 "prefill_s": prefill_s,
             }
         )
+        if on_row is not None:
+            on_row(rows[-1])
         logger.info("decode %s @ %d: %.1f ms/step", method, context, timing.median * 1e3)
     if method == DYNAMIC:
         kvcompress.prepare_model(model)
@@ -184,10 +187,7 @@ def run_decode(
     rows: list[Row] = []
     with torch.inference_mode():
         for method in names:
-            for row in _bench_method(model, method, budget, ids, contexts, steps, warmup_steps, chunk_size):
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+            rows += _bench_method(model, method, budget, ids, contexts, steps, warmup_steps, chunk_size, on_row)
             gc.collect()  # the method's cache is gone with _bench_method's frame
     add_ratios(rows)
     return rows

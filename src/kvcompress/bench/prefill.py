@@ -49,9 +49,10 @@ def run_prefill(
     """Prefill time and peak memory, one pass vs chunked, per method and prompt length.
 
     Row keys: ``method``, ``budget``, ``prompt``, ``mode`` (``one pass`` / ``chunks of N``), ``chunk_size``
-    (``None`` for one pass), ``time_s``, ``tokens_per_s``, ``peak_extra_mib`` (peak RSS above the RSS before the
-    prefill), ``peak_rss_mib``, ``kv_mib`` and ``stored_tokens`` after the prefill, ``repeats``, and
-    ``time_vs_one_pass`` / ``memory_vs_one_pass`` (chunked over one pass, same method and prompt).
+    (``None`` for one pass), ``time_s``, ``tokens_per_s``, ``cpu_s`` (process CPU time), ``peak_extra_mib`` (peak
+    RSS above the RSS before the prefill), ``peak_rss_mib``, ``kv_mib`` and ``stored_tokens`` after the prefill,
+    ``repeats``, and
+    ``time_vs_one_pass`` / ``cpu_vs_one_pass`` / ``memory_vs_one_pass`` (over one pass, same method and prompt).
     """
     set_threads(threads)
     for name, value in (("chunk_size", chunk_size), ("repeats", repeats), ("budget", budget)):
@@ -72,14 +73,15 @@ def run_prefill(
             for method in methods:
                 params = {} if method == "full" else {"budget": budget}
                 for chunk in (None, chunk_size):
-                    times, extras, peaks = [], [], []
+                    times, cpu_times, extras, peaks = [], [], [], []
                     for _ in range(repeats):
                         cache = kvcompress.cache_for(model, method, **params)
                         gc.collect()
                         with PeakMemory() as memory:
-                            start = time.perf_counter()
+                            cpu_start, start = time.process_time(), time.perf_counter()
                             prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
                             times.append(time.perf_counter() - start)
+                            cpu_times.append(time.process_time() - cpu_start)
                         extras.append(memory.extra)
                         peaks.append(memory.peak)
                         kv, stored = cache.nbytes(), cache.tokens_stored()[0]
@@ -93,6 +95,7 @@ def run_prefill(
                         "chunk_size": chunk,
                         "time_s": seconds,
                         "tokens_per_s": prompt / seconds,
+                        "cpu_s": statistics.median(cpu_times),
                         "peak_extra_mib": statistics.median(extras) / MIB,
                         "peak_rss_mib": statistics.median(peaks) / MIB,
                         "kv_mib": kv / MIB,
@@ -121,6 +124,7 @@ def add_ratios(rows: list[Row]) -> None:
         base = one_pass.get((row["method"], row["prompt"]))
         if base is not None:
             row["time_vs_one_pass"] = row["time_s"] / base["time_s"]
+            row["cpu_vs_one_pass"] = row["cpu_s"] / base["cpu_s"]
             # a peak below 1 MiB is noise, not a base for a ratio
             row["memory_vs_one_pass"] = (
                 row["peak_extra_mib"] / base["peak_extra_mib"] if base["peak_extra_mib"] >= 1 else None
@@ -134,6 +138,8 @@ PREFILL_COLUMNS: tuple[Column, ...] = (
     ("time_s", "time (s)", ".1f"),
     ("tokens_per_s", "tokens/s", ".0f"),
     ("time_vs_one_pass", "time × one pass", ".2f"),
+    ("cpu_s", "CPU time (s)", ".1f"),
+    ("cpu_vs_one_pass", "CPU × one pass", ".2f"),
     ("peak_extra_mib", "peak RSS above start (MiB)", ".0f"),
     ("memory_vs_one_pass", "peak × one pass", ".2f"),
     ("kv_mib", "stored KV after (MiB)", ".1f"),
