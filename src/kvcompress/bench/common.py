@@ -5,12 +5,15 @@ percentiles), and compare methods by ratios measured in the same run. Torch's th
 explicitly (``set_threads``): on a loaded 2-core machine two threads ran single-token decoding 5-15x slower than one.
 
 Peak memory is the process's resident-set high-water mark (``VmHWM``), reset before each measurement by writing
-``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0). Where that is not possible (other systems, restricted
-containers) ``resource.getrusage`` gives the lifetime peak and the result says so (``peak_resettable=False``).
+``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), after handing freed heap memory back to the OS (``malloc_trim``).
+Where that is not possible (other systems, restricted containers) ``resource.getrusage`` gives the lifetime peak and
+``PeakMemory.resettable`` is False.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import platform
 import resource
@@ -98,8 +101,25 @@ def _rusage_peak() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Without this, memory freed by an earlier run stays resident in malloc's arenas and a later run reusing it never
+    raises the RSS, so its peak would read as (near) zero.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peak_rss() -> bool:
-    """Reset the resident-set high-water mark to the current RSS; returns False where this is not possible."""
+    """Release free memory, then reset the resident-set high-water mark to the current RSS.
+
+    Returns False where the reset is not possible (the peak is then the process's lifetime peak).
+    """
+    release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
