@@ -9,7 +9,6 @@ import torch
 
 import kvcompress
 from kvcompress.cache import CompressedLayer
-from kvcompress.generation import prefill
 from kvcompress.methods import make_config
 from kvcompress.methods.base import AttentionStats
 from kvcompress.methods.buzz_params import (
