@@ -20,8 +20,17 @@ def _by(rows: Sequence[Row], key: str) -> dict[str, list[Row]]:
     return groups
 
 
-def plot_decode(rows: Sequence[Row], path: str | Path, *, model: str, machine: str, budget: int) -> Path:
-    """Decode step time (left) and stored KV (right) vs logical context, one line per method, log-x."""
+_DECODE_METRICS = {
+    "cpu_ms": ("median CPU time per decode step (ms)", "decode step CPU time"),
+    "step_ms": ("median wall time per decode step (ms)", "decode step wall time"),
+}
+
+
+def plot_decode(
+    rows: Sequence[Row], path: str | Path, *, model: str, machine: str, budget: int, metric: str = "cpu_ms"
+) -> Path:
+    """Decode step time (left; ``metric`` ``cpu_ms`` or ``step_ms``) and stored KV (right) vs context, log-x."""
+    ylabel, title = _DECODE_METRICS[metric]
     fig, (ax_time, ax_kv) = plt.subplots(1, 2, figsize=(13, 5.2))
     for method, group in _by(rows, "method").items():
         group = sorted(group, key=lambda r: r["context"])
@@ -29,7 +38,7 @@ def plot_decode(rows: Sequence[Row], path: str | Path, *, model: str, machine: s
         style = {"linewidth": 2.4, "color": "black"} if method in ("full", "DynamicCache (sdpa)") else {}
         if method == "DynamicCache (sdpa)":
             style = {"linewidth": 1.6, "color": "grey", "linestyle": "--"}
-        ax_time.plot(contexts, [r["step_ms"] for r in group], marker="o", label=method, **style)
+        ax_time.plot(contexts, [r[metric] for r in group], marker="o", label=method, **style)
         ax_kv.plot(contexts, [r["kv_mib"] for r in group], marker="o", label=method, **style)
     for ax in (ax_time, ax_kv):
         ax.set_xscale("log", base=2)
@@ -37,13 +46,13 @@ def plot_decode(rows: Sequence[Row], path: str | Path, *, model: str, machine: s
         ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts])
         ax.set_xlabel("logical context length (tokens, log scale)")
         ax.grid(True, alpha=0.3)
-    ax_time.set_ylabel("median decode step time (ms)")
+    ax_time.set_ylabel(ylabel)
     ax_time.set_ylim(bottom=0)
-    ax_time.set_title("decode step time")
+    ax_time.set_title(title)
     ax_kv.set_ylabel("stored keys + values, all layers (MiB)")
     ax_kv.set_yscale("log")
     ax_kv.set_title("stored KV cache")
-    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}", loc="upper left")
+    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}", loc="lower right")
     fig.suptitle(f"decode vs context — {model}, {machine}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
