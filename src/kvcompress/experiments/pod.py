@@ -42,7 +42,12 @@ MODEL = "smollm2-135m"
 LENGTH, NS, NR, SCORED = 512, 16, 64, 256
 STREAM_CHUNK = 16  # eviction baselines: tokens per forward (a query sees at most budget + 15 keys)
 POD_RUNS = Path.home() / ".cache" / "kvcompress" / "pod"
-WEIGHTS = {"adapted": POD_RUNS / "adapt-d05" / "final.pt", "control": POD_RUNS / "control" / "final.pt"}
+WEIGHTS = {
+    "adapted": POD_RUNS / "adapt-d05" / "final.pt",  # 32 steps x 512 tokens, PoD delta = 0.5
+    "control": POD_RUNS / "control" / "final.pt",  # the same with dense attention
+    "adapted-100k": POD_RUNS / "adapt-d05-100k" / "final.pt",  # 200 steps x 512 tokens
+    "control-100k": POD_RUNS / "control-100k" / "final.pt",
+}
 DELTAS = (0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 TAUS = (0.95, 0.9, 0.8, 0.7, 0.5, 0.0)
 
@@ -366,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="PoD experiments on SmolLM2-135M (docs/results/pod.md).")
     parser.add_argument("experiment", choices=("similarity", "ppl", "tau", "passkey", "niah", "report"))
     parser.add_argument("--labels", nargs="*", default=None, help="row labels (default: all of the experiment)")
-    parser.add_argument("--weights", nargs="*", default=["base"], choices=("base", "adapted", "control"))
+    parser.add_argument("--weights", nargs="*", default=["base"], choices=("base", *WEIGHTS))
     parser.add_argument("--samples", type=int, default=8, help="windows (ppl, tau) or task samples")
     args = parser.parse_args(argv)
     if args.experiment == "similarity":
