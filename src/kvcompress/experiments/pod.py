@@ -310,6 +310,68 @@ def report() -> None:
                 print(f"| {key[1]} | {key[2]} | {len(group)} | {kept:.1%} | {score:.2f} |")
     _plot_tau(groups)
     _plot_training()
+    if (DOCS / "pod.md").exists():
+        write_doc_tables()
+
+
+DOC_TABLES = {  # marker in docs/results/pod.md -> which rows (experiment, weights, label) it shows
+    "ppl-base": lambda e, w, label: e == "ppl" and w == "base",
+    "passkey-base": lambda e, w, label: e == "passkey" and w == "base",
+    "tau": lambda e, w, label: (
+        e in ("tau", "ppl") and w in ("base", "adapted") and (label == "pod-d0.5" or label.startswith("pod-d0.5-tau"))
+    ),
+    "adapt": lambda e, w, label: (
+        e in ("ppl", "passkey") and w != "base" or (e in ("ppl", "passkey") and label in ("dense", "pod-d0.5"))
+    ),
+}
+
+
+def doc_table(rows: list[dict], keep) -> str:
+    """One markdown table of mean scores per (experiment, weights, label) for the rows ``keep`` selects."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for row in rows:
+        if keep(row["experiment"], row["weights"], row["label"]):
+            groups.setdefault((row["experiment"], row["weights"], row["label"]), []).append(row)
+    groups = dict(
+        sorted(groups.items(), key=lambda item: (item[0][0] != "ppl", item[0][0], item[0][1] != "base", item[0][1]))
+    )
+    lines = [
+        "| task | weights | config | samples | KV bytes vs dense | NLL | PPL | score | distant rows skipped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (experiment, weight, label), group in groups.items():
+        kept = _mean([r["kv_bytes"] / r["dense_bytes"] for r in group])
+        nll = _mean([r["nll"] for r in group]) if "nll" in group[0] else math.nan
+        score = _mean([r["score"] for r in group]) if "score" in group[0] else math.nan
+        gates = [r["gate"] for r in group if r.get("gate")]
+        eligible = sum(g["eligible"] for g in gates)
+        skipped = f"{sum(g['skipped'] for g in gates) / eligible:.1%}" if eligible else "-"
+        task = "wikitext" if experiment in ("ppl", "tau") else experiment
+        cells = [
+            task,
+            weight,
+            label,
+            str(len(group)),
+            f"{kept:.1%}",
+            "-" if math.isnan(nll) else f"{nll:.3f}",
+            "-" if math.isnan(nll) else f"{math.exp(nll):.2f}",
+            "-" if math.isnan(score) else f"{score:.2f}",
+            skipped,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_doc_tables(path: Path = DOCS / "pod.md") -> None:
+    """Rewrite the tables between ``<!-- table:NAME -->`` and ``<!-- /table -->`` markers of the results page."""
+    import re
+
+    text = path.read_text()
+    rows = load_rows()
+    for name, spec in DOC_TABLES.items():
+        pattern = re.compile(rf"(<!-- table:{name} -->\n)(?:(?!<!-- ).*?\n)??(<!-- /table -->)", re.S)
+        text = pattern.sub(lambda m, spec=spec: m.group(1) + doc_table(rows, spec) + "\n" + m.group(2), text)
+    path.write_text(text)
 
 
 def _plot_tau(groups) -> None:
