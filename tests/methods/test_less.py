@@ -311,3 +311,18 @@ def test_registry_and_batch_generation_with_padding(tiny_llama):
     for row, ids in enumerate((long, short)):
         single, _ = cache_logits(tiny_llama, ids, kvcompress.cache_for(tiny_llama, config), None, 8)
         torch.testing.assert_close(batch_logits[row], single[0], rtol=1e-4, atol=1e-5)
+
+
+def test_shipped_kernel_sets_load_with_their_metadata():
+    from kvcompress.less_kernels import shipped_kernels
+
+    for name in shipped_kernels():
+        kernels = load_kernels(name)
+        meta = kernels.meta
+        assert not meta["missing_layers"] and len(kernels.layers) == meta["num_layers"]
+        for layer in kernels.layers:
+            assert (layer.q_heads, layer.kv_heads, layer.head_dim) == (
+                meta["q_heads"],
+                meta["kv_heads"],
+                meta["head_dim"],
+            )
