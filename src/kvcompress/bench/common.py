@@ -195,3 +195,13 @@ def load_bench_model(model: str | PreTrainedModel) -> tuple[PreTrainedModel, str
 
         return load_model(model)[0], model
     return model, getattr(model.config, "name_or_path", "") or type(model).__name__
+
+
+def touch_weights(model: PreTrainedModel) -> None:
+    """Run one short forward so every weight page is resident before memory is measured.
+
+    Weights loaded from safetensors are memory-mapped and read in on first use: without this, the first measured
+    run in a process would count hundreds of MiB of weights as its own peak memory.
+    """
+    with torch.inference_mode():
+        model(input_ids=torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False)

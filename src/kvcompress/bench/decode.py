@@ -39,6 +39,7 @@ from kvcompress.bench.common import (
     reset_peak_rss,
     set_threads,
     time_calls,
+    touch_weights,
 )
 from kvcompress.bench.table import Column, markdown_table, save_rows
 from kvcompress.generation import prefill
@@ -177,6 +178,7 @@ def run_decode(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     model, _ = load_bench_model(model)
+    touch_weights(model)
     names = list(methods) + ([DYNAMIC] if dynamic else [])
     unknown = [m for m in methods if m not in kvcompress.METHODS]
     if unknown:

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 import kvcompress
-from kvcompress.bench.common import MIB, PeakMemory, environment, load_bench_model, set_threads
+from kvcompress.bench.common import MIB, PeakMemory, environment, load_bench_model, set_threads, touch_weights
 from kvcompress.bench.table import Column, markdown_table, save_rows
 from kvcompress.generation import prefill
 
@@ -64,6 +64,7 @@ def run_prefill(
     if unknown:
         raise ValueError(f"methods must be among {', '.join(kvcompress.METHODS)}; got {', '.join(unknown)}")
     model, _ = load_bench_model(model)
+    touch_weights(model)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(min(100, vocab - 1), vocab, (1, max(prompt_lengths)), generator=generator)
