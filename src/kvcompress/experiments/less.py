@@ -270,6 +270,13 @@ def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
 def report(path: Path = RESULTS) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = []
+    for windows in sorted({r["windows"] for r in rows}, reverse=True):
+        out += _report_windows([r for r in rows if r["windows"] == windows])
+    return "\n".join(out)
+
+
+def _report_windows(rows: list[dict]) -> list[str]:
+    out = []
     for mode in ("masked", "decode"):
         for policy in ("h2o", "lambda"):
             chosen = [r for r in rows if r["mode"] == mode and r["policy"] == policy]
@@ -300,7 +307,7 @@ def report(path: Path = RESULTS) -> str:
             out.append("")
             if full:
                 out += _gap_lines(chosen, full, budgets)
-    return "\n".join(out)
+    return out
 
 
 def _gap_lines(rows: list[dict], full: dict, budgets: list[int]) -> list[str]:
