@@ -333,11 +333,11 @@ CACHE_OP_COLUMNS: tuple[Column, ...] = (
     ("median_us", "median µs / update", ".0f"),
     ("p10_us", "p10 µs", ".0f"),
     ("p90_us", "p90 µs", ".0f"),
-    ("vs_concat_sink", "× concat sink", ".2f"),
-    ("vs_streaming", "× our streaming", ".2f"),
+    ("vs_concat_sink", "× concat sink", ".3g"),
+    ("vs_streaming", "× our streaming", ".3g"),
     ("cpu_us", "median CPU µs", ".0f"),
-    ("cpu_vs_concat_sink", "CPU × concat sink", ".2f"),
-    ("cpu_vs_streaming", "CPU × our streaming", ".2f"),
+    ("cpu_vs_concat_sink", "CPU × concat sink", ".3g"),
+    ("cpu_vs_streaming", "CPU × our streaming", ".3g"),
     ("stored", "stored tokens (end)", "d"),
 )
 

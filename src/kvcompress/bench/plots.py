@@ -52,7 +52,7 @@ def plot_decode(
     ax_kv.set_ylabel("stored keys + values, all layers (MiB)")
     ax_kv.set_yscale("log")
     ax_kv.set_title("stored KV cache")
-    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}", loc="lower right")
+    ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}", loc="upper left")
     fig.suptitle(f"decode vs context — {model}, {machine}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
@@ -62,16 +62,18 @@ def plot_decode(
 
 
 def plot_prefill(rows: Sequence[Row], path: str | Path, *, model: str, machine: str) -> Path:
-    """Grouped bars: prefill time (left) and peak RSS above start (right) per method, one pass vs chunked."""
+    """Grouped bars: prefill CPU (else wall) time and peak RSS above start per method, one pass vs chunked."""
     prompts = sorted({r["prompt"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     labels = [f"{m}\n{p // 1024}K" if p % 1024 == 0 else f"{m}\n{p}" for p in prompts for m in methods]
     index = {(r["method"], r["prompt"], r["mode"]): r for r in rows}
+    cpu = all(r.get("cpu_s") is not None for r in rows)
+    time_key, time_label = ("cpu_s", "prefill CPU time (s)") if cpu else ("time_s", "prefill wall time (s)")
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     width = 0.8 / len(modes)
     for ax, key, ylabel in (
-        (axes[0], "time_s", "prefill time (s)"),
+        (axes[0], time_key, time_label),
         (axes[1], "peak_extra_mib", "peak RSS above start of prefill (MiB)"),
     ):
         for k, mode in enumerate(modes):
@@ -83,7 +85,7 @@ def plot_prefill(rows: Sequence[Row], path: str | Path, *, model: str, machine: 
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_title("prefill time")
+    axes[0].set_title("prefill CPU time" if cpu else "prefill wall time")
     axes[1].set_title("peak memory")
     fig.suptitle(f"prefill one pass vs chunked — {model}, {machine}", fontsize=10)
     fig.tight_layout()
@@ -94,19 +96,19 @@ def plot_prefill(rows: Sequence[Row], path: str | Path, *, model: str, machine: 
 
 
 def plot_cache_op(rows: Sequence[Row], path: str | Path, *, setup: str, machine: str) -> Path:
-    """Horizontal bars: median µs per cache update, with the 10th-90th percentile range."""
+    """Horizontal bars: median µs per cache update (process CPU time where recorded, else wall time)."""
     rows = list(rows)
     names = [str(r["cache"]) for r in rows]
-    medians = [float(r["median_us"]) for r in rows]
-    low = [m - float(r["p10_us"]) for m, r in zip(medians, rows, strict=True)]
-    high = [float(r["p90_us"]) - m for m, r in zip(medians, rows, strict=True)]
+    cpu = all(r.get("cpu_us") is not None for r in rows)
+    medians = [float(r["cpu_us" if cpu else "median_us"]) for r in rows]
     colors = ["tab:grey" if r["kind"] != "kvcompress" else "tab:blue" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.8))
-    ax.barh(range(len(rows)), medians, xerr=[low, high], color=colors, capsize=3)
+    ax.barh(range(len(rows)), medians, color=colors)
     ax.set_yticks(range(len(rows)), names, fontsize=9)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("median latency per cache update (µs, log scale; bars: p10-p90)")
+    kind = "CPU time" if cpu else "wall time"
+    ax.set_xlabel(f"median {kind} per cache update (µs, log scale)")
     ax.grid(True, axis="x", alpha=0.3)
     from matplotlib.patches import Patch
 
