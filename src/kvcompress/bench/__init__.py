@@ -3,8 +3,21 @@ vs logical context) and ``prefill`` (one pass vs chunked). Each returns rows (li
 them as markdown, ``kvcompress.bench.plots`` draws them. Run as ``python -m kvcompress.bench.<name> --help``.
 """
 
-from kvcompress.bench.cache_op import cache_op_table, run_cache_op
-from kvcompress.bench.decode import decode_table, run_decode
-from kvcompress.bench.prefill import prefill_table, run_prefill
+import importlib
 
-__all__ = ["cache_op_table", "decode_table", "prefill_table", "run_cache_op", "run_decode", "run_prefill"]
+_EXPORTS = {
+    "run_cache_op": "cache_op",
+    "cache_op_table": "cache_op",
+    "run_decode": "decode",
+    "decode_table": "decode",
+    "run_prefill": "prefill",
+    "prefill_table": "prefill",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    # lazy, so ``python -m kvcompress.bench.<name>`` does not import its own module twice
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"kvcompress.bench.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'kvcompress.bench' has no attribute {name!r}")
