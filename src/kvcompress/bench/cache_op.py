@@ -41,7 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress.bench.common import Timing, environment, set_threads, time_calls
-from kvcompress.bench.table import Column, markdown_table, save_rows
+from kvcompress.bench.table import Column, markdown_table, save_outputs
 from kvcompress.cache import CompressedLayer
 from kvcompress.methods import make_config
 from kvcompress.methods.base import AttentionStats, StatsRequest
@@ -399,8 +399,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out is not None:
         from kvcompress.bench.plots import plot_cache_op
 
-        save_rows(args.out / "cache_op.json", rows, meta)
-        (args.out / "cache_op.md").write_text(table + "\n")
+        save_outputs(args.out, "cache_op", rows, meta, table)
         plot_cache_op(rows, args.out / "cache_op.png", setup=setup, machine=str(meta["machine"]))
 
 

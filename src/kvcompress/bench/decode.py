@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +40,7 @@ from kvcompress.bench.common import (
     time_calls,
     touch_weights,
 )
-from kvcompress.bench.table import Column, markdown_table, save_rows
+from kvcompress.bench.table import Column, markdown_table, partial_writer, save_outputs
 from kvcompress.generation import prefill
 
 logger = logging.getLogger(__name__)
@@ -249,15 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder for decode.json/.md/.png (+ partial .jsonl)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    on_row = None
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        partial = args.out / "decode.partial.jsonl"
-        partial.write_text("")
-
-        def on_row(row: Row) -> None:
-            with partial.open("a") as file:
-                file.write(json.dumps(row) + "\n")
+    on_row = partial_writer(args.out, "decode")
 
     rows = run_decode(
         args.model,
@@ -283,8 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out is not None:
         from kvcompress.bench.plots import plot_decode
 
-        save_rows(args.out / "decode.json", rows, meta)
-        (args.out / "decode.md").write_text(table + "\n")
+        save_outputs(args.out, "decode", rows, meta, table)
         plot_decode(rows, args.out / "decode.png", model=args.model, machine=str(meta["machine"]), budget=args.budget)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import statistics
 import time
@@ -24,7 +23,7 @@ from transformers import PreTrainedModel
 
 import kvcompress
 from kvcompress.bench.common import MIB, PeakMemory, environment, load_bench_model, set_threads, touch_weights
-from kvcompress.bench.table import Column, markdown_table, save_rows
+from kvcompress.bench.table import Column, markdown_table, partial_writer, save_outputs
 from kvcompress.generation import prefill
 
 logger = logging.getLogger(__name__)
@@ -166,15 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder for prefill.json/.md/.png (+ partial .jsonl)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    on_row = None
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        partial = args.out / "prefill.partial.jsonl"
-        partial.write_text("")
-
-        def on_row(row: Row) -> None:
-            with partial.open("a") as file:
-                file.write(json.dumps(row) + "\n")
+    on_row = partial_writer(args.out, "prefill")
 
     rows = run_prefill(
         args.model,
@@ -198,8 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out is not None:
         from kvcompress.bench.plots import plot_prefill
 
-        save_rows(args.out / "prefill.json", rows, meta)
-        (args.out / "prefill.md").write_text(table + "\n")
+        save_outputs(args.out, "prefill", rows, meta, table)
         plot_prefill(rows, args.out / "prefill.png", model=args.model, machine=str(meta["machine"]))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 Column = tuple[str, str, str]  # (row key, header, format spec such as ".2f" or "" for str())
@@ -51,3 +51,26 @@ def load_rows(path: str | Path) -> tuple[list[dict[str, object]], dict[str, obje
     """Read a file written by ``save_rows``; returns ``(rows, meta)``."""
     data = json.loads(Path(path).read_text())
     return data["rows"], data["meta"]
+
+
+def partial_writer(out: Path | None, name: str) -> Callable[[Mapping[str, object]], None] | None:
+    """A callback appending each finished row to ``OUT/NAME.partial.jsonl`` (emptied first); ``None`` without out."""
+    if out is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"{name}.partial.jsonl"
+    partial.write_text("")
+
+    def on_row(row: Mapping[str, object]) -> None:
+        with partial.open("a") as file:
+            file.write(json.dumps(dict(row)) + "\n")
+
+    return on_row
+
+
+def save_outputs(
+    out: Path, name: str, rows: Sequence[Mapping[str, object]], meta: Mapping[str, object], table: str
+) -> None:
+    """Write ``OUT/NAME.json`` (rows + meta) and ``OUT/NAME.md`` (the table)."""
+    save_rows(out / f"{name}.json", rows, meta)
+    (out / f"{name}.md").write_text(table + "\n")
