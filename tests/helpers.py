@@ -11,21 +11,11 @@ from kvcompress.methods.base import AttentionStats
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):
     """Greedy generation with the model's own SDPA attention and DynamicCache: the reference."""
     model.set_attn_implementation("sdpa")
-    out = model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return torch.stack(out.logits, 1), out.sequences
+    return cache_logits(model, input_ids, None, attention_mask, new_tokens)
 
 
 def cache_logits(model, input_ids, cache, attention_mask=None, new_tokens=6):
-    """Greedy generation through a kvcompress cache (``cache_for`` has prepared the model)."""
+    """Greedy generation through ``cache`` (a kvcompress cache after ``cache_for``; ``None``: the model's own)."""
     out = model.generate(
         input_ids,
         attention_mask=attention_mask,
