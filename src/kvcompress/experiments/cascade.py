@@ -7,10 +7,12 @@ the markdown tables and ``docs/results/cascade_*.png``)::
     python -m kvcompress.experiments.cascade stream-ppl   # streaming ppl, 8 Gutenberg streams, |C| 256/512, N 1/2/4
     python -m kvcompress.experiments.cascade restart      # paper Fig. 3: burn-in, then re-read text 2|C| back
     python -m kvcompress.experiments.cascade ablation     # reduction, base, token selection, eager_fill (restart)
+    python -m kvcompress.experiments.cascade stream-ablation  # the same ablations on streaming ppl
     python -m kvcompress.experiments.cascade passkey      # key beyond the sink window, inside the cascade span
     python -m kvcompress.experiments.cascade cache-op     # paper Tab. 4 setup: one cache update, ratios
     python -m kvcompress.experiments.cascade decode       # decode step time at 2K vs 16K logical context
     python -m kvcompress.experiments.cascade report       # markdown tables + plots
+    python -m kvcompress.experiments.cascade all          # stream-ppl, ablation, stream-ablation, passkey, restart
 
 The sink cache is the cascade structure with ``N = 1`` (``budget = S + |C|``), which the tests show equal, token for
 token, to our ``streaming`` method with ``budget = S + |C| - 1`` (that one evicts after attending, so it attends
@@ -151,6 +153,32 @@ def ablation_configs(capacity: int, cascades: int) -> list[dict]:
 def cmd_ablation(args) -> None:
     args.capacities = [args.capacity]
     cmd_restart(args, ablation_configs(args.capacity, args.ablation_cascades))  # same task, shared baselines
+
+
+def cmd_stream_ablation(args) -> None:
+    """The ablations on streaming ppl: the same streams as ``stream-ppl``, cut to ``--tokens`` (the baselines are
+    the ``stream-ppl`` runs of the sink cache and the default cascade, truncated: a streaming cache is causal, so
+    the first ``T`` losses of a longer run are those of a ``T``-token run)."""
+    model, tokenizer = load()
+    ids = streams(tokenizer, args.streams, args.tokens)
+    del model
+    configs = ablation_configs(args.capacity, args.ablation_cascades)[2:]  # without the two shared baselines
+    run_configs("stream_ablation", configs, ids, args.out, args.chunk)
+
+
+def cmd_all(args) -> None:
+    """Everything in ``docs/results/cascade.md`` that is missing, in one process, in order of priority (each step
+    skips the configurations already saved, so this resumes)."""
+    steps = [
+        ["stream-ppl"],
+        ["ablation"],
+        ["stream-ablation"],
+        ["passkey"],
+        ["restart", "--capacities", "512", "--cascades", "1,4"],
+    ]
+    for step in steps:
+        print(f"=== {' '.join(step)}", flush=True)
+        main([*step, "--out", str(args.out)])
 
 
 def cmd_passkey(args) -> None:
@@ -347,7 +375,7 @@ def _compare_table(records: dict[str, dict], describe, replay: bool = False) -> 
         burn = f" {ppl(record['losses'][:, : 4 * capacity - 1]):.3f} |" if replay else ""
         lines.append(
             f"| {capacity} | {describe(params)} | {ppl(losses):.3f} | {versus} | {per_stream} | {won} |{burn}"
-            f" {record['seconds']:.0f} |"
+            f" {'—' if record['seconds'] is None else format(record['seconds'], '.0f')} |"
         )
     return lines
 
@@ -371,6 +399,20 @@ def cmd_report(args) -> None:
         records = dict(sorted(records.items(), key=lambda kv: (kv[1]["params"]["budget"], kv[0])))
         print(f"### {title}\n")
         print("\n".join(_compare_table(records, _describe, replay=kind == "restart")) + "\n")
+    ablations = _records(out, "stream_ablation")
+    stream = _records(out, "stream")
+    if ablations:
+        first = next(iter(ablations.values()))
+        capacity, length = first["params"]["budget"] - first["params"]["sinks"], first["losses"].shape[1]
+        cascades = first["params"]["cascades"]
+        records = {}
+        for params in (config_of(capacity, 1), config_of(capacity, cascades)):
+            base = stream.get(label(params))
+            if base is not None:  # the stream-ppl run, truncated to the ablation's length (causal: identical)
+                records[label(params)] = base | {"losses": base["losses"][:, :length], "seconds": None}
+        records.update(ablations)
+        print(f"### Streaming perplexity ablations (first {length + 1} tokens of each stream)\n")
+        print("\n".join(_compare_table(records, _describe)) + "\n")
     passkey = out / "passkey.json"
     if passkey.exists():
         data = json.loads(passkey.read_text())
@@ -443,7 +485,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
 
-    for name in ("stream-ppl", "restart", "ablation", "passkey", "cache-op", "decode", "report"):
+    names = ("stream-ppl", "restart", "ablation", "stream-ablation", "passkey", "cache-op", "decode", "report", "all")
+    for name in names:
         command = sub.add_parser(name)
         command.add_argument("--out", type=Path, default=OUT)
         command.add_argument("--streams", type=int, default=8)
@@ -454,9 +497,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             command.add_argument("--capacities", type=ints, default=[256, 512])
         if name == "restart":
             command.add_argument("--capacities", type=ints, default=[128, 256, 512])
-        if name == "ablation":
+        if name in ("ablation", "stream-ablation"):
             command.add_argument("--capacity", type=int, default=256)
             command.add_argument("--ablation-cascades", type=int, default=4)
+        if name == "stream-ablation":
+            command.add_argument("--tokens", type=int, default=2000)
         if name == "passkey":
             command.add_argument("--capacity", type=int, default=256)
             command.add_argument("--samples", type=int, default=8)
@@ -478,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "stream-ppl": cmd_stream_ppl,
         "restart": cmd_restart,
         "ablation": cmd_ablation,
+        "stream-ablation": cmd_stream_ablation,
+        "all": cmd_all,
         "passkey": cmd_passkey,
         "cache-op": cmd_cache_op,
         "decode": cmd_decode,
