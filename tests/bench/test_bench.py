@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.bench.cache_op import (
+    BUZZ_AVERAGE,
     CONCAT_SINK,
     CacheOpSetup,
     CircularSinkCache,
@@ -70,11 +71,32 @@ def test_cache_op_runs_every_method_and_reference_with_ratios():
     names = [row["cache"] for row in rows]
     assert CONCAT_SINK in names and "streaming" in names and "DynamicCache (transformers)" in names
     for row in rows:
-        assert row["steps"] == 3 and row["median_us"] > 0
+        assert row["steps"] == 3 or row["cache"].startswith("buzz")
+        assert row["median_us"] > 0
         assert row["vs_concat_sink"] > 0 and row["vs_streaming"] > 0
     stored = {row["cache"]: row["stored"] for row in rows}
     assert stored["streaming"] == stored[CONCAT_SINK] == 4 + 16
     assert stored["full"] == 4 + 16 + 1 + 3  # unbounded: fill + warm-up + timed tokens
+    by_name = {row["cache"]: row for row in rows}
+    assert by_name["streaming"]["evictions"] == 3 and by_name["full"]["evictions"] == 0
+    assert by_name["streaming"]["avg_stored"] == by_name["streaming"]["peak_stored"] == 20
+
+
+def test_cache_op_times_buzz_over_whole_eviction_cycles_at_peak_and_average_size():
+    # window 16 + 4 sinks = 20: peak-sized (k, w, T, s) = (4, 3, 13, 5), average-sized (4, 4, 17, 5)
+    rows = run_cache_op(["buzz"], batch=1, heads=2, head_dim=8, window=16, warmup=1, tokens=3, references=False)
+    by_name = {row["cache"]: row for row in rows}
+    peak, average = by_name["buzz"], by_name[BUZZ_AVERAGE]
+    for row in (peak, average):
+        # timing starts right after an eviction and ends on one: whole cycles, so the mean is amortised
+        assert row["steps"] >= 3 and row["evictions"] >= 1 and row["stored"] < row["peak_stored"]
+        assert row["cpu_mean_us"] > 0
+    # peak-sized: filled to k + w + T = 20, the warm-up update evicts (middle 14 new -> ceil(14 / 5) = 3), then the
+    # middle grows from 3 to T = 13 and the 11th timed update evicts again (middle 14 -> 1 + 3 = 4)
+    assert (peak["steps"], peak["evictions"], peak["stored"]) == (11, 1, 4 + 3 + 4)
+    assert peak["peak_stored"] == 4 + 3 + 13 and peak["bounded"]
+    assert average["peak_stored"] == 4 + 4 + 17 and not average["bounded"]  # its *average* is the budget
+    assert abs(average["avg_stored"] - 20) <= 2 and peak["avg_stored"] < 20
 
 
 def test_markdown_table_formats_and_escapes():

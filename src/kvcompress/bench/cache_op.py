@@ -16,7 +16,14 @@ What one update is here:
   oldest non-sink slot in place (what the paper's circular buffers do, without cascades or scores): the floor;
 - ``DynamicCache (transformers)``: ``DynamicCache.update`` (concatenation, no eviction: it grows);
 - ``streaming + positioned()``: our ``streaming`` update plus the attention-side work its re-indexed positions cost
-  every step (``register_new_tokens`` + ``positioned``, which re-rotates every stored key), for comparison.
+  every step (``register_new_tokens`` + ``positioned``, which re-rotates every stored key), for comparison;
+- ``buzz`` evicts in bursts (once per cycle of ``T - a' + 1`` updates, ``a'`` = middle length after an eviction), so
+  its median update is the cheap non-evicting one: it is timed over whole eviction cycles (from just after an
+  eviction to an eviction, at least ``tokens`` updates; ``time_whole_cycles``) and rows carry the mean CPU per update
+  (``cpu_mean_us``, the amortised cost), the number of evicting updates, and the average and peak stored length.
+  ``buzz`` is sized by its *peak* (``budget_kind="peak"``: ``k + w + T = sinks + window``, never more than the
+  fixed-size caches store); ``buzz (average budget)`` is sized by its steady-state *average* (the paper's notion of
+  cache budget), whose peak is about 1.4x that.
 
 Bounded caches start full (``sinks + window`` tokens stored, written in one untimed update), so every timed update
 is an eviction step; unbounded ones (``full``, ``snapkv`` after its one-shot compression, ``DynamicCache``) start
@@ -33,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -56,11 +65,13 @@ CACHE_OP_METHODS: tuple[str, ...] = (
     "snapkv",
     "random",
     "knorm",
+    "buzz",
 )
 CONCAT_SINK = "concat sink (reference)"
 CIRCULAR_SINK = "circular sink (reference)"
 DYNAMIC = "DynamicCache (transformers)"
 STREAMING_POSITIONED = "streaming + positioned()"
+BUZZ_AVERAGE = "buzz (average budget)"
 _POOL = 16  # distinct new tokens, reused in turn (a fresh random token per step would time the RNG too)
 
 
@@ -170,7 +181,39 @@ def method_params(method: str, setup: CacheOpSetup) -> dict[str, object]:
         return {"budget": setup.capacity, "sinks": setup.sinks}
     if method == "snapkv":  # its observation window (32 by default) must fit in the budget
         return {"budget": setup.capacity, "window": min(32, setup.capacity)}
+    if method == "buzz":  # peak-sized: never stores more than the fixed-size caches (BUZZ_AVERAGE: average-sized)
+        return {"budget": setup.capacity, "budget_kind": "peak"}
     return {"budget": setup.capacity}
+
+
+def evicts_in_bursts(cache: object) -> bool:
+    """Whether ``cache`` is a layer of a method that evicts once per cycle (BUZZ) rather than every update."""
+    from kvcompress.methods.buzz import BuzzPolicy
+
+    return isinstance(cache, CompressedLayer) and isinstance(cache.policy, BuzzPolicy)
+
+
+def time_whole_cycles(step: Callable[[int], None], sizes: list[int], tokens: int, warmup: int) -> Timing:
+    """Time whole eviction cycles of a bursty method: untimed updates until at least ``warmup`` have run and the
+    last one evicted, then timed updates until at least ``tokens`` have run and the last one evicted (``sizes``:
+    the stored length after each update, appended by ``step``). The mean is then the amortised cost per update."""
+    i = 0
+    limit = 1_000_000  # a cycle is T - a' + 1 updates; a layer that never evicts is a bug, not a long cycle
+    while i < warmup or sizes[-1] > sizes[-2]:
+        step(i)
+        i += 1
+        if i > limit:
+            raise RuntimeError("no eviction within a million updates")
+    samples, cpu_samples = [], []
+    while len(samples) < tokens or sizes[-1] > sizes[-2]:
+        cpu_start, start = time.process_time(), time.perf_counter()
+        step(i)
+        samples.append(time.perf_counter() - start)
+        cpu_samples.append(time.process_time() - cpu_start)
+        i += 1
+        if len(samples) > limit:
+            raise RuntimeError("no eviction within a million updates")
+    return Timing.of(samples, cpu_samples)
 
 
 def synthetic_stats(
@@ -201,17 +244,24 @@ def _inv_freq(head_dim: int) -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def _layer_step(method: str, setup: CacheOpSetup, generator: torch.Generator, positioned: bool = False):
-    """A filled ``CompressedLayer`` and the function doing one timed update on it."""
-    policy = make_config(method, **method_params(method, setup)).policy(0)
+def _layer_step(
+    method: str, setup: CacheOpSetup, generator: torch.Generator, positioned: bool = False, **overrides: object
+):
+    """A filled ``CompressedLayer`` and the function doing one timed update on it (``overrides``: config params)."""
+    policy = make_config(method, **{**method_params(method, setup), **overrides}).policy(0)
     layer = CompressedLayer(policy, _inv_freq(setup.head_dim))
     fill = setup.random(setup.capacity, generator)
     layer.update(fill, fill.clone())
     layer.after_attention(synthetic_stats(policy.stats, setup, setup.capacity, setup.capacity, generator))
     # in steady state a bounded layer attends over capacity + 1 keys before evicting back to capacity
-    stats = synthetic_stats(policy.stats, setup, setup.capacity + 1, 1, generator)
+    # (a layer whose stored length varies, BUZZ, gets views of them cut to its current length: at most k + w + T + 1)
+    longest = setup.capacity + 1
+    if hasattr(policy, "threshold"):
+        longest = max(longest, policy.sinks + policy.window + policy.threshold + 1)
+    stats = synthetic_stats(policy.stats, setup, longest, 1, generator)
     keys, values = setup.random(_POOL, generator), setup.random(_POOL, generator)
     query = setup.random(1, generator)
+    sizes = [layer.keys.shape[-2]]  # stored length before the first update, then after each (a shape read)
 
     def step(i: int) -> None:
         slot = i % _POOL
@@ -219,9 +269,27 @@ def _layer_step(method: str, setup: CacheOpSetup, generator: torch.Generator, po
         if positioned:
             layer.register_new_tokens(None, None)
             layer.positioned(query, layer.keys)
-        layer.after_attention(stats)
+        layer.after_attention(_cut(stats, layer.keys.shape[-2]))
+        sizes.append(layer.keys.shape[-2])
 
+    step.sizes = sizes
     return layer, step
+
+
+def _cut(stats: AttentionStats | None, length: int) -> AttentionStats | None:
+    """``stats`` over the first ``length`` keys (a view; a no-op for fixed-size caches, built at their length)."""
+    if stats is None:
+        return None
+    full = stats.received if stats.received is not None else stats.last
+    if full is None or full.shape[-1] == length:
+        return stats
+    cut = AttentionStats(query_count=stats.query_count)
+    if stats.received is not None:
+        cut.received = stats.received[..., :length]
+    if stats.last is not None:
+        cut.last = stats.last[..., :length]
+        cut.last_visible = stats.last_visible[..., :length]
+    return cut
 
 
 def _reference_step(name: str, setup: CacheOpSetup, generator: torch.Generator):
@@ -277,7 +345,11 @@ def run_cache_op(
     Row keys: ``cache``, ``kind`` (``kvcompress`` / ``reference`` / ``transformers``), ``bounded``,
     ``median_us``, ``p10_us``, ``p90_us``, ``steps``, ``stored`` (tokens stored per head at the end),
     ``cpu_us`` (median process CPU time per update), ``vs_concat_sink`` and ``vs_streaming`` (median ratios, from
-    this run; missing when that cache did not run) and the same ratios of CPU time, ``cpu_vs_...``.
+    this run; missing when that cache did not run) and the same ratios of CPU time, ``cpu_vs_...``. Our layers'
+    rows add ``cpu_mean_us`` (mean CPU time per update: the amortised cost) and ``cpu_mean_vs_streaming``,
+    ``evictions`` (timed updates after which the layer stored no more than before), ``avg_stored`` and
+    ``peak_stored`` (over the timed updates). ``buzz`` is timed over whole eviction cycles (``time_whole_cycles``):
+    its ``steps`` is at least ``tokens``.
     """
     set_threads(threads)
     setup = CacheOpSetup(batch, heads, head_dim, sinks, window, warmup, tokens)
@@ -291,6 +363,8 @@ def run_cache_op(
     plan += [(method, "kvcompress", _layer_step) for method in methods]
     if "streaming" in methods:
         plan.append((STREAMING_POSITIONED, "kvcompress", _layer_step))
+    if "buzz" in methods:
+        plan.append((BUZZ_AVERAGE, "kvcompress", _layer_step))
 
     rows = []
     with torch.inference_mode():
@@ -298,23 +372,36 @@ def run_cache_op(
             generator = torch.Generator().manual_seed(seed)
             if name == STREAMING_POSITIONED:
                 cache, step = build("streaming", setup, generator, positioned=True)
+            elif name == BUZZ_AVERAGE:
+                cache, step = build("buzz", setup, generator, budget_kind="average")
             else:
                 cache, step = build(name, setup, generator)
-            timing: Timing = time_calls(step, setup.tokens, setup.warmup)
+            if evicts_in_bursts(cache):
+                timing: Timing = time_whole_cycles(step, step.sizes, setup.tokens, setup.warmup)
+            else:
+                timing = time_calls(step, setup.tokens, setup.warmup)
+            count = timing.count
             stored = _stored(cache)
-            rows.append(
-                {
-                    "cache": name,
-                    "kind": kind,
-                    "bounded": stored <= setup.capacity,
-                    "median_us": timing.median * 1e6,
-                    "p10_us": timing.p10 * 1e6,
-                    "p90_us": timing.p90 * 1e6,
-                    "cpu_us": timing.cpu_median * 1e6,
-                    "steps": timing.count,
-                    "stored": stored,
-                }
-            )
+            row = {
+                "cache": name,
+                "kind": kind,
+                "bounded": stored <= setup.capacity,
+                "median_us": timing.median * 1e6,
+                "p10_us": timing.p10 * 1e6,
+                "p90_us": timing.p90 * 1e6,
+                "cpu_us": timing.cpu_median * 1e6,
+                "steps": timing.count,
+                "stored": stored,
+            }
+            sizes = getattr(step, "sizes", None)
+            if sizes is not None:
+                timed = sizes[-count - 1 :]  # the length before the first timed update, then after each
+                row["cpu_mean_us"] = timing.cpu_mean * 1e6
+                row["evictions"] = sum(after <= before for before, after in pairwise(timed))
+                row["avg_stored"] = sum(timed[1:]) / count
+                row["peak_stored"] = max(timed[1:])
+                row["bounded"] = row["peak_stored"] <= setup.capacity
+            rows.append(row)
             del cache, step
             gc.collect()
     by_name = {row["cache"]: row["median_us"] for row in rows}
@@ -324,6 +411,10 @@ def run_cache_op(
             if reference in by_name:
                 row[key] = row["median_us"] / by_name[reference]
                 row["cpu_" + key] = row["cpu_us"] / by_cpu[reference]
+    streaming_mean = next((row["cpu_mean_us"] for row in rows if row["cache"] == "streaming"), None)
+    for row in rows:
+        if streaming_mean and "cpu_mean_us" in row:
+            row["cpu_mean_vs_streaming"] = row["cpu_mean_us"] / streaming_mean
     return rows
 
 
@@ -338,6 +429,11 @@ CACHE_OP_COLUMNS: tuple[Column, ...] = (
     ("cpu_us", "median CPU µs", ".0f"),
     ("cpu_vs_concat_sink", "CPU × concat sink", ".3g"),
     ("cpu_vs_streaming", "CPU × our streaming", ".3g"),
+    ("cpu_mean_us", "mean CPU µs (amortised)", ".0f"),
+    ("cpu_mean_vs_streaming", "mean CPU × our streaming", ".3g"),
+    ("evictions", "evicting updates", "d"),
+    ("avg_stored", "avg stored", ".1f"),
+    ("peak_stored", "peak stored", "d"),
     ("stored", "stored tokens (end)", "d"),
 )
 

@@ -45,6 +45,7 @@ class Timing:
     p90: float
     count: int
     cpu_median: float | None = None  # median CPU time of this process per call (robust to other processes' load)
+    cpu_mean: float | None = None  # mean CPU time per call: the amortised cost of methods that evict in bursts
 
     @classmethod
     def of(cls, samples: Sequence[float], cpu_samples: Sequence[float] | None = None) -> Timing:
@@ -56,7 +57,8 @@ class Timing:
             return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
         cpu = statistics.median(cpu_samples) if cpu_samples else None
-        return cls(statistics.median(ordered), quantile(0.1), quantile(0.9), len(ordered), cpu)
+        cpu_mean = statistics.fmean(cpu_samples) if cpu_samples else None
+        return cls(statistics.median(ordered), quantile(0.1), quantile(0.9), len(ordered), cpu, cpu_mean)
 
 
 def time_calls(fn: Callable[[int], object], count: int, warmup: int = 0) -> Timing:
