@@ -117,6 +117,20 @@ def decode_nll(model, ids: torch.Tensor, config, batch: int = 16) -> torch.Tenso
     return torch.cat(parts)
 
 
+def kernel_label(path: str | None) -> str | None:
+    """A kernel set's name in results: its directory name (or the shipped set's name)."""
+    return Path(path).name if path else None
+
+
+def _series_of(row: dict) -> tuple[int, str | None]:
+    return row["train_budget"], kernel_label(row["kernels"])
+
+
+def _less_series(rows: list[dict]) -> list[tuple[int, str | None]]:
+    """The (training budget, kernel set) pairs of the LESS rows, each one line in tables and plots."""
+    return sorted({_series_of(r) for r in rows if r["variant"] == "less"})
+
+
 def _done(path: Path) -> set[str]:
     if not path.is_file():
         return set()
@@ -154,7 +168,7 @@ def run_ppl(
             train_budget = kernel_set.meta.get("base", {}).get("budget") if kernel_set else None
             missing = kernel_set.meta.get("missing_layers", []) if kernel_set else []
             key = json.dumps([policy, variant, budget if variant != "full" else 0, train_budget, len(missing), mode,
-                              windows, window])  # fmt: skip
+                              windows, window, kernel_label(path)])  # fmt: skip
             if key in done:
                 continue
             config = row_config(variant, policy, budget, kernel_set)
@@ -291,13 +305,12 @@ def _report_windows(rows: list[dict]) -> list[str]:
             if full:
                 out.append("| Full cache | " + " | ".join(f"{full['ppl']:.3f}" for _ in budgets) + " |")
             labels = [("baseline", None, "Baseline"), ("baseline+", None, "Baseline+ (+4 tokens)")]
-            trains = sorted({r["train_budget"] for r in chosen if r["variant"] == "less"})
-            labels += [("less", t, f"LESS ({t})") for t in trains]
-            for variant, train, label in labels:
+            labels += [("less", series, f"LESS ({series[0]}, `{series[1]}`)") for series in _less_series(chosen)]
+            for variant, series, label in labels:
                 cells = []
                 for b in budgets:
                     match = [r for r in chosen if r["variant"] == variant and r["budget"] == b
-                             and (train is None or r["train_budget"] == train)]  # fmt: skip
+                             and (series is None or _series_of(r) == series)]  # fmt: skip
                     if match:
                         note = "*" if match[-1]["missing_layers"] else ""
                         cells.append(f"{match[-1]['ppl']:.3f}{note}")
@@ -320,7 +333,8 @@ def _gap_lines(rows: list[dict], full: dict, budgets: list[int]) -> list[str]:
             base, plus, less = get["baseline"]["ppl"], get.get("baseline+", {}).get("ppl"), r["ppl"]
             gap = (base - less) / (base - full["ppl"])
             partial = f", {len(r['missing_layers'])} layers untrained" if r["missing_layers"] else ""
-            text = f"- B = {b}, LESS({r['train_budget']}{partial}): closes {gap:.1%} of the Baseline-to-full gap"
+            name = f"LESS({r['train_budget']}, `{kernel_label(r['kernels'])}`{partial})"
+            text = f"- B = {b}, {name}: closes {gap:.1%} of the Baseline-to-full gap"
             if plus is not None:
                 text += f", {(plus - less) / (plus - full['ppl']):.1%} of the Baseline+-to-full gap"
                 text += "; LESS < Baseline+ < Baseline: " + ("yes" if less < plus < base else "no")
@@ -341,13 +355,13 @@ def plot_ppl(path: Path = RESULTS) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     full = next((r for r in rows if r["variant"] == "full"), None)
     series = [("baseline", None), ("baseline+", None)]
-    series += [("less", t) for t in sorted({r["train_budget"] for r in rows if r["variant"] == "less"})]
-    for variant, train in series:
+    series += [("less", pair) for pair in _less_series(rows)]
+    for variant, pair in series:
         pts = sorted((r["budget"], r["ppl"]) for r in rows if r["variant"] == variant
-                     and (train is None or r["train_budget"] == train))  # fmt: skip
+                     and (pair is None or _series_of(r) == pair))  # fmt: skip
         if pts:
             label = {"baseline": "H2O (Baseline)", "baseline+": "H2O + 4 tokens (Baseline+)"}.get(
-                variant, f"LESS (trained at {train})"
+                variant, f"LESS (trained at {pair and pair[0]}, {pair and pair[1]})"
             )
             ax.plot(*zip(*pts, strict=True), "o-", label=label)
     if full:
