@@ -66,3 +66,16 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     adapt(tiny_model("llama"), windows, POD, AdaptConfig(steps=1, batch=1, length=16), tmp_path)
     with pytest.raises(ValueError, match="other settings"):
         adapt(tiny_model("llama"), windows, POD, AdaptConfig(steps=2, batch=1, length=16), tmp_path)
+
+
+def test_resume_drops_log_lines_after_the_checkpoint(tmp_path):
+    """A run killed between checkpoints logged steps it redoes on resume: the log keeps one line per step."""
+    windows = torch.randint(3, 128, (6, 16), generator=torch.Generator().manual_seed(3))
+    config = AdaptConfig(steps=3, batch=1, length=16, save_every=1, trainable="attention")
+    assert adapt(tiny_model("llama"), windows, POD, config, tmp_path, stop_after=1) is None
+    log = tmp_path / "log.jsonl"
+    log.write_text(log.read_text() + json.dumps({"step": 2, "loss": 9.0}) + "\n")  # logged, never checkpointed
+    adapt(tiny_model("llama"), windows, POD, config, tmp_path)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["loss"] != 9.0 and all(r["cpu_s"] >= 0 for r in records)

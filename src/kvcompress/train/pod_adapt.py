@@ -102,6 +102,16 @@ def _save(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log lines of steps after ``step`` (a run stopped between checkpoints redoes them on resume)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 def adapt(
     model: PreTrainedModel,
     windows: torch.Tensor,
@@ -135,6 +145,7 @@ def adapt(
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         logger.info("resuming %s at step %d", out, step)
+        _truncate_log(out / "log.jsonl", step)
     (out / "run.json").write_text(
         json.dumps({"adapt": asdict(config), "pod": None if pod is None else repr(pod)}, indent=1) + "\n"
     )
@@ -142,7 +153,7 @@ def adapt(
     log = (out / "log.jsonl").open("a")
     first = step
     while step < config.steps and (stop_after is None or step - first < stop_after):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         lr = lr_at(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -155,11 +166,12 @@ def adapt(
         step += 1
         record = {
             "step": step,
-            "loss": round(float(loss), 5),
+            "loss": round(float(loss.detach()), 5),
             "lr": lr,
             "grad_norm": round(float(norm), 4),
             "tokens": step * config.batch * config.length,
             "time_s": round(time.perf_counter() - started, 2),
+            "cpu_s": round(time.process_time() - cpu_started, 2),
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
