@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import kvcompress
 from kvcompress.generation import prefill
@@ -277,6 +279,53 @@ def test_chunked_prefill_keeps_the_same_tokens_as_one_pass(tiny_llama):
     for a, b in zip(one.compressed_layers, chunked.compressed_layers, strict=True):
         assert torch.equal(a.token_idx, b.token_idx)
         torch.testing.assert_close(a.state["score"], b.state["score"], rtol=1e-4, atol=1e-6)
+
+
+class FloatOutputs(TorchDispatchMode):
+    """Records the shape of every floating-point tensor an aten op allocates while active (views excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.is_floating_point()]
+        self.shapes += [tuple(t.shape) for t in tensors if not t._is_view()]
+        return out
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 4])
+def test_prefill_never_materialises_an_l_by_l_attention_block(chunk_rows, tiny_llama, monkeypatch):
+    # Appx A.7 path: NaCl's own work (buffering proxy queries in attend, scoring and selecting in select) only
+    # ever builds |P| x L logits per head (|P| = 17 proxy rows of L = 96 here), or chunk x L when chunked
+    import kvcompress.methods.nacl as nacl
+
+    length, proxies, heads = 96, 17, tiny_llama.config.num_attention_heads
+    if chunk_rows is not None:
+        monkeypatch.setattr(nacl, "PROXY_CHUNK_ELEMENTS", heads * chunk_rows * length)
+    recorder = FloatOutputs()
+    for name in ("attend", "select"):
+        original = getattr(nacl.NaClPolicy, name)
+
+        def recorded(self, *args, original=original):
+            with recorder:
+                return original(self, *args)
+
+        monkeypatch.setattr(nacl.NaClPolicy, name, recorded)
+    config = make_config("nacl", ratio=0.2)
+    assert config.proxy_bounds(length) == (length - proxies, length)
+    cache = kvcompress.cache_for(tiny_llama, config)
+    ids = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        prefill(tiny_llama, ids, cache)
+    # tensors over the L keys: the logits block (rows x L per query head) and the keys broadcast per query head for
+    # the matmul (head_dim x L); a per-head L x L matrix would be heads x 96 x 96 = 4.3x the largest allowed here
+    sizes = [math.prod(shape) for shape in recorder.shapes if len(shape) >= 2 and shape[-1] == length]
+    rows = proxies if chunk_rows is None else chunk_rows
+    assert max(sizes) <= heads * max(rows, tiny_llama.config.head_dim) * length
+    assert heads * proxies * length in sizes or chunk_rows is not None  # the unchunked proxy block was built
+    assert all(cache_layer.stored_length() == config.split(length).kept for cache_layer in cache.compressed_layers)
 
 
 @pytest.mark.parametrize("params", [{"budget": 512}, {"ratio": 0.2, "min_evict_len": 64}])

@@ -68,7 +68,11 @@ MODEL_REF: list = []  # the model of the current run (compress_copy builds cache
 RATIOS = (0.1, 0.2, 0.3)
 GREEDY_SAMPLES = 3  # per task
 SEEDS = (0, 1, 2)
-TASKS = {"passkey": {}, "niah": {"subtasks": ("single", "multikey")}}  # one answer each (teacher-forced)
+TASKS = {  # one answer each (teacher-forced)
+    "passkey": {},
+    "niah": {"subtasks": ("single", "multikey")},
+    "docqa": {},  # 10 documents, the answer document at position i mod 10 for sample i
+}
 BASELINES = ("h2o_oneshot", "tova_oneshot", "scissorhands_oneshot", "streaming_oneshot", "snapkv")
 ABLATIONS = {  # Table 3 row -> NaCl parameters
     "nacl": {},
@@ -201,7 +205,7 @@ def row_key(experiment: str, task: str, sample: str, mode: str, label: str, conf
 
 def answer_ids(tokenizer, sample) -> torch.Tensor:
     """``[1, A]`` ids of the gold answer as the model would write it after the answer prefix (" 1234567")."""
-    gold = sample.inputs.get("key") or sample.inputs["answers"][0]
+    gold = sample.inputs.get("key") or sample.inputs.get("answer") or sample.inputs["answers"][0]
     return torch.tensor([tokenizer(" " + gold, add_special_tokens=False)["input_ids"]])
 
 
@@ -247,7 +251,8 @@ def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: P
     tasks = {k: v for k, v in TASKS.items() if limit_tasks is None or k in limit_tasks}
     with out.open("a") as sink:
         for task_name, task_params in tasks.items():
-            task = make_task(task_name, model, tokenizer, seed=0, length=length, modes=tuple(modes), **task_params)
+            size = {"doc_tokens": max(8, round(90 * length / 1024))} if task_name == "docqa" else {"length": length}
+            task = make_task(task_name, model, tokenizer, seed=0, modes=tuple(modes), **size, **task_params)
             for number, sample in enumerate(task.build_samples(samples)):
                 prompt = torch.cat([sample.inputs["context_ids"], sample.inputs["question_ids"]], dim=1)
                 gold = answer_ids(tokenizer, sample)
