@@ -279,8 +279,8 @@ def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: P
                     cache = task.new_cache(config)
                     if config.method in BASELINES:
                         cache = compress_copy(uncompressed, captured, lengths[mode], mode, config)
-                    elif all(layer.policy.one_shot for layer in cache.compressed_layers):
-                        replay(cache, captured, lengths[mode])
+                    elif config.method == "full" or all(layer.policy.one_shot for layer in cache.compressed_layers):
+                        replay(cache, captured, lengths[mode])  # full: the capture's exact keys and values
                     else:  # greedy ablation: the real chunked prefill, evicting after every chunk
                         prompting.prefill(model, prompt[:, : lengths[mode]], cache, chunk_size=64)
                     compressed = cache.tokens_stored()
