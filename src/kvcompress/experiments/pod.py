@@ -5,6 +5,7 @@ Every table in the document comes from one of these commands. Results append to
 
     python -m kvcompress.experiments.pod similarity   # heat map, blocks per delta, saving vs delta (+ JSON copy)
     python -m kvcompress.experiments.pod ppl          # WikiText-2 test NLL/perplexity (windows of 512 tokens)
+    python -m kvcompress.experiments.pod ppl-gutenberg  # the same on held-out windows of the training books
     python -m kvcompress.experiments.pod tau          # tau sweep: distant rows skipped vs perplexity
     python -m kvcompress.experiments.pod passkey      # passkey retrieval at 512 tokens
     python -m kvcompress.experiments.pod niah         # RULER-style needle tasks at 512 tokens
@@ -48,6 +49,7 @@ WEIGHTS = {
     "adapted-100k": POD_RUNS / "adapt-d05-100k" / "final.pt",  # 200 steps x 512 tokens
     "control-100k": POD_RUNS / "control-100k" / "final.pt",
 }
+TRAINED_WINDOWS = 200  # the adaptation runs read the first 200 windows of randperm(seed 0): never evaluated on
 DELTAS = (0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 TAUS = (0.95, 0.9, 0.8, 0.7, 0.5, 0.0)
 
@@ -126,6 +128,20 @@ def wikitext_windows(tokenizer, count: int) -> torch.Tensor:
     return ids[: total * LENGTH].view(total, LENGTH)[picks]
 
 
+def gutenberg_windows(tokenizer, count: int) -> torch.Tensor:
+    """``count`` 512-token windows of the training books (in-domain) that no adaptation run trained on: the runs
+    read windows in the order ``randperm(N, seed 0)`` (``pod_adapt``, seed 0, batch 1) and none read more than
+    ``TRAINED_WINDOWS``; the held-out ones are picked evenly among the rest."""
+    from kvcompress.train.pod_adapt import AdaptConfig
+    from kvcompress.train.pod_calibrate import default_training_files, token_windows
+
+    windows = token_windows(tokenizer, default_training_files(), LENGTH)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(AdaptConfig().seed))
+    held = sorted(set(range(len(windows))) - set(order[:TRAINED_WINDOWS].tolist()))
+    picks = torch.linspace(0, len(held) - 1, count).round().long()
+    return windows[torch.tensor(held)[picks]]
+
+
 @torch.no_grad()
 def window_nll(model, ids: torch.Tensor, method: str, params: dict, feed: str) -> tuple[torch.Tensor, object]:
     """NLL of the last ``SCORED`` tokens of one window ``[n]``; the cache after it."""
@@ -146,10 +162,10 @@ def run_ppl(experiment: str, labels: Sequence[str] | None, weights: Sequence[str
     from kvcompress.methods.pod_layer import pod_stats
 
     done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows()}
-    table = configs(experiment)
+    table = configs("ppl" if experiment == "ppl-gutenberg" else experiment)
     for weight in weights:
         model, tokenizer, per_token = load(weight)
-        data = wikitext_windows(tokenizer, windows)
+        data = (gutenberg_windows if experiment == "ppl-gutenberg" else wikitext_windows)(tokenizer, windows)
         for label in labels or table:
             method, params, feed = table[label]
             for index, window in enumerate(data):
@@ -283,12 +299,12 @@ def report() -> None:
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["experiment"], row["weights"], row["label"]), []).append(row)
-    for experiment in ("ppl", "tau", "passkey", "niah"):
+    for experiment in ("ppl", "ppl-gutenberg", "tau", "passkey", "niah"):
         keys = [k for k in groups if k[0] == experiment]
         if not keys:
             continue
         print(f"\n### {experiment}\n")
-        if experiment in ("ppl", "tau"):
+        if experiment in ("ppl", "ppl-gutenberg", "tau"):
             print("| weights | config | windows | KV bytes vs dense | NLL | PPL | distant rows skipped |")
             print("|---|---|---|---|---|---|---|")
         else:
@@ -297,7 +313,7 @@ def report() -> None:
         for key in keys:
             group = groups[key]
             kept = _mean([r["kv_bytes"] / r["dense_bytes"] for r in group])
-            if experiment in ("ppl", "tau"):
+            if experiment in ("ppl", "ppl-gutenberg", "tau"):
                 nll = _mean([r["nll"] for r in group])
                 gates = [r["gate"] for r in group if r.get("gate")]
                 eligible = sum(g["eligible"] for g in gates)
@@ -323,7 +339,12 @@ DOC_TABLES = {  # marker in docs/results/pod.md -> which rows (experiment, weigh
     "adapt": lambda e, w, label: (
         e in ("ppl", "passkey") and w != "base" or (e in ("ppl", "passkey") and label in ("dense", "pod-d0.5"))
     ),
+    "gutenberg": lambda e, w, label: e == "ppl-gutenberg",
+    "niah": lambda e, w, label: e == "niah",
 }
+
+
+TASK_NAMES = {"ppl": "wikitext", "tau": "wikitext", "ppl-gutenberg": "gutenberg (held-out)"}
 
 
 def doc_table(rows: list[dict], keep) -> str:
@@ -346,7 +367,7 @@ def doc_table(rows: list[dict], keep) -> str:
         gates = [r["gate"] for r in group if r.get("gate")]
         eligible = sum(g["eligible"] for g in gates)
         skipped = f"{sum(g['skipped'] for g in gates) / eligible:.1%}" if eligible else "-"
-        task = "wikitext" if experiment in ("ppl", "tau") else experiment
+        task = TASK_NAMES.get(experiment, experiment)
         cells = [
             task,
             weight,
@@ -431,14 +452,16 @@ def _plot_training() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="PoD experiments on SmolLM2-135M (docs/results/pod.md).")
-    parser.add_argument("experiment", choices=("similarity", "ppl", "tau", "passkey", "niah", "report"))
+    parser.add_argument(
+        "experiment", choices=("similarity", "ppl", "ppl-gutenberg", "tau", "passkey", "niah", "report")
+    )
     parser.add_argument("--labels", nargs="*", default=None, help="row labels (default: all of the experiment)")
     parser.add_argument("--weights", nargs="*", default=["base"], choices=("base", *WEIGHTS))
     parser.add_argument("--samples", type=int, default=8, help="windows (ppl, tau) or task samples")
     args = parser.parse_args(argv)
     if args.experiment == "similarity":
         run_similarity()
-    elif args.experiment in ("ppl", "tau"):
+    elif args.experiment in ("ppl", "ppl-gutenberg", "tau"):
         run_ppl(args.experiment, args.labels, args.weights, args.samples)
     elif args.experiment in ("passkey", "niah"):
         run_task(args.experiment, args.labels, args.weights, args.samples)
