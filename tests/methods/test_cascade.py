@@ -124,6 +124,46 @@ def test_invariants_hold_with_random_scores_per_sequence():
     assert len({tuple(kept(layer, row)) for row in range(batch)}) > 1  # rows decided independently
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"cascades": 4},
+        {"cascades": 3, "base": 3, "tie": "resident"},
+        {"cascades": 4, "eager_fill": True, "reduction": "max"},
+        {"cascades": 1},
+        {"cascades": 4, "select_tokens": False},
+    ],
+)
+def test_in_step_path_equals_the_per_sequence_tensor_path(params):
+    # the batch-in-step fast path (Python counters, slice moves) and the per-sequence tensor path (used once a
+    # batch is padded) must store the same tokens with the same scores, keys and values, RoPE included
+    batch, heads, dim, sinks, width = 3, 2, 8, 2, 4
+    budget = sinks + width * params["cascades"]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2) / dim))
+    layers = []
+    for tensor_path in (False, True):
+        layer = CascadeLayer(make_config("cascade", budget=budget, sinks=sinks, **params).policy(0), inv_freq)
+        layer.force_tensor_path = tensor_path
+        layers.append(layer)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(120):
+        keys = torch.randn(batch, heads, 1, dim, generator=generator)
+        values = torch.randn(batch, heads, 1, dim, generator=generator)
+        received = torch.rand(batch, heads, 1, budget, generator=generator).softmax(-1)
+        for layer in layers:
+            layer.update(keys, values)
+            layer.after_attention(AttentionStats(query_count=1, received=received))
+    fast, reference = layers
+    assert fast._in_step and not reference._in_step
+    assert torch.equal(fast._tok, reference._tok)
+    assert torch.equal(fast._count, reference._count) and torch.equal(fast._start, reference._start)
+    slots = fast.capacity  # the scratch slot after them holds anything
+    torch.testing.assert_close(fast._score[:, :slots], reference._score[:, :slots], rtol=0, atol=1e-7)
+    torch.testing.assert_close(fast._k, reference._k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast._v, reference._v, rtol=0, atol=0)
+    torch.testing.assert_close(fast.keys, reference.keys, rtol=1e-5, atol=1e-5)
+
+
 # --- EMA and selection (spec §1.6, A1) ------------------------------------------------------------------------
 
 

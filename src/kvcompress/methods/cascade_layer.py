@@ -49,6 +49,8 @@ class CascadeLayer(CompressedLayer):
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
         self.capacity = config.budget
         self._pending: _Pending | None = None
+        self._all_real = True
+        self.force_tensor_path = False  # tests: always take the per-sequence tensor path of ``_insert``
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -64,18 +66,65 @@ class CascadeLayer(CompressedLayer):
             [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
         )
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)  # attention EMA
-        self._n_sink = torch.zeros(batch, **long)
-        self._n_real = torch.zeros(batch, **long)  # real tokens seen: the acceptance clock
-        self._count = torch.zeros(batch, cascades, **long)
-        self._start = torch.zeros(batch, cascades, **long)
-        self._sinks_full = self.sinks == 0  # every sequence has all its sinks (then the sink column is skipped)
-        self._filled = not self.policy.config.eager_fill  # eager fill is over for every sequence
+        # tensor path only (see _in_step below): sinks stored, real tokens seen (the acceptance clock), per cascade
+        # the ring's start and count, and two flags: every sequence has all its sinks (then the sink column is
+        # skipped), eager fill is over for every sequence
+        self._sinks_full = self.sinks == 0
+        self._filled = not self.policy.config.eager_fill
         base = self.policy.config.base
         self._period = torch.tensor([min(base**i, _MAX_PERIOD) for i in range(cascades)], **long)
         self._first_slot = self.sinks + torch.arange(cascades, **long) * self.width
         self._ring = torch.arange(self.width, **long)
         self._sink_slots = torch.arange(self.sinks, **long)
+        if self.inv_freq is not None:  # cos / sin of every slot-to-slot move, [2 (S + |C|) + 1, d / 2]
+            delta = torch.arange(-slots, slots + 1, dtype=torch.float64, device=self.device)
+            angles = delta[:, None] * self.inv_freq.to(self.device, torch.float64)
+            self._turn_cos, self._turn_sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        # "in step": every sequence has taken the same number of real tokens so far (no padding yet). Then the
+        # counters are the same for the whole batch (only selection outcomes differ), so they are kept as Python
+        # integers and every move is a slice of the buffer; the first padded forward switches to the tensor path
+        self._in_step = True
+        self._py_count, self._py_start, self._py_seen = [0] * cascades, [0] * cascades, 0
+        self._py_tensors: tuple[torch.Tensor, ...] | None = None
         self.is_initialized = True
+
+    # per-sequence counters: tensors, or built from the Python integers while the batch is in step
+    def _counters(self) -> tuple[torch.Tensor, ...]:
+        if self._py_tensors is None:
+            batch, long = self._kv.shape[0], {"dtype": torch.long, "device": self.device}
+            seen = self._py_seen
+            self._py_tensors = (
+                torch.tensor([self._py_count], **long).expand(batch, -1),
+                torch.tensor([self._py_start], **long).expand(batch, -1),
+                torch.full((batch,), min(seen, self.sinks), **long),
+                torch.full((batch,), seen, **long),
+            )
+        return self._py_tensors
+
+    def _leave_step(self) -> None:
+        """Switch to per-sequence counter tensors (the batch is no longer in step)."""
+        if self._in_step:
+            count, start, n_sink, n_real = (t.clone() for t in self._counters())
+            self._in_step = False
+            self._count_t, self._start_t, self._n_sink_t, self._n_real_t = count, start, n_sink, n_real
+            self._sinks_full = self.sinks == 0 or self._py_seen >= self.sinks
+            self._filled = not self.policy.config.eager_fill or self._py_seen >= self.capacity
+
+    def _counter(index: int, name: str):  # noqa: N805 (a property factory used in the class body)
+        def get(self) -> torch.Tensor:
+            return self._counters()[index] if self._in_step else getattr(self, name)
+
+        def put(self, value: torch.Tensor) -> None:
+            self._leave_step()
+            setattr(self, name, value)
+
+        return property(get, put)
+
+    _count = _counter(0, "_count_t")
+    _start = _counter(1, "_start_t")
+    _n_sink = _counter(2, "_n_sink_t")
+    _n_real = _counter(3, "_n_real_t")
+    del _counter
 
     @property
     def _k(self) -> torch.Tensor:
@@ -133,12 +182,18 @@ class CascadeLayer(CompressedLayer):
         batch, count = self._kv.shape[0], pending.keys.shape[2]
         pos = pending.tok.expand(batch, -1) if pending.pos is None else pending.pos
         real = pending.real
+        self._all_real = real is None or bool(real.all())  # no padding in this forward
         if real is None:
             real = torch.ones(batch, count, dtype=torch.bool, device=self.device)
-        keys = pending.keys
-        if self.inv_freq is not None:  # undo the model's rotation with the very angles it used: exact
-            keys = rotate_by(keys, -pos[:, None, :], self.inv_freq)
-        kv = torch.cat([keys, pending.values.to(keys.dtype)], -1)
+        keys, values = pending.keys, pending.values.to(pending.keys.dtype)
+        if self.inv_freq is None:
+            kv = torch.cat([keys, values], -1)
+        else:  # undo the model's rotation with the very angles it used (rotate_half convention, by -angle)
+            angles = pos[:, None, :, None].to(torch.float32) * self.inv_freq.to(self.device)
+            cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+            half = keys.shape[-1] // 2
+            first, second = keys[..., :half], keys[..., half:]
+            kv = torch.cat([first * cos + second * sin, second * cos - first * sin, values], -1)
         meta = torch.stack([pending.tok.expand(batch, -1), pos], -1)
         return kv, meta, pos, real
 
@@ -150,6 +205,94 @@ class CascadeLayer(CompressedLayer):
             self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
 
     def _insert(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None) -> None:
+        if self._in_step and self._all_real and not self.force_tensor_path:
+            self._insert_in_step(kv, meta, score)
+        else:
+            self._insert_tensors(kv, meta, real, score)
+
+    def _turn(self, rows: torch.Tensor, delta: int) -> None:
+        """Rotate the keys of ``rows`` (``[..., dk + dv]`` slot items) in place by ``delta`` positions."""
+        if self.inv_freq is None or delta == 0:
+            return
+        half = self._key_dim // 2
+        cos, sin = self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity]
+        first, second = rows[..., :half], rows[..., half : self._key_dim]
+        lost = first * sin
+        first.mul_(cos).addcmul_(second, sin, value=-1)
+        second.mul_(cos).add_(lost)
+
+    def _insert_in_step(self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None) -> None:
+        """``_insert`` while every sequence is in step: Algorithm 1 on Python integers (the same schedule for
+        the whole batch), then the moves as slices of the buffer, deepest cascade first so that every token is
+        read before its slot is overwritten. Only a selection (d) depends on the sequence: there the arriving
+        token is written where it wins."""
+        sinks, width, p = self.sinks, self.width, self._py_seen
+        self._py_seen, self._py_tensors = p + 1, None
+        if p < sinks:  # sinks fill first
+            self._put(p, None, kv, meta, score)
+            return
+        count, start, config = self._py_count, self._py_start, self.policy.config
+        eager = config.eager_fill and p < self.capacity
+        moves: list[tuple[int, bool]] = []  # (destination slot, selection?) per cascade the token reaches
+        for i in range(self.cascades):
+            first = sinks + i * width
+            if eager or (p - sinks) % config.base**i == 0:
+                if count[i] < width:  # (a) append
+                    moves.append((first + (start[i] + count[i]) % width, False))
+                    count[i] += 1
+                    break
+                moves.append((first + start[i], False))  # (b) overwrite the oldest, carry it on
+                start[i] = (start[i] + 1) % width
+            elif count[i] == 0:  # (c) eager add into an empty cascade
+                moves.append((first + start[i], False))
+                count[i] = 1
+                break
+            else:  # (d) selection against the newest token
+                moves.append((first + (start[i] + count[i] - 1) % width, self.policy.needs_scores))
+                break
+        for column in range(len(moves) - 1, -1, -1):
+            dest, select = moves[column]
+            self._put(dest, moves[column - 1][0] if column else None, kv, meta, score, select)
+
+    def _put(self, dest: int, source: int | None, kv, meta, score, select: bool = False) -> None:
+        """Write the new token (``source=None``) or the token at slot ``source`` into slot ``dest`` (its key
+        rotated at ``dest``); with ``select``, only in the sequences where its score beats the resident's (tie
+        rule of the config)."""
+        buffer, scores = self._kv, self._score
+        if select:  # only the sequences where the arriving token wins write it
+            arriving = scores[:, source] if source is not None else self._new_score(score)
+            resident = scores[:, dest]
+            wins = arriving >= resident if self.policy.config.tie == "incoming" else arriving > resident
+            winners = wins.nonzero().flatten()
+            if source is None:
+                rows, moved_meta = kv[winners, :, 0], meta[winners, 0]
+            else:
+                rows, moved_meta = buffer[winners, :, source], self._meta[winners, source]
+            self._turn(rows, dest - (source or 0))
+            buffer[:, :, dest].index_copy_(0, winners, rows)
+            self._meta[:, dest].index_copy_(0, winners, moved_meta)
+            scores[:, dest].index_copy_(0, winners, arriving[winners])
+            return
+        rows = buffer[:, :, dest]
+        if source is None:
+            rows.copy_(kv[:, :, 0])
+            self._turn(rows, dest)  # the new key arrives un-rotated
+            self._meta[:, dest] = meta[:, 0]
+            if self.policy.needs_scores:
+                scores[:, dest] = 0.0 if score is None else score
+        else:
+            rows.copy_(buffer[:, :, source])
+            self._turn(rows, dest - source)
+            self._meta[:, dest] = self._meta[:, source]
+            if self.policy.needs_scores:
+                scores[:, dest] = scores[:, source]
+
+    def _new_score(self, score: torch.Tensor | None) -> torch.Tensor:
+        return self._score.new_zeros(self._score.shape[0]) if score is None else score.float()
+
+    def _insert_tensors(
+        self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None
+    ) -> None:
         """Insert one token per sequence: ``kv`` ``[B, H_kv, 1, dk + dv]`` (key un-rotated), ``meta`` ``[B, 1, 2]``,
         ``real`` ``[B]`` (False: padding, nothing happens), ``score`` ``[B]`` initial EMA (None: 0).
 
@@ -158,6 +301,7 @@ class CascadeLayer(CompressedLayer):
         eager-adds into an empty ring (c) or selects between the arriving token and its newest one (d).
         Every cascade is touched at most once, so all decisions come from the counters before the step.
         """
+        self._leave_step()
         sinks, width, slots = self.sinks, self.width, self.capacity
         config = self.policy.config
         seen, count, start = self._n_real, self._count, self._start
@@ -337,12 +481,16 @@ class CascadeLayer(CompressedLayer):
         """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` over the cascade slots (sinks have no score).
         ``probs`` is ``[B, H_kv, G, S + |C|]``."""
         gamma = self.policy.gamma
-        received = self.policy.reduce_heads(probs[..., self.sinks :])  # [B, |C|]
         cascade = self._score[:, self.sinks : self.capacity]
-        updated = cascade * gamma + received * (1.0 - gamma)
-        if real is not None:
-            updated = torch.where(real[:, None], updated, cascade)
-        cascade.copy_(updated)
+        if self.policy.config.reduction == "mean":  # the sum, with 1 / heads folded into the EMA weight
+            received = probs[..., self.sinks :].flatten(1, 2).sum(1)
+            weight = (1.0 - gamma) / (probs.shape[1] * probs.shape[2])
+        else:
+            received, weight = self.policy.reduce_heads(probs[..., self.sinks :]), 1.0 - gamma
+        if real is None or self._all_real:
+            cascade.mul_(gamma).add_(received, alpha=weight)
+        else:
+            cascade.copy_(torch.where(real[:, None], cascade * gamma + received * weight, cascade))
 
     def _chunk_attention(
         self, queries: torch.Tensor, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, scale: float
@@ -477,11 +625,12 @@ class CascadeLayer(CompressedLayer):
         self.is_initialized = False
         self.seen = self.new_tokens = 0
 
-    _PER_SEQUENCE = ("_kv", "_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
+    _PER_SEQUENCE = ("_kv", "_meta", "_score", "_n_sink_t", "_n_real_t", "_count_t", "_start_t")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self._leave_step()
         indices = indices.to(self.device)
         for name in self._PER_SEQUENCE:
             setattr(self, name, getattr(self, name).index_select(0, indices))
@@ -489,6 +638,7 @@ class CascadeLayer(CompressedLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not self.is_initialized:
             return
+        self._leave_step()
         for name in self._PER_SEQUENCE:
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
 
