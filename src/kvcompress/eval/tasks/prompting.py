@@ -75,13 +75,40 @@ def answer(
     ``stop_when_found``: stop decoding once every one of these strings is in the answer. For scores that only
     check containment (RULER's) this changes no score and saves decoding time.
     """
+    prompt = prefill_prompt(model, context_ids, question_ids, cache, mode, chunk_size)
+    return decode_answer(model, tokenizer, prompt, cache, max_new_tokens, stop_when_found)
+
+
+@torch.no_grad()
+def prefill_prompt(
+    model: PreTrainedModel,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor,
+    cache: CompressedCache,
+    mode: str,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """The first half of ``answer``: prefill what ``mode`` compresses into ``cache``; return the whole prompt.
+
+    ``agnostic``: the context; ``aware``: the prompt but its last token. ``decode_answer`` feeds the rest.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     prompt = torch.cat([context_ids, question_ids], dim=1)
-    if mode == "agnostic":
-        prefill(model, context_ids, cache, chunk_size=chunk_size)
-    else:
-        prefill(model, prompt[:, :-1], cache, chunk_size=chunk_size)
+    prefill(model, context_ids if mode == "agnostic" else prompt[:, :-1], cache, chunk_size=chunk_size)
+    return prompt
+
+
+@torch.no_grad()
+def decode_answer(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: torch.Tensor,
+    cache: CompressedCache,
+    max_new_tokens: int,
+    stop_when_found: list[str] | None = None,
+) -> str:
+    """The second half of ``answer``: feed the part of ``prompt`` the cache has not seen, decode greedily."""
     output = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
