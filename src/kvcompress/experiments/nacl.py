@@ -3,16 +3,17 @@
 Every table in the document comes from one of these commands (rows append to a JSONL file; rows already there are
 skipped, so a run can be resumed; ``report`` turns the file into markdown tables and plots)::
 
-    python -m kvcompress.experiments.nacl main --samples 3        # passkey + niah, 10/20/30 %, aware + agnostic
-    python -m kvcompress.experiments.nacl ablation --samples 3 --modes aware \\
+    python -m kvcompress.experiments.nacl main --samples 10       # passkey, niah, docqa; 10/20/30 %; aware + agnostic
+    python -m kvcompress.experiments.nacl ablation --samples 10 --modes aware \\
         --out docs/results/nacl_ablation_results.jsonl            # Table 3 analog at 20 %
     python -m kvcompress.experiments.nacl report                  # markdown tables + docs/results/nacl_*.png
     python -m kvcompress.experiments.nacl check --samples 1       # replay == ordinary chunked prefill
     python -m kvcompress.experiments.nacl overhead --length 4096  # NaCl's share of a prefill's time
 
 Samples are ``kvcompress.eval``'s (``passkey``; ``niah``'s RULER ``single`` and ``multikey`` needles over the
-essays: one answer each) with their prompts and both modes (``aware``: the question is inside the compressed
-prompt; ``agnostic``: the context is compressed before the question arrives). Scoring is teacher-forced so that
+essays; ``docqa``'s 10 documents with the answer document at position ``i mod 10``: one answer each) with their
+prompts and both modes (``aware``: the question is inside the compressed prompt; ``agnostic``: the context is
+compressed before the question arrives). Scoring is teacher-forced so that
 a 135M model gives a graded signal: after the compressed prefill the rest of the prompt and the gold answer are
 fed in one forward; ``nll`` is the mean negative log-likelihood per answer token and ``accuracy`` is 1 when greedy
 decoding would write exactly the gold answer (argmax = gold at every answer token).
@@ -509,7 +510,7 @@ def plots(rows: list[dict]) -> list[Path]:
         full = [headline(r) for r in main if r["mode"] == mode and r["row_label"] == "full"]
         if full:
             ax.axhline(SCALE[METRIC[0]] * statistics.fmean(full), color="k", linestyle="--", label="full cache")
-        ax.set_title(f"query-{mode}: niah + passkey")
+        ax.set_title(f"query-{mode}: " + " + ".join(sorted({r["task"] for r in main})))
         ax.set_xlabel("KV budget (% of prompt)")
         ax.set_xticks([100 * r for r in RATIOS])
     axes[0].set_ylabel(YLABEL[METRIC[0]])
@@ -533,7 +534,7 @@ def plots(rows: list[dict]) -> list[Path]:
             ax.bar([i + offset for i in range(len(labels))], vals, width, yerr=errs, capsize=3, label=mode)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels([label.split(" (")[0] for label in labels], rotation=15, fontsize=8)
-        ax.set_ylabel(YLABEL[METRIC[0]] + " (niah + passkey)")
+        ax.set_ylabel(YLABEL[METRIC[0]] + " (" + " + ".join(sorted({r["task"] for r in ablation})) + ")")
         ax.set_title("Table 3 analog at 20 % budget, SmolLM2-135M")
         ax.legend()
         fig.tight_layout()
