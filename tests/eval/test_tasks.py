@@ -177,8 +177,8 @@ def test_summary_scores_against_the_full_cache_summary_made_once(tiny, corpus, m
     model, tokenizer = tiny
     task = make_task("summary", model, tokenizer, length=200, max_new_tokens=12, corpus=str(corpus))
     calls = []
-    original = task._summarize
-    monkeypatch.setattr(task, "_summarize", lambda *a: calls.append(1) or original(*a))
+    original = task.generate
+    monkeypatch.setattr(task, "generate", lambda *a, **k: calls.append(1) or original(*a, **k))
     samples = task.build_samples(1)
     rows = list(run_task(task, expand_configs(["window", "full", "random"], [16]), samples))
     assert len(calls) == 4  # window, the shared full reference, random; full reuses the reference

@@ -19,8 +19,9 @@ import re
 import string
 
 from kvcompress.eval.data import essays
-from kvcompress.eval.tasks.base import Result, Sample, Task, check_positive_int
-from kvcompress.eval.tasks.prompting import MODES, answer, sentences, split_prompt, take_sentences
+from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
+from kvcompress.eval.tasks.prompting import sentences, split_prompt, take_sentences
+from kvcompress.eval.tasks.qa import QATask
 
 TEAMS = (
     "red blue green yellow orange purple silver golden black white north south east west river mountain "
@@ -53,7 +54,7 @@ def best_subspan_em(prediction: str, answers: list[str]) -> float:
     return float(any(normalize_answer(a) in normalized for a in answers))
 
 
-class DocQATask(Task):
+class DocQATask(QATask):
     name = "docqa"
     metrics = ("accuracy",)
     description = "10 documents, one holds the answer at a chosen position; exact match"
@@ -68,25 +69,17 @@ class DocQATask(Task):
         "data": None,
     }
 
-    @property
-    def modes(self):
-        return tuple(self.params["modes"])
-
     def validate(self) -> None:
+        super().validate()
         check_positive_int(self.params["documents"], "documents", 2)
         if self.params["documents"] > len(TEAMS):
             raise ValueError(f"documents must be at most {len(TEAMS)}, got {self.params['documents']}")
         check_positive_int(self.params["doc_tokens"], "doc_tokens", 8)
-        check_positive_int(self.params["chunk_size"], "chunk_size")
-        check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
         position = self.params["position"]
         if position is not None:
             check_positive_int(position, "position", 0)
             if position >= self.params["documents"]:
                 raise ValueError(f"position must be in [0, documents - 1], got {position}")
-        for mode in self.params["modes"]:
-            if mode not in MODES:
-                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
 
     def build_samples(self, count: int) -> list[Sample]:
         docs = essays(self.params["corpus"], self.params["data"])
@@ -125,14 +118,5 @@ class DocQATask(Task):
         return samples
 
     def evaluate(self, sample, config, cache, mode):
-        text = answer(
-            self.model,
-            self.tokenizer,
-            sample.inputs["context_ids"],
-            sample.inputs["question_ids"],
-            cache,
-            mode,
-            self.params["chunk_size"],
-            self.params["max_new_tokens"],
-        )
+        text = self.generate(sample, cache, mode)
         return Result(scores={"accuracy": best_subspan_em(text, [sample.inputs["answer"]])}, extra={"prediction": text})

@@ -28,8 +28,9 @@ from __future__ import annotations
 import random
 
 from kvcompress.eval.data import essays
-from kvcompress.eval.tasks.base import Result, Sample, Task, check_positive_int
-from kvcompress.eval.tasks.prompting import MODES, answer, count_tokens, sentences, split_prompt, take_sentences
+from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
+from kvcompress.eval.tasks.prompting import MODES, count_tokens, sentences, split_prompt, take_sentences
+from kvcompress.eval.tasks.qa import QATask
 
 SUBTASKS = ("single", "multikey", "multivalue", "multiquery", "vt")
 
@@ -81,7 +82,7 @@ def _join(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
-class NiahTask(Task):
+class NiahTask(QATask):
     name = "niah"
     metrics = ("score",)
     description = "RULER needle tasks over the essays; string_match_all"
@@ -96,21 +97,14 @@ class NiahTask(Task):
         "data": None,
     }
 
-    @property
-    def modes(self):
-        return tuple(self.params["modes"])
-
     def validate(self) -> None:
+        super().validate()
         check_positive_int(self.params["length"], "length", 128)
-        check_positive_int(self.params["chunk_size"], "chunk_size")
         check_positive_int(self.params["needles"], "needles", 2)
         check_positive_int(self.params["hops"], "hops", 1)
         for sub in self.params["subtasks"]:
             if sub not in SUBTASKS:
                 raise ValueError(f"subtasks must be drawn from {', '.join(SUBTASKS)}; got {sub!r}")
-        for mode in self.params["modes"]:
-            if mode not in MODES:
-                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
 
     # --- building ----------------------------------------------------------------------------------------
     def _haystack(self) -> list[str]:
@@ -221,15 +215,5 @@ class NiahTask(Task):
         return samples
 
     def evaluate(self, sample, config, cache, mode):
-        text = answer(
-            self.model,
-            self.tokenizer,
-            sample.inputs["context_ids"],
-            sample.inputs["question_ids"],
-            cache,
-            mode,
-            self.params["chunk_size"],
-            sample.inputs["max_new_tokens"],
-            stop_when_found=sample.inputs["answers"],
-        )
+        text = self.generate(sample, cache, mode, sample.inputs["max_new_tokens"], sample.inputs["answers"])
         return Result(scores={"score": string_match_all(text, sample.inputs["answers"])}, extra={"prediction": text})

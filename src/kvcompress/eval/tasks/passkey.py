@@ -17,8 +17,9 @@ from __future__ import annotations
 import random
 import re
 
-from kvcompress.eval.tasks.base import Result, Sample, Task, check_fraction, check_positive_int, van_der_corput
-from kvcompress.eval.tasks.prompting import MODES, answer, count_tokens, split_prompt
+from kvcompress.eval.tasks.base import Result, Sample, check_fraction, check_positive_int, van_der_corput
+from kvcompress.eval.tasks.prompting import count_tokens, split_prompt
+from kvcompress.eval.tasks.qa import QATask
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -35,25 +36,17 @@ def first_number(text: str) -> str | None:
     return match.group(0) if match else None
 
 
-class PasskeyTask(Task):
+class PasskeyTask(QATask):
     name = "passkey"
     metrics = ("accuracy",)
     description = "5-digit passkey in repeated filler; exact match"
     defaults = {"length": 1024, "depth": None, "chunk_size": 64, "max_new_tokens": 8, "modes": ("aware",)}
 
-    @property
-    def modes(self):
-        return tuple(self.params["modes"])
-
     def validate(self) -> None:
+        super().validate()
         check_positive_int(self.params["length"], "length", 64)
         if self.params["depth"] is not None:
             check_fraction(self.params["depth"], "depth")
-        check_positive_int(self.params["chunk_size"], "chunk_size")
-        check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
-        for mode in self.params["modes"]:
-            if mode not in MODES:
-                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
 
     def build_prompt(self, key: str, depth: float) -> tuple[str, float]:
         """The context text with the needle at ``depth`` (filler repetitions before / all); the actual depth."""
@@ -91,15 +84,6 @@ class PasskeyTask(Task):
         return samples
 
     def evaluate(self, sample, config, cache, mode):
-        text = answer(
-            self.model,
-            self.tokenizer,
-            sample.inputs["context_ids"],
-            sample.inputs["question_ids"],
-            cache,
-            mode,
-            self.params["chunk_size"],
-            self.params["max_new_tokens"],
-        )
+        text = self.generate(sample, cache, mode)
         correct = first_number(text) == sample.inputs["key"]
         return Result(scores={"accuracy": float(correct)}, extra={"prediction": text})

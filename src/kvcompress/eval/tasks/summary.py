@@ -14,8 +14,9 @@ import random
 
 from kvcompress.eval.configs import EvalConfig
 from kvcompress.eval.data import essays
-from kvcompress.eval.tasks.base import Result, Sample, Task, check_positive_int
-from kvcompress.eval.tasks.prompting import MODES, answer, sentences, split_prompt, take_sentences
+from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
+from kvcompress.eval.tasks.prompting import sentences, split_prompt, take_sentences
+from kvcompress.eval.tasks.qa import QATask
 
 QUESTION = "Summarize the text above in three sentences."
 ANSWER_PREFIX = ""
@@ -36,7 +37,7 @@ def rouge_scores(prediction: str, reference: str) -> dict[str, float]:
     return {name: scores[name].fmeasure for name in ROUGE_TYPES}
 
 
-class SummaryTask(Task):
+class SummaryTask(QATask):
     name = "summary"
     metrics = ROUGE_TYPES
     description = "ROUGE of each summary against the full-cache summary"
@@ -53,17 +54,9 @@ class SummaryTask(Task):
         super().__init__(*args, **kwargs)
         self._references: dict[tuple[str, str | None], str] = {}
 
-    @property
-    def modes(self):
-        return tuple(self.params["modes"])
-
     def validate(self) -> None:
+        super().validate()
         check_positive_int(self.params["length"], "length", 32)
-        check_positive_int(self.params["chunk_size"], "chunk_size")
-        check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
-        for mode in self.params["modes"]:
-            if mode not in MODES:
-                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
 
     def build_samples(self, count: int) -> list[Sample]:
         docs = essays(self.params["corpus"], self.params["data"])
@@ -83,27 +76,15 @@ class SummaryTask(Task):
             )
         return samples
 
-    def _summarize(self, sample: Sample, cache, mode) -> str:
-        return answer(
-            self.model,
-            self.tokenizer,
-            sample.inputs["context_ids"],
-            sample.inputs["question_ids"],
-            cache,
-            mode,
-            self.params["chunk_size"],
-            self.params["max_new_tokens"],
-        )
-
     def reference(self, sample: Sample, mode: str | None) -> str:
         """The full-cache summary of ``sample`` (generated once, then shared by every configuration)."""
         key = (sample.id, mode)
         if key not in self._references:
-            self._references[key] = self._summarize(sample, self.new_cache(EvalConfig("full")), mode)
+            self._references[key] = self.generate(sample, self.new_cache(EvalConfig("full")), mode)
         return self._references[key]
 
     def evaluate(self, sample, config, cache, mode):
-        text = self._summarize(sample, cache, mode)
+        text = self.generate(sample, cache, mode)
         if config.method == "full" and not config.params and (sample.id, mode) not in self._references:
             self._references[(sample.id, mode)] = text
         reference = self.reference(sample, mode)

@@ -1,0 +1,49 @@
+"""What the question-answering tasks (passkey, niah, docqa, summary) share: their modes, the checks of the
+parameters they have in common, and answering a sample's question through a cache (``prompting.answer``)."""
+
+from __future__ import annotations
+
+from kvcompress.cache import CompressedCache
+from kvcompress.eval.tasks.base import Sample, Task, check_positive_int
+from kvcompress.eval.tasks.prompting import MODES, answer
+
+
+class QATask(Task):
+    """A task whose samples hold ``context_ids`` and ``question_ids`` answered by greedy decoding.
+
+    ``defaults`` must hold ``modes`` (drawn from ``prompting.MODES``) and ``chunk_size``, and ``max_new_tokens``
+    unless every evaluation passes its own. Subclasses extend ``validate`` with ``super().validate()``.
+    """
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(self.params["modes"])
+
+    def validate(self) -> None:
+        check_positive_int(self.params["chunk_size"], "chunk_size")
+        if "max_new_tokens" in self.params:
+            check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
+        for mode in self.params["modes"]:
+            if mode not in MODES:
+                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
+
+    def generate(
+        self,
+        sample: Sample,
+        cache: CompressedCache,
+        mode: str,
+        max_new_tokens: int | None = None,
+        stop_when_found: list[str] | None = None,
+    ) -> str:
+        """The answer to ``sample`` through ``cache`` in ``mode``; ``max_new_tokens`` defaults to the task's."""
+        return answer(
+            self.model,
+            self.tokenizer,
+            sample.inputs["context_ids"],
+            sample.inputs["question_ids"],
+            cache,
+            mode,
+            self.params["chunk_size"],
+            self.params["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
+            stop_when_found=stop_when_found,
+        )
