@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     samples.add_argument("--model", default="smollm2-135m")
     ours = sub.add_parser("ours", help="run our methods on <out>/samples.json into <out>/kvcompress.jsonl")
     ours.add_argument("--out", required=True)
-    ours.add_argument("--methods", default=None, help="comma-separated labels (default: all; see compare.ours)")
+    ours.add_argument("--methods", default=None, help="comma-separated labels (default: all; see compare.ours.METHODS)")
     ours.add_argument("--threads", type=int, default=1)
+    ours.add_argument("--samples", type=int, default=None, help="only the first N samples (default: all)")
     report = sub.add_parser("report", help="score both sides, compare kept sets, write the tables")
     report.add_argument("--out", required=True)
     report.add_argument("--doc-data", default=None, help="also write the rows without kept sets and the summary here")
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvcompress.compare.ours import run_ours
 
         methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
-        print(run_ours(args.out, methods, args.threads))
+        print(run_ours(args.out, methods, args.threads, args.samples))
     else:
         from kvcompress.compare.table import write_report
 

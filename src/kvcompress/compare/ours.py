@@ -30,7 +30,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "full": ("full", {}),
     "streaming": ("streaming", {}),
     "streaming_oneshot:position_mode=original": ("streaming_oneshot", {"position_mode": "original"}),
-    "snapkv:window=64,kernel=5,pooling=avg": ("snapkv", {"window": 64, "kernel": 5, "pooling": "avg"}),
+    "snapkv:window=64;kernel=5;pooling=avg": ("snapkv", {"window": 64, "kernel": 5, "pooling": "avg"}),
     "tova": ("tova", {}),
     "tova_oneshot": ("tova_oneshot", {}),
     "knorm": ("knorm", {}),
@@ -41,7 +41,7 @@ COUNTERPARTS = {
     "full": "full",
     "streaming": "StreamingLLMPress",
     "streaming_oneshot:position_mode=original": "StreamingLLMPress",
-    "snapkv:window=64,kernel=5,pooling=avg": "SnapKVPress",
+    "snapkv:window=64;kernel=5;pooling=avg": "SnapKVPress",
     "tova": "TOVAPress",
     "tova_oneshot": "TOVAPress",
     "knorm": "KnormPress",
@@ -88,14 +88,21 @@ def evaluate(model, tokenizer, sample: dict[str, Any], label: str, budget: int |
     }
 
 
-def run_ours(out_dir: str | Path, methods: list[str] | None = None, threads: int = 1) -> Path:
-    """Evaluate ``methods`` (labels of ``METHODS``; default all) on the samples in ``out_dir``; resumable."""
+def run_ours(
+    out_dir: str | Path, methods: list[str] | None = None, threads: int = 1, samples: int | None = None
+) -> Path:
+    """Evaluate ``methods`` (labels of ``METHODS``; default all) on the samples in ``out_dir`` (the first
+    ``samples`` of them; default all); resumable."""
     methods = list(METHODS) if methods is None else methods
     for label in methods:
         if label not in METHODS:
             raise ValueError(f"methods must be drawn from {', '.join(METHODS)}; got {label!r}")
     torch.set_num_threads(threads)
     spec = read_samples(out_dir)
+    if samples is not None:
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be an integer >= 1 or None (all), got {samples!r}")
+        spec["samples"] = spec["samples"][:samples]
     path = Path(out_dir) / OURS_FILE
     done = set()
     if path.exists():
