@@ -76,6 +76,7 @@ def test_cache_op_runs_every_method_and_reference_with_ratios():
         assert row["vs_concat_sink"] > 0 and row["vs_streaming"] > 0
     stored = {row["cache"]: row["stored"] for row in rows}
     assert stored["streaming"] == stored[CONCAT_SINK] == 4 + 16
+    assert stored["cascade"] == stored["cascade N=1"] == 4 + 16  # circular: allocated once at the budget
     assert stored["full"] == 4 + 16 + 1 + 3  # unbounded: fill + warm-up + timed tokens
     by_name = {row["cache"]: row for row in rows}
     assert by_name["streaming"]["evictions"] == 3 and by_name["full"]["evictions"] == 0

@@ -66,7 +66,10 @@ CACHE_OP_METHODS: tuple[str, ...] = (
     "random",
     "knorm",
     "buzz",
+    "cascade",
+    "cascade N=1",
 )
+CASCADES = {"cascade": 4, "cascade N=1": 1}  # N = 4 (paper's Tab. 4 row, scores included); N = 1: our circular sink
 CONCAT_SINK = "concat sink (reference)"
 CIRCULAR_SINK = "circular sink (reference)"
 DYNAMIC = "DynamicCache (transformers)"
@@ -276,6 +279,32 @@ def _layer_step(
     return layer, step
 
 
+def _cascade_step(method: str, setup: CacheOpSetup, generator: torch.Generator):
+    """A cascade layer (``S`` sinks + ``|C| = window`` in ``N`` circular sub-caches) in steady state and one update:
+    ``update`` + ``after_attention`` with post-softmax rows over its ``S + |C|`` slots (for ``N > 1`` the EMA with
+    its head reduction is part of the update; ``N = 1`` never reads scores). Filled with ``S + span`` tokens, as
+    the v1 fill rule fills the deeper cascades only after about ``span`` tokens."""
+    config = make_config("cascade", budget=setup.capacity, sinks=setup.sinks, cascades=CASCADES[method])
+    policy = config.policy(0)
+    layer = config.layer_class()(policy, _inv_freq(setup.head_dim))
+    fill = setup.random(setup.sinks + config.span, generator)
+    layer.update(fill, fill.clone())
+    layer.after_attention(None)
+    received = torch.randn(setup.batch, setup.heads, 1, setup.capacity, generator=generator).softmax(-1)
+    stats = AttentionStats(query_count=1, received=received) if policy.needs_scores else None
+    keys, values = setup.random(_POOL, generator), setup.random(_POOL, generator)
+    sizes = [layer.stored_length()]
+
+    def step(i: int) -> None:
+        slot = i % _POOL
+        layer.update(keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
+        layer.after_attention(stats)
+        sizes.append(layer.stored_length())
+
+    step.sizes = sizes
+    return layer, step
+
+
 def _cut(stats: AttentionStats | None, length: int) -> AttentionStats | None:
     """``stats`` over the first ``length`` keys (a view; a no-op for fixed-size caches, built at their length)."""
     if stats is None:
@@ -360,7 +389,7 @@ def run_cache_op(
     if references:
         plan += [(name, "reference", _reference_step) for name in (CONCAT_SINK, CIRCULAR_SINK)]
         plan.append((DYNAMIC, "transformers", _reference_step))
-    plan += [(method, "kvcompress", _layer_step) for method in methods]
+    plan += [(method, "kvcompress", _cascade_step if method in CASCADES else _layer_step) for method in methods]
     if "streaming" in methods:
         plan.append((STREAMING_POSITIONED, "kvcompress", _layer_step))
     if "buzz" in methods:
