@@ -187,3 +187,24 @@ def test_summary_scores_against_the_full_cache_summary_made_once(tiny, corpus, m
     for method in ("window", "random"):
         assert set(scores[method]) == {"rouge1", "rouge2", "rougeL"}
         assert all(0.0 <= v <= 1.0 for v in scores[method].values())
+
+
+@pytest.mark.parametrize("name", ["passkey", "niah", "docqa", "summary"])
+@pytest.mark.parametrize(
+    ("param", "value", "message"),
+    [
+        ("modes", "both", "modes must be drawn from agnostic, aware; got 'both'"),
+        ("chunk_size", 0, "chunk_size must be an integer >= 1, got 0"),
+    ],
+)
+def test_qa_tasks_share_mode_and_chunk_checks(tiny, name, param, value, message):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_task(name, model, tokenizer, **{param: value})
+
+
+@pytest.mark.parametrize("name", ["passkey", "docqa", "summary"])
+def test_qa_tasks_check_max_new_tokens(tiny, name):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        make_task(name, model, tokenizer, max_new_tokens=0)
