@@ -176,8 +176,8 @@ def cmd_all(args) -> None:
         ["stream-ppl"],
         "cache-op",
         "decode",
-        ["stream-ablation"],
         ["passkey"],
+        ["stream-ablation", "--streams", "4"],
         ["ablation"],
         ["restart", "--capacities", "512", "--cascades", "1,4"],
     ]
