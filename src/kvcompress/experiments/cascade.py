@@ -415,15 +415,16 @@ def cmd_report(args) -> None:
     stream = _records(out, "stream")
     if ablations:
         first = next(iter(ablations.values()))
-        capacity, length = first["params"]["budget"] - first["params"]["sinks"], first["losses"].shape[1]
+        capacity = first["params"]["budget"] - first["params"]["sinks"]
+        rows, length = first["losses"].shape  # the first streams of stream-ppl (same books, offsets and tokens)
         cascades = first["params"]["cascades"]
         records = {}
         for params in (config_of(capacity, 1), config_of(capacity, cascades)):
             base = stream.get(label(params))
             if base is not None:  # the stream-ppl run, truncated to the ablation's length (causal: identical)
-                records[label(params)] = base | {"losses": base["losses"][:, :length], "seconds": None}
+                records[label(params)] = base | {"losses": base["losses"][:rows, :length], "seconds": None}
         records.update(ablations)
-        print(f"### Streaming perplexity ablations (first {length + 1} tokens of each stream)\n")
+        print(f"### Streaming perplexity ablations ({rows} streams, their first {length + 1} tokens)\n")
         print("\n".join(_compare_table(records, _describe)) + "\n")
     passkey = out / "passkey.json"
     if passkey.exists():
