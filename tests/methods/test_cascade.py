@@ -382,3 +382,90 @@ def test_smollm2_equals_the_full_cache_within_s_plus_w_and_runs_past_it():
     long_ids = tokenizer("Once upon a time, " * 40, return_tensors="pt").input_ids[:, :200]
     losses = stream_nll(model, long_ids, kvcompress.cache_for(model, "cascade", budget=36, cascades=4), 50)
     assert torch.isfinite(losses).all()
+
+
+# --- streaming on the circular sink cache (N = 1) ----------------------------------------------------------------
+
+
+def _generic_streaming(monkeypatch):
+    from kvcompress.methods.streaming import StreamingConfig
+
+    monkeypatch.setattr(StreamingConfig, "circular", False)
+
+
+def test_streaming_runs_on_the_circular_layer_only_where_it_applies():
+    from kvcompress.cache import CompressedLayer
+    from kvcompress.methods.cascade_layer import CircularSinkLayer
+
+    assert make_config("streaming", budget=16, sinks=4).layer_class() is CircularSinkLayer
+    assert make_config("streaming", budget=16, sinks=4, position_mode="original").layer_class() is CompressedLayer
+    assert make_config("streaming", budget=4, sinks=4).layer_class() is CompressedLayer  # no ring slot
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize(("budget", "sinks", "chunk"), [(15, 4, 1), (12, 0, 1), (20, 2, 7), (9, 4, 13)])
+def test_streaming_circular_equals_the_generic_layer_token_by_token_and_in_chunks(
+    model_fixture, budget, sinks, chunk, request, monkeypatch
+):
+    model = request.getfixturevalue(model_fixture)
+    ids = ids_of(1, 70, seed=21)
+    fast_cache = kvcompress.cache_for(model, "streaming", budget=budget, sinks=sinks)
+    fast = stream_nll(model, ids, fast_cache, chunk)
+    _generic_streaming(monkeypatch)
+    generic_cache = kvcompress.cache_for(model, "streaming", budget=budget, sinks=sinks)
+    generic = stream_nll(model, ids, generic_cache, chunk)
+    assert type(fast_cache.compressed_layers[0]).__name__ == "CircularSinkLayer"
+    assert type(generic_cache.compressed_layers[0]).__name__ == "CompressedLayer"
+    torch.testing.assert_close(fast, generic, rtol=1e-4, atol=1e-5)
+    for ours, theirs in zip(fast_cache.compressed_layers, generic_cache.compressed_layers, strict=True):
+        kept_ours = ours.token_idx[ours.valid].view(1, -1)
+        assert kept_ours.tolist() == theirs.token_idx[theirs.valid].view(1, -1).tolist()
+
+
+def test_streaming_circular_equals_the_generic_layer_with_padding_prefill_and_generation(tiny_llama, monkeypatch):
+    long, short = ids_of(1, 40, seed=22), ids_of(1, 23, seed=23)
+    batch = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros(2, 40, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, 17:], mask[1, 17:] = short[0], 1
+    fast_cache = kvcompress.cache_for(tiny_llama, "streaming", budget=14, sinks=3)
+    fast, fast_ids = cache_logits(tiny_llama, batch, fast_cache, mask, 8)
+    _generic_streaming(monkeypatch)
+    generic_cache = kvcompress.cache_for(tiny_llama, "streaming", budget=14, sinks=3)
+    generic, generic_ids = cache_logits(tiny_llama, batch, generic_cache, mask, 8)
+    torch.testing.assert_close(fast, generic, rtol=1e-4, atol=1e-5)
+    assert torch.equal(fast_ids, generic_ids)
+    ours, theirs = fast_cache.compressed_layers[1], generic_cache.compressed_layers[1]
+    for row in range(2):
+        assert (
+            ours.token_idx[row, 0][ours.valid[row, 0]].tolist()
+            == theirs.token_idx[row, 0][theirs.valid[row, 0]].tolist()
+        )
+
+
+def test_streaming_circular_applies_the_models_sliding_window(monkeypatch):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=0,
+        pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = ids_of(1, 50, seed=24)
+    fast = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2), 5)
+    _generic_streaming(monkeypatch)
+    generic = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2), 5)
+    torch.testing.assert_close(fast, generic, rtol=1e-4, atol=1e-5)

@@ -66,6 +66,7 @@ class CascadePolicy(Policy):
 
     position_mode = "cache"  # ranks inside the cache (the cache computes the model's RoPE frequencies for it)
     per_head = False  # homogeneous heads: every KV head keeps the same tokens
+    attend_first = False  # True: every forward attends before its tokens are inserted (``streaming`` on N = 1)
 
     def __init__(self, config: CascadeConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

@@ -432,7 +432,16 @@ class CascadeLayer(CompressedLayer):
         return query, key  # positions are assigned inside cascade_attention, token by token
 
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> None:
+        self._sliding_window = sliding_window  # applied inside cascade_attention, by stream index as the model does
         return None  # built inside cascade_attention from the occupied slots
+
+    def _in_window(self, query_tok: torch.Tensor) -> torch.Tensor | None:
+        """``[B, n, S + |C|]``: stored keys inside the model's sliding window of queries at stream indices
+        ``query_tok`` ``[B, n]`` (``None``: no sliding window in this layer)."""
+        window = getattr(self, "_sliding_window", None)
+        if window is None:
+            return None
+        return self._tok[:, None, :] > query_tok[:, :, None] - window
 
     def _grouped_queries(self, query: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``[B, H, q, d]`` queries as the model rotated them -> un-rotated ``[B, H_kv, G, q, d]``."""
@@ -454,21 +463,24 @@ class CascadeLayer(CompressedLayer):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)
-        if self.policy.config.prefill == "chunked" and query.shape[2] > 1:
+        if (self.policy.config.prefill == "chunked" and query.shape[2] > 1) or self.policy.attend_first:
             return self._chunk_attention(queries, kv, meta, real, scale)
         outputs = []
         for m in range(query.shape[2]):
             self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], None)
-            outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], scale))
+            outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], meta[:, m : m + 1, 0], scale))
         batch, q_heads, count, dim = query.shape
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
 
-    def _attend(self, query: torch.Tensor, real: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query per sequence (``[B, H_kv, G, 1, d]`` un-rotated) over the cache, at the newest rank; folds
-        its attention into the EMA. Returns ``[B, H_kv, G, 1, d_v]``."""
+    def _attend(self, query: torch.Tensor, real: torch.Tensor, query_tok: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per sequence (``[B, H_kv, G, 1, d]`` un-rotated, stream index ``query_tok`` ``[B, 1]``) over
+        the cache, at the newest rank; folds its attention into the EMA. Returns ``[B, H_kv, G, 1, d_v]``."""
         occupied = self._tok >= 0
         top = (occupied.sum(1, keepdim=True) - 1).clamp(min=0)  # the query's rank: its own key's, the largest
         logits = self._cache_logits(query, top).float() * scale  # [B, H_kv, G, 1, L]
+        window = self._in_window(query_tok)
+        if window is not None:
+            occupied = occupied & window[:, 0]
         visible = occupied | ~real[:, None]  # a padding query (stored nowhere) reads anything finite
         probs = logits.masked_fill(~visible[:, None, None, None], float("-inf")).softmax(-1)
         batch, kv_heads, groups = probs.shape[:3]
@@ -512,7 +524,12 @@ class CascadeLayer(CompressedLayer):
         logits = torch.cat([cache_logits, own_logits], -1).float() * scale
         step = torch.arange(count, device=self.device)
         causal = (step[None, :] <= step[:, None])[None] & (real[:, None, :] | (step[None, :] == step[:, None]))
-        visible = torch.cat([(self._tok >= 0)[:, None, :].expand(-1, count, -1), causal], 2)  # [B, q, L + q]
+        stored = (self._tok >= 0)[:, None, :].expand(-1, count, -1)
+        window = self._in_window(meta[:, :, 0])
+        if window is not None:
+            stored = stored & window
+            causal = causal & (step[None, :] > step[:, None] - self._sliding_window)[None]
+        visible = torch.cat([stored, causal], 2)  # [B, q, L + q]
         probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
         weights = probs.to(self._kv.dtype).reshape(batch, kv_heads, groups * count, slots + count)
         output = weights[..., :slots] @ self._v + weights[..., slots:] @ values
@@ -653,3 +670,28 @@ class CascadeLayer(CompressedLayer):
             return 0
         names = ("_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+
+
+class CircularSinkLayer(CascadeLayer):
+    """``streaming`` (StreamingLLM, positions re-indexed in the cache) on the cascade storage with ``N = 1``: the
+    sinks plus one ring of ``budget - sinks`` slots, allocated once, one slot written per token.
+
+    ``streaming`` evicts *after* attending (a forward's tokens attend to the stored ones and causally to each
+    other, then the oldest non-sink tokens beyond the budget go), while the cascade inserts each token before it
+    attends. So this layer runs every forward, one token or many, the way the cascade's chunked prefill does:
+    attend to the frozen ring and causally inside the forward, at ranks ``stored, stored + 1, ...``, then insert the
+    tokens one by one (the ring keeps the sinks and the ``budget - sinks`` newest). That is the generic
+    ``streaming`` layer's attention set, order and positions (``tests/methods/test_cascade.py`` checks logits and
+    stored tokens against it); only the float rounding differs. The policy the cache built is replaced by a
+    ``CascadePolicy`` of ``CascadeConfig(budget, sinks, cascades=1)``; scores are never computed.
+    """
+
+    def __init__(self, policy, inv_freq: torch.Tensor | None = None) -> None:
+        from kvcompress.methods.cascade import CascadeConfig
+
+        config = policy.config
+        circular = CascadeConfig(budget=config.budget, sinks=config.sinks, cascades=1, prefill="chunked")
+        inner = circular.policy(policy.layer_idx)
+        inner.attend_first = True
+        super().__init__(inner, inv_freq)
+        self.method_config = config  # the streaming config this layer runs

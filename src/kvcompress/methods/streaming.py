@@ -4,6 +4,12 @@ The budget counts sinks and recent tokens together (4 sinks + 252 recent for a b
 positions are re-indexed inside the cache by default (``position_mode="cache"``): a token's RoPE position is its
 rank in the cache at every step, so the model never sees positions beyond the cache size. ``original`` keeps the
 positions the keys were written with.
+
+Fast path: in ``cache`` position mode (with at least one non-sink slot) the cache layer is the circular sink cache
+of the Cascading KV Cache (``CircularSinkLayer``: the cascade storage with one cascade, a buffer of ``budget`` slots
+allocated once, one slot written per token, keys rotated to their ranks without re-rotating the whole cache). It
+attends to the same tokens at the same positions as the generic layer (the tests compare logits and stored tokens);
+``StreamingConfig.circular = False`` switches back to the generic layer (cat + gather, re-rotation every step).
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ class StreamingConfig(MethodConfig):
     name = "streaming"
     paper = "https://arxiv.org/abs/2309.17453"
     policy_class = StreamingPolicy
+    circular = True  # class switch, not a parameter: run on the circular sink cache where it applies
+
+    def layer_class(self):
+        if not (self.circular and self.position_mode == "cache" and self.sinks < self.budget):
+            return super().layer_class()
+        from kvcompress.methods.cascade_layer import CircularSinkLayer
+
+        return CircularSinkLayer
 
     def validate(self) -> None:
         check_budget(self.budget)
