@@ -173,10 +173,11 @@ def cmd_all(args) -> None:
     from kvcompress.bench import cache_op, decode
 
     steps = [
-        ["stream-ppl"],
         "cache-op",
         "decode",
-        ["passkey"],
+        ["stream-ppl", "--capacities", "512", "--cascades", "1,4"],
+        ["passkey", "--cascades", "1,4"],
+        ["stream-ppl"],
         ["stream-ablation", "--streams", "4"],
         ["ablation"],
         ["restart", "--capacities", "512", "--cascades", "1,4"],
