@@ -41,6 +41,14 @@ def test_compare_kept_counts_identical_heads_and_differences():
     assert result.mean_jaccard == pytest.approx((1 + 0.5 + 1 + 1) / 4)
 
 
+def test_compare_kept_counts_same_token_swaps():
+    token_ids = [7, 8, 9, 8, 5]
+    # head 0 trades index 1 for index 3 (both token 8): a same-token swap; head 1 trades 2 (token 9) for 4 (token 5)
+    result = compare_kept([[[0, 1], [0, 2]]], [[[0, 3], [0, 4]]], token_ids)
+    assert result.same_token_swaps == 2
+    assert sorted(result.differing) == [1, 2, 3, 4]
+
+
 def test_compare_kept_rejects_different_shapes():
     with pytest.raises(ValueError, match="same layers and heads"):
         compare_kept([[[0]]], [[[0]], [[1]]])

@@ -18,6 +18,8 @@ class Agreement:
 
     jaccards: list[list[float]]  # [layer][head]
     differing: list[int]  # every index kept by exactly one side, over all layers and heads (with repeats)
+    same_token_swaps: int = 0  # of ``differing``: those in heads where each side's extra tokens are the same token
+    # ids as the other side's (occurrences of one token traded for others; their scores tie at layer 0)
 
     @property
     def mean_jaccard(self) -> float:
@@ -38,17 +40,27 @@ class Agreement:
         return sum(len(layer) for layer in self.jaccards)
 
 
-def compare_kept(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> Agreement:
-    """Compare per layer and KV head; both must have the same number of layers and heads."""
+def compare_kept(
+    ours: list[list[list[int]]], theirs: list[list[list[int]]], token_ids: list[int] | None = None
+) -> Agreement:
+    """Compare per layer and KV head; both must have the same number of layers and heads. With the context's
+    ``token_ids``, also count the differences that only trade occurrences of the same tokens."""
     if len(ours) != len(theirs) or any(len(a) != len(b) for a, b in zip(ours, theirs, strict=True)):
         raise ValueError(
             f"kept sets must have the same layers and heads: {[len(x) for x in ours]} vs {[len(x) for x in theirs]}"
         )
-    jaccards, differing = [], []
+    jaccards, differing, swaps = [], [], 0
     for layer_a, layer_b in zip(ours, theirs, strict=True):
         row = []
         for head_a, head_b in zip(layer_a, layer_b, strict=True):
             row.append(jaccard(head_a, head_b))
-            differing.extend(sorted(set(head_a) ^ set(head_b)))
+            only_a, only_b = set(head_a) - set(head_b), set(head_b) - set(head_a)
+            differing.extend(sorted(only_a | only_b))
+            if (
+                token_ids is not None
+                and only_a
+                and sorted(token_ids[i] for i in only_a) == sorted(token_ids[i] for i in only_b)
+            ):
+                swaps += len(only_a) + len(only_b)
         jaccards.append(row)
-    return Agreement(jaccards, differing)
+    return Agreement(jaccards, differing, swaps)

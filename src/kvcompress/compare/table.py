@@ -39,6 +39,7 @@ def build_tables(out_dir: str | Path) -> str:
     spec = read_samples(out_dir)
     answers = {s["id"]: s["answers"] for s in spec["samples"]}
     context = {s["id"]: len(s["context_ids"]) for s in spec["samples"]}
+    token_ids = {s["id"]: s["context_ids"] for s in spec["samples"]}
     theirs = {(r["sample"], r["method"], r["budget"]): r for r in read_jsonl(out_dir / KVPRESS_FILE)}
     ours = {(r["sample"], r["method"], r["budget"]): r for r in read_jsonl(out_dir / OURS_FILE)}
     budgets: list[int | None] = [None, *spec["budgets"]]
@@ -56,8 +57,9 @@ def build_tables(out_dir: str | Path) -> str:
     agreement_lines = [
         "### Kept-set agreement (context indices kept after the prefill, per layer and KV head)",
         "",
-        "| ours | kvpress | budget | n | mean Jaccard | min Jaccard | identical (layer, head) sets |",
-        "|---|---|---|---|---|---|---|",
+        "| ours | kvpress | budget | n | mean Jaccard | min Jaccard | identical (layer, head) sets | "
+        "differing indices | of them same-token swaps |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     snap_edge: dict[int | None, list[int]] = defaultdict(lambda: [0, 0])
     for label, press in COUNTERPARTS.items():
@@ -80,13 +82,16 @@ def build_tables(out_dir: str | Path) -> str:
             )
             if budget is None:
                 continue
-            results = [compare_kept(x["kept"], y["kept"]) for x, y in zip(a, b, strict=True)]
+            results = [compare_kept(x["kept"], y["kept"], token_ids[s]) for x, y, s in zip(a, b, ids, strict=True)]
             exact = sum(r.exact for r in results)
             pairs = sum(r.pairs for r in results)
             mean = statistics.mean(r.mean_jaccard for r in results)
+            differing = sum(len(r.differing) for r in results)
+            swaps = sum(r.same_token_swaps for r in results)
             agreement_lines.append(
                 f"| `{label}` | {press} | {budget} | {len(ids)} | {mean:.4f} | "
-                f"{min(r.min_jaccard for r in results):.4f} | {exact}/{pairs} ({exact / pairs:.1%}) |"
+                f"{min(r.min_jaccard for r in results):.4f} | {exact}/{pairs} ({exact / pairs:.1%}) | {differing} | "
+                f"{swaps} |"
             )
             if press == "SnapKVPress":
                 for r, s in zip(results, ids, strict=True):
