@@ -264,6 +264,11 @@ class CascadeLayer(CompressedLayer):
             resident = scores[:, dest]
             wins = arriving >= resident if self.policy.config.tie == "incoming" else arriving > resident
             winners = wins.nonzero().flatten()
+            if winners.numel() == 0:
+                return
+            if winners.numel() == wins.numel():  # everywhere: a plain write
+                self._put(dest, source, kv, meta, score)
+                return
             if source is None:
                 rows, moved_meta = kv[winners, :, 0], meta[winners, 0]
             else:
