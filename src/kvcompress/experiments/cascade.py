@@ -175,8 +175,9 @@ def cmd_all(args) -> None:
     steps = [
         "cache-op",
         "decode",
-        ["stream-ppl", "--capacities", "512", "--cascades", "1,4"],
         ["passkey", "--cascades", "1,4"],
+        ["ablation", "--capacity", "128"],
+        ["stream-ppl", "--capacities", "512", "--cascades", "1,4"],
         ["stream-ppl"],
         ["stream-ablation", "--streams", "4"],
         ["ablation"],
