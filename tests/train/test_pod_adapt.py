@@ -79,3 +79,21 @@ def test_resume_drops_log_lines_after_the_checkpoint(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[1]["loss"] != 9.0 and all(r["cpu_s"] >= 0 for r in records)
+
+
+def test_training_steps_leave_no_pod_cache_alive(tmp_path):
+    """The PoD cache's layers form reference cycles that hold the step's autograd graph; left to the cyclic GC
+    they piled up (an OOM kill at 13 GB on SmolLM2). Every step must free its cache."""
+    import gc
+
+    from kvcompress.methods.pod_layer import PoDLayer
+
+    windows = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(4))
+    gc.collect()
+    gc.disable()
+    try:
+        adapt(tiny_model("llama"), windows, POD, AdaptConfig(steps=3, batch=1, length=16), tmp_path)
+        alive = [o for o in gc.get_objects() if isinstance(o, PoDLayer)]
+    finally:
+        gc.enable()
+    assert alive == []

@@ -26,6 +26,7 @@ per step; ``OUT/final.pt`` the trained weights (trainable parameters only; load 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -161,12 +162,15 @@ def adapt(
         loss = lm_loss(model, batch, pod)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        loss_value = float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), config.clip)
         optimizer.step()
+        del loss
+        gc.collect()  # the PoD cache's layers reference each other: free this step's graph now, not at gen-2 GC
         step += 1
         record = {
             "step": step,
-            "loss": round(float(loss.detach()), 5),
+            "loss": round(loss_value, 5),
             "lr": lr,
             "grad_norm": round(float(norm), 4),
             "tokens": step * config.batch * config.length,
