@@ -86,18 +86,32 @@ def test_padding_never_takes_budget(tiny_llama):
     assert layer.stored_length() == 10
 
 
-def test_stored_bytes_constant_once_budget_reached_over_4000_tokens(tiny_llama):
-    cache = kvcompress.cache_for(tiny_llama, "streaming", budget=64)
-    model_config = tiny_llama.config
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * 16 * 4
+def _bytes_per_step(model, cache, steps):
     sizes = []
     with torch.no_grad():
-        for token in ids_of(1, 4000, seed=5)[0]:
-            tiny_llama(token.view(1, 1), past_key_values=cache)
+        for token in ids_of(1, steps, seed=5)[0]:
+            model(token.view(1, 1), past_key_values=cache)
             sizes.append(cache.nbytes())
-    assert sizes[62] == 63 * per_token
-    assert set(sizes[63:]) == {64 * per_token}
+    return sizes
+
+
+def test_stored_bytes_grow_to_the_budget_then_stay_constant_over_4000_tokens(tiny_llama):
+    config = tiny_llama.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * 4
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=64)  # the generic layer: cat, then gather
+    sizes = _bytes_per_step(tiny_llama, cache, 4000)
+    assert sizes[:64] == [(n + 1) * per_token for n in range(64)]
+    assert set(sizes[64:]) == {64 * per_token}
     assert cache.tokens_seen() == 4000
+
+
+def test_circular_streaming_holds_exactly_the_budget_from_its_first_token(tiny_llama):
+    config = tiny_llama.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * 4
+    cache = kvcompress.cache_for(tiny_llama, "streaming", budget=64)  # a ring buffer allocated once
+    sizes = _bytes_per_step(tiny_llama, cache, 300)
+    assert set(sizes) == {64 * per_token}
+    assert cache.tokens_seen() == 300
 
 
 def test_chunked_prefill_bounds_storage_and_matches_one_pass_for_full(tiny_llama):
