@@ -142,6 +142,21 @@ def test_one_shot_method_compresses_once_after_a_chunked_prefill(tiny_llama):
     assert cache.tokens_stored() == [10, 10]
 
 
+@pytest.mark.parametrize("method", ["nacl", "snapkv"])
+def test_one_pass_prefill_compresses_each_layer_before_the_next_layer_runs(tiny_llama, method):
+    cache = kvcompress.cache_for(tiny_llama, method, ratio=0.25)
+    first = cache.compressed_layers[0]
+    seen_by_second_layer = []
+    hook = tiny_llama.model.layers[1].register_forward_pre_hook(
+        lambda *_: seen_by_second_layer.append(first.stored_length())
+    )
+    try:
+        prefill(tiny_llama, ids_of(1, 40, seed=7), cache)
+    finally:
+        hook.remove()
+    assert seen_by_second_layer == [10]  # layer 0 already holds its 25 % when layer 1 attends
+
+
 def test_stream_nll_with_full_cache_equals_one_forward(tiny_llama):
     ids = ids_of(1, 40, seed=8)
     tiny_llama.set_attn_implementation("sdpa")

@@ -8,6 +8,8 @@ along a long stream used by streaming perplexity.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.nn import functional as F
 from transformers import PreTrainedModel
@@ -36,7 +38,9 @@ def prefill(
     """Run the prompt through the model into ``cache`` and return the last position's logits ``[B, vocab]``.
 
     ``chunk_size`` splits the prompt into forwards of that many tokens; methods that evict as they go do so
-    between chunks, one-shot methods (SnapKV, NaCl) compress once after the last chunk. The remainder goes in
+    between chunks, one-shot methods (SnapKV, NaCl) compress once after the last chunk. In one forward a one-shot
+    method compresses each layer right after that layer's attention (as NaCl's paper does), so the full prompt's
+    keys never sit in every layer at once. The remainder goes in
     the first chunk, so the last chunk is always full and an observation window of up to ``chunk_size`` prompt
     tokens lies inside it. The cache may already hold earlier tokens (then ``attention_mask`` covers them too).
     """
@@ -50,7 +54,8 @@ def prefill(
     step = chunk_size or length
     bounds = [0, *range(length % step or step, length + 1, step)]
     logits = None
-    with cache.deferred_compression():
+    several_chunks = len(bounds) > 2
+    with cache.deferred_compression() if several_chunks else nullcontext():
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
             out = model(
                 input_ids=input_ids[:, start:stop],

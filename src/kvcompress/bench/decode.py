@@ -14,10 +14,13 @@ compress the prompt once and then grow like the full cache while decoding.
 ``buzz`` is sized by its peak (``budget_kind="peak"``: ``k + w + T = budget``); it evicts once per cycle of
 ``T - a' + 1`` steps, so the median step is a non-evicting one and ``cpu_mean_ms`` (the mean over the timed steps)
 shows the evictions only when the timed steps cover a cycle: ``bench cache-op`` gives its amortised cost.
+``cascade`` reaches each context with its chunked prefill (the later official variant; its default exact prefill
+inserts the prompt token by token); decode steps are single tokens, the same in both modes.
 
 SmolLM2's trained context is 8K. Positions beyond it still run (RoPE extrapolates); the model's output there is
 meaningless, which does not matter for a timing benchmark. ``streaming`` re-indexes positions inside the cache
-(its keys are re-rotated every step; see ``CompressedLayer.positioned``), the other methods keep original positions.
+(on the circular sink cache its keys are rotated to their ranks as they are read), as does ``cascade``; the other
+methods keep original positions.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def _bench_method(
         params = {} if method == "full" else {"budget": budget}
         if method == "buzz":  # peak-sized (k + w + T = budget): never stores more than the fixed-size caches
             params["budget_kind"] = "peak"
+        if method == "cascade":  # reach the context with the chunked prefill; single-token steps are the same
+            params["prefill"] = "chunked"
         cache = kvcompress.cache_for(model, method, **params)
 
         def extend(new_ids: torch.Tensor) -> None:
