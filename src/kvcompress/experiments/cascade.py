@@ -195,13 +195,11 @@ def cmd_all(args) -> None:
             main([*step, "--out", str(args.out)])
 
 
-def cmd_passkey(args) -> None:
+def passkey_prompts(tokenizer, args) -> tuple[list[torch.Tensor], list[str], list[int]]:
+    """The passkey prompts (ending in the answer prefix), their keys and how many tokens back each needle lies."""
     from kvcompress.eval.tasks.passkey import ANSWER_PREFIX, FILLER, INTRO, NEEDLE, QUESTION
 
-    model, tokenizer = load()
     generator = torch.Generator().manual_seed(0)
-    path = args.out / "passkey.json"
-    done = json.loads(path.read_text()) if path.exists() else {}
     filler_ids = tokenizer(" " + FILLER, add_special_tokens=False).input_ids
     prompts, keys, distances = [], [], []
     for i in range(args.samples):
@@ -216,33 +214,64 @@ def cmd_passkey(args) -> None:
         prompts.append(ids[0])
         keys.append(key)
         distances.append(ids.shape[1] - needle_at)
-    length = max(p.numel() for p in prompts)
-    batch = torch.zeros(len(prompts), length, dtype=torch.long)
+    return prompts, keys, distances
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(row.numel() for row in rows)
+    batch = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros_like(batch)
-    for row, prompt in enumerate(prompts):  # left padding
-        batch[row, length - prompt.numel() :] = prompt
-        mask[row, length - prompt.numel() :] = 1
+    for i, row in enumerate(rows):
+        batch[i, length - row.numel() :] = row
+        mask[i, length - row.numel() :] = 1
+    return batch, mask
+
+
+@torch.no_grad()
+def key_nll(model, prompts: list[torch.Tensor], key_ids: torch.Tensor, cache) -> list[float]:
+    """Teacher-forced mean NLL per key token (``key_ids`` ``[B, K]``) after each prompt went through ``cache``: a
+    graded retrieval score where a small model's exact answers are all wrong."""
+    from kvcompress.generation import positions_from_mask, prefill
+
+    batch, mask = left_padded(prompts)
+    first = prefill(model, batch, cache, attention_mask=mask, chunk_size=64)
+    full_mask = torch.cat([mask, torch.ones_like(key_ids)], 1)
+    positions = positions_from_mask(full_mask)[:, -key_ids.shape[1] : -1]
+    out = model(
+        input_ids=key_ids[:, :-1], attention_mask=full_mask[:, :-1], position_ids=positions, past_key_values=cache
+    )
+    logits = torch.cat([first[:, None], out.logits], 1).float()
+    return F.cross_entropy(logits.transpose(1, 2), key_ids, reduction="none").mean(1).tolist()
+
+
+def cmd_passkey(args) -> None:
+    """Exact match of 7 greedy tokens and the key's teacher-forced NLL, key 350-800 tokens back in ~900."""
+    model, tokenizer = load()
+    path = args.out / "passkey.json"
+    done = json.loads(path.read_text()) if path.exists() else {}
+    prompts, keys, distances = passkey_prompts(tokenizer, args)
+    key_ids = torch.stack([torch.tensor(tokenizer(" " + key, add_special_tokens=False).input_ids) for key in keys])
+    batch, mask = left_padded(prompts)
     methods = {"full": ("full", {})}
     for n in args.cascades:
         methods[label(config_of(args.capacity, n))] = ("cascade", config_of(args.capacity, n))
     for name, (method, params) in methods.items():
-        if name in done:
-            continue
-        cache = kvcompress.cache_for(model, method, **params)
+        record = done.get(name, {})
         began = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
-        answers = [tokenizer.decode(row[length:], skip_special_tokens=True) for row in out]
-        hits = [key in answer for key, answer in zip(keys, answers, strict=True)]
-        done[name] = {
-            "params": params,
-            "hits": hits,
-            "answers": answers,
-            "keys": keys,
-            "distance": distances,
-            "seconds": time.perf_counter() - began,
-        }
-        print(f"passkey {name}: {sum(hits)}/{len(hits)}", flush=True)
+        if "hits" not in record:
+            cache = kvcompress.cache_for(model, method, **params)
+            with torch.no_grad():
+                out = model.generate(
+                    batch, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False
+                )
+            answers = [tokenizer.decode(row[batch.shape[1] :], skip_special_tokens=True) for row in out]
+            record.update(answers=answers, hits=[key in a for key, a in zip(keys, answers, strict=True)])
+        if "key_nll" not in record:
+            record["key_nll"] = key_nll(model, prompts, key_ids, kvcompress.cache_for(model, method, **params))
+        record.update(params=params, keys=keys, distance=distances, seconds=time.perf_counter() - began)
+        done[name] = record
+        nll = sum(record["key_nll"]) / len(keys)
+        print(f"passkey {name}: {sum(record['hits'])}/{len(keys)}, key NLL {nll:.3f}", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(done, indent=1))
 
@@ -431,11 +460,13 @@ def cmd_report(args) -> None:
     passkey = out / "passkey.json"
     if passkey.exists():
         data = json.loads(passkey.read_text())
-        print("### Passkey\n\n| cache | found | key distance from the end (tokens) | answers |\n|---|---|---|---|")
+        print("### Passkey\n\n| cache | found | key NLL per token | key distance from the end (tokens) | answers |")
+        print("|---|---|---|---|---|")
         for name, row in data.items():
             answers = "; ".join(a.strip().replace("|", "/")[:12] for a in row["answers"])
             distances = f"{min(row['distance'])}–{max(row['distance'])}"
-            print(f"| {name} | {sum(row['hits'])}/{len(row['hits'])} | {distances} | {answers} |")
+            nll = f"{sum(row['key_nll']) / len(row['key_nll']):.3f}" if "key_nll" in row else "—"
+            print(f"| {name} | {sum(row['hits'])}/{len(row['hits'])} | {nll} | {distances} | {answers} |")
         print()
     for name in ("cache_op.json", "decode.json"):
         if (out / name).exists():
