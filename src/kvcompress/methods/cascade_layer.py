@@ -269,14 +269,16 @@ class CascadeLayer(CompressedLayer):
             if winners.numel() == wins.numel():  # everywhere: a plain write
                 self._put(dest, source, kv, meta, score)
                 return
-            if source is None:
-                rows, moved_meta = kv[winners, :, 0], meta[winners, 0]
-            else:
-                rows, moved_meta = buffer[winners, :, source], self._meta[winners, source]
+            # the winners' rows: index_select on the slot column (advanced indexing of the 4-d buffer is 2-3x
+            # slower on CPU); the result is a fresh tensor, rotated in place
+            items, moved_meta = (
+                (kv[:, :, 0], meta[:, 0]) if source is None else (buffer[:, :, source], self._meta[:, source])
+            )
+            rows = items.index_select(0, winners)
             self._turn(rows, dest - (source or 0))
             buffer[:, :, dest].index_copy_(0, winners, rows)
-            self._meta[:, dest].index_copy_(0, winners, moved_meta)
-            scores[:, dest].index_copy_(0, winners, arriving[winners])
+            self._meta[:, dest].index_copy_(0, winners, moved_meta.index_select(0, winners))
+            scores[:, dest].index_copy_(0, winners, arriving.index_select(0, winners))
             return
         rows = buffer[:, :, dest]
         if source is None:
