@@ -330,30 +330,44 @@ def cmd_cache_op(args) -> None:
 
 
 def cmd_decode(args) -> None:
-    """Decode step time of ``cascade`` at 2K and 16K logical context (batch 1). The context is reached with the
-    chunked prefill (the later official variant; decode steps are single tokens, identical in both modes)."""
-    from kvcompress.bench.common import time_calls
+    """Decode step time of ``cascade`` at 2K and at 16K logical context (batch 1), interleaved.
+
+    One cache per context is brought to its length with the chunked prefill (the later official variant; decode
+    steps are single tokens, identical in both modes), then single-token steps alternate between the two caches
+    (``--steps`` rounds), so a change in machine load hits both contexts alike; the ratio of the medians (CPU time
+    and wall time) is the result."""
+    from kvcompress.bench.common import Timing
     from kvcompress.generation import prefill
 
     model, _ = load()
-    ids = torch.randint(100, 40000, (1, max(args.contexts) + 64), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        100, 40000, (1, max(args.contexts) + args.steps + 2), generator=torch.Generator().manual_seed(0)
+    )
     result = {}
-    for method, params in (("cascade", config_of(args.window, 4, prefill="chunked")), ("cascade N=1", None)):
-        params = params or config_of(args.window, 1, prefill="chunked")
-        cache = kvcompress.cache_for(model, "cascade", **params)
-        position, rows = 0, {}
+    for method, cascades in (("cascade", 4), ("cascade N=1", 1)):
+        params = config_of(args.window, cascades, prefill="chunked")
+        caches = {context: kvcompress.cache_for(model, "cascade", **params) for context in args.contexts}
+        wall = {context: [] for context in args.contexts}
+        cpu = {context: [] for context in args.contexts}
         with torch.inference_mode():
-            for context in args.contexts:
-                prefill(model, ids[:, position:context], cache, chunk_size=512)
-                decode = ids[:, context : context + 18]
-
-                def step(i, decode=decode, cache=cache):
-                    model(input_ids=decode[:, i : i + 1], past_key_values=cache, use_cache=True)
-
-                rows[context] = time_calls(step, 16, 2).median * 1e3
-                position = context + 18
-                print(f"decode {method} @ {context}: {rows[context]:.1f} ms", flush=True)
-        result[method] = rows
+            for context, cache in caches.items():
+                prefill(model, ids[:, :context], cache, chunk_size=512)
+            for i in range(args.steps + 2):
+                for context, cache in caches.items():
+                    token = ids[:, context + i : context + i + 1]
+                    cpu_start, start = time.process_time(), time.perf_counter()
+                    model(input_ids=token, past_key_values=cache, use_cache=True)
+                    if i >= 2:  # two warm-up rounds
+                        wall[context].append(time.perf_counter() - start)
+                        cpu[context].append(time.process_time() - cpu_start)
+        timings = {context: Timing.of(wall[context], cpu[context]) for context in args.contexts}
+        result[method] = {
+            str(context): {"wall_ms": t.median * 1e3, "cpu_ms": t.cpu_median * 1e3, "steps": args.steps}
+            for context, t in timings.items()
+        }
+        first, last = min(args.contexts), max(args.contexts)
+        ratio = timings[last].cpu_median / timings[first].cpu_median
+        print(f"decode {method}: CPU {result[method]} ({last} / {first}: {ratio:.3f}x)", flush=True)
     (args.out / "decode.json").parent.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(result, indent=1))
 
@@ -564,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if name == "decode":
             command.add_argument("--window", type=int, default=508)
             command.add_argument("--contexts", type=ints, default=[2048, 16384])
+            command.add_argument("--steps", type=int, default=48)
     args = parser.parse_args(argv)
     handler = {
         "stream-ppl": cmd_stream_ppl,
