@@ -10,9 +10,9 @@ the markdown tables and ``docs/results/cascade_*.png``)::
     python -m kvcompress.experiments.cascade stream-ablation  # the same ablations on streaming ppl
     python -m kvcompress.experiments.cascade passkey      # key beyond the sink window, inside the cascade span
     python -m kvcompress.experiments.cascade cache-op     # paper Tab. 4 setup: one cache update, ratios
-    python -m kvcompress.experiments.cascade decode       # decode step time at 2K vs 16K logical context
+    python -m kvcompress.experiments.cascade decode       # decode step time at 2K vs 16K, the two interleaved
     python -m kvcompress.experiments.cascade report       # markdown tables + plots
-    python -m kvcompress.experiments.cascade all          # stream-ppl, ablation, stream-ablation, passkey, restart
+    python -m kvcompress.experiments.cascade all          # every run behind the page, cheapest first
 
 The sink cache is the cascade structure with ``N = 1`` (``budget = S + |C|``), which the tests show equal, token for
 token, to our ``streaming`` method with ``budget = S + |C| - 1`` (that one evicts after attending, so it attends
@@ -168,29 +168,26 @@ def cmd_stream_ablation(args) -> None:
 
 
 def cmd_all(args) -> None:
-    """Everything in ``docs/results/cascade.md`` that is missing, in one process, in order of priority (each step
-    skips the configurations already saved, so this resumes)."""
-    from kvcompress.bench import cache_op, decode
+    """Every run behind ``docs/results/cascade.md``, in one process, cheapest first (each step skips the
+    configurations already saved, so this resumes)."""
+    from kvcompress.bench import cache_op
 
     steps = [
         "cache-op",
-        "decode",
-        ["passkey", "--cascades", "1,4"],
+        ["decode", "--out", str(PERF)],
+        ["passkey", "--cascades", "1,2,4"],
+        ["restart", "--capacities", "128,256,512", "--cascades", "1,4"],
         ["ablation", "--capacity", "128"],
-        ["stream-ppl", "--capacities", "512", "--cascades", "1,4"],
-        ["stream-ppl"],
-        ["stream-ablation", "--streams", "4"],
-        ["ablation"],
-        ["restart", "--capacities", "512", "--cascades", "1,4"],
+        ["stream-ppl", "--capacities", "256,512", "--cascades", "1,2,4"],
     ]
     for step in steps:
         print(f"=== {step if isinstance(step, str) else ' '.join(step)}", flush=True)
         if step == "cache-op":  # paper Tab. 4 setup: the references, our streaming, cascade N = 4 and N = 1
             if not (PERF / "cache_op.json").exists():
                 cache_op.main(["--methods", "streaming,cascade,cascade N=1", "--threads", "1", "--out", str(PERF)])
-        elif step == "decode":  # step time at 2K and 16K logical context, budget 512 (S = 4 + |C| = 508, N = 4)
+        elif step[0] == "decode":
             if not (PERF / "decode.json").exists():
-                decode.main(["--methods", "cascade", "--contexts", "2048,16384", "--no-dynamic", "--out", str(PERF)])
+                main(step)
         else:
             main([*step, "--out", str(args.out)])
 
