@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT.parent / "shared" / "data"
 DOCS = ROOT / "docs" / "results"
 RESULTS = DOCS / "pod_results.jsonl"
+LOGS = DOCS / "pod_adapt_logs"  # copies of the adaptation runs' training logs
 MODEL = "smollm2-135m"
 LENGTH, NS, NR, SCORED = 512, 16, 64, 256
 STREAM_CHUNK = 16  # eviction baselines: tokens per forward (a query sees at most budget + 15 keys)
@@ -428,8 +430,15 @@ def _plot_tau(groups) -> None:
 
 def _plot_training() -> None:
     """Training loss of each run (mean of 10 steps: batch 1, windows differ a lot) and, for each PoD run and its
-    control (same windows in the same order), the per-step difference PoD − control: the PoD-specific gap."""
-    logs = {name: path.parent / "log.jsonl" for name, path in WEIGHTS.items()}
+    control (same windows in the same order), the per-step difference PoD − control: the PoD-specific gap.
+
+    Each run's ``log.jsonl`` is copied next to the results (``pod_adapt_logs/NAME.jsonl``), so the plot can be redrawn
+    after the run folders (outside the repository) are gone."""
+    LOGS.mkdir(exist_ok=True)
+    for name, path in WEIGHTS.items():
+        if (path.parent / "log.jsonl").exists():
+            shutil.copyfile(path.parent / "log.jsonl", LOGS / f"{name}.jsonl")
+    logs = {name: LOGS / f"{name}.jsonl" for name in WEIGHTS}
     if not any(p.exists() for p in logs.values()):
         return
     import matplotlib
