@@ -316,6 +316,7 @@ def test_registry_and_batch_generation_with_padding(tiny_llama):
 def test_shipped_kernel_sets_load_with_their_metadata():
     from kvcompress.less_kernels import shipped_kernels
 
+    assert "smollm2-135m-h2o-50of512" in shipped_kernels()  # the set the README and demo use
     for name in shipped_kernels():
         kernels = load_kernels(name)
         meta = kernels.meta
