@@ -25,7 +25,6 @@ methods keep original positions.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import time
@@ -39,7 +38,6 @@ import kvcompress
 from kvcompress.bench.common import (
     MIB,
     current_rss,
-    environment,
     load_bench_model,
     peak_rss,
     reset_peak_rss,
@@ -47,7 +45,8 @@ from kvcompress.bench.common import (
     time_calls,
     touch_weights,
 )
-from kvcompress.bench.table import Column, markdown_table, partial_writer, save_outputs
+from kvcompress.bench.model_cli import add_run_options, method_names, model_bench_parser, publish
+from kvcompress.bench.table import Column, markdown_table, partial_writer
 from kvcompress.generation import prefill
 
 logger = logging.getLogger(__name__)
@@ -257,25 +256,18 @@ def decode_table(rows: Sequence[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.decode", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or HF id")
-    parser.add_argument("--methods", default=",".join(DECODE_METHODS), help="comma-separated method names")
-    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head (bounded methods)")
+    parser = model_bench_parser("decode", __doc__, DECODE_METHODS)
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated, increasing")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk used to reach each context")
     parser.add_argument("--no-dynamic", action="store_true", help="skip transformers' DynamicCache reference")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="folder for decode.json/.md/.png (+ partial .jsonl)")
+    add_run_options(parser, "decode")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    on_row = partial_writer(args.out, "decode")
-
     rows = run_decode(
         args.model,
-        [m for m in args.methods.split(",") if m],
+        method_names(args.methods),
         budget=args.budget,
         contexts=[int(c) for c in args.contexts.split(",") if c],
         steps=args.steps,
@@ -284,21 +276,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         dynamic=not args.no_dynamic,
         threads=args.threads,
         seed=args.seed,
-        on_row=on_row,
+        on_row=partial_writer(args.out, "decode"),
     )
-    meta = {
-        "benchmark": "decode",
-        **{k: str(v) for k, v in vars(args).items() if k != "out"},
-        **environment(args.threads),
-    }
-    table = decode_table(rows)
-    print(f"decode: {args.model}, budget {args.budget}; {meta['machine']}\n")
-    print(table)
-    if args.out is not None:
+
+    def plot(path: Path, machine: str) -> None:
         from kvcompress.bench.plots import plot_decode
 
-        save_outputs(args.out, "decode", rows, meta, table)
-        plot_decode(rows, args.out / "decode.png", model=args.model, machine=str(meta["machine"]), budget=args.budget)
+        plot_decode(rows, path, model=args.model, machine=machine, budget=args.budget)
+
+    publish("decode", args, rows, decode_table(rows), plot)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ runs ``repeats`` times on a fresh cache; medians are reported.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import statistics
@@ -22,8 +21,9 @@ import torch
 from transformers import PreTrainedModel
 
 import kvcompress
-from kvcompress.bench.common import MIB, PeakMemory, environment, load_bench_model, set_threads, touch_weights
-from kvcompress.bench.table import Column, markdown_table, partial_writer, save_outputs
+from kvcompress.bench.common import MIB, PeakMemory, load_bench_model, set_threads, touch_weights
+from kvcompress.bench.model_cli import add_run_options, method_names, model_bench_parser, publish
+from kvcompress.bench.table import Column, markdown_table, partial_writer
 from kvcompress.generation import prefill
 
 logger = logging.getLogger(__name__)
@@ -153,44 +153,31 @@ def prefill_table(rows: Sequence[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.prefill", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or HF id")
-    parser.add_argument("--methods", default=",".join(PREFILL_METHODS), help="comma-separated method names")
-    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head (bounded methods)")
+    parser = model_bench_parser("prefill", __doc__, PREFILL_METHODS)
     parser.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="comma-separated prompt lengths")
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="folder for prefill.json/.md/.png (+ partial .jsonl)")
+    add_run_options(parser, "prefill")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    on_row = partial_writer(args.out, "prefill")
-
     rows = run_prefill(
         args.model,
-        [m for m in args.methods.split(",") if m],
+        method_names(args.methods),
         budget=args.budget,
         prompt_lengths=[int(p) for p in args.prompts.split(",") if p],
         chunk_size=args.chunk_size,
         repeats=args.repeats,
         threads=args.threads,
         seed=args.seed,
-        on_row=on_row,
+        on_row=partial_writer(args.out, "prefill"),
     )
-    meta = {
-        "benchmark": "prefill",
-        **{k: str(v) for k, v in vars(args).items() if k != "out"},
-        **environment(args.threads),
-    }
-    table = prefill_table(rows)
-    print(f"prefill: {args.model}, budget {args.budget}; {meta['machine']}\n")
-    print(table)
-    if args.out is not None:
+
+    def plot(path: Path, machine: str) -> None:
         from kvcompress.bench.plots import plot_prefill
 
-        save_outputs(args.out, "prefill", rows, meta, table)
-        plot_prefill(rows, args.out / "prefill.png", model=args.model, machine=str(meta["machine"]))
+        plot_prefill(rows, path, model=args.model, machine=machine)
+
+    publish("prefill", args, rows, prefill_table(rows), plot)
 
 
 if __name__ == "__main__":

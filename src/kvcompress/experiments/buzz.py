@@ -31,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
+from kvcompress.experiments.results_file import append_row, done_keys, load_rows
 
 ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT.parent / "shared" / "data"
@@ -67,25 +68,6 @@ def describe(method: str, params: dict[str, object]) -> str:
         return ""
     k, w, t, s = kvcompress.make_config(method, **params).resolved()
     return f"k={k} w={w} T={t} s={s}"
-
-
-# --- results file ----------------------------------------------------------------------------------------------
-
-
-def load_rows(path: Path = RESULTS) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def append_row(row: dict, path: Path = RESULTS) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
-
-
-def done_keys(path: Path = RESULTS) -> set[str]:
-    return {row["key"] for row in load_rows(path)}
 
 
 # --- model and data ---------------------------------------------------------------------------------------------

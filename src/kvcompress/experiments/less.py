@@ -38,6 +38,7 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
+from kvcompress.experiments.results_file import append_row, done_keys, load_rows
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "docs" / "results" / "less_results.jsonl"
@@ -131,12 +132,6 @@ def _less_series(rows: list[dict]) -> list[tuple[int, str | None]]:
     return sorted({_series_of(r) for r in rows if r["variant"] == "less"})
 
 
-def _done(path: Path) -> set[str]:
-    if not path.is_file():
-        return set()
-    return {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
-
-
 def run_ppl(
     policy: str,
     budgets: Sequence[int],
@@ -153,7 +148,7 @@ def run_ppl(
 
     model, tokenizer = load_model(MODEL)
     ids = wikitext_windows(tokenizer, windows, window)
-    done = _done(out)
+    done = done_keys(out)
     loaded = {path: load_kernels(path, allow_missing=allow_missing) for path in kernels}
     jobs: list[tuple[str, int, str | None]] = []
     for budget in budgets:
@@ -193,8 +188,7 @@ def run_ppl(
                 "ppl_after_eviction": math.exp(float(after.mean())),
                 "seconds": seconds,
             }
-            with out.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            append_row(record, out)
             print(f"{policy} {variant} B={budget} train={train_budget} {mode}: ppl {record['ppl']:.4f} "
                   f"({record['ppl_after_eviction']:.4f} after eviction) {seconds:.0f} s", flush=True)  # fmt: skip
 
@@ -248,7 +242,7 @@ def training_summary(directories: Sequence[str], plots: Path = PLOTS) -> str:
             f"LESS < Baseline in {wins[0]}/{len(records)} layers, < Baseline+ in {wins[1]}/{len(records)}.",
             "",
         ]
-        curves[f"{meta['base']['name']} {meta['base']['budget']}"] = records
+        curves[Path(directory).name] = records
     if curves:
         _plot_mse(curves, plots / "less_layer_mse.png")
     return "\n".join(lines)
@@ -282,7 +276,7 @@ def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
 
 
 def report(path: Path = RESULTS) -> str:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = load_rows(path)
     out = []
     for windows in sorted({r["windows"] for r in rows}, reverse=True):
         out += _report_windows([r for r in rows if r["windows"] == windows])
@@ -348,10 +342,12 @@ def plot_ppl(path: Path = RESULTS) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = load_rows(path)
     rows = [r for r in rows if r["mode"] == "masked" and r["policy"] == "h2o"]
     if not rows:
         return
+    most = max(r["windows"] for r in rows)  # the main table; smaller runs are the masked-vs-decode checks
+    rows = [r for r in rows if r["windows"] == most]
     fig, ax = plt.subplots(figsize=(6, 4))
     full = next((r for r in rows if r["variant"] == "full"), None)
     series = [("baseline", None), ("baseline+", None)]

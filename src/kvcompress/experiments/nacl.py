@@ -54,6 +54,7 @@ import kvcompress.attention as kv_attention
 import kvcompress.eval.tasks.prompting as prompting
 from kvcompress.eval.configs import EvalConfig
 from kvcompress.eval.tasks import make_task
+from kvcompress.experiments.results_file import done_keys, load_rows
 from kvcompress.methods.base import ratio_budget
 
 logger = logging.getLogger(__name__)
@@ -194,12 +195,6 @@ def ablation_configs(
 # --- running ------------------------------------------------------------------------------------------------
 
 
-def load_done(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    return {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
-
-
 def row_key(experiment: str, task: str, sample: str, mode: str, label: str, config: EvalConfig) -> str:
     return json.dumps([experiment, task, sample, mode, label, config.key()])
 
@@ -247,7 +242,7 @@ def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: P
     model, tokenizer = load_model(MODEL)
     kvcompress.prepare_model(model)
     MODEL_REF[:] = [model]
-    done = load_done(out)
+    done = done_keys(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tasks = {k: v for k, v in TASKS.items() if limit_tasks is None or k in limit_tasks}
     with out.open("a") as sink:
@@ -395,10 +390,6 @@ def check(samples: int, length: int) -> None:
 
 
 # --- report -------------------------------------------------------------------------------------------------
-
-
-def load_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 SCALE = {"accuracy": 100, "nll": 1}

@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
+from kvcompress.experiments.results_file import append_row, load_rows
 from kvcompress.methods.snapkv import SnapKVConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -96,19 +97,6 @@ def configs(name: str) -> dict[str, tuple[str, dict[str, object], str]]:
     return table
 
 
-# --- results file ----------------------------------------------------------------------------------------------
-def load_rows(path: Path = RESULTS) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def append_row(row: dict, path: Path = RESULTS) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        handle.write(json.dumps(row) + "\n")
-
-
 def load(weights: str = "base"):
     from kvcompress.models import load_model, model_info
     from kvcompress.train.pod_adapt import load_adapted
@@ -163,7 +151,7 @@ def window_nll(model, ids: torch.Tensor, method: str, params: dict, feed: str) -
 def run_ppl(experiment: str, labels: Sequence[str] | None, weights: Sequence[str], windows: int) -> None:
     from kvcompress.methods.pod_layer import pod_stats
 
-    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows()}
+    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows(RESULTS)}
     table = configs("ppl" if experiment == "ppl-gutenberg" else experiment)
     for weight in weights:
         model, tokenizer, per_token = load(weight)
@@ -188,14 +176,14 @@ def run_ppl(experiment: str, labels: Sequence[str] | None, weights: Sequence[str
                 }
                 if method == "pod":
                     row["gate"] = pod_stats(cache)
-                append_row(row)
+                append_row(row, RESULTS)
                 print(f"{experiment} {weight} {label} #{index}: nll {row['nll']:.3f} ({row['time_s']} s)", flush=True)
 
 
 def run_task(task_name: str, labels: Sequence[str] | None, weights: Sequence[str], samples: int) -> None:
     from kvcompress.eval.tasks import make_task
 
-    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows()}
+    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows(RESULTS)}
     table = configs(task_name)
     for weight in weights:
         model, tokenizer, per_token = load(weight)
@@ -222,7 +210,7 @@ def run_task(task_name: str, labels: Sequence[str] | None, weights: Sequence[str
                     "prediction": result.extra.get("prediction"),
                     "time_s": round(time.perf_counter() - start, 2),
                 }
-                append_row(row)
+                append_row(row, RESULTS)
                 print(f"{task_name} {weight} {label} #{index}: {row['score']} ({row['time_s']} s)", flush=True)
 
 
@@ -297,7 +285,7 @@ def _mean(values: list[float]) -> float:
 
 
 def report() -> None:
-    rows = load_rows()
+    rows = load_rows(RESULTS)
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["experiment"], row["weights"], row["label"]), []).append(row)
@@ -390,7 +378,7 @@ def write_doc_tables(path: Path = DOCS / "pod.md") -> None:
     import re
 
     text = path.read_text()
-    rows = load_rows()
+    rows = load_rows(RESULTS)
     for name, spec in DOC_TABLES.items():
         pattern = re.compile(rf"(<!-- table:{name} -->\n)(?:(?!<!-- ).*?\n)??(<!-- /table -->)", re.S)
         text = pattern.sub(lambda m, spec=spec: m.group(1) + doc_table(rows, spec) + "\n" + m.group(2), text)
