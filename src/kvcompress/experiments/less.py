@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -196,56 +197,66 @@ def run_ppl(
 # --- training summary --------------------------------------------------------------------------------------------
 
 
-def training_summary(directories: Sequence[str], plots: Path = PLOTS) -> str:
-    """Markdown: per kernel set the settings, cost and size, and the per-layer validation MSE; plus a plot."""
-    from kvcompress.less_kernels import layer_file, load_layer, read_meta
+REFERENCES = ("baseline_val_mse", "baseline_plus_val_mse")
 
-    lines = []
-    curves = {}
+
+def training_summary(directories: Sequence[str], plots: Path = PLOTS) -> str:
+    """Markdown: per kernel set its settings, cost, size and wins; one table of every layer's held-out error
+    relative to Baseline and Baseline+ for all sets side by side; plus a plot."""
+    lines, columns, curves = [], {}, {}
     for directory in directories:
-        meta = read_meta(directory)
-        records = {}
-        for i in range(meta["num_layers"]):
-            if layer_file(directory, i).is_file():
-                records[i] = load_layer(directory, i)[1]
+        meta, records = _trained_layers(directory)
         if not records:
             continue
-        train = meta["training"]
-        params = sum(
-            sum(t.numel() for t in torch.load(layer_file(directory, i), weights_only=True)["state_dict"].values())
-            for i in records
-        )
-        per_layer = [r["time_s"] for r in records.values()]
-        tokens = next(iter(records.values()))["train_tokens"]
-        lines += [
-            f"**{meta['base']['name']} at {meta['base']['budget']} tokens** (`{directory}`): "
-            f"{len(records)}/{meta['num_layers']} layers trained; {train['windows']} windows x {train['window']} "
-            f"tokens ({tokens} training tokens per layer, {train['epochs']} epochs, R = {meta['rank']}, "
-            f"R' = {meta['hidden']}); {sum(per_layer) / len(per_layer):.0f} s per layer (min {min(per_layer):.0f}, "
-            f"max {max(per_layer):.0f}; 1 thread, shared 2-core machine); {params / len(records):,.0f} parameters "
-            f"per layer, {params / len(records) * meta['num_layers'] * 2 / 2**20:.1f} MiB in fp16 for all layers.",
-            "",
-            "| layer | Baseline MSE | Baseline+ MSE | LESS MSE (best epoch) | LESS vs Baseline | LESS vs Baseline+ |",
-            "|---|---|---|---|---|---|",
-        ]
-        wins = [0, 0]
-        for i, r in records.items():
-            less, base, plus = r["best_val_mse"], r["baseline_val_mse"], r["baseline_plus_val_mse"]
-            wins[0] += less < base
-            wins[1] += less < plus
-            lines.append(
-                f"| {i} | {base:.5f} | {plus:.5f} | {less:.5f} ({r['best_epoch']}) | {less / base - 1:+.1%} | "
-                f"{less / plus - 1:+.1%} |"
-            )
-        lines += [
-            "",
-            f"LESS < Baseline in {wins[0]}/{len(records)} layers, < Baseline+ in {wins[1]}/{len(records)}.",
-            "",
-        ]
-        curves[Path(directory).name] = records
-    if curves:
-        _plot_mse(curves, plots / "less_layer_mse.png")
-    return "\n".join(lines)
+        name = Path(directory).name
+        lines += [_set_summary(name, meta, records), ""]
+        columns[name] = {i: " / ".join(f"{r['best_val_mse'] / r[ref] - 1:+.0%}" for ref in REFERENCES)
+                         for i, r in records.items()}  # fmt: skip
+        curves[name] = records
+    if not columns:
+        return ""
+    lines += [
+        "Held-out MSE of the attention block's output after `W_O`, LESS relative to Baseline / to Baseline+:",
+        "",
+        "| layer | " + " | ".join(f"`{name}`" for name in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    layers = sorted({i for column in columns.values() for i in column})
+    lines += [f"| {i} | " + " | ".join(column.get(i, "–") for column in columns.values()) + " |" for i in layers]
+    _plot_mse(curves, plots / "less_layer_mse.png")
+    return "\n".join(lines + [""])
+
+
+def _trained_layers(directory: str) -> tuple[dict, dict[int, dict]]:
+    """A kernel directory's settings and the training record of each finished layer."""
+    from kvcompress.less_kernels import layer_file, load_layer, read_meta
+
+    meta = read_meta(directory)
+    records = {i: load_layer(directory, i)[1] for i in range(meta["num_layers"]) if layer_file(directory, i).is_file()}
+    for i, record in records.items():
+        state = torch.load(layer_file(directory, i), weights_only=True)["state_dict"]
+        record["parameters"] = sum(t.numel() for t in state.values())
+    return meta, records
+
+
+def _set_summary(name: str, meta: dict, records: dict[int, dict]) -> str:
+    """One paragraph: settings, cost, size and how many layers beat Baseline / Baseline+."""
+    train, base = meta["training"], meta["base"]
+    times = [r["time_s"] for r in records.values()]
+    params = sum(r["parameters"] for r in records.values()) / len(records)
+    beat_base = sum(r["best_val_mse"] < r["baseline_val_mse"] for r in records.values())
+    beat_plus = sum(r["best_val_mse"] < r["baseline_plus_val_mse"] for r in records.values())
+    last = sum(r["best_epoch"] == train["epochs"] for r in records.values())
+    return (
+        f"**`{name}`** ({base['name']} at {base['budget']} tokens): {len(records)}/{meta['num_layers']} layers; "
+        f"{train['windows']} windows x {train['window']} tokens ({next(iter(records.values()))['train_tokens']} "
+        f"training tokens per layer), {train['epochs']} epochs, R = {meta['rank']}, R' = {meta['hidden']}; "
+        f"{statistics.median(times):.0f} s per layer (median; min {min(times):.0f}, max {max(times):.0f}; 1 thread, "
+        f"shared 2-core machine); {params:,.0f} parameters per layer, "
+        f"{params * meta['num_layers'] * 2 / 2**20:.1f} MiB in fp16 for all layers. LESS < Baseline in "
+        f"{beat_base}/{len(records)} layers, < Baseline+ in {beat_plus}/{len(records)}; the best epoch was the last "
+        f"in {last}/{len(records)}."
+    )
 
 
 def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
@@ -254,12 +265,15 @@ def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    drawn = set()  # sets trained for the same policy and budget share one Baseline+ curve
     for label, records in curves.items():
         layers = sorted(records)
         base = [records[i]["baseline_val_mse"] for i in layers]
-        ax.plot(layers, [records[i]["baseline_plus_val_mse"] / b for i, b in zip(layers, base, strict=True)],
-                "s--", label=f"Baseline+ ({label})")  # fmt: skip
+        plus = tuple(round(records[i]["baseline_plus_val_mse"] / b, 6) for i, b in zip(layers, base, strict=True))
+        if plus not in drawn:
+            drawn.add(plus)
+            ax.plot(layers, plus, "s--", alpha=0.6, label=f"Baseline+ ({label})")
         ax.plot(layers, [records[i]["best_val_mse"] / b for i, b in zip(layers, base, strict=True)], "o-",
                 label=f"LESS ({label})")  # fmt: skip
     ax.axhline(1.0, color="gray", lw=1, label="Baseline")

@@ -456,6 +456,8 @@ def train_less(
         collect_attention_inputs(model, ids, activations, progress=progress)
         logger.info("collected %d windows x %d tokens in %.0f s", ids.shape[0], window, time.perf_counter() - started)
     for layer_idx in _track(todo, f"training {len(todo)} layers", progress):
+        if layer_file(out, layer_idx).exists():  # finished meanwhile by another process on the same directory
+            continue
         saved = torch.load(activations / f"layer_{layer_idx:03d}.pt", weights_only=True)
         kernels, record = train_layer(model, layer_idx, saved, base_config, plus_config, settings)
         save_layer(out, layer_idx, kernels, extra=record)
