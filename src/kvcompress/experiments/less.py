@@ -265,9 +265,10 @@ def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     drawn = set()  # sets trained for the same policy and budget share one Baseline+ curve
     for label, records in curves.items():
+        label = label.removeprefix("smollm2-135m-")
         layers = sorted(records)
         base = [records[i]["baseline_val_mse"] for i in layers]
         plus = tuple(round(records[i]["baseline_plus_val_mse"] / b, 6) for i, b in zip(layers, base, strict=True))
@@ -280,7 +281,7 @@ def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
     ax.set_xlabel("layer")
     ax.set_ylabel("validation MSE / Baseline MSE")
     ax.set_title("Attention-block output error after W_O, SmolLM2-135M")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -361,8 +362,8 @@ def plot_ppl(path: Path = RESULTS) -> None:
     if not rows:
         return
     most = max(r["windows"] for r in rows)  # the main table; smaller runs are the masked-vs-decode checks
-    rows = [r for r in rows if r["windows"] == most]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in rows if r["windows"] == most and not r["missing_layers"]]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     full = next((r for r in rows if r["variant"] == "full"), None)
     series = [("baseline", None), ("baseline+", None)]
     series += [("less", pair) for pair in _less_series(rows)]
@@ -371,7 +372,7 @@ def plot_ppl(path: Path = RESULTS) -> None:
                      and (pair is None or _series_of(r) == pair))  # fmt: skip
         if pts:
             label = {"baseline": "H2O (Baseline)", "baseline+": "H2O + 4 tokens (Baseline+)"}.get(
-                variant, f"LESS (trained at {pair and pair[0]}, {pair and pair[1]})"
+                variant, f"LESS (trained at {pair and pair[0]}, {pair and str(pair[1]).removeprefix('smollm2-135m-')})"
             )
             ax.plot(*zip(*pts, strict=True), "o-", label=label)
     if full:
@@ -379,7 +380,7 @@ def plot_ppl(path: Path = RESULTS) -> None:
     ax.set_xlabel("tokens kept per KV head (of 512)")
     ax.set_ylabel("WikiText-2 test token perplexity")
     ax.set_title("SmolLM2-135M, masked form")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path.parent / "less_ppl.png", dpi=120)
     plt.close(fig)
