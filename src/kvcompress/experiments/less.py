@@ -232,10 +232,11 @@ def _trained_layers(directory: str) -> tuple[dict, dict[int, dict]]:
     from kvcompress.less_kernels import layer_file, load_layer, read_meta
 
     meta = read_meta(directory)
-    records = {i: load_layer(directory, i)[1] for i in range(meta["num_layers"]) if layer_file(directory, i).is_file()}
-    for i, record in records.items():
-        state = torch.load(layer_file(directory, i), weights_only=True)["state_dict"]
-        record["parameters"] = sum(t.numel() for t in state.values())
+    records = {}
+    for i in range(meta["num_layers"]):
+        if layer_file(directory, i).is_file():
+            kernels, records[i] = load_layer(directory, i)
+            records[i]["parameters"] = sum(p.numel() for p in kernels.state_dict().values())
     return meta, records
 
 
