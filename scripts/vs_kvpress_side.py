@@ -2,7 +2,7 @@
 
     /work/kvpress-venv/bin/python scripts/vs_kvpress_side.py runs/vs-kvpress/samples.json runs/vs-kvpress/kvpress.jsonl
 
-Reads the samples and budgets written by ``python -m kvcompress.compare samples`` (token ids, answers, the local
+Reads the samples and budgets written by ``python -m experiments.compare samples`` (token ids, answers, the local
 model directory), and for every sample x press x budget: prefills the context under ``with press(model)`` the
 way ``KVPressTextGenerationPipeline._forward`` does (``model.model(input_ids=context_ids, past_key_values=cache)``,
 one forward, compression in the layers' forward hooks), records the CPU and wall time of that prefill, the kept

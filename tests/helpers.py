@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.cache import CompressedLayer
-from kvcompress.methods.base import AttentionStats
+from kvcompress.core.contract import AttentionStats
+from kvcompress.core.layer import CompressedLayer
 
 
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress import attention
-from kvcompress.methods.base import StatsRequest
-from kvcompress.positions import rotate_by
+from kvcompress.core import attention
+from kvcompress.core.contract import StatsRequest
+from kvcompress.core.rope import rotate_by
 
 B, HQ, HKV, Q, L, D = 2, 6, 2, 5, 12, 8
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvcompress
-from kvcompress.methods import make_config
+from kvcompress.registry import make_config
 
 
 @pytest.mark.parametrize("budget", [0, -3, 2.5, True])

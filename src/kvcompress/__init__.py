@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from kvcompress.attention import prepare_model
-from kvcompress.cache import CompressedCache, CompressedLayer
-from kvcompress.methods import METHODS, MethodConfig, make_config
+from kvcompress.core.attention import prepare_model
+from kvcompress.core.cache import CompressedCache
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.registry import METHODS, MethodConfig, make_config
 
 __version__ = "0.1.0"
 

@@ -123,7 +123,7 @@ def generate(
 @app.command()
 def methods() -> None:
     """List the methods with their parameters, defaults and papers."""
-    from kvcompress.methods import METHODS, method_defaults
+    from kvcompress.registry import METHODS, method_defaults
 
     table = Table(title="kvcompress methods")
     for column in ("method", "parameters (defaults)", "paper"):

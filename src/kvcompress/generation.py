@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from kvcompress.cache import CompressedCache
+from kvcompress.core.cache import CompressedCache
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@ from kvcompress.bench.cache_op import (
 from kvcompress.bench.decode import DECODE_COLUMNS, decode_table, run_decode
 from kvcompress.bench.prefill import run_prefill
 from kvcompress.bench.table import load_rows, markdown_table, save_rows
-from kvcompress.cache import CompressedLayer
-from kvcompress.methods import make_config
+from kvcompress.core.layer import CompressedLayer
 from kvcompress.models import tiny_model
+from kvcompress.registry import make_config
 
 
 def _token(index: int, batch: int = 2, heads: int = 3, dim: int = 4) -> torch.Tensor:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.compare.agreement import compare_kept, jaccard
-from kvcompress.compare.ours import evaluate, kept_indices
-from kvcompress.compare.table import build_tables
+from experiments.compare.agreement import compare_kept, jaccard
+from experiments.compare.ours import evaluate, kept_indices
+from experiments.compare.table import build_tables
 from kvcompress.generation import prefill
 from kvcompress.models import tiny_model, tiny_tokenizer
 

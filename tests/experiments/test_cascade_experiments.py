@@ -6,7 +6,7 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
-from kvcompress.experiments.cascade import key_nll
+from experiments.cascade import key_nll
 
 
 def test_key_nll_through_a_full_cache_equals_one_forward_per_left_padded_prompt(tiny_llama):

@@ -1,6 +1,6 @@
 import json
 
-from kvcompress.experiments.less import report
+from experiments.less import report
 
 
 def _row(variant, ppl, budget=50, mode="masked", windows=16, kernels=None):

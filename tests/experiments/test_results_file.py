@@ -1,4 +1,4 @@
-from kvcompress.experiments.results_file import append_row, done_keys, load_rows
+from experiments.results_file import append_row, done_keys, load_rows
 
 
 def test_missing_file_has_no_rows(tmp_path):

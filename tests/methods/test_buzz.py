@@ -8,16 +8,10 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.cache import CompressedLayer
-from kvcompress.methods import make_config
-from kvcompress.methods.base import AttentionStats
-from kvcompress.methods.buzz_params import (
-    buzz_params,
-    fixed_point,
-    middle_after_eviction,
-    steady_sizes,
-    theorem_ratio,
-)
+from kvcompress.core.contract import AttentionStats
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.methods.buzz.params import buzz_params, fixed_point, middle_after_eviction, steady_sizes, theorem_ratio
+from kvcompress.registry import make_config
 from tests.helpers import kept_tokens
 
 
@@ -285,7 +279,7 @@ def test_log_n_at_512_keys_equals_plain_attention(tiny_llama):
 
 
 def test_log_n_scales_logits_by_log_base_512_of_keys_attended(tiny_llama):
-    from kvcompress.attention import attention_with_stats
+    from kvcompress.core.attention import attention_with_stats
 
     config = make_config("buzz", window=600, log_n=True)
     layer = CompressedLayer(config.policy(0))

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import kvcompress
+from kvcompress.core.contract import AttentionStats
 from kvcompress.generation import prefill, stream_nll
-from kvcompress.methods import make_config
-from kvcompress.methods.base import AttentionStats
-from kvcompress.methods.cascade_layer import CascadeLayer
+from kvcompress.methods.cascade.layer import CascadeLayer
+from kvcompress.registry import make_config
 from tests.helpers import cache_logits, own_logits
 
 
@@ -387,15 +387,9 @@ def test_smollm2_equals_the_full_cache_within_s_plus_w_and_runs_past_it():
 # --- streaming on the circular sink cache (N = 1) ----------------------------------------------------------------
 
 
-def _generic_streaming(monkeypatch):
-    from kvcompress.methods.streaming import StreamingConfig
-
-    monkeypatch.setattr(StreamingConfig, "circular", False)
-
-
 def test_streaming_runs_on_the_circular_layer_only_where_it_applies():
-    from kvcompress.cache import CompressedLayer
-    from kvcompress.methods.cascade_layer import CircularSinkLayer
+    from kvcompress.core.layer import CompressedLayer
+    from kvcompress.methods.cascade.circular import CircularSinkLayer
 
     assert make_config("streaming", budget=16, sinks=4).layer_class() is CircularSinkLayer
     assert make_config("streaming", budget=16, sinks=4, position_mode="original").layer_class() is CompressedLayer
@@ -411,8 +405,7 @@ def test_streaming_circular_equals_the_generic_layer_token_by_token_and_in_chunk
     ids = ids_of(1, 70, seed=21)
     fast_cache = kvcompress.cache_for(model, "streaming", budget=budget, sinks=sinks)
     fast = stream_nll(model, ids, fast_cache, chunk)
-    _generic_streaming(monkeypatch)
-    generic_cache = kvcompress.cache_for(model, "streaming", budget=budget, sinks=sinks)
+    generic_cache = kvcompress.cache_for(model, "streaming", budget=budget, sinks=sinks, circular=False)
     generic = stream_nll(model, ids, generic_cache, chunk)
     assert type(fast_cache.compressed_layers[0]).__name__ == "CircularSinkLayer"
     assert type(generic_cache.compressed_layers[0]).__name__ == "CompressedLayer"
@@ -430,8 +423,7 @@ def test_streaming_circular_equals_the_generic_layer_with_padding_prefill_and_ge
     batch[1, 17:], mask[1, 17:] = short[0], 1
     fast_cache = kvcompress.cache_for(tiny_llama, "streaming", budget=14, sinks=3)
     fast, fast_ids = cache_logits(tiny_llama, batch, fast_cache, mask, 8)
-    _generic_streaming(monkeypatch)
-    generic_cache = kvcompress.cache_for(tiny_llama, "streaming", budget=14, sinks=3)
+    generic_cache = kvcompress.cache_for(tiny_llama, "streaming", budget=14, sinks=3, circular=False)
     generic, generic_ids = cache_logits(tiny_llama, batch, generic_cache, mask, 8)
     torch.testing.assert_close(fast, generic, rtol=1e-4, atol=1e-5)
     assert torch.equal(fast_ids, generic_ids)
@@ -466,6 +458,5 @@ def test_streaming_circular_applies_the_models_sliding_window(monkeypatch):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     ids = ids_of(1, 50, seed=24)
     fast = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2), 5)
-    _generic_streaming(monkeypatch)
-    generic = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2), 5)
+    generic = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2, circular=False), 5)
     torch.testing.assert_close(fast, generic, rtol=1e-4, atol=1e-5)

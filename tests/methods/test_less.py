@@ -10,21 +10,18 @@ import torch
 
 import kvcompress
 from kvcompress.generation import prefill
-from kvcompress.less_kernels import (
-    LayerKernels,
-    LessKernels,
+from kvcompress.methods.h2o import H2OConfig
+from kvcompress.methods.less import LessConfig, baseline_plus
+from kvcompress.methods.less.kernels import LayerKernels, LessKernels, init_kernels, load_kernels
+from kvcompress.methods.less.masked import (
     eviction_times,
-    init_kernels,
     less_masked_attention,
-    load_kernels,
     low_rank_parallel,
     masked_forward,
     masked_run,
-    mix_low_rank,
     sparse_attention,
 )
-from kvcompress.methods.h2o import H2OConfig
-from kvcompress.methods.less import LessConfig, baseline_plus
+from kvcompress.methods.less.policy import mix_low_rank
 from kvcompress.methods.streaming import StreamingConfig
 from tests.helpers import cache_logits, kept_tokens, own_logits
 
@@ -314,7 +311,7 @@ def test_registry_and_batch_generation_with_padding(tiny_llama):
 
 
 def test_shipped_kernel_sets_load_with_their_metadata():
-    from kvcompress.less_kernels import shipped_kernels
+    from kvcompress.methods.less.kernels import shipped_kernels
 
     assert "smollm2-135m-h2o-50of512" in shipped_kernels()  # the set the README and demo use
     for name in shipped_kernels():

@@ -12,9 +12,9 @@ from torch.utils._pytree import tree_flatten
 
 import kvcompress
 from kvcompress.generation import prefill
-from kvcompress.methods import make_config
 from kvcompress.methods.nacl import NaClSplit
 from kvcompress.methods.random import hash_uniform
+from kvcompress.registry import make_config
 from tests.helpers import cache_logits, filled_layer, kept_tokens, own_logits
 
 B, HKV, G, L, D = 2, 2, 3, 40, 8
@@ -116,12 +116,12 @@ def test_proxy_scores_equal_the_full_attention_matrix(causal, reduce):
 
 
 def test_proxy_scores_are_computed_in_row_chunks(monkeypatch):
-    import kvcompress.methods.nacl
+    import kvcompress.methods.nacl.policy
 
     query, keys = hand_made()
     config = make_config("nacl", ratio=0.2, proxy_tokens=30)
     _, whole = evict(config, query, keys)
-    monkeypatch.setattr(kvcompress.methods.nacl, "PROXY_CHUNK_ELEMENTS", B * HKV * G * L * 4)  # 4 rows per chunk
+    monkeypatch.setattr(kvcompress.methods.nacl.policy, "PROXY_CHUNK_ELEMENTS", B * HKV * G * L * 4)  # 4 rows per chunk
     _, chunked = evict(config, query, keys)
     torch.testing.assert_close(chunked, whole)
     torch.testing.assert_close(whole, reference_scores(query, keys, L - 30, L), rtol=1e-5, atol=1e-6)
@@ -299,7 +299,7 @@ class FloatOutputs(TorchDispatchMode):
 def test_prefill_never_materialises_an_l_by_l_attention_block(chunk_rows, tiny_llama, monkeypatch):
     # Appx A.7 path: NaCl's own work (buffering proxy queries in attend, scoring and selecting in select) only
     # ever builds |P| x L logits per head (|P| = 17 proxy rows of L = 96 here), or chunk x L when chunked
-    import kvcompress.methods.nacl as nacl
+    import kvcompress.methods.nacl.policy as nacl
 
     length, proxies, heads = 96, 17, tiny_llama.config.num_attention_heads
     if chunk_rows is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.methods import make_config
+from kvcompress.registry import make_config
 from tests.helpers import filled_layer, kept_tokens, stats_from_rows
 
 B, H, G, L, D = 2, 2, 3, 20, 8

@@ -11,12 +11,10 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import kvcompress
-from kvcompress.attention import padding_mask_passthrough
+from kvcompress.core.attention import padding_mask_passthrough
 from kvcompress.generation import prefill
 from kvcompress.methods.pod import PoDConfig
-from kvcompress.methods.pod_layer import pod_stats
-from kvcompress.methods.snapkv import SnapKVConfig
-from kvcompress.pod_grouping import (
+from kvcompress.methods.pod.grouping import (
     block_starts,
     blocks_from_starts,
     delta_for_saving,
@@ -26,6 +24,8 @@ from kvcompress.pod_grouping import (
     starts_from_similarity,
     uniform_starts,
 )
+from kvcompress.methods.pod.layer import pod_stats
+from kvcompress.methods.snapkv import SnapKVConfig
 from tests.helpers import cache_logits, own_logits
 
 # 4 layers, 4 query heads / 2 KV heads; per KV head: head 0 blocks [0][1-2][3], head 1 blocks [0-2][3]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcompress.methods import make_config
 from kvcompress.methods.random import hash_uniform
+from kvcompress.registry import make_config
 from tests.helpers import filled_layer, kept_tokens, stats_from_rows
 
 B, H, G, L, D = 2, 2, 3, 20, 8

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.less_kernels import layer_file, load_kernels, load_layer
 from kvcompress.methods.less import LessConfig
+from kvcompress.methods.less.kernels import layer_file, load_kernels, load_layer
 from kvcompress.models import tiny_tokenizer
 from kvcompress.train.less import budget_tokens, train_less
 from tests.helpers import cache_logits

@@ -86,7 +86,7 @@ def test_training_steps_leave_no_pod_cache_alive(tmp_path):
     they piled up (an OOM kill at 13 GB on SmolLM2). Every step must free its cache."""
     import gc
 
-    from kvcompress.methods.pod_layer import PoDLayer
+    from kvcompress.methods.pod.layer import PoDLayer
 
     windows = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(4))
     gc.collect()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.pod_grouping import head_similarity, load_similarity, starts_from_similarity
+from kvcompress.methods.pod.grouping import head_similarity, load_similarity, starts_from_similarity
 from kvcompress.train.pod_calibrate import calibrate, pairwise_js, save_similarity, token_windows
 
 

@@ -51,9 +51,9 @@ from transformers import DynamicCache
 
 from kvcompress.bench.common import Timing, environment, set_threads, time_calls
 from kvcompress.bench.table import Column, markdown_table, save_outputs
-from kvcompress.cache import CompressedLayer
-from kvcompress.methods import make_config
-from kvcompress.methods.base import AttentionStats, StatsRequest
+from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.registry import make_config
 
 CACHE_OP_METHODS: tuple[str, ...] = (
     "full",

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcompress.methods import METHODS, make_config
+from kvcompress.registry import METHODS, make_config
 
 
 @dataclass(frozen=True)

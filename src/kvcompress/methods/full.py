@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import MethodConfig, Policy
+from kvcompress.core.contract import MethodConfig, Policy
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import MethodConfig, keep_top
+from kvcompress.core.contract import MethodConfig
+from kvcompress.core.selection import keep_top
 from kvcompress.methods.h2o import H2OPolicy
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence, recent_tokens
 

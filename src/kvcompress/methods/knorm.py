@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import MethodConfig, Policy, check_budget, keep_top
+from kvcompress.core.checks import check_budget
+from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.selection import keep_top
 
 
 class KnormPolicy(Policy):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.methods.base import check_budget, check_ratio, ratio_budget
+from kvcompress.core.checks import check_budget, check_ratio
+from kvcompress.core.selection import ratio_budget
 
 
 def kept_per_sequence(n_real: torch.Tensor, ratio: float | None, budget: int | None) -> torch.Tensor:

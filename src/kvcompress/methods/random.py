@@ -11,17 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.methods.base import MethodConfig, Policy, check_budget, check_int_range, keep_top
-
-_MASK31 = 0x7FFFFFFF
-
-
-def hash_uniform(seed: int, layer: int, head: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Deterministic uniform [0, 1) numbers from integer keys (a 31-bit multiply-xorshift hash)."""
-    x = (position * 0x9E3779B1 + head * 0x85EBCA77 + (seed * 0x27D4EB2F + layer * 0x165667B1)) & _MASK31
-    for multiplier in (0x2C1B3C6D, 0x297A2D39, 0x1B873593):
-        x = ((x ^ (x >> 15)) * multiplier) & _MASK31
-    return (x ^ (x >> 16)).double() / (_MASK31 + 1)
+from kvcompress.core.checks import check_budget, check_int_range
+from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.hashing import hash_uniform
+from kvcompress.core.selection import keep_top
 
 
 class RandomPolicy(Policy):

@@ -16,15 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.methods.base import (
-    MethodConfig,
-    Policy,
-    StatsRequest,
-    check_budget,
-    check_int_range,
-    keep_top,
-    recent_mask,
-)
+from kvcompress.core.checks import check_budget, check_int_range
+from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
+from kvcompress.core.selection import keep_top, recent_mask
 
 
 class ScissorhandsPolicy(Policy):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import MethodConfig, check_int_range, keep_top
+from kvcompress.core.checks import check_int_range
+from kvcompress.core.contract import MethodConfig
+from kvcompress.core.selection import keep_top
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence, recent_tokens
 from kvcompress.methods.scissorhands import ScissorhandsPolicy
 

@@ -13,18 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.methods.base import (
-    MethodConfig,
-    Policy,
-    StatsRequest,
-    check_budget,
-    check_choice,
-    check_int_range,
-    check_ratio,
-    keep_top,
-    ratio_budget,
-    recent_mask,
-)
+from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio
+from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
+from kvcompress.core.selection import keep_top, ratio_budget, recent_mask
 
 
 class SnapKVPolicy(Policy):

@@ -9,23 +9,19 @@ Fast path: in ``cache`` position mode (with at least one non-sink slot) the cach
 of the Cascading KV Cache (``CircularSinkLayer``: the cascade storage with one cascade, a buffer of ``budget`` slots
 allocated once, one slot written per token, keys rotated to their ranks without re-rotating the whole cache). It
 attends to the same tokens at the same positions as the generic layer (the tests compare logits and stored tokens);
-``StreamingConfig.circular = False`` switches back to the generic layer (cat + gather, re-rotation every step).
+``circular=False`` switches back to the generic layer (cat + gather, re-rotation every step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import (
-    MethodConfig,
-    Policy,
-    check_budget,
-    check_choice,
-    check_int_range,
-    keep_top,
-    sink_mask,
-)
-from kvcompress.positions import POSITION_MODES
+from kvcompress.core.checks import check_bool, check_budget, check_choice, check_int_range
+from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.rope import POSITION_MODES
+from kvcompress.core.selection import keep_top, sink_mask
+from kvcompress.methods.cascade.circular import CircularSinkLayer
 
 
 class StreamingPolicy(Policy):
@@ -46,20 +42,19 @@ class StreamingConfig(MethodConfig):
     budget: int = 1024  # tokens kept per layer and KV head, sinks included
     sinks: int = 4  # first tokens always kept (the paper's 4 attention sinks)
     position_mode: str = "cache"  # "cache": re-index positions inside the cache (paper); "original": keep them
+    circular: bool = True  # store in a ring buffer where it applies (fast); False: the generic layer (reference)
 
     name = "streaming"
     paper = "https://arxiv.org/abs/2309.17453"
     policy_class = StreamingPolicy
-    circular = True  # class switch, not a parameter: run on the circular sink cache where it applies
 
-    def layer_class(self):
-        if not (self.circular and self.position_mode == "cache" and self.sinks < self.budget):
-            return super().layer_class()
-        from kvcompress.methods.cascade_layer import CircularSinkLayer
-
-        return CircularSinkLayer
+    def layer_class(self) -> type[CompressedLayer]:
+        if self.circular and self.position_mode == "cache" and self.sinks < self.budget:
+            return CircularSinkLayer
+        return CompressedLayer
 
     def validate(self) -> None:
         check_budget(self.budget)
         check_int_range(self.sinks, "sinks", 0, self.budget)
         check_choice(self.position_mode, "position_mode", POSITION_MODES)
+        check_bool(self.circular, "circular")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import MethodConfig, check_choice, check_int_range, keep_top, sink_mask
+from kvcompress.core.checks import check_choice, check_int_range
+from kvcompress.core.contract import MethodConfig
+from kvcompress.core.rope import POSITION_MODES
+from kvcompress.core.selection import keep_top, sink_mask
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 from kvcompress.methods.streaming import StreamingPolicy
-from kvcompress.positions import POSITION_MODES
 
 
 class OneShotStreamingPolicy(StreamingPolicy):

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.methods.base import MethodConfig, Policy, StatsRequest, check_budget, keep_top
+from kvcompress.core.checks import check_budget
+from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
+from kvcompress.core.selection import keep_top
 
 
 class TOVAPolicy(Policy):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.methods.base import MethodConfig, keep_top
+from kvcompress.core.contract import MethodConfig
+from kvcompress.core.selection import keep_top
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 from kvcompress.methods.tova import TOVAPolicy
 

@@ -43,18 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcompress.less_kernels import (
-    KERNEL_FORMAT,
-    CaptureRun,
-    init_kernels,
-    layer_file,
-    less_attention,
-    low_rank_parallel,
-    mix_low_rank,
-    read_meta,
-    save_layer,
-    sparse_attention,
-)
+from kvcompress.methods.less.kernels import KERNEL_FORMAT, init_kernels, layer_file, read_meta, save_layer
+from kvcompress.methods.less.masked import CaptureRun, less_attention, low_rank_parallel, sparse_attention
+from kvcompress.methods.less.policy import mix_low_rank
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +323,7 @@ def train_layer(
 
 
 def base_config_evictions(config: Any, layer_idx: int, q, k, v, scaling) -> torch.Tensor:
-    from kvcompress.less_kernels import eviction_times
+    from kvcompress.methods.less.masked import eviction_times
 
     return eviction_times(config.policy(layer_idx), q, k, v, scaling)
 
@@ -433,7 +424,7 @@ def train_less(
                 "resume it with the same settings or give another --out"
             )
     else:
-        from kvcompress.less_kernels import _write_json
+        from kvcompress.methods.less.kernels import _write_json
 
         _write_json(out / "meta.json", meta)
 

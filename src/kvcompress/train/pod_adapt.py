@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from kvcompress.attention import prepare_model
-from kvcompress.cache import CompressedCache
+from kvcompress.core.attention import prepare_model
+from kvcompress.core.cache import CompressedCache
 from kvcompress.methods.pod import PoDConfig
 
 logger = logging.getLogger(__name__)

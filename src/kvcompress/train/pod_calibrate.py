@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvcompress.attention import prepare_model
-from kvcompress.cache import CompressedCache
-from kvcompress.methods.base import MethodConfig, Policy, StatsRequest
+from kvcompress.core.attention import prepare_model
+from kvcompress.core.cache import CompressedCache
+from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 
 logger = logging.getLogger(__name__)
 SIMILARITIES = ("1-js", "1-sqrt(js)")

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import kvcompress
-from kvcompress.cache import CompressedCache
+from kvcompress.core.cache import CompressedCache
 from kvcompress.eval.configs import EvalConfig
 
 

@@ -26,7 +26,7 @@ import re
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-from kvcompress.cache import CompressedCache
+from kvcompress.core.cache import CompressedCache
 from kvcompress.generation import prefill
 
 MODES = ("agnostic", "aware")

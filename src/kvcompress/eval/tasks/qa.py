@@ -3,7 +3,7 @@ parameters they have in common, and answering a sample's question through a cach
 
 from __future__ import annotations
 
-from kvcompress.cache import CompressedCache
+from kvcompress.core.cache import CompressedCache
 from kvcompress.eval.tasks.base import Sample, Task, check_positive_int
 from kvcompress.eval.tasks.prompting import MODES, answer
 

@@ -1,0 +1,167 @@
+"""The one attention function kvcompress registers with ``transformers``' ``AttentionInterface``.
+
+The model calls ``cache.update()`` and then this function with the stored keys. The function finds the cache
+layer behind those keys, records the new tokens' positions and padding, computes attention (plain SDPA when the
+method needs no statistics; otherwise an explicit softmax in query chunks that also collects the statistics the
+method asked for, so no ``T x T`` matrix per head is ever materialised), then lets the layer evict.
+
+A mask function registered under the same name hands the 2D padding mask through unchanged: the layer builds its
+own mask from stored positions, because after eviction the stored keys no longer line up with the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+
+ATTENTION_NAME = "kvcompress"
+CHUNK_ELEMENTS = 1 << 24  # ~64 MB of float32 logits per query chunk
+
+
+def padding_mask_passthrough(*, attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor | None:
+    """Mask function: return the 2D ``[B, tokens seen]`` padding mask (True = real token) as it came."""
+    return attention_mask
+
+
+def kvcompress_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention for models prepared by ``prepare_model``; returns ``[B, q, H, d]`` like the built-in functions."""
+    layer: CompressedLayer | None = getattr(key, LAYER_ATTRIBUTE, None)
+    sliding_window = kwargs.get("sliding_window")
+    if layer is None:
+        return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
+    queries = query.shape[2]
+    padding = attention_mask[:, -queries:] if attention_mask is not None and attention_mask.dim() == 2 else None
+    layer.register_new_tokens(kwargs.get("position_ids"), padding)
+    query, key = layer.positioned(query, key)
+    mask = layer.attention_mask(queries, sliding_window)
+    request = layer.policy.stats
+    custom = layer.attend(query, key, value, mask, scaling)
+    if custom is not None:
+        output, stats = custom
+    elif request.any:
+        output, stats = attention_with_stats(query, key, value, mask, scaling, request)
+    else:
+        output, stats = sdpa(query, key, value, mask, scaling), None
+    layer.after_attention(stats)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """PyTorch SDPA with a ``[B, H_kv or 1, q, L]`` boolean mask (``None``: causal if square, else all visible)."""
+    groups = query.shape[1] // key.shape[1]
+    if mask is not None and mask.shape[1] > 1:
+        mask = mask.repeat_interleave(groups, dim=1)
+    is_causal = mask is None and query.shape[2] == key.shape[2] and query.shape[2] > 1
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=groups > 1
+    )
+
+
+def _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window) -> tuple[torch.Tensor, None]:
+    """Fallback for a prepared model used with an ordinary cache (or none): causal + padding mask."""
+    queries, length = query.shape[2], key.shape[2]
+    query_idx = torch.arange(length - queries, length, device=query.device)[:, None]
+    key_idx = torch.arange(length, device=query.device)[None, :]
+    mask = key_idx <= query_idx
+    if sliding_window is not None:
+        mask = mask & (key_idx > query_idx - sliding_window)
+    mask = mask[None, None]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        mask = mask & (attention_mask[:, None, None, -length:].bool() | (key_idx == query_idx)[None, None])
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask
+    return sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
+
+
+def attention_with_stats(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    request: StatsRequest,
+) -> tuple[torch.Tensor, AttentionStats]:
+    """Attention plus the requested statistics, in float32.
+
+    Mass received needs every query's probabilities: an exact softmax in query chunks. Rows of the last ``n``
+    queries alone need only that ``n x L`` block: SDPA computes the output and the block is computed apart.
+    """
+    queries, length = query.shape[2], key.shape[2]
+    if mask is None:  # plain causal prefill
+        key_idx = torch.arange(length, device=query.device)
+        query_idx = torch.arange(length - queries, length, device=query.device)
+        mask = (key_idx[None, :] <= query_idx[:, None])[None, None]
+    last_n = min(request.last_queries, queries)
+    stats = AttentionStats(query_count=queries)
+    if request.received:
+        output, stats.received, last = _chunked_softmax_attention(query, key, value, mask, scaling, last_n)
+    else:
+        output = sdpa(query, key, value, mask, scaling)
+        last = attention_rows(query[:, :, queries - last_n :], key, mask[:, :, queries - last_n :], scaling)
+    if last_n:
+        stats.last, stats.last_visible = last, mask[:, :, queries - last_n :]
+    return output, stats
+
+
+def attention_rows(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Softmax attention probabilities ``[B, H_kv, G, q, L]`` (float32) of a few queries over all keys."""
+    batch, q_heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.view(batch, kv_heads, q_heads // kv_heads, queries, dim)
+    logits = (grouped @ key[:, :, None].transpose(-1, -2)).float() * scale
+    return logits.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+
+
+def _chunked_softmax_attention(query, key, value, mask, scaling, last_n):
+    batch, q_heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+    received = torch.zeros(batch, kv_heads, groups, length, device=query.device)
+    outputs, last_rows = [], []
+    for start in range(0, queries, chunk):
+        stop = min(start + chunk, queries)
+        probs = attention_rows(query[:, :, start:stop], key, mask[:, :, start:stop], scaling)
+        outputs.append(probs.to(value.dtype) @ value[:, :, None])
+        received += probs.sum(dim=-2)
+        if last_n and stop > queries - last_n:
+            last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
+    output = torch.cat(outputs, dim=3).reshape(batch, q_heads, queries, dim)
+    return output, received, torch.cat(last_rows, dim=3) if last_rows else None
+
+
+def register_attention(name: str, attention: Callable, mask: Callable) -> None:
+    """Register an attention function and its mask function with ``transformers`` under ``name`` (idempotent)."""
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask)
+
+
+def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Register kvcompress attention and switch the model to it. Returns the model.
+
+    The model still works with ordinary caches afterwards (plain causal attention with padding).
+    """
+    register_attention(ATTENTION_NAME, kvcompress_attention, padding_mask_passthrough)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return model

@@ -1,0 +1,119 @@
+"""The method contract: a frozen config with the paper's defaults that builds one ``Policy`` per layer.
+
+A policy decides what one cache layer keeps. It never stores keys itself: the layer (``kvcompress.core.layer``)
+owns keys, values, positions and the per-token state the policy asks for, and gathers them all when the
+policy returns a ``Selection``. Attention statistics come from ``kvcompress.core.attention`` as ``AttentionStats``.
+
+This module imports nothing else of kvcompress: every method depends on it, and it depends on no method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: the layer module imports this one
+    from kvcompress.core.layer import CompressedLayer
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Which attention statistics a policy needs; an empty request means plain SDPA speed."""
+
+    received: bool = False  # attention mass each key receives, summed over this forward's queries
+    last_queries: int = 0  # attention rows of the last n queries of this forward
+
+    @property
+    def any(self) -> bool:
+        return self.received or self.last_queries > 0
+
+
+@dataclass
+class AttentionStats:
+    """Attention statistics of one forward of one layer, over the keys stored before eviction.
+
+    Shapes use ``G`` = query heads per KV head (grouped-query attention), so policies choose how to reduce a group.
+    """
+
+    query_count: int  # queries in this forward
+    received: torch.Tensor | None = None  # [B, H_kv, G, L] float32
+    last: torch.Tensor | None = None  # [B, H_kv, G, n, L] float32, rows of the last n queries
+    last_visible: torch.Tensor | None = None  # [B, H_kv or 1, n, L] bool, keys those rows could attend to
+
+
+@dataclass
+class Selection:
+    """What a layer keeps: ``indices`` ``[B, H_kv, K]`` into the stored tokens, ascending per row.
+
+    ``valid`` ``[B, H_kv, K]`` marks slots that hold a real token; a sequence with fewer tokens than ``K`` (a
+    shorter prompt in a padded batch) fills the rest of its row with invalid slots.
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor | None = None
+
+
+class Policy:
+    """Per-layer eviction rule. Subclasses override the hooks they need."""
+
+    stats: StatsRequest = StatsRequest()
+    position_mode: str = "original"
+    per_head: bool = True  # False: all KV heads of a layer keep the same tokens
+    one_shot: bool = False  # True: compress once after the prompt, never while decoding
+
+    def __init__(self, config: MethodConfig, layer_idx: int) -> None:
+        self.config = config
+        self.layer_idx = layer_idx
+
+    def init_state(self, layer: CompressedLayer, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token state for the new tokens (each ``[B, H_kv, q, ...]``), stored and gathered with them."""
+        return {}
+
+    def observe(self, layer: CompressedLayer, stats: AttentionStats | None) -> None:
+        """Fold this forward's attention statistics into the per-token state."""
+
+    def select(self, layer: CompressedLayer) -> Selection | None:
+        """Return what to keep, or ``None`` to keep everything."""
+        return None
+
+    def attend(
+        self,
+        layer: CompressedLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float | None,
+    ) -> tuple[torch.Tensor, AttentionStats | None] | None:
+        """Override the attention computation (``[B, H, q, d]`` output and statistics), or ``None`` for the
+        default (SDPA, or an exact chunked softmax when ``stats`` asks for statistics). Methods that change the
+        attention itself (log-n scaling, a low-rank state, logits shared across layers) implement this."""
+        return None
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base of every method config. ``name`` is the registry key, ``paper`` the reference."""
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    policy_class: ClassVar[type[Policy]] = Policy
+
+    def layer_class(self) -> type[CompressedLayer] | None:
+        """The cache layer type this method stores tokens in, or ``None`` for the standard ``CompressedLayer``
+        (methods with their own storage layout return a subclass)."""
+        return None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the parameter and its allowed range."""
+
+    def policy(self, layer_idx: int) -> Policy:
+        return self.policy_class(self, layer_idx)
+
+    def connect(self, layers: list[CompressedLayer]) -> None:
+        """Called once with all the cache's layers, for methods whose layers read each other (PoD)."""

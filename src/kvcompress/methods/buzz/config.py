@@ -1,0 +1,115 @@
+"""BUZZ: beehive-structured sparse KV cache with segmented heavy hitters (Zhao et al., 2024, arXiv:2410.23079).
+
+Idea: every layer and KV head keeps ``[k sinks | old samples | new buffer | w window]``. Tokens that leave the
+window gather in the buffer; nothing is evicted until the middle (old + new) holds more than ``T`` tokens. Then, in
+one shot, the new tokens are cut into consecutive chunks ("hives") of ``s`` and only the token with the highest
+accumulated attention of each chunk survives (local max, Algorithm 2), while the old tokens are thinned by
+interval sampling with the smaller stride ``ŝ = ⌊(s+1)/2⌋`` (every ŝ-th, starting with the first). The survivors
+become the old set and the buffer empties. Theorem 3.1 sets ``T/w = (s²+1)/(s+1)`` (odd s) or ``s − 1`` (even s),
+which makes the steady-state number of old tokens equal ``w``. "BUZZ with log n" (Eq. 7–8) multiplies the
+attention logits by ``ln(n)/ln(512)``, ``n`` = number of keys attended.
+
+Follows ``../shared/specs/buzz.md``: §1.7 (canonical pseudo-code, which corrects the printed Algorithm 1), §1.9
+(parameter estimation; ``kvcompress.methods.buzz.params``), §1.10 (log n), §3 A1–A20 (choices), §6 (test vector).
+
+Choices (spec §3 letters):
+
+- A1/A2: ``T`` bounds old + new (the middle, Fig. 3, Remark 2, Eq. 10 and the official code; the printed line 9
+  counts new tokens only); eviction when ``M = L − k − w > T``. Counts use valid (real) tokens only, per sequence, so
+  left padding never counts and a padded batch behaves like single runs.
+- A3: a forward that leaves ``M > T`` after one pass (a long prompt) keeps sampling (Remark 2, ``prefill_mode="loop"``):
+  every extra pass only thins the old block by ``ŝ`` again, so ``j`` extra passes are computed at once as keeping
+  every ``ŝ^j``-th survivor. ``prefill_mode="single"`` does one pass per forward, as the official code does.
+- A4/A5/A19: scores are received attention accumulated H2O-style in float32 over every query since the token
+  arrived (``score_mode="current"``: this forward's queries only, the code's ``buzz_fast``), per layer and KV head,
+  summed over the query heads of that KV head's group only (``group_reduce``). Scores of old tokens are never read
+  again, so they are not zeroed as the code does.
+- A6/A7: interval sampling keeps old indices 0, ŝ, 2ŝ, …; hives are aligned at the oldest new token, the last may be
+  short, ties go to the earliest token.
+- A8: eviction runs after the layer's attention (the current query sees the whole cache), so the attended length
+  peaks at ``k + w + T + 1``.
+- A9: keys keep their original RoPE positions by default (``position_mode="cache"`` re-indexes them inside the cache,
+  as the official code does for every method).
+- A10: log n uses ``n`` = valid keys of the sequence in this attention call (a scalar per call as in the code; per
+  sequence rather than per batch so padding does not change it), base 512, no clipping; ``log_n_per_row`` counts the
+  keys each query row may see instead. The probabilities fed to the eviction are the rescaled ones.
+- A11/A12: ``budget`` (with ``budget_kind``) picks ``(w, T)`` for a target average or peak stored length (the paper's
+  budget is the average); ``s < 3`` is rejected because the cache would grow without bound.
+- Ablations (§4.3): ``local_max=False`` interval-samples new tokens with stride ``s`` (Fig. 8b, code's
+  ``buzz_no_max``); ``swap_strides=True`` gives new tokens ŝ and old tokens s (Fig. 8a).
+
+Eviction is vectorised over batch, heads and hives (a scatter max per hive), with no Python loop on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.contract import MethodConfig
+from kvcompress.core.rope import POSITION_MODES
+from kvcompress.methods.buzz.params import buzz_params, threshold_for
+from kvcompress.methods.buzz.policy import BuzzPolicy
+
+DEFAULT_WINDOW = 160  # the official code's recent_size, used when neither budget nor window is given
+
+
+@dataclass(frozen=True)
+class BuzzConfig(MethodConfig):
+    """Sinks + beehive (local-max sampled new tokens, interval-sampled old tokens) + window, per KV head."""
+
+    budget: int | None = None  # target stored length per layer and head; sets window and threshold (§1.9)
+    budget_kind: str = "average"  # what budget fixes: "average" (the paper's cache budget) or "peak" (k + w + T)
+    sinks: int = 4  # k: first tokens, never evicted (paper: "1 to 5"; code: 4)
+    window: int | None = None  # w: most recent tokens, never evicted; None: from budget, else 160 (code default)
+    threshold: int | None = None  # T: evict when old + new > T; None: Theorem 3.1, T = round(r(s) · w)
+    tw_ratio: float | None = None  # T / w used when threshold is None (the Table A sweep); None: Theorem 3.1
+    stride: int = 5  # s: hive size for new tokens; old tokens use ŝ = (s + 1) // 2 (paper and code: 5)
+    score_mode: str = "accumulated"  # "accumulated" (H2O-style, the paper's BUZZ) or "current" (this forward only)
+    group_reduce: str = "sum"  # how the query heads of one KV head combine received attention: sum, mean, max
+    local_max: bool = True  # False: interval sampling for new tokens too (Fig. 8b ablation)
+    swap_strides: bool = False  # True: new tokens sampled with ŝ, old with s (Fig. 8a ablation)
+    prefill_mode: str = "loop"  # "loop": sample until old + new <= T (Remark 2); "single": one pass per forward
+    log_n: bool = False  # "BUZZ with log n": scale logits by ln(n) / ln(log_n_base), n = keys attended (Eq. 7-8)
+    log_n_base: int = 512  # n at which log-n scaling is the identity (the paper's pre-training length)
+    log_n_per_row: bool = False  # n = keys each query row may see, instead of the keys of the call (code)
+    position_mode: str = "original"  # "original": keys keep their RoPE positions; "cache": re-indexed in the cache
+
+    name = "buzz"
+    paper = "https://arxiv.org/abs/2410.23079"
+    policy_class = BuzzPolicy
+
+    def resolved(self) -> tuple[int, int, int, int]:
+        """The (k, w, T, s) this config runs with."""
+        if self.budget is not None:
+            return buzz_params(self.budget, self.budget_kind, self.sinks, self.stride, self.tw_ratio)
+        window = DEFAULT_WINDOW if self.window is None else self.window
+        threshold = threshold_for(window, self.stride, self.tw_ratio) if self.threshold is None else self.threshold
+        return self.sinks, window, threshold, self.stride
+
+    def validate(self) -> None:
+        check_int_range(self.sinks, "sinks", 0)
+        check_int_range(self.stride, "stride", 3)  # s <= 2 keeps every new token (s = 1) or never shrinks (s = 2)
+        check_choice(self.budget_kind, "budget_kind", ("average", "peak"))
+        check_choice(self.score_mode, "score_mode", ("accumulated", "current"))
+        check_choice(self.group_reduce, "group_reduce", ("sum", "mean", "max"))
+        check_choice(self.prefill_mode, "prefill_mode", ("loop", "single"))
+        check_choice(self.position_mode, "position_mode", POSITION_MODES)
+        check_int_range(self.log_n_base, "log_n_base", 2)
+        if self.tw_ratio is not None and (
+            isinstance(self.tw_ratio, bool) or not isinstance(self.tw_ratio, (int, float)) or not self.tw_ratio > 0
+        ):
+            raise ValueError(f"tw_ratio must be a number > 0 (T / w), got {self.tw_ratio!r}")
+        if self.budget is not None:
+            check_budget(self.budget)
+            if self.window is not None or self.threshold is not None:
+                raise ValueError("give either budget or window/threshold, not both (budget sets window and threshold)")
+        if self.window is not None:
+            check_int_range(self.window, "window", 0)
+        if self.threshold is not None:
+            check_int_range(self.threshold, "threshold", 1)
+        if self.threshold is not None and self.tw_ratio is not None:
+            raise ValueError(
+                "give either threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)"
+            )
+        self.resolved()  # raises for a budget too small for the sinks and stride

@@ -1,0 +1,116 @@
+"""Cascading KV Cache (Willette et al., 2024, arXiv:2406.17808 v1, "Training-Free Exponential Extension of Sliding
+Window Context with Cascading KV Cache").
+
+Idea: a sink cache whose window of ``|C|`` slots is split into ``N`` equal circular buffers ("cascades") of
+``W = |C|/N`` slots. The first cascade takes every token; cascade ``i`` (0-based) accepts only every ``b^i``-th step
+(``b = 2``), so it keeps a sparser, older sample of the stream: the cache spans about ``W (2^N - 1)`` tokens
+(7,680 instead of 2,048 for ``|C| = 2048, N = 4``) at the memory of a sink cache. When cascade ``i`` is not accepting,
+the token evicted from cascade ``i-1`` competes with cascade ``i``'s newest token, and the one with the larger
+exponential moving average (EMA) of the attention it received stays; the other is dropped forever. Positions are
+re-indexed inside the cache every step (StreamingLLM style), so no position ever exceeds ``S + |C| - 1``.
+
+Spec followed: ``../shared/specs/cascade.md`` (v1 of the paper): §1.4 acceptance schedule by the global clock
+``(p - S) mod b^i == 0`` (A2); §1.5 the four insertion cases of Algorithm 1 plus its eager add into an empty
+cascade; §1.6 the EMA ``mu <- gamma mu + (1 - gamma) s`` of post-softmax attention over sinks + cache (+ self),
+sinks dropped, reduced over all query heads, new tokens entering with 0, kept in fp32 (A4, A5, A8);
+§1.7 homogeneous heads (one decision per token for all KV heads); §1.8 positions = ranks 0.. in stream order,
+query at its own key's rank (A10); §1.9 order of a step: insert, attend, EMA (A9); §1.12 ``eager_fill`` (A3).
+
+Choices where the paper is silent or differs from its code (all overridable):
+
+- ``budget`` counts the sinks: ``budget = S + |C|`` (the paper keeps ``S`` sinks *in addition* to a window of
+  ``|C|``, "window 1024 => 1028 tokens", A20); ``|C|`` must be divisible by ``N`` (A11).
+- ties in the selection go to the incoming token (``tie="incoming"``: the authors' code; Algorithm 1's strict
+  ``>`` is ``tie="resident"``, A1). ``select_tokens=False`` is the "w/o token selection" ablation of Tab. 3 (the
+  incoming token always wins: a fixed stride pattern, A13).
+- ``gamma=None`` computes ``exp(-N ln(100) / |C|)`` (App. B Eq. 14), not Table 6's truncated values (A7).
+- prefill (A12): ``prefill="exact"`` (default) processes a multi-token forward exactly as token-by-token decoding
+  (what v1 did): inside each layer, token ``m`` is inserted, attends, and updates the EMA before token ``m + 1``;
+  the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result.
+  ``prefill="chunked"`` is the *later official* strided variant, not the v1 paper: a chunk of ``q`` tokens attends
+  causally to itself plus the frozen cache, the EMA advances in closed form with query ``m`` weighted
+  ``(1 - gamma) gamma^(q-1-m)`` for every key (the chunk's own keys start from 0), then the chunk is inserted token
+  by token with those scores.
+- batches: per-sequence bookkeeping, vectorised over the batch; the clock and the sinks count each sequence's real
+  tokens, so left padding changes nothing; padding tokens are never stored and their queries update no score.
+- with ``N = 1`` (or ``select_tokens=False``) scores are never consulted, so the EMA is not computed: the structure
+  is then our circular sink cache.
+
+Storage (``CascadeLayer``, in ``kvcompress.methods.cascade.layer``): one buffer of ``S + |C|`` slots per layer,
+allocated at the first forward, keys stored un-rotated and rotated at their rank every step; the layer exposes the
+usual ``keys``/``values``/``token_idx``/``rope_pos``/``valid``/``state`` views in stream order (filler slots first)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.contract import MethodConfig
+from kvcompress.methods.cascade.layer import CascadeLayer
+from kvcompress.methods.cascade.policy import CascadePolicy
+
+REDUCTIONS: tuple[str, ...] = ("mean", "median", "max")
+TIES: tuple[str, ...] = ("incoming", "resident")
+PREFILLS: tuple[str, ...] = ("exact", "chunked")
+
+
+@dataclass(frozen=True)
+class CascadeConfig(MethodConfig):
+    """Sinks + N cascading circular sub-caches with attention-EMA token selection."""
+
+    budget: int = 2052  # tokens stored per layer and KV head: sinks + |C| (paper: S = 4, |C| = 2048)
+    sinks: int = 4  # S attention sinks, never evicted, in addition to the cascades (paper: 4)
+    cascades: int = 4  # N sub-caches of |C| / N slots each (paper: 4; 2 for MMLU; ablation 1, 2, 4, 8)
+    base: int = 2  # cascade i accepts every base^i-th token (paper: 2; ablation 3, 4)
+    gamma: float | None = None  # EMA coefficient; None = exp(-N ln(100) / |C|) (paper Eq. 14)
+    reduction: str = "mean"  # head reduction of attention before the EMA: mean (paper default), median, max
+    tie: str = "incoming"  # equal scores in a selection: "incoming" token wins (authors' code), "resident" (Alg. 1)
+    select_tokens: bool = True  # False: no token selection, the incoming token always wins (Tab. 3 ablation)
+    eager_fill: bool = False  # True: every cascade accepts until the cache is full (later official code, not v1)
+    prefill: str = "exact"  # multi-token forwards: "exact" = as token by token (v1); "chunked" = later variant
+
+    name = "cascade"
+    paper = "https://arxiv.org/abs/2406.17808"
+    policy_class = CascadePolicy
+
+    @property
+    def window(self) -> int:
+        """``|C|``: the slots of all cascades together."""
+        return self.budget - self.sinks
+
+    @property
+    def width(self) -> int:
+        """``W = |C| / N``: the slots of one cascade."""
+        return self.window // self.cascades
+
+    @property
+    def ema_gamma(self) -> float:
+        return math.exp(-math.log(100.0) / self.width) if self.gamma is None else float(self.gamma)
+
+    @property
+    def span(self) -> int:
+        """Approximate context length ``W (b^N - 1) / (b - 1)`` (paper Eq. 4, excluding the sinks)."""
+        return self.width * (self.base**self.cascades - 1) // (self.base - 1)
+
+    def layer_class(self) -> type[CascadeLayer]:
+        return CascadeLayer
+
+    def validate(self) -> None:
+        check_budget(self.budget)
+        check_int_range(self.sinks, "sinks", 0, self.budget - 1)
+        check_int_range(self.cascades, "cascades", 1, self.budget - self.sinks)
+        if (self.budget - self.sinks) % self.cascades:
+            raise ValueError(
+                f"budget - sinks (the cascade window |C| = {self.budget - self.sinks}) must be divisible by "
+                f"cascades = {self.cascades}: every cascade has |C| / N slots"
+            )
+        check_int_range(self.base, "base", 2)
+        if self.gamma is not None and (isinstance(self.gamma, bool) or not 0.0 <= float(self.gamma) < 1.0):
+            raise ValueError(f"gamma must be a number in [0, 1) or None (exp(-N ln(100) / |C|)), got {self.gamma!r}")
+        check_choice(self.reduction, "reduction", REDUCTIONS)
+        check_choice(self.tie, "tie", TIES)
+        check_choice(self.prefill, "prefill", PREFILLS)
+        for name in ("select_tokens", "eager_fill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -1,0 +1,402 @@
+"""The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer allocated once.
+
+See ``kvcompress.methods.cascade.config`` for the method, the paper and the choices. Insertion lives here; the
+attention over the rings is in ``ring_attention`` and the stream-order views in ``ring_views``.
+
+Slot layout of one layer (per sequence; every KV head uses the same slots, homogeneous policy):
+``[0, S)`` sinks, then cascade ``i`` in ``[S + i W, S + (i + 1) W)``, a ring whose oldest token sits at offset
+``start[i]`` and which holds ``count[i]`` tokens. Beside the keys and values, per slot: the token's stream index
+(``-1`` = empty), the RoPE position the model gave it, and its attention EMA (fp32). Per sequence: sinks stored,
+real tokens seen (the clock), and ``start``/``count`` per cascade. One insertion moves at most one token per
+cascade: the moves of all cascades are decided from the counters first, then done with one gather and one
+scatter per tensor (no loop over cascades, sequences or heads).
+
+Keys are stored un-rotated: the model's rotation is undone with the exact cosines and sines it used, and every
+attention rotates the stored keys to their current rank from a small table (ranks never exceed ``S + |C|``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.contract import Policy
+from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+from kvcompress.core.rope import rotate_by
+from kvcompress.methods.cascade.policy import CascadePolicy
+from kvcompress.methods.cascade.ring_attention import RingAttention
+from kvcompress.methods.cascade.ring_views import RingViews
+
+_MAX_PERIOD = 1 << 62  # acceptance periods beyond this are never reached (no overflow for large base^i)
+
+
+@dataclass
+class _Pending:
+    """Tokens handed to ``update`` and not inserted yet (they are inserted when they attend)."""
+
+    keys: torch.Tensor  # [B, H_kv, q, d] as the model gave them (rotated at ``pos``)
+    values: torch.Tensor  # [B, H_kv, q, d]
+    tok: torch.Tensor  # [q] stream indices (padding included)
+    pos: torch.Tensor | None = None  # [B, q] RoPE positions; None = the stream indices
+    real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
+
+
+class CascadeLayer(RingAttention, RingViews, CompressedLayer):
+    """One layer of a Cascading KV Cache (a ``CompressedLayer`` with circular storage).
+
+    ``rule`` is the ``CascadePolicy`` whose constants drive the storage (the layer's own policy unless a method
+    runs on this storage with another policy, as ``streaming`` does); ``attend_first`` makes every forward attend
+    before its tokens are inserted.
+    """
+
+    attend_first = False
+
+    def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
+        self._kv: torch.Tensor | None = None
+        super().__init__(policy, inv_freq)
+        self.rule: CascadePolicy = rule or policy
+        config = self.rule.config
+        self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
+        self.capacity = config.budget
+        self._pending: _Pending | None = None
+        self._all_real = True
+        self.force_tensor_path = False  # tests: always take the per-sequence tensor path of ``_insert``
+
+    # --- storage -------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, key_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        slots, cascades = self.capacity, self.cascades
+        long = {"dtype": torch.long, "device": self.device}
+        self._key_dim = key_dim
+        # keys (rotated at their slot index) and values side by side; slot ``slots`` is scratch space
+        self._kv = key_states.new_zeros(batch, heads, slots + 1, key_dim + value_states.shape[-1])
+        # per slot: [stream index of the token (-1 = empty), RoPE position the model gave it]
+        self._meta = torch.stack(
+            [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
+        )
+        self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)  # attention EMA
+        # tensor path only (see _in_step below): sinks stored, real tokens seen (the acceptance clock), per cascade
+        # the ring's start and count, and two flags: every sequence has all its sinks (then the sink column is
+        # skipped), eager fill is over for every sequence
+        self._sinks_full = self.sinks == 0
+        self._filled = not self.rule.config.eager_fill
+        base = self.rule.config.base
+        self._period = torch.tensor([min(base**i, _MAX_PERIOD) for i in range(cascades)], **long)
+        self._first_slot = self.sinks + torch.arange(cascades, **long) * self.width
+        self._ring = torch.arange(self.width, **long)
+        self._sink_slots = torch.arange(self.sinks, **long)
+        if self.inv_freq is not None:  # cos / sin of every slot-to-slot move, [2 (S + |C|) + 1, d / 2]
+            delta = torch.arange(-slots, slots + 1, dtype=torch.float64, device=self.device)
+            angles = delta[:, None] * self.inv_freq.to(self.device, torch.float64)
+            self._turn_cos, self._turn_sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        # "in step": every sequence has taken the same number of real tokens so far (no padding yet). Then the
+        # counters are the same for the whole batch (only selection outcomes differ), so they are kept as Python
+        # integers and every move is a slice of the buffer; the first padded forward switches to the tensor path
+        self._in_step = True
+        self._py_count, self._py_start, self._py_seen = [0] * cascades, [0] * cascades, 0
+        self._py_tensors: tuple[torch.Tensor, ...] | None = None
+        self.is_initialized = True
+
+    # per-sequence counters: tensors, or built from the Python integers while the batch is in step
+    def _counters(self) -> tuple[torch.Tensor, ...]:
+        if self._py_tensors is None:
+            batch, long = self._kv.shape[0], {"dtype": torch.long, "device": self.device}
+            seen = self._py_seen
+            self._py_tensors = (
+                torch.tensor([self._py_count], **long).expand(batch, -1),
+                torch.tensor([self._py_start], **long).expand(batch, -1),
+                torch.full((batch,), min(seen, self.sinks), **long),
+                torch.full((batch,), seen, **long),
+            )
+        return self._py_tensors
+
+    def _leave_step(self) -> None:
+        """Switch to per-sequence counter tensors (the batch is no longer in step)."""
+        if self._in_step:
+            count, start, n_sink, n_real = (t.clone() for t in self._counters())
+            self._in_step = False
+            self._count_t, self._start_t, self._n_sink_t, self._n_real_t = count, start, n_sink, n_real
+            self._sinks_full = self.sinks == 0 or self._py_seen >= self.sinks
+            self._filled = not self.rule.config.eager_fill or self._py_seen >= self.capacity
+
+    def _counter(index: int, name: str):  # noqa: N805 (a property factory used in the class body)
+        def get(self) -> torch.Tensor:
+            return self._counters()[index] if self._in_step else getattr(self, name)
+
+        def put(self, value: torch.Tensor) -> None:
+            self._leave_step()
+            setattr(self, name, value)
+
+        return property(get, put)
+
+    _count = _counter(0, "_count_t")
+    _start = _counter(1, "_start_t")
+    _n_sink = _counter(2, "_n_sink_t")
+    _n_real = _counter(3, "_n_real_t")
+    del _counter
+
+    @property
+    def _k(self) -> torch.Tensor:
+        """Stored keys ``[B, H_kv, S + |C|, d]`` in slot order, each rotated at its slot index."""
+        return self._kv[:, :, : self.capacity, : self._key_dim]
+
+    @property
+    def _v(self) -> torch.Tensor:
+        return self._kv[:, :, : self.capacity, self._key_dim :]
+
+    @property
+    def _tok(self) -> torch.Tensor:
+        return self._meta[:, : self.capacity, 0]
+
+    @property
+    def _pos(self) -> torch.Tensor:
+        return self._meta[:, : self.capacity, 1]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the new tokens; they are inserted when they attend (``cascade_attention``), as in the paper.
+
+        Returns the slot buffers (slot order is not stream order; attention does not depend on it).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending is not None:  # the previous forward never attended: insert those tokens now
+            self._insert_pending()
+        count = key_states.shape[2]
+        tok = torch.arange(self.seen, self.seen + count, device=self.device)
+        self._pending = _Pending(key_states, value_states, tok)
+        self.seen += count
+        self.new_tokens = count
+        keys = self._k
+        setattr(keys, LAYER_ATTRIBUTE, self)
+        return keys, self._v
+
+    def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
+        pending, count = self._pending, self.new_tokens
+        if pending is None:
+            return
+        batch = self._kv.shape[0]
+        if position_ids is not None:
+            positions = position_ids[..., -count:].to(self.device)
+            if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
+                positions = positions[0]
+            pending.pos = positions.expand(batch, -1).long()
+        if padding is not None:
+            pending.real = padding[:, -count:].to(self.device, torch.bool)
+
+    def _prepared(self, pending: _Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pending tokens as slot items: ``kv`` ``[B, H, q, dk + dv]`` with un-rotated keys, ``meta``
+        ``[B, q, 2]``, RoPE positions ``[B, q]`` and the real-token mask ``[B, q]``."""
+        batch, count = self._kv.shape[0], pending.keys.shape[2]
+        pos = pending.tok.expand(batch, -1) if pending.pos is None else pending.pos
+        real = pending.real
+        self._all_real = real is None or bool(real.all())  # no padding in this forward
+        if real is None:
+            real = torch.ones(batch, count, dtype=torch.bool, device=self.device)
+        keys, values = pending.keys, pending.values.to(pending.keys.dtype)
+        if self.inv_freq is None:
+            kv = torch.cat([keys, values], -1)
+        else:  # undo the model's rotation with the very angles it used (rotate_half convention, by -angle)
+            angles = pos[:, None, :, None].to(torch.float32) * self.inv_freq.to(self.device)
+            cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+            half = keys.shape[-1] // 2
+            first, second = keys[..., :half], keys[..., half:]
+            kv = torch.cat([first * cos + second * sin, second * cos - first * sin, values], -1)
+        meta = torch.stack([pending.tok.expand(batch, -1), pos], -1)
+        return kv, meta, pos, real
+
+    def _insert_pending(self, scores: torch.Tensor | None = None) -> None:
+        pending, self._pending = self._pending, None
+        kv, meta, _, real = self._prepared(pending)
+        for m in range(kv.shape[2]):
+            score = None if scores is None else scores[:, m]
+            self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+
+    def _insert(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None) -> None:
+        if self._in_step and self._all_real and not self.force_tensor_path:
+            self._insert_in_step(kv, meta, score)
+        else:
+            self._insert_tensors(kv, meta, real, score)
+
+    def _turn(self, rows: torch.Tensor, delta: int) -> None:
+        """Rotate the keys of ``rows`` (``[..., dk + dv]`` slot items) in place by ``delta`` positions."""
+        if self.inv_freq is None or delta == 0:
+            return
+        half = self._key_dim // 2
+        cos, sin = self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity]
+        first, second = rows[..., :half], rows[..., half : self._key_dim]
+        lost = first * sin
+        first.mul_(cos).addcmul_(second, sin, value=-1)
+        second.mul_(cos).add_(lost)
+
+    def _insert_in_step(self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None) -> None:
+        """``_insert`` while every sequence is in step: Algorithm 1 on Python integers (the same schedule for
+        the whole batch), then the moves as slices of the buffer, deepest cascade first so that every token is
+        read before its slot is overwritten. Only a selection (d) depends on the sequence: there the arriving
+        token is written where it wins."""
+        sinks, width, p = self.sinks, self.width, self._py_seen
+        self._py_seen, self._py_tensors = p + 1, None
+        if p < sinks:  # sinks fill first
+            self._put(p, None, kv, meta, score)
+            return
+        count, start, config = self._py_count, self._py_start, self.rule.config
+        eager = config.eager_fill and p < self.capacity
+        moves: list[tuple[int, bool]] = []  # (destination slot, selection?) per cascade the token reaches
+        for i in range(self.cascades):
+            first = sinks + i * width
+            if eager or (p - sinks) % config.base**i == 0:
+                if count[i] < width:  # (a) append
+                    moves.append((first + (start[i] + count[i]) % width, False))
+                    count[i] += 1
+                    break
+                moves.append((first + start[i], False))  # (b) overwrite the oldest, carry it on
+                start[i] = (start[i] + 1) % width
+            elif count[i] == 0:  # (c) eager add into an empty cascade
+                moves.append((first + start[i], False))
+                count[i] = 1
+                break
+            else:  # (d) selection against the newest token
+                moves.append((first + (start[i] + count[i] - 1) % width, self.rule.needs_scores))
+                break
+        for column in range(len(moves) - 1, -1, -1):
+            dest, select = moves[column]
+            self._put(dest, moves[column - 1][0] if column else None, kv, meta, score, select)
+
+    def _put(self, dest: int, source: int | None, kv, meta, score, select: bool = False) -> None:
+        """Write the new token (``source=None``) or the token at slot ``source`` into slot ``dest`` (its key
+        rotated at ``dest``); with ``select``, only in the sequences where its score beats the resident's (tie
+        rule of the config)."""
+        buffer, scores = self._kv, self._score
+        if select:  # only the sequences where the arriving token wins write it
+            arriving = scores[:, source] if source is not None else self._new_score(score)
+            resident = scores[:, dest]
+            wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
+            winners = wins.nonzero().flatten()
+            if winners.numel() == 0:
+                return
+            if winners.numel() == wins.numel():  # everywhere: a plain write
+                self._put(dest, source, kv, meta, score)
+                return
+            # the winners' rows: index_select on the slot column (advanced indexing of the 4-d buffer is 2-3x
+            # slower on CPU); the result is a fresh tensor, rotated in place
+            items, moved_meta = (
+                (kv[:, :, 0], meta[:, 0]) if source is None else (buffer[:, :, source], self._meta[:, source])
+            )
+            rows = items.index_select(0, winners)
+            self._turn(rows, dest - (source or 0))
+            buffer[:, :, dest].index_copy_(0, winners, rows)
+            self._meta[:, dest].index_copy_(0, winners, moved_meta.index_select(0, winners))
+            scores[:, dest].index_copy_(0, winners, arriving.index_select(0, winners))
+            return
+        rows = buffer[:, :, dest]
+        if source is None:
+            rows.copy_(kv[:, :, 0])
+            self._turn(rows, dest)  # the new key arrives un-rotated
+            self._meta[:, dest] = meta[:, 0]
+            if self.rule.needs_scores:
+                scores[:, dest] = 0.0 if score is None else score
+        else:
+            rows.copy_(buffer[:, :, source])
+            self._turn(rows, dest - source)
+            self._meta[:, dest] = self._meta[:, source]
+            if self.rule.needs_scores:
+                scores[:, dest] = scores[:, source]
+
+    def _new_score(self, score: torch.Tensor | None) -> torch.Tensor:
+        return self._score.new_zeros(self._score.shape[0]) if score is None else score.float()
+
+    def _insert_tensors(
+        self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None
+    ) -> None:
+        """Insert one token per sequence: ``kv`` ``[B, H_kv, 1, dk + dv]`` (key un-rotated), ``meta`` ``[B, 1, 2]``,
+        ``real`` ``[B]`` (False: padding, nothing happens), ``score`` ``[B]`` initial EMA (None: 0).
+
+        Algorithm 1 (spec §1.5). The token travels down the cascades while each one is accepting and full
+        (overwrite the oldest slot, pass the evicted token on: b); it stops at the first cascade that appends (a),
+        eager-adds into an empty ring (c) or selects between the arriving token and its newest one (d).
+        Every cascade is touched at most once, so all decisions come from the counters before the step.
+        """
+        self._leave_step()
+        sinks, width, slots = self.sinks, self.width, self.capacity
+        config = self.rule.config
+        seen, count, start = self._n_real, self._count, self._start
+        batch = seen.shape[0]
+        into_cascades = real if self._sinks_full else real & (seen >= sinks)
+        accepting = ((seen - sinks)[:, None] % self._period) == 0  # the global clock, spec §1.4
+        if not self._filled:
+            accepting = accepting | (seen < slots)[:, None]
+        full = count == width
+        passes = accepting & full  # (b): evict the oldest, carry it on to the next cascade
+        select = ~accepting & (count > 0)  # (d)
+        if self.cascades > 1:
+            reached = torch.cat([into_cascades[:, None], passes[:, :-1]], 1).cumprod(1).bool()
+        else:
+            reached = into_cascades[:, None]
+        self._count = count + (reached & ~(passes | select)).long()
+        self._start = (start + (reached & passes).long()) % width
+        depth = int(reached.sum(1).max())  # cascades the deepest sequence reaches: only those columns move
+        reached, select = reached[:, :depth], select[:, :depth]
+        # (b) oldest slot = start + count (mod W) when full; (a) next free; (c) start; (d) newest slot
+        first_slot, start, count = self._first_slot[:depth], start[:, :depth], count[:, :depth]
+        dest = first_slot + (start + count - select.long()) % width  # [B, depth]
+        evicted = first_slot[:-1] + start[:, :-1]  # [B, depth - 1]: the oldest slots the chain passes through
+        write = reached
+        new_score = torch.zeros(batch, 1, device=self.device) if score is None else score.float()[:, None]
+        if self.rule.needs_scores and depth:
+            scores, seq = self._score.view(-1), self._bases()[1][:, None]
+            evicted_score = scores[seq + evicted]
+            arriving = torch.cat([new_score, evicted_score], 1)
+            resident = scores[seq + dest]
+            loses = arriving < resident if config.tie == "incoming" else arriving <= resident
+            write = reached & ~(select & loses)
+        dest = torch.where(write, dest, slots)  # columns that write nothing write the scratch slot
+        lead = 1 if depth else 0  # columns that take the new token
+        if not self._sinks_full:
+            to_sink = real & (seen < sinks)
+            dest = torch.cat([torch.where(to_sink, seen, slots)[:, None], dest], 1)
+            self._n_sink = self._n_sink + to_sink.long()
+            lead += 1  # the new token is also the item of the sink column
+            self._sinks_full = bool((self._n_sink == sinks).all())
+        self._n_real = seen + real.long()
+        if not self._filled:
+            self._filled = bool((self._n_real >= slots).all())
+        if not lead:
+            return  # padding only
+        # items: the new token (lead columns), then the tokens evicted from cascades 0..N-2; moved as whole rows of
+        # flattened buffers (index_select / index_copy_ copy contiguous rows, unlike gather / scatter)
+        heads, width_kv = self._kv.shape[1], self._kv.shape[-1]
+        rows, seq = self._bases()
+        kv_rows = self._kv.view(-1, width_kv)
+        items = kv.expand(batch, heads, lead, width_kv)
+        if depth > 1:
+            moved = kv_rows.index_select(0, (rows[:, :, None] + evicted[:, None, :]).flatten())
+            items = torch.cat([items, moved.view(batch, heads, -1, width_kv)], 2)
+        if self.inv_freq is not None:  # rotate each key from where it was (0 for the new one) to its slot
+            source = torch.cat([torch.zeros_like(dest[:, :lead]), evicted], 1)
+            keys = rotate_by(items[..., : self._key_dim], (dest - source)[:, None], self.inv_freq)
+            items = torch.cat([keys, items[..., self._key_dim :]], -1)
+        kv_rows.index_copy_(0, (rows[:, :, None] + dest[:, None, :]).flatten(), items.reshape(-1, width_kv))
+        meta_rows = self._meta.view(-1, 2)
+        meta_items = meta.expand(batch, lead, 2)
+        if depth > 1:
+            moved = meta_rows.index_select(0, (seq[:, None] + evicted).flatten()).view(batch, -1, 2)
+            meta_items = torch.cat([meta_items, moved], 1)
+        meta_rows.index_copy_(0, (seq[:, None] + dest).flatten(), meta_items.reshape(-1, 2))
+        if self.rule.needs_scores and depth:
+            score_items = torch.cat([new_score.expand(batch, lead), evicted_score], 1)
+            self._score.view(-1).index_copy_(0, (seq[:, None] + dest).flatten(), score_items.flatten())
+
+    def _bases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row offsets of each (sequence, head) in the flattened key/value buffer and of each sequence in the
+        flattened per-slot buffers (cached per batch size)."""
+        batch, heads = self._kv.shape[:2]
+        if getattr(self, "_bases_for", None) != batch:
+            slots = self.capacity + 1
+            sequences = torch.arange(batch, device=self.device)
+            self._row_base = (sequences[:, None] * heads + torch.arange(heads, device=self.device)) * slots
+            self._seq_base = sequences * slots
+            self._bases_for = batch
+        return self._row_base, self._seq_base

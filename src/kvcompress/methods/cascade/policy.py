@@ -1,0 +1,34 @@
+"""The cascade's per-layer policy: the EMA constants and the head reduction (the layer does storage and attention)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcompress.core.contract import Policy
+
+if TYPE_CHECKING:  # annotations only: the config module imports this one
+    from kvcompress.methods.cascade.config import CascadeConfig
+
+
+class CascadePolicy(Policy):
+    """Constants of one layer and the head reduction; the ``CascadeLayer`` does the storage and the attention."""
+
+    position_mode = "cache"  # ranks inside the cache (the cache computes the model's RoPE frequencies for it)
+    per_head = False  # homogeneous heads: every KV head keeps the same tokens
+
+    def __init__(self, config: CascadeConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.gamma = config.ema_gamma
+        # the EMA matters only where branch (d) compares scores
+        self.needs_scores = config.cascades > 1 and config.select_tokens
+
+    def reduce_heads(self, probs: torch.Tensor) -> torch.Tensor:
+        """Reduce attention ``[B, H_kv, G, ..., L]`` over all query heads (``H_kv x G``) to ``[B, ..., L]``."""
+        flat = probs.flatten(1, 2)
+        if self.config.reduction == "mean":
+            return flat.mean(1)
+        if self.config.reduction == "max":
+            return flat.amax(1)
+        return flat.median(1).values  # lower median for an even head count

@@ -1,0 +1,122 @@
+"""Stream-order views of the cascade storage (the ``CompressedLayer`` contract) and its accounting."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.core.rope import rotate_by
+
+
+class RingViews:
+    """Mixin of ``CascadeLayer``: keys, values, positions and validity in stream order, batch operations, bytes."""
+
+    # --- views in stream order (the CompressedLayer contract) ---------------------------------------------------
+    def _order(self) -> torch.Tensor:
+        return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
+
+    def _view(self, slot_values: torch.Tensor) -> torch.Tensor:
+        """A per-slot ``[B, S + |C|]`` tensor in stream order, expanded to ``[B, H_kv, S + |C|]``."""
+        ordered = slot_values.gather(1, self._order())
+        return ordered[:, None].expand(-1, self._kv.shape[1], -1)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Stored keys in stream order, rotated at ``rope_pos`` as the model wrote them (a copy)."""
+        if self._kv is None:
+            return None
+        order = self._order()
+        keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
+        if self.inv_freq is None:
+            return keys
+        keys = rotate_by(keys, -order[:, None], self.inv_freq)  # stored at the slot index
+        return rotate_by(keys, self._pos.gather(1, order)[:, None], self.inv_freq)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("CascadeLayer.keys is a read-only view of the slot buffer")
+        self._kv = None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._kv is None:
+            return None
+        values = self._v
+        return values.gather(2, self._order()[:, None, :, None].expand(-1, values.shape[1], -1, values.shape[-1]))
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("CascadeLayer.values is a read-only view of the slot buffer")
+        self._kv = None
+
+    @property
+    def token_idx(self) -> torch.Tensor:
+        """Stream indices in stream order; the ``E`` empty slots come first, numbered ``-E .. -1``."""
+        ordered = self._tok.gather(1, self._order())
+        empty = ordered < 0
+        filler = torch.arange(ordered.shape[1], device=self.device) - empty.sum(1, keepdim=True)
+        return torch.where(empty, filler, ordered)[:, None].expand(-1, self._kv.shape[1], -1)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._view(self._tok >= 0)
+
+    @property
+    def rope_pos(self) -> torch.Tensor:
+        return self._view(torch.where(self._tok >= 0, self._pos, torch.zeros_like(self._pos)))
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"score": self._view(self._score[:, : self.capacity])}
+
+    def cascade_tokens(self) -> list[list[list[int]]]:
+        """Per sequence, per cascade: the stream indices it holds, oldest first (sinks not included)."""
+        result = []
+        for b in range(self._tok.shape[0]):
+            rows = []
+            for i in range(self.cascades):
+                first, start, count = i * self.width + self.sinks, int(self._start[b, i]), int(self._count[b, i])
+                ring = [first + (start + r) % self.width for r in range(count)]
+                rows.append([int(self._tok[b, slot]) for slot in ring])
+            result.append(rows)
+        return result
+
+    # --- transformers' layer API -----------------------------------------------------------------------------
+    def stored_length(self) -> int:
+        return self.capacity if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self._kv = None
+        self._pending = None
+        self.is_initialized = False
+        self.seen = self.new_tokens = 0
+
+    _PER_SEQUENCE = ("_kv", "_meta", "_score", "_n_sink_t", "_n_real_t", "_count_t", "_start_t")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        self._leave_step()
+        indices = indices.to(self.device)
+        for name in self._PER_SEQUENCE:
+            setattr(self, name, getattr(self, name).index_select(0, indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        self._leave_step()
+        for name in self._PER_SEQUENCE:
+            setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+
+    # --- accounting ------------------------------------------------------------------------------------------
+    def kv_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()  # scratch excluded
+
+    def metadata_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        names = ("_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)

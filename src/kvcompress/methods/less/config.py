@@ -1,0 +1,164 @@
+"""LESS, Low-rank Embedding Sidekick with Sparse policy (Dong et al., ICML 2024, arXiv:2402.09398).
+
+Idea: any eviction policy (H2O, Λ-masking = StreamingLLM sinks + recent with original positions, TOVA, ...) keeps
+deciding which tokens stay; LESS adds, per layer and KV head, a constant-size state ``H ∈ R^{R×D}``,
+``z ∈ R^R`` that absorbs every evicted key/value through a learned feature map ψ before it is freed
+(``H += ψ(k)ᵀ v``, ``z += ψ(k)``, Eqs. 4–6), and every query reads it through a second map φ: attention mixes the
+exact softmax mass of the cached tokens with ``φ(q) H / φ(q) zᵀ`` (Eq. 3), so evicted tokens still contribute a
+low-rank sketch of their attention. φ and ψ are tiny per-head MLPs trained per layer to make the attention block's
+output match the full cache (``kvcompress.train.less``). ``R = 8`` makes ``H`` as large as ``R/2 = 4`` cached tokens
+per KV head; ``baseline_plus`` gives the base policy those 4 tokens instead (the paper's Baseline+).
+
+Spec followed: ``../shared/specs/less.md``: §1.4 kernels in the official code's form (``kvcompress.less_kernels``),
+§1.5 the log-sum-exp form of Eq. 3, §1.6–1.7 the state update at eviction (Algorithm 1), §1.8 H2O scores from the
+softmax over cached tokens only (the LESS mass never enters the base policy's statistics), §2 Baseline+.
+
+Choices where the paper is silent or the spec leaves a choice:
+
+- GQA (A3): ψ, ``H`` and ``z`` per KV head (so ``H`` still costs ``R/2`` tokens per KV head), φ per query head; the
+  base policy's own GQA rule decides (our H2O sums the mass over a group's query heads).
+- Prompt (A9): the prompt attends in full (the state is empty); whatever the base policy evicts after it, and at
+  every later step, is folded into ``H, z`` before it is freed. A chunked prefill folds between chunks.
+- Positions (A19): keys keep the RoPE position they were written with; a base policy that re-indexes positions
+  inside the cache (``position_mode="cache"``) is refused. With the base given by name (``base="streaming"``) it is
+  built with ``position_mode="original"``: that is the paper's Λ-masking.
+- ``H, z`` are kept in float32 (A7) and counted in the cache's bytes (``H`` with the keys/values, ``z`` with the
+  metadata); with a float32 model ``H`` is exactly ``R/2`` tokens per KV head.
+- ``den = φ(q) zᵀ = 0`` means no low-rank term at all (not the official code's 1e-6 floor), so with ψ ≡ 0
+  (``init="zero"``) or before the first eviction LESS is exactly its base policy; the attention then runs on the
+  default path, statistics included.
+- Untrained kernels (``kernels=None``) use the paper's initialisation (scalars 1e-4: LESS ≈ its base policy);
+  trained kernels are a directory written by ``python -m kvcompress.train.less`` and must match the model's shape
+  and the base method (the budget may differ: training and test sparsity are independent, Table 2).
+- Budgets are tokens per layer and KV head, as for every method here (the paper's "5 %" is of the model's maximum
+  context; our CPU experiments use a share of the evaluation window, A4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+from kvcompress.core.checks import check_choice, check_int_range
+from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.methods.less.kernels import LayerKernels, LessKernels, init_kernels, load_kernels_once, zero_kernels
+from kvcompress.methods.less.layer import LessLayer
+from kvcompress.methods.less.policy import LessPolicy
+from kvcompress.registry import METHODS, make_config
+
+logger = logging.getLogger(__name__)
+
+INITS: tuple[str, ...] = ("paper", "zero")
+
+
+@dataclass(frozen=True)
+class LessConfig(MethodConfig):
+    """An evicting method plus a learned low-rank state of everything it evicts."""
+
+    base: str | MethodConfig = "h2o"  # the evicting method (registry name or config); "streaming" = Λ-masking
+    budget: int | None = None  # tokens kept per layer and KV head by the base method given by name (None: its default)
+    kernels: str | os.PathLike[str] | LessKernels | None = None  # trained kernels (directory) or None: untrained
+    init: str = "paper"  # untrained kernels: "paper" (Xavier, scalars 1e-4, ≈ base) or "zero" (ψ ≡ 0, = base)
+    rank: int = 8  # R: features of φ, ψ = rows of H (untrained kernels; trained ones carry their own)
+    hidden: int = 128  # R': hidden width of the kernel MLPs (paper 512 for D = 128; 128 for D = 64, spec A17)
+    seed: int = 0  # seed of the untrained kernels' initialisation
+
+    name = "less"
+    paper = "https://arxiv.org/abs/2402.09398"
+    policy_class = LessPolicy
+
+    def layer_class(self) -> type[LessLayer]:
+        return LessLayer
+
+    def validate(self) -> None:
+        if isinstance(self.base, LessConfig) or self.base == "less":
+            raise ValueError("base must be an evicting method, not less itself")
+        if isinstance(self.base, str):
+            check_choice(self.base, "base", tuple(sorted(set(METHODS) - {"less"})))
+        elif not isinstance(self.base, MethodConfig):
+            raise ValueError(f"base must be a method name or a method config, got {self.base!r}")
+        elif self.budget is not None:
+            raise ValueError("budget is taken from the base config when base is a config; leave budget=None")
+        check_choice(self.init, "init", INITS)
+        check_int_range(self.rank, "rank", 1)
+        check_int_range(self.hidden, "hidden", 1)
+        check_int_range(self.seed, "seed", 0)
+        base = self.base_config
+        policy = base.policy(0)
+        if policy.position_mode != "original":
+            raise ValueError(
+                f"base {base.name!r} uses position_mode={policy.position_mode!r}; LESS needs keys at their original "
+                "RoPE positions (spec A19): build the base with position_mode='original'"
+            )
+        if type(policy).attend is not Policy.attend:
+            raise ValueError(f"base {base.name!r} computes attention itself; LESS cannot add its term to it")
+
+    @property
+    def base_config(self) -> MethodConfig:
+        """The evicting method's config (built from ``base``/``budget`` when ``base`` is a name)."""
+        if isinstance(self.base, MethodConfig):
+            return self.base
+        params: dict[str, object] = {}
+        if self.budget is not None:
+            params["budget"] = self.budget
+        if "position_mode" in {f.name for f in dataclasses.fields(METHODS[self.base])}:
+            params["position_mode"] = "original"
+        return make_config(self.base, **params)
+
+    @property
+    def kernel_set(self) -> LessKernels | None:
+        """The trained kernels (a directory's files are read once per process), or ``None`` for untrained ones."""
+        if self.kernels is None:
+            return None
+        loaded = self.kernels if isinstance(self.kernels, LessKernels) else load_kernels_once(self.kernels)
+        loaded.check_base({"name": self.base_config.name})
+        return loaded
+
+    @property
+    def state_rank(self) -> int:
+        """R of the state ``H`` (from the trained kernels when given)."""
+        kernels = self.kernel_set
+        return self.rank if kernels is None else kernels.rank
+
+    def kernels_for(self, layer_idx: int, q_heads: int, kv_heads: int, head_dim: int) -> LayerKernels:
+        """Layer ``layer_idx``'s kernels (eval mode), checked against the model's head shape: the trained ones, or
+        new untrained ones (deterministic in ``seed`` and the layer; the caller keeps them)."""
+        kernels = self.kernel_set
+        if kernels is not None:
+            if layer_idx >= len(kernels.layers):
+                raise ValueError(
+                    f"LESS kernels have {len(kernels.layers)} layers but the model has more (layer {layer_idx}): "
+                    "they belong to another model"
+                )
+            layer = kernels.layers[layer_idx]
+            layer.check_shape(q_heads, kv_heads, head_dim, layer_idx)
+            return layer
+        if self.init == "zero":
+            return zero_kernels(q_heads, kv_heads, head_dim, self.rank, self.hidden)
+        return init_kernels(q_heads, kv_heads, head_dim, self.rank, self.hidden, self.seed, layer_idx).eval()
+
+    def connect(self, layers) -> None:
+        kernels = self.kernel_set
+        if kernels is not None and len(kernels.layers) != len(layers):
+            raise ValueError(
+                f"LESS kernels have {len(kernels.layers)} layers but the model has {len(layers)}: "
+                "they belong to another model"
+            )
+        trained_budget = kernels.meta.get("base", {}).get("budget") if kernels is not None else None
+        budget = getattr(self.base_config, "budget", None)
+        if trained_budget is not None and budget is not None and trained_budget != budget:
+            logger.info("LESS kernels trained at budget %s used at budget %s", trained_budget, budget)
+        self.base_config.connect(layers)
+
+
+def baseline_plus(base: MethodConfig, rank: int = 8) -> MethodConfig:
+    """The paper's Baseline+: ``base`` with ``R/2`` more tokens per KV head, the memory of LESS's state ``H``.
+
+    For H2O with its even split that is ``+R/4`` heavy hitters and ``+R/4`` recent tokens; for Λ (StreamingLLM) the
+    sinks stay and the window grows by ``R/2``.
+    """
+    if not hasattr(base, "budget"):
+        raise ValueError(f"baseline_plus needs a method with a token budget, got {base.name!r}")
+    return dataclasses.replace(base, budget=base.budget + rank // 2)

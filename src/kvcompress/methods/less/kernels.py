@@ -1,0 +1,277 @@
+"""LESS kernels (φ, ψ): the modules, their files, and the kernels shipped with the package.
+
+Paper: Dong et al., 2024, "Get More with LESS: Synthesizing Recurrence with KV Cache Compression for Efficient LLM
+Inference" (arXiv:2402.09398). The method itself is ``kvcompress.methods.less.config``; its policy and cache layer
+are ``policy`` and ``layer`` beside this module, the parallel (masked) form used by training is ``masked``.
+
+What lives here:
+
+- ``LayerKernels``: one layer's φ (per query head) and ψ (per KV head) in the official code's form (spec §1.4):
+  ``φ(q) = |GELU(GELU(Dropout(q W1)) W2)|``, ``u = |s1| ⊙ GELU(GELU(Dropout(k W1)) W2)``,
+  ``ψ(k) = |u + (u W3) ⊙ s2|``; no biases, Xavier-uniform weights, ``s1 = s2 = 1e-4`` (the warm start),
+  dropout 0.3 in training only. GQA (spec A3): ψ, and so the state ``H``, ``z``, are per KV head; φ is per query head.
+- ``LessKernels``: the kernels of every layer plus metadata (model shape, base policy, training settings), saved as
+  a directory with ``meta.json`` and one ``layer_XXX.pt`` per layer (training writes them one by one) and loaded
+  with ``load_kernels``, which raises a clear error when they do not fit the model or the base policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNEL_FORMAT = 1
+META_FILE = "meta.json"
+
+
+def layer_file(directory: str | os.PathLike[str], layer: int) -> Path:
+    """Path of one layer's kernel file inside a kernel directory."""
+    return Path(directory) / f"layer_{layer:03d}.pt"
+
+
+# ----------------------------------------------------------------------------------------------------- kernels
+
+
+def _xavier_(weight: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Xavier-uniform per head: ``U(-a, a)``, ``a = sqrt(6 / (fan_in + fan_out))`` of one ``[in, out]`` slice."""
+    bound = math.sqrt(6.0 / (weight.shape[-2] + weight.shape[-1]))
+    with torch.no_grad():
+        weight.uniform_(-bound, bound, generator=generator)
+
+
+class LayerKernels(nn.Module):
+    """φ and ψ of one attention layer: per-head weight tensors ``[heads, in, out]`` (spec §1.4, code form)."""
+
+    def __init__(
+        self,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        rank: int = 8,
+        hidden: int = 128,
+        dropout: float = 0.3,
+        scalar_init: float = 1e-4,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self.q_heads, self.kv_heads, self.head_dim, self.rank, self.hidden = q_heads, kv_heads, head_dim, rank, hidden
+        self.phi_w1 = nn.Parameter(torch.empty(q_heads, head_dim, hidden))
+        self.phi_w2 = nn.Parameter(torch.empty(q_heads, hidden, rank))
+        self.psi_w1 = nn.Parameter(torch.empty(kv_heads, head_dim, hidden))
+        self.psi_w2 = nn.Parameter(torch.empty(kv_heads, hidden, rank))
+        self.psi_w3 = nn.Parameter(torch.empty(kv_heads, rank, rank))  # the R x R "interaction" residual
+        self.psi_s1 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init)))  # code: scalingD
+        self.psi_s2 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init)))  # code: scalingD2
+        self.dropout = nn.Dropout(dropout)
+        for weight in (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2, self.psi_w3):
+            _xavier_(weight, generator)
+
+    def phi(self, query: torch.Tensor) -> torch.Tensor:
+        """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
+        hidden = F.gelu(self.dropout(query.float() @ self.phi_w1))
+        return F.gelu(hidden @ self.phi_w2).abs()
+
+    def psi(self, key: torch.Tensor) -> torch.Tensor:
+        """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
+        hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
+        u = self.psi_s1.abs() * F.gelu(hidden @ self.psi_w2)
+        return (u + (u @ self.psi_w3) * self.psi_s2).abs()
+
+    def check_shape(self, q_heads: int, kv_heads: int, head_dim: int, layer_idx: int) -> None:
+        if (q_heads, kv_heads, head_dim) != (self.q_heads, self.kv_heads, self.head_dim):
+            raise ValueError(
+                f"LESS kernels of layer {layer_idx} were made for {self.q_heads} query heads, {self.kv_heads} KV heads "
+                f"and head_dim {self.head_dim}, but the model has {q_heads}, {kv_heads} and {head_dim}: "
+                "they belong to another model (train kernels for this one with `python -m kvcompress.train.less`)"
+            )
+
+
+@dataclass(eq=False)
+class LessKernels:
+    """The kernels of every layer of one model, with their metadata (``meta``: model shape, base policy, training)."""
+
+    layers: list[LayerKernels]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.layers[0].rank
+
+    @property
+    def hidden(self) -> int:
+        return self.layers[0].hidden
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for layer in self.layers for p in layer.parameters())
+
+    def eval(self) -> LessKernels:
+        for layer in self.layers:
+            layer.eval()
+        return self
+
+    def check_base(self, base: dict[str, Any]) -> None:
+        """Raise if these kernels were trained with another eviction method than ``base`` (``{"name", ...}``)."""
+        trained = self.meta.get("base")
+        if trained is None:
+            return
+        if trained.get("name") != base.get("name"):
+            raise ValueError(
+                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with "
+                f"{base.get('name')!r}; the low-rank state must learn what that policy evicts (train kernels for "
+                f"{base.get('name')!r} with `python -m kvcompress.train.less --base {base.get('name')}`)"
+            )
+
+    def save(self, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Path:
+        """Write ``meta.json`` and one file per layer (``dtype=torch.float16`` halves the size)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = dict(self.meta)
+        meta.update(format=KERNEL_FORMAT, num_layers=len(self.layers), rank=self.rank, hidden=self.hidden)
+        _write_json(directory / META_FILE, meta)
+        for index, layer in enumerate(self.layers):
+            save_layer(directory, index, layer, dtype=dtype)
+        return directory
+
+
+def layer_shape_meta(layer: LayerKernels) -> dict[str, int]:
+    return {
+        "q_heads": layer.q_heads,
+        "kv_heads": layer.kv_heads,
+        "head_dim": layer.head_dim,
+        "rank": layer.rank,
+        "hidden": layer.hidden,
+    }
+
+
+def save_layer(
+    directory: str | os.PathLike[str],
+    index: int,
+    layer: LayerKernels,
+    extra: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write one layer's kernels (atomically: a finished file is always complete)."""
+    path = layer_file(directory, index)
+    state = {name: tensor.detach().to(dtype).clone() for name, tensor in layer.state_dict().items()}
+    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": layer_shape_meta(layer), "state_dict": state}
+    payload.update(extra or {})
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{str(directory)!r} is not a LESS kernel directory (no {META_FILE}); kernels are written by "
+            "`python -m kvcompress.train.less --out DIR`"
+        )
+    return json.loads(path.read_text())
+
+
+def load_layer(directory: str | os.PathLike[str], index: int) -> tuple[LayerKernels, dict[str, Any]]:
+    """One layer's kernels (float32, eval mode) and the rest of its file (training history, ...)."""
+    payload = torch.load(layer_file(directory, index), map_location="cpu", weights_only=True)
+    shape = payload["shape"]
+    layer = LayerKernels(**shape)
+    layer.load_state_dict({name: tensor.float() for name, tensor in payload["state_dict"].items()})
+    layer.eval()
+    return layer, {k: v for k, v in payload.items() if k != "state_dict"}
+
+
+SHIPPED = Path(str(resources.files("kvcompress") / "data" / "less"))  # kernels that come with the package
+
+
+def shipped_kernels() -> list[str]:
+    """Names of the kernel sets shipped with the package (usable as ``LessConfig(kernels=NAME)``)."""
+    return sorted(p.name for p in SHIPPED.iterdir() if (p / META_FILE).is_file()) if SHIPPED.is_dir() else []
+
+
+def resolve_kernels(name_or_path: str | os.PathLike[str]) -> Path:
+    """A kernel directory: an existing path, or the name of a shipped kernel set."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    if (SHIPPED / str(name_or_path) / META_FILE).is_file():
+        return SHIPPED / str(name_or_path)
+    raise FileNotFoundError(
+        f"LESS kernels {str(name_or_path)!r}: no such directory and no shipped kernel set of that name "
+        f"(shipped: {', '.join(shipped_kernels()) or 'none'})"
+    )
+
+
+def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False) -> LessKernels:
+    """Load a kernel directory (or shipped set by name). Layers not trained yet raise, or with ``allow_missing`` get
+    ψ ≡ 0 (= the base policy)."""
+    directory = resolve_kernels(directory)
+    meta = read_meta(directory)
+    if meta.get("format") != KERNEL_FORMAT:
+        raise ValueError(f"LESS kernel format {meta.get('format')!r} in {str(directory)!r}; expected {KERNEL_FORMAT}")
+    count = int(meta["num_layers"])
+    missing = [i for i in range(count) if not layer_file(directory, i).is_file()]
+    if missing and not allow_missing:
+        raise FileNotFoundError(
+            f"LESS kernels in {str(directory)!r} are incomplete: layers {missing} are not trained yet "
+            "(resume the training with the same command; it continues with the missing layers)"
+        )
+    layers = []
+    for index in range(count):
+        if index in missing:
+            layers.append(zero_kernels(**{k: meta[k] for k in ("q_heads", "kv_heads", "head_dim", "rank", "hidden")}))
+        else:
+            layers.append(load_layer(directory, index)[0])
+    meta = dict(meta, missing_layers=missing)
+    return LessKernels(layers=layers, meta=meta)
+
+
+def load_kernels_once(directory: str | os.PathLike[str]) -> LessKernels:
+    """``load_kernels`` in eval mode, read once per process for a directory's current files (inference only:
+    every cache built from the same directory shares these read-only modules)."""
+    path = resolve_kernels(directory)
+    return _load_kernels_at(str(path), (path / META_FILE).stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _load_kernels_at(path: str, mtime_ns: int) -> LessKernels:
+    return load_kernels(path).eval()
+
+
+def zero_kernels(q_heads: int, kv_heads: int, head_dim: int, rank: int = 8, hidden: int = 128) -> LayerKernels:
+    """Kernels with ``s1 = 0``, so ψ ≡ 0: the state stays empty and LESS is exactly its base policy."""
+    layer = LayerKernels(q_heads, kv_heads, head_dim, rank, hidden)
+    with torch.no_grad():
+        layer.psi_s1.zero_()
+    return layer.eval()
+
+
+def init_kernels(
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rank: int = 8,
+    hidden: int = 128,
+    seed: int = 0,
+    layer_idx: int = 0,
+    dropout: float = 0.3,
+) -> LayerKernels:
+    """Untrained kernels as the paper initialises them, deterministic in ``(seed, layer_idx)``."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + layer_idx)
+    return LayerKernels(q_heads, kv_heads, head_dim, rank, hidden, dropout=dropout, generator=generator)

@@ -1,0 +1,242 @@
+"""The parallel ("masked") form of LESS, used to train the kernels and to check them against real decoding.
+
+The parallel form. Eviction in a real cache is permanent, so a token's fate is one number:
+``evict_at[j]``, the first query row that no longer sees token ``j`` in the sparse cache (``S`` if never). Row
+``i`` attends exactly to ``{j <= i : evict_at[j] > i}`` and its state holds ``{j : evict_at[j] <= i}``; so
+``H_i`` is a cumulative sum of ``ψ(k_j)ᵀ v_j`` ordered by eviction row (``O(S R D)``, no ``S x S`` low-rank
+matrix), which equals the spec's masked ``φ(Q)ψ(K)ᵀ ⊙ M_lr`` form. ``eviction_times`` finds ``evict_at`` by
+running the base policy's own cache layer token by token on the layer's queries and keys, with the statistics
+the real decode computes (softmax over the cached tokens only: the generation rule of spec §1.8 / A6). So the
+masked form equals prefilling one token and decoding the rest through the real cache (A16), for any evicting
+method, and training sees exactly the masks decoding will produce.
+- ``masked_forward``: logits of a whole window with every layer in the masked form (an attention function switched
+in for one forward), and ``capture_attention`` to record a layer's post-RoPE Q, K, V and its output after W_O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcompress.core.attention import CHUNK_ELEMENTS, attention_with_stats, register_attention
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.methods.full import FullConfig
+from kvcompress.methods.less.config import LessConfig
+from kvcompress.methods.less.kernels import LayerKernels
+from kvcompress.methods.less.policy import grouped, mix_low_rank
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    evict_at: torch.Tensor | None,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention restricted to the cached tokens, in float32: ``(lse [B, H_q, S], out [B, H_q, S, D])``.
+
+    Row ``i`` sees ``{j <= i : evict_at[j] > i}`` (``evict_at`` ``[B, H_kv, S]``; ``None`` = nothing evicted).
+    """
+    batch, q_heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    q = grouped(query, kv_heads).float()
+    k, v = key.float()[:, :, None], value.float()[:, :, None]
+    idx = torch.arange(length, device=query.device)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+    lses, outs = [], []
+    for start in range(0, length, chunk):
+        rows = idx[start : start + chunk]
+        logits = (q[:, :, :, start : start + chunk] @ k.transpose(-1, -2)) * scale  # [B, Hkv, G, c, S]
+        visible = (idx[None, :] <= rows[:, None])[None, None]  # [1, 1, c, S]
+        if evict_at is not None:
+            visible = visible & (evict_at[:, :, None, :] > rows[None, None, :, None])
+        logits = logits.masked_fill(~visible[:, :, None], -math.inf)
+        lse = logits.logsumexp(-1)
+        lses.append(lse)
+        outs.append(torch.exp(logits - lse[..., None]) @ v)
+    lse = torch.cat(lses, dim=-1).reshape(batch, q_heads, length)
+    out = torch.cat(outs, dim=-2).reshape(batch, q_heads, length, dim)
+    return lse, out
+
+
+def low_rank_parallel(
+    phi_q: torch.Tensor, psi_k: torch.Tensor, value: torch.Tensor, evict_at: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num = φ(q_i) H_i`` ``[B, H_q, n, D]`` and ``den = φ(q_i) z_iᵀ`` ``[B, H_q, n]`` for the last ``n`` rows ``i``
+    (``phi_q`` ``[B, H_q, n, R]`` holds the features of those rows' queries; ``n = S`` for every row).
+
+    ``H_i = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ v_j`` (Eq. 6), built as a scatter of each token's outer product to its
+    eviction row followed by a cumulative sum over rows; differentiable in φ and ψ.
+    """
+    batch, kv_heads, length, rank = psi_k.shape
+    dim = value.shape[-1]
+    rows = phi_q.shape[2]
+    slot = evict_at.clamp(max=length)  # never evicted: row S, beyond the window
+    outer = psi_k[..., :, None] * value.float()[..., None, :]  # [B, Hkv, S, R, D]
+    state = outer.new_zeros(batch, kv_heads, length + 1, rank, dim)
+    state = state.scatter_add(2, slot[..., None, None].expand_as(outer), outer).cumsum(2)[:, :, :length]
+    norm = psi_k.new_zeros(batch, kv_heads, length + 1, rank)
+    norm = norm.scatter_add(2, slot[..., None].expand_as(psi_k), psi_k).cumsum(2)[:, :, :length]
+    f = grouped(phi_q, kv_heads)  # [B, Hkv, G, n, R]
+    num = torch.einsum("bkgsr,bksrd->bkgsd", f, state[:, :, length - rows :])
+    den = torch.einsum("bkgsr,bksr->bkgs", f, norm[:, :, length - rows :])
+    q_heads = phi_q.shape[1]
+    return num.reshape(batch, q_heads, rows, dim), den.reshape(batch, q_heads, rows)
+
+
+def less_masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    evict_at: torch.Tensor | None,
+    kernels: LayerKernels | None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """The masked (parallel) LESS attention output ``[B, H_q, S, D]`` (float32); ``kernels=None``: sparse only."""
+    lse, out = sparse_attention(query, key, value, evict_at, scaling)
+    if kernels is None or evict_at is None:
+        return out
+    num, den = low_rank_parallel(kernels.phi(query), kernels.psi(key), value, evict_at)
+    return mix_low_rank(lse, out, num, den)
+
+
+# ------------------------------------------------------------------------------------- base-policy simulation
+
+
+def eviction_times(
+    policy: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Run ``policy``'s cache layer token by token over one layer's post-RoPE ``query`` ``[B, H_q, S, D]``,
+    ``key``/``value`` ``[B, H_kv, S, D]`` (positions ``0..S-1``, no padding) and return ``evict_at`` ``[B, H_kv, S]``:
+    the first row whose query no longer sees each token (``S`` if kept to the end).
+
+    The statistics are those the real decode hands the policy (``attention_with_stats`` over the cached tokens plus
+    the current one), so the result equals the evictions of prefilling token 0 and decoding the rest one by one.
+    """
+    if policy.position_mode != "original":
+        raise ValueError("the masked LESS form needs a base policy with position_mode='original'")
+    batch, kv_heads, length, _ = key.shape
+    layer = CompressedLayer(policy)
+    evict_at = torch.full((batch, kv_heads, length), length, dtype=torch.long, device=key.device)
+    alive = torch.zeros(batch, kv_heads, length, dtype=torch.bool, device=key.device)
+    positions = torch.arange(length, device=key.device)[None, :].expand(batch, -1)
+    request = policy.stats
+    for t in range(length):
+        layer.update(key[:, :, t : t + 1], value[:, :, t : t + 1])
+        layer.register_new_tokens(positions[:, t : t + 1], None)
+        alive[:, :, t] = True
+        stats = None
+        if request.any:
+            mask = layer.attention_mask(1)
+            _, stats = attention_with_stats(query[:, :, t : t + 1], layer.keys, layer.values, mask, scaling, request)
+        layer.after_attention(stats)
+        kept = torch.zeros_like(alive).scatter_(2, layer.token_idx, layer.valid)
+        dropped = alive & ~kept
+        if bool(dropped.any()):
+            evict_at[dropped] = t + 1
+            alive &= kept
+    return evict_at
+
+
+# ------------------------------------------------------------------------------- whole-model passes and capture
+
+LESS_ATTENTION = "kvcompress_less"
+
+
+class AttentionRun:
+    """What the LESS attention function does for one forward (passed as the ``less_run`` model keyword)."""
+
+    def __call__(self, layer_idx: int, query, key, value, scaling) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class CaptureRun(AttentionRun):
+    """Full causal attention that records each layer's post-RoPE ``query``, ``key``, ``value`` (``records[idx]``)."""
+
+    records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __call__(self, layer_idx, query, key, value, scaling):
+        self.records[layer_idx] = (query, key, value)
+        groups = query.shape[1] // key.shape[1]
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+
+
+@dataclass
+class MaskedRun(AttentionRun):
+    """Masked (parallel) form of a base policy, with LESS kernels or without (Baseline); ``policies=None``: full.
+
+    ``policies[idx]`` is a base ``Policy`` for layer ``idx`` (a fresh cache layer is simulated per forward);
+    ``less`` a ``LessConfig`` whose kernels are used (``None``: sparse only). ``evictions`` keeps each layer's
+    ``evict_at`` of the last forward.
+    """
+
+    policies: Sequence[Any] | None = None
+    less: Any = None
+    evictions: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, layer_idx, query, key, value, scaling):
+        if self.policies is None:
+            return less_masked_attention(query, key, value, None, None, scaling).to(query.dtype)
+        evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
+        self.evictions[layer_idx] = evict_at
+        kernels = None
+        if self.less is not None:
+            kernels = self.less.kernels_for(layer_idx, query.shape[1], key.shape[1], key.shape[-1])
+        return less_masked_attention(query, key, value, evict_at, kernels, scaling).to(query.dtype)
+
+
+def _less_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    run: AttentionRun | None = kwargs.get("less_run")
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError("the masked LESS form takes unpadded windows (no attention_mask with padding)")
+    if run is None:
+        run = CaptureRun()
+    output = run(module.layer_idx, query, key, value, scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(**_: object) -> None:
+    return None
+
+
+@contextmanager
+def less_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Switch ``model`` to the LESS masked-form attention function for the block, then back."""
+    register_attention(LESS_ATTENTION, _less_attention, _no_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(LESS_ATTENTION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def masked_forward(model: nn.Module, input_ids: torch.Tensor, run: AttentionRun) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` of unpadded windows (positions ``0..S-1``) with every layer's attention by ``run``."""
+    with less_attention(model):
+        return model(input_ids=input_ids, use_cache=False, less_run=run).logits
+
+
+def masked_run(config: Any, num_layers: int) -> MaskedRun:
+    """A ``MaskedRun`` for a method config: a ``LessConfig`` (base policy + kernels), another evicting config
+    (Baseline, Baseline+), or ``full``."""
+    if isinstance(config, FullConfig):
+        return MaskedRun()
+    if isinstance(config, LessConfig):
+        base = config.base_config
+        return MaskedRun(policies=[base.policy(i) for i in range(num_layers)], less=config)
+    return MaskedRun(policies=[config.policy(i) for i in range(num_layers)])

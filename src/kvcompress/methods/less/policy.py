@@ -1,0 +1,110 @@
+"""LESS's policy: the base policy's decisions and statistics, plus the low-rank attention term.
+
+``mix_low_rank``: Eq. 3 in log-sum-exp form. The sparse part enters as its softmax output and log-normaliser,
+the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: ``out = e^{lse_s - lse} out_s + e^{lse_lr - lse}
+num / den`` with ``lse = logaddexp(lse_s, log den)``; equal to ``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any
+logit size. Choice: where ``den == 0`` (nothing evicted, or ψ ≡ 0) the low-rank term is exactly absent
+(``log 0 = -inf``) instead of the official code's ``max(den, 1e-6)`` floor, so LESS equals its base policy exactly
+then; the floor only ever added a ≤1e-6 phantom mass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcompress.core.attention import CHUNK_ELEMENTS, attention_with_stats, sdpa
+from kvcompress.core.contract import Policy
+from kvcompress.methods.less.kernels import LayerKernels
+
+if TYPE_CHECKING:  # annotations only: the config module imports this one
+    from kvcompress.methods.less.config import LessConfig
+
+
+class LessPolicy(Policy):
+    """The base policy's decisions and statistics, plus the low-rank attention term (``attend``)."""
+
+    def __init__(self, config: LessConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.base = config.base_config.policy(layer_idx)
+        self.stats = self.base.stats
+        self.position_mode = self.base.position_mode
+        self.per_head = self.base.per_head
+        self.one_shot = self.base.one_shot
+        self.kernels: LayerKernels | None = None
+
+    def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int) -> LayerKernels:
+        if self.kernels is None:
+            self.kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
+        return self.kernels
+
+    def init_state(self, layer, keys):
+        return self.base.init_state(layer, keys)
+
+    def observe(self, layer, stats):
+        self.base.observe(layer, stats)
+
+    def select(self, layer):
+        return self.base.select(layer)
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        kernels = self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1])
+        if layer.low_rank_z is None or not bool(layer.low_rank_z.any()):
+            return None  # nothing folded yet: exactly the base policy's attention
+        if self.stats.any:
+            output, stats = attention_with_stats(query, key, value, mask, scaling, self.stats)
+        else:
+            output, stats = sdpa(query, key, value, mask, scaling), None
+        kv_heads = key.shape[1]
+        lse = cached_logsumexp(query, key, mask, scaling)  # [B, H_q, q]
+        with torch.no_grad():
+            features = grouped(kernels.phi(query), kv_heads)  # [B, H_kv, G, q, R]
+        num = features @ layer.low_rank_h[:, :, None]  # [B, H_kv, G, q, D]
+        den = (features * layer.low_rank_z[:, :, None, None]).sum(-1)  # [B, H_kv, G, q]
+        mixed = mix_low_rank(lse, output.float(), num.flatten(1, 2), den.flatten(1, 2))
+        return mixed.to(query.dtype), stats
+
+
+def cached_logsumexp(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """Log-normaliser ``[B, H_q, q]`` of the softmax over the stored keys (float32, in query chunks)."""
+    batch, q_heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    if mask is None:  # single query (all visible) or plain causal prefill
+        key_idx = torch.arange(length, device=query.device)
+        query_idx = torch.arange(length - queries, length, device=query.device)
+        mask = (key_idx[None, :] <= query_idx[:, None])[None, None]
+    q = grouped(query, kv_heads)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+    parts = []
+    for start in range(0, queries, chunk):
+        logits = (q[:, :, :, start : start + chunk] @ key[:, :, None].transpose(-1, -2)).float() * scale
+        logits = logits.masked_fill(~mask[:, :, None, start : start + chunk], float("-inf"))
+        parts.append(logits.logsumexp(-1))
+    return torch.cat(parts, dim=-1).reshape(batch, q_heads, queries)
+
+
+def mix_low_rank(
+    lse_sparse: torch.Tensor, out_sparse: torch.Tensor, num: torch.Tensor, den: torch.Tensor
+) -> torch.Tensor:
+    """Eq. 3 in log-sum-exp form (float32).
+
+    ``lse_sparse`` ``[...]`` and ``out_sparse`` ``[..., D]``: log-normaliser and softmax output of the cached tokens;
+    ``num`` ``[..., D]`` = ``φ(q) H`` and ``den`` ``[...]`` = ``φ(q) zᵀ`` of the low-rank state.
+    """
+    positive = den > 0
+    safe_den = torch.where(positive, den, torch.ones_like(den))
+    lse_lr = torch.where(positive, safe_den.log(), torch.full_like(den, -math.inf))
+    lse = torch.logaddexp(lse_sparse, lse_lr)
+    weight_sparse = torch.exp(lse_sparse - lse)[..., None]
+    weight_lr = torch.exp(lse_lr - lse)[..., None]
+    return weight_sparse * out_sparse + weight_lr * (num / safe_den[..., None])
+
+
+def grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, H_q, ...]`` -> ``[B, H_kv, G, ...]``: the query heads of one KV head together (``repeat_kv`` order)."""
+    return tensor.view(tensor.shape[0], kv_heads, tensor.shape[1] // kv_heads, *tensor.shape[2:])

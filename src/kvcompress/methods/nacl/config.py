@@ -1,0 +1,196 @@
+"""NaCl (Chen et al., ACL 2024, arXiv:2408.03675): one-shot prefill eviction with proxy tokens and random sampling.
+
+Idea. Right after a layer's (exact) prefill attention, every KV head of that layer keeps, independently:
+(a) a protected set: the first ``sinks`` tokens and the most recent tokens of the prompt;
+(b) the top ``C_p`` tokens by *proxy score*, the column sums of the softmax attention rows of a few proxy queries
+(by default the last tokens of the prompt, where the question sits; or an explicit span) — Eq. proxy-score, §5.1;
+(c) ``C_r`` tokens sampled without replacement from the rest with probability ``softmax(score / temperature)``
+("Random Possibility Sampling", §5.2), drawn with Gumbel-top-k (exactly successive sampling without replacement).
+Everything else is evicted once; decoding then appends (the official code never evicts again; Algorithm 1's
+re-eviction every ``m`` steps is ``decode_interval``).
+
+Spec followed: ``shared/specs/nacl.md`` §1.4–1.7 (algorithm), §1.9 (proxy scores by re-computation from the proxy
+queries only), §1.12 (pseudo-code) and the recommended decisions of §3:
+
+- Budget (A7, Table 4). The kept count is ``max(1, floor(ratio * L))`` of the prompt's real tokens (the same count
+  as every other ratio method here) or an explicit ``budget`` in tokens. It is split with the Table 4 shares:
+  protected = ``protect_share`` of it (at least 2: token 0 and the last prompt token), the rest divided between
+  top-k and random by ``random_share`` (e.g. 20 %: 2 % + 6 % + 12 % of the prompt, proxy window 18 %). Deriving
+  the parts from the kept count instead of flooring each Table 4 fraction keeps ``|kept| == budget`` exactly; the
+  parts equal the code's floors whenever those are exact (spec test vector: L = 3500 at 20 % -> 70/210/420).
+  Ratios outside Table 4 and token budgets use the 20 % row's proportions (10 % protected, 2/3 of the rest
+  random, proxy window 0.9 x the budget). ``preset="official-128k"`` is the official code's 128K setting
+  (1 % protected, 1 % proxy window, 12 % top-k, 7 % random, 256 sinks, no eviction below 2048 tokens).
+- Proxies (A1, A2, A4): the suffix window of Table 4's "No-protect Proxy" size (or ``proxy_tokens``, or
+  ``proxy_span``) only scores; proxies are not kept unless they fall in the protected tail or win a place.
+  Causal proxy attention by default (the rows the model really computed); ``proxy_causal=False`` is the code's.
+- Sum over proxies, temperature 1 (A5); GQA: scores of the query heads of a KV group averaged (A6, ``gqa_reduce``).
+- Determinism (A14): the Gumbel noise of a token is a hash of (seed, layer, KV head, RoPE position), so every
+  layer and head draws an independent stream, the same seed gives the same sets, and a sequence gets the same draw
+  alone or in a padded batch. Top-k ties go to the earlier token (A15).
+- Proxy scores are computed when the layer compresses, from the buffered post-RoPE proxy queries against the
+  stored keys, in chunks of proxy rows: an ``n_chunk x L`` block per head at a time, never ``L x L`` (the
+  re-computation path of Appx A.7). The buffer holds only the queries that can still be proxies, so a chunked
+  prefill gives exactly the scores of a one-pass prefill.
+- Table 3 ablations: ``random_share=1`` (no proxy top-k part), ``random_share=0`` (no random part),
+  ``sampling="uniform"`` (no probability sampling), ``eviction="greedy"`` (step-by-step: after every forward the
+  same hybrid rule down to ``budget``, scored by the attention accumulated from every query, H2O-like, since the
+  greedy setting has no separate proxy window), ``head_wise=False`` (one selection per layer: scores averaged over
+  heads, one draw, shared by all heads).
+- Not implemented: the paper's literal "proxies always kept" (``∪ P``) variant, which cannot respect the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio
+from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.selection import ratio_budget
+from kvcompress.methods.nacl.policy import NaClGreedyPolicy, NaClPolicy, NaClSplit
+
+# Table 4 (Appx A.6): kept ratio -> (Protect Proxy, No-protect Proxy window, Proxy-Tokens Eviction, Random Eviction),
+# all fractions of the prompt; the official code's first release used the 20 % row.
+TABLE4: dict[float, tuple[float, float, float, float]] = {
+    0.10: (0.01, 0.03, 0.02, 0.07),
+    0.20: (0.02, 0.18, 0.06, 0.12),
+    0.30: (0.015, 0.20, 0.105, 0.18),
+}
+# Official code, 128K InfiniteBench setting (commit 8eb45a14): same four fractions, plus sinks and minimum length.
+OFFICIAL_128K: tuple[float, float, float, float] = (0.01, 0.01, 0.12, 0.07)
+PRESET_SINKS = {"table4": 4, "official-128k": 256}
+PRESET_MIN_EVICT = {"table4": 0, "official-128k": 2048}
+EPS = 1e-9  # guards floors against float error (0.1 * 700 = 70.00000000000001 is fine, 0.29 * 100 is not)
+
+
+@dataclass(frozen=True)
+class NaClConfig(MethodConfig):
+    """Proxy-token top-k + random possibility sampling, per KV head, once after the prompt."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1]; 0.1/0.2/0.3 use Table 4 (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer and KV head (split with the 20 % row's proportions)
+    preset: str = "table4"  # "table4" (paper, Appx A.6) or "official-128k" (official code's 128K setting, ratio 0.2)
+    protect_share: float | None = None  # share of the budget kept as sinks + recent ("Protect Proxy"); None = preset
+    random_share: float | None = None  # share of the rest that is sampled (C_r / (C_p + C_r)); None = preset
+    proxy_ratio: float | None = None  # proxy window, last fraction of the prompt ("No-protect Proxy"); None = preset
+    proxy_tokens: int | None = None  # proxy window in tokens (the last ones), instead of proxy_ratio
+    proxy_span: tuple[int, int | None] | None = None  # explicit proxies [start, stop) of the prompt; < 0 from the end
+    sinks: int | None = None  # first tokens inside the protected part; None = preset (4; official 128K: 256)
+    proxy_causal: bool = True  # proxy rows see only earlier keys, as in the prefill (official code: False)
+    gqa_reduce: str = "mean"  # how the query heads of a KV group combine their scores: mean, sum or max
+    temperature: float = 1.0  # sampling probabilities softmax(score / temperature) (paper: 1)
+    sampling: str = "softmax"  # "softmax" (paper) or "uniform" (Table 3 "− Probability Sampling")
+    head_wise: bool = True  # False: one selection per layer shared by all heads (Table 3 "− Head-wise Eviction")
+    eviction: str = "one_shot"  # "one_shot" (paper) or "greedy" (Table 3 "− Global Eviction"; needs budget)
+    decode_interval: int | None = None  # re-evict every m decode steps (Algorithm 1 l. 26-27); None = never (code)
+    min_evict_len: int | None = None  # prompts this short are not evicted; None = preset (0; official 128K: 2048)
+    seed: int = 0  # seed of the random part (streams per layer and KV head)
+
+    name = "nacl"
+    paper = "https://arxiv.org/abs/2408.03675"
+    policy_class = NaClPolicy
+
+    def policy(self, layer_idx: int) -> Policy:
+        return (NaClGreedyPolicy if self.eviction == "greedy" else NaClPolicy)(self, layer_idx)
+
+    # --- budget arithmetic ---------------------------------------------------------------------------------
+    def preset_fractions(self) -> tuple[float, float, float, float] | None:
+        """The preset's (protect, proxy window, top-k, random) fractions of the prompt, or None (generic split)."""
+        if self.preset == "official-128k":
+            return OFFICIAL_128K
+        if self.ratio is not None:
+            for ratio, row in TABLE4.items():
+                if abs(ratio - self.ratio) < 1e-9:
+                    return row
+        return None
+
+    def shares(self) -> tuple[float, float]:
+        """(protected share of the budget, random share of the rest)."""
+        row = self.preset_fractions()
+        protect, random = (0.1, 2 / 3) if row is None else (row[0] / (row[0] + row[2] + row[3]), row[3] / sum(row[2:]))
+        return (
+            protect if self.protect_share is None else self.protect_share,
+            random if self.random_share is None else self.random_share,
+        )
+
+    def kept_tokens(self, n_tokens: int) -> int:
+        if self.budget is not None:
+            return min(self.budget, n_tokens)
+        return min(n_tokens, int(ratio_budget(torch.tensor(n_tokens), self.ratio)))
+
+    def split(self, n_tokens: int) -> NaClSplit:
+        """How a prompt of ``n_tokens`` real tokens is split (the kept count is exact)."""
+        proxy = self.proxy_bounds(n_tokens)
+        kept = self.kept_tokens(n_tokens)
+        min_len = PRESET_MIN_EVICT[self.preset] if self.min_evict_len is None else self.min_evict_len
+        if kept >= n_tokens or n_tokens <= min_len:
+            return NaClSplit(n_tokens, n_tokens, 0, 0, 0, proxy[1] - proxy[0])
+        protect_share, random_share = self.shares()
+        protected = max(min(2, kept), math.floor(protect_share * kept + EPS))
+        rest = kept - protected
+        random = math.floor(random_share * rest + 0.5)
+        sinks = min(PRESET_SINKS[self.preset] if self.sinks is None else self.sinks, max(0, protected - 1))
+        return NaClSplit(kept, sinks, protected - sinks, rest - random, random, proxy[1] - proxy[0])
+
+    def proxy_bounds(self, n_tokens: int) -> tuple[int, int]:
+        """Proxy queries ``[start, stop)`` among a sequence's ``n_tokens`` real prompt tokens (at least one)."""
+        if self.proxy_span is not None:
+            start, stop = self.proxy_span
+            start = start + n_tokens if start < 0 else start
+            stop = n_tokens if stop is None else stop + n_tokens if stop < 0 else stop
+            start = min(max(start, 0), max(0, n_tokens - 1))
+            return (start, min(max(stop, start + 1), n_tokens))
+        if self.proxy_tokens is not None:
+            window = self.proxy_tokens
+        elif self.proxy_ratio is not None:
+            window = math.floor(self.proxy_ratio * n_tokens + EPS)
+        elif (row := self.preset_fractions()) is not None:
+            window = math.floor(row[1] * n_tokens + EPS)
+        else:
+            window = math.floor(0.9 * self.kept_tokens(n_tokens) + EPS)
+        return (max(0, n_tokens - max(1, window)), n_tokens)
+
+    def validate(self) -> None:
+        check_choice(self.preset, "preset", ("table4", "official-128k"))
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError("nacl needs exactly one of ratio (in (0, 1]) or budget (tokens, >= 1)")
+        if self.budget is not None:
+            check_budget(self.budget)
+        if self.ratio is not None:
+            check_ratio(self.ratio)
+        for name in ("protect_share", "random_share"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not 0 <= value <= 1):
+                raise ValueError(f"{name} must be a share of the budget in [0, 1] or None (preset), got {value!r}")
+        if self.proxy_ratio is not None:
+            check_ratio(self.proxy_ratio, "proxy_ratio")
+        if self.proxy_tokens is not None:
+            check_int_range(self.proxy_tokens, "proxy_tokens", 1)
+        if self.proxy_span is not None:
+            span = self.proxy_span
+            if not isinstance(span, (tuple, list)) or len(span) != 2 or not isinstance(span[0], int):
+                raise ValueError(f"proxy_span must be (start, stop) token indices, stop int or None; got {span!r}")
+            if span[1] is not None and not isinstance(span[1], int):
+                raise ValueError(f"proxy_span stop must be an integer or None, got {span[1]!r}")
+        if sum(x is not None for x in (self.proxy_ratio, self.proxy_tokens, self.proxy_span)) > 1:
+            raise ValueError("give at most one of proxy_ratio, proxy_tokens, proxy_span")
+        if self.sinks is not None:
+            check_int_range(self.sinks, "sinks", 0)
+        check_choice(self.gqa_reduce, "gqa_reduce", ("mean", "sum", "max"))
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
+        check_choice(self.sampling, "sampling", ("softmax", "uniform"))
+        check_choice(self.eviction, "eviction", ("one_shot", "greedy"))
+        if self.eviction == "greedy" and self.budget is None:
+            raise ValueError("eviction='greedy' needs budget (tokens kept while the prompt streams in), not ratio")
+        if self.decode_interval is not None:
+            check_int_range(self.decode_interval, "decode_interval", 1)
+            if self.eviction == "greedy":
+                raise ValueError("decode_interval applies to eviction='one_shot' (greedy evicts at every step)")
+        if self.min_evict_len is not None:
+            check_int_range(self.min_evict_len, "min_evict_len", 0)
+        check_int_range(self.seed, "seed", 0)

@@ -1,0 +1,227 @@
+"""NaCl's per-layer policies: proxy-query buffering, proxy scores, the hybrid top-k + random selection."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from kvcompress.core.attention import attention_with_stats
+from kvcompress.core.contract import AttentionStats, Policy, Selection, StatsRequest
+from kvcompress.core.hashing import hash_uniform
+from kvcompress.core.selection import keep_top
+
+if TYPE_CHECKING:  # annotations only: the config module imports this one
+    from kvcompress.methods.nacl.config import NaClConfig
+
+PROXY_CHUNK_ELEMENTS = 1 << 22  # proxy-score logits per chunk (16 MiB of float32), whatever the prompt length
+
+
+class NaClSplit(NamedTuple):
+    """How one sequence's budget is spent (tokens); ``kept == sinks + recent + top + random`` when evicting."""
+
+    kept: int  # tokens kept per KV head (the prompt length when nothing is evicted)
+    sinks: int  # first tokens always kept
+    recent: int  # last tokens always kept
+    top: int  # C_p: top tokens by proxy score
+    random: int  # C_r: tokens sampled from softmax(score / temperature)
+    proxy: int  # proxy queries scoring the prompt
+
+
+class NaClPolicy(Policy):
+    """One-shot NaCl: buffer the proxy queries during the prefill, score and select once, then append.
+
+    A policy belongs to one layer of one cache, so the proxy-query buffer (freed when the layer compresses) and
+    the decode counters live here, beside the layer that owns keys, values and per-token state.
+    """
+
+    one_shot = True
+
+    def __init__(self, config: NaClConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.per_head = config.head_wise
+        self.splits: list[NaClSplit] = []  # the split of each sequence, fixed when the layer compresses
+        self.decode_steps = 0  # tokens decoded since the last eviction (decode_interval)
+        self.decode_events = 0  # evictions while decoding so far (each draws fresh noise)
+        self.clear_proxies()
+
+    def clear_proxies(self) -> None:
+        self.proxy_query: torch.Tensor | None = None  # [B, H_q, n, d] post-RoPE queries that may be proxies
+        self.proxy_rows: torch.Tensor | None = None  # [n] their stream indices
+        self.proxy_scaling: float | None = None
+
+    def init_state(self, layer, keys):
+        return {"score": torch.zeros(keys.shape[:3], device=keys.device)}
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        """Prefill: buffer the proxy candidates, attention stays SDPA. Decode: re-evict every ``m`` steps."""
+        if not layer.compressed:
+            self._buffer_proxy_queries(layer, query, scaling)
+            return None
+        interval = self.config.decode_interval
+        if interval is None or not self.splits:
+            return None
+        self.decode_steps += layer.new_tokens
+        if self.decode_steps < interval:
+            return None
+        output, stats = attention_with_stats(query, key, value, mask, scaling, StatsRequest(last_queries=1))
+        selection = self.reselect(layer, stats)
+        if selection is not None:
+            layer.apply(selection)  # the output above saw every key; eviction follows the attention as usual
+        return output, None
+
+    # --- prefill: keep the queries that can still be proxies ------------------------------------------------
+    def _buffer_proxy_queries(self, layer, query, scaling):
+        count = layer.new_tokens
+        if layer.seen == count:  # first forward of this (possibly reset) layer
+            self.clear_proxies()
+        rows = torch.arange(layer.seen - count, layer.seen, device=query.device)
+        if self.proxy_query is not None:
+            query = torch.cat([self.proxy_query, query], dim=2)
+            rows = torch.cat([self.proxy_rows, rows])
+        wanted = self._proxy_row_mask(layer, rows).any(0)
+        self.proxy_query, self.proxy_rows = query[:, :, wanted], rows[wanted]
+        self.proxy_scaling = scaling
+
+    def _proxy_row_mask(self, layer, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, n]``: which stream rows are proxy queries of each sequence (before compression: stored == stream).
+
+        A row wanted now may stop being wanted as the prompt grows, never the reverse, so trimming is safe.
+        """
+        valid = layer.valid[:, 0]
+        rank = valid.cumsum(-1) - 1  # rank of each token among the sequence's real tokens
+        n_real = valid.sum(-1)
+        bounds = torch.tensor([self.config.proxy_bounds(int(n)) for n in n_real], device=valid.device)
+        row_rank = rank[:, rows]
+        return valid[:, rows] & (row_rank >= bounds[:, :1]) & (row_rank < bounds[:, 1:])
+
+    # --- the one eviction ----------------------------------------------------------------------------------
+    def select(self, layer):
+        n_real = layer.valid[:, 0].sum(-1)
+        self.splits = [self.config.split(int(n)) for n in n_real]
+        self.decode_steps = self.decode_events = 0
+        if all(s.kept >= int(n) for s, n in zip(self.splits, n_real, strict=True)) or self.proxy_query is None:
+            self.clear_proxies()
+            return None
+        scores = self.proxy_scores(layer)
+        layer.state["score"] = scores
+        self.clear_proxies()
+        return self.hybrid_selection(layer, scores, self.splits, event=0)
+
+    def proxy_scores(self, layer) -> torch.Tensor:
+        """``[B, H_kv, L]`` float32: per KV head, the summed softmax rows of the proxy queries (Eq. proxy-score).
+
+        Computed in chunks of proxy rows from the buffered queries, so at most ``chunk x L`` logits per head exist.
+        """
+        query, rows = self.proxy_query, self.proxy_rows
+        keys = layer.keys.float()
+        batch, q_heads, n_rows, dim = query.shape
+        kv_heads, length = keys.shape[1], keys.shape[2]
+        groups = q_heads // kv_heads
+        scale = dim**-0.5 if self.proxy_scaling is None else self.proxy_scaling
+        is_proxy = self._proxy_row_mask(layer, rows)  # [B, n]
+        key_valid, key_idx = layer.valid[:, :, None, None, :], layer.token_idx[:, :, None, None, :]
+        total = torch.zeros(batch, kv_heads, groups, length, device=keys.device)
+        chunk = max(1, PROXY_CHUNK_ELEMENTS // max(1, batch * q_heads * length))
+        no_padding = bool(layer.valid.all())  # then stored index == stream index and every row sees a key
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            grouped = query[:, :, start:stop].float().reshape(batch, kv_heads, groups, stop - start, dim) * scale
+            logits = grouped @ keys[:, :, None].transpose(-1, -2)  # [B, H_kv, G, c, L]
+            row_idx = rows[start:stop][None, None, None, :, None]
+            if no_padding:  # causal masking only touches the columns from this chunk's first row on
+                if self.config.proxy_causal:
+                    first = int(rows[start])
+                    future = key_idx[..., first:] > row_idx
+                    logits[..., first:].masked_fill_(future, float("-inf"))
+            else:
+                hidden = ~key_valid
+                if self.config.proxy_causal:
+                    hidden = hidden | (key_idx > row_idx)
+                logits.masked_fill_(hidden, float("-inf"))
+            # sum over rows of softmax = (1 / row sums) @ exp(logits - row max): no normalised copy is made
+            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            weight = is_proxy[:, None, None, start:stop].to(logits.dtype) / logits.sum(dim=-1)
+            weight = weight.nan_to_num_(0.0)  # rows with no visible key (padding) count for nothing
+            if not no_padding:
+                logits.nan_to_num_(0.0)
+            total += (weight[..., None, :] @ logits).squeeze(-2)
+        return reduce_groups(total, self.config.gqa_reduce)
+
+    # --- Algorithm 1 lines 26-27: optional re-eviction while decoding ---------------------------------------
+    def reselect(self, layer, stats: AttentionStats) -> Selection | None:
+        """The same rule scored by the current query's attention row, back down to the prefill's budget."""
+        self.decode_steps = 0
+        self.decode_events += 1
+        scores = reduce_groups(stats.last[:, :, :, -1], self.config.gqa_reduce)
+        return self.hybrid_selection(layer, scores, self.splits, event=self.decode_events)
+
+    # --- protected + top-C_p + sampled C_r, per sequence and head -------------------------------------------
+    def hybrid_selection(self, layer, scores: torch.Tensor, splits: list[NaClSplit], event: int) -> Selection | None:
+        """Keep, per sequence and KV head, sinks + recent + top-``C_p`` + ``C_r`` sampled (all, if not evicting)."""
+        config = self.config
+        heads = scores.shape[1] if config.head_wise else 1
+        if not config.head_wise:
+            scores = scores.mean(dim=1, keepdim=True)
+        valid = layer.valid[:, :heads]
+        device = valid.device
+
+        def per_sequence(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(s, name) for s in splits], device=device)[:, None, None]
+
+        rank = valid.cumsum(-1) - 1
+        from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1
+        protected = valid & ((rank < per_sequence("sinks")) | (from_end < per_sequence("recent")))
+        middle = valid & ~protected
+        score = scores.to(torch.float64).masked_fill(~middle, -math.inf)
+        top = middle & (descending_rank(score) < per_sequence("top"))
+        rest = middle & ~top
+        noise = gumbel(config.seed, self.layer_idx + 4096 * event, heads, layer.rope_pos[:, :heads])
+        key = noise if config.sampling == "uniform" else score / config.temperature + noise
+        sampled = rest & (descending_rank(key.masked_fill(~rest, -math.inf)) < per_sequence("random"))
+        kept = per_sequence("kept")
+        keep = torch.where(kept < valid.sum(-1, keepdim=True), protected | top | sampled, valid)
+        return keep_top(layer, keep.to(torch.float64), kept[:, 0, 0])
+
+
+def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """``[B, H_kv, G, L]`` -> ``[B, H_kv, L]`` over the query heads sharing a KV head."""
+    if how == "mean":
+        return scores.mean(dim=2)
+    if how == "sum":
+        return scores.sum(dim=2)
+    return scores.amax(dim=2)
+
+
+def descending_rank(values: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry along the last dim, largest first; equal values rank the earlier entry first."""
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order).contiguous())
+    return ranks
+
+
+def gumbel(seed: int, stream: int, heads: int, positions: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[B, heads, L]`` from a hash of (seed, stream, head, RoPE position)."""
+    head = torch.arange(heads, device=positions.device)[None, :, None]
+    uniform = hash_uniform(seed, stream, head, positions) + 2.0**-32  # in (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+class NaClGreedyPolicy(NaClPolicy):
+    """Table 3 "− Global Eviction": the hybrid rule after every forward, scored by accumulated attention."""
+
+    one_shot = False
+    stats = StatsRequest(received=True)
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        return None
+
+    def observe(self, layer, stats):
+        layer.state["score"] += reduce_groups(stats.received, self.config.gqa_reduce)
+
+    def select(self, layer):
+        n_real = layer.valid[:, 0].sum(-1)
+        splits = [self.config.split(int(n)) for n in n_real]
+        return self.hybrid_selection(layer, layer.state["score"], splits, event=0)

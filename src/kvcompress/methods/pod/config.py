@@ -1,0 +1,134 @@
+"""PoD, Proximal tokens over Distant tokens (Ma et al., 2024, arXiv:2412.02252): distant-token attention shared
+across layers, proximal tokens exact.
+
+Idea. Each query attends to *proximal* tokens (the first ``n_sink`` tokens and the ``n_recent`` most recent ones,
+itself included) with its layer's own logits, and to *distant* tokens (everything in between) with the logits of
+the lowest layer of its block: consecutive layers whose attention is similar (measured offline, grouped by
+Algorithm 1, ``kvcompress.pod_grouping``) form a block per head. Values are always the layer's own. So the keys
+of distant tokens are needed only at block-start layers: every layer stores values for all tokens and keys for its
+proximal tokens; block-start layers also keep distant keys. At a block start (and in every singleton block) the
+split is an identity and attention is exactly dense. The two parts are joined exactly: one softmax over the mixed
+logits, or the paper's two-part gate ``g = sigmoid(LSE_P - LSE_D)`` (Eq. 4), selectable with ``combine``.
+
+Spec: ``shared/specs/pod.md`` §3.1-3.3 (attention), §4.1-4.4 (cache layout, decoding, memory formula, τ gate),
+§8 decisions. Choices where the paper is silent or the spec decided:
+
+- v1 (``query_source="block_start"``, default, the seed paper's Eq. 3): distant logits are the block start's query
+  times the block start's keys; v2 (``"own"``, the revised paper): this layer's query times the block start's keys.
+- Groups per KV head by default (``grouping="kv_head"``, spec 8.3): only then does every layer of a block really
+  drop a KV head's distant keys. ``"query_head"`` is the paper's literal per-head reading; a KV head then keeps its
+  distant keys at a layer that starts a block for any of its query heads.
+- Token groups use RoPE positions (left padding is not counted): proximal ``j`` for query ``i`` iff
+  ``pos_j < n_sink`` or ``pos_i - pos_j < n_recent`` (spec 8.4, the recent window includes the query itself).
+  After each forward a non-start KV head keeps the keys of its sinks and of the last ``n_recent`` tokens, so the
+  stored bytes equal the §4.3 formula ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s - n_r)*d`` exactly.
+- τ gate (spec 8.7): at query heads that are not block starts, a row with distant tokens whose gate
+  ``g >= tau`` attends to its proximal tokens only; rows skipped / rows eligible are counted (``cache.pod_stats``).
+- Composition with token selection (spec 8.12; PoD + SnapKV as in the paper's Table 1): ``base`` is any method
+  config; its policy scores and selects tokens at the block-start layer of each KV head and every other layer of
+  the block keeps the same tokens, so a kept distant token has its key at the block start and its value
+  everywhere. The savings compose multiplicatively, as the paper's Table 4 does.
+- Computation: distant logits at a non-start layer are recomputed from the block start's stashed query and keys
+  (references held for one forward, no copies), in query chunks with an explicit softmax; layers whose query heads
+  all start a block, and forwards with no distant token, run plain SDPA. The saving this reproduces is memory;
+  the paper's compute saving (reuse of the block start's softmax) is not attempted on CPU.
+- Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcompress.core.checks import check_choice
+from kvcompress.core.contract import MethodConfig
+from kvcompress.methods.pod.grouping import (
+    Starts,
+    check_starts,
+    load_similarity,
+    starts_from_similarity,
+    uniform_starts,
+)
+from kvcompress.methods.pod.layer import PoDLayer
+from kvcompress.methods.pod.policy import PoDPolicy
+
+
+@dataclass(frozen=True)
+class PoDConfig(MethodConfig):
+    """PoD: proximal tokens per layer, distant-token attention shared within calibrated layer blocks.
+
+    Give the blocks as one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``.
+    """
+
+    similarity: str | None = None  # pod-calibrate file (per-head 1-JS layer similarity) to run Algorithm 1 on
+    delta: float = 0.5  # Algorithm 1 threshold: a layer joins a block if sim >= delta with every member (paper 0.5)
+    target_saving: float | None = None  # instead of delta: the largest delta with saving(inf) >= this fraction
+    starts: tuple[tuple[int, ...], ...] | None = None  # explicit block starts [layer][KV or query head]
+    block_size: int | None = None  # uniform blocks of this many layers, no calibration (1 = dense)
+    grouping: str = "kv_head"  # "kv_head" (default, saves keys under GQA) or "query_head" (paper's literal reading)
+    n_sink: int = 16  # n_s: first tokens always proximal (paper 16)
+    n_recent: int = 4080  # n_r: most recent tokens, the query included, always proximal (paper 4080)
+    query_source: str = "block_start"  # distant logits: "block_start" (v1, paper Eq. 3) or "own" (v2) query
+    tau: float | None = None  # gate: skip distant tokens at non-start heads when proximal mass >= tau (None: never)
+    combine: str = "softmax"  # "softmax" (one softmax over mixed logits) or "lse" (Eq. 4 two-part gate); equal
+    base: MethodConfig | None = field(default=None, compare=True)  # token-selection method composed with PoD
+
+    name = "pod"
+    paper = "https://arxiv.org/abs/2412.02252"
+    policy_class = PoDPolicy
+
+    def validate(self) -> None:
+        sources = sum(x is not None for x in (self.similarity, self.starts, self.block_size))
+        if sources > 1:
+            raise ValueError("pod takes exactly one of similarity (a pod-calibrate file), starts or block_size")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
+            raise ValueError(f"delta must be a number (similarity threshold, usually in [0, 1]); got {self.delta!r}")
+        if self.target_saving is not None and not 0 <= self.target_saving < 0.5:
+            raise ValueError(f"target_saving must be in [0, 0.5) (keys only); got {self.target_saving!r}")
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
+        ):
+            raise ValueError(f"block_size must be an integer >= 1; got {self.block_size!r}")
+        if self.starts is not None:
+            object.__setattr__(self, "starts", tuple(tuple(int(s) for s in row) for row in self.starts))
+            check_starts(self.starts)
+        check_choice(self.grouping, "grouping", ("kv_head", "query_head"))
+        for name, low in (("n_sink", 0), ("n_recent", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        check_choice(self.query_source, "query_source", ("block_start", "own"))
+        if self.tau is not None and (isinstance(self.tau, bool) or not 0 <= self.tau <= 1):
+            raise ValueError(f"tau must be None or a number in [0, 1]; got {self.tau!r}")
+        check_choice(self.combine, "combine", ("softmax", "lse"))
+        if self.base is not None:
+            if not isinstance(self.base, MethodConfig) or isinstance(self.base, PoDConfig):
+                raise ValueError(f"base must be a token-selection method config (e.g. SnapKVConfig); got {self.base!r}")
+            if self.base.policy(0).position_mode != "original":
+                raise ValueError("base must keep original positions (position_mode='original') to compose with pod")
+            if self.grouping != "kv_head":
+                raise ValueError("composition with a base method needs grouping='kv_head' (blocks per KV head)")
+
+    def layer_class(self) -> type[PoDLayer]:
+        return PoDLayer
+
+    def resolve_starts(self, layers: int) -> Starts:
+        """Block starts ``[layer][head]`` for a model with ``layers`` layers."""
+        if self.starts is not None:
+            starts = self.starts
+        elif self.block_size is not None:
+            starts = uniform_starts(layers, 1, self.block_size)
+        elif self.similarity is not None:
+            sim_file = load_similarity(self.similarity)
+            starts = starts_from_similarity(sim_file, self.delta, self.target_saving, self.grouping)
+        else:
+            raise ValueError(
+                "pod needs its layer blocks: similarity=<file from `python -m kvcompress.train.pod_calibrate`> "
+                "(with delta or target_saving), starts=[[...]] or block_size=k"
+            )
+        check_starts(starts, layers)
+        return starts
+
+    def connect(self, layers: list[PoDLayer]) -> None:
+        starts = self.resolve_starts(len(layers))
+        for index, layer in enumerate(layers):
+            layer.connect_block(layers, index, starts[index])

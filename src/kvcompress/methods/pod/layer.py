@@ -1,0 +1,217 @@
+"""PoD's cache layer (see ``kvcompress.methods.pod.config`` for the method and its choices).
+
+``PoDLayer`` stores values of every token in every layer, keys of every token only for the KV heads that start a
+block at this layer, and keys of proximal tokens (sinks + recent window) for the other KV heads. ``pod_attention``
+(``kvcompress.methods.pod.attention``) mixes this layer's logits on proximal tokens with the block-start layer's
+logits on distant tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.contract import AttentionStats, Policy, Selection
+from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+
+
+@dataclass
+class PoDStep:
+    """What a layer exposes to the later layers of its blocks during one forward: its (positioned) query and the
+    keys of its full-key KV heads (``full_pos[g]``: row of KV head ``g`` in ``keys``, -1 if it keeps proximal keys
+    only)."""
+
+    query: torch.Tensor  # [B, H_q, q, d]
+    keys: torch.Tensor  # [B, S, L, d]
+    full_pos: list[int]
+
+
+class PoDLayer(CompressedLayer):
+    """A cache layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
+    every token (``keys``, ``[B, S, L, d]``); for the other KV heads the keys of proximal tokens only
+    (``prox_keys``, ``[B, H - S, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
+
+    def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
+        super().__init__(policy, inv_freq)
+        self.index = policy.layer_idx
+        self.peers: list[CompressedLayer] = []
+        self.head_starts: tuple[int, ...] = ()
+        self.step: PoDStep | None = None
+        self.last_selection: Selection | None = None
+        self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
+
+    def connect_block(self, peers: list[CompressedLayer], index: int, head_starts: tuple[int, ...]) -> None:
+        self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
+
+    # --- storage -------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        kv_heads = key_states.shape[1]
+        if len(self.head_starts) == 1:  # one partition for every head (block_size)
+            self.head_starts = self.head_starts * kv_heads
+        row = self.head_starts
+        if len(row) % kv_heads:
+            raise ValueError(f"pod starts have {len(row)} heads per layer; the model has {kv_heads} KV heads")
+        groups = len(row) // kv_heads
+        full = [g for g in range(kv_heads) if any(row[g * groups + k] == self.index for k in range(groups))]
+        prox = [g for g in range(kv_heads) if g not in full]
+        self.full_heads = torch.tensor(full, dtype=torch.long, device=self.device)
+        self.prox_heads = torch.tensor(prox, dtype=torch.long, device=self.device)
+        self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
+        self.keys = key_states[:, self.full_heads, :0]
+        self.prox_keys = key_states[:, self.prox_heads, :0]
+        self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store values of the new tokens, their keys where this layer keeps them; return this step's keys (tagged
+        with the layer) and all values. PoD's attention (``pod_attention``) reads the layer's stores directly."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, count, _ = key_states.shape
+        old = self.values.shape[2]
+        new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
+        self.rope_pos = torch.cat([self.rope_pos, new_idx], dim=-1)
+        self.valid = torch.cat([self.valid, torch.ones_like(new_idx, dtype=torch.bool)], dim=-1)
+        for name, value in self.policy.init_state(self, key_states).items():
+            previous = self.state.get(name)
+            self.state[name] = value if previous is None else torch.cat([previous, value], dim=2)
+        self.keys = torch.cat([self.keys, key_states[:, self.full_heads]], dim=-2)
+        self.prox_keys = torch.cat([self.prox_keys, key_states[:, self.prox_heads]], dim=-2)
+        slots = torch.arange(old, old + count, device=self.device).expand(batch, len(self.prox_heads), count)
+        self.prox_slot = torch.cat([self.prox_slot, slots], dim=-1)
+        self.seen += count
+        self.new_tokens = count
+        self.step = None
+        setattr(key_states, LAYER_ATTRIBUTE, self)
+        return key_states, self.values
+
+    def own_keys(self) -> torch.Tensor:
+        """A transient ``[B, H_kv, L, d]`` key tensor: full keys where stored, proximal keys at their slots, zeros
+        elsewhere (those slots are distant, never read with this layer's logits at this head)."""
+        batch, heads, length, dim = self.values.shape
+        out = self.keys.new_zeros(batch, heads, length, dim)
+        if len(self.full_heads):
+            out = out.index_copy(1, self.full_heads, self.keys)
+        if len(self.prox_heads):
+            slot = torch.where(self.prox_slot >= 0, self.prox_slot, length)
+            scattered = self.keys.new_zeros(batch, len(self.prox_heads), length + 1, dim)
+            scattered = scattered.scatter(2, slot[..., None].expand(*slot.shape, dim), self.prox_keys)
+            out = out.index_copy(1, self.prox_heads, scattered[:, :, :length])
+        return out
+
+    def _pack_proximal(self, keep: torch.Tensor, slot: torch.Tensor) -> None:
+        """Keep the proximal entries marked in ``keep`` ``[B, H - S, P]`` (stream order), re-packed to the max count."""
+        count = int(keep.sum(-1).max()) if keep.numel() else 0
+        if keep.numel() and count == keep.shape[-1] and bool(keep.all()):
+            self.prox_slot = slot
+            return
+        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :count]
+        kept = keep.gather(-1, order)
+        self.prox_slot = torch.where(kept, slot.gather(-1, order), -1)
+        keys = self.prox_keys.gather(2, order[..., None].expand(*order.shape, self.prox_keys.shape[-1]))
+        self.prox_keys = keys * kept[..., None].to(keys.dtype)
+
+    def trim_proximal(self) -> None:
+        """Drop the keys of tokens that left every future query's proximal window (non-start KV heads only)."""
+        if not len(self.prox_heads) or not self.prox_slot.shape[-1]:
+            return
+        config = self.policy.config
+        heads = self.prox_heads
+        slot = self.prox_slot
+        safe = slot.clamp(min=0)
+        pos = self.rope_pos[:, heads].gather(-1, safe)
+        real = (slot >= 0) & self.valid[:, heads].gather(-1, safe)
+        newest = self.rope_pos[:, heads, -1:]
+        keep = real & ((pos < config.n_sink) | (newest - pos < config.n_recent))
+        self._pack_proximal(keep, slot)
+
+    def after_attention(self, stats: AttentionStats | None) -> None:
+        super().after_attention(stats)
+        self.trim_proximal()
+
+    def apply(self, selection: Selection) -> None:
+        index = selection.indices
+        length = self.values.shape[2]
+
+        def take(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            shaped = rows.reshape(*rows.shape, *([1] * (tensor.dim() - 3)))
+            return tensor.gather(2, shaped.expand(*rows.shape, *tensor.shape[3:]))
+
+        prox_index = index[:, self.prox_heads]
+        self.values = take(self.values, index)
+        self.token_idx, self.rope_pos, self.valid = (
+            take(self.token_idx, index),
+            take(self.rope_pos, index),
+            take(self.valid, index),
+        )
+        if selection.valid is not None:
+            self.valid = self.valid & selection.valid
+        self.state = {name: take(value, index) for name, value in self.state.items()}
+        self.keys = take(self.keys, index[:, self.full_heads])
+        if len(self.prox_heads):
+            inverse = torch.full((*prox_index.shape[:2], length + 1), -1, dtype=torch.long, device=self.device)
+            positions = torch.arange(prox_index.shape[-1], device=self.device).expand_as(prox_index)
+            inverse = inverse.scatter(2, prox_index, positions)
+            old = torch.where(self.prox_slot >= 0, self.prox_slot, length)
+            new_slot = inverse.gather(2, old)
+            self._pack_proximal(new_slot >= 0, new_slot)
+
+    def block_selection(self, base: Policy) -> Selection | None:
+        """The base method's selection, per KV head taken from the head's block-start layer (computed there in this
+        same step, earlier in the forward), so a block keeps one token set per KV head."""
+        kv_heads = self.values.shape[1]
+        groups = len(self.head_starts) // kv_heads
+        starts = [self.head_starts[g * groups] for g in range(kv_heads)]
+        own = base.select(self) if self.index in starts else None
+        rows = [own if start == self.index else self.peers[start].last_selection for start in starts]
+        if all(r is None for r in rows):
+            self.last_selection = None
+            return None
+        if any(r is None for r in rows) or len({r.indices.shape[-1] for r in rows}) != 1:
+            raise RuntimeError("pod: the base method selected different token counts along a block")
+        indices = torch.stack([r.indices[:, g] for g, r in enumerate(rows)], dim=1)
+        valids = [
+            r.valid[:, g] if r.valid is not None else torch.ones_like(indices[:, g], dtype=torch.bool)
+            for g, r in enumerate(rows)
+        ]
+        self.last_selection = Selection(indices=indices, valid=torch.stack(valids, dim=1))
+        return self.last_selection
+
+    # --- transformers' layer API and accounting ------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        self.prox_keys = self.prox_slot = None
+        self.step = self.last_selection = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.is_initialized:
+            indices = indices.to(self.device)
+            self.prox_keys = self.prox_keys.index_select(0, indices)
+            self.prox_slot = self.prox_slot.index_select(0, indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.is_initialized:
+            self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
+            self.prox_slot = self.prox_slot.repeat_interleave(repeats, dim=0)
+
+    def kv_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.prox_keys))
+
+    def metadata_nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return super().metadata_nbytes() + self.prox_slot.numel() * self.prox_slot.element_size()
+
+
+def pod_stats(cache) -> dict[str, float]:
+    """τ-gate counters of a PoD cache: rows skipped, rows eligible (non-start heads with distant tokens), fraction."""
+    skipped = sum(getattr(layer, "gate_counts", (0, 0))[0] for layer in cache.compressed_layers)
+    eligible = sum(getattr(layer, "gate_counts", (0, 0))[1] for layer in cache.compressed_layers)
+    return {"skipped": skipped, "eligible": eligible, "fraction": skipped / eligible if eligible else 0.0}
