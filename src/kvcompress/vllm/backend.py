@@ -1,0 +1,132 @@
+"""Worker side: vLLM's CPU attention backend with a metadata builder that hides evicted blocks from the kernel.
+
+The worker's block table is append-only: blocks the scheduler freed keep their old ids there (and may already
+hold another request's KV). Every step, the builder computes each request's evicted range ``[lo, hi)`` (the same
+arithmetic as the scheduler, ``kvcompress.vllm.policies``), removes it from the block table the kernel reads and
+shortens the sequence lengths by as many tokens, in one vectorised gather with no host synchronisation. The
+kernel then attends to the kept blocks only; its causal mask stays right because the evicted blocks all precede
+the step's queries. Slot mapping (where new keys are written) is computed by vLLM from the uncompacted table, so
+writes are untouched. With no policy configured the backend is vLLM's, unchanged.
+
+GPU backends need the same two hooks, which are all this file adds to the CPU backend:
+
+* ``customize_spec``: return ``KVCompressSpec`` for full-attention layers (backend-independent, shared code);
+* the builder's ``build``: compact ``block_table_tensor`` and ``seq_lens`` of the ``CommonAttentionMetadata``
+  before the backend's own ``build``. FlashAttention, FlashInfer, Triton and FlexAttention all derive their
+  paged-KV inputs (FlashInfer's ``paged_kv_indptr/indices/last_page_len``, FlexAttention's block mask) from
+  these two fields inside ``build``, so the same wrapper applies; under CUDA graphs the compacted table must be
+  written into a persistent buffer (as vLLM's ``StaticSinkAttention`` does) and cascade attention, which reads
+  a shared prefix of the table, must stay off. Block SnapKV's key read-back also needs each backend's KV layout
+  (``[2, num_blocks, block_size, H_kv, D]`` for FlashAttention). None of this can be tested on this CPU machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvcompress.vllm.config import BlockPolicyConfig, policy_from_vllm_config
+from kvcompress.vllm.policies import make_policy
+from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_step
+from kvcompress.vllm.snapkv_state import SnapKVTracker
+from kvcompress.vllm.spec import KVCompressSpec
+
+
+@dataclass
+class KVCompressCPUMetadata(CPUAttentionMetadata):
+    snapkv: SnapKVStep | None = None  # block SnapKV work of this step, if any
+
+
+def compact_block_table(common: CommonAttentionMetadata, lo, hi, block_size: int) -> CommonAttentionMetadata:
+    """``common`` with each request's logical blocks ``[lo, hi)`` cut out of its block table and sequence length."""
+    table = common.block_table_tensor
+    num_reqs, width = table.shape
+    evicted = (torch.as_tensor(hi) - lo).expand(num_reqs)
+    columns = torch.arange(width, device=table.device).unsqueeze(0)
+    source = columns + (columns >= torch.as_tensor(lo).reshape(-1, 1)) * evicted.unsqueeze(1)
+    compacted = table.gather(1, source.clamp_(max=width - 1))
+    seq_lens = common.seq_lens - (evicted * block_size).to(common.seq_lens.dtype)
+    return replace(common, block_table_tensor=compacted, seq_lens=seq_lens)
+
+
+class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
+    """CPU metadata builder that applies the layer group's block policy (see the module docstring)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.policy = None
+        self.snapkv = None
+        if isinstance(kv_cache_spec, KVCompressSpec):
+            self.policy = make_policy(kv_cache_spec.policy, kv_cache_spec.block_size)
+            self.snapkv = SnapKVTracker(self.policy) if self.policy.one_shot else None
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build=False):
+        if self.policy is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        common = common_attn_metadata
+        num_reqs = common.num_reqs
+        query_lens = common.query_start_loc[1:] - common.query_start_loc[:-1]
+        context = (common.seq_lens[:num_reqs] - query_lens[:num_reqs]).long()
+        step = None
+        prompt_len = torch.zeros_like(context)
+        if self.snapkv is not None:
+            step, prompt_len = self.snapkv.track(common, context)
+        lo, hi = self.policy.worker_range(context, prompt_len)
+        metadata = super().build(common_prefix_len, compact_block_table(common, lo, hi, self.block_size), fast_build)
+        return KVCompressCPUMetadata(**{f.name: getattr(metadata, f.name) for f in fields(metadata)}, snapkv=step)
+
+
+# The policy of the model this worker builds. ``customize_spec`` runs where no vLLM config is current, so the
+# attention layers record it when they are built (inside the config's context, before any spec is asked for).
+_worker_policy = BlockPolicyConfig()
+
+
+class KVCompressCPUImpl(CPUAttentionBackendImpl):
+    """CPU attention that first does the layer's block SnapKV work of the step, if any."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        global _worker_policy
+        super().__init__(*args, **kwargs)
+        _worker_policy = policy_from_vllm_config(get_current_vllm_config())
+        self.stash: ObservationStash | None = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        step = getattr(attn_metadata, "snapkv", None)
+        if step is not None:
+            if self.stash is None:
+                self.stash = ObservationStash(step.policy.config.window)
+            queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
+            run_step(step, self.stash, queries, kv_cache, self.scale, layer.isa)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+
+class KVCompressCPUBackend(CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` backend with kvcompress's block policies (registered in its place by the plugin)."""
+
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+            return spec
+        if not _worker_policy.active:
+            return spec
+        make_policy(_worker_policy, spec.block_size)  # validate the budget against the block size, in the worker
+        return KVCompressSpec.from_full(spec, _worker_policy)
+
+    @staticmethod
+    def get_impl_cls():
+        return KVCompressCPUImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KVCompressCPUBuilder

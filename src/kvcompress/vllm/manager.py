@@ -1,0 +1,40 @@
+"""Scheduler side: the KV cache manager that frees the blocks a policy evicts.
+
+vLLM calls ``remove_skipped_blocks`` for every scheduled request before it allocates the request's next blocks
+(this is how its sliding-window manager frees blocks behind the window). Here it frees the policy's range of
+logical blocks; the freed entries of the request's block list become vLLM's null block, so the request keeps
+its block indices (and the worker its append-only block table) while the pool gets the blocks back.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+from kvcompress.vllm.policies import make_policy
+from kvcompress.vllm.spec import KVCompressSpec
+
+PREFIX_CACHING_ERROR = (
+    "kvcompress: the {method} policy evicts and rewrites KV blocks, so vLLM's prefix caching (on by default) "
+    "would share blocks whose content depends on the eviction; start vLLM with --no-enable-prefix-caching "
+    "(enable_prefix_caching=False in Python)"
+)
+
+
+class BlockEvictionManager(FullAttentionManager):
+    """``FullAttentionManager`` that frees the blocks outside the policy's kept set as a request advances."""
+
+    def __init__(self, kv_cache_spec: KVCompressSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        if self.enable_caching:
+            raise ValueError(PREFIX_CACHING_ERROR.format(method=kv_cache_spec.policy.method))
+        self.policy = make_policy(kv_cache_spec.policy, self.block_size)
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        first, end = self.policy.scheduler_range(processed_computed_tokens, num_prompt_tokens or 0)
+        self._remove_blocks_in_range(request_id, first, end)
+
+    def live_blocks(self, request_id: str) -> int:
+        """Blocks of the pool the request holds now (its null entries are evicted blocks)."""
+        return sum(not block.is_null for block in self.req_to_blocks.get(request_id, ()))

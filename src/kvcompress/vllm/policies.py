@@ -1,0 +1,128 @@
+"""Block-granular eviction policies: which KV blocks of a request stop being attended to and are freed.
+
+vLLM keeps one block table per request, shared by all layers and KV heads, so what is evicted must be whole blocks
+and the same logical blocks in every layer. Every policy here evicts one contiguous range ``[lo, hi)`` of a
+request's logical blocks. The same arithmetic runs in two places:
+
+* the scheduler (``BlockEvictionManager``) frees the blocks of the range, from the number of processed tokens;
+* the worker (the attention metadata builder) drops the range from the block table the kernel reads, from the
+  number of tokens already in the cache before the step (the context).
+
+The scheduler never frees a block the worker still reads: for the same token count both compute the same range,
+and the scheduler's count never runs ahead of the worker's. Positions are untouched: vLLM applies RoPE before
+writing keys, so a kept block keeps the positions it was written with (kvcompress's ``position_mode="original"``).
+Functions take Python ints (scheduler) or int64 tensors (worker, one entry per request) alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.vllm.config import BlockPolicyConfig
+
+
+def _maximum(a, b: int):
+    return torch.clamp(a, min=b) if isinstance(a, torch.Tensor) else max(a, b)
+
+
+def _where(condition, a, b):
+    return torch.where(condition, a, b) if isinstance(condition, torch.Tensor) else (a if condition else b)
+
+
+class BlockPolicy:
+    """Keeps everything (``full``). Subclasses evict one range of blocks per request."""
+
+    one_shot = False  # True: the range is decided once, after the prompt, by attention scores in the worker
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.budget_blocks = config.budget_blocks(block_size)
+
+    def worker_range(self, context, prompt_len):
+        """``(lo, hi)``: blocks the kernel skips in a step whose request has ``context`` tokens cached already."""
+        return 0, 0
+
+    def scheduler_range(self, processed, prompt_len):
+        """``(lo, hi)``: blocks the scheduler may free once ``processed`` tokens are computed and committed."""
+        return self.worker_range(processed, prompt_len)
+
+
+class StreamingBlocks(BlockPolicy):
+    """StreamingLLM at block granularity: ``sink_blocks`` leading blocks + the most recent blocks.
+
+    Maps to kvcompress's ``streaming`` (4 sink tokens + a recent window, budget counting both) with whole blocks:
+    the first block holds the attention sinks (and the rest of the first 128 tokens, by default), and the window
+    is the last ``budget_blocks - sink_blocks`` blocks, the block being written included, so a decoding request
+    holds exactly ``budget_blocks`` blocks. Eviction happens between steps, so a prompt processed in one vLLM
+    prefill chunk is attended fully (like kvcompress's ``generate``, which compresses after the forward pass),
+    and between chunks when vLLM splits a long prompt (like ``kvcompress.generation.prefill``). Unlike the
+    per-token method's default ``position_mode="cache"``, positions are the original ones (vLLM caches rotated
+    keys), i.e. kvcompress's ``streaming`` with ``position_mode="original"``.
+    """
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        self.sink_blocks = config.sink_blocks if config.method == "streaming" else 0
+        self.recent_blocks = self.budget_blocks - self.sink_blocks
+
+    def worker_range(self, context, prompt_len):
+        writing_block = context // self.block_size  # the block the next token goes into
+        return self.sink_blocks, _maximum(writing_block - self.recent_blocks + 1, self.sink_blocks)
+
+
+class WindowBlocks(StreamingBlocks):
+    """The local window at block granularity: the most recent ``budget_blocks`` blocks, no sinks.
+
+    Maps to kvcompress's ``window`` (the ``budget`` most recent tokens, original positions), rounded to blocks:
+    the block being written plus the ``budget_blocks - 1`` blocks before it.
+    """
+
+
+class SnapKVBlocks(BlockPolicy):
+    """SnapKV at block granularity: once, after the prompt, keep the top-scored prompt blocks + the window.
+
+    Maps to kvcompress's ``snapkv``: the last ``window`` prompt queries vote for earlier tokens (attention summed
+    over the window, averaged over the query heads of each KV head, max-pooled with width ``kernel``), scored
+    here per block (the sum of its tokens' votes) instead of per token. Each layer and KV head keeps its own
+    ``budget_blocks - 2`` best blocks among those before the observation window, copied in order into the
+    request's first blocks (``kvcompress.vllm.snapkv``), so the per-head choice of the per-token method survives
+    vLLM's single block table; the blocks holding the observation window (one or two) are kept as they are.
+    The blocks in between are freed. Decoding then appends without eviction, as in the per-token method.
+    """
+
+    one_shot = True
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        self.selected_blocks = self.budget_blocks - 2  # room for the 1-2 blocks the observation window spans
+
+    def window_start_block(self, prompt_len):
+        return _maximum(prompt_len - self.config.window, 0) // self.block_size
+
+    def _range(self, compressed, prompt_len):
+        lo = self.selected_blocks
+        hi = _maximum(self.window_start_block(prompt_len), lo)
+        return lo, _where(compressed, hi, lo)
+
+    def worker_range(self, context, prompt_len):
+        # The worker compresses in the first decode step (context == prompt), before that step's attention.
+        return self._range(_compressed(context, prompt_len, strict=False), prompt_len)
+
+    def scheduler_range(self, processed, prompt_len):
+        # Blocks are freed only once that first decode step has run (its copies are done).
+        return self._range(_compressed(processed, prompt_len, strict=True), prompt_len)
+
+
+def _compressed(count, prompt_len, strict: bool):
+    if isinstance(count, torch.Tensor):
+        return (count > prompt_len if strict else count >= prompt_len) & (prompt_len > 0)
+    return prompt_len > 0 and (count > prompt_len if strict else count >= prompt_len)
+
+
+POLICIES = {"full": BlockPolicy, "streaming": StreamingBlocks, "window": WindowBlocks, "snapkv": SnapKVBlocks}
+
+
+def make_policy(config: BlockPolicyConfig, block_size: int) -> BlockPolicy:
+    """The policy object for ``config`` at vLLM's KV ``block_size`` (tokens per block)."""
+    return POLICIES[config.method](config, block_size)

@@ -1,0 +1,132 @@
+"""Worker side of block SnapKV: keep the observation-window queries, then score, select and move prompt blocks.
+
+During the prompt's prefill steps each attention layer keeps the last ``window`` queries of every request
+(``ObservationStash``). In the request's first decode step, before that step's attention, each layer:
+
+1. reads the prompt's keys back from its paged KV cache;
+2. computes SnapKV's votes: softmax attention of the window queries over the prompt (causal inside the window),
+   summed over the window, averaged over the query heads of each KV head, max-pooled over ``kernel`` tokens;
+3. scores each block before the observation window by the sum of its votes and keeps, per KV head, the
+   ``selected_blocks`` best ones;
+4. copies them, in their original order, into the request's first ``selected_blocks`` blocks (whole
+   ``[block, head]`` slabs of keys and values, so the kernel's layout does not matter for the copy).
+
+The metadata builder then drops the blocks between the selected ones and the observation window from what the
+kernel reads, and the scheduler frees them (``SnapKVBlocks``). Keys were rotated before caching, so a moved block
+keeps its original positions. Reading keys back needs the kernel's key layout: the ``vec`` ISA (x86 without AMX)
+stores each ``[block, head]`` key slab transposed, as ``[head_size, block_size]``; other ISAs are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcompress.vllm.policies import SnapKVBlocks
+
+KEY_LAYOUT_ISAS = ("vec",)
+
+
+@dataclass
+class StashRow:
+    """A prefilling request in this step: its key block id, query rows ``[start, end)`` and cached context."""
+
+    key: int
+    start: int
+    end: int
+    context: int
+
+
+@dataclass
+class SelectRow:
+    """A request in its first decode step: its key block id, prompt length and the prompt's block ids."""
+
+    key: int
+    prompt_len: int
+    blocks: torch.Tensor  # int64 [ceil(prompt_len / block_size)], logical order
+
+
+@dataclass
+class SnapKVStep:
+    """The block SnapKV work of one step, shared by all layers (built once by the metadata builder)."""
+
+    policy: SnapKVBlocks
+    stash: list[StashRow]
+    select: list[SelectRow]
+
+
+class ObservationStash:
+    """One layer's last ``window`` prefill queries per request, keyed by the request's first block id."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.queries: dict[int, torch.Tensor] = {}
+
+    def add(self, row: StashRow, query: torch.Tensor) -> None:
+        chunk = query[max(row.start, row.end - self.window) : row.end]
+        previous = self.queries.get(row.key) if row.context > 0 else None
+        if previous is not None:
+            chunk = torch.cat([previous, chunk])[-self.window :]
+        self.queries[row.key] = chunk.clone()
+
+    def pop(self, key: int) -> torch.Tensor | None:
+        return self.queries.pop(key, None)
+
+
+def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float, isa: str) -> None:
+    """One layer's share of ``step``: stash prefill queries, compress the prompts that just ended."""
+    for row in step.stash:
+        stash.add(row, query)
+    for row in step.select:
+        window_queries = stash.pop(row.key)
+        if window_queries is not None:
+            compress_prompt(step.policy, row, window_queries, kv_cache, scale, isa)
+
+
+def compress_prompt(policy: SnapKVBlocks, row: SelectRow, queries, kv_cache, scale: float, isa: str) -> None:
+    """Move each KV head's best prompt blocks to the front of the request's blocks (see the module docstring)."""
+    candidates = int(policy.window_start_block(row.prompt_len))
+    keep = policy.selected_blocks
+    if candidates <= keep:
+        return
+    if isa not in KEY_LAYOUT_ISAS:
+        raise NotImplementedError(f"kvcompress snapkv reads keys in the {KEY_LAYOUT_ISAS} layout, not {isa!r}")
+    keys = _prompt_keys(kv_cache, row.blocks, row.prompt_len)
+    votes = _votes(queries, keys, scale, policy.config.kernel)
+    scores = _block_scores(votes, policy.block_size)[:, :candidates]
+    chosen = scores.topk(keep, dim=1).indices.sort(dim=1).values  # [H_kv, keep]
+    heads = torch.arange(kv_cache.shape[1]).unsqueeze(1)
+    sources = row.blocks[chosen]
+    targets = row.blocks[:keep].unsqueeze(0).expand_as(sources)
+    kv_cache[targets, heads] = kv_cache[sources, heads]
+
+
+def _prompt_keys(kv_cache, blocks: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """``[H_kv, prompt_len, head_size]`` float32 keys of the prompt's blocks (``vec`` layout)."""
+    num_blocks, num_heads, block_size, twice_head = kv_cache.shape
+    head_size = twice_head // 2
+    slabs = kv_cache[blocks].view(len(blocks), num_heads, 2 * block_size, head_size)[:, :, :block_size]
+    keys = slabs.reshape(len(blocks), num_heads, head_size, block_size).transpose(2, 3)
+    return keys.permute(1, 0, 2, 3).reshape(num_heads, -1, head_size)[:, :prompt_len].float()
+
+
+def _votes(queries: torch.Tensor, keys: torch.Tensor, scale: float, kernel: int) -> torch.Tensor:
+    """SnapKV's pooled votes ``[H_kv, prompt_len]`` of the window ``queries`` ``[w, H, D]`` over ``keys``."""
+    window, num_q_heads, head_size = queries.shape
+    num_kv_heads, prompt_len, _ = keys.shape
+    grouped = queries.float().permute(1, 0, 2).reshape(num_kv_heads, num_q_heads // num_kv_heads, window, head_size)
+    logits = torch.einsum("kgqd,kpd->kgqp", grouped, keys) * scale
+    query_pos = torch.arange(prompt_len - window, prompt_len).unsqueeze(1)
+    logits.masked_fill_(torch.arange(prompt_len).unsqueeze(0) > query_pos, float("-inf"))
+    votes = logits.softmax(dim=-1).sum(dim=2).mean(dim=1)
+    if kernel > 1:
+        votes = F.max_pool1d(votes.unsqueeze(1), kernel, 1, kernel // 2).squeeze(1)
+    return votes
+
+
+def _block_scores(votes: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Sum of the votes of each block: ``[H_kv, ceil(prompt_len / block_size)]``."""
+    padding = -votes.shape[1] % block_size
+    return F.pad(votes, (0, padding)).view(votes.shape[0], -1, block_size).sum(dim=2)

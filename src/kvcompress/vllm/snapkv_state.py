@@ -1,0 +1,66 @@
+"""Per-request block SnapKV state in the worker, keyed by the id of the request's first KV block.
+
+The metadata builder sees batch rows, not request ids, and rows move between steps. A request's first block is
+never freed while the request lives (it receives the first selected block), so its id names the request among
+the running ones. A request's first step (a prefill with nothing cached) resets what a finished request with
+the same first block left behind. Per id the tracker keeps whether a prefill awaits compression and, once
+compressed, the prompt length, from which ``SnapKVBlocks`` derives the evicted range every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from kvcompress.vllm.policies import SnapKVBlocks
+from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
+
+
+class SnapKVTracker:
+    """Which rows stash queries and which compress their prompt in a step, and every row's compressed prompt length."""
+
+    def __init__(self, policy: SnapKVBlocks) -> None:
+        self.policy = policy
+        self.prompt_len = torch.zeros(0, dtype=torch.long)  # by first block id; 0: not compressed
+        self.pending = torch.zeros(0, dtype=torch.bool)  # by first block id: prefilled, not yet compressed
+
+    def _grow(self, max_id: int) -> None:
+        if max_id >= len(self.prompt_len):
+            size = max(2 * len(self.prompt_len), max_id + 1)
+            self.prompt_len = torch.cat([self.prompt_len, self.prompt_len.new_zeros(size - len(self.prompt_len))])
+            self.pending = torch.cat([self.pending, self.pending.new_zeros(size - len(self.pending))])
+
+    def track(self, common: CommonAttentionMetadata, context: torch.Tensor) -> tuple[SnapKVStep | None, torch.Tensor]:
+        """This step's work (``None`` if none) and the compressed prompt length of each row (0 if not yet)."""
+        num_reqs = common.num_reqs
+        table = common.block_table_tensor[:num_reqs]
+        keys = table[:, 0].long()
+        self._grow(int(keys.max()) if num_reqs else 0)
+        live = common.seq_lens[:num_reqs] > 0
+        prefilling = common.is_prefilling[:num_reqs].to(torch.bool) & live
+        self.prompt_len[keys[prefilling & (context == 0)]] = 0
+        selecting = ~prefilling & live & self.pending[keys]
+        self.prompt_len[keys[selecting]] = context[selecting]
+        self.pending[keys[selecting]] = False
+        self.pending[keys[prefilling]] = True
+        step = None
+        if prefilling.any() or selecting.any():
+            step = SnapKVStep(self.policy, self._stash_rows(common, keys, context, prefilling),
+                              self._select_rows(table, keys, context, selecting))
+        return step, self.prompt_len[keys]
+
+    @staticmethod
+    def _stash_rows(common, keys, context, prefilling) -> list[StashRow]:
+        starts = common.query_start_loc_cpu
+        return [
+            StashRow(int(keys[i]), int(starts[i]), int(starts[i + 1]), int(context[i]))
+            for i in prefilling.nonzero().flatten().tolist()
+        ]
+
+    def _select_rows(self, table, keys, context, selecting) -> list[SelectRow]:
+        rows = []
+        for i in selecting.nonzero().flatten().tolist():
+            prompt_len = int(context[i])
+            num_blocks = -(-prompt_len // self.policy.block_size)
+            rows.append(SelectRow(int(keys[i]), prompt_len, table[i, :num_blocks].long().clone()))
+        return rows
