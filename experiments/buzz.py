@@ -31,9 +31,13 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
-from experiments.results_file import append_row, done_keys, load_rows
+from kvcompress.core.contract import AttentionStats
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.generation import prefill
+from kvcompress.models import load_model
+from kvcompress.results import append_row, done_keys, read_rows
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "docs" / "results" / "buzz_results.jsonl"
 PLOTS = ROOT / "docs" / "results"
@@ -74,8 +78,6 @@ def describe(method: str, params: dict[str, object]) -> str:
 
 
 def load():
-    from kvcompress.models import load_model
-
     torch.set_num_threads(1)
     model, tokenizer = load_model(MODEL)
     return model, tokenizer
@@ -159,14 +161,7 @@ def summary_prompts(tokenizer, count: int, passage_tokens: int) -> list[torch.Te
 def generate_with(model, tokenizer, ids: torch.Tensor, method: str, params: dict, new_tokens: int) -> tuple[str, dict]:
     cache = kvcompress.cache_for(model, method, **params)
     stored: list[int] = []
-    layer = cache.compressed_layers[0]
-    select = layer.after_attention
-
-    def recording(stats, select=select):
-        select(stats)
-        stored.append(layer.stored_length())
-
-    layer.after_attention = recording
+    cache.compressed_layers[0].observers.append(lambda layer: stored.append(layer.stored_length()))
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -201,7 +196,7 @@ def run_summary(
     prompts = summary_prompts(tokenizer, count, passage_tokens)
     for index, ids in enumerate(prompts):
         ref_key = json.dumps(["summary", "full", 0, index, passage_tokens, new_tokens])
-        rows = {row["key"]: row for row in load_rows(out)}
+        rows = {row["key"]: row for row in read_rows(out)}
         if ref_key not in rows:
             start = time.process_time()
             text, lengths = generate_with(model, tokenizer, ids, "full", {}, new_tokens)
@@ -291,8 +286,6 @@ def docqa_prompt(tokenizer, sample: dict, position: int) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def docqa_answer(model, tokenizer, context, question, method, params, new_tokens: int) -> tuple[str, int]:
     """Prefill the documents (one pass; the cache evicts after it), then feed the question and decode."""
-    from kvcompress.generation import prefill
-
     cache = kvcompress.cache_for(model, method, **params)
     prefill(model, context, cache)
     stored = cache.tokens_stored()[0]
@@ -363,9 +356,6 @@ def _summary(samples: list[float], evicted: list[bool]) -> dict[str, float]:
 def cache_op_times(method: str, params: dict, batch: int, heads: int, dim: int, size: int, steps: int) -> dict:
     """One ``CompressedLayer`` filled with ``size`` tokens, then ``steps`` single-token updates + evictions, each
     timed (``update`` + ``after_attention`` with synthetic received-attention statistics, as ``bench.cache_op``)."""
-    from kvcompress.core.contract import AttentionStats
-    from kvcompress.core.layer import CompressedLayer
-
     generator = torch.Generator().manual_seed(0)
     policy = kvcompress.make_config(method, **params).policy(0)
     layer = CompressedLayer(policy)
@@ -393,8 +383,6 @@ def cache_op_times(method: str, params: dict, batch: int, heads: int, dim: int, 
 @torch.no_grad()
 def decode_times(model, method: str, params: dict, context: int, steps: int) -> dict:
     """SmolLM2 decode step time at a logical context (chunked prefill first), every step timed."""
-    from kvcompress.generation import prefill
-
     vocab = model.config.vocab_size
     ids = torch.randint(100, vocab, (1, context + steps), generator=torch.Generator().manual_seed(0))
     cache = kvcompress.cache_for(model, method, **params)
@@ -611,7 +599,7 @@ def plots(rows: list[dict]) -> None:
 
 
 def report(out: Path = RESULTS) -> None:
-    rows = load_rows(out)
+    rows = read_rows(out)
     for title, experiment in (
         ("ppl", "ppl"),
         ("sweep", "sweep"),

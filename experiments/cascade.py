@@ -34,9 +34,17 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
+from kvcompress.bench import cache_op
+from kvcompress.bench.common import Timing, environment, time_calls
+from kvcompress.bench.sink_references import CircularSinkCache, ConcatSinkCache
+from kvcompress.core.contract import AttentionStats
 from kvcompress.eval.data import gutenberg_books
+from kvcompress.eval.tasks.passkey import ANSWER_PREFIX, FILLER, INTRO, NEEDLE, QUESTION
+from kvcompress.generation import positions_from_mask, prefill
+from kvcompress.methods.cascade.layer import CascadeLayer
+from kvcompress.models import load_model
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 OUT = ROOT / "runs" / "cascade"
 PLOTS = ROOT / "docs" / "results"
 PERF = PLOTS / "cascade_perf"  # bench outputs (cache-op, decode) for docs/results/cascade.md
@@ -45,8 +53,6 @@ SINKS = 4
 
 
 def load(model_name: str = MODEL):
-    from kvcompress.models import load_model
-
     torch.set_num_threads(1)
     model, tokenizer = load_model(model_name)
     return model, tokenizer
@@ -170,8 +176,6 @@ def cmd_stream_ablation(args) -> None:
 def cmd_all(args) -> None:
     """Every run behind ``docs/results/cascade.md``, in one process, cheapest first (each step skips the
     configurations already saved, so this resumes)."""
-    from kvcompress.bench import cache_op
-
     steps = [
         "cache-op",
         ["decode", "--out", str(PERF)],
@@ -194,8 +198,6 @@ def cmd_all(args) -> None:
 
 def passkey_prompts(tokenizer, args) -> tuple[list[torch.Tensor], list[str], list[int]]:
     """The passkey prompts (ending in the answer prefix), their keys and how many tokens back each needle lies."""
-    from kvcompress.eval.tasks.passkey import ANSWER_PREFIX, FILLER, INTRO, NEEDLE, QUESTION
-
     generator = torch.Generator().manual_seed(0)
     filler_ids = tokenizer(" " + FILLER, add_special_tokens=False).input_ids
     prompts, keys, distances = [], [], []
@@ -228,8 +230,6 @@ def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def key_nll(model, prompts: list[torch.Tensor], key_ids: torch.Tensor, cache) -> list[float]:
     """Teacher-forced mean NLL per key token (``key_ids`` ``[B, K]``) after each prompt went through ``cache``: a
     graded retrieval score where a small model's exact answers are all wrong."""
-    from kvcompress.generation import positions_from_mask, prefill
-
     batch, mask = left_padded(prompts)
     first = prefill(model, batch, cache, attention_mask=mask, chunk_size=64)
     full_mask = torch.cat([mask, torch.ones_like(key_ids)], 1)
@@ -285,11 +285,6 @@ def cmd_cache_op(args) -> None:
     Our layers are driven as the bench's ``cache-op`` drives the others: ``update`` + ``after_attention(stats)``
     (for the cascade the statistics are post-softmax rows over its ``S + |C|`` slots, so N = 4 includes the EMA
     with its head reduction; N = 1 never reads scores). References from ``kvcompress.bench.cache_op``."""
-    from kvcompress.bench.cache_op import CircularSinkCache, ConcatSinkCache
-    from kvcompress.bench.common import environment, time_calls
-    from kvcompress.core.contract import AttentionStats
-    from kvcompress.methods.cascade.layer import CascadeLayer
-
     torch.set_num_threads(1)
     batch, heads, dim, window = args.batch, args.heads, args.head_dim, args.window
     generator = torch.Generator().manual_seed(0)
@@ -333,9 +328,6 @@ def cmd_decode(args) -> None:
     steps are single tokens, identical in both modes), then single-token steps alternate between the two caches
     (``--steps`` rounds), so a change in machine load hits both contexts alike; the ratio of the medians (CPU time
     and wall time) is the result."""
-    from kvcompress.bench.common import Timing
-    from kvcompress.generation import prefill
-
     model, _ = load()
     ids = torch.randint(
         100, 40000, (1, max(args.contexts) + args.steps + 2), generator=torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ used for training), token-level perplexity of every next token of each window. B
 head, given as shares of the 512-token window (5 / 10 / 20 % = 24 / 50 / 102 for H2O's even split; spec A4).
 Two ways to run a configuration:
 
-- ``masked``: one parallel forward per window with every layer in the masked form (``kvcompress.less_kernels``):
+- ``masked``: one parallel forward per window with every layer in the masked form (``kvcompress.methods.less.masked``):
   each layer simulates its base policy on its own queries and keys (generation rule) and LESS adds the evicted
   tokens' low-rank term. This is the paper's Table 2 style evaluation.
 - ``decode``: the real compressed cache, token 0 as the prompt and every later token fed alone (Algorithm 1):
@@ -39,9 +39,17 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
-from experiments.results_file import append_row, done_keys, load_rows
+from kvcompress.eval.data import wikitext_test
+from kvcompress.methods.full import FullConfig
+from kvcompress.methods.h2o import H2OConfig
+from kvcompress.methods.less import LessConfig, baseline_plus
+from kvcompress.methods.less.kernels import SHIPPED, layer_file, load_kernels, load_layer, read_meta
+from kvcompress.methods.less.masked import masked_forward, masked_run
+from kvcompress.methods.streaming import StreamingConfig
+from kvcompress.models import load_model
+from kvcompress.results import append_row, done_keys, read_rows
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 RESULTS = ROOT / "docs" / "results" / "less_results.jsonl"
 PLOTS = ROOT / "docs" / "results"
 MODEL = "smollm2-135m"
@@ -52,8 +60,6 @@ MODEL = "smollm2-135m"
 
 def wikitext_windows(tokenizer: Any, count: int, window: int) -> torch.Tensor:
     """``count`` windows ``[count, window]`` evenly spaced over the WikiText-2 test split."""
-    from kvcompress.eval.data import wikitext_test
-
     ids = tokenizer(wikitext_test(), add_special_tokens=False, return_tensors="pt").input_ids[0]
     last = ids.numel() - window
     starts = [round(i * last / max(1, count - 1)) for i in range(count)]
@@ -62,9 +68,6 @@ def wikitext_windows(tokenizer: Any, count: int, window: int) -> torch.Tensor:
 
 def policy_config(policy: str, budget: int):
     """The sparse policy at ``budget``: ``h2o`` (50/50 split) or ``lambda`` (4 sinks + recent, original positions)."""
-    from kvcompress.methods.h2o import H2OConfig
-    from kvcompress.methods.streaming import StreamingConfig
-
     if policy == "h2o":
         return H2OConfig(budget=budget)
     if policy == "lambda":
@@ -73,9 +76,6 @@ def policy_config(policy: str, budget: int):
 
 
 def row_config(variant: str, policy: str, budget: int, kernels: Any = None, rank: int = 8):
-    from kvcompress.methods.full import FullConfig
-    from kvcompress.methods.less import LessConfig, baseline_plus
-
     base = policy_config(policy, budget)
     if variant == "full":
         return FullConfig()
@@ -98,8 +98,6 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def masked_nll(model, ids: torch.Tensor, config, batch: int = 16) -> torch.Tensor:
-    from kvcompress.methods.less.masked import masked_forward, masked_run
-
     layers = model.config.num_hidden_layers
     parts = []
     for start in range(0, ids.shape[0], batch):
@@ -144,9 +142,6 @@ def run_ppl(
     out: Path,
     allow_missing: bool = False,
 ) -> None:
-    from kvcompress.methods.less.kernels import load_kernels
-    from kvcompress.models import load_model
-
     model, tokenizer = load_model(MODEL)
     ids = wikitext_windows(tokenizer, windows, window)
     done = done_keys(out)
@@ -229,8 +224,6 @@ def training_summary(directories: Sequence[str], plots: Path = PLOTS) -> str:
 
 def _trained_layers(directory: str) -> tuple[dict, dict[int, dict]]:
     """A kernel directory's settings and the training record of each finished layer."""
-    from kvcompress.methods.less.kernels import layer_file, load_layer, read_meta
-
     meta = read_meta(directory)
     records = {}
     for i in range(meta["num_layers"]):
@@ -292,7 +285,7 @@ def _plot_mse(curves: dict[str, dict[int, dict]], path: Path) -> None:
 
 
 def report(path: Path = RESULTS) -> str:
-    rows = load_rows(path)
+    rows = read_rows(path)
     out = []
     for windows in sorted({r["windows"] for r in rows}, reverse=True):
         out += _report_windows([r for r in rows if r["windows"] == windows])
@@ -358,7 +351,7 @@ def plot_ppl(path: Path = RESULTS) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = load_rows(path)
+    rows = read_rows(path)
     rows = [r for r in rows if r["mode"] == "masked" and r["policy"] == "h2o"]
     if not rows:
         return
@@ -421,8 +414,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.write is not None:
             write_block(args.write, "training", text)
     elif args.command == "ship":
-        from kvcompress.methods.less.kernels import SHIPPED, load_kernels
-
         target = load_kernels(args.directory).save(SHIPPED / args.name, dtype=torch.float16)
         size = sum(p.stat().st_size for p in target.iterdir())
         print(f"{target}: {size / 2**20:.1f} MiB; use LessConfig(kernels={args.name!r})")

@@ -21,7 +21,7 @@ decoding would write exactly the gold answer (argmax = gold at every answer toke
 Shared prefill. Every method here except the greedy ablation is one-shot: the prefill is exact and the method
 compresses each layer once from that layer's prefill queries, keys and values. So each prompt is prefilled *once*
 (capturing every layer's post-RoPE ``Q``, ``K``, ``V``), and each configuration's cache is built by replaying the
-library's own attention function (``kvcompress.attention.kvcompress_attention``: statistics, ``attend``,
+library's own attention function (``kvcompress.core.attention.kvcompress_attention``: statistics, ``attend``,
 ``after_attention`` and the method's ``select``) layer by layer on the captured tensors, with the attention
 *output* (unused: the prefill's hidden states are the captured ones) replaced by zeros. The query-agnostic
 context is a prefix of the query-aware prompt, so its tensors are a prefix of the same capture (causal
@@ -42,30 +42,28 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
-import kvcompress.attention as kv_attention
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import kvcompress
-import kvcompress.eval.tasks.prompting as prompting
-from experiments.results_file import done_keys, load_rows
+from kvcompress.core.attention import kvcompress_attention, register_attention
 from kvcompress.core.selection import ratio_budget
 from kvcompress.eval.configs import EvalConfig
 from kvcompress.eval.tasks import make_task
+from kvcompress.generation import prefill
+from kvcompress.models import load_model
+from kvcompress.results import done_keys, read_rows
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 RESULTS = ROOT / "docs" / "results" / "nacl_results.jsonl"
 ABLATION_RESULTS = ROOT / "docs" / "results" / "nacl_ablation_results.jsonl"
 PLOTS = ROOT / "docs" / "results"
 MODEL = "smollm2-135m"
 CAPTURE = "kvcompress_nacl_capture"
-MODEL_REF: list = []  # the model of the current run (compress_copy builds caches for it)
 
 RATIOS = (0.1, 0.2, 0.3)
 GREEDY_SAMPLES = 3  # per task
@@ -98,9 +96,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
 @torch.no_grad()
 def capture_prefill(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     """One exact prefill of ``input_ids`` (batch 1); each layer's post-RoPE queries, keys, values and scaling."""
-    if CAPTURE not in AttentionInterface._global_mapping:
-        AttentionInterface.register(CAPTURE, _capture_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    register_attention(CAPTURE, _capture_attention, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.set_attn_implementation(CAPTURE)
     try:
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
@@ -117,16 +113,13 @@ def capture_prefill(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, 
 def replay(cache, captured, length: int) -> None:
     """Fill ``cache`` with the first ``length`` tokens of a capture through kvcompress' attention function."""
     positions = torch.arange(length)[None]
-    with mock.patch.object(kv_attention, "sdpa", lambda query, *args: torch.zeros_like(query)):
-        for layer, (query, key, value, scaling) in zip(cache.layers, captured, strict=True):
-            keys, values = layer.update(key[:, :, :length], value[:, :, :length])
-            kv_attention.kvcompress_attention(
-                None, query[:, :, :length], keys, values, None, scaling, position_ids=positions
-            )
+    for layer, (query, key, value, scaling) in zip(cache.layers, captured, strict=True):
+        keys, values = layer.update(key[:, :, :length], value[:, :, :length])
+        kvcompress_attention(None, query[:, :, :length], keys, values, None, scaling, position_ids=positions)
 
 
 class SharedPrefill:
-    """Within ``active(ids, captured)``, ``prompting.prefill`` of a one-shot cache replays the capture instead."""
+    """A task's ``fill`` that, within ``active(ids, captured)``, replays the capture into a one-shot cache."""
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
@@ -143,7 +136,7 @@ class SharedPrefill:
             or length > self.ids.shape[1]
             or not torch.equal(self.ids[:, :length], input_ids)
         ):
-            return self.real_prefill(model, input_ids, cache, attention_mask=attention_mask, chunk_size=chunk_size)
+            return prefill(model, input_ids, cache, attention_mask=attention_mask, chunk_size=chunk_size)
         replay(cache, self.captured, length)
         self.replayed += 1
         return None
@@ -151,12 +144,10 @@ class SharedPrefill:
     @contextmanager
     def active(self, ids: torch.Tensor, captured) -> Iterator[None]:
         self.ids, self.captured = ids, captured
-        self.real_prefill = prompting.prefill
-        with mock.patch.object(prompting, "prefill", self.prefill):
-            try:
-                yield
-            finally:
-                self.ids = self.captured = None
+        try:
+            yield
+        finally:
+            self.ids = self.captured = None
 
 
 # --- configurations -----------------------------------------------------------------------------------------
@@ -216,13 +207,13 @@ def score_answer(model, cache, prompt: torch.Tensor, answer: torch.Tensor) -> di
     return {"accuracy": float((logits.argmax(-1) == answer[0]).all()), "nll": float(nll)}
 
 
-def compress_copy(uncompressed: dict, captured, length: int, mode: str, config: EvalConfig):
+def compress_copy(model, uncompressed: dict, captured, length: int, mode: str, config: EvalConfig):
     """A baseline's cache at ``config``'s ratio from one replay at ratio 1 (its statistics do not depend on the
     ratio): the replayed cache is copied and each layer runs the method's ``select`` with the wanted config."""
     key = (mode, config.method, config.params)
     if key not in uncompressed:
         base = kvcompress.make_config(config.method, **dict(config.param_dict, ratio=1.0))
-        cache = kvcompress.cache_for(MODEL_REF[0], base)
+        cache = kvcompress.cache_for(model, base)
         replay(cache, captured, length)
         uncompressed[key] = cache
     cache = copy.deepcopy(uncompressed[key])
@@ -236,12 +227,9 @@ def compress_copy(uncompressed: dict, captured, length: int, mode: str, config: 
 
 
 def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: Path, limit_tasks=None) -> None:
-    from kvcompress.models import load_model
-
     torch.set_num_threads(1)
     model, tokenizer = load_model(MODEL)
     kvcompress.prepare_model(model)
-    MODEL_REF[:] = [model]
     done = done_keys(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tasks = {k: v for k, v in TASKS.items() if limit_tasks is None or k in limit_tasks}
@@ -274,11 +262,11 @@ def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: P
                     begin = time.perf_counter()
                     cache = task.new_cache(config)
                     if config.method in BASELINES:
-                        cache = compress_copy(uncompressed, captured, lengths[mode], mode, config)
+                        cache = compress_copy(model, uncompressed, captured, lengths[mode], mode, config)
                     elif config.method == "full" or all(layer.policy.one_shot for layer in cache.compressed_layers):
                         replay(cache, captured, lengths[mode])  # full: the capture's exact keys and values
                     else:  # greedy ablation: the real chunked prefill, evicting after every chunk
-                        prompting.prefill(model, prompt[:, : lengths[mode]], cache, chunk_size=64)
+                        prefill(model, prompt[:, : lengths[mode]], cache, chunk_size=64)
                     compressed = cache.tokens_stored()
                     scores = score_answer(model, cache, prompt, gold)
                     row = {
@@ -307,58 +295,35 @@ def run(experiment: str, samples: int, length: int, modes: Sequence[str], out: P
 
 def overhead(length: int) -> None:
     """Share of a NaCl prefill (one pass and chunks of 512) spent in NaCl's own work: buffering proxy queries,
-    proxy scores, selection. A ratio of two timings of the same run, so it holds up on a loaded machine."""
-    from kvcompress.generation import prefill
-    from kvcompress.methods.nacl import NaClPolicy
-    from kvcompress.models import load_model
-
+    proxy scores, selection (the policy's ``torch.profiler`` labels). A ratio of two timings of the same run, so it
+    holds up on a loaded machine."""
     torch.set_num_threads(1)
     model, _ = load_model(MODEL)
     ids = torch.randint(100, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-    spent = {"buffer": 0.0, "scores": 0.0, "select": 0.0}
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            begin = time.perf_counter()
-            result = fn(*args, **kwargs)
-            spent[name] += time.perf_counter() - begin
-            return result
-
-        return wrapper
-
-    patches = [
-        mock.patch.object(NaClPolicy, "_buffer_proxy_queries", timed("buffer", NaClPolicy._buffer_proxy_queries)),
-        mock.patch.object(NaClPolicy, "proxy_scores", timed("scores", NaClPolicy.proxy_scores)),
-        mock.patch.object(NaClPolicy, "hybrid_selection", timed("select", NaClPolicy.hybrid_selection)),
-    ]
-    for patch in patches:
-        patch.start()
-    try:
-        for chunk in (None, 512):
-            spent.update(buffer=0.0, scores=0.0, select=0.0)
-            cache = kvcompress.cache_for(model, "nacl", ratio=0.2)
-            begin = time.perf_counter()
+    labels = {phase: f"kvcompress.nacl.{phase}" for phase in ("buffer", "scores", "select")}
+    for chunk in (None, 512):
+        cache = kvcompress.cache_for(model, "nacl", ratio=0.2)
+        begin = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             prefill(model, ids, cache, chunk_size=chunk)
-            total = time.perf_counter() - begin
-            own = sum(spent.values())
-            parts = ", ".join(f"{k} {v:.2f} s" for k, v in spent.items())
-            print(
-                f"{length} tokens, chunk {chunk}: prefill {total:.1f} s, NaCl's own work {own:.1f} s "
-                f"({100 * own / total:.1f} %): {parts}"
-            )
-    finally:
-        for patch in patches:
-            patch.stop()
+        total = time.perf_counter() - begin
+        cpu_us = {event.key: event.cpu_time_total for event in profile.key_averages()}
+        spent = {name: cpu_us.get(label, 0.0) / 1e6 for name, label in labels.items()}
+        own = sum(spent.values())
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in spent.items())
+        print(
+            f"{length} tokens, chunk {chunk}: prefill {total:.1f} s (profiled), NaCl's own work {own:.1f} s "
+            f"({100 * own / total:.1f} %): {parts}"
+        )
 
 
 def check(samples: int, length: int) -> None:
     """Shared-prefill replay vs the ordinary chunked prefill: same kept tokens (per layer/head), same answers."""
-    from kvcompress.models import load_model
-
     torch.set_num_threads(1)
     model, tokenizer = load_model(MODEL)
     shared = SharedPrefill()
     task = make_task("niah", model, tokenizer, seed=0, length=length, modes=("aware",), subtasks=("single",))
+    task.fill = shared.prefill  # replays while shared is active, the real prefill otherwise
     configs = [("nacl", 0.2, EvalConfig("nacl", (("seed", 0),), 0.2))] + [
         (name, 0.2, EvalConfig(name, (), 0.2)) for name in BASELINES
     ]
@@ -367,10 +332,10 @@ def check(samples: int, length: int) -> None:
         captured = capture_prefill(model, prompt[:, :-1])
         for label, _, config in configs:
             real = task.new_cache(config)
-            prompting.prefill(model, prompt[:, :-1], real, chunk_size=64)
+            prefill(model, prompt[:, :-1], real, chunk_size=64)
             fast = task.new_cache(config)
             with shared.active(prompt[:, :-1], captured):
-                prompting.prefill(model, prompt[:, :-1], fast, chunk_size=64)
+                shared.prefill(model, prompt[:, :-1], fast, chunk_size=64)
             same = sum(
                 torch.equal(a.token_idx, b.token_idx)
                 for a, b in zip(real.compressed_layers, fast.compressed_layers, strict=True)
@@ -449,7 +414,7 @@ def main_tables(rows: list[dict]) -> str:
 def ablation_table(rows: list[dict]) -> str:
     rows = [r for r in rows if r["experiment"] == "ablation"]
     lines = []
-    full_rows = [r for r in load_rows(RESULTS) if r["experiment"] == "main" and r["row_label"] == "full"]
+    full_rows = [r for r in read_rows(RESULTS) if r["experiment"] == "main" and r["row_label"] == "full"]
     for mode in ("aware", "agnostic"):
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for r in rows:
@@ -536,7 +501,7 @@ def plots(rows: list[dict]) -> list[Path]:
 
 
 def report(path: Path) -> None:
-    rows = load_rows(path) + (load_rows(ABLATION_RESULTS) if ABLATION_RESULTS.exists() else [])
+    rows = read_rows(path) + (read_rows(ABLATION_RESULTS) if ABLATION_RESULTS.exists() else [])
     for metric in ("accuracy", "nll"):
         METRIC[0] = metric
         print(f"## main: {metric}\n" + main_tables(rows))

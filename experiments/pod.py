@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -34,10 +35,25 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
-from experiments.results_file import append_row, load_rows
+from kvcompress.eval.data import wikitext_test
+from kvcompress.eval.tasks import make_task
+from kvcompress.methods.pod.grouping import (
+    block_starts,
+    format_blocks,
+    group_layers,
+    head_similarity,
+    kv_saving,
+    load_similarity,
+    starts_from_similarity,
+)
+from kvcompress.methods.pod.layer import pod_stats
 from kvcompress.methods.snapkv import SnapKVConfig
+from kvcompress.models import load_model, model_info
+from kvcompress.results import append_row, read_rows
+from kvcompress.train.pod_adapt import AdaptConfig, load_adapted
+from kvcompress.train.pod_calibrate import default_output, default_training_files, save_similarity, token_windows
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 DATA = ROOT.parent / "shared" / "data"
 DOCS = ROOT / "docs" / "results"
 RESULTS = DOCS / "pod_results.jsonl"
@@ -58,8 +74,6 @@ TAUS = (0.95, 0.9, 0.8, 0.7, 0.5, 0.0)
 
 
 def similarity_file() -> Path:
-    from kvcompress.train.pod_calibrate import default_output
-
     return default_output(MODEL)
 
 
@@ -69,8 +83,6 @@ def pod(delta: float, **extra: object) -> tuple[str, dict[str, object]]:
 
 def equal_budget(delta: float = 0.5) -> int:
     """Tokens per layer and KV head a full-precision eviction cache stores for PoD(delta)'s bytes at n = 512."""
-    from kvcompress.methods.pod.grouping import kv_saving, load_similarity, starts_from_similarity
-
     starts = starts_from_similarity(load_similarity(similarity_file()), delta, None)
     return round(LENGTH * (1 - kv_saving(starts, LENGTH, NS, NR)[0]))
 
@@ -98,9 +110,6 @@ def configs(name: str) -> dict[str, tuple[str, dict[str, object], str]]:
 
 
 def load(weights: str = "base"):
-    from kvcompress.models import load_model, model_info
-    from kvcompress.train.pod_adapt import load_adapted
-
     torch.set_num_threads(1)
     model, tokenizer = load_model(MODEL)
     if weights != "base":
@@ -110,8 +119,6 @@ def load(weights: str = "base"):
 
 def wikitext_windows(tokenizer, count: int) -> torch.Tensor:
     """``count`` windows of 512 tokens spread evenly over WikiText-2 test."""
-    from kvcompress.eval.data import wikitext_test
-
     ids = tokenizer(wikitext_test(), add_special_tokens=False, return_tensors="pt").input_ids[0]
     total = ids.numel() // LENGTH
     picks = torch.linspace(0, total - 1, count).round().long()
@@ -122,9 +129,6 @@ def gutenberg_windows(tokenizer, count: int) -> torch.Tensor:
     """``count`` 512-token windows of the training books (in-domain) that no adaptation run trained on: the runs
     read windows in the order ``randperm(N, seed 0)`` (``pod_adapt``, seed 0, batch 1) and none read more than
     ``TRAINED_WINDOWS``; the held-out ones are picked evenly among the rest."""
-    from kvcompress.train.pod_adapt import AdaptConfig
-    from kvcompress.train.pod_calibrate import default_training_files, token_windows
-
     windows = token_windows(tokenizer, default_training_files(), LENGTH)
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(AdaptConfig().seed))
     held = sorted(set(range(len(windows))) - set(order[:TRAINED_WINDOWS].tolist()))
@@ -149,9 +153,7 @@ def window_nll(model, ids: torch.Tensor, method: str, params: dict, feed: str) -
 
 
 def run_ppl(experiment: str, labels: Sequence[str] | None, weights: Sequence[str], windows: int) -> None:
-    from kvcompress.methods.pod.layer import pod_stats
-
-    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows(RESULTS)}
+    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in read_rows(RESULTS)}
     table = configs("ppl" if experiment == "ppl-gutenberg" else experiment)
     for weight in weights:
         model, tokenizer, per_token = load(weight)
@@ -181,9 +183,7 @@ def run_ppl(experiment: str, labels: Sequence[str] | None, weights: Sequence[str
 
 
 def run_task(task_name: str, labels: Sequence[str] | None, weights: Sequence[str], samples: int) -> None:
-    from kvcompress.eval.tasks import make_task
-
-    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in load_rows(RESULTS)}
+    done = {(r["experiment"], r["label"], r["weights"], r["sample"]) for r in read_rows(RESULTS)}
     table = configs(task_name)
     for weight in weights:
         model, tokenizer, per_token = load(weight)
@@ -220,16 +220,6 @@ def run_similarity() -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from kvcompress.methods.pod.grouping import (
-        block_starts,
-        format_blocks,
-        group_layers,
-        head_similarity,
-        kv_saving,
-        load_similarity,
-    )
-    from kvcompress.train.pod_calibrate import save_similarity
 
     data = load_similarity(similarity_file())
     save_similarity(data, DOCS / "pod_similarity_smollm2.pt.tmp", DOCS / "pod_similarity_smollm2.json")
@@ -285,7 +275,7 @@ def _mean(values: list[float]) -> float:
 
 
 def report() -> None:
-    rows = load_rows(RESULTS)
+    rows = read_rows(RESULTS)
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["experiment"], row["weights"], row["label"]), []).append(row)
@@ -375,10 +365,8 @@ def doc_table(rows: list[dict], keep) -> str:
 
 def write_doc_tables(path: Path = DOCS / "pod.md") -> None:
     """Rewrite the tables between ``<!-- table:NAME -->`` and ``<!-- /table -->`` markers of the results page."""
-    import re
-
     text = path.read_text()
-    rows = load_rows(RESULTS)
+    rows = read_rows(RESULTS)
     for name, spec in DOC_TABLES.items():
         pattern = re.compile(rf"(<!-- table:{name} -->\n)(?:(?!<!-- ).*?\n)??(<!-- /table -->)", re.S)
         text = pattern.sub(lambda m, spec=spec: m.group(1) + doc_table(rows, spec) + "\n" + m.group(2), text)

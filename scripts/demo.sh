@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
-DATA="${KVCOMPRESS_DATA:-../shared/data}"
+export KVCOMPRESS_DATA="${KVCOMPRESS_DATA:-$(pwd)/../shared/data}"
+DATA="$KVCOMPRESS_DATA"
 SAMPLES="${DEMO_SAMPLES:-4}"
 PROMPT="$(mktemp)"
 { head -c 15000 "$DATA/paul_graham_essays/founders.txt"; printf '\n\nWhat is the main advice of the essay above? Answer in two sentences.\n'; } > "$PROMPT"

@@ -15,11 +15,11 @@ KVPRESS_VENV="${KVPRESS_VENV:-/work/kvpress-venv}"
 PY="${KVCOMPRESS_PYTHON:-python}"   # the kvcompress environment's python
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
 KVPRESS_VENV="$KVPRESS_VENV" bash scripts/vs_kvpress_env.sh
-"$PY" -m kvcompress.compare samples --out "$OUT" --samples "$SAMPLES" --length "$LENGTH" --budgets "$BUDGETS"
+"$PY" -m experiments.compare samples --out "$OUT" --samples "$SAMPLES" --length "$LENGTH" --budgets "$BUDGETS"
 "$KVPRESS_VENV/bin/python" scripts/vs_kvpress_side.py "$OUT/samples.json" "$OUT/kvpress.jsonl"
 # Our methods named in the issue on every sample; the exact one-shot counterparts on the first EXTRA_SAMPLES.
-"$PY" -m kvcompress.compare ours --out "$OUT" \
+"$PY" -m experiments.compare ours --out "$OUT" \
   --methods "full,streaming,snapkv:window=64;kernel=5;pooling=avg,tova,knorm,h2o_oneshot"
-"$PY" -m kvcompress.compare ours --out "$OUT" --samples "$EXTRA_SAMPLES" \
+"$PY" -m experiments.compare ours --out "$OUT" --samples "$EXTRA_SAMPLES" \
   --methods "streaming_oneshot:position_mode=original,tova_oneshot,h2o_oneshot:heavy_ratio=1.0"
-"$PY" -m kvcompress.compare report --out "$OUT" --doc-data docs/results/vs-kvpress-data
+"$PY" -m experiments.compare report --out "$OUT" --doc-data docs/results/vs-kvpress-data

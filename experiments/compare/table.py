@@ -6,27 +6,16 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 from experiments.compare.agreement import compare_kept
 from experiments.compare.ours import COUNTERPARTS, OURS_FILE
 from experiments.compare.samples import SAMPLES_FILE, read_samples
 from kvcompress.eval.tasks.niah import string_match_all
+from kvcompress.results import read_rows
 
 KVPRESS_FILE = "kvpress.jsonl"
 REPORT_FILE = "report.md"
 SNAPKV_WINDOW, SNAPKV_KERNEL = 64, 5  # kvpress SnapKVPress defaults, matched by our label's parameters
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
 
 
 def _budget_text(budget: int | None) -> str:
@@ -40,8 +29,8 @@ def build_tables(out_dir: str | Path) -> str:
     answers = {s["id"]: s["answers"] for s in spec["samples"]}
     context = {s["id"]: len(s["context_ids"]) for s in spec["samples"]}
     token_ids = {s["id"]: s["context_ids"] for s in spec["samples"]}
-    theirs = {(r["sample"], r["method"], r["budget"]): r for r in read_jsonl(out_dir / KVPRESS_FILE)}
-    ours = {(r["sample"], r["method"], r["budget"]): r for r in read_jsonl(out_dir / OURS_FILE)}
+    theirs = {(r["sample"], r["method"], r["budget"]): r for r in read_rows(out_dir / KVPRESS_FILE)}
+    ours = {(r["sample"], r["method"], r["budget"]): r for r in read_rows(out_dir / OURS_FILE)}
     budgets: list[int | None] = [None, *spec["budgets"]]
     lines = [
         f"Samples: {len(spec['samples'])} niah `{spec['subtask']}` samples (seed {spec['seed']}, prompt length "
@@ -127,6 +116,6 @@ def write_report(out_dir: str | Path, doc_data: str | Path | None = None) -> Pat
         (target / REPORT_FILE).write_text(text)
         (target / SAMPLES_FILE).write_text((out_dir / SAMPLES_FILE).read_text())
         for name in (KVPRESS_FILE, OURS_FILE):
-            rows = [{k: v for k, v in r.items() if k != "kept"} for r in read_jsonl(out_dir / name)]
+            rows = [{k: v for k, v in r.items() if k != "kept"} for r in read_rows(out_dir / name)]
             (target / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -11,9 +11,10 @@ from transformers import PreTrainedModel
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.machine import VERSION
 from kvcompress.registry import METHODS, MethodConfig, make_config
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 
 def cache_for(model: PreTrainedModel, method: str | MethodConfig = "full", **params: object) -> CompressedCache:

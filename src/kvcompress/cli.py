@@ -13,41 +13,23 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
+
+import kvcompress
+from kvcompress import params as parse_params
+from kvcompress.models import list_models, load_model, model_info
+from kvcompress.registry import METHODS, method_defaults
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="KV-cache compression for transformers models.")
 console = Console()
 
 
-def parse_params(pairs: list[str]) -> dict[str, object]:
-    """``["sinks=4", "position_mode=original"]`` -> ``{"sinks": 4, "position_mode": "original"}``."""
-    params: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"--param takes key=value, got {pair!r}")
-        params[key.strip()] = parse_value(raw.strip())
-    return params
-
-
-def parse_value(raw: str) -> object:
-    lowered = raw.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
-
-
-def method_params(budget: int | None, ratio: float | None, extra: list[str]) -> dict[str, object]:
-    params = parse_params(extra)
+def method_params(method: str, budget: int | None, ratio: float | None, extra: list[str]) -> dict[str, object]:
+    """The method's parameters from ``--budget``, ``--ratio`` and ``-p key=value`` (parsed by each one's type)."""
+    params = parse_params.method_params(method, parse_params.split_pairs(extra))
     if budget is not None:
         params["budget"] = budget
     if ratio is not None:
@@ -80,16 +62,11 @@ def generate(
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
 ) -> None:
     """Generate with a compressed cache and report tokens seen vs stored and KV bytes vs the full cache."""
-    import torch
-
-    import kvcompress
-    from kvcompress.models import load_model, model_info
-
     torch.set_num_threads(threads)
     if (prompt is None) == (file is None):
         raise typer.BadParameter("give the prompt as an argument or with --file, not both")
     text = file.read_text(encoding="utf-8-sig") if file is not None else prompt
-    config = kvcompress.make_config(method, **method_params(budget, ratio, param))
+    config = kvcompress.make_config(method, **method_params(method, budget, ratio, param))
     with console.status(f"loading {model}"):
         lm, tokenizer = load_model(model)
     if chat and tokenizer.chat_template:
@@ -123,8 +100,6 @@ def generate(
 @app.command()
 def methods() -> None:
     """List the methods with their parameters, defaults and papers."""
-    from kvcompress.registry import METHODS, method_defaults
-
     table = Table(title="kvcompress methods")
     for column in ("method", "parameters (defaults)", "paper"):
         table.add_column(column)
@@ -141,8 +116,6 @@ def methods() -> None:
 @app.command()
 def models() -> None:
     """List the offline models and whether each is installed and converted."""
-    from kvcompress.models import list_models
-
     table = Table(title="kvcompress models")
     for column in ("name", "model", "installed", "converted", "install"):
         table.add_column(column)

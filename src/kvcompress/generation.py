@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from rich.progress import track
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
@@ -89,8 +90,6 @@ def stream_nll(
     losses = torch.empty(length - 1)
     starts = range(0, length - 1, chunk_size)
     if progress:
-        from rich.progress import track
-
         starts = track(starts, description=f"stream ({length} tokens)", transient=True)
     for start in starts:
         stop = min(start + chunk_size, length - 1)

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.bench.cache_op import (
-    BUZZ_AVERAGE,
-    CONCAT_SINK,
-    CacheOpSetup,
-    CircularSinkCache,
-    ConcatSinkCache,
-    run_cache_op,
-    synthetic_stats,
-)
+from kvcompress.bench.cache_op import BUZZ_AVERAGE, CONCAT_SINK, CacheOpSetup, run_cache_op
+from kvcompress.bench.cache_op_steps import synthetic_stats
 from kvcompress.bench.decode import DECODE_COLUMNS, decode_table, run_decode
 from kvcompress.bench.prefill import run_prefill
+from kvcompress.bench.sink_references import CircularSinkCache, ConcatSinkCache
 from kvcompress.bench.table import load_rows, markdown_table, save_rows
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.models import tiny_model

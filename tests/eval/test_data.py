@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvcompress.eval import data
+from tests.helpers import needs_shared_data
 
 HEADER = (
     "The Project Gutenberg EBook of Test, by Someone\r\n\r\nLicence words here.\r\n\r\n"
@@ -44,14 +45,17 @@ def test_read_text_drops_bom_and_crlf(tmp_path):
     assert doc.name == "book" and doc.text == BODY.replace("\r\n", "\n")
 
 
-def test_data_root_prefers_env_then_argument(tmp_path, monkeypatch):
+def test_data_root_prefers_argument_then_env_then_working_directory(tmp_path, monkeypatch):
     env_dir, arg_dir = tmp_path / "env", tmp_path / "arg"
     env_dir.mkdir()
     arg_dir.mkdir()
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(data.DATA_ENV, str(env_dir))
-    assert data.data_root(arg_dir) == env_dir
-    monkeypatch.delenv(data.DATA_ENV)
     assert data.data_root(arg_dir) == arg_dir
+    assert data.data_root() == env_dir
+    monkeypatch.delenv(data.DATA_ENV)
+    assert data.data_root().resolve() == (tmp_path / "data").resolve()
     with pytest.raises(FileNotFoundError, match="KVCOMPRESS_DATA"):
         data.data_root(tmp_path / "missing")
 
@@ -61,9 +65,8 @@ def test_load_documents_reads_a_folder_sorted(corpus):
     assert [d.name for d in docs] == ["essay0", "essay1", "essay2"]
 
 
-@pytest.mark.skipif(not data.DEFAULT_DATA_ROOT.is_dir(), reason="shared data not present")
-def test_shared_gutenberg_books_are_stripped(monkeypatch):
-    monkeypatch.delenv(data.DATA_ENV, raising=False)
+@needs_shared_data
+def test_shared_gutenberg_books_are_stripped():
     books = data.gutenberg_books()
     assert len(books) == 5
     for book in books:

@@ -13,7 +13,7 @@ from kvcompress.core.contract import AttentionStats
 from kvcompress.generation import prefill, stream_nll
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.registry import make_config
-from tests.helpers import cache_logits, own_logits
+from tests.helpers import cache_logits, needs_smollm2, own_logits
 
 
 def hand_layer(batch: int = 1, heads: int = 1, **params) -> CascadeLayer:
@@ -370,6 +370,7 @@ def test_public_views_give_the_model_keys_in_stream_order(tiny_llama):
 
 
 @pytest.mark.slow
+@needs_smollm2
 def test_smollm2_equals_the_full_cache_within_s_plus_w_and_runs_past_it():
     from kvcompress.models import load_model
 

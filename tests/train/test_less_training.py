@@ -10,7 +10,8 @@ import kvcompress
 from kvcompress.methods.less import LessConfig
 from kvcompress.methods.less.kernels import layer_file, load_kernels, load_layer
 from kvcompress.models import tiny_tokenizer
-from kvcompress.train.less import budget_tokens, train_less
+from kvcompress.train.less import train_less
+from kvcompress.train.less_data import budget_tokens
 from tests.helpers import cache_logits
 
 TEXT = (

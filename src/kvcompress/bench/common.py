@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -26,13 +25,42 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from kvcompress.machine import machine_description, versions
+from kvcompress.models import load_model
+
 MIB = 1 << 20
+
+# What the timing benchmarks run by default: ``full`` (no eviction, the reference) and the methods that stay
+# bounded while decoding, in the order their rows are listed.
+DECODE_TIME_METHODS: tuple[str, ...] = (
+    "full",
+    "window",
+    "streaming",
+    "h2o",
+    "tova",
+    "scissorhands",
+    "random",
+    "knorm",
+    "buzz",
+)
+
+
+def check_int(value: object, name: str, low: int = 1) -> None:
+    """Raise ``ValueError`` unless ``value`` (the parameter called ``name``) is an integer >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_methods(methods: Sequence[str], known: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming every entry of ``methods`` that is not in ``known`` (the accepted names)."""
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ValueError(f"methods must be among {', '.join(known)}; got {', '.join(unknown)}")
 
 
 def set_threads(threads: int) -> None:
     """Set torch's intra-op thread count (an integer >= 1); benchmarks never run with the default."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    check_int(threads, "threads")
     torch.set_num_threads(threads)
 
 
@@ -158,34 +186,12 @@ class PeakMemory:
 # --- environment ----------------------------------------------------------------------------------------------
 
 
-def machine_description(threads: int) -> str:
-    """One line naming the machine the numbers came from: cores, CPU model, torch version and device, threads."""
-    cores = os.cpu_count() or 0
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    device = "CUDA" if torch.cuda.is_available() else "CPU"
-    version = torch.__version__.split("+")[0]
-    plural = "" if threads == 1 else "s"
-    return f"{cores}-core {cpu}, torch {version} {device}, {threads} thread{plural}"
-
-
 def environment(threads: int) -> dict[str, object]:
     """Facts recorded beside every benchmark result."""
-    import transformers
-
     return {
         "machine": machine_description(threads),
         "threads": threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        **versions(),
         "cpu_count": os.cpu_count(),
     }
 
@@ -193,10 +199,17 @@ def environment(threads: int) -> dict[str, object]:
 def load_bench_model(model: str | PreTrainedModel) -> tuple[PreTrainedModel, str]:
     """A loaded model and its display name: a registry name / path / HF id is loaded with ``load_model``."""
     if isinstance(model, str):
-        from kvcompress.models import load_model
-
         return load_model(model)[0], model
     return model, getattr(model.config, "name_or_path", "") or type(model).__name__
+
+
+def random_prompt(model: PreTrainedModel, length: int, seed: int) -> torch.Tensor:
+    """``(1, length)`` random token ids for ``model``, seeded by ``seed``: timings do not depend on the text.
+
+    Ids start at 100 (or the last id of a smaller vocabulary), above the special tokens of most tokenizers.
+    """
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(min(100, vocab - 1), vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def touch_weights(model: PreTrainedModel) -> None:

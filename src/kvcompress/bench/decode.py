@@ -25,43 +25,37 @@ methods keep original positions.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 import kvcompress
 from kvcompress.bench.common import (
+    DECODE_TIME_METHODS,
     MIB,
+    check_int,
+    check_methods,
     current_rss,
     load_bench_model,
     peak_rss,
+    random_prompt,
     reset_peak_rss,
     set_threads,
     time_calls,
     touch_weights,
 )
-from kvcompress.bench.model_cli import add_run_options, method_names, model_bench_parser, publish
-from kvcompress.bench.table import Column, markdown_table, partial_writer
+from kvcompress.bench.model_cli import int_list, model_bench_parser, run_model_bench
+from kvcompress.bench.table import Column, markdown_table
 from kvcompress.generation import prefill
 
 logger = logging.getLogger(__name__)
 
-DECODE_METHODS: tuple[str, ...] = (
-    "full",
-    "window",
-    "streaming",
-    "h2o",
-    "tova",
-    "scissorhands",
-    "random",
-    "knorm",
-    "buzz",
-)
+DECODE_METHODS: tuple[str, ...] = DECODE_TIME_METHODS
 DYNAMIC = "DynamicCache (sdpa)"
 CONTEXTS: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
 Row = dict[str, object]
@@ -195,17 +189,12 @@ def run_decode(
     set_threads(threads)
     contexts = _check_contexts(contexts)
     for name, value, low in (("steps", steps, 1), ("warmup_steps", warmup_steps, 0), ("chunk_size", chunk_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_int(value, name, low)
+    check_methods(methods, kvcompress.METHODS)
     model, _ = load_bench_model(model)
     touch_weights(model)
     names = list(methods) + ([DYNAMIC] if dynamic else [])
-    unknown = [m for m in methods if m not in kvcompress.METHODS]
-    if unknown:
-        raise ValueError(f"methods must be among {', '.join(kvcompress.METHODS)}; got {', '.join(unknown)}")
-    vocab = model.config.get_text_config().vocab_size
-    total = contexts[-1] + warmup_steps + steps
-    ids = torch.randint(min(100, vocab - 1), vocab, (1, total), generator=torch.Generator().manual_seed(seed))
+    ids = random_prompt(model, contexts[-1] + warmup_steps + steps, seed)
     rows: list[Row] = []
     with torch.inference_mode():
         for method in names:
@@ -262,29 +251,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk used to reach each context")
     parser.add_argument("--no-dynamic", action="store_true", help="skip transformers' DynamicCache reference")
-    add_run_options(parser, "decode")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = run_decode(
-        args.model,
-        method_names(args.methods),
-        budget=args.budget,
-        contexts=[int(c) for c in args.contexts.split(",") if c],
-        steps=args.steps,
-        warmup_steps=args.warmup_steps,
-        chunk_size=args.chunk_size,
-        dynamic=not args.no_dynamic,
-        threads=args.threads,
-        seed=args.seed,
-        on_row=partial_writer(args.out, "decode"),
-    )
+    run_model_bench("decode", parser, argv, run_decode, _decode_options, decode_table, plot_options=("budget",))
 
-    def plot(path: Path, machine: str) -> None:
-        from kvcompress.bench.plots import plot_decode
 
-        plot_decode(rows, path, model=args.model, machine=machine, budget=args.budget)
-
-    publish("decode", args, rows, decode_table(rows), plot)
+def _decode_options(args: argparse.Namespace) -> dict[str, object]:
+    """``run_decode``'s own keyword arguments from the parsed command line ``args``."""
+    return {
+        "contexts": int_list(args.contexts),
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "chunk_size": args.chunk_size,
+        "dynamic": not args.no_dynamic,
+    }
 
 
 if __name__ == "__main__":

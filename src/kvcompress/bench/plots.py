@@ -20,6 +20,15 @@ def _by(rows: Sequence[Row], key: str) -> dict[str, list[Row]]:
     return groups
 
 
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (PNG at 110 dpi) and close it; returns ``path`` as a ``Path``."""
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 _DECODE_METRICS = {
     "cpu_ms": ("median CPU time per decode step (ms)", "decode step CPU time"),
     "step_ms": ("median wall time per decode step (ms)", "decode step wall time"),
@@ -54,11 +63,7 @@ def plot_decode(
     ax_kv.set_title("stored KV cache")
     ax_time.legend(fontsize=8, title=f"bounded methods: budget {budget}", loc="upper left")
     fig.suptitle(f"decode vs context — {model}, {machine}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_prefill(rows: Sequence[Row], path: str | Path, *, model: str, machine: str) -> Path:
@@ -88,11 +93,7 @@ def plot_prefill(rows: Sequence[Row], path: str | Path, *, model: str, machine: 
     axes[0].set_title("prefill CPU time" if cpu else "prefill wall time")
     axes[1].set_title("peak memory")
     fig.suptitle(f"prefill one pass vs chunked — {model}, {machine}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_cache_op(rows: Sequence[Row], path: str | Path, *, setup: str, machine: str) -> Path:
@@ -118,8 +119,4 @@ def plot_cache_op(rows: Sequence[Row], path: str | Path, *, setup: str, machine:
         loc="upper right",
     )
     ax.set_title(f"cache-op — {setup}\n{machine}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -10,20 +10,29 @@ runs ``repeats`` times on a fresh cache; medians are reported.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
 import kvcompress
-from kvcompress.bench.common import MIB, PeakMemory, load_bench_model, set_threads, touch_weights
-from kvcompress.bench.model_cli import add_run_options, method_names, model_bench_parser, publish
-from kvcompress.bench.table import Column, markdown_table, partial_writer
+from kvcompress.bench.common import (
+    MIB,
+    PeakMemory,
+    check_int,
+    check_methods,
+    load_bench_model,
+    random_prompt,
+    set_threads,
+    touch_weights,
+)
+from kvcompress.bench.model_cli import int_list, model_bench_parser, run_model_bench
+from kvcompress.bench.table import Column, markdown_table
 from kvcompress.generation import prefill
 
 logger = logging.getLogger(__name__)
@@ -55,18 +64,13 @@ def run_prefill(
     """
     set_threads(threads)
     for name, value in (("chunk_size", chunk_size), ("repeats", repeats), ("budget", budget)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(value, name)
     if not prompt_lengths or any(not isinstance(p, int) or p < 2 for p in prompt_lengths):
         raise ValueError(f"prompt_lengths must be integers >= 2, got {list(prompt_lengths)!r}")
-    unknown = [m for m in methods if m not in kvcompress.METHODS]
-    if unknown:
-        raise ValueError(f"methods must be among {', '.join(kvcompress.METHODS)}; got {', '.join(unknown)}")
+    check_methods(methods, kvcompress.METHODS)
     model, _ = load_bench_model(model)
     touch_weights(model)
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(min(100, vocab - 1), vocab, (1, max(prompt_lengths)), generator=generator)
+    ids = random_prompt(model, max(prompt_lengths), seed)
     rows: list[Row] = []
     with torch.inference_mode():
         for prompt in prompt_lengths:
@@ -157,27 +161,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="comma-separated prompt lengths")
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1)
-    add_run_options(parser, "prefill")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = run_prefill(
-        args.model,
-        method_names(args.methods),
-        budget=args.budget,
-        prompt_lengths=[int(p) for p in args.prompts.split(",") if p],
-        chunk_size=args.chunk_size,
-        repeats=args.repeats,
-        threads=args.threads,
-        seed=args.seed,
-        on_row=partial_writer(args.out, "prefill"),
-    )
+    run_model_bench("prefill", parser, argv, run_prefill, _prefill_options, prefill_table)
 
-    def plot(path: Path, machine: str) -> None:
-        from kvcompress.bench.plots import plot_prefill
 
-        plot_prefill(rows, path, model=args.model, machine=machine)
-
-    publish("prefill", args, rows, prefill_table(rows), plot)
+def _prefill_options(args: argparse.Namespace) -> dict[str, object]:
+    """``run_prefill``'s own keyword arguments from the parsed command line ``args``."""
+    return {"prompt_lengths": int_list(args.prompts), "chunk_size": args.chunk_size, "repeats": args.repeats}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from kvcompress.results import append_row
+
 Column = tuple[str, str, str]  # (row key, header, format spec such as ".2f" or "" for str())
 
 
@@ -62,8 +64,7 @@ def partial_writer(out: Path | None, name: str) -> Callable[[Mapping[str, object
     partial.write_text("")
 
     def on_row(row: Mapping[str, object]) -> None:
-        with partial.open("a") as file:
-            file.write(json.dumps(dict(row)) + "\n")
+        append_row(row, partial)
 
     return on_row
 

@@ -21,9 +21,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+from kvcompress.core.softmax import causal_mask, chunked_softmax
 
 ATTENTION_NAME = "kvcompress"
-CHUNK_ELEMENTS = 1 << 24  # ~64 MB of float32 logits per query chunk
 
 
 def padding_mask_passthrough(*, attention_mask: torch.Tensor | None = None, **_: object) -> torch.Tensor | None:
@@ -60,6 +60,8 @@ def kvcompress_attention(
     else:
         output, stats = sdpa(query, key, value, mask, scaling), None
     layer.after_attention(stats)
+    for observer in layer.observers:
+        observer(layer)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -102,52 +104,25 @@ def attention_with_stats(
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Attention plus the requested statistics, in float32.
 
-    Mass received needs every query's probabilities: an exact softmax in query chunks. Rows of the last ``n``
-    queries alone need only that ``n x L`` block: SDPA computes the output and the block is computed apart.
+    Mass received needs every query's probabilities: the exact chunked softmax gives output and mass together.
+    Rows of the last ``n`` queries alone need only that ``n x L`` block: SDPA computes the output and the block is
+    computed apart.
     """
     queries, length = query.shape[2], key.shape[2]
     if mask is None:  # plain causal prefill
-        key_idx = torch.arange(length, device=query.device)
-        query_idx = torch.arange(length - queries, length, device=query.device)
-        mask = (key_idx[None, :] <= query_idx[:, None])[None, None]
+        mask = causal_mask(queries, length, query.device)
     last_n = min(request.last_queries, queries)
     stats = AttentionStats(query_count=queries)
     if request.received:
-        output, stats.received, last = _chunked_softmax_attention(query, key, value, mask, scaling, last_n)
+        parts = chunked_softmax(query, key, mask, scaling, value=value, received=True, last_n=last_n)
+        output, stats.received, last = parts.output, parts.received, parts.last
     else:
         output = sdpa(query, key, value, mask, scaling)
-        last = attention_rows(query[:, :, queries - last_n :], key, mask[:, :, queries - last_n :], scaling)
+        rows = slice(queries - last_n, queries)
+        last = chunked_softmax(query[:, :, rows], key, mask[:, :, rows], scaling, last_n=last_n).last
     if last_n:
         stats.last, stats.last_visible = last, mask[:, :, queries - last_n :]
     return output, stats
-
-
-def attention_rows(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """Softmax attention probabilities ``[B, H_kv, G, q, L]`` (float32) of a few queries over all keys."""
-    batch, q_heads, queries, dim = query.shape
-    kv_heads = key.shape[1]
-    scale = dim**-0.5 if scaling is None else scaling
-    grouped = query.view(batch, kv_heads, q_heads // kv_heads, queries, dim)
-    logits = (grouped @ key[:, :, None].transpose(-1, -2)).float() * scale
-    return logits.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
-
-
-def _chunked_softmax_attention(query, key, value, mask, scaling, last_n):
-    batch, q_heads, queries, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = q_heads // kv_heads
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
-    received = torch.zeros(batch, kv_heads, groups, length, device=query.device)
-    outputs, last_rows = [], []
-    for start in range(0, queries, chunk):
-        stop = min(start + chunk, queries)
-        probs = attention_rows(query[:, :, start:stop], key, mask[:, :, start:stop], scaling)
-        outputs.append(probs.to(value.dtype) @ value[:, :, None])
-        received += probs.sum(dim=-2)
-        if last_n and stop > queries - last_n:
-            last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
-    output = torch.cat(outputs, dim=3).reshape(batch, q_heads, queries, dim)
-    return output, received, torch.cat(last_rows, dim=3) if last_rows else None
 
 
 def register_attention(name: str, attention: Callable, mask: Callable) -> None:

@@ -19,6 +19,8 @@ attention, when this forward's statistics are known.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -43,6 +45,8 @@ class CompressedLayer(CacheLayerMixin):
         self.new_tokens = 0
         self.compressed = False
         self.defer_compression = False
+        # called with this layer after each forward's attention and eviction (inspection, experiments)
+        self.observers: list[Callable[[CompressedLayer], None]] = []
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

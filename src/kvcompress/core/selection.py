@@ -55,8 +55,10 @@ def sink_mask(layer: CompressedLayer, sinks: int) -> torch.Tensor:
     return valid & (rank < sinks)
 
 
-def recent_mask(layer: CompressedLayer, recent: int) -> torch.Tensor:
-    """Boolean ``[B, H_kv, L]``: the last ``recent`` valid tokens of each sequence."""
+def recent_mask(layer: CompressedLayer, recent: int | torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, H_kv, L]``: the last ``recent`` valid tokens of each sequence (an int, or ``[B]`` counts)."""
     valid = layer.valid
     from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1
+    if isinstance(recent, torch.Tensor):
+        recent = recent[:, None, None]
     return valid & (from_end < recent)

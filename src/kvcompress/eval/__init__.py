@@ -1,6 +1,7 @@
 """Evaluation suite: tasks, a resumable runner and reports.
 
-    >>> from kvcompress.eval import run_eval, write_report
+    >>> from kvcompress.eval.runner import run_eval
+    >>> from kvcompress.eval.report import write_report
     >>> path = run_eval("passkey", "smollm2-135m", ["full", "window", "h2o"], [64, 128], samples=10, out_dir="runs/x")
     >>> write_report("runs/x", "runs/x/report")
 
@@ -10,23 +11,7 @@ Tasks (``TASKS``): ``stream-ppl``, ``ppl``, ``passkey``, ``niah``, ``docqa``, ``
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvcompress.eval.configs import EvalConfig, expand_configs, parse_method
 from kvcompress.eval.tasks import TASKS, make_task, run_task
 
-
-def __getattr__(name: str) -> Any:
-    # Imported lazily so that ``python -m kvcompress.eval.runner`` / ``.report`` run their module only once.
-    if name == "run_eval":
-        from kvcompress.eval.runner import run_eval
-
-        return run_eval
-    if name == "write_report":
-        from kvcompress.eval.report import write_report
-
-        return write_report
-    raise AttributeError(f"module 'kvcompress.eval' has no attribute {name!r}")
-
-
-__all__ = ["TASKS", "EvalConfig", "expand_configs", "make_task", "parse_method", "run_eval", "run_task", "write_report"]
+__all__ = ["TASKS", "EvalConfig", "expand_configs", "make_task", "parse_method", "run_task"]

@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcompress.params import parse_method_spec
 from kvcompress.registry import METHODS, make_config
 
 
@@ -54,39 +55,22 @@ def method_label(method: str, params: dict[str, object]) -> str:
     return method + "(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
 
 
-def _parse_value(text: str) -> object:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_method(spec: str) -> tuple[str, dict[str, object]]:
-    """``"h2o:heavy_ratio=0.25,budget=64"`` -> ``("h2o", {"heavy_ratio": 0.25, "budget": 64})``."""
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip()
-    if name not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(sorted(METHODS))}; got {name!r} (in {spec!r})")
-    params: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"method parameters must be key=value pairs separated by commas; got {item!r} in {spec!r}")
-        params[key.strip()] = _parse_value(value.strip())
-    return name, params
+    """``"h2o:heavy_ratio=0.25,budget=64"`` -> ``("h2o", {"heavy_ratio": 0.25, "budget": 64})``, typed."""
+    return parse_method_spec(spec)
 
 
 def parse_budget(value: str | int | float) -> int | float:
     """An int >= 1 (tokens) or a float in (0, 1) (a prompt ratio); ``"0.1"`` and ``"128"`` are accepted."""
     if isinstance(value, str):
-        value = _parse_value(value.strip())  # type: ignore[assignment]
+        text = value.strip()
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"budget must be an integer >= 1 or a ratio in (0, 1); got {text!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"budget must be an integer >= 1 or a ratio in (0, 1); got {value!r}")
     if isinstance(value, float) and value.is_integer() and value >= 1:

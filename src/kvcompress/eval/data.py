@@ -1,8 +1,8 @@
 """Text data for the evaluation tasks: any text file or folder, and the shared offline corpora.
 
-The data root is resolved, first match wins, from the ``KVCOMPRESS_DATA`` environment variable, then an explicit
-``data`` argument (the ``--data`` option), then ``../shared/data`` next to the repository root. The corpora are
-read in place and never copied.
+The data root is resolved, first match wins, from an explicit ``data`` argument (the ``--data`` option), then the
+``KVCOMPRESS_DATA`` environment variable, then ``./data`` in the working directory. It holds ``gutenberg/``,
+``paul_graham_essays/`` and ``wikitext-2/``; the corpora are read in place and never copied.
 
 Project Gutenberg books carry a licence header and footer around the text; ``strip_gutenberg`` keeps what lies
 between the ``*** START OF ...`` and ``*** END OF ...`` markers (spelt with and without spaces, the title possibly
@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA_ENV = "KVCOMPRESS_DATA"
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+DEFAULT_DATA_ROOT = Path("data")
 
 # "*** START OF THIS PROJECT GUTENBERG EBOOK TITLE ***", "***START OF THE PROJECT GUTENBERG EBOOK TITLE\nWRAPPED***"
 _START = re.compile(r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG[^*]*\*{3}[ \t]*$", re.M | re.I)
@@ -39,12 +38,12 @@ class Document:
 
 
 def data_root(data: str | os.PathLike[str] | None = None) -> Path:
-    """The data folder: ``$KVCOMPRESS_DATA``, else ``data``, else ``../shared/data`` beside the repository."""
+    """The data folder: ``data`` if given, else ``$KVCOMPRESS_DATA``, else ``./data``."""
     env = os.environ.get(DATA_ENV)
-    root = Path(env) if env else Path(data) if data is not None else DEFAULT_DATA_ROOT
+    root = Path(data) if data is not None else Path(env) if env else DEFAULT_DATA_ROOT
     if not root.is_dir():
         raise FileNotFoundError(
-            f"data folder {str(root)!r} does not exist (set ${DATA_ENV} or --data to a folder with "
+            f"data folder {str(root)!r} does not exist (pass --data or set ${DATA_ENV} to a folder with "
             "gutenberg/, paul_graham_essays/, wikitext-2/)"
         )
     return root

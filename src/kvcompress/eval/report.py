@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompress.eval.runner import read_rows
+from kvcompress.eval.tasks import TASKS
 
 LOWER_IS_BETTER = {"ppl", "nll"}
 
@@ -89,8 +90,6 @@ def group_rows(results: list[dict[str, Any]]) -> dict[tuple[str, str | None, str
 
 def metric_names(rows: list[dict[str, Any]]) -> list[str]:
     """Metrics of a group: the task's declared order when the task is known, else the scores' own order."""
-    from kvcompress.eval.tasks import TASKS
-
     seen = list(dict.fromkeys(name for row in rows for name in row["scores"]))
     task = TASKS.get(rows[0]["task"])
     if task is not None and task.metrics:

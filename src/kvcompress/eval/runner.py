@@ -23,10 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvcompress.eval.configs import expand_configs
 from kvcompress.eval.tasks import TASKS, make_task, run_task
 from kvcompress.eval.tasks.base import Task
+from kvcompress.machine import cpu_name, versions
+from kvcompress.models import load_model
+from kvcompress.results import read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -44,46 +48,12 @@ def row_key(row: dict[str, Any]) -> str:
     return json.dumps([row.get(f) for f in fields], sort_keys=True)
 
 
-def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All rows of a JSONL file; a truncated last line (an interrupted write) is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                logger.warning("%s:%d is not valid JSON (an interrupted write?); ignored", path, number)
-    return rows
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment() -> dict[str, Any]:
     """Versions, threads, CPU and date, as written in the environment row."""
-    import transformers
-
-    import kvcompress
-
     return {
         "kind": "environment",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "kvcompress": kvcompress.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        **versions(),
         "torch_threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
@@ -95,8 +65,6 @@ def _load(model: str | tuple[Any, Any]) -> tuple[str, Any, Any]:
     if isinstance(model, tuple):
         loaded, tokenizer = model
         return getattr(loaded.config, "_name_or_path", "") or type(loaded).__name__, loaded, tokenizer
-    from kvcompress.models import load_model
-
     loaded, tokenizer = load_model(model)
     return model, loaded, tokenizer
 
@@ -153,8 +121,6 @@ def run_eval(
             handle.flush()
         rows = run_task(evaluation, configs, items, skip=is_done)
         if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             columns = (
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -209,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--data", default=None, help="data root (else $KVCOMPRESS_DATA, else ../shared/data)")
+    parser.add_argument("--data", default=None, help="data folder (else $KVCOMPRESS_DATA, else ./data)")
     parser.add_argument("--param", action="append", default=[], help="task parameter key=value (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

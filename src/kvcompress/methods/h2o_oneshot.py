@@ -1,6 +1,6 @@
 """One-shot H2O: the H2O rule (Zhang et al., 2023, arXiv:2306.14048) applied once, after the prompt.
 
-The baseline NaCl compares against at the same ratio budget (NaCl §3, spec ``nacl.md`` A13): every KV head keeps
+The baseline NaCl compares against at the same ratio budget (NaCl §3): every KV head keeps
 its most recent tokens plus the tokens with the largest attention mass accumulated over *all* the prompt's queries
 (NaCl's proxy score with every prompt token as proxy), once, right after the prefill; decoding then appends. The
 mass is summed over the query heads of a KV head, as in ``h2o``. The paper's half heavy / half recent split is
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcompress.core.contract import MethodConfig
-from kvcompress.core.selection import keep_top
+from kvcompress.core.selection import keep_top, recent_mask
 from kvcompress.methods.h2o import H2OPolicy
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence, recent_tokens
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 
 
 class OneShotH2OPolicy(H2OPolicy):
@@ -23,7 +23,7 @@ class OneShotH2OPolicy(H2OPolicy):
     def select(self, layer):
         keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
         recent = keep - (keep.double() * self.config.heavy_ratio).floor().long()
-        return keep_top(layer, layer.state["mass"], keep, recent_tokens(layer.valid, recent))
+        return keep_top(layer, layer.state["mass"], keep, recent_mask(layer, recent))
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,6 @@ def kept_per_sequence(n_real: torch.Tensor, ratio: float | None, budget: int | N
     return torch.minimum(ratio_budget(n_real, ratio), n_real)
 
 
-def recent_tokens(valid: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, H, L]``: the last ``recent[b]`` valid tokens of each sequence."""
-    from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1
-    return valid & (from_end < recent[:, None, None])
-
-
 def check_ratio_or_budget(method: str, ratio: object, budget: object) -> None:
     if (budget is None) == (ratio is None):
         raise ValueError(f"{method} needs exactly one of ratio (in (0, 1]) or budget (tokens, >= 1)")

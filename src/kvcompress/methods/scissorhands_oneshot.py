@@ -1,6 +1,6 @@
 """One-shot Scissorhands: the Scissorhands rule (Liu et al., 2023, arXiv:2305.17118) applied once, after the prompt.
 
-A NaCl baseline at the same ratio budget (spec ``nacl.md`` A13): each KV head counts, over the last ``history``
+A NaCl baseline at the same ratio budget: each KV head counts, over the last ``history``
 prompt queries, how often a token received less than its row's average attention (rows averaged over the query
 heads of the KV head, as in ``scissorhands``), keeps the most recent quarter of the budget, and fills the rest
 with the tokens least often below average (ties to the newer token); decoding then appends without eviction.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from kvcompress.core.checks import check_int_range
 from kvcompress.core.contract import MethodConfig
-from kvcompress.core.selection import keep_top
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence, recent_tokens
+from kvcompress.core.selection import keep_top, recent_mask
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 from kvcompress.methods.scissorhands import ScissorhandsPolicy
 
 
@@ -25,7 +25,7 @@ class OneShotScissorhandsPolicy(ScissorhandsPolicy):
         recent = (keep.double() * self.config.recent_share).floor().long()
         low_count = layer.state["low"].sum(dim=-1).double()
         newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): ties go to newer tokens
-        return keep_top(layer, newer_first - low_count, keep, recent_tokens(layer.valid, recent))
+        return keep_top(layer, newer_first - low_count, keep, recent_mask(layer, recent))
 
 
 @dataclass(frozen=True)

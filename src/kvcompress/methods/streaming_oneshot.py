@@ -1,6 +1,6 @@
 """One-shot attention sink (StreamingLLM, Xiao et al., 2023, arXiv:2309.17453) applied once, after the prompt.
 
-NaCl's "Attention Sink" baseline at the same ratio budget (spec ``nacl.md`` A13): the first ``sinks`` tokens plus
+NaCl's "Attention Sink" baseline at the same ratio budget: the first ``sinks`` tokens plus
 the most recent prompt tokens are kept, once, right after the prefill; decoding then appends without eviction.
 Positions are re-indexed inside the cache as in StreamingLLM (``position_mode="cache"``) unless ``original``.
 """

@@ -1,6 +1,6 @@
 """One-shot TOVA / MSRNN: the TOVA rule (Oren et al., 2024, arXiv:2401.06104) applied once, after the prompt.
 
-The baseline NaCl calls MSRNN, at the same ratio budget (spec ``nacl.md`` A13): the layer keeps the prompt tokens
+The baseline NaCl calls MSRNN, at the same ratio budget: the layer keeps the prompt tokens
 that receive the most attention from the last prompt token (NaCl's proxy score with the current token as the only
 proxy), averaged over all heads of the layer as in TOVA, so every head keeps the same tokens; decoding then
 appends without eviction.

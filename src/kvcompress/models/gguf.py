@@ -27,17 +27,17 @@ from kvcompress.models.registry import (
     model_cache_dir,
 )
 
+try:
+    from transformers import GgufConfig
+except ImportError:  # older transformers always de-quantise and attach no GGUF quantizer
+    GgufConfig = None
+
 logger = logging.getLogger(__name__)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """De-quantise a GGUF file into a plain dense model (no quantizer attached) and its tokenizer."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # older transformers always de-quantise and attach no GGUF quantizer
-        extra: dict[str, Any] = {}
-    else:
-        extra = {"quantization_config": GgufConfig(dequantize=True)}
+    extra: dict[str, Any] = {} if GgufConfig is None else {"quantization_config": GgufConfig(dequantize=True)}
     directory, filename = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=dtype, **extra)

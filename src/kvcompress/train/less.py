@@ -1,15 +1,15 @@
-"""Training LESS kernels φ, ψ, one layer at a time (spec §1.10, sized for a CPU per §6.5–6.6).
+"""Training LESS kernels φ, ψ, one layer at a time (the paper's §3.2 training, sized for a CPU).
 
 Protocol (the paper's, with our CPU-sized defaults):
 
 1. Windows: ``windows`` token windows of ``window`` tokens sampled (seeded, length-weighted over the documents)
-   from the training texts: by default the shared Gutenberg books and ``wikitext-2/valid.txt``
+   from the training texts: by default the data folder's Gutenberg books and ``wikitext-2/valid.txt``
    (never ``wikitext-2/test.txt``, which is the evaluation set; passing it raises). 90/10 train/validation split.
 2. Collection, once for all layers: one teacher-forced forward of the frozen full-cache model over every window
    records each layer's attention input (after the input norm, float16 on disk, one file per layer) and RoPE
    tables; a layer's post-RoPE ``Q, K, V`` and its output after ``W_O`` (the target) are recomputed from that input
-   by the layer's own attention module when the layer trains. The paper re-runs the model per layer; this is the
-   spec's "collect every layer in one pass".
+   by the layer's own attention module when the layer trains. The paper re-runs the model per layer; here every
+   layer is collected in one pass.
 3. Per layer, independently (so layers can be trained in any order, resumed, or spread over runs): the base
    policy's evictions are simulated once on the layer's own queries and keys (``eviction_times``: the generation
    rule, what decoding will do); the sparse part (softmax over cached tokens) is constant and computed once; each
@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from collections.abc import Sequence
@@ -43,141 +42,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcompress.methods.less.kernels import KERNEL_FORMAT, init_kernels, layer_file, read_meta, save_layer
-from kvcompress.methods.less.masked import CaptureRun, less_attention, low_rank_parallel, sparse_attention
+from kvcompress.methods.less import LessConfig, baseline_plus
+from kvcompress.methods.less.kernels import KERNEL_FORMAT, _write_json, init_kernels, layer_file, read_meta, save_layer
+from kvcompress.methods.less.masked import (
+    eviction_times,
+    low_rank_parallel,
+    sparse_attention,
+)
 from kvcompress.methods.less.policy import mix_low_rank
+from kvcompress.models import load_model
+from kvcompress.train.less_data import (
+    attention_modules,
+    budget_tokens,
+    collect_attention_inputs,
+    default_data_files,
+    default_out_dir,
+    layer_tensors,
+    model_shape,
+    sample_windows,
+    track_if,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_OUT_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcompress" / "less"
-
-
-def default_out_dir(model_name: str, base: str, budget_tokens: int, window: int) -> Path:
-    return DEFAULT_OUT_ROOT / f"{model_name}-{base}-{budget_tokens}of{window}"
-
-
-def default_data_files() -> list[Path]:
-    """The shared Gutenberg books and ``wikitext-2/valid.txt``."""
-    from kvcompress.eval.data import data_root
-
-    root = data_root()
-    return sorted((root / "gutenberg").glob("*.txt")) + [root / "wikitext-2" / "valid.txt"]
-
-
-def budget_tokens(budget: float | int, window: int, base: str) -> int:
-    """Tokens kept per KV head: an int as is, a float in (0, 1) as a share of the window (rounded down to an even
-    count for H2O so heavy hitters and recent tokens split evenly, spec Table 1 / A4)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-        raise ValueError(f"budget must be a token count >= 1 or a share of the window in (0, 1), got {budget!r}")
-    if isinstance(budget, float) and budget < 1:
-        tokens = int(budget * window)
-        if base == "h2o":
-            tokens -= tokens % 2
-    else:
-        tokens = int(budget)
-    if not 1 <= tokens < window:
-        raise ValueError(f"budget gives {tokens} tokens; it must be in [1, window={window})")
-    return tokens
-
-
-def sample_windows(
-    tokenizer: Any, files: Sequence[Path], window: int, count: int, seed: int
-) -> tuple[torch.Tensor, list[str]]:
-    """``count`` windows ``[count, window]`` of token ids, starts drawn uniformly over all documents' positions."""
-    from kvcompress.eval.data import load_documents
-
-    docs = []
-    for file in files:
-        if Path(file).resolve().name == "test.txt" and "wikitext" in str(Path(file).resolve()):
-            raise ValueError(f"{file}: WikiText-2 test is the evaluation set; never train on it")
-        for doc in load_documents(file):
-            ids = tokenizer(doc.text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-            if ids.numel() > window:
-                docs.append((doc.name, ids))
-    if not docs:
-        raise ValueError(f"no training document is longer than window={window} tokens")
-    starts = [ids.numel() - window for _, ids in docs]
-    total = sum(starts)
-    rng = random.Random(seed)
-    windows, names = [], []
-    for _ in range(count):
-        pick = rng.randrange(total)
-        for (name, ids), span in zip(docs, starts, strict=True):
-            if pick < span:
-                windows.append(ids[pick : pick + window])
-                names.append(f"{name}:{pick}")
-                break
-            pick -= span
-    return torch.stack(windows), names
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
-    return [layer.self_attn for layer in layers]
-
-
-@torch.no_grad()
-def collect_attention_inputs(
-    model: nn.Module, windows: torch.Tensor, directory: Path, batch_size: int = 4, progress: bool = False
-) -> None:
-    """One frozen forward over ``windows``: write each layer's attention input (float16) and RoPE tables."""
-    modules = attention_modules(model)
-    inputs: list[list[torch.Tensor]] = [[] for _ in modules]
-    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def hook(index):
-        def record(module, args, kwargs):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            inputs[index].append(hidden.detach().to(torch.float16))
-            if index not in rope:
-                cos, sin = kwargs["position_embeddings"]
-                rope[index] = (cos[:1].detach().clone(), sin[:1].detach().clone())
-
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
-    try:
-        starts = range(0, windows.shape[0], batch_size)
-        for start in _track(starts, "collecting attention inputs", progress):
-            model(input_ids=windows[start : start + batch_size], use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    directory.mkdir(parents=True, exist_ok=True)
-    for index, parts in enumerate(inputs):
-        tmp = directory / f"layer_{index:03d}.tmp"
-        torch.save({"hidden": torch.cat(parts), "cos": rope[index][0], "sin": rope[index][1]}, tmp)
-        os.replace(tmp, directory / f"layer_{index:03d}.pt")
-
-
-def _track(iterable, description: str, enabled: bool):
-    if not enabled:
-        return iterable
-    from rich.progress import track
-
-    return track(iterable, description=description, transient=True)
-
-
-@torch.no_grad()
-def layer_tensors(model: nn.Module, layer_idx: int, saved: dict[str, torch.Tensor], chunk: int = 8) -> dict:
-    """Recompute a layer's post-RoPE ``q, k, v`` and its output after ``W_O`` from its saved attention input."""
-    module = attention_modules(model)[layer_idx]
-    hidden = saved["hidden"]
-    parts: dict[str, list[torch.Tensor]] = {"q": [], "k": [], "v": [], "o": []}
-    with less_attention(model):
-        for start in range(0, hidden.shape[0], chunk):
-            x = hidden[start : start + chunk].float()
-            cos = saved["cos"].expand(x.shape[0], -1, -1)
-            sin = saved["sin"].expand(x.shape[0], -1, -1)
-            run = CaptureRun()
-            out = module(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, less_run=run)[0]
-            q, k, v = run.records[layer_idx]
-            for name, tensor in zip("qkvo", (q, k, v, out), strict=True):
-                parts[name].append(tensor.float())
-    return {name: torch.cat(tensors) for name, tensors in parts.items()}
-
 
 def _mse(pred: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
     return ((pred[:, start:] - target[:, start:]) ** 2).mean()
@@ -323,21 +209,7 @@ def train_layer(
 
 
 def base_config_evictions(config: Any, layer_idx: int, q, k, v, scaling) -> torch.Tensor:
-    from kvcompress.methods.less.masked import eviction_times
-
     return eviction_times(config.policy(layer_idx), q, k, v, scaling)
-
-
-def model_shape(model: nn.Module) -> dict[str, int]:
-    from kvcompress.models import model_info
-
-    info = model_info(model)
-    return {
-        "num_layers": info["num_layers"],
-        "q_heads": info["num_attention_heads"],
-        "kv_heads": info["num_key_value_heads"],
-        "head_dim": info["head_dim"],
-    }
 
 
 def train_less(
@@ -371,14 +243,10 @@ def train_less(
     ``~/.cache/kvcompress/less/<model>-<base>-<tokens>of<window>``. ``layers``: train only these (default all).
     The result loads with ``LessConfig(base=..., budget=..., kernels=out)``.
     """
-    from kvcompress.methods.less import LessConfig, baseline_plus
-
     if threads is not None:
         torch.set_num_threads(threads)
     model_name = model if isinstance(model, str) else getattr(model.config, "name_or_path", "model") or "model"
     if isinstance(model, str):
-        from kvcompress.models import load_model
-
         model, tokenizer = load_model(model)
     elif tokenizer is None:
         raise ValueError("give tokenizer= with a model object")
@@ -424,8 +292,6 @@ def train_less(
                 "resume it with the same settings or give another --out"
             )
     else:
-        from kvcompress.methods.less.kernels import _write_json
-
         _write_json(out / "meta.json", meta)
 
     todo = [
@@ -446,7 +312,7 @@ def train_less(
         started = time.perf_counter()
         collect_attention_inputs(model, ids, activations, progress=progress)
         logger.info("collected %d windows x %d tokens in %.0f s", ids.shape[0], window, time.perf_counter() - started)
-    for layer_idx in _track(todo, f"training {len(todo)} layers", progress):
+    for layer_idx in track_if(todo, f"training {len(todo)} layers", progress):
         if layer_file(out, layer_idx).exists():  # finished meanwhile by another process on the same directory
             continue
         saved = torch.load(activations / f"layer_{layer_idx:03d}.pt", weights_only=True)

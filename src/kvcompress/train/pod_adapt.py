@@ -1,16 +1,16 @@
-"""PoD stage 2 (arXiv:2412.02252 §2.2, spec ``pod.md`` §3.3-3.4, 8.9-8.11): continued next-token training of the
+"""PoD stage 2 (arXiv:2412.02252 §2.2): continued next-token training of the
 model *with PoD attention*, and the matching control (the same data, steps and optimiser with dense attention).
 
 The PoD forward is the library's own: every step runs the model through a fresh ``PoDCache`` (``use_cache=True``),
 so training, teacher-forced evaluation and decoding share one attention implementation (tests check that decoding
 equals teacher forcing). Gradients flow into the block-start layers' queries and keys from every layer that reads
-them (spec 8.10). The control (``--control``) trains with plain SDPA attention and no cache.
+them (no detach). The control (``--control``) trains with plain SDPA attention and no cache.
 
-Defaults follow the spec's small-scale recipe: AdamW (β = 0.9/0.95, weight decay 0.1), gradient clipping 1.0,
-linear warm-up over 5 % of the steps then cosine decay to 10 % of the peak, next-token cross-entropy on every
-token, windows of ``length`` tokens cut from the shared training text (the Gutenberg books; evaluation uses
-WikiText-2 test and the essays, never these), fp32 on CPU. The paper trains all parameters at lr 1e-5 on 5B tokens;
-at 10^5 tokens 1e-5 barely moves a model, so the default peak lr is 1e-4 (spec 8.9). ``trainable="attention"``
+Defaults are a small-scale recipe where the paper is silent: AdamW (β = 0.9/0.95, weight decay 0.1), gradient
+clipping 1.0, linear warm-up over 5 % of the steps then cosine decay to 10 % of the peak, next-token cross-entropy
+on every token, windows of ``length`` tokens cut from the training text (the data folder's Gutenberg books;
+evaluation uses WikiText-2 test and the essays, never these), fp32 on CPU. The paper trains all parameters at lr
+1e-5 on 5B tokens; at 10^5 tokens 1e-5 barely moves a model, so the default peak lr is 1e-4. ``trainable="attention"``
 (q/k/v/o projections only) is the cheaper variant: it skips the MLP and embedding weight gradients and keeps
 optimiser state small.
 
@@ -42,6 +42,8 @@ from transformers import PreTrainedModel
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.methods.pod import PoDConfig
+from kvcompress.models import load_model
+from kvcompress.train.pod_calibrate import default_output, default_training_files, token_windows
 
 logger = logging.getLogger(__name__)
 ATTENTION_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -226,9 +228,6 @@ def pod_adapt(
 ) -> Path | None:
     """Command-line entry as a function: load the model and data, build the PoD config (or none for the
     control), train. ``hyper`` are ``AdaptConfig`` fields."""
-    from kvcompress.models import load_model
-    from kvcompress.train.pod_calibrate import default_output, default_training_files, token_windows
-
     torch.set_num_threads(threads)
     config = AdaptConfig(**hyper)  # type: ignore[arg-type]
     model, tokenizer = load_model(model_name)

@@ -1,14 +1,14 @@
-"""PoD stage 1 (arXiv:2412.02252 §2.1, spec ``pod.md`` §2.1-2.2): inter-layer attention similarity of a dense model.
+"""PoD stage 1 (arXiv:2412.02252 §2.1): inter-layer attention similarity of a dense model.
 
 For each of ``samples`` windows of ``length`` tokens, the attention rows of the last ``last_queries`` queries are
 taken at every layer and query head (the core's last-rows statistics: SDPA plus one ``q x L`` block per layer, no
 ``L x L`` matrix), and the Jensen-Shannon divergence (log base 2, in ``[0, 1]``) between every pair of layers is
 accumulated per head on the fly; only one window's rows are ever in memory. Eq. 2's "average JS divergence" is
-read as a similarity ``1 - mean JS`` (spec 8.2; ``"1-sqrt(js)"``, one minus the mean JS distance, is the option).
+read as a similarity ``1 - mean JS`` (``"1-sqrt(js)"``, one minus the mean JS distance, is the option).
 
 The file written (``torch.save``; ``--json`` also writes a JSON copy) holds ``sim`` ``[H_q, L, L]`` (float32,
 symmetric, 1 on the diagonal), ``js`` (the mean divergence), ``kv_heads`` and ``meta`` (model, data, sizes).
-``kvcompress.pod_grouping`` and ``PoDConfig(similarity=...)`` read it.
+``kvcompress.methods.pod.grouping`` and ``PoDConfig(similarity=...)`` read it.
 
     python -m kvcompress.train.pod_calibrate --model smollm2-135m --samples 8 --length 1024
 """
@@ -29,6 +29,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
+from kvcompress.eval.data import data_root, read_text, strip_gutenberg
+from kvcompress.models import load_model
 
 logger = logging.getLogger(__name__)
 SIMILARITIES = ("1-js", "1-sqrt(js)")
@@ -40,9 +42,7 @@ def default_output(model_name: str) -> Path:
 
 
 def default_training_files() -> list[Path]:
-    """The shared training text (spec: calibrate on the post-training distribution): the Gutenberg books."""
-    from kvcompress.eval.data import data_root
-
+    """The training text (calibrate on the post-training distribution): the data folder's Gutenberg books."""
     return sorted((data_root() / "gutenberg").glob("*.txt"))
 
 
@@ -51,8 +51,6 @@ def token_windows(
 ) -> torch.Tensor:
     """``[N, length]`` windows cut from the concatenated files (documents joined by EOS). ``count`` windows spaced
     evenly over the stream (all windows if ``None``)."""
-    from kvcompress.eval.data import read_text, strip_gutenberg
-
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for file in files:
@@ -175,9 +173,7 @@ def pod_calibrate(
     json_out: str | None = None,
     threads: int = 1,
 ) -> Path:
-    """Load a model, calibrate on ``data`` files (default: the shared Gutenberg books), save; returns the path."""
-    from kvcompress.models import load_model
-
+    """Load a model, calibrate on ``data`` (default: the data folder's Gutenberg books), save; returns the path."""
     torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name)
     files = list(data) if data else default_training_files()

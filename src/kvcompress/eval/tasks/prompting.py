@@ -22,6 +22,7 @@ tokenizer) get a plain ``context\\n\\nquestion\\nprefix`` layout.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
@@ -69,13 +70,15 @@ def answer(
     chunk_size: int | None,
     max_new_tokens: int,
     stop_when_found: list[str] | None = None,
+    fill: Callable[..., object] = prefill,
 ) -> str:
     """Greedy answer to the prompt through ``cache`` in ``mode`` (``agnostic`` or ``aware``); the decoded text.
 
     ``stop_when_found``: stop decoding once every one of these strings is in the answer. For scores that only
-    check containment (RULER's) this changes no score and saves decoding time.
+    check containment (RULER's) this changes no score and saves decoding time. ``fill`` puts the prompt into the
+    cache (``kvcompress.generation.prefill``'s signature).
     """
-    prompt = prefill_prompt(model, context_ids, question_ids, cache, mode, chunk_size)
+    prompt = prefill_prompt(model, context_ids, question_ids, cache, mode, chunk_size, fill)
     return decode_answer(model, tokenizer, prompt, cache, max_new_tokens, stop_when_found)
 
 
@@ -87,6 +90,7 @@ def prefill_prompt(
     cache: CompressedCache,
     mode: str,
     chunk_size: int | None,
+    fill: Callable[..., object] = prefill,
 ) -> torch.Tensor:
     """The first half of ``answer``: prefill what ``mode`` compresses into ``cache``; return the whole prompt.
 
@@ -95,7 +99,7 @@ def prefill_prompt(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     prompt = torch.cat([context_ids, question_ids], dim=1)
-    prefill(model, context_ids if mode == "agnostic" else prompt[:, :-1], cache, chunk_size=chunk_size)
+    fill(model, context_ids if mode == "agnostic" else prompt[:, :-1], cache, chunk_size=chunk_size)
     return prompt
 
 

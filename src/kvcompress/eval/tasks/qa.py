@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvcompress.core.cache import CompressedCache
 from kvcompress.eval.tasks.base import Sample, Task, check_positive_int
 from kvcompress.eval.tasks.prompting import MODES, answer
+from kvcompress.generation import prefill
 
 
 class QATask(Task):
@@ -13,7 +14,12 @@ class QATask(Task):
 
     ``defaults`` must hold ``modes`` (drawn from ``prompting.MODES``) and ``chunk_size``, and ``max_new_tokens``
     unless every evaluation passes its own. Subclasses extend ``validate`` with ``super().validate()``.
+
+    ``fill`` is how a prompt gets into a cache (``kvcompress.generation.prefill``); an experiment may set another
+    function with the same signature on a task instance (e.g. one that replays a captured prefill).
     """
+
+    fill = staticmethod(prefill)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -46,4 +52,5 @@ class QATask(Task):
             self.params["chunk_size"],
             self.params["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
             stop_when_found=stop_when_found,
+            fill=self.fill,
         )

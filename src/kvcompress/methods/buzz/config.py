@@ -9,33 +9,33 @@ become the old set and the buffer empties. Theorem 3.1 sets ``T/w = (s²+1)/(s+1
 which makes the steady-state number of old tokens equal ``w``. "BUZZ with log n" (Eq. 7–8) multiplies the
 attention logits by ``ln(n)/ln(512)``, ``n`` = number of keys attended.
 
-Follows ``../shared/specs/buzz.md``: §1.7 (canonical pseudo-code, which corrects the printed Algorithm 1), §1.9
-(parameter estimation; ``kvcompress.methods.buzz.params``), §1.10 (log n), §3 A1–A20 (choices), §6 (test vector).
+Implemented as in the paper and the official code (whose eviction step corrects the printed Algorithm 1), with
+parameter estimation in ``kvcompress.methods.buzz.params`` and log n as in Eq. 7–8.
 
-Choices (spec §3 letters):
+Choices where the paper is silent or ambiguous:
 
-- A1/A2: ``T`` bounds old + new (the middle, Fig. 3, Remark 2, Eq. 10 and the official code; the printed line 9
+- Threshold: ``T`` bounds old + new (the middle, Fig. 3, Remark 2, Eq. 10 and the official code; the printed line 9
   counts new tokens only); eviction when ``M = L − k − w > T``. Counts use valid (real) tokens only, per sequence, so
   left padding never counts and a padded batch behaves like single runs.
-- A3: a forward that leaves ``M > T`` after one pass (a long prompt) keeps sampling (Remark 2, ``prefill_mode="loop"``):
+- Long prompts: a forward that leaves ``M > T`` after one pass keeps sampling (Remark 2, ``prefill_mode="loop"``):
   every extra pass only thins the old block by ``ŝ`` again, so ``j`` extra passes are computed at once as keeping
   every ``ŝ^j``-th survivor. ``prefill_mode="single"`` does one pass per forward, as the official code does.
-- A4/A5/A19: scores are received attention accumulated H2O-style in float32 over every query since the token
+- Scores: received attention accumulated H2O-style in float32 over every query since the token
   arrived (``score_mode="current"``: this forward's queries only, the code's ``buzz_fast``), per layer and KV head,
   summed over the query heads of that KV head's group only (``group_reduce``). Scores of old tokens are never read
   again, so they are not zeroed as the code does.
-- A6/A7: interval sampling keeps old indices 0, ŝ, 2ŝ, …; hives are aligned at the oldest new token, the last may be
+- Sampling: interval sampling keeps old indices 0, ŝ, 2ŝ, …; hives are aligned at the oldest new token, the last may be
   short, ties go to the earliest token.
-- A8: eviction runs after the layer's attention (the current query sees the whole cache), so the attended length
+- Order: eviction runs after the layer's attention (the current query sees the whole cache), so the attended length
   peaks at ``k + w + T + 1``.
-- A9: keys keep their original RoPE positions by default (``position_mode="cache"`` re-indexes them inside the cache,
-  as the official code does for every method).
-- A10: log n uses ``n`` = valid keys of the sequence in this attention call (a scalar per call as in the code; per
+- Positions: keys keep their original RoPE positions by default (``position_mode="cache"`` re-indexes them inside
+  the cache, as the official code does for every method).
+- log n: ``n`` = valid keys of the sequence in this attention call (a scalar per call as in the code; per
   sequence rather than per batch so padding does not change it), base 512, no clipping; ``log_n_per_row`` counts the
   keys each query row may see instead. The probabilities fed to the eviction are the rescaled ones.
-- A11/A12: ``budget`` (with ``budget_kind``) picks ``(w, T)`` for a target average or peak stored length (the paper's
+- Budget: ``budget`` (with ``budget_kind``) picks ``(w, T)`` for a target average or peak stored length (the paper's
   budget is the average); ``s < 3`` is rejected because the cache would grow without bound.
-- Ablations (§4.3): ``local_max=False`` interval-samples new tokens with stride ``s`` (Fig. 8b, code's
+- Ablations (the paper's §4.3): ``local_max=False`` interval-samples new tokens with stride ``s`` (Fig. 8b, code's
   ``buzz_no_max``); ``swap_strides=True`` gives new tokens ŝ and old tokens s (Fig. 8a).
 
 Eviction is vectorised over batch, heads and hives (a scatter max per hive), with no Python loop on the hot path.
@@ -58,7 +58,7 @@ DEFAULT_WINDOW = 160  # the official code's recent_size, used when neither budge
 class BuzzConfig(MethodConfig):
     """Sinks + beehive (local-max sampled new tokens, interval-sampled old tokens) + window, per KV head."""
 
-    budget: int | None = None  # target stored length per layer and head; sets window and threshold (§1.9)
+    budget: int | None = None  # target stored length per layer and head; sets window and threshold (``buzz_params``)
     budget_kind: str = "average"  # what budget fixes: "average" (the paper's cache budget) or "peak" (k + w + T)
     sinks: int = 4  # k: first tokens, never evicted (paper: "1 to 5"; code: 4)
     window: int | None = None  # w: most recent tokens, never evicted; None: from budget, else 160 (code default)

@@ -2,7 +2,7 @@
 
 Theorem 3.1 of BUZZ (Zhao et al., 2024, arXiv:2410.23079) sets the threshold from the window and the stride,
 ``T / w = (s² + 1) / (s + 1)`` for odd ``s`` and ``s − 1`` for even ``s``: the steady-state number of sampled history
-tokens ``a*`` (the fixed point of ``a = a/ŝ + (T − a)/s``, spec §1.9) then equals ``w``.
+tokens ``a*`` (the fixed point of ``a = a/ŝ + (T − a)/s``) then equals ``w``.
 
 Cache sizes here are what a layer stores between decoding steps (after the step's eviction), the quantity a
 ``streaming`` or ``h2o`` cache of ``budget`` tokens keeps constant:
@@ -11,7 +11,7 @@ Cache sizes here are what a layer stores between decoding steps (after the step'
   fixed-budget cache attends ``budget + 1``);
 - *average* = the mean over steady decoding, ``k + w + (a' + T) / 2`` with ``a'`` the middle length right after an
   eviction. ``a'`` comes from iterating the exact integer recurrence (ceil counts, trigger at ``M = T + 1``), not from
-  the theorem's real-valued fixed point, which is about one token lower (spec §1.9).
+  the theorem's real-valued fixed point, which is about one token lower.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def theorem_ratio(stride: int) -> float:
 
 
 def fixed_point(threshold: int, stride: int) -> float:
-    """a* of Theorem 3.1: steady-state number of old (sampled) tokens, real-valued (spec §1.9 corrected proof)."""
+    """a* of Theorem 3.1: steady-state number of old (sampled) tokens, real-valued (App. D.1's corrected recurrence)."""
     return threshold / theorem_ratio(stride)
 
 
@@ -74,7 +74,8 @@ def buzz_params(
     """(k, w, T, s) whose steady-state ``kind`` ("average" or "peak") stored length is closest to ``budget``.
 
     Peak: the largest ``w`` with ``k + w + T <= budget``. Average: the ``w`` whose simulated steady-state average is
-    nearest ``budget`` (ties to the smaller ``w``); the first guess is spec §1.9's ``w = (B − k) / (1.5 + r/2)``.
+    nearest ``budget`` (ties to the smaller ``w``); the first guess is ``w = (B − k) / (1.5 + r/2)``, the average
+    ``k + w + (a* + T) / 2`` with ``a* = w`` and ``T = r w``.
     """
     if kind not in ("average", "peak"):
         raise ValueError(f"budget_kind must be one of average, peak; got {kind!r}")

@@ -9,22 +9,22 @@ the token evicted from cascade ``i-1`` competes with cascade ``i``'s newest toke
 exponential moving average (EMA) of the attention it received stays; the other is dropped forever. Positions are
 re-indexed inside the cache every step (StreamingLLM style), so no position ever exceeds ``S + |C| - 1``.
 
-Spec followed: ``../shared/specs/cascade.md`` (v1 of the paper): §1.4 acceptance schedule by the global clock
-``(p - S) mod b^i == 0`` (A2); §1.5 the four insertion cases of Algorithm 1 plus its eager add into an empty
-cascade; §1.6 the EMA ``mu <- gamma mu + (1 - gamma) s`` of post-softmax attention over sinks + cache (+ self),
-sinks dropped, reduced over all query heads, new tokens entering with 0, kept in fp32 (A4, A5, A8);
-§1.7 homogeneous heads (one decision per token for all KV heads); §1.8 positions = ranks 0.. in stream order,
-query at its own key's rank (A10); §1.9 order of a step: insert, attend, EMA (A9); §1.12 ``eager_fill`` (A3).
+Implemented as in v1 of the paper: the acceptance schedule by the global clock ``(p - S) mod b^i == 0``; the four
+insertion cases of Algorithm 1 plus its eager add into an empty cascade; the EMA ``mu <- gamma mu + (1 - gamma) s``
+of post-softmax attention over sinks + cache (+ self), sinks dropped, reduced over all query heads, new tokens
+entering with 0, kept in fp32; homogeneous heads (one decision per token for all KV heads); positions = ranks 0.. in
+stream order, query at its own key's rank; the order of a step: insert, attend, EMA. ``eager_fill`` (fill every
+cascade until the cache is full) is the authors' later code, off by default.
 
 Choices where the paper is silent or differs from its code (all overridable):
 
 - ``budget`` counts the sinks: ``budget = S + |C|`` (the paper keeps ``S`` sinks *in addition* to a window of
-  ``|C|``, "window 1024 => 1028 tokens", A20); ``|C|`` must be divisible by ``N`` (A11).
+  ``|C|``, "window 1024 => 1028 tokens"); ``|C|`` must be divisible by ``N``.
 - ties in the selection go to the incoming token (``tie="incoming"``: the authors' code; Algorithm 1's strict
-  ``>`` is ``tie="resident"``, A1). ``select_tokens=False`` is the "w/o token selection" ablation of Tab. 3 (the
-  incoming token always wins: a fixed stride pattern, A13).
-- ``gamma=None`` computes ``exp(-N ln(100) / |C|)`` (App. B Eq. 14), not Table 6's truncated values (A7).
-- prefill (A12): ``prefill="exact"`` (default) processes a multi-token forward exactly as token-by-token decoding
+  ``>`` is ``tie="resident"``). ``select_tokens=False`` is the "w/o token selection" ablation of Tab. 3 (the
+  incoming token always wins: a fixed stride pattern).
+- ``gamma=None`` computes ``exp(-N ln(100) / |C|)`` (App. B Eq. 14), not Table 6's truncated values.
+- prefill: ``prefill="exact"`` (default) processes a multi-token forward exactly as token-by-token decoding
   (what v1 did): inside each layer, token ``m`` is inserted, attends, and updates the EMA before token ``m + 1``;
   the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result.
   ``prefill="chunked"`` is the *later official* strided variant, not the v1 paper: a chunk of ``q`` tokens attends

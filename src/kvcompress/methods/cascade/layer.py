@@ -43,12 +43,8 @@ class _Pending:
 
 
 class CascadeLayer(RingAttention, RingViews, CompressedLayer):
-    """One layer of a Cascading KV Cache (a ``CompressedLayer`` with circular storage).
-
-    ``rule`` is the ``CascadePolicy`` whose constants drive the storage (the layer's own policy unless a method
-    runs on this storage with another policy, as ``streaming`` does); ``attend_first`` makes every forward attend
-    before its tokens are inserted.
-    """
+    """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
+    unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
 
     attend_first = False
 
@@ -314,7 +310,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         """Insert one token per sequence: ``kv`` ``[B, H_kv, 1, dk + dv]`` (key un-rotated), ``meta`` ``[B, 1, 2]``,
         ``real`` ``[B]`` (False: padding, nothing happens), ``score`` ``[B]`` initial EMA (None: 0).
 
-        Algorithm 1 (spec §1.5). The token travels down the cascades while each one is accepting and full
+        Algorithm 1. The token travels down the cascades while each one is accepting and full
         (overwrite the oldest slot, pass the evicted token on: b); it stops at the first cascade that appends (a),
         eager-adds into an empty ring (c) or selects between the arriving token and its newest one (d).
         Every cascade is touched at most once, so all decisions come from the counters before the step.
@@ -325,7 +321,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         seen, count, start = self._n_real, self._count, self._start
         batch = seen.shape[0]
         into_cascades = real if self._sinks_full else real & (seen >= sinks)
-        accepting = ((seen - sinks)[:, None] % self._period) == 0  # the global clock, spec §1.4
+        accepting = ((seen - sinks)[:, None] % self._period) == 0  # the global clock
         if not self._filled:
             accepting = accepting | (seen < slots)[:, None]
         full = count == width

@@ -14,8 +14,8 @@ class RingAttention:
     # --- positions and attention ----------------------------------------------------------------------------
     def ranks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per slot ``[B, S + |C|]``: the rank (RoPE position) of its token inside the cache, and whether the slot
-        is occupied. Sinks come first, then the cascades from the oldest (last) to the newest, each in ring order
-        (spec §1.8); the ranks of the occupied slots are ``0 .. stored - 1``."""
+        is occupied. Sinks come first, then the cascades from the oldest (last) to the newest, each in ring order;
+        the ranks of the occupied slots are ``0 .. stored - 1``."""
         count, start = self._count, self._start
         older = count.flip(1).cumsum(1).flip(1) - count  # tokens in the older cascades
         ring = (self._ring - start[:, :, None]) % self.width  # [B, N, W]: age order inside each ring

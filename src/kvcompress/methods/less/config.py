@@ -9,20 +9,21 @@ low-rank sketch of their attention. φ and ψ are tiny per-head MLPs trained per
 output match the full cache (``kvcompress.train.less``). ``R = 8`` makes ``H`` as large as ``R/2 = 4`` cached tokens
 per KV head; ``baseline_plus`` gives the base policy those 4 tokens instead (the paper's Baseline+).
 
-Spec followed: ``../shared/specs/less.md``: §1.4 kernels in the official code's form (``kvcompress.less_kernels``),
-§1.5 the log-sum-exp form of Eq. 3, §1.6–1.7 the state update at eviction (Algorithm 1), §1.8 H2O scores from the
-softmax over cached tokens only (the LESS mass never enters the base policy's statistics), §2 Baseline+.
+Implemented as in the paper and the authors' code: kernels in the official code's form
+(``kvcompress.methods.less.kernels``), the log-sum-exp form of Eq. 3, the state update at eviction (Eqs. 4–6,
+Algorithm 1), H2O scores from the softmax over cached tokens only (the LESS mass never enters the base policy's
+statistics), Baseline+.
 
-Choices where the paper is silent or the spec leaves a choice:
+Choices where the paper is silent or leaves a choice:
 
-- GQA (A3): ψ, ``H`` and ``z`` per KV head (so ``H`` still costs ``R/2`` tokens per KV head), φ per query head; the
+- GQA: ψ, ``H`` and ``z`` per KV head (so ``H`` still costs ``R/2`` tokens per KV head), φ per query head; the
   base policy's own GQA rule decides (our H2O sums the mass over a group's query heads).
-- Prompt (A9): the prompt attends in full (the state is empty); whatever the base policy evicts after it, and at
+- Prompt: the prompt attends in full (the state is empty); whatever the base policy evicts after it, and at
   every later step, is folded into ``H, z`` before it is freed. A chunked prefill folds between chunks.
-- Positions (A19): keys keep the RoPE position they were written with; a base policy that re-indexes positions
+- Positions: keys keep the RoPE position they were written with; a base policy that re-indexes positions
   inside the cache (``position_mode="cache"``) is refused. With the base given by name (``base="streaming"``) it is
   built with ``position_mode="original"``: that is the paper's Λ-masking.
-- ``H, z`` are kept in float32 (A7) and counted in the cache's bytes (``H`` with the keys/values, ``z`` with the
+- ``H, z`` are kept in float32 and counted in the cache's bytes (``H`` with the keys/values, ``z`` with the
   metadata); with a float32 model ``H`` is exactly ``R/2`` tokens per KV head.
 - ``den = φ(q) zᵀ = 0`` means no low-rank term at all (not the official code's 1e-6 floor), so with ψ ≡ 0
   (``init="zero"``) or before the first eviction LESS is exactly its base policy; the attention then runs on the
@@ -31,7 +32,7 @@ Choices where the paper is silent or the spec leaves a choice:
   trained kernels are a directory written by ``python -m kvcompress.train.less`` and must match the model's shape
   and the base method (the budget may differ: training and test sparsity are independent, Table 2).
 - Budgets are tokens per layer and KV head, as for every method here (the paper's "5 %" is of the model's maximum
-  context; our CPU experiments use a share of the evaluation window, A4).
+  context; our CPU experiments use a share of the evaluation window).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class LessConfig(MethodConfig):
     kernels: str | os.PathLike[str] | LessKernels | None = None  # trained kernels (directory) or None: untrained
     init: str = "paper"  # untrained kernels: "paper" (Xavier, scalars 1e-4, ≈ base) or "zero" (ψ ≡ 0, = base)
     rank: int = 8  # R: features of φ, ψ = rows of H (untrained kernels; trained ones carry their own)
-    hidden: int = 128  # R': hidden width of the kernel MLPs (paper 512 for D = 128; 128 for D = 64, spec A17)
+    hidden: int = 128  # R': hidden width of the kernel MLPs (paper 512 for D = 128; 128 ample for D = 64)
     seed: int = 0  # seed of the untrained kernels' initialisation
 
     name = "less"
@@ -90,7 +91,7 @@ class LessConfig(MethodConfig):
         if policy.position_mode != "original":
             raise ValueError(
                 f"base {base.name!r} uses position_mode={policy.position_mode!r}; LESS needs keys at their original "
-                "RoPE positions (spec A19): build the base with position_mode='original'"
+                "RoPE positions: build the base with position_mode='original'"
             )
         if type(policy).attend is not Policy.attend:
             raise ValueError(f"base {base.name!r} computes attention itself; LESS cannot add its term to it")

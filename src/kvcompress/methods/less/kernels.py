@@ -6,10 +6,10 @@ are ``policy`` and ``layer`` beside this module, the parallel (masked) form used
 
 What lives here:
 
-- ``LayerKernels``: one layer's φ (per query head) and ψ (per KV head) in the official code's form (spec §1.4):
+- ``LayerKernels``: one layer's φ (per query head) and ψ (per KV head) in the official code's form:
   ``φ(q) = |GELU(GELU(Dropout(q W1)) W2)|``, ``u = |s1| ⊙ GELU(GELU(Dropout(k W1)) W2)``,
   ``ψ(k) = |u + (u W3) ⊙ s2|``; no biases, Xavier-uniform weights, ``s1 = s2 = 1e-4`` (the warm start),
-  dropout 0.3 in training only. GQA (spec A3): ψ, and so the state ``H``, ``z``, are per KV head; φ is per query head.
+  dropout 0.3 in training only. GQA: ψ, and so the state ``H``, ``z``, are per KV head; φ is per query head.
 - ``LessKernels``: the kernels of every layer plus metadata (model shape, base policy, training settings), saved as
   a directory with ``meta.json`` and one ``layer_XXX.pt`` per layer (training writes them one by one) and loaded
   with ``load_kernels``, which raises a clear error when they do not fit the model or the base policy.
@@ -50,7 +50,7 @@ def _xavier_(weight: torch.Tensor, generator: torch.Generator | None) -> None:
 
 
 class LayerKernels(nn.Module):
-    """φ and ψ of one attention layer: per-head weight tensors ``[heads, in, out]`` (spec §1.4, code form)."""
+    """φ and ψ of one attention layer: per-head weight tensors ``[heads, in, out]`` (the official code's form)."""
 
     def __init__(
         self,

@@ -4,18 +4,17 @@ The parallel form. Eviction in a real cache is permanent, so a token's fate is o
 ``evict_at[j]``, the first query row that no longer sees token ``j`` in the sparse cache (``S`` if never). Row
 ``i`` attends exactly to ``{j <= i : evict_at[j] > i}`` and its state holds ``{j : evict_at[j] <= i}``; so
 ``H_i`` is a cumulative sum of ``ψ(k_j)ᵀ v_j`` ordered by eviction row (``O(S R D)``, no ``S x S`` low-rank
-matrix), which equals the spec's masked ``φ(Q)ψ(K)ᵀ ⊙ M_lr`` form. ``eviction_times`` finds ``evict_at`` by
-running the base policy's own cache layer token by token on the layer's queries and keys, with the statistics
-the real decode computes (softmax over the cached tokens only: the generation rule of spec §1.8 / A6). So the
-masked form equals prefilling one token and decoding the rest through the real cache (A16), for any evicting
-method, and training sees exactly the masks decoding will produce.
+matrix), which equals the paper's masked form (§3.2: low-rank scores ``φ(Q)ψ(K)ᵀ`` on the evicted entries).
+``eviction_times`` finds ``evict_at`` by running the base policy's own cache layer token by token on the layer's
+queries and keys, with the statistics the real decode computes (softmax over the cached tokens only, the generation
+rule). So the masked form equals prefilling one token and decoding the rest through the real cache, for any
+evicting method, and training sees exactly the masks decoding will produce.
 - ``masked_forward``: logits of a whole window with every layer in the masked form (an attention function switched
 in for one forward), and ``capture_attention`` to record a layer's post-RoPE Q, K, V and its output after W_O.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcompress.core.attention import CHUNK_ELEMENTS, attention_with_stats, register_attention
+from kvcompress.core.attention import attention_with_stats, register_attention
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.softmax import chunked_softmax, grouped
 from kvcompress.methods.full import FullConfig
 from kvcompress.methods.less.config import LessConfig
 from kvcompress.methods.less.kernels import LayerKernels
-from kvcompress.methods.less.policy import grouped, mix_low_rank
+from kvcompress.methods.less.policy import mix_low_rank
 
 
 def sparse_attention(
@@ -44,27 +44,18 @@ def sparse_attention(
 
     Row ``i`` sees ``{j <= i : evict_at[j] > i}`` (``evict_at`` ``[B, H_kv, S]``; ``None`` = nothing evicted).
     """
-    batch, q_heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    scale = dim**-0.5 if scaling is None else scaling
-    q = grouped(query, kv_heads).float()
-    k, v = key.float()[:, :, None], value.float()[:, :, None]
+    length = query.shape[2]
     idx = torch.arange(length, device=query.device)
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
-    lses, outs = [], []
-    for start in range(0, length, chunk):
-        rows = idx[start : start + chunk]
-        logits = (q[:, :, :, start : start + chunk] @ k.transpose(-1, -2)) * scale  # [B, Hkv, G, c, S]
-        visible = (idx[None, :] <= rows[:, None])[None, None]  # [1, 1, c, S]
+
+    def visible(start: int, stop: int) -> torch.Tensor:
+        rows = idx[start:stop]
+        seen = (idx[None, :] <= rows[:, None])[None, None]  # [1, 1, c, S]
         if evict_at is not None:
-            visible = visible & (evict_at[:, :, None, :] > rows[None, None, :, None])
-        logits = logits.masked_fill(~visible[:, :, None], -math.inf)
-        lse = logits.logsumexp(-1)
-        lses.append(lse)
-        outs.append(torch.exp(logits - lse[..., None]) @ v)
-    lse = torch.cat(lses, dim=-1).reshape(batch, q_heads, length)
-    out = torch.cat(outs, dim=-2).reshape(batch, q_heads, length, dim)
-    return lse, out
+            seen = seen & (evict_at[:, :, None, :] > rows[None, None, :, None])
+        return seen
+
+    parts = chunked_softmax(query.float(), key.float(), visible, scaling, value=value.float(), lse=True)
+    return parts.lse, parts.output
 
 
 def low_rank_parallel(

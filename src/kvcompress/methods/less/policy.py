@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcompress.core.attention import CHUNK_ELEMENTS, attention_with_stats, sdpa
+from kvcompress.core.attention import attention_with_stats, sdpa
 from kvcompress.core.contract import Policy
+from kvcompress.core.softmax import chunked_softmax, grouped
 from kvcompress.methods.less.kernels import LayerKernels
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
@@ -71,21 +72,7 @@ def cached_logsumexp(
     query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
     """Log-normaliser ``[B, H_q, q]`` of the softmax over the stored keys (float32, in query chunks)."""
-    batch, q_heads, queries, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    scale = dim**-0.5 if scaling is None else scaling
-    if mask is None:  # single query (all visible) or plain causal prefill
-        key_idx = torch.arange(length, device=query.device)
-        query_idx = torch.arange(length - queries, length, device=query.device)
-        mask = (key_idx[None, :] <= query_idx[:, None])[None, None]
-    q = grouped(query, kv_heads)
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
-    parts = []
-    for start in range(0, queries, chunk):
-        logits = (q[:, :, :, start : start + chunk] @ key[:, :, None].transpose(-1, -2)).float() * scale
-        logits = logits.masked_fill(~mask[:, :, None, start : start + chunk], float("-inf"))
-        parts.append(logits.logsumexp(-1))
-    return torch.cat(parts, dim=-1).reshape(batch, q_heads, queries)
+    return chunked_softmax(query, key, mask, scaling, lse=True).lse
 
 
 def mix_low_rank(
@@ -103,8 +90,3 @@ def mix_low_rank(
     weight_sparse = torch.exp(lse_sparse - lse)[..., None]
     weight_lr = torch.exp(lse_lr - lse)[..., None]
     return weight_sparse * out_sparse + weight_lr * (num / safe_den[..., None])
-
-
-def grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[B, H_q, ...]`` -> ``[B, H_kv, G, ...]``: the query heads of one KV head together (``repeat_kv`` order)."""
-    return tensor.view(tensor.shape[0], kv_heads, tensor.shape[1] // kv_heads, *tensor.shape[2:])

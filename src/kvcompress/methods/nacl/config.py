@@ -3,31 +3,31 @@
 Idea. Right after a layer's (exact) prefill attention, every KV head of that layer keeps, independently:
 (a) a protected set: the first ``sinks`` tokens and the most recent tokens of the prompt;
 (b) the top ``C_p`` tokens by *proxy score*, the column sums of the softmax attention rows of a few proxy queries
-(by default the last tokens of the prompt, where the question sits; or an explicit span) — Eq. proxy-score, §5.1;
+(by default the last tokens of the prompt, where the question sits; or an explicit span) — the paper's §5.1;
 (c) ``C_r`` tokens sampled without replacement from the rest with probability ``softmax(score / temperature)``
 ("Random Possibility Sampling", §5.2), drawn with Gumbel-top-k (exactly successive sampling without replacement).
 Everything else is evicted once; decoding then appends (the official code never evicts again; Algorithm 1's
 re-eviction every ``m`` steps is ``decode_interval``).
 
-Spec followed: ``shared/specs/nacl.md`` §1.4–1.7 (algorithm), §1.9 (proxy scores by re-computation from the proxy
-queries only), §1.12 (pseudo-code) and the recommended decisions of §3:
+Implemented as in the paper (§5, Algorithm 1, Table 4) and its official code, with proxy scores re-computed from the
+proxy queries only (the paper's Appx A.7). Choices where the paper is silent or ambiguous:
 
-- Budget (A7, Table 4). The kept count is ``max(1, floor(ratio * L))`` of the prompt's real tokens (the same count
+- Budget (Table 4). The kept count is ``max(1, floor(ratio * L))`` of the prompt's real tokens (the same count
   as every other ratio method here) or an explicit ``budget`` in tokens. It is split with the Table 4 shares:
   protected = ``protect_share`` of it (at least 2: token 0 and the last prompt token), the rest divided between
   top-k and random by ``random_share`` (e.g. 20 %: 2 % + 6 % + 12 % of the prompt, proxy window 18 %). Deriving
   the parts from the kept count instead of flooring each Table 4 fraction keeps ``|kept| == budget`` exactly; the
-  parts equal the code's floors whenever those are exact (spec test vector: L = 3500 at 20 % -> 70/210/420).
+  parts equal the code's floors whenever those are exact (e.g. L = 3500 at 20 % -> 70/210/420).
   Ratios outside Table 4 and token budgets use the 20 % row's proportions (10 % protected, 2/3 of the rest
   random, proxy window 0.9 x the budget). ``preset="official-128k"`` is the official code's 128K setting
   (1 % protected, 1 % proxy window, 12 % top-k, 7 % random, 256 sinks, no eviction below 2048 tokens).
-- Proxies (A1, A2, A4): the suffix window of Table 4's "No-protect Proxy" size (or ``proxy_tokens``, or
+- Proxies: the suffix window of Table 4's "No-protect Proxy" size (or ``proxy_tokens``, or
   ``proxy_span``) only scores; proxies are not kept unless they fall in the protected tail or win a place.
   Causal proxy attention by default (the rows the model really computed); ``proxy_causal=False`` is the code's.
-- Sum over proxies, temperature 1 (A5); GQA: scores of the query heads of a KV group averaged (A6, ``gqa_reduce``).
-- Determinism (A14): the Gumbel noise of a token is a hash of (seed, layer, KV head, RoPE position), so every
+- Sum over proxies, temperature 1; GQA: scores of the query heads of a KV group averaged (``gqa_reduce``).
+- Determinism: the Gumbel noise of a token is a hash of (seed, layer, KV head, RoPE position), so every
   layer and head draws an independent stream, the same seed gives the same sets, and a sequence gets the same draw
-  alone or in a padded batch. Top-k ties go to the earlier token (A15).
+  alone or in a padded batch. Top-k ties go to the earlier token.
 - Proxy scores are computed when the layer compresses, from the buffered post-RoPE proxy queries against the
   stored keys, in chunks of proxy rows: an ``n_chunk x L`` block per head at a time, never ``L x L`` (the
   re-computation path of Appx A.7). The buffer holds only the queries that can still be proxies, so a chunked

@@ -6,11 +6,13 @@ import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import AttentionStats, Policy, Selection, StatsRequest
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
+from kvcompress.core.softmax import chunked_softmax
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
     from kvcompress.methods.nacl.config import NaClConfig
@@ -31,6 +33,9 @@ class NaClSplit(NamedTuple):
 
 class NaClPolicy(Policy):
     """One-shot NaCl: buffer the proxy queries during the prefill, score and select once, then append.
+
+    The three phases run under ``torch.profiler`` labels ``kvcompress.nacl.buffer``, ``.scores`` and ``.select``,
+    so a profile shows what NaCl's own work costs inside a prefill.
 
     A policy belongs to one layer of one cache, so the proxy-query buffer (freed when the layer compresses) and
     the decode counters live here, beside the layer that owns keys, values and per-token state.
@@ -57,7 +62,8 @@ class NaClPolicy(Policy):
     def attend(self, layer, query, key, value, mask, scaling):
         """Prefill: buffer the proxy candidates, attention stays SDPA. Decode: re-evict every ``m`` steps."""
         if not layer.compressed:
-            self._buffer_proxy_queries(layer, query, scaling)
+            with record_function("kvcompress.nacl.buffer"):
+                self._buffer_proxy_queries(layer, query, scaling)
             return None
         interval = self.config.decode_interval
         if interval is None or not self.splits:
@@ -104,50 +110,36 @@ class NaClPolicy(Policy):
         if all(s.kept >= int(n) for s, n in zip(self.splits, n_real, strict=True)) or self.proxy_query is None:
             self.clear_proxies()
             return None
-        scores = self.proxy_scores(layer)
+        with record_function("kvcompress.nacl.scores"):
+            scores = self.proxy_scores(layer)
         layer.state["score"] = scores
         self.clear_proxies()
-        return self.hybrid_selection(layer, scores, self.splits, event=0)
+        with record_function("kvcompress.nacl.select"):
+            return self.hybrid_selection(layer, scores, self.splits, event=0)
 
     def proxy_scores(self, layer) -> torch.Tensor:
         """``[B, H_kv, L]`` float32: per KV head, the summed softmax rows of the proxy queries (Eq. proxy-score).
 
         Computed in chunks of proxy rows from the buffered queries, so at most ``chunk x L`` logits per head exist.
         """
-        query, rows = self.proxy_query, self.proxy_rows
-        keys = layer.keys.float()
-        batch, q_heads, n_rows, dim = query.shape
-        kv_heads, length = keys.shape[1], keys.shape[2]
-        groups = q_heads // kv_heads
-        scale = dim**-0.5 if self.proxy_scaling is None else self.proxy_scaling
-        is_proxy = self._proxy_row_mask(layer, rows)  # [B, n]
-        key_valid, key_idx = layer.valid[:, :, None, None, :], layer.token_idx[:, :, None, None, :]
-        total = torch.zeros(batch, kv_heads, groups, length, device=keys.device)
-        chunk = max(1, PROXY_CHUNK_ELEMENTS // max(1, batch * q_heads * length))
-        no_padding = bool(layer.valid.all())  # then stored index == stream index and every row sees a key
-        for start in range(0, n_rows, chunk):
-            stop = min(start + chunk, n_rows)
-            grouped = query[:, :, start:stop].float().reshape(batch, kv_heads, groups, stop - start, dim) * scale
-            logits = grouped @ keys[:, :, None].transpose(-1, -2)  # [B, H_kv, G, c, L]
-            row_idx = rows[start:stop][None, None, None, :, None]
-            if no_padding:  # causal masking only touches the columns from this chunk's first row on
-                if self.config.proxy_causal:
-                    first = int(rows[start])
-                    future = key_idx[..., first:] > row_idx
-                    logits[..., first:].masked_fill_(future, float("-inf"))
-            else:
-                hidden = ~key_valid
-                if self.config.proxy_causal:
-                    hidden = hidden | (key_idx > row_idx)
-                logits.masked_fill_(hidden, float("-inf"))
-            # sum over rows of softmax = (1 / row sums) @ exp(logits - row max): no normalised copy is made
-            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-            weight = is_proxy[:, None, None, start:stop].to(logits.dtype) / logits.sum(dim=-1)
-            weight = weight.nan_to_num_(0.0)  # rows with no visible key (padding) count for nothing
-            if not no_padding:
-                logits.nan_to_num_(0.0)
-            total += (weight[..., None, :] @ logits).squeeze(-2)
-        return reduce_groups(total, self.config.gqa_reduce)
+        rows = self.proxy_rows
+        key_visible, key_idx = layer.valid[:, :, None, :], layer.token_idx[:, :, None, :]
+
+        def visible(start: int, stop: int) -> torch.Tensor:
+            if not self.config.proxy_causal:
+                return key_visible
+            return key_visible & (key_idx <= rows[start:stop][None, None, :, None])
+
+        parts = chunked_softmax(
+            self.proxy_query.float(),
+            layer.keys.float(),
+            visible,
+            self.proxy_scaling,
+            received=True,
+            row_weight=self._proxy_row_mask(layer, rows),
+            chunk_elements=PROXY_CHUNK_ELEMENTS,
+        )
+        return reduce_groups(parts.received, self.config.gqa_reduce)
 
     # --- Algorithm 1 lines 26-27: optional re-eviction while decoding ---------------------------------------
     def reselect(self, layer, stats: AttentionStats) -> Selection | None:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcompress.core.attention import CHUNK_ELEMENTS, attention_with_stats, sdpa
+from kvcompress.core.attention import attention_with_stats, sdpa
 from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.softmax import row_chunks
 from kvcompress.methods.pod.layer import PoDLayer, PoDStep
 
 if TYPE_CHECKING:  # annotations only: the config module imports the policy, which imports this module
@@ -83,12 +84,10 @@ def pod_attention(
             return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
         if _FLASH is not None:
             return _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * length))
     outputs, last_rows, received = [], [], None
     last_n = min(request.last_queries, queries)
     skipped = eligible = 0
-    for r0 in range(0, queries, chunk):
-        r1 = min(r0 + chunk, queries)
+    for r0, r1 in row_chunks(queries, batch * q_heads * length):
         own = (query[:, :, r0:r1] @ keys_q.transpose(-1, -2)).float() * scale  # [B, H_q, R, L]
         dist = torch.stack([(q[:, r0:r1] @ k.transpose(-1, -2)).float() * scale for q, k in sources], dim=1)
         prox_r, dist_r = prox_s[:, :, r0:r1], dist_s[:, :, r0:r1]

@@ -4,27 +4,28 @@ across layers, proximal tokens exact.
 Idea. Each query attends to *proximal* tokens (the first ``n_sink`` tokens and the ``n_recent`` most recent ones,
 itself included) with its layer's own logits, and to *distant* tokens (everything in between) with the logits of
 the lowest layer of its block: consecutive layers whose attention is similar (measured offline, grouped by
-Algorithm 1, ``kvcompress.pod_grouping``) form a block per head. Values are always the layer's own. So the keys
+Algorithm 1, ``kvcompress.methods.pod.grouping``) form a block per head. Values are always the layer's own. So the keys
 of distant tokens are needed only at block-start layers: every layer stores values for all tokens and keys for its
 proximal tokens; block-start layers also keep distant keys. At a block start (and in every singleton block) the
 split is an identity and attention is exactly dense. The two parts are joined exactly: one softmax over the mixed
 logits, or the paper's two-part gate ``g = sigmoid(LSE_P - LSE_D)`` (Eq. 4), selectable with ``combine``.
 
-Spec: ``shared/specs/pod.md`` §3.1-3.3 (attention), §4.1-4.4 (cache layout, decoding, memory formula, τ gate),
-§8 decisions. Choices where the paper is silent or the spec decided:
+Implemented as in the paper: attention within a block (Eq. 3-4), the cache layout and decoding of its efficient
+inference, the τ gate. Choices where the paper is silent or ambiguous:
 
-- v1 (``query_source="block_start"``, default, the seed paper's Eq. 3): distant logits are the block start's query
-  times the block start's keys; v2 (``"own"``, the revised paper): this layer's query times the block start's keys.
-- Groups per KV head by default (``grouping="kv_head"``, spec 8.3): only then does every layer of a block really
-  drop a KV head's distant keys. ``"query_head"`` is the paper's literal per-head reading; a KV head then keeps its
-  distant keys at a layer that starts a block for any of its query heads.
+- v1 (``query_source="block_start"``, default, Eq. 3 of the paper's first version): distant logits are the block
+  start's query times the block start's keys; v2 (``"own"``, the revised paper): this layer's query times the block
+  start's keys.
+- Groups per KV head by default (``grouping="kv_head"``, similarity averaged over its query heads): only then does
+  every layer of a block really drop a KV head's distant keys. ``"query_head"`` is the paper's literal per-head
+  reading; a KV head then keeps its distant keys at a layer that starts a block for any of its query heads.
 - Token groups use RoPE positions (left padding is not counted): proximal ``j`` for query ``i`` iff
-  ``pos_j < n_sink`` or ``pos_i - pos_j < n_recent`` (spec 8.4, the recent window includes the query itself).
+  ``pos_j < n_sink`` or ``pos_i - pos_j < n_recent`` (the recent window includes the query itself).
   After each forward a non-start KV head keeps the keys of its sinks and of the last ``n_recent`` tokens, so the
-  stored bytes equal the §4.3 formula ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s - n_r)*d`` exactly.
-- τ gate (spec 8.7): at query heads that are not block starts, a row with distant tokens whose gate
+  stored bytes equal the memory formula ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s - n_r)*d`` exactly.
+- τ gate: at query heads that are not block starts, a row with distant tokens whose gate
   ``g >= tau`` attends to its proximal tokens only; rows skipped / rows eligible are counted (``cache.pod_stats``).
-- Composition with token selection (spec 8.12; PoD + SnapKV as in the paper's Table 1): ``base`` is any method
+- Composition with token selection (PoD + SnapKV as in the paper's Table 1; how is not stated): ``base`` is any method
   config; its policy scores and selects tokens at the block-start layer of each KV head and every other layer of
   the block keeps the same tokens, so a kept distant token has its key at the block start and its value
   everywhere. The savings compose multiplicatively, as the paper's Table 4 does.

@@ -1,4 +1,4 @@
-"""PoD layer grouping (Algorithm 1 of arXiv:2412.02252) and the KV-saving arithmetic of spec ``pod.md`` §2.3, §4.3.
+"""PoD layer grouping (Algorithm 1 of arXiv:2412.02252) and the arithmetic of the KV memory it saves.
 
 Input: a per-head inter-layer similarity ``sim[h, a, b]`` in ``[0, 1]`` (``1 - JS``, written by
 ``kvcompress.train.pod_calibrate``). Algorithm 1 walks the layers bottom-up, per head: layer 0 opens the first block;
@@ -12,10 +12,11 @@ distant keys, ``D = max(0, n - n_sink - n_recent)``::
     saving(n) = (L * H_kv - B) * D / (2 * L * H_kv * n)        saving(inf) = (1 - B / (L * H_kv)) / 2
 
 With per-query-head grouping under GQA, a KV head keeps its distant keys at layer ``l`` iff ``l`` starts a block
-for *any* of its query heads (spec §2.3 GQA rule), which is how ``B`` is counted here.
+for *any* of its query heads, which is how ``B`` is counted here.
 
-Run ``python -m kvcompress.pod_grouping --similarity FILE --delta 0.5 0.6`` to print blocks and savings. This module
-sits below ``methods`` (the PoD config resolves its blocks with it) and imports nothing from kvcompress.
+``starts_from_similarity`` (at a ``delta`` or a target saving), ``blocks_from_starts`` with ``format_blocks``, and
+``kv_saving`` give the blocks and savings of a calibration file (``python -m kvcompress.train.pod_blocks`` prints
+them). The PoD config resolves its blocks with this module, which imports nothing from kvcompress.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def kv_saving(
 
 
 def kv_elements(starts: Starts, n: int, n_sink: int, n_recent: int, head_dim: int, kv_heads: int | None = None) -> int:
-    """Stored key + value elements of one sequence of ``n`` tokens under PoD (the spec's §4.3 formula)."""
+    """Stored key + value elements of one sequence of ``n`` tokens under PoD (the memory formula above, with values)."""
     layers = len(starts)
     kv_heads = len(starts[0]) if kv_heads is None else kv_heads
     kept = kv_key_rows(starts, kv_heads)

@@ -1,0 +1,106 @@
+"""The one exact softmax over stored keys, computed in query chunks, returning what the caller asks for.
+
+No ``T x T`` matrix per head is ever materialised: queries are processed in chunks of at most ``CHUNK_ELEMENTS``
+float32 logits. The caller asks for the attention output, the log-normaliser of each row, the (optionally
+weighted) mass each key receives, or the probability rows of the last queries. Used by the attention function
+(statistics for H2O, TOVA, ...), LESS (log-normalisers, the masked form) and NaCl (proxy scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 24  # float32 logits per query chunk (~64 MB)
+
+# A mask: boolean [B, H_kv or 1, q, L] (True = visible), a function (start, stop) -> the rows start..stop of it,
+# or None for plain causal attention of the last q of L positions.
+Mask = torch.Tensor | Callable[[int, int], torch.Tensor] | None
+
+
+@dataclass
+class SoftmaxParts:
+    """What ``chunked_softmax`` computed; fields not asked for are ``None``."""
+
+    output: torch.Tensor | None = None  # [B, H_q, q, d] in the value dtype
+    lse: torch.Tensor | None = None  # [B, H_q, q] float32 log-normaliser of each row
+    received: torch.Tensor | None = None  # [B, H_kv, G, L] float32 attention mass received (rows weighted)
+    last: torch.Tensor | None = None  # [B, H_kv, G, n, L] float32 probability rows of the last n queries
+
+
+def grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, H_q, ...]`` -> ``[B, H_kv, G, ...]``: the query heads sharing a KV head together (``repeat_kv`` order)."""
+    return tensor.view(tensor.shape[0], kv_heads, tensor.shape[1] // kv_heads, *tensor.shape[2:])
+
+
+def row_chunks(rows: int, elements_per_row: int, budget: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` bounds of row chunks holding at most ``budget`` (``CHUNK_ELEMENTS``) elements each."""
+    step = max(1, (CHUNK_ELEMENTS if budget is None else budget) // max(1, elements_per_row))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def causal_mask(queries: int, length: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, q, L]``: the last ``q`` of ``L`` positions each see themselves and everything before."""
+    key_idx = torch.arange(length, device=device)
+    query_idx = torch.arange(length - queries, length, device=device)
+    return (key_idx[None, :] <= query_idx[:, None])[None, None]
+
+
+def chunked_softmax(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: Mask,
+    scaling: float | None,
+    *,
+    value: torch.Tensor | None = None,
+    lse: bool = False,
+    received: bool = False,
+    row_weight: torch.Tensor | None = None,
+    last_n: int = 0,
+    chunk_elements: int | None = None,
+) -> SoftmaxParts:
+    """Softmax of ``query`` ``[B, H_q, q, d]`` over ``key`` ``[B, H_kv, L, d]`` (float32 logits), in query chunks.
+
+    ``value`` ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the
+    mass each key receives, summed over rows (each row weighted by ``row_weight`` ``[B, q]`` if given; a row that
+    sees no key counts for nothing); ``last_n`` for the probability rows of the last ``n`` queries.
+    """
+    batch, q_heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    keys_t = key[:, :, None].transpose(-1, -2)
+    values = value[:, :, None] if value is not None else None
+    if mask is None:
+        mask = causal_mask(queries, length, query.device)
+    parts = SoftmaxParts()
+    outputs, lses, last_rows = [], [], []
+    mass = torch.zeros(batch, kv_heads, q_heads // kv_heads, length, device=query.device) if received else None
+    for start, stop in row_chunks(queries, batch * q_heads * length, chunk_elements):
+        rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
+        logits = (grouped(query[:, :, start:stop], kv_heads) @ keys_t).float() * scale  # [B, H_kv, G, c, L]
+        logits = logits.masked_fill(~rows_mask[:, :, None], float("-inf"))
+        row_lse = logits.logsumexp(dim=-1)
+        probs = torch.exp(logits - row_lse[..., None]).nan_to_num_(0.0)  # a row that sees nothing is all zero
+        if values is not None:
+            outputs.append(probs.to(values.dtype) @ values)
+        if lse:
+            lses.append(row_lse)
+        if mass is not None:
+            if row_weight is not None:
+                probs_w = probs * row_weight[:, None, None, start:stop, None].to(probs.dtype)
+                mass += probs_w.sum(dim=-2)
+            else:
+                mass += probs.sum(dim=-2)
+        if last_n and stop > queries - last_n:
+            last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
+    if values is not None:
+        parts.output = torch.cat(outputs, dim=3).reshape(batch, q_heads, queries, -1)
+    if lse:
+        parts.lse = torch.cat(lses, dim=-1).reshape(batch, q_heads, queries)
+    parts.received = mass
+    if last_rows:
+        parts.last = torch.cat(last_rows, dim=3)
+    return parts
