@@ -14,14 +14,14 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-for _name, _value in {
+SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV pool
     "VLLM_CPU_OMP_THREADS_BIND": "0",  # one thread: faster than two on the 2-core machine
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process, so the scheduler can be read
     "OMP_NUM_THREADS": "1",
-}.items():
-    os.environ.setdefault(_name, _value)
+}
+for _name, _value in {**SERVER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():  # engine in this process,
+    os.environ.setdefault(_name, _value)  # so the tests can read its scheduler
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -71,6 +71,7 @@ class BlockTrace:
     """What the scheduler's KV cache manager held while requests ran."""
 
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[float]] = field(default_factory=dict)  # of each generated token
     live_blocks: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # per step
     logical_blocks: dict[str, int] = field(default_factory=dict)  # block indices a request went through
     owners: dict[int, set] = field(default_factory=lambda: defaultdict(set))  # block id -> (request, index)
@@ -87,15 +88,20 @@ def trace_blocks(llm: LLM, prompts: list[str], max_tokens: int) -> BlockTrace:
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     group = manager(llm)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     for i, text in enumerate(prompts):
         engine.add_request(str(i), text, params)
     trace = BlockTrace()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                trace.outputs[out.request_id] = list(out.outputs[0].token_ids)
-        for request_id, blocks in group.req_to_blocks.items():
+                completion = out.outputs[0]
+                trace.outputs[out.request_id] = list(completion.token_ids)
+                trace.logprobs[out.request_id] = [
+                    step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids, strict=True)
+                ]
+        for internal_id, blocks in group.req_to_blocks.items():
+            request_id = internal_id.rsplit("-", 1)[0]  # vLLM appends a random suffix to the caller's id
             trace.live_blocks[request_id].append(sum(not b.is_null for b in blocks))
             trace.logical_blocks[request_id] = len(blocks)
             for index, block in enumerate(blocks):

@@ -8,10 +8,13 @@ its block indices (and the worker its append-only block table) while the pool ge
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from kvcompress.vllm.policies import make_policy
 from kvcompress.vllm.spec import KVCompressSpec
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers print in every process
 
 PREFIX_CACHING_ERROR = (
     "kvcompress: the {method} policy evicts and rewrites KV blocks, so vLLM's prefix caching (on by default) "
@@ -28,6 +31,8 @@ class BlockEvictionManager(FullAttentionManager):
         if self.enable_caching:
             raise ValueError(PREFIX_CACHING_ERROR.format(method=kv_cache_spec.policy.method))
         self.policy = make_policy(kv_cache_spec.policy, self.block_size)
+        logger.info("kvcompress: %s, %d blocks of %d tokens per request", kv_cache_spec.policy.method,
+                    self.policy.budget_blocks, self.block_size)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None

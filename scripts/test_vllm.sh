@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Build .venv-vllm (scripts/vllm_env.sh) and run the vLLM plugin's test suite in it (real CPU engines, SmolLM2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/vllm_env.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+"${VLLM_VENV:-.venv-vllm}/bin/python" -m pytest -q -p no:cacheprovider tests/vllm "$@"
