@@ -42,10 +42,15 @@ def prompt(num_words: int, seed: int) -> str:
     return " ".join(sentences)
 
 
-def make_llm(model: str, policy: dict | None = None, max_model_len: int = 1024, **kwargs) -> LLM:
-    """An in-process engine; ``policy`` is the kvcompress policy (``None``: the plugin stays inactive)."""
+def make_llm(model: str, policy: dict | None = None, max_model_len: int = 1024, dtype: str = "float32",
+             **kwargs) -> LLM:
+    """An in-process engine; ``policy`` is the kvcompress policy (``None``: the plugin stays inactive).
+
+    float32 by default: without AVX-512/AMX, vLLM's bf16 prefill is about 6x slower than float32 here (bf16
+    decodes about 1.3x faster, which only pays off for short prompts).
+    """
     extra = {"additional_config": {"kvcompress": policy}} if policy else {}
-    return LLM(model=model, dtype="bfloat16", max_model_len=max_model_len, enable_prefix_caching=False,
+    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=False,
                enforce_eager=True, seed=0, **extra, **kwargs)
 
 

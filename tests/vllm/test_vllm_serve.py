@@ -49,7 +49,7 @@ def test_serve_answers_a_completion_with_a_policy_on_loopback(model_dir, tmp_pat
     port = _free_port()
     command = [sys.executable, "-m", "kvcompress.vllm.serve", "--model", model_dir, "--port", str(port),
                "--policy", json.dumps({"method": "streaming", "budget": 512}), "--max-model-len", "1024",
-               "--dtype", "bfloat16", "--enforce-eager"]
+               "--dtype", "float32", "--enforce-eager"]
     log_path = tmp_path / "server.log"
     log = log_path.open("w")
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}, **SERVER_ENV}

@@ -1,0 +1,116 @@
+"""Fixed-pool serving benchmark: how many long requests run at once, and how fast, per policy.
+
+    python -m kvcompress.vllm.bench --model DIR [--pool-blocks 48] [--requests 12] [--prompt-tokens 1000] ...
+
+Every policy gets the same KV pool (``--pool-blocks`` blocks of 128 tokens, set with vLLM's
+``num_gpu_blocks_override``) and the same requests, all submitted at once: long prompts of unrelated text,
+``--new-tokens`` greedy tokens each (``ignore_eos``). The engine runs in this process so that its scheduler can
+be read after every step. Printed per policy, as a markdown table:
+
+* peak and mean number of running requests (what the pool admits at once), and vLLM's preemptions;
+* requests/s and generated tokens/s over the whole run (first submission to last completion);
+* the peak number of KV blocks in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is read
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+DEFAULT_POLICIES = (
+    '{"method": "full"}',
+    '{"method": "streaming", "budget": 384}',
+    '{"method": "snapkv", "budget": 384}',
+)
+VOCABULARY = (
+    "the a of and to in is was for on that with as by at from it his her they which this be are had not "
+    "city river market winter letter doctor garden music island engine morning paper captain bridge summer "
+    "village copper thunder basket silver forest window stone yellow orange travel pocket lamp harbor"
+).split()
+
+
+@dataclass
+class RunStats:
+    policy: str
+    seconds: float
+    requests: int
+    new_tokens: int
+    peak_running: int
+    mean_running: float
+    preemptions: int
+    peak_blocks: int
+
+    def row(self) -> str:
+        return (f"| {self.policy} | {self.peak_running} | {self.mean_running:.1f} | {self.preemptions} | "
+                f"{self.peak_blocks} | {self.requests / self.seconds:.3f} | {self.new_tokens / self.seconds:.1f} |")
+
+
+HEADER = ("| policy | peak running | mean running | preemptions | peak KV blocks | requests/s | tokens/s |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
+    """``count`` different texts of ``words`` random words each (deterministic)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(VOCABULARY, k=words)) for _ in range(count)]
+
+
+def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Namespace) -> RunStats:
+    """Serve ``prompts`` with ``policy`` (JSON) on a pool of ``args.pool_blocks`` blocks, stepping the engine."""
+    llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False,
+              enforce_eager=True, num_gpu_blocks_override=args.pool_blocks,
+              additional_config={"kvcompress": json.loads(policy)})
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    running, preemptions, peak_blocks, done = [], {}, 0, 0
+    start = time.perf_counter()
+    for i, text in enumerate(prompts):
+        engine.add_request(str(i), text, params)
+    while engine.has_unfinished_requests():
+        done += sum(out.finished for out in engine.step())
+        running.append(len(scheduler.running))
+        preemptions.update({rid: request.num_preemptions for rid, request in scheduler.requests.items()})
+        peak_blocks = max(peak_blocks, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+    seconds = time.perf_counter() - start
+    engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return RunStats(_label(policy), seconds, done, done * args.new_tokens, max(running),
+                    sum(running) / len(running), sum(preemptions.values()), peak_blocks)
+
+
+def _label(policy: str) -> str:
+    data = json.loads(policy)
+    return " ".join(str(data[key]) for key in ("method", "budget") if key in data)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model folder or id vLLM can load")
+    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), help="policies as JSON objects")
+    parser.add_argument("--pool-blocks", type=int, default=48, help="KV pool size in blocks (the same for all)")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--prompt-words", type=int, default=900, help="words per prompt (about 1.1 tokens each)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", help="float32: bf16 prefill is slow without AVX-512")
+    args = parser.parse_args(argv)
+    prompts = make_prompts(args.requests, args.prompt_words)
+    print(HEADER)
+    for policy in args.policies:
+        print(run_policy(args.model, policy, prompts, args).row(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
