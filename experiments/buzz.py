@@ -50,19 +50,19 @@ def method_params(label: str, size: int) -> tuple[str, dict[str, object]]:
     """Registry method and parameters of a row label at cache size ``size``."""
     table: dict[str, tuple[str, dict[str, object]]] = {
         "full": ("full", {}),
-        "buzz": ("buzz", {"budget": size}),
+        "buzz": ("buzz", {"budget": size, "budget_kind": "average"}),
         "buzz-peak": ("buzz", {"budget": size, "budget_kind": "peak"}),
-        "buzz-logn": ("buzz", {"budget": size, "log_n": True}),
+        "buzz-logn": ("buzz", {"budget": size, "budget_kind": "average", "log_n": True}),
         "buzz-logn-peak": ("buzz", {"budget": size, "budget_kind": "peak", "log_n": True}),
-        "buzz-no-local-max": ("buzz", {"budget": size, "local_max": False}),
-        "buzz-swapped-strides": ("buzz", {"budget": size, "swap_strides": True}),
-        "buzz-current-score": ("buzz", {"budget": size, "score_mode": "current"}),
+        "buzz-no-local-max": ("buzz", {"budget": size, "budget_kind": "average", "local_max": False}),
+        "buzz-swapped-strides": ("buzz", {"budget": size, "budget_kind": "average", "swap_strides": True}),
+        "buzz-current-score": ("buzz", {"budget": size, "budget_kind": "average", "score_mode": "current"}),
         "h2o": ("h2o", {"budget": size}),
         "streaming": ("streaming", {"budget": size}),
         "window": ("window", {"budget": size}),
     }
     if label.startswith("buzz-tw"):  # buzz-tw2.5: T/w = 2.5 at a target average size
-        return "buzz", {"budget": size, "tw_ratio": float(label[len("buzz-tw") :])}
+        return "buzz", {"budget": size, "budget_kind": "average", "tw_ratio": float(label[len("buzz-tw") :])}
     return table[label]
 
 

@@ -196,8 +196,9 @@ def test_budget_helper_hits_average_and_peak(budget):
     assert k + w + limit <= budget < k + (w + 1) + round(theorem_ratio(s) * (w + 1))
 
 
-def test_budget_helper_matches_a_simulated_stream():
-    config = make_config("buzz", budget=60)
+@pytest.mark.parametrize("kind", ["average", "peak"])
+def test_budget_helper_matches_a_simulated_stream(kind):
+    config = make_config("buzz", budget=60, budget_kind=kind)
     k, w, limit, s = config.resolved()
     stream = Stream(config, seed=3)
     lengths = []
@@ -205,8 +206,27 @@ def test_budget_helper_matches_a_simulated_stream():
         stream.push(torch.rand(1, 1, 1, generator=stream.generator))
         lengths.append(stream.layer.stored_length())
     steady = lengths[1000:]
-    assert abs(sum(steady) / len(steady) - 60) < 2
-    assert max(steady) == k + w + limit
+    assert max(lengths) == k + w + limit == config.peak_tokens()
+    if kind == "average":  # the paper's budget: the mean stored length; the peak is well above it
+        assert abs(sum(steady) / len(steady) - 60) < 2 and max(steady) > 70
+    else:  # the default: never more than the budget
+        assert max(lengths) <= 60
+
+
+def test_a_question_fed_after_the_context_is_kept_whole_and_the_peak_holds():
+    config = make_config("buzz", budget=60)  # k=4 w=10 T=43
+    k, w, limit, _ = config.resolved()
+    stream = Stream(config, seed=1)
+    for _ in range(200):
+        stream.push(torch.rand(1, 1, 1, generator=stream.generator))
+    question = 30  # longer than the window
+    keys = torch.randn(1, 1, question, 4)
+    stream.layer.update(keys, keys)
+    stream.layer.register_new_tokens(None, None)
+    received = torch.rand(1, 1, 1, stream.layer.view_width, generator=stream.generator)
+    stream.layer.after_attention(AttentionStats(query_count=question, received=received))
+    kept = stream.kept()
+    assert kept[-question:] == list(range(200, 200 + question)) and len(kept) <= 60
 
 
 def test_long_prompt_loops_until_middle_within_threshold_or_single_pass():

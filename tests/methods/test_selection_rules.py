@@ -91,11 +91,29 @@ def test_snapkv_votes_of_observation_window_pooled_then_top_k_plus_window():
     window, budget = 4, 9
     rows = random_rows(queries=window)
     layer = evict(make_config("snapkv", budget=budget, window=window, kernel=3), rows)
-    votes = rows.sum(dim=3).mean(dim=2)
-    pooled = F.max_pool1d(votes.reshape(-1, 1, L), 3, 1, 1).reshape(B, H, L)
-    prefix = top_newest_first(pooled[..., : L - window], budget - window)
+    votes = rows.sum(dim=3).mean(dim=2)[..., : L - window]  # the prefix only is pooled (the authors' code)
+    pooled = F.max_pool1d(votes.reshape(-1, 1, L - window), 3, 1, 1).reshape(B, H, L - window)
+    prefix = top_newest_first(pooled, budget - window)
     expected = torch.cat([prefix, torch.arange(L - window, L).expand(B, H, window)], -1)
     assert kept_tokens(layer) == sorted_rows(expected)
+
+
+def test_snapkv_pools_the_prefix_only_so_window_votes_do_not_leak_onto_its_edge():
+    """The issue's case: 16 tokens, window 4, kernel 7, budget 6, prefix attention only on tokens 1 and 3. Pooling
+    the whole row gave the window's votes to tokens 9-11 and kept 10 and 11, which received nothing."""
+    length, window = 16, 4
+    rows = torch.zeros(1, 1, 1, window, length)
+    rows[..., 1], rows[..., 3] = 1.0, 2.0
+    for q in range(window):  # each window query also attends causally to the window
+        rows[..., q, length - window : length - window + q + 1] = 1.0
+    rows = rows / rows.sum(-1, keepdim=True)
+    config = make_config("snapkv", budget=6, window=window, kernel=7)
+    layer = filled_layer(config, torch.randn(1, 1, length, D, generator=torch.Generator().manual_seed(0)))
+    layer.after_attention(stats_from_rows(rows))
+    kept = kept_tokens(layer)[0][0]
+    assert kept[-window:] == list(range(12, 16)) and not {9, 10, 11} & set(kept)
+    # every prefix token within 3 of token 3 ties at its pooled vote; ties keep the newest: 5 and 6
+    assert kept == [5, 6, 12, 13, 14, 15]
 
 
 def test_snapkv_ratio_keeps_that_share_of_the_prompt_once():
@@ -125,6 +143,20 @@ def test_hash_uniform_is_roughly_uniform():
 
 def test_knorm_keeps_lowest_key_norms_per_head():
     keys = random_keys()
-    layer = evict(make_config("knorm", budget=5), keys=keys)
+    layer = evict(make_config("knorm", budget=5, recent=0), keys=keys)
     expected = (-keys.norm(dim=-1)).topk(5, dim=-1).indices
     assert kept_tokens(layer) == sorted_rows(expected)
+
+
+def test_knorm_keeps_its_recent_window_and_never_evicts_the_forward_being_fed():
+    keys = random_keys()
+    layer = evict(make_config("knorm", budget=8, recent=2), keys=keys)  # a 20-token prompt: ranked by norm
+    older = (-keys[:, :, : L - 2].norm(dim=-1)).topk(6, dim=-1).indices
+    expected = torch.cat([older, torch.arange(L - 2, L).expand(B, H, 2)], -1)
+    assert kept_tokens(layer) == sorted_rows(expected)
+    question = torch.full((B, H, 5, D), 100.0)  # five huge-norm keys fed in one forward (a question)
+    layer.update(question, question)
+    layer.register_new_tokens(None, None)
+    layer.after_attention(None)
+    kept = kept_tokens(layer)
+    assert all(row[-5:] == list(range(L, L + 5)) and len(row) == 8 for seq in kept for row in seq)

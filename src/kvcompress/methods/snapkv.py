@@ -3,7 +3,12 @@
 The last ``window`` prompt tokens (the observation window, where the question usually sits) vote for the earlier
 tokens: their attention rows are summed, averaged over the query heads of each KV head, smoothed with a 1D max
 pool of width ``kernel``, and each KV head keeps its top tokens plus the whole window. The cache is compressed
-once, after the prompt; decoding then appends without eviction. The budget is in tokens or a ratio of the prompt.
+once, after the prompt; decoding then appends without eviction. The budget is in tokens or a ratio of the prompt
+(it bounds the compressed prompt: decoding adds one token per step, as in the paper).
+
+Pooling covers the prefix only (the tokens before the window), zero-padded at its edges, as the authors' code and
+kvpress do: the window's own (large) votes never leak onto the last ``kernel // 2`` prefix tokens. The paper's text
+does not say; pooling the whole row would keep those edge tokens whatever they received.
 """
 
 from __future__ import annotations
@@ -32,16 +37,20 @@ class SnapKVPolicy(Policy):
         if stats.query_count < 2 or layer.compressed:
             return
         votes = stats.last.sum(dim=3).mean(dim=2)  # [B, H_kv, L]
-        if self.config.kernel > 1:
+        prefix = votes.shape[-1] - self.config.window  # the window is the last columns: the layer is dense here
+        if self.config.kernel > 1 and prefix > 0:
             pool = F.max_pool1d if self.config.pooling == "max" else F.avg_pool1d
-            shape = votes.shape
-            votes = pool(votes.reshape(-1, 1, shape[-1]), self.config.kernel, 1, self.config.kernel // 2)
-            votes = votes.reshape(shape)
+            kernel = self.config.kernel
+            pooled = pool(votes[..., :prefix].reshape(-1, 1, prefix), kernel, 1, kernel // 2)
+            votes = torch.cat([pooled.reshape(*votes.shape[:2], prefix), votes[..., prefix:]], dim=-1)
         layer.state["vote"] = votes
 
-    def select(self, layer):
-        n_valid = layer.valid.sum(-1).amax(1)
-        keep = self.config.budget if self.config.ratio is None else ratio_budget(n_valid, self.config.ratio)
+    def select(self, layer, keep: int | torch.Tensor | None = None):
+        """Keep the top-voted tokens plus the window: ``keep`` tokens (an int or ``[B]`` counts; a composing method
+        such as PoD passes its own), else the config's budget or ratio."""
+        if keep is None:
+            n_valid = layer.valid.sum(-1).amax(1)
+            keep = self.config.budget if self.config.ratio is None else ratio_budget(n_valid, self.config.ratio)
         return keep_top(layer, layer.state["vote"], keep, recent_mask(layer, self.config.window))
 
 

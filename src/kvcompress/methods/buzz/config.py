@@ -33,8 +33,14 @@ Choices where the paper is silent or ambiguous:
 - log n: ``n`` = valid keys of the sequence in this attention call (a scalar per call as in the code; per
   sequence rather than per batch so padding does not change it), base 512, no clipping; ``log_n_per_row`` counts the
   keys each query row may see instead. The probabilities fed to the eviction are the rescaled ones.
-- Budget: ``budget`` (with ``budget_kind``) picks ``(w, T)`` for a target average or peak stored length (the paper's
-  budget is the average); ``s < 3`` is rejected because the cache would grow without bound.
+- Budget: ``budget`` picks ``(w, T)`` so that a layer never stores more than ``budget`` tokens per head after a
+  forward (``budget_kind="peak"``, the default: ``k + w + T <= budget``, like every other method's budget here).
+  The paper's budget is the *average* stored length over decoding; ``budget_kind="average"`` targets that, and then
+  the peak (``peak_tokens()``) is about 1.4 x the budget. ``s < 3`` is rejected (the cache would grow without bound).
+- Multi-token forwards (a question fed after a compressed context): a forward of at most ``w + T`` tokens is never
+  evicted by its own step; when it is longer than ``w`` the window stretches over it and the middle gets the rest
+  of the peak (threshold ``T - (q - w)``), so the peak holds. A longer forward is a prompt chunk, sampled as above.
+  The paper decodes one token at a time, where this never applies.
 - Ablations (the paper's §4.3): ``local_max=False`` interval-samples new tokens with stride ``s`` (Fig. 8b, code's
   ``buzz_no_max``); ``swap_strides=True`` gives new tokens ŝ and old tokens s (Fig. 8a).
 
@@ -45,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.checks import MAX_TOKENS, check_budget, check_choice, check_int_range, check_number
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.rope import POSITION_MODES
 from kvcompress.methods.buzz.params import buzz_params, threshold_for
@@ -59,7 +65,7 @@ class BuzzConfig(MethodConfig):
     """Sinks + beehive (local-max sampled new tokens, interval-sampled old tokens) + window, per KV head."""
 
     budget: int | None = None  # target stored length per layer and head; sets window and threshold (``buzz_params``)
-    budget_kind: str = "average"  # what budget fixes: "average" (the paper's cache budget) or "peak" (k + w + T)
+    budget_kind: str = "peak"  # what budget bounds: "peak" (k + w + T, stored after any forward) or "average" (paper)
     sinks: int = 4  # k: first tokens, never evicted (paper: "1 to 5"; code: 4)
     window: int | None = None  # w: most recent tokens, never evicted; None: from budget, else 160 (code default)
     threshold: int | None = None  # T: evict when old + new > T; None: Theorem 3.1, T = round(r(s) · w)
@@ -87,6 +93,12 @@ class BuzzConfig(MethodConfig):
         threshold = threshold_for(window, self.stride, self.tw_ratio) if self.threshold is None else self.threshold
         return self.sinks, window, threshold, self.stride
 
+    def peak_tokens(self) -> int:
+        """The most tokens a layer stores per head after a forward (``k + w + T``; with ``prefill_mode="loop"``,
+        and with ``"single"`` whenever one pass suffices); the step that triggers an eviction attends one more."""
+        sinks, window, threshold, _ = self.resolved()
+        return sinks + window + threshold
+
     def validate(self) -> None:
         check_int_range(self.sinks, "sinks", 0)
         check_int_range(self.stride, "stride", 3)  # s <= 2 keeps every new token (s = 1) or never shrinks (s = 2)
@@ -96,10 +108,8 @@ class BuzzConfig(MethodConfig):
         check_choice(self.prefill_mode, "prefill_mode", ("loop", "single"))
         check_choice(self.position_mode, "position_mode", POSITION_MODES)
         check_int_range(self.log_n_base, "log_n_base", 2)
-        if self.tw_ratio is not None and (
-            isinstance(self.tw_ratio, bool) or not isinstance(self.tw_ratio, (int, float)) or not self.tw_ratio > 0
-        ):
-            raise ValueError(f"tw_ratio must be a number > 0 (T / w), got {self.tw_ratio!r}")
+        if self.tw_ratio is not None:
+            check_number(self.tw_ratio, "tw_ratio", 0, MAX_TOKENS, open_low=True, meaning=" (T / w)")
         if self.budget is not None:
             check_budget(self.budget)
             if self.window is not None or self.threshold is not None:
