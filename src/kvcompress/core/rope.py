@@ -1,10 +1,19 @@
-"""RoPE helpers: re-rotating keys and queries that were already rotated at one position to another.
+"""RoPE helpers: each layer's rotary frequencies, and re-rotating keys and queries already rotated at one position.
 
 Keys are stored rotated at the position they were written with (``original`` mode). Methods that re-index
 positions inside the cache (StreamingLLM, Cascading KV: ``cache`` mode) rotate a copy by the difference between
 the wanted and the stored position at attention time. Rotations compose, so ``R(a + d) x == R(d) R(a) x`` and the
 result equals rotating the un-rotated key at the new position (up to float rounding); the model's
-``attention_scaling`` factor was applied once already and is not applied again.
+``attention_scaling`` factor (YaRN's, LongRoPE's) was applied once already and is not applied again.
+
+Each layer rotates with the frequencies of its own layer type (Gemma-3 names its buffers per type,
+``full_attention_inv_freq`` and ``sliding_attention_inv_freq``, with different bases and scalings), read from the
+model's own buffers, so every static RoPE type (``default``, ``linear``, ``yarn``, ``llama3``, ...) is exactly the
+model's. Only the first ``2 * len(inv_freq)`` dimensions are rotated (partial rotary: Phi-3's
+``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``), as the models' own ``apply_rotary_pos_emb`` does.
+``dynamic`` and ``longrope`` are refused in ``cache`` mode: they switch their frequencies when the sequence grows
+past the trained length, so a key the model rotated before the switch cannot be moved with the frequencies after
+it (nor the other way round), and the model itself would rotate cache ranks with short-sequence frequencies.
 """
 
 from __future__ import annotations
@@ -16,17 +25,58 @@ from torch import nn
 
 PositionMode = Literal["original", "cache"]
 POSITION_MODES: tuple[str, ...] = ("original", "cache")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def find_inv_freq(model: nn.Module) -> torch.Tensor:
-    """Return the inverse frequencies of the model's rotary embedding (the global one for hybrid models)."""
-    for name, buffer in model.named_buffers():
-        if name.endswith("rotary_emb.inv_freq"):
-            return buffer.detach().float()
-    raise ValueError(
-        f"{type(model).__name__} has no rotary embedding buffer 'rotary_emb.inv_freq'; "
-        "position_mode='cache' needs a RoPE model (use position_mode='original')"
-    )
+def layer_types(text_config) -> list[str]:
+    """Each decoder layer's type (``full_attention``, ``sliding_attention``, ...), as the config declares them."""
+    declared = getattr(text_config, "layer_types", None)
+    if declared:
+        return list(declared)
+    kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
+    return [kind] * text_config.num_hidden_layers
+
+
+def _rope_type(text_config, layer_type: str) -> str:
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def layer_inv_freqs(model: nn.Module) -> list[torch.Tensor]:
+    """The inverse frequencies ``[rotary_dim / 2]`` (float32, on the model's device) each decoder layer rotates with.
+
+    Raises ``ValueError`` for a model without rotary embeddings and for length-dependent RoPE types (see above).
+    """
+    config = model.config.get_text_config()
+    buffers = {name: buffer for name, buffer in model.named_buffers() if ".rotary_emb." in f".{name}"}
+    found = []
+    for layer_type in layer_types(config):
+        rope_type = _rope_type(config, layer_type)
+        if rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"{type(model).__name__} uses rope_type={rope_type!r}, whose frequencies change with the sequence "
+                "length: keys rotated before the change cannot be moved to cache positions after it, so "
+                "position_mode='cache' is not supported; use position_mode='original' or a method keeping "
+                "original positions"
+            )
+        name = next(
+            (n for n in buffers if n.endswith((f"rotary_emb.{layer_type}_inv_freq", "rotary_emb.inv_freq"))), None
+        )
+        if name is None:
+            raise ValueError(
+                f"{type(model).__name__} has no rotary position embedding (no 'rotary_emb.inv_freq' buffer for "
+                f"{layer_type} layers): position_mode='cache' re-rotates keys to their rank in the cache and needs a "
+                "RoPE model; use position_mode='original' or a method keeping original positions"
+            )
+        found.append(buffers[name].detach().float())
+    return found
+
+
+def find_inv_freq(model: nn.Module, layer_idx: int = 0) -> torch.Tensor:
+    """The inverse frequencies layer ``layer_idx`` rotates with (see ``layer_inv_freqs``)."""
+    return layer_inv_freqs(model)[layer_idx]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +85,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[..., L, head_dim]``, already RoPE-rotated) further by ``delta`` positions (``[..., L]``)."""
+    """Rotate ``x`` (``[..., L, head_dim]``, already RoPE-rotated) further by ``delta`` positions (``[..., L]``).
+
+    Only the first ``2 * len(inv_freq)`` dimensions rotate (partial rotary); the rest pass through."""
+    rotary = 2 * inv_freq.shape[-1]
+    if rotary < x.shape[-1]:
+        rotated = rotate_by(x[..., :rotary], delta, inv_freq)  # broadcast with ``delta``: pass the rest alike
+        return torch.cat((rotated, x[..., rotary:].expand(*rotated.shape[:-1], -1)), dim=-1)
     angles = delta.to(torch.float32)[..., None] * inv_freq.to(x.device)
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.contract import Policy
+from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.config import CascadeConfig
 from kvcompress.methods.cascade.layer import CascadeLayer
 
@@ -24,6 +25,8 @@ class CircularSinkLayer(CascadeLayer):
     """
 
     attend_first = True
+    # the ring cannot drop tokens by age: on a model's sliding-window layers the generic streaming layer runs instead
+    sliding_layer_class = CompressedLayer
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         config = policy.config

@@ -198,9 +198,9 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         else:  # undo the model's rotation with the very angles it used (rotate_half convention, by -angle)
             angles = pos[:, None, :, None].to(torch.float32) * self.inv_freq.to(self.device)
             cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
-            half = keys.shape[-1] // 2
-            first, second = keys[..., :half], keys[..., half:]
-            kv = torch.cat([first * cos + second * sin, second * cos - first * sin, values], -1)
+            half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
+            first, second, rest = keys[..., :half], keys[..., half : 2 * half], keys[..., 2 * half :]
+            kv = torch.cat([first * cos + second * sin, second * cos - first * sin, rest, values], -1)
         meta = torch.stack([pending.tok.expand(batch, -1), pos], -1)
         return kv, meta, pos, real
 
@@ -221,9 +221,9 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         """Rotate the keys of ``rows`` (``[..., dk + dv]`` slot items) in place by ``delta`` positions."""
         if self.inv_freq is None or delta == 0:
             return
-        half = self._key_dim // 2
+        half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
         cos, sin = self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity]
-        first, second = rows[..., :half], rows[..., half : self._key_dim]
+        first, second = rows[..., :half], rows[..., half : 2 * half]
         lost = first * sin
         first.mul_(cos).addcmul_(second, sin, value=-1)
         second.mul_(cos).add_(lost)

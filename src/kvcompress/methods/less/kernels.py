@@ -65,13 +65,14 @@ class LayerKernels(nn.Module):
     ) -> None:
         super().__init__()
         self.q_heads, self.kv_heads, self.head_dim, self.rank, self.hidden = q_heads, kv_heads, head_dim, rank, hidden
-        self.phi_w1 = nn.Parameter(torch.empty(q_heads, head_dim, hidden))
-        self.phi_w2 = nn.Parameter(torch.empty(q_heads, hidden, rank))
-        self.psi_w1 = nn.Parameter(torch.empty(kv_heads, head_dim, hidden))
-        self.psi_w2 = nn.Parameter(torch.empty(kv_heads, hidden, rank))
-        self.psi_w3 = nn.Parameter(torch.empty(kv_heads, rank, rank))  # the R x R "interaction" residual
-        self.psi_s1 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init)))  # code: scalingD
-        self.psi_s2 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init)))  # code: scalingD2
+        cpu = {"device": "cpu"}  # built on the CPU (its generator), whatever the default device; moved by the user
+        self.phi_w1 = nn.Parameter(torch.empty(q_heads, head_dim, hidden, **cpu))
+        self.phi_w2 = nn.Parameter(torch.empty(q_heads, hidden, rank, **cpu))
+        self.psi_w1 = nn.Parameter(torch.empty(kv_heads, head_dim, hidden, **cpu))
+        self.psi_w2 = nn.Parameter(torch.empty(kv_heads, hidden, rank, **cpu))
+        self.psi_w3 = nn.Parameter(torch.empty(kv_heads, rank, rank, **cpu))  # the R x R "interaction" residual
+        self.psi_s1 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init), **cpu))  # code: scalingD
+        self.psi_s2 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init), **cpu))  # code: scalingD2
         self.dropout = nn.Dropout(dropout)
         for weight in (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2, self.psi_w3):
             _xavier_(weight, generator)

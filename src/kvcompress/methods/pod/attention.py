@@ -80,10 +80,10 @@ def pod_attention(
         source_query = step.query if config.query_source == "block_start" else query
         sources.append((source_query[:, h], step.keys[:, step.full_pos[h // groups]]))
     if config.tau is None and config.combine == "softmax" and not request.any:
-        if torch.is_grad_enabled() and query.requires_grad:
-            return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
-        if _FLASH is not None:
+        training = torch.is_grad_enabled() and query.requires_grad
+        if _FLASH is not None and query.device.type == "cpu" and not training:  # CPU-only kernel returning the LSE
             return _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
+        return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
     outputs, last_rows, received = [], [], None
     last_n = min(request.last_queries, queries)
     skipped = eligible = 0

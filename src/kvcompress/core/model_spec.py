@@ -1,0 +1,80 @@
+"""What a cache was built for: the model's layer count, KV heads, head size, sliding windows and trained length.
+
+A ``CompressedCache`` records the ``ModelSpec`` of the model it was built for and refuses to store another model's
+keys (a ``ValueError`` naming both shapes) instead of silently filling a few of its layers or failing deep inside
+``transformers``. ``sliding_windows`` gives each layer's window (``None`` for global layers) the way transformers'
+own caches read it: ``layer_types`` where the config declares them (Gemma-3, Qwen2), else every layer when the
+config has a ``sliding_window`` (Mistral).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvcompress.core.rope import layer_types
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``layers`` decoder layers with ``kv_heads`` KV heads of ``head_dim`` (``None``: not declared by the config),
+    ``windows[i]`` the sliding window of layer ``i`` (``None``: global), ``max_positions`` the trained length."""
+
+    model: str
+    layers: int
+    kv_heads: int | None
+    head_dim: int | None
+    windows: tuple[int | None, ...]
+    max_positions: int | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelSpec:
+        config = model.config.get_text_config()
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None and heads:
+            head_dim = config.hidden_size // heads
+        window = getattr(config, "sliding_window", None)
+        windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types(config))
+        return cls(
+            type(model).__name__,
+            config.num_hidden_layers,
+            kv_heads,
+            head_dim,
+            windows,
+            getattr(config, "max_position_embeddings", None),
+        )
+
+    def describe(self) -> str:
+        return f"{self.model} ({self.layers} layers, {self.kv_heads} KV heads of dimension {self.head_dim})"
+
+    def check_layer(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Raise ``ValueError`` if keys ``[B, H_kv, q, d]`` for layer ``layer_idx`` cannot come from this model."""
+        heads, dim = key_states.shape[1], key_states.shape[-1]
+        if layer_idx >= self.layers:
+            found = f"a model with more than {self.layers} layers (layer index {layer_idx})"
+        elif self.kv_heads is not None and layer_idx == 0 and (heads, dim) != (self.kv_heads, self.head_dim):
+            found = f"a model with {heads} KV heads of dimension {dim}"
+        else:
+            return
+        self.refuse(found)
+
+    def refuse(self, found: str) -> None:
+        raise ValueError(
+            f"this cache was built for {self.describe()} and is used with {found}: build one cache per model "
+            "with kvcompress.cache_for(model, method, ...)"
+        )
+
+    def warn_past_trained_length(self, seen: int, method: str) -> None:
+        """Warn that a method keeping original positions now rotates keys past the trained length."""
+        warnings.warn(
+            f"{self.model} was trained on {self.max_positions} positions and {method!r} keeps original positions: "
+            f"after {seen} tokens the model sees positions it was not trained on and its predictions degrade (use a "
+            "method re-indexing positions inside the cache, e.g. streaming or cascade)",
+            UserWarning,
+            stacklevel=4,
+        )

@@ -1,0 +1,78 @@
+"""Every method on tiny models of every architecture family (``tests/models/zoo.py``).
+
+- With a budget above the sequence, logits and greedy tokens equal the model's own ``DynamicCache`` run: per-layer
+  RoPE (Gemma-3's two bases), partial rotary (Phi-3, GPT-NeoX), RoPE scaling (llama3, yarn's attention factor),
+  sliding windows and q/k/v biases are all handled as the model handles them.
+- With a real budget, the cache runs and no layer stores more than the method's budget (plus one forward for the
+  methods that evict after attending), and sliding-window layers never more than their window.
+- A model without RoPE gets a clear ``ValueError`` for re-indexed positions and works otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from tests.helpers import cache_logits, own_logits
+from tests.models.zoo import ARCHITECTURES, zoo_model
+from tests.test_cache import EVICTING, method_of
+from tests.test_equivalence import NO_EVICTION
+
+PROMPT = 24  # longer than the sliding window
+NEW = 4
+ONE_PER_METHOD = sorted(key for key in EVICTING if key == method_of(key) or key == "pod-snapkv")
+CACHE_POSITIONS = {"streaming", "cascade", "streaming_oneshot"}  # re-index positions inside the cache
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {kind: zoo_model(kind) for kind in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    """The model's own greedy run (SDPA, DynamicCache) per architecture."""
+    return {kind: own_logits(model, prompt(model), new_tokens=NEW) for kind, model in models.items()}
+
+
+def prompt(model, length=PROMPT):
+    return torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+@pytest.mark.parametrize("method", sorted(NO_EVICTION))
+def test_budget_above_length_gives_the_models_own_logits(kind, method, models, references):
+    model = models[kind]
+    ids = prompt(model)
+    if kind == "gpt2-no-rope" and method in CACHE_POSITIONS:
+        with pytest.raises(ValueError, match="no rotary position embedding"):
+            kvcompress.cache_for(model, method, **NO_EVICTION[method])
+        return
+    reference, ref_sequences = references[kind]
+    cache = kvcompress.cache_for(model, method, **NO_EVICTION[method])
+    logits, sequences = cache_logits(model, ids, cache, new_tokens=NEW)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(sequences, ref_sequences)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+@pytest.mark.parametrize("key", ONE_PER_METHOD)
+def test_a_real_budget_runs_and_stores_what_the_method_promises(kind, key, models):
+    model, method, params = models[kind], method_of(key), EVICTING[key]
+    if kind == "gpt2-no-rope" and method in CACHE_POSITIONS:
+        params = {**params, "position_mode": "original"} if method != "cascade" else None
+        if params is None:
+            pytest.skip("cascade re-indexes positions by design: refused without RoPE (see the logits test)")
+    cache = kvcompress.cache_for(model, method, **params)
+    logits, _ = cache_logits(model, prompt(model), cache, new_tokens=NEW)
+    assert bool(logits.isfinite().all())
+    stored = cache.tokens_stored()
+    budget = params.get("budget")
+    if budget is not None and method != "pod":  # pod stores every value; its keys are checked in tests/methods
+        one_shot = cache.compressed_layers[0].policy.one_shot
+        assert max(stored) <= budget + (NEW if one_shot else 0), stored
+    windows = cache.model_spec.windows
+    for layer, window in enumerate(windows):
+        if window is not None and method not in ("cascade", "pod"):
+            assert stored[layer] <= window - 1, (layer, stored)
