@@ -10,7 +10,7 @@ from kvcompress.registry import make_config
 
 @pytest.mark.parametrize("budget", [0, -3, 2.5, True])
 def test_bad_budget_is_rejected_with_range(budget):
-    with pytest.raises(ValueError, match=r"budget must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"budget must be an integer in \[1, 1048576\]"):
         make_config("h2o", budget=budget)
 
 

@@ -3,15 +3,20 @@
 ``generate``, ``methods`` and ``models`` live here. ``eval``, ``report``, ``bench`` and ``train`` hand their
 arguments unchanged to the ``main(argv)`` of the module that does the work, so each option is defined once
 (``kvcompress eval --help`` prints the runner's own help).
+
+A user error (a bad option or parameter value, a missing file, model or data folder, a missing optional package)
+prints one line, ``kvcompress COMMAND: error: ...`` naming what is wrong and what is allowed, and exits with 2;
+tracebacks are for bugs, or for every error with ``--debug``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import torch
 import typer
@@ -20,21 +25,52 @@ from rich.table import Table
 
 import kvcompress
 from kvcompress import params as parse_params
+from kvcompress.generation import cache_argument
 from kvcompress.models import list_models, load_model, model_info
+from kvcompress.models.registry import ModelNotInstalledError
 from kvcompress.registry import METHODS, method_defaults
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="KV-cache compression for transformers models.")
 console = Console()
 
+# click's exception base (typer vendors click from 0.20 on, so it is found through typer's own exceptions)
+CLICK_ERROR = next(kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "ClickException")
+USER_ERRORS = (ValueError, OSError, ModelNotInstalledError)  # raised for what the user gave, never for a bug
+EXTRAS = {"matplotlib": "eval", "rouge_score": "eval", "tqdm": "eval", "vllm": "vllm"}  # optional module -> extra
+USAGE_STATUS = 2
+
 
 def method_params(method: str, budget: int | None, ratio: float | None, extra: list[str]) -> dict[str, object]:
-    """The method's parameters from ``--budget``, ``--ratio`` and ``-p key=value`` (parsed by each one's type)."""
+    """The method's parameters from ``--budget``, ``--ratio`` and ``-p key=value`` (parsed by each one's type);
+    a parameter given both as an option and with ``-p`` is a ``ValueError``."""
     params = parse_params.method_params(method, parse_params.split_pairs(extra))
-    if budget is not None:
-        params["budget"] = budget
-    if ratio is not None:
-        params["ratio"] = ratio
+    for name, value in (("budget", budget), ("ratio", ratio)):
+        if value is None:
+            continue
+        if name in params:
+            raise ValueError(f"{name} is given twice (--{name} {value} and -p {name}={params[name]}); give it once")
+        params[name] = value
     return params
+
+
+def read_prompt(prompt: str | None, file: Path | None) -> str:
+    """The prompt text from the argument or ``--file`` (exactly one); ``ValueError`` for a missing, unreadable or
+    empty one."""
+    if (prompt is None) == (file is None):
+        raise ValueError("give the prompt as an argument or with --file, not both")
+    if file is not None:
+        if not file.exists():
+            raise ValueError(f"--file {str(file)!r} does not exist")
+        if not file.is_file():
+            raise ValueError(f"--file {str(file)!r} is not a file (a folder?); give a text file")
+        try:
+            prompt = file.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError:
+            raise ValueError(f"--file {str(file)!r} is not UTF-8 text") from None
+    if not prompt.strip():
+        source = f"--file {str(file)!r}" if file is not None else "the prompt argument"
+        raise ValueError(f"{source} is empty; give some text to continue")
+    return prompt
 
 
 def human_bytes(count: float) -> str:
@@ -59,26 +95,26 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 128,
     chunk_size: Annotated[int, typer.Option(min=1, help="Prefill chunk (tokens); eviction between chunks.")] = 512,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = True,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads.")] = 1,
+    threads: Annotated[int, typer.Option(min=1, max=1024, help="torch CPU threads.")] = 1,
 ) -> None:
     """Generate with a compressed cache and report tokens seen vs stored and KV bytes vs the full cache."""
-    torch.set_num_threads(threads)
-    if (prompt is None) == (file is None):
-        raise typer.BadParameter("give the prompt as an argument or with --file, not both")
-    text = file.read_text(encoding="utf-8-sig") if file is not None else prompt
+    text = read_prompt(prompt, file)
     config = kvcompress.make_config(method, **method_params(method, budget, ratio, param))
+    torch.set_num_threads(threads)
     with console.status(f"loading {model}"):
         lm, tokenizer = load_model(model)
     if chat and tokenizer.chat_template:
         messages = [{"role": "user", "content": text}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not chat)
+    if inputs.input_ids.shape[1] == 0:
+        raise ValueError(f"the prompt {text!r} gives no tokens; give some text to continue")
     cache = kvcompress.cache_for(lm, config)
     one_shot = cache.compressed_layers[0].policy.one_shot
     with console.status(f"prefilling {inputs.input_ids.shape[1]} tokens and generating"), torch.no_grad():
         output = lm.generate(
             **inputs,
-            past_key_values=cache,
+            **cache_argument(lm, cache),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             prefill_chunk_size=None if one_shot else chunk_size,
@@ -115,17 +151,20 @@ def methods() -> None:
 
 @app.command()
 def models() -> None:
-    """List the offline models and whether each is installed and converted."""
+    """List the offline models, whether each is installed and converted, and the command that installs it."""
     table = Table(title="kvcompress models")
-    for column in ("name", "model", "installed", "converted", "install"):
+    for column in ("name", "model", "installed", "converted"):
         table.add_column(column)
-    for info in list_models():
+    infos = list_models()
+    for info in infos:
         name = info.name + (" (default)" if info.default else "")
-        table.add_row(
-            name, info.hf_id, "yes" if info.installed else "no", "yes" if info.cached else "no", info.install_command
-        )
+        table.add_row(name, info.hf_id, "yes" if info.installed else "no", "yes" if info.cached else "no")
     console.print(table)
-    console.print("Any Hugging Face id (owner/model) or local path also works where the Hub is reachable.")
+    # printed as plain lines, never cut or wrapped by the table, so each command can be copied whole
+    typer.echo("Install commands:")
+    for info in infos:
+        typer.echo(f"  {info.name}: {info.install_command}")
+    typer.echo("Any Hugging Face id (owner/model) or local path also works where the Hub is reachable.")
 
 
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
@@ -143,10 +182,20 @@ TRAINERS = {
 
 
 def delegate(module: str, argv: list[str], prog: str) -> None:
-    """Run ``module.main(argv)`` as if it were this command, and exit with its status."""
+    """Run ``module.main(argv)`` as if it were this command, and exit with its status. Its argparse errors become
+    ``ValueError`` (one line, exit status 2, like every user error) instead of argparse's usage block."""
     sys.argv[0] = prog
-    status = importlib.import_module(module).main(argv)
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _argument_error
+    try:
+        status = importlib.import_module(module).main(argv)
+    finally:
+        argparse.ArgumentParser.error = original
     raise typer.Exit(status or 0)
+
+
+def _argument_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    raise ValueError(message)
 
 
 def choose(kind: str, name: str, table: dict[str, str]) -> str:
@@ -179,10 +228,50 @@ def train(ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | p
     delegate(choose("trainer", name, TRAINERS), ctx.args, f"kvcompress train {name}")
 
 
-def main() -> None:
+@app.callback()
+def options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of any error.")] = False,
+) -> None:
+    """KV-cache compression for transformers models. User errors print one line and exit with 2."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``kvcompress`` command: run ``app`` and turn user errors into one line on stderr and exit status 2.
+
+    ``--debug`` anywhere on the command line re-raises every error with its traceback."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [arg for arg in args if arg != "--debug"]
     logging.basicConfig(level=logging.WARNING)
-    app()
+    try:
+        status = app(args=args, prog_name="kvcompress", standalone_mode=False)
+    except Exception as error:
+        if debug or not isinstance(error, (CLICK_ERROR, ModuleNotFoundError, *USER_ERRORS)):
+            raise
+        status = report_error(error, args)
+    except KeyboardInterrupt:
+        status = 130
+    raise SystemExit(status if isinstance(status, int) else 0)
 
 
-if __name__ == "__main__":
-    main()
+def report_error(error: Exception, args: list[str]) -> int:
+    """Print ``error`` as one line naming the command and return the exit status (``raise`` a missing module that
+    is not an optional extra's: that is a bug)."""
+    if type(error).__name__ == "NoArgsIsHelpError":  # the help has been printed
+        return USAGE_STATUS
+    if isinstance(error, CLICK_ERROR):
+        message = error.format_message()
+    elif isinstance(error, ModuleNotFoundError):
+        root = (error.name or "").split(".")[0]
+        if root not in EXTRAS:
+            raise error
+        message = f"{root} is not installed; it comes with pip install \"kvcompress[{EXTRAS[root]}]\""
+    else:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    command = "kvcompress" + (f" {args[0]}" if args and args[0] in app_commands() else "")
+    sys.stderr.write(f"{command}: error: {' '.join(message.split())} (see `{command} --help`)\n")
+    return USAGE_STATUS
+
+
+def app_commands() -> set[str]:
+    return {command.name or command.callback.__name__ for command in app.registered_commands}

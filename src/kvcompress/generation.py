@@ -1,21 +1,36 @@
 """Feeding tokens through a compressed cache: chunked prefill and streaming next-token loss.
 
-``model.generate(ids, past_key_values=cache)`` needs nothing from here. These helpers cover what ``generate``
-does not: a prefill in chunks with eviction between them (peak memory bounded by chunk + budget for methods that
-evict as they go; one-shot methods compress once at the end), and the token-by-token (or chunk-by-chunk) loss
-along a long stream used by streaming perplexity.
+``model.generate(ids, past_key_values=cache)`` (``cache=cache`` from transformers 5.24) needs nothing from here.
+These helpers cover what ``generate`` does not: a prefill in chunks with eviction between them (peak memory
+bounded by chunk + budget for methods that evict as they go; one-shot methods compress once at the end), the
+token-by-token (or chunk-by-chunk) loss along a long stream used by streaming perplexity, and ``cache_argument``,
+the keyword the installed transformers takes a cache by.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import nullcontext
 
 import torch
 from rich.progress import track
 from torch.nn import functional as F
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from kvcompress.core.cache import CompressedCache
+
+
+def cache_argument(model: PreTrainedModel, cache: Cache) -> dict[str, Cache]:
+    """The keyword that hands ``cache`` to ``model`` and its ``generate``: ``cache`` where the installed
+    transformers takes it (5.24 deprecates ``past_key_values``), else ``past_key_values``. Use as
+    ``model(ids, **cache_argument(model, cache))``; the answer is looked up once per model class."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -62,7 +77,7 @@ def prefill(
                 input_ids=input_ids[:, start:stop],
                 attention_mask=attention_mask[:, : seen + stop],
                 position_ids=positions[:, seen + start : seen + stop],
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -93,7 +108,7 @@ def stream_nll(
         starts = track(starts, description=f"stream ({length} tokens)", transient=True)
     for start in starts:
         stop = min(start + chunk_size, length - 1)
-        logits = model(input_ids=input_ids[:, start:stop], past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=input_ids[:, start:stop], use_cache=True, **cache_argument(model, cache)).logits[0]
         targets = input_ids[0, start + 1 : stop + 1]
         losses[start:stop] = F.cross_entropy(logits.float(), targets, reduction="none").cpu()
     return losses

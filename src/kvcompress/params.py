@@ -29,6 +29,8 @@ def split_pairs(items: Sequence[str], option: str = "--param") -> dict[str, str]
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"{option} takes key=value, got {item!r}")
+        if key.strip() in pairs:
+            raise ValueError(f"{key.strip()} is given twice in {option} ({pairs[key.strip()]!r} and {value.strip()!r})")
         pairs[key.strip()] = value.strip()
     return pairs
 

@@ -292,7 +292,7 @@ def test_kernels_save_load_and_mismatch_errors(tiny_llama, tiny_qwen2, tmp_path)
     assert not bool(partial.layers[1].psi(torch.randn(1, 2, 3, 16)).any())
     with pytest.raises(FileNotFoundError, match="not a LESS kernel directory"):
         load_kernels(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no shipped kernel set of that name"):
+    with pytest.raises(ValueError, match="kernels: .*no shipped kernel set of that name"):
         kvcompress.cache_for(tiny_llama, LessConfig(kernels="no-such-kernels"))
 
 

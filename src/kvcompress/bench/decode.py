@@ -51,7 +51,7 @@ from kvcompress.bench.common import (
 )
 from kvcompress.bench.model_cli import int_list, model_bench_parser, run_model_bench
 from kvcompress.bench.table import Column, markdown_table
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ def _check_contexts(contexts: Sequence[int]) -> list[int]:
 
 def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk_size: int) -> None:
     for start in range(0, ids.shape[1], chunk_size):
-        model(input_ids=ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        piece = ids[:, start : start + chunk_size]
+        model(input_ids=piece, use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
 
 
 def _bench_method(
@@ -128,7 +129,7 @@ def _bench_method(
         decode_ids = ids[:, context : context + warmup_steps + steps]
 
         def step(i: int, decode_ids: torch.Tensor = decode_ids) -> None:
-            model(input_ids=decode_ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=decode_ids[:, i : i + 1], use_cache=True, **cache_argument(model, cache))
 
         timing = time_calls(step, steps, warmup_steps)
         position = context + warmup_steps + steps

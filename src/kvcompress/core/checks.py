@@ -1,19 +1,45 @@
-"""Validation helpers for method configs: each raises ``ValueError`` naming the parameter and its allowed range."""
+"""Validation helpers for method configs: each raises ``ValueError`` naming the parameter, the value and what is
+allowed. Every range has an upper bound, so no parameter reaches torch's allocator or overflows an ``int64``.
+
+(Declared types are checked before ``validate`` runs, by ``kvcompress.core.contract.check_field_types``.)
+"""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
+
+MAX_TOKENS = 2**20  # token counts (budgets, windows, sinks, histories): the longest context a cache is built for
+MAX_SEED = 2**63 - 1  # seeds are hashed as int64
 
 
 def check_budget(budget: object, name: str = "budget") -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (tokens kept per layer and KV head), got {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_TOKENS:
+        raise ValueError(
+            f"{name} must be an integer in [1, {MAX_TOKENS}] (tokens kept per layer and KV head), got {budget!r}"
+        )
 
 
-def check_int_range(value: object, name: str, low: int, high: int | float = math.inf) -> None:
+def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS) -> None:
+    """An integer in ``[low, high]``; the default upper bound is ``MAX_TOKENS`` (token counts)."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        upper = "inf" if high == math.inf else str(high)
-        raise ValueError(f"{name} must be an integer in [{low}, {upper}], got {value!r}")
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def check_seed(value: object, name: str = "seed") -> None:
+    check_int_range(value, name, 0, MAX_SEED)
+
+
+def check_number(value: object, name: str, low: float, high: float, *, open_low: bool = False,
+                 open_high: bool = False, meaning: str = "") -> None:
+    """A finite real number in the interval from ``low`` to ``high`` (open at an end where asked)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
+    if ok:
+        ok = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
+    if not ok:
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}{meaning}, got {value!r}")
 
 
 def check_ratio(ratio: object, name: str = "ratio") -> None:
@@ -29,3 +55,20 @@ def check_choice(value: object, name: str, choices: tuple[str, ...]) -> None:
 def check_bool(value: object, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_path(value: object, name: str, kind: str, what: str) -> None:
+    """``value`` is a path (text or ``os.PathLike``) to an existing ``kind`` (``"file"`` or ``"folder"``)."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{name} must be the path of {what}, got {value!r}")
+    path = Path(value)
+    if not (path.is_file() if kind == "file" else path.is_dir()):
+        state = "is not a file" if path.is_dir() else "is not a folder" if path.exists() else "does not exist"
+        raise ValueError(f"{name}={str(value)!r} {state}; give the path of {what}")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False

@@ -9,6 +9,13 @@ This module imports nothing else of kvcompress: every method depends on it, and 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import numbers
+import reprlib
+import types
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -107,6 +114,7 @@ class MethodConfig:
         return None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         self.validate()
 
     def validate(self) -> None:
@@ -117,3 +125,69 @@ class MethodConfig:
 
     def connect(self, layers: list[CompressedLayer]) -> None:
         """Called once with all the cache's layers, for methods whose layers read each other (PoD)."""
+
+
+def check_field_types(config: MethodConfig) -> None:
+    """``ValueError`` unless every field of ``config`` holds a value of its declared type: booleans are ``bool``,
+    integers are not booleans or floats, floats are finite real numbers (integers allowed), tuples may be lists."""
+    for name, kind in _field_types(type(config)).items():
+        value = getattr(config, name)
+        if not _is_a(value, kind):
+            described = f"{name} must be {_describe(kind)}, got {reprlib.repr(value)}"
+            raise ValueError(_own_message(config, name) or described)
+
+
+def _own_message(config: MethodConfig, name: str) -> str | None:
+    """The config's own ``validate`` message for a bad ``name`` (it states the allowed range), if it gives one."""
+    try:
+        config.validate()
+    except ValueError as error:
+        return str(error) if str(error).startswith(f"{name} ") else None
+    except Exception:  # validate may fail in any way on a value of the wrong type
+        return None
+    return None
+
+
+@functools.cache
+def _field_types(config_class: type) -> dict[str, object]:
+    hints = typing.get_type_hints(config_class)
+    return {field.name: hints[field.name] for field in dataclasses.fields(config_class)}
+
+
+def _is_a(value: object, kind: object) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, option) for option in args)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_is_a(item, args[0]) for item in value)
+        return len(value) == len(args) and all(map(_is_a, value, args))
+    kind = origin or kind
+    return isinstance(value, kind) if isinstance(kind, type) else True
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _describe(kind: object) -> str:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(option) for option in typing.get_args(kind))
+    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "text", type(None): "None"}
+    if kind in names:
+        return names[kind]
+    if typing.get_origin(kind) is tuple:
+        return "a list"
+    kind = typing.get_origin(kind) or kind
+    return "a path" if kind.__name__ == "PathLike" else f"a {getattr(kind, '__name__', kind)}"

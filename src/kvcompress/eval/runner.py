@@ -26,6 +26,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvcompress.eval.configs import expand_configs
+from kvcompress.eval.data import data_root
 from kvcompress.eval.tasks import TASKS, make_task, run_task
 from kvcompress.eval.tasks.base import Task
 from kvcompress.machine import cpu_name, versions
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     params = parse_task_params(args.param)
     if args.data is not None and "data" in TASKS[args.task].defaults:
-        params["data"] = args.data
+        params["data"] = str(data_root(args.data))  # a missing folder fails here, before the model loads
     # Method parameters are separated by ';' on the command line, since ',' separates methods.
     methods = [m.replace(";", ",") for m in _split(args.methods)]
     path = run_eval(args.task, args.model, methods, _split(args.budgets), args.samples, args.seed, args.out, **params)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_int_range
+from kvcompress.core.checks import check_budget, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
@@ -44,4 +44,4 @@ class RandomConfig(MethodConfig):
 
     def validate(self) -> None:
         check_budget(self.budget)
-        check_int_range(self.seed, "seed", 0)
+        check_seed(self.seed)

@@ -48,6 +48,9 @@ class ScissorhandsPolicy(Policy):
         return self.config.budget // 4 if self.config.recent is None else self.config.recent
 
 
+MAX_HISTORY = 8192  # each stored token keeps one bit per query of the history window, per KV head
+
+
 @dataclass(frozen=True)
 class ScissorhandsConfig(MethodConfig):
     """Evict the tokens most often below average attention within a history window."""
@@ -62,6 +65,6 @@ class ScissorhandsConfig(MethodConfig):
 
     def validate(self) -> None:
         check_budget(self.budget)
-        check_int_range(self.history, "history", 1)
+        check_int_range(self.history, "history", 1, MAX_HISTORY)
         if self.recent is not None:
             check_int_range(self.recent, "recent", 0, self.budget)

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
+from kvcompress.generation import cache_argument
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.models import load_model
 from kvcompress.train.pod_calibrate import default_output, default_training_files, token_windows
@@ -96,7 +97,7 @@ def lm_loss(model: PreTrainedModel, input_ids: torch.Tensor, pod: PoDConfig | No
         return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     prepare_model(model)
     cache = CompressedCache(model, pod)
-    return model(input_ids=input_ids, labels=input_ids, past_key_values=cache, use_cache=True).loss
+    return model(input_ids=input_ids, labels=input_ids, use_cache=True, **cache_argument(model, cache)).loss
 
 
 def _save(path: Path, payload: dict) -> None:

@@ -30,6 +30,7 @@ from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.eval.data import data_root, read_text, strip_gutenberg
+from kvcompress.generation import cache_argument
 from kvcompress.models import load_model
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def calibrate(
     total_js = total_dist = None
     for index, window in enumerate(windows):
         cache = CompressedCache(model, config)
-        model(input_ids=window[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=window[None], use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
         rows = torch.stack([layer.policy.rows[0].flatten(0, 1) for layer in cache.compressed_layers])  # [L,H,q,n]
         js = pairwise_js(rows.double())
         js_mean, dist_mean = js.mean(-1), js.sqrt().mean(-1)

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
 from kvcompress.core.cache import CompressedCache
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 
 MODES = ("agnostic", "aware")
 
@@ -116,7 +116,7 @@ def decode_answer(
     output = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        past_key_values=cache,
+        **cache_argument(model, cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,

@@ -101,11 +101,18 @@ class CascadeConfig(MethodConfig):
         check_int_range(self.sinks, "sinks", 0, self.budget - 1)
         check_int_range(self.cascades, "cascades", 1, self.budget - self.sinks)
         if (self.budget - self.sinks) % self.cascades:
+            below = self.budget - (self.budget - self.sinks) % self.cascades
             raise ValueError(
                 f"budget - sinks (the cascade window |C| = {self.budget - self.sinks}) must be divisible by "
-                f"cascades = {self.cascades}: every cascade has |C| / N slots"
+                f"cascades = {self.cascades}: every cascade has |C| / N slots; the nearest budgets that work are "
+                f"{below} and {below + self.cascades}"
             )
         check_int_range(self.base, "base", 2)
+        if (self.cascades - 1) * math.log2(self.base) >= 62:
+            raise ValueError(
+                f"base ** (cascades - 1) must stay below 2**62 (the last cascade's acceptance stride), "
+                f"got base={self.base}, cascades={self.cascades}"
+            )
         if self.gamma is not None and (isinstance(self.gamma, bool) or not 0.0 <= float(self.gamma) < 1.0):
             raise ValueError(f"gamma must be a number in [0, 1) or None (exp(-N ln(100) / |C|)), got {self.gamma!r}")
         check_choice(self.reduction, "reduction", REDUCTIONS)

@@ -42,9 +42,16 @@ import logging
 import os
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_choice, check_int_range
+from kvcompress.core.checks import check_choice, check_int_range, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.methods.less.kernels import LayerKernels, LessKernels, init_kernels, load_kernels_once, zero_kernels
+from kvcompress.methods.less.kernels import (
+    LayerKernels,
+    LessKernels,
+    init_kernels,
+    load_kernels_once,
+    resolve_kernels,
+    zero_kernels,
+)
 from kvcompress.methods.less.layer import LessLayer
 from kvcompress.methods.less.policy import LessPolicy
 from kvcompress.registry import METHODS, make_config
@@ -52,6 +59,8 @@ from kvcompress.registry import METHODS, make_config
 logger = logging.getLogger(__name__)
 
 INITS: tuple[str, ...] = ("paper", "zero")
+MAX_RANK = 1024  # R: the state H costs R/2 tokens per KV head
+MAX_HIDDEN = 16384  # R': the kernel MLPs hold q_heads * R' * (D + R) weights per layer
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,14 @@ class LessConfig(MethodConfig):
         elif self.budget is not None:
             raise ValueError("budget is taken from the base config when base is a config; leave budget=None")
         check_choice(self.init, "init", INITS)
-        check_int_range(self.rank, "rank", 1)
-        check_int_range(self.hidden, "hidden", 1)
-        check_int_range(self.seed, "seed", 0)
+        check_int_range(self.rank, "rank", 1, MAX_RANK)
+        check_int_range(self.hidden, "hidden", 1, MAX_HIDDEN)
+        check_seed(self.seed)
+        if isinstance(self.kernels, (str, os.PathLike)):
+            try:
+                resolve_kernels(self.kernels)
+            except FileNotFoundError as error:
+                raise ValueError(f"kernels: {error}") from None
         base = self.base_config
         policy = base.policy(0)
         if policy.position_mode != "original":

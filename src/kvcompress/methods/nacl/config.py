@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio
+from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.selection import ratio_budget
 from kvcompress.methods.nacl.policy import NaClGreedyPolicy, NaClPolicy, NaClSplit
@@ -193,4 +193,4 @@ class NaClConfig(MethodConfig):
                 raise ValueError("decode_interval applies to eviction='one_shot' (greedy evicts at every step)")
         if self.min_evict_len is not None:
             check_int_range(self.min_evict_len, "min_evict_len", 0)
-        check_int_range(self.seed, "seed", 0)
+        check_seed(self.seed)
