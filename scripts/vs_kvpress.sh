@@ -22,4 +22,7 @@ KVPRESS_VENV="$KVPRESS_VENV" bash scripts/vs_kvpress_env.sh
   --methods "full,streaming,snapkv:window=64;kernel=5;pooling=avg,tova,knorm,h2o_oneshot"
 "$PY" -m experiments.compare ours --out "$OUT" --samples "$EXTRA_SAMPLES" \
   --methods "streaming_oneshot:position_mode=original,tova_oneshot,h2o_oneshot:heavy_ratio=1.0"
+# preset="kvpress": the shared methods with kvpress's settings in one argument (issue 20)
+"$PY" -m experiments.compare ours --out "$OUT" \
+  --methods "streaming_oneshot:preset=kvpress,snapkv:preset=kvpress,tova_oneshot:preset=kvpress,knorm:preset=kvpress"
 "$PY" -m experiments.compare report --out "$OUT" --doc-data docs/results/vs-kvpress-data

@@ -38,6 +38,11 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "knorm": ("knorm", {}),
     "h2o_oneshot": ("h2o_oneshot", {}),
     "h2o_oneshot:heavy_ratio=1.0": ("h2o_oneshot", {"heavy_ratio": 1.0}),
+    # preset="kvpress" (kvcompress.presets): one argument for kvpress's settings
+    "streaming_oneshot:preset=kvpress": ("streaming_oneshot", {"preset": "kvpress"}),
+    "snapkv:preset=kvpress": ("snapkv", {"preset": "kvpress"}),
+    "tova_oneshot:preset=kvpress": ("tova_oneshot", {"preset": "kvpress"}),
+    "knorm:preset=kvpress": ("knorm", {"preset": "kvpress"}),
 }
 COUNTERPARTS = {
     "full": "full",
@@ -49,6 +54,10 @@ COUNTERPARTS = {
     "knorm": "KnormPress",
     "h2o_oneshot": "ObservedAttentionPress",
     "h2o_oneshot:heavy_ratio=1.0": "ObservedAttentionPress",
+    "streaming_oneshot:preset=kvpress": "StreamingLLMPress",
+    "snapkv:preset=kvpress": "SnapKVPress",
+    "tova_oneshot:preset=kvpress": "TOVAPress",
+    "knorm:preset=kvpress": "KnormPress",
 }
 
 

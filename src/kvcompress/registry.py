@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 
 from kvcompress.core.contract import MethodConfig
+from kvcompress.presets import preset_params
 
 # name -> "module:ConfigClass", in the order ``kvcompress methods`` lists them
 _LOCATIONS: dict[str, str] = {
@@ -56,8 +57,13 @@ class _LazyMethods(Mapping[str, type[MethodConfig]]):
 METHODS: Mapping[str, type[MethodConfig]] = _LazyMethods()
 
 
-def make_config(method: str | MethodConfig, **params: object) -> MethodConfig:
-    """Build a method config from its registry name and parameters (or return a given config)."""
+def make_config(method: str | MethodConfig, preset: str | None = None, **params: object) -> MethodConfig:
+    """Build a method config from its registry name and parameters (or return a given config).
+
+    ``preset`` (e.g. ``"kvpress"``, see ``kvcompress.presets``) fills in another library's settings first; the
+    parameters given override them."""
+    if preset is not None:
+        params = {**preset_params(preset, method if isinstance(method, str) else method.name), **params}
     if isinstance(method, MethodConfig):
         if params:
             return dataclasses.replace(method, **params)

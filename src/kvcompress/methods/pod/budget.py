@@ -1,0 +1,83 @@
+"""PoD at a budget: how many tokens the composed token selection keeps so that the KV bytes meet the request, the
+groupings shipped with the package, and the achieved bytes against the request.
+
+A request is a ``ratio`` of the full cache's KV bytes or a ``budget`` of KV bytes per layer and KV head counted in
+full tokens (one token = its key and its value). PoD stores every kept token's value, and its key only at
+block-start (layer, KV head) pairs (a share ``k`` of them, from the block layout) and, elsewhere, for the ``P =
+n_sink + n_recent`` proximal tokens. Keeping ``m`` tokens per layer and KV head therefore costs, on average,
+``m + k*m + (1 - k)*min(m, P)`` half-tokens; the request ``T`` tokens (``budget``, or ``ratio * n`` of an
+``n``-token prompt) allows ``2T``, so ``m = T`` when ``T <= P`` and ``m = (2T - (1 - k) P) / (1 + k)`` otherwise
+(rounded down, at most ``n``). The proximal keys are an upper bound (a kept token is proximal only if it is a sink
+or recent), so the achieved bytes are at most the request.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+SHIPPED = Path(str(resources.files("kvcompress") / "data" / "pod"))  # calibration files that come with the package
+
+
+@lru_cache(maxsize=1)
+def _shipped() -> dict[str, dict]:
+    """Name -> ``meta`` of each shipped calibration file (``pod-calibrate`` output: ``sim``, ``kv_heads``, ``meta``)."""
+    if not SHIPPED.is_dir():
+        return {}
+    return {path.stem: json.loads(path.read_text())["meta"] for path in sorted(SHIPPED.glob("*.json"))}
+
+
+def shipped_path(name: str) -> Path | None:
+    """The file of a shipped grouping by name (e.g. ``"smollm2-135m"``), or ``None``."""
+    path = SHIPPED / f"{name}.json"
+    return path if path.is_file() else None
+
+
+def default_similarity(layers: int) -> Path:
+    """The shipped calibration file for a model with ``layers`` decoder layers (one must match, and only one)."""
+    matches = [name for name, meta in _shipped().items() if meta.get("layers") == layers]
+    if len(matches) != 1:
+        names = ", ".join(f"{n} ({m.get('layers')} layers)" for n, m in _shipped().items()) or "none"
+        raise ValueError(
+            f"pod has no shipped grouping for a {layers}-layer model (shipped: {names}); give "
+            "similarity=<file from `python -m kvcompress.train.pod_calibrate`>, starts=[[...]] or block_size=k"
+        )
+    return SHIPPED / f"{matches[0]}.json"
+
+
+def kept_for_request(target: torch.Tensor, n_real: torch.Tensor, key_share: float, proximal: int) -> torch.Tensor:
+    """Tokens ``m`` kept per layer and KV head (``[B]``) for a request of ``target`` full tokens (``[B]``)."""
+    target = target.to(torch.float64)
+    spread = (2 * target - (1 - key_share) * proximal) / (1 + key_share)
+    kept = torch.where(target <= proximal, target, spread).floor().long()
+    return torch.minimum(kept.clamp(min=1), n_real)
+
+
+def budget_report(cache) -> dict[str, float]:
+    """Achieved KV bytes against the request and against the full cache, for a PoD cache given ``ratio``/``budget``.
+
+    ``full_bytes``: keys and values of every token seen, in every layer and KV head; ``requested_bytes``: ``ratio``
+    of that, or ``budget`` full tokens per layer and KV head (per sequence)."""
+    config = cache.config
+    layers = cache.compressed_layers
+    first = layers[0].values  # [B, H_kv, L, d]
+    token_bytes = 2 * first.shape[0] * first.shape[1] * first.shape[-1] * first.element_size()
+    full = sum(layer.seen for layer in layers) * token_bytes
+    if config.ratio is not None:
+        requested = config.ratio * full
+    elif config.budget is not None:
+        requested = config.budget * len(layers) * token_bytes
+    else:
+        requested = float(full)
+    stored = cache.nbytes()
+    return {
+        "stored_bytes": stored,
+        "requested_bytes": requested,
+        "full_bytes": full,
+        "stored_over_full": stored / full,
+        "stored_over_request": stored / requested,
+    }
