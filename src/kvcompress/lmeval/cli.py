@@ -3,7 +3,7 @@
 Sets ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` unless already set (a user with network may set them to
 0 to run Hub tasks), builds the local tasks (``kvcompress.lmeval.tasks``) from the data folder
 (``$KVCOMPRESS_DATA``, else ``./data``) into ``tasks_dir()`` when a ``kvc_`` task is asked for, adds that folder
-to ``--include_path``, and runs lm-eval's own CLI with every other argument unchanged.
+to ``--include_path`` (unless one is given), and runs lm-eval's own CLI with every other argument unchanged.
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ def task_manager(data: str | os.PathLike[str] | None = None, **build: int) -> Ta
 
 
 def with_local_tasks(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the built tasks folder added to ``--include_path`` when a ``kvc_`` task is requested."""
+    """``argv`` plus ``--include_path`` to freshly built local tasks when a ``kvc_`` task is requested.
+
+    A given ``--include_path`` is left alone (e.g. tasks built with other sizes by ``python -m
+    kvcompress.lmeval.tasks``).
+    """
     args = list(argv)
-    if not any("kvc_" in arg for arg in args):
+    if not any("kvc_" in arg for arg in args) or any(arg.startswith("--include") for arg in args):
         return args
-    built = str(build_tasks(tasks_dir()))
-    for flag in ("--include_path", "--include-path"):
-        if flag in args:
-            at = args.index(flag) + 1
-            args[at] = f"{args[at]}:{built}"
-            return args
-    return [*args, "--include_path", built]
+    return [*args, "--include_path", str(build_tasks(tasks_dir()))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
