@@ -2,7 +2,8 @@
 
     python -m kvcompress.eval.report docs/results/runs/baselines --out docs/results/baselines/report
 
-``write_report(run_dir, out_prefix)`` reads every ``*.jsonl`` under ``run_dir`` (or one file) and writes
+``write_report(run_dir, out_prefix)`` reads every ``*.jsonl`` under ``run_dir`` (or one file), and every
+lm-eval ``results_*.json`` below it (``kvcompress.eval.lmeval_results``, tables appended at the end), and writes
 ``<out_prefix>.md`` plus ``<out_prefix>-<task>[-<mode>]-<plot>.png`` beside it. For every task and mode it gives,
 per metric, a table of the mean score per method (rows) and budget (columns) with ``± standard error`` of the
 mean over samples and the sample count; then the stored KV cache (tokens per layer and MiB) and the time per
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcompress.eval.lmeval_results import lmeval_lines, load_lmeval
 from kvcompress.eval.runner import read_rows
 from kvcompress.eval.tasks import TASKS
 
@@ -155,11 +157,21 @@ def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[
     """Write ``<out_prefix>.md`` (tables) and PNG plots from the results in ``run_dir``; return the markdown path."""
     from kvcompress.eval import plots as plotting
 
-    results, environments = load_results(run_dir)
-    if not results:
-        raise ValueError(f"no result rows in {str(run_dir)!r}")
+    lmeval_rows = load_lmeval(run_dir)
+    try:
+        results, environments = load_results(run_dir)
+    except FileNotFoundError:
+        if not lmeval_rows:
+            raise
+        results, environments = [], []
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    if not results:
+        if not lmeval_rows:
+            raise ValueError(f"no result rows in {str(run_dir)!r}")
+        path = out_prefix.with_suffix(".md")
+        path.write_text("\n".join(lmeval_lines(lmeval_rows)), encoding="utf-8")
+        return path
     models = sorted({row.get("model", "?") for row in results})
     machine = _machine(environments)
     lines = [
@@ -211,6 +223,8 @@ def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[
             stem = f"{out_prefix.name}-{task}" + (f"-{mode}" if mode else "") + (f"-{variant}" if variant > 1 else "")
             for path in plotting.plot_group(rows, metrics[0], out_prefix.parent / stem, title):
                 lines += [f"![{path.stem}]({path.name})", ""]
+    if lmeval_rows:
+        lines += ["#" + line if line.startswith("#") else line for line in lmeval_lines(lmeval_rows)]
     path = out_prefix.with_suffix(".md")
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
@@ -238,7 +252,7 @@ def subtask_table(rows: list[dict[str, Any]], metric: str, subtasks: list[str]) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcompress.eval.report", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", help="folder of .jsonl results (or one .jsonl file)")
+    parser.add_argument("run_dir", help="folder of .jsonl results and/or lm-eval results_*.json (or one file)")
     parser.add_argument("--out", required=True, help="output prefix: writes PREFIX.md and PREFIX-*.png")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
