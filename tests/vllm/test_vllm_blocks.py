@@ -11,10 +11,10 @@ from tests.vllm.engine import close, make_llm, manager, prompt, trace_blocks  # 
 BLOCK = 128  # vLLM's CPU block size (tokens)
 
 
-def test_streaming_holds_its_budget_in_blocks_over_2k_generated_tokens(model_dir):
+def test_streaming_holds_its_budget_in_blocks_over_2k_generated_tokens(short_model_dir):
     budget_blocks, generated = 3, 2100
     policy = {"method": "streaming", "budget": budget_blocks * BLOCK}
-    llm = make_llm(model_dir, policy, max_model_len=2400, dtype="bfloat16")  # short prompts: bf16 decodes faster
+    llm = make_llm(short_model_dir, policy, max_model_len=2400, dtype="bfloat16")  # short prompts: bf16 decodes faster
     try:
         trace = trace_blocks(llm, [prompt(100, seed=5), prompt(60, seed=6)], max_tokens=generated)
     finally:
@@ -48,11 +48,11 @@ def _run(model_dir, policy, prompts, generated, pool=None, free=True):
 
 
 @pytest.mark.parametrize("method", sorted(REUSE_CASES))
-def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, model_dir):
+def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, short_model_dir):
     policy, small_pool, generated = REUSE_CASES[method]
     prompts = [prompt(300, seed=7), prompt(380, seed=8), prompt(340, seed=9)]
-    kept = _run(model_dir, policy, prompts, generated, free=False)
-    reused = _run(model_dir, policy, prompts, generated, pool=small_pool)
+    kept = _run(short_model_dir, policy, prompts, generated, free=False)
+    reused = _run(short_model_dir, policy, prompts, generated, pool=small_pool)
     assert kept.reused_blocks == 0 and reused.reused_blocks > 0
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs

@@ -83,14 +83,20 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
         preemptions.update({rid: request.num_preemptions for rid, request in scheduler.requests.items()})
         peak_blocks = max(peak_blocks, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
     seconds = time.perf_counter() - start
-    engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return RunStats(_label(policy), seconds, done, done * args.new_tokens, max(running),
+    close_engine(llm)
+    return RunStats(policy_label(policy), seconds, done, done * args.new_tokens, max(running),
                     sum(running) / len(running), sum(preemptions.values()), peak_blocks)
 
 
-def _label(policy: str) -> str:
+def close_engine(llm: LLM) -> None:
+    """Shut the in-process engine down and release its KV pool before the next policy's engine starts."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def policy_label(policy: str) -> str:
+    """``"streaming 384"`` for ``'{"method": "streaming", "budget": 384}'``."""
     data = json.loads(policy)
     return " ".join(str(data[key]) for key in ("method", "budget") if key in data)
 
