@@ -36,7 +36,7 @@ def test_unknown_parameter_lists_the_method_parameters():
 
 
 def test_more_sinks_than_budget_is_rejected():
-    with pytest.raises(ValueError, match=r"sinks must be an integer in \[0, 8\], got 9"):
+    with pytest.raises(ValueError, match=r"sinks must be an integer in \[0, budget = 8\], got 9"):
         make_config("streaming", budget=8, sinks=9)
 
 

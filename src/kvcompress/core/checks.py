@@ -21,10 +21,12 @@ def check_budget(budget: object, name: str = "budget") -> None:
         )
 
 
-def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS) -> None:
-    """An integer in ``[low, high]``; the default upper bound is ``MAX_TOKENS`` (token counts)."""
+def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS, high_name: str = "") -> None:
+    """An integer in ``[low, high]``; the default upper bound is ``MAX_TOKENS`` (token counts). ``high_name`` says
+    where an upper bound set by another parameter comes from (``"budget"``)."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        upper = f"{high_name} = {high}" if high_name else str(high)
+        raise ValueError(f"{name} must be an integer in [{low}, {upper}], got {value!r}")
 
 
 def check_seed(value: object, name: str = "seed") -> None:

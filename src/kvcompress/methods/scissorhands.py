@@ -67,4 +67,4 @@ class ScissorhandsConfig(MethodConfig):
         check_budget(self.budget)
         check_int_range(self.history, "history", 1, MAX_HISTORY)
         if self.recent is not None:
-            check_int_range(self.recent, "recent", 0, self.budget)
+            check_int_range(self.recent, "recent", 0, self.budget, "budget")

@@ -73,7 +73,7 @@ class SnapKVConfig(MethodConfig):
             raise ValueError("snapkv needs exactly one of budget (tokens, >= 1) or ratio (in (0, 1])")
         if self.budget is not None:
             check_budget(self.budget)
-            check_int_range(self.window, "window", 1, self.budget)
+            check_int_range(self.window, "window", 1, self.budget, "budget")
         else:
             check_ratio(self.ratio)
             check_int_range(self.window, "window", 1)

@@ -55,6 +55,6 @@ class StreamingConfig(MethodConfig):
 
     def validate(self) -> None:
         check_budget(self.budget)
-        check_int_range(self.sinks, "sinks", 0, self.budget)
+        check_int_range(self.sinks, "sinks", 0, self.budget, "budget")
         check_choice(self.position_mode, "position_mode", POSITION_MODES)
         check_bool(self.circular, "circular")

@@ -98,8 +98,8 @@ class CascadeConfig(MethodConfig):
 
     def validate(self) -> None:
         check_budget(self.budget)
-        check_int_range(self.sinks, "sinks", 0, self.budget - 1)
-        check_int_range(self.cascades, "cascades", 1, self.budget - self.sinks)
+        check_int_range(self.sinks, "sinks", 0, self.budget - 1, "budget - 1")
+        check_int_range(self.cascades, "cascades", 1, self.budget - self.sinks, "budget - sinks")
         if (self.budget - self.sinks) % self.cascades:
             below = self.budget - (self.budget - self.sinks) % self.cascades
             raise ValueError(
