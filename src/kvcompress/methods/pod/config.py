@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcompress.core.checks import check_choice
+from kvcompress.core.checks import check_choice, check_int_range, check_path
 from kvcompress.core.contract import MethodConfig
 from kvcompress.methods.pod.grouping import (
     Starts,
@@ -85,18 +85,16 @@ class PoDConfig(MethodConfig):
             raise ValueError(f"delta must be a number (similarity threshold, usually in [0, 1]); got {self.delta!r}")
         if self.target_saving is not None and not 0 <= self.target_saving < 0.5:
             raise ValueError(f"target_saving must be in [0, 0.5) (keys only); got {self.target_saving!r}")
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
-        ):
-            raise ValueError(f"block_size must be an integer >= 1; got {self.block_size!r}")
+        if self.block_size is not None:
+            check_int_range(self.block_size, "block_size", 1)
+        if self.similarity is not None:
+            check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
         if self.starts is not None:
             object.__setattr__(self, "starts", tuple(tuple(int(s) for s in row) for row in self.starts))
             check_starts(self.starts)
         check_choice(self.grouping, "grouping", ("kv_head", "query_head"))
-        for name, low in (("n_sink", 0), ("n_recent", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        check_int_range(self.n_sink, "n_sink", 0)
+        check_int_range(self.n_recent, "n_recent", 1)
         check_choice(self.query_source, "query_source", ("block_start", "own"))
         if self.tau is not None and (isinstance(self.tau, bool) or not 0 <= self.tau <= 1):
             raise ValueError(f"tau must be None or a number in [0, 1]; got {self.tau!r}")
