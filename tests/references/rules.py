@@ -48,13 +48,18 @@ class Streaming(Rule):
 
 
 def decode_keep(tokens: list[int], score, budget: int, new: list[int], protected=()) -> list[int]:
-    """``top_keep`` for a decode-time method: the forward's own (real) tokens ``new`` are protected too when they fit
-    in the budget beside the method's ``protected`` ones; otherwise (a prompt chunk longer than the budget, or too
-    many protected tokens) the forward is ranked like every other token."""
-    both = set(protected) | set(new)
-    if len(new) <= budget and len(both) <= budget:
-        protected = both
-    return top_keep(tokens, score, budget, protected)
+    """``top_keep`` for a decode-time method: when the forward's own (real) tokens ``new`` fit in the budget, they
+    rank below the method's ``protected`` tokens and above every other one (the older first to go among them); a
+    forward longer than the budget (a prompt chunk) is ranked like every other token."""
+    if len(new) > budget:
+        return top_keep(tokens, score, budget, protected)
+    protected, new = set(protected), set(new)
+
+    def rank(t: int):
+        tier = 0 if t in protected else 1 if t in new else 2
+        return (tier, 0.0 if tier < 2 else -float(score[t]), -t)
+
+    return sorted(sorted(tokens, key=rank)[: min(budget, len(tokens))])
 
 
 class Random(Rule):
