@@ -9,6 +9,7 @@ stored key/value bytes) and the wall time.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ class Result:
 
 
 class Task:
-    """Base of every task. Subclasses set the class attributes and implement ``build_samples`` and ``evaluate``.
+    """Base of every task. Subclasses set the class attributes and implement ``build_sample`` (or, for samples
+    that draw no random numbers, ``build_samples``) and ``evaluate``.
 
     ``params`` are the task's options (context length, chunk size, ...); ``__init__`` rejects unknown ones and
     fills in defaults from ``defaults``. ``modes`` lists the variants each sample is evaluated in (e.g. the
@@ -85,6 +87,12 @@ class Task:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(self.params.items()) if k != "modes"}
 
     def build_samples(self, count: int) -> list[Sample]:
+        """Samples ``0`` to ``count - 1`` from ``build_sample``, in order, sharing one ``random.Random(seed)``."""
+        rng = random.Random(self.seed)
+        return [self.build_sample(index, rng) for index in range(count)]
+
+    def build_sample(self, index: int, rng: random.Random) -> Sample:
+        """Sample number ``index``; ``rng`` is the generator shared by all samples (the earlier ones drew first)."""
         raise NotImplementedError
 
     def evaluate(self, sample: Sample, config: EvalConfig, cache: CompressedCache, mode: str | None) -> Result:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import random
 import re
 import string
+from functools import cached_property
 
-from kvcompress.eval.data import essays
+from kvcompress.eval.data import Document, essays
 from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
 from kvcompress.eval.tasks.prompting import sentences, split_prompt, take_sentences
 from kvcompress.eval.tasks.qa import QATask
@@ -81,41 +82,45 @@ class DocQATask(QATask):
             if position >= self.params["documents"]:
                 raise ValueError(f"position must be in [0, documents - 1], got {position}")
 
-    def build_samples(self, count: int) -> list[Sample]:
-        docs = essays(self.params["corpus"], self.params["data"])
-        rng = random.Random(self.seed)
-        n = self.params["documents"]
-        samples = []
-        for i in range(count):
-            position = self.params["position"]
-            if position is None:
-                position = i % n
-            teams, words = rng.sample(TEAMS, n), rng.sample(WORDS, n)
-            chosen = rng.sample(docs, n) if len(docs) >= n else rng.choices(docs, k=n)
-            blocks = []
-            for j, (doc, team, word) in enumerate(zip(chosen, teams, words, strict=True)):
-                pieces = sentences(doc.text)
-                excerpt = take_sentences(self.tokenizer, pieces, self.params["doc_tokens"], rng.randrange(len(pieces)))
-                excerpt.insert(rng.randint(0, len(excerpt)), FACT.format(team=team, word=word))
-                title = doc.name.replace("_", " ").title()
-                blocks.append(f"Document [{j + 1}](Title: {title}) {' '.join(excerpt)}")
-            target = teams[position]
-            context = INSTRUCTION + "\n\n" + "\n".join(blocks)
-            context_ids, question_ids = split_prompt(
-                self.tokenizer, context, QUESTION.format(team=target), ANSWER_PREFIX.format(team=target)
-            )
-            samples.append(
-                Sample(
-                    id=f"docqa-{i:03d}",
-                    inputs={"context_ids": context_ids, "question_ids": question_ids, "answer": words[position]},
-                    info={
-                        "position": position,
-                        "answer": words[position],
-                        "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
-                    },
-                )
-            )
-        return samples
+    @cached_property
+    def _documents(self) -> list[Document]:
+        """The corpus essays the documents are cut from (loaded once)."""
+        return essays(self.params["corpus"], self.params["data"])
+
+    def _document(self, number: int, doc: Document, fact: str, rng: random.Random) -> str:
+        """Document ``[number]``: about ``doc_tokens`` tokens of ``doc`` from a random sentence, ``fact`` inside."""
+        pieces = sentences(doc.text)
+        excerpt = take_sentences(self.tokenizer, pieces, self.params["doc_tokens"], rng.randrange(len(pieces)))
+        excerpt.insert(rng.randint(0, len(excerpt)), fact)
+        title = doc.name.replace("_", " ").title()
+        return f"Document [{number}](Title: {title}) {' '.join(excerpt)}"
+
+    def build_sample(self, index: int, rng: random.Random) -> Sample:
+        """Sample ``index``: the answer's document at ``position`` (``index mod documents`` if unset)."""
+        n, docs = self.params["documents"], self._documents
+        position = self.params["position"]
+        if position is None:
+            position = index % n
+        teams, words = rng.sample(TEAMS, n), rng.sample(WORDS, n)
+        chosen = rng.sample(docs, n) if len(docs) >= n else rng.choices(docs, k=n)
+        blocks = [
+            self._document(j + 1, doc, FACT.format(team=team, word=word), rng)
+            for j, (doc, team, word) in enumerate(zip(chosen, teams, words, strict=True))
+        ]
+        target = teams[position]
+        context = INSTRUCTION + "\n\n" + "\n".join(blocks)
+        context_ids, question_ids = split_prompt(
+            self.tokenizer, context, QUESTION.format(team=target), ANSWER_PREFIX.format(team=target)
+        )
+        return Sample(
+            id=f"docqa-{index:03d}",
+            inputs={"context_ids": context_ids, "question_ids": question_ids, "answer": words[position]},
+            info={
+                "position": position,
+                "answer": words[position],
+                "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
+            },
+        )
 
     def evaluate(self, sample, config, cache, mode):
         text = self.generate(sample, cache, mode)

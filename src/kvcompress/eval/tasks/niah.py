@@ -175,44 +175,36 @@ class NiahTask(QATask):
             "max_new_tokens": 10 * len(values) + 4,
         }
 
-    def build_samples(self, count: int) -> list[Sample]:
-        rng = random.Random(self.seed)
+    def build_sample(self, index: int, rng: random.Random) -> Sample:
+        """Sample ``index``: subtask ``index mod (number of subtasks)``, needles at random sentence boundaries."""
+        subtask = self.params["subtasks"][index % len(self.params["subtasks"])]
+        case = self.build_case(subtask, rng)
         haystack = self._haystack()
-        samples = []
-        for i in range(count):
-            subtask = self.params["subtasks"][i % len(self.params["subtasks"])]
-            case = self.build_case(subtask, rng)
-            fixed = count_tokens(self.tokenizer, " ".join([case["intro"], *case["needles"]]))
-            fixed += count_tokens(self.tokenizer, case["question"] + " " + case["prefix"]) + 40
-            filler = take_sentences(
-                self.tokenizer, haystack, self.params["length"] - fixed, rng.randrange(len(haystack))
-            )
-            slots = sorted(rng.randint(0, len(filler)) for _ in case["needles"])
-            needles = case["needles"] if case["ordered"] else rng.sample(case["needles"], len(case["needles"]))
-            parts = list(filler)
-            for offset, (slot, needle) in enumerate(zip(slots, needles, strict=True)):
-                parts.insert(slot + offset, needle)
-            context = case["intro"] + "\n" + " ".join(parts)
-            context_ids, question_ids = split_prompt(self.tokenizer, context, case["question"], case["prefix"])
-            depths = [round(s / max(1, len(filler)), 3) for s in slots]
-            samples.append(
-                Sample(
-                    id=f"niah-{subtask}-{i:03d}",
-                    inputs={
-                        "context_ids": context_ids,
-                        "question_ids": question_ids,
-                        "answers": case["answers"],
-                        "max_new_tokens": case["max_new_tokens"],
-                    },
-                    info={
-                        "subtask": subtask,
-                        "depths": depths,
-                        "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
-                        "answers": case["answers"],
-                    },
-                )
-            )
-        return samples
+        fixed = count_tokens(self.tokenizer, " ".join([case["intro"], *case["needles"]]))
+        fixed += count_tokens(self.tokenizer, case["question"] + " " + case["prefix"]) + 40
+        filler = take_sentences(self.tokenizer, haystack, self.params["length"] - fixed, rng.randrange(len(haystack)))
+        slots = sorted(rng.randint(0, len(filler)) for _ in case["needles"])
+        needles = case["needles"] if case["ordered"] else rng.sample(case["needles"], len(case["needles"]))
+        parts = list(filler)
+        for offset, (slot, needle) in enumerate(zip(slots, needles, strict=True)):
+            parts.insert(slot + offset, needle)
+        context = case["intro"] + "\n" + " ".join(parts)
+        context_ids, question_ids = split_prompt(self.tokenizer, context, case["question"], case["prefix"])
+        return Sample(
+            id=f"niah-{subtask}-{index:03d}",
+            inputs={
+                "context_ids": context_ids,
+                "question_ids": question_ids,
+                "answers": case["answers"],
+                "max_new_tokens": case["max_new_tokens"],
+            },
+            info={
+                "subtask": subtask,
+                "depths": [round(s / max(1, len(filler)), 3) for s in slots],
+                "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
+                "answers": case["answers"],
+            },
+        )
 
     def evaluate(self, sample, config, cache, mode):
         text = self.generate(sample, cache, mode, sample.inputs["max_new_tokens"], sample.inputs["answers"])

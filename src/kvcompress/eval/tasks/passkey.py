@@ -60,28 +60,23 @@ class PasskeyTask(QATask):
         parts = [INTRO] + [FILLER] * before + [needle] + [FILLER] * (repeats - before)
         return " ".join(parts), before / repeats
 
-    def build_samples(self, count: int) -> list[Sample]:
-        rng = random.Random(self.seed)
-        samples = []
-        for i in range(count):
-            depth = self.params["depth"]
-            if depth is None:
-                depth = van_der_corput(i)
-            key = str(rng.randint(10000, 99999))
-            context, actual = self.build_prompt(key, depth)
-            context_ids, question_ids = split_prompt(self.tokenizer, context, QUESTION, ANSWER_PREFIX)
-            samples.append(
-                Sample(
-                    id=f"passkey-{i:03d}",
-                    inputs={"context_ids": context_ids, "question_ids": question_ids, "key": key},
-                    info={
-                        "depth": round(actual, 4),
-                        "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
-                        "answer": key,
-                    },
-                )
-            )
-        return samples
+    def build_sample(self, index: int, rng: random.Random) -> Sample:
+        """Sample ``index``: a random key at ``depth`` (the ``index``-th van der Corput point if unset)."""
+        depth = self.params["depth"]
+        if depth is None:
+            depth = van_der_corput(index)
+        key = str(rng.randint(10000, 99999))
+        context, actual = self.build_prompt(key, depth)
+        context_ids, question_ids = split_prompt(self.tokenizer, context, QUESTION, ANSWER_PREFIX)
+        return Sample(
+            id=f"passkey-{index:03d}",
+            inputs={"context_ids": context_ids, "question_ids": question_ids, "key": key},
+            info={
+                "depth": round(actual, 4),
+                "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
+                "answer": key,
+            },
+        )
 
     def evaluate(self, sample, config, cache, mode):
         text = self.generate(sample, cache, mode)

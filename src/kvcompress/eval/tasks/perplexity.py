@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 import random
+from functools import cached_property
 
 import torch
 
-from kvcompress.eval.data import gutenberg_books, wikitext_test
+from kvcompress.eval.data import Document, gutenberg_books, wikitext_test
 from kvcompress.eval.tasks.base import Result, Sample, Task, check_positive_int, van_der_corput
 from kvcompress.eval.tasks.prompting import encode
 from kvcompress.generation import stream_nll
@@ -56,29 +57,27 @@ class StreamPerplexityTask(_PerplexityTask):
         super().validate()
         check_positive_int(self.params["bin"], "bin")
 
-    def build_samples(self, count: int) -> list[Sample]:
-        books = gutenberg_books(self.params["books"], self.params["data"])
-        rng = random.Random(self.seed)
-        length = self.params["length"]
-        samples = []
-        for i in range(count):
-            book = books[i % len(books)]
-            text = book.text
-            start = rng.randint(len(text) // 10, len(text) * 9 // 10)
-            start = text.rfind("\n", 0, start) + 1  # a line start
-            ids = encode(self.tokenizer, text[start : start + 8 * length])[:, :length]
-            if ids.shape[1] < length:
-                ids = encode(self.tokenizer, text[max(0, len(text) - 8 * length) :])[:, -length:]
-            if ids.shape[1] < length:
-                raise ValueError(f"book {book.name!r} has fewer than length={length} tokens")
-            samples.append(
-                Sample(
-                    id=f"stream-{i:03d}",
-                    inputs={"ids": ids},
-                    info={"book": book.name, "char_offset": start, "tokens": length},
-                )
-            )
-        return samples
+    @cached_property
+    def _books(self) -> list[Document]:
+        """The books the streams are read from (loaded once)."""
+        return gutenberg_books(self.params["books"], self.params["data"])
+
+    def build_sample(self, index: int, rng: random.Random) -> Sample:
+        """Sample ``index``: ``length`` tokens of book ``index mod (number of books)`` from a random line start."""
+        book, length = self._books[index % len(self._books)], self.params["length"]
+        text = book.text
+        start = rng.randint(len(text) // 10, len(text) * 9 // 10)
+        start = text.rfind("\n", 0, start) + 1  # a line start
+        ids = encode(self.tokenizer, text[start : start + 8 * length])[:, :length]
+        if ids.shape[1] < length:
+            ids = encode(self.tokenizer, text[max(0, len(text) - 8 * length) :])[:, -length:]
+        if ids.shape[1] < length:
+            raise ValueError(f"book {book.name!r} has fewer than length={length} tokens")
+        return Sample(
+            id=f"stream-{index:03d}",
+            inputs={"ids": ids},
+            info={"book": book.name, "char_offset": start, "tokens": length},
+        )
 
 
 class WikitextPerplexityTask(_PerplexityTask):

@@ -11,9 +11,10 @@ The full-cache summary is generated once per sample and mode and shared by every
 from __future__ import annotations
 
 import random
+from functools import cached_property
 
 from kvcompress.eval.configs import EvalConfig
-from kvcompress.eval.data import essays
+from kvcompress.eval.data import Document, essays
 from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
 from kvcompress.eval.tasks.prompting import sentences, split_prompt, take_sentences
 from kvcompress.eval.tasks.qa import QATask
@@ -58,23 +59,22 @@ class SummaryTask(QATask):
         super().validate()
         check_positive_int(self.params["length"], "length", 32)
 
-    def build_samples(self, count: int) -> list[Sample]:
-        docs = essays(self.params["corpus"], self.params["data"])
-        rng = random.Random(self.seed)
-        samples = []
-        for i in range(count):
-            doc = docs[i % len(docs)]
-            pieces = sentences(doc.text)
-            passage = take_sentences(self.tokenizer, pieces, self.params["length"] - 60, rng.randrange(len(pieces)))
-            context_ids, question_ids = split_prompt(self.tokenizer, " ".join(passage), QUESTION, ANSWER_PREFIX)
-            samples.append(
-                Sample(
-                    id=f"summary-{i:03d}",
-                    inputs={"context_ids": context_ids, "question_ids": question_ids},
-                    info={"essay": doc.name, "prompt_tokens": context_ids.shape[1] + question_ids.shape[1]},
-                )
-            )
-        return samples
+    @cached_property
+    def _essays(self) -> list[Document]:
+        """The corpus essays the passages are taken from (loaded once)."""
+        return essays(self.params["corpus"], self.params["data"])
+
+    def build_sample(self, index: int, rng: random.Random) -> Sample:
+        """Sample ``index``: a passage from essay ``index mod (number of essays)`` at a random sentence."""
+        doc = self._essays[index % len(self._essays)]
+        pieces = sentences(doc.text)
+        passage = take_sentences(self.tokenizer, pieces, self.params["length"] - 60, rng.randrange(len(pieces)))
+        context_ids, question_ids = split_prompt(self.tokenizer, " ".join(passage), QUESTION, ANSWER_PREFIX)
+        return Sample(
+            id=f"summary-{index:03d}",
+            inputs={"context_ids": context_ids, "question_ids": question_ids},
+            info={"essay": doc.name, "prompt_tokens": context_ids.shape[1] + question_ids.shape[1]},
+        )
 
     def reference(self, sample: Sample, mode: str | None) -> str:
         """The full-cache summary of ``sample`` (generated once, then shared by every configuration)."""
