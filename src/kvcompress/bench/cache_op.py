@@ -63,7 +63,7 @@ from kvcompress.bench.cache_op_steps import (
     stored_tokens,
     time_whole_cycles,
 )
-from kvcompress.bench.common import Timing, environment, set_threads, time_calls
+from kvcompress.bench.common import Timing, check_methods, environment, set_threads, time_calls
 from kvcompress.bench.table import Column, markdown_table, save_outputs
 
 
@@ -94,9 +94,7 @@ def run_cache_op(
     """
     set_threads(threads)
     setup = CacheOpSetup(batch, heads, head_dim, sinks, window, warmup, tokens)
-    unknown = sorted(set(methods) - set(CACHE_OP_METHODS))
-    if unknown:
-        raise ValueError(f"methods must be among {', '.join(CACHE_OP_METHODS)}; got {', '.join(unknown)}")
+    check_methods(sorted(set(methods)), CACHE_OP_METHODS)
     plan: list[tuple[str, str, Callable]] = []
     if references:
         plan += [(name, "reference", reference_step) for name in (CONCAT_SINK, CIRCULAR_SINK)]

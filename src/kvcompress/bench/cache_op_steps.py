@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvcompress.bench.common import DECODE_TIME_METHODS, Timing
+from kvcompress.bench.common import DECODE_TIME_METHODS, Timing, check_int
 from kvcompress.bench.sink_references import CircularSinkCache, ConcatSinkCache
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.layer import CompressedLayer
@@ -47,13 +47,9 @@ class CacheOpSetup:
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "head_dim", "window", "tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(getattr(self, name), name)
         for name in ("sinks", "warmup"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            check_int(getattr(self, name), name, 0)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE pairs), got {self.head_dim}")
 
@@ -66,7 +62,6 @@ class CacheOpSetup:
 
 
 QUICK = CacheOpSetup(batch=1, heads=8, head_dim=64, window=256, warmup=10, tokens=100)
-
 
 
 def method_params(method: str, setup: CacheOpSetup) -> dict[str, object]:
@@ -155,7 +150,7 @@ def layer_step(
     stats = synthetic_stats(policy.stats, setup, longest, 1, generator)
     keys, values = setup.random(_POOL, generator), setup.random(_POOL, generator)
     query = setup.random(1, generator)
-    sizes = [layer.keys.shape[-2]]  # stored length before the first update, then after each (a shape read)
+    sizes = [layer.stored_length()]  # stored length before the first update, then after each
 
     def step(i: int) -> None:
         slot = i % _POOL
@@ -163,8 +158,8 @@ def layer_step(
         if positioned:
             layer.register_new_tokens(None, None)
             layer.positioned(query, layer.keys)
-        layer.after_attention(cut(stats, layer.keys.shape[-2]))
-        sizes.append(layer.keys.shape[-2])
+        layer.after_attention(cut(stats, layer.keys.shape[-2]))  # statistics over the slots attention sees
+        sizes.append(layer.stored_length())
 
     step.sizes = sizes
     return layer, step

@@ -47,11 +47,39 @@ def kvcompress_attention(
     if layer is None:
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
     queries = query.shape[2]
-    padding = attention_mask[:, -queries:] if attention_mask is not None and attention_mask.dim() == 2 else None
-    layer.register_new_tokens(kwargs.get("position_ids"), padding)
+    padding = None
+    if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(attention_mask, queries):
+        padding = attention_mask[:, -queries:]
+    output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _all_real(attention_mask: torch.Tensor, queries: int) -> bool:
+    """Whether this forward's tokens are all real: checked once per forward (one host read for all layers, which
+    get the same mask object), not once per layer."""
+    known = getattr(attention_mask, "_kvcompress_all_real", None)
+    if known is None:
+        known = bool(attention_mask[:, -queries:].all())
+        attention_mask._kvcompress_all_real = known
+    return known
+
+
+def attend_layer(
+    layer: CompressedLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    scaling: float | None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``."""
+    queries = query.shape[2]
+    layer.register_new_tokens(position_ids, padding)
     query, key = layer.positioned(query, key)
     mask = layer.attention_mask(queries, sliding_window)
-    request = layer.policy.stats
+    request = StatsRequest() if layer.policy.one_shot and layer.compressed else layer.policy.stats
     custom = layer.attend(query, key, value, mask, scaling)
     if custom is not None:
         output, stats = custom
@@ -60,9 +88,10 @@ def kvcompress_attention(
     else:
         output, stats = sdpa(query, key, value, mask, scaling), None
     layer.after_attention(stats)
+    layer.expire_window()
     for observer in layer.observers:
         observer(layer)
-    return output.transpose(1, 2).contiguous(), None
+    return output
 
 
 def sdpa(
@@ -72,7 +101,7 @@ def sdpa(
     groups = query.shape[1] // key.shape[1]
     if mask is not None and mask.shape[1] > 1:
         mask = mask.repeat_interleave(groups, dim=1)
-    is_causal = mask is None and query.shape[2] == key.shape[2] and query.shape[2] > 1
+    is_causal = mask is None and query.shape[2] > 1 and query.shape[2] == key.shape[2]
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=groups > 1
     )
@@ -116,6 +145,9 @@ def attention_with_stats(
     if request.received:
         parts = chunked_softmax(query, key, mask, scaling, value=value, received=True, last_n=last_n)
         output, stats.received, last = parts.output, parts.received, parts.last
+    elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
+        parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n)
+        output, last = parts.output, parts.last
     else:
         output = sdpa(query, key, value, mask, scaling)
         rows = slice(queries - last_n, queries)

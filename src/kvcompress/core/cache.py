@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.core.rope import find_inv_freq
+from kvcompress.core.model_spec import ModelSpec
+from kvcompress.core.rope import layer_inv_freqs
 
 
 class CompressedCache(Cache):
@@ -20,18 +22,48 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, model: nn.Module, config: MethodConfig) -> None:
-        text_config = model.config.get_text_config()
-        layers = text_config.num_hidden_layers
-        needs_rope = any(config.policy(i).position_mode == "cache" for i in range(layers))
-        inv_freq = find_inv_freq(model) if needs_rope else None
+        spec = ModelSpec.of(model)
+        policies = [config.policy(i) for i in range(spec.layers)]
+        needs_rope = any(policy.position_mode == "cache" for policy in policies)
+        inv_freqs = layer_inv_freqs(model) if needs_rope else [None] * spec.layers
         layer_class = config.layer_class() or CompressedLayer
-        super().__init__(layers=[layer_class(config.policy(i), inv_freq) for i in range(layers)])
+        # a layer class that cannot drop tokens by age names the class to use on sliding-window layers
+        sliding_class = getattr(layer_class, "sliding_layer_class", layer_class)
+        layers = []
+        for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):
+            layers.append((layer_class if window is None else sliding_class)(policy, inv_freq))
+            layers[-1].sliding_window = window  # sliding layers store at most their window
+        super().__init__(layers=layers)
         self.config = config
+        self.model_spec = spec
+        # warn once past the trained length if some layer keeps original positions
+        self._warn_after = spec.max_positions if any(p.position_mode == "original" for p in policies) else None
         config.connect(self.compressed_layers)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new keys and values (``Cache.update``), refusing keys of another model."""
+        if layer_idx == 0 or layer_idx >= self.model_spec.layers:
+            self._check_forward(layer_idx, key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Once per forward (layer 0): the shapes match, the previous forward reached the last layer (else the model
+        has fewer layers than the cache), and a warning once past the trained length."""
+        spec = self.model_spec
+        spec.check_layer(layer_idx, key_states)
+        first, last = self.layers[0], self.layers[-1]
+        if first.is_initialized and not last.is_initialized:
+            spec.refuse(f"a model whose forward stopped before layer {spec.layers - 1}")
+        seen = first.get_seq_length() + key_states.shape[2]
+        if self._warn_after is not None and seen > self._warn_after:
+            spec.warn_past_trained_length(seen, self.config.name)
+            self._warn_after = None
 
     @property
     def compressed_layers(self) -> list[CompressedLayer]:
-        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+        return [layer for layer in self.layers if hasattr(layer, "policy")]
 
     def nbytes(self) -> int:
         """Bytes of keys and values really stored, all layers together."""

@@ -51,8 +51,29 @@ class AttentionStats:
 
 
 @dataclass
+class Keep:
+    """A policy's eviction rule: keep, per sequence and KV head, the ``count`` highest-scoring real tokens.
+
+    ``scores`` ``[B, H_kv or 1, W]`` are over the layer's current view (``layer.token_idx`` etc.); ``count`` is an
+    int, or ``[B]`` per-sequence counts (one-shot ratios); ``protected`` ``[B, H_kv, W]`` tokens are kept first.
+    The layer evicts the rest, lowest score first; equal scores evict the older token first. Padding is never kept.
+    """
+
+    scores: torch.Tensor
+    count: int | torch.Tensor
+    protected: torch.Tensor | None = None
+
+
+@dataclass
+class KeepMask:
+    """A policy's eviction decision as a mask ``[B, H_kv, W]`` over the layer's view: True = stays."""
+
+    keep: torch.Tensor
+
+
+@dataclass
 class Selection:
-    """What a layer keeps: ``indices`` ``[B, H_kv, K]`` into the stored tokens, ascending per row.
+    """What a layer keeps: ``indices`` ``[B, H_kv, K]`` into the layer's view, ascending per row.
 
     ``valid`` ``[B, H_kv, K]`` marks slots that hold a real token; a sequence with fewer tokens than ``K`` (a
     shorter prompt in a padded batch) fills the rest of its row with invalid slots.
@@ -60,6 +81,12 @@ class Selection:
 
     indices: torch.Tensor
     valid: torch.Tensor | None = None
+
+    def as_mask(self, width: int) -> torch.Tensor:
+        """The kept slots as a ``[B, H_kv, width]`` mask."""
+        shape = (*self.indices.shape[:2], width)
+        kept = torch.ones_like(self.indices, dtype=torch.bool) if self.valid is None else self.valid
+        return torch.zeros(shape, dtype=torch.bool, device=self.indices.device).scatter_(2, self.indices, kept)
 
 
 class Policy:
@@ -81,8 +108,8 @@ class Policy:
     def observe(self, layer: CompressedLayer, stats: AttentionStats | None) -> None:
         """Fold this forward's attention statistics into the per-token state."""
 
-    def select(self, layer: CompressedLayer) -> Selection | None:
-        """Return what to keep, or ``None`` to keep everything."""
+    def select(self, layer: CompressedLayer) -> Keep | KeepMask | Selection | None:
+        """Return what to keep (usually a ``Keep`` rule: the layer picks the victims), or ``None`` for everything."""
         return None
 
     def attend(

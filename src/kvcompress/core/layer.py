@@ -1,20 +1,26 @@
-"""The compressed cache: a ``transformers`` ``Cache`` whose layers really store only what their method keeps.
+"""The compressed cache layer: slots written in place, eviction by victims, no copy of the cache per step.
 
-Each ``CompressedLayer`` holds, per sequence and KV head, the kept keys and values (``[B, H_kv, L, d]``) and
-beside them, aligned token by token (``[B, H_kv, L]``):
+Each ``CompressedLayer`` owns, per sequence and KV head, buffers of ``capacity`` slots allocated once per capacity
+(grown geometrically while the cache fills, never beyond the tokens seen plus one forward, nor beyond the budget
+plus one forward): keys and values ``[B, H_kv, C, d]`` and, slot by slot (``[B, H_kv, C]``):
 
-- ``token_idx``: the token's index in the stream (tokens seen so far, padding included), used for causality;
+- ``token_idx``: the token's index in the stream (tokens seen so far, padding included), ``-1`` for a free slot;
 - ``rope_pos``: the RoPE position the key was rotated with (the model's ``position_ids``);
-- ``valid``: whether the slot holds a real token (left padding and filler slots are not real and never count
-  against a budget);
-- ``state``: the method's per-token statistics (accumulated attention, EMA scores, ...).
+- ``valid``: whether the slot holds a real token (left padding is stored but never counts against a budget);
+- ``rank``: the token's rank among its sequence's real tokens (sinks are the first ranks);
+- ``state``: the method's per-token statistics (accumulated attention, scores, ...).
 
-Stored tokens stay in stream order. ``update()`` appends and returns what the current step attends to, as in
-``DynamicLayer``; eviction is a separate step (``apply``) run by the attention function after the layer's
-attention, when this forward's statistics are known.
+New tokens are written into free slots (``index_copy``/``scatter``); eviction marks the victims' slots free and
+moves nothing; the next token is written where the victim was. So slot order is stream order only while the layer
+is *dense* (before its first eviction, and after a compaction); a decoding layer at its budget is *holed*. One
+gather (a compaction) happens only after a multi-token forward that evicted, after a one-shot compression, when a
+holed layer receives a forward of another size, and after every eviction of layers that re-index positions inside
+the cache (``position_mode="cache"`` needs stream order).
 
-``get_seq_length()`` returns the logical length (tokens seen), as ``DynamicSlidingWindowLayer`` does: that is what
-``generate`` and the model use to place new tokens. ``stored_length()`` is the physical length.
+The tensors above are exposed as views over the slots attention sees (``view_width``: the occupied prefix of a dense
+layer, every slot of a holed one); ``kept()`` gives the stored tokens in stream order, for inspection.
+``get_seq_length()`` returns the tokens seen (what ``generate`` uses to place new tokens); ``stored_length()`` the
+slots in use.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcompress.core.contract import AttentionStats, Policy, Selection
+from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
+from kvcompress.core.eviction import victims_of_rule
 from kvcompress.core.rope import rotate_by
+from kvcompress.core.slots import SlotBuffers, StreamView
 
 LAYER_ATTRIBUTE = "_kvcompress_layer"
 
@@ -36,140 +44,261 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    sliding_window: int | None = None  # the model's window on this layer (set by the cache; None: global layer)
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__()
         self.policy = policy
         self.inv_freq = inv_freq
-        self.seen = 0
-        self.new_tokens = 0
+        self.seen = self.new_tokens = 0
         self.compressed = False
         self.defer_compression = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[CompressedLayer], None]] = []
+        self.slots: SlotBuffers | None = None
+        self.occupied = 0  # slots holding a token (real or padding), the same count in every row
+        self.dense = True  # slots [0, occupied) hold tokens in stream order; the rest is free
+        self.ordered = True  # the occupied slots are in stream order (a dense layer, or one with holes only)
+        self.all_valid = True  # no padding stored
+        self.max_chunk = 0  # largest forward so far (tokens)
+        self._free: torch.Tensor | None = None  # [B, H, e] slots freed by the last eviction of a holed layer
+        self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
+
+    # --- views of the slots attention sees ---------------------------------------------------------------------
+    @property
+    def view_width(self) -> int:
+        return self.occupied if self.dense else self.slots.capacity
+
+    def _view(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[:, :, : self.view_width]
+
+    def _only_none(self, value: None) -> None:  # transformers' layer base class initialises keys/values to None
+        if value is not None:
+            raise AttributeError("keys and values are written through update()")
+
+    keys = property(lambda self: None if self.slots is None else self._view(self.slots.keys), _only_none)
+    values = property(lambda self: None if self.slots is None else self._view(self.slots.values), _only_none)
+    token_idx = property(lambda self: self._view(self.slots.token_idx))
+    rope_pos = property(lambda self: self._view(self.slots.rope_pos))
+    valid = property(lambda self: self._view(self.slots.valid))
+    rank = property(lambda self: self._view(self.slots.rank))
+
+    @property
+    def state(self) -> _StateView:
+        return _StateView(self)
+
+    def real_count(self) -> torch.Tensor:
+        """``[B, 1]`` real tokens seen per sequence."""
+        return self.slots.real_seen[:, None]
+
+    def new_index(self) -> torch.Tensor:
+        """``[B, H, q]`` positions of this forward's tokens in the views."""
+        if self._new is not None:
+            return self._new
+        shape = self.slots.token_idx.shape[:2]
+        return torch.arange(self.occupied - self.new_tokens, self.occupied, device=self.device).expand(*shape, -1)
+
+    def kept(self) -> StreamView:
+        """The stored tokens in stream order (keys, values, positions, validity, state): for inspection."""
+        return self.slots.stream_view(self.view_width)
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, _ = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        empty = torch.zeros(batch, heads, 0, dtype=torch.long, device=self.device)
-        self.token_idx, self.rope_pos = empty, empty.clone()
-        self.valid = empty.bool()
-        self.state: dict[str, torch.Tensor] = {}
+        self.slots = SlotBuffers.empty(key_states, value_states)
         self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens and return everything this step attends to."""
+        """Write the new tokens into free slots and return every slot this step attends to."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, heads, count, _ = key_states.shape
-        new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
-        self.rope_pos = torch.cat([self.rope_pos, new_idx], dim=-1)
-        self.valid = torch.cat([self.valid, torch.ones_like(new_idx, dtype=torch.bool)], dim=-1)
-        for name, value in self.policy.init_state(self, key_states).items():
-            old = self.state.get(name)
-            self.state[name] = value if old is None else torch.cat([old, value], dim=2)
+        count = key_states.shape[2]
+        self.max_chunk = max(self.max_chunk, count)
+        if not self.dense and (self._free is None or self._free.shape[-1] != count):
+            self.compact()
+        needed = self.occupied + count
+        if needed > self.slots.capacity:
+            self.slots.grow(self._grown_capacity(needed))
+        state = self.policy.init_state(self, key_states)
+        if self.dense:
+            self._new = None
+            self.slots.write_range(self.occupied, key_states, value_states, self.seen, state)
+        else:
+            self._new, self._free = self._free, None
+            self.slots.write_at(self._new, key_states, value_states, self.seen, state)
+            self.ordered = False
+        self.occupied = needed
         self.seen += count
         self.new_tokens = count
-        setattr(self.keys, LAYER_ATTRIBUTE, self)
-        return self.keys, self.values
+        keys, values = self.keys, self.values
+        setattr(keys, LAYER_ATTRIBUTE, self)
+        return keys, values
+
+    def _grown_capacity(self, needed: int) -> int:
+        """Geometric growth, at most the tokens seen plus one forward and the budget plus one forward."""
+        capacity = self.slots.capacity
+        if capacity == 0:
+            return needed
+        grown = max(needed, min(capacity + max(capacity // 4, 16), needed + self.max_chunk))
+        budget = getattr(self.policy.config, "budget", None)
+        if isinstance(budget, int) and not isinstance(budget, bool):
+            grown = min(grown, max(needed, budget + self.max_chunk))
+        return grown
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         """Record the RoPE positions (``[B, q]``) and validity (``[B, q]``, True = real) of the new tokens."""
         count = self.new_tokens
+        positions = None
         if position_ids is not None:
             positions = position_ids[..., -count:].to(self.device)
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
-            self.rope_pos[..., -count:] = positions.expand(self.keys.shape[0], -1)[:, None, :]
-        if padding is not None:
-            self.valid[..., -count:] = padding[:, -count:].to(self.device, torch.bool)[:, None, :]
+        real = None
+        if padding is not None:  # the caller passes it only when some new token is padding
+            real = padding[:, -count:].to(self.device, torch.bool)
+            self.all_valid = False
+        self.slots.register(self.new_index(), positions, real)
 
-    def apply(self, selection: Selection) -> None:
-        """Keep only the selected tokens (a gather per sequence and head, so tensors stay rectangular)."""
-        index = selection.indices
-
-        def take(tensor: torch.Tensor) -> torch.Tensor:
-            shaped = index.reshape(*index.shape, *([1] * (tensor.dim() - 3)))
-            return tensor.gather(2, shaped.expand(*index.shape, *tensor.shape[3:]))
-
-        self.keys, self.values = take(self.keys), take(self.values)
-        self.token_idx, self.rope_pos, self.valid = (
-            take(self.token_idx),
-            take(self.rope_pos),
-            take(self.valid),
-        )
-        if selection.valid is not None:
-            self.valid = self.valid & selection.valid
-        self.state = {name: take(value) for name, value in self.state.items()}
-
+    # --- eviction ------------------------------------------------------------------------------------------
     def after_attention(self, stats: AttentionStats | None) -> None:
         """Update the method's statistics, then evict what the method no longer keeps."""
+        if self.policy.one_shot and self.compressed:
+            return  # compressed once: decoding appends (attention computed no statistics)
         self.policy.observe(self, stats)
         if self.policy.one_shot:
-            if self.compressed or self.defer_compression or self.new_tokens < 2:
+            if self.defer_compression or self.new_tokens < 2:
                 return
             self.compressed = True
-        selection = self.policy.select(self)
-        if selection is not None:
-            self.apply(selection)
+        self.apply(self.policy.select(self))
+        if self.policy.one_shot:
+            self.compact(shrink=True)
 
     def compress(self) -> None:
         """Run a one-shot method's compression now (after a deferred, chunked prefill)."""
         self.defer_compression = False
         if self.policy.one_shot and not self.compressed and self.is_initialized:
             self.compressed = True
-            selection = self.policy.select(self)
-            if selection is not None:
-                self.apply(selection)
+            self.apply(self.policy.select(self))
+            self.compact(shrink=True)
 
+    def apply(self, rule: Keep | KeepMask | Selection | None) -> None:
+        """Evict what ``rule`` does not keep: the lowest-scoring tokens of a ``Keep``, the ``False`` slots of a
+        ``KeepMask``, or everything outside a ``Selection``'s indices."""
+        if rule is None:
+            return
+        if isinstance(rule, Keep):
+            victims, invalidate = victims_of_rule(rule, self, self.protects_forward(rule))
+            if invalidate is not None and bool(invalidate.any()):  # per-sequence counts: once per prompt
+                self.slots.valid[:, :, : self.view_width] &= ~invalidate
+                self.all_valid = False
+            if victims is not None:
+                self.evict(victims)
+            return
+        keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
+        self.evict_mask(~keep & (self.token_idx >= 0))
+
+    def protects_forward(self, rule: Keep) -> bool:
+        """Whether this forward's tokens rank above every unprotected token (below the rule's protected ones).
+
+        A decode-time method never evicts the tokens of the forward being processed (a question fed after a
+        compressed context, the token just decoded) while ``count`` leaves room for them; a forward longer than
+        ``count`` (a prompt chunk) is ranked by the rule like every other token. Decided from Python integers
+        only: no host synchronisation."""
+        return not self.policy.one_shot and not isinstance(rule.count, torch.Tensor) and self.new_tokens <= rule.count
+
+    def evict(self, victims: torch.Tensor) -> None:
+        """Free the slots ``victims`` ``[B, H, e]`` (positions in the views), the same count in every row.
+
+        Decoding one token at a time at the budget, the freed slot takes the next token (no copy); otherwise the
+        layer is compacted (after a prompt chunk, or to return capacity the decoding layer no longer needs).
+        """
+        self.before_eviction(victims, None)
+        width = self.view_width
+        self.slots.free_at(victims)
+        self.occupied -= victims.shape[-1]
+        decoding = self.new_tokens == 1 and victims.shape[-1] == 1 and self.policy.position_mode != "cache"
+        was_dense, self.dense = self.dense, False
+        if decoding and (not was_dense or width == self.slots.capacity):
+            self._free = victims
+            return
+        self.ordered = self.ordered and was_dense
+        self.compact(shrink=self.new_tokens == 1)
+
+    def evict_mask(self, dropped: torch.Tensor) -> None:
+        """Free the slots where ``dropped`` ``[B, H, W]`` is True (counts may differ between rows)."""
+        self.before_eviction(None, dropped)
+        self.slots.free_mask(dropped, self.view_width)
+        self.ordered = self.ordered and self.dense
+        self.dense = False
+        self.compact()
+
+    def expire_window(self) -> None:
+        """On a sliding-window layer, free the tokens no later query can see (all but the last ``window - 1``, as
+        transformers' sliding layers keep), whatever the method kept; they are not folded or scored."""
+        window = self.sliding_window
+        if window is None or self.slots is None or self.seen < window:
+            return
+        self.slots.free_mask((self.token_idx >= 0) & (self.token_idx <= self.seen - window), self.view_width)
+        self.ordered = self.ordered and self.dense
+        self.dense = False
+        self.compact()
+
+    def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
+        """Hook for layers that keep something of what they evict (LESS folds it into its low-rank state)."""
+
+    def compact(self, shrink: bool = False) -> None:
+        """Gather the occupied slots to the front in stream order (one gather); ``shrink`` also returns the
+        unused capacity (keeping room for one token)."""
+        if self.slots is None or self.slots.capacity == 0:
+            return
+        if not self.dense:
+            self.occupied, ragged = self.slots.compact(self.view_width, self.ordered, shrink)
+            self.all_valid = self.all_valid and not ragged
+        elif shrink:
+            self.slots.shrink(self.occupied + 1)
+        self.dense, self.ordered, self._free = True, True, None
+
+    # --- what attention sees -------------------------------------------------------------------------------
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling
     ) -> tuple[torch.Tensor, AttentionStats | None] | None:
         """This layer's own attention, or ``None`` for the default; layers with their own layout override it."""
         return self.policy.attend(self, query, key, value, mask, scaling)
 
-    # --- what attention sees -------------------------------------------------------------------------------
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
-        """Boolean ``[B, H_kv or 1, q, L]`` mask for the last ``query_count`` tokens, or ``None`` if all visible.
+        """Boolean ``[B, H_kv or 1, q, W]`` mask for the last ``query_count`` tokens, or ``None`` if all visible.
 
         A key is visible if it is real and not in the query's future; a padding query sees itself only, so no
-        row is empty.
+        row is empty. ``None`` also for a plain causal prefill (the caller then uses ``is_causal``).
         """
-        heads = 1 if not self.policy.per_head else self.token_idx.shape[1]
-        token_idx, valid = self.token_idx[:, :heads], self.valid[:, :heads]
-        length = token_idx.shape[-1]
-        no_padding = bool(valid.all())
-        if no_padding and sliding_window is None and query_count == 1:
+        width = self.view_width
+        full = self.all_valid and (self.dense or self.occupied == width) and sliding_window is None
+        if full and (query_count == 1 or (self.dense and width == query_count)):
             return None
+        heads = 1 if not self.policy.per_head else self.slots.token_idx.shape[1]
+        token_idx, valid = self.token_idx[:, :heads], self.valid[:, :heads]
         query_idx = torch.arange(self.seen - query_count, self.seen, device=self.device)
         keys = token_idx[:, :, None, :]
         queries = query_idx[None, None, :, None]
         mask = (keys <= queries) & (valid[:, :, None, :] | (keys == queries))
         if sliding_window is not None:
             mask &= keys > queries - sliding_window
-        if no_padding and sliding_window is None and length == query_count:
-            return None  # plain causal prefill: the caller uses is_causal
         return mask
 
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """In ``cache`` position mode, rotate queries and keys to their rank inside the cache."""
+        """In ``cache`` position mode, rotate queries and keys to their rank inside the cache (the layer is dense:
+        stored in stream order, so a real token's rank is the count of real tokens before it)."""
         if self.policy.position_mode != "cache":
             return query, key
-        rank = self.valid.cumsum(-1) - 1  # [B, H_kv, L]; positions of real tokens inside the cache
-        delta = torch.where(self.valid, rank - self.rope_pos, torch.zeros_like(rank))
+        valid = self.valid
+        rank = valid.cumsum(-1) - 1
+        delta = torch.where(valid, rank - self.rope_pos, torch.zeros_like(rank))
         key = rotate_by(key, delta, self.inv_freq)
         groups = query.shape[1] // key.shape[1]
-        query_delta = (rank[..., -self.new_tokens :] - self.rope_pos[..., -self.new_tokens :]).repeat_interleave(
-            groups, dim=1
-        )
+        new = slice(self.view_width - self.new_tokens, self.view_width)
+        query_delta = (rank[..., new] - self.rope_pos[..., new]).repeat_interleave(groups, dim=1)
         return rotate_by(query, query_delta, self.inv_freq), key
 
     # --- transformers' layer API ---------------------------------------------------------------------------
@@ -178,38 +307,35 @@ class CompressedLayer(CacheLayerMixin):
         return self.seen
 
     def stored_length(self) -> int:
-        return 0 if not self.is_initialized else self.keys.shape[-2]
+        return self.occupied
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.stored_length() + query_length, 0
+        return self.occupied + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.slots = None
         self.is_initialized = False
-        self.seen = self.new_tokens = 0
+        self.seen = self.new_tokens = self.occupied = self.max_chunk = 0
         self.compressed = False
+        self.dense = self.ordered = self.all_valid = True
+        self._free = self._new = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.is_initialized:
-            return
-        indices = indices.to(self.device)
-        for name in ("keys", "values", "token_idx", "rope_pos", "valid"):
-            setattr(self, name, getattr(self, name).index_select(0, indices))
-        self.state = {name: value.index_select(0, indices) for name, value in self.state.items()}
+        if self.is_initialized:
+            self.slots.map_batch(lambda t: t.index_select(0, indices.to(self.device)))
+            self._free = None if self._free is None else self._free.index_select(0, indices.to(self.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if not self.is_initialized:
-            return
-        for name in ("keys", "values", "token_idx", "rope_pos", "valid"):
-            setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
-        self.state = {name: value.repeat_interleave(repeats, dim=0) for name, value in self.state.items()}
+        if self.is_initialized:
+            self.slots.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+            self._free = None if self._free is None else self._free.repeat_interleave(repeats, dim=0)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -219,14 +345,38 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- accounting ----------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:
-        """Bytes of the stored keys and values."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """Bytes of the stored tokens' keys and values (``occupied`` slots)."""
+        return 0 if self.slots is None else self.occupied * self.slots.kv_bytes_per_slot()
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the key and value buffers as allocated (``capacity`` slots, at most one forward more)."""
+        return 0 if self.slots is None else self.slots.capacity * self.slots.kv_bytes_per_slot()
 
     def metadata_nbytes(self) -> int:
         """Bytes of the bookkeeping stored beside the keys (positions, validity, method statistics)."""
-        if not self.is_initialized:
-            return 0
-        tensors = [self.token_idx, self.rope_pos, self.valid, *self.state.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return 0 if self.slots is None else self.occupied * self.slots.metadata_bytes_per_slot()
+
+
+class _StateView:
+    """``layer.state``: the method's per-token tensors as views over the slots attention sees."""
+
+    def __init__(self, layer: CompressedLayer) -> None:
+        self.layer = layer
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.layer._view(self.layer.slots.state[name])
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self[name].copy_(value)  # broadcast over heads where ``value`` has one
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layer.slots.state
+
+    def keys(self):
+        return self.layer.slots.state.keys()
+
+    def items(self):
+        return [(name, self[name]) for name in self.layer.slots.state]
+
+    def values(self):
+        return [self[name] for name in self.layer.slots.state]

@@ -71,21 +71,24 @@ def chunked_softmax(
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
-    keys_t = key[:, :, None].transpose(-1, -2)
-    values = value[:, :, None] if value is not None else None
+    groups = q_heads // kv_heads
+    keys_t = key.transpose(-1, -2)  # a view: the query heads of a group are folded into rows, never keys copied
     if mask is None:
         mask = causal_mask(queries, length, query.device)
     parts = SoftmaxParts()
     outputs, lses, last_rows = [], [], []
-    mass = torch.zeros(batch, kv_heads, q_heads // kv_heads, length, device=query.device) if received else None
+    mass = torch.zeros(batch, kv_heads, groups, length, device=query.device) if received else None
     for start, stop in row_chunks(queries, batch * q_heads * length, chunk_elements):
         rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
-        logits = (grouped(query[:, :, start:stop], kv_heads) @ keys_t).float() * scale  # [B, H_kv, G, c, L]
+        rows = stop - start
+        group_rows = grouped(query[:, :, start:stop], kv_heads).reshape(batch, kv_heads, groups * rows, dim)
+        logits = (group_rows @ keys_t).view(batch, kv_heads, groups, rows, length).float() * scale
         logits = logits.masked_fill(~rows_mask[:, :, None], float("-inf"))
         row_lse = logits.logsumexp(dim=-1)
         probs = torch.exp(logits - row_lse[..., None]).nan_to_num_(0.0)  # a row that sees nothing is all zero
-        if values is not None:
-            outputs.append(probs.to(values.dtype) @ values)
+        if value is not None:
+            flat = probs.to(value.dtype).view(batch, kv_heads, groups * rows, length)
+            outputs.append((flat @ value).view(batch, kv_heads, groups, rows, -1))
         if lse:
             lses.append(row_lse)
         if mass is not None:
@@ -96,7 +99,7 @@ def chunked_softmax(
                 mass += probs.sum(dim=-2)
         if last_n and stop > queries - last_n:
             last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
-    if values is not None:
+    if value is not None:
         parts.output = torch.cat(outputs, dim=3).reshape(batch, q_heads, queries, -1)
     if lse:
         parts.lse = torch.cat(lses, dim=-1).reshape(batch, q_heads, queries)

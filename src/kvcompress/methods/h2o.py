@@ -25,7 +25,7 @@ class H2OPolicy(Policy):
         return {"mass": torch.zeros(keys.shape[:3], device=keys.device)}
 
     def observe(self, layer, stats):
-        layer.state["mass"] += stats.received.sum(dim=2)
+        layer.state["mass"].add_(stats.received.sum(dim=2))
 
     def select(self, layer):
         recent = self.config.budget - self.config.heavy

@@ -22,10 +22,10 @@ class RandomPolicy(Policy):
         return {"draw": torch.zeros(keys.shape[:3], dtype=torch.float64, device=keys.device)}
 
     def observe(self, layer, stats):
-        count = layer.new_tokens
-        positions = layer.rope_pos[..., -count:]
+        new = layer.new_index()
+        positions = layer.rope_pos.gather(-1, new)
         heads = torch.arange(positions.shape[1], device=positions.device)[None, :, None]
-        layer.state["draw"][..., -count:] = hash_uniform(self.config.seed, self.layer_idx, heads, positions)
+        layer.state["draw"].scatter_(-1, new, hash_uniform(self.config.seed, self.layer_idx, heads, positions))
 
     def select(self, layer):
         return keep_top(layer, layer.state["draw"], self.config.budget)

@@ -25,6 +25,7 @@ class ScissorhandsPolicy(Policy):
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.stats = StatsRequest(last_queries=config.history)
+        self.observed = 0  # observation rows so far; the history window is a ring over them
 
     def init_state(self, layer, keys):
         batch, heads, count = keys.shape[:3]
@@ -35,8 +36,11 @@ class ScissorhandsPolicy(Policy):
         visible = stats.last_visible.expand_as(rows)
         average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
         low = (visible & (rows < average)).transpose(-1, -2)  # [B, H_kv, L, n]
-        kept = layer.state["low"][..., low.shape[-1] :]
-        layer.state["low"] = torch.cat([kept, low], dim=-1)
+        history = self.config.history
+        rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
+        columns = torch.arange(self.observed, self.observed + rows_kept, device=low.device) % history
+        layer.state["low"].index_copy_(-1, columns, low[..., -rows_kept:])
+        self.observed += low.shape[-1]
 
     def select(self, layer):
         low_count = layer.state["low"].sum(dim=-1).double()

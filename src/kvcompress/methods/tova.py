@@ -25,7 +25,7 @@ class TOVAPolicy(Policy):
 
     def observe(self, layer, stats):
         current = stats.last[:, :, :, -1].mean(dim=(1, 2))[:, None]  # [B, 1, L]
-        layer.state["attention"] = current.expand_as(layer.state["attention"]).clone()
+        layer.state["attention"] = current
 
     def select(self, layer):
         return keep_top(layer, layer.state["attention"][:, :1], self.config.budget)

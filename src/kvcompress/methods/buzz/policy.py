@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcompress.core.attention import attention_with_stats
-from kvcompress.core.contract import Policy, Selection, StatsRequest
+from kvcompress.core.contract import KeepMask, Policy, StatsRequest
 from kvcompress.methods.buzz.params import small_stride
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
@@ -39,12 +39,15 @@ class BuzzPolicy(Policy):
         if self.config.score_mode == "current":
             layer.state["score"] = group.clone()
         else:
-            layer.state["score"] += group
+            layer.state["score"].add_(group)
 
     def select(self, layer):
         k, w, limit = self.sinks, self.window, self.threshold
         if layer.valid.shape[-1] <= k + w + limit:  # fast path: even if all stored slots were real, M <= T
             return None
+        stretch = layer.new_tokens - w  # a forward longer than the window but within w + T is kept whole
+        if 0 < stretch <= limit:
+            w, limit = w + stretch, limit - stretch
         valid, old, score = layer.valid, layer.state["old"], layer.state["score"]
         rank = valid.cumsum(-1) - 1  # rank among the real tokens of the row
         count = valid.sum(-1, keepdim=True)  # [B, H, 1]; the same for every head of a sequence
@@ -64,7 +67,9 @@ class BuzzPolicy(Policy):
         else:
             keep_new = new & (new_rank % self.new_stride == 0)
         survivors = keep_old | keep_new
-        if self.config.prefill_mode == "loop":  # extra passes thin the (all old) survivors by old_stride each
+        if limit == 0:  # a forward of exactly w + T tokens: the middle gives all its room to it
+            survivors = torch.zeros_like(survivors)
+        elif self.config.prefill_mode == "loop":  # extra passes thin the (all old) survivors by old_stride each
             kept = survivors.sum(-1, keepdim=True)
             every = torch.ones_like(kept)
             while True:
@@ -76,7 +81,7 @@ class BuzzPolicy(Policy):
             survivors &= (survivors.cumsum(-1) - 1) % every == 0
         keep = torch.where(evict, sink | window | survivors, valid)
         layer.state["old"] = torch.where(evict, survivors, layer.state["old"])
-        return selection_from_mask(keep)
+        return KeepMask(keep)
 
     def attend(self, layer, query, key, value, mask, scaling):
         if not self.config.log_n:
@@ -111,14 +116,3 @@ def local_max(score: torch.Tensor, new: torch.Tensor, new_rank: torch.Tensor, st
     candidate = torch.where(new & (masked == best.gather(-1, hive)), position, length)
     first = torch.full_like(best, length, dtype=torch.long).scatter_reduce(-1, hive, candidate, "amin")
     return new & (position == first.gather(-1, hive))
-
-
-def selection_from_mask(keep: torch.Tensor) -> Selection:
-    """A ``Selection`` of the ``True`` slots of ``keep`` ``[B, H, L]``; short rows are filled with invalid slots."""
-    length = keep.shape[-1]
-    size = int(keep.sum(-1).max())
-    position = torch.arange(length, device=keep.device)
-    order = torch.where(keep, position, position + length)  # kept slots first, then filler, each in stream order
-    indices = order.topk(size, dim=-1, largest=False, sorted=False).values % length
-    indices = indices.sort(dim=-1).values
-    return Selection(indices=indices, valid=keep.gather(-1, indices))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.rope import rotate_by
+from kvcompress.core.slots import StreamView
 
 
 class RingViews:
@@ -120,3 +121,9 @@ class RingViews:
             return 0
         names = ("_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+
+    def kept(self) -> StreamView:
+        """The stored tokens in stream order (the views above already are)."""
+        valid = self.valid
+        rank = torch.where(valid, valid.cumsum(-1) - 1, -1)
+        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, valid, rank, self.state)

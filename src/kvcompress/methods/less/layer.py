@@ -1,8 +1,7 @@
 """The LESS cache layer: a ``CompressedLayer`` that folds every token it evicts into a low-rank state first.
 
 Per sequence and KV head it keeps ``low_rank_h`` ``[B, H_kv, R, D]`` (``H``) and ``low_rank_z`` ``[B, H_kv, R]``
-(``z``), float32. ``apply`` (the eviction step) computes ψ of the real tokens being dropped (the stored valid tokens
-the selection does not keep, or keeps only as filler slots), adds ``ψ(k)ᵀ v`` to ``H`` and ``ψ(k)`` to ``z``
+(``z``), float32. ``before_eviction`` computes ψ of the real tokens being evicted, adds ``ψ(k)ᵀ v`` to ``H``
 (Eqs. 4–5), then gathers the kept tokens as usual. The policy (``kvcompress.methods.less.policy``) reads the
 state in its attention term.
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.contract import Selection
 from kvcompress.core.layer import CompressedLayer
 
 
@@ -22,6 +20,7 @@ class LessLayer(CompressedLayer):
         super().__init__(policy, inv_freq)
         self.low_rank_h: torch.Tensor | None = None
         self.low_rank_z: torch.Tensor | None = None
+        self.folded = False  # something was evicted (and folded) since the last reset
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -30,33 +29,31 @@ class LessLayer(CompressedLayer):
         self.low_rank_h = torch.zeros(batch, heads, rank, dim, dtype=torch.float32, device=self.device)
         self.low_rank_z = torch.zeros(batch, heads, rank, dtype=torch.float32, device=self.device)
 
-    def apply(self, selection: Selection) -> None:
-        self.fold_evicted(selection)
-        super().apply(selection)
-
     @torch.no_grad()
-    def fold_evicted(self, selection: Selection) -> None:
-        """Add ``ψ(k)ᵀ v`` and ``ψ(k)`` of the real tokens ``selection`` drops to ``H`` and ``z`` (Eqs. 4–5)."""
-        kept_valid = selection.valid if selection.valid is not None else torch.ones_like(selection.indices, dtype=bool)
-        kept = torch.zeros_like(self.valid).scatter_(2, selection.indices, kept_valid)
-        evicted = self.valid & ~kept
-        count = int(evicted.sum(-1).max()) if evicted.numel() else 0
-        if count == 0:
-            return
+    def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
+        """Add ``ψ(k)ᵀ v`` and ``ψ(k)`` of the real tokens about to be evicted to ``H`` and ``z`` (Eqs. 4–5):
+        the ``victims`` ``[B, H_kv, e]`` slots, or the ``dropped`` ``[B, H_kv, W]`` ones."""
         kernels = self.policy.kernels
         if kernels is None:  # evicting before any attention (not reached through the attention function)
             raise RuntimeError("LESS kernels are set at the layer's first attention; evict only after attention")
-        order = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :count]
-        weight = evicted.gather(-1, order).float()  # [B, H_kv, c]: 0 for padding of rows with fewer evictions
-        index = order[..., None].expand(*order.shape, self.keys.shape[-1])
+        if victims is None:
+            evicted = dropped & self.valid
+            count = int(evicted.sum(-1).max()) if evicted.numel() else 0
+            if count == 0:
+                return
+            victims = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :count]
+        weight = self.valid.gather(-1, victims).float()  # [B, H_kv, e]: 0 for padding and free slots
+        index = victims[..., None].expand(*victims.shape, self.keys.shape[-1])
         keys, values = self.keys.gather(2, index), self.values.gather(2, index)
-        features = kernels.psi(keys) * weight[..., None]  # [B, H_kv, c, R]
+        features = kernels.psi(keys) * weight[..., None]  # [B, H_kv, e, R]
         self.low_rank_h += features.transpose(-1, -2) @ values.float()
         self.low_rank_z += features.sum(-2)
+        self.folded = True
 
     def reset(self) -> None:
         super().reset()
         self.low_rank_h = self.low_rank_z = None
+        self.folded = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)

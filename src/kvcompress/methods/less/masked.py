@@ -133,7 +133,8 @@ def eviction_times(
             mask = layer.attention_mask(1)
             _, stats = attention_with_stats(query[:, :, t : t + 1], layer.keys, layer.values, mask, scaling, request)
         layer.after_attention(stats)
-        kept = torch.zeros_like(alive).scatter_(2, layer.token_idx, layer.valid)
+        slots = torch.where(layer.token_idx >= 0, layer.token_idx, length)  # free slots land past the end
+        kept = alive.new_zeros(batch, kv_heads, length + 1).scatter_(2, slots, layer.valid)[..., :length]
         dropped = alive & ~kept
         if bool(dropped.any()):
             evict_at[dropped] = t + 1

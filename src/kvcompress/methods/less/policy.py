@@ -10,6 +10,7 @@ then; the floor only ever added a ≤1e-6 phantom mass.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import TYPE_CHECKING
 
@@ -36,9 +37,14 @@ class LessPolicy(Policy):
         self.one_shot = self.base.one_shot
         self.kernels: LayerKernels | None = None
 
-    def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int) -> LayerKernels:
+    def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
+        """This layer's kernels on ``device`` (the model's): a copy where the loaded or built ones are elsewhere,
+        so kernels shared between caches stay where they are."""
         if self.kernels is None:
-            self.kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
+            kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
+            if kernels.phi_w1.device != device:
+                kernels = copy.deepcopy(kernels).to(device)
+            self.kernels = kernels
         return self.kernels
 
     def init_state(self, layer, keys):
@@ -51,8 +57,8 @@ class LessPolicy(Policy):
         return self.base.select(layer)
 
     def attend(self, layer, query, key, value, mask, scaling):
-        kernels = self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1])
-        if layer.low_rank_z is None or not bool(layer.low_rank_z.any()):
+        kernels = self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
         if self.stats.any:
             output, stats = attention_with_stats(query, key, value, mask, scaling, self.stats)

@@ -119,7 +119,7 @@ class NaClConfig(MethodConfig):
     def kept_tokens(self, n_tokens: int) -> int:
         if self.budget is not None:
             return min(self.budget, n_tokens)
-        return min(n_tokens, int(ratio_budget(torch.tensor(n_tokens), self.ratio)))
+        return min(n_tokens, int(ratio_budget(torch.tensor(n_tokens, device="cpu"), self.ratio)))  # host arithmetic
 
     def split(self, n_tokens: int) -> NaClSplit:
         """How a prompt of ``n_tokens`` real tokens is split (the kept count is exact)."""

@@ -211,7 +211,7 @@ class NaClGreedyPolicy(NaClPolicy):
         return None
 
     def observe(self, layer, stats):
-        layer.state["score"] += reduce_groups(stats.received, self.config.gqa_reduce)
+        layer.state["score"].add_(reduce_groups(stats.received, self.config.gqa_reduce))
 
     def select(self, layer):
         n_real = layer.valid[:, 0].sum(-1)

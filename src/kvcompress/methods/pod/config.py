@@ -34,6 +34,15 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   all start a block, and forwards with no distant token, run plain SDPA. The saving this reproduces is memory;
   the paper's compute saving (reuse of the block start's softmax) is not attempted on CPU.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
+- Default grouping: with no ``similarity``, ``starts`` or ``block_size``, the calibration shipped for the model
+  (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
+  kvcompress.train.pod_calibrate --samples 16 --length 1024``) grouped by Algorithm 1 at ``delta``.
+  ``similarity`` also takes a shipped name (``"smollm2-135m"``).
+- Budgets (``ratio`` or ``budget``, in KV bytes, ``kvcompress.methods.pod.budget``): PoD alone saves at most half
+  the bytes (keys only), so a request is met by composing with SnapKV (the paper's Table 1), window 32, once after
+  the prompt: the tokens kept per layer and KV head follow from the block layout's share of stored keys and the
+  proximal window (``n_recent`` defaults to 64 then, instead of the paper's 4080 for 32K contexts), so that the
+  stored bytes are at most the request; ``budget_report(cache)`` gives achieved bytes against it.
 """
 
 from __future__ import annotations
@@ -42,22 +51,27 @@ from dataclasses import dataclass, field
 
 from kvcompress.core.checks import check_choice, check_int_range, check_path
 from kvcompress.core.contract import MethodConfig
+from kvcompress.methods.oneshot import check_ratio_or_budget
+from kvcompress.methods.pod.budget import default_similarity, shipped_path
 from kvcompress.methods.pod.grouping import (
     Starts,
     check_starts,
+    kv_key_rows,
     load_similarity,
     starts_from_similarity,
     uniform_starts,
 )
 from kvcompress.methods.pod.layer import PoDLayer
 from kvcompress.methods.pod.policy import PoDPolicy
+from kvcompress.methods.snapkv import SnapKVConfig
 
 
 @dataclass(frozen=True)
 class PoDConfig(MethodConfig):
     """PoD: proximal tokens per layer, distant-token attention shared within calibrated layer blocks.
 
-    Give the blocks as one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``.
+    Give the blocks as one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``, or
+    none for the grouping shipped for the model; ``ratio``/``budget`` (KV bytes) compose with SnapKV to meet them.
     """
 
     similarity: str | None = None  # pod-calibrate file (per-head 1-JS layer similarity) to run Algorithm 1 on
@@ -67,7 +81,9 @@ class PoDConfig(MethodConfig):
     block_size: int | None = None  # uniform blocks of this many layers, no calibration (1 = dense)
     grouping: str = "kv_head"  # "kv_head" (default, saves keys under GQA) or "query_head" (paper's literal reading)
     n_sink: int = 16  # n_s: first tokens always proximal (paper 16)
-    n_recent: int = 4080  # n_r: most recent tokens, the query included, always proximal (paper 4080)
+    n_recent: int | None = None  # n_r: newest tokens, the query included, proximal (None: paper 4080; 64 at a budget)
+    ratio: float | None = None  # KV bytes kept, as a fraction of the full cache's (composes with SnapKV)
+    budget: int | None = None  # or: KV bytes per layer and KV head, in full tokens (a token = its key + value)
     query_source: str = "block_start"  # distant logits: "block_start" (v1, paper Eq. 3) or "own" (v2) query
     tau: float | None = None  # gate: skip distant tokens at non-start heads when proximal mass >= tau (None: never)
     combine: str = "softmax"  # "softmax" (one softmax over mixed logits) or "lse" (Eq. 4 two-part gate); equal
@@ -87,13 +103,20 @@ class PoDConfig(MethodConfig):
             raise ValueError(f"target_saving must be in [0, 0.5) (keys only); got {self.target_saving!r}")
         if self.block_size is not None:
             check_int_range(self.block_size, "block_size", 1)
-        if self.similarity is not None:
+        if self.similarity is not None and shipped_path(str(self.similarity)) is None:
             check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
         if self.starts is not None:
             object.__setattr__(self, "starts", tuple(tuple(int(s) for s in row) for row in self.starts))
             check_starts(self.starts)
         check_choice(self.grouping, "grouping", ("kv_head", "query_head"))
         check_int_range(self.n_sink, "n_sink", 0)
+        if self.budgeted:
+            if self.base is not None:
+                raise ValueError("pod takes ratio/budget or base, not both (a budget composes with SnapKV itself)")
+            check_ratio_or_budget(self.name, self.ratio, self.budget)
+            object.__setattr__(self, "base", SnapKVConfig(ratio=1.0, window=32))  # kept count: budget.py
+        if self.n_recent is None:
+            object.__setattr__(self, "n_recent", 64 if self.budgeted else 4080)
         check_int_range(self.n_recent, "n_recent", 1)
         check_choice(self.query_source, "query_source", ("block_start", "own"))
         if self.tau is not None and (isinstance(self.tau, bool) or not 0 <= self.tau <= 1):
@@ -107,6 +130,11 @@ class PoDConfig(MethodConfig):
             if self.grouping != "kv_head":
                 raise ValueError("composition with a base method needs grouping='kv_head' (blocks per KV head)")
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether the config was given a ratio or budget (its SnapKV keeps the count ``budget.py`` plans)."""
+        return self.ratio is not None or self.budget is not None
+
     def layer_class(self) -> type[PoDLayer]:
         return PoDLayer
 
@@ -116,14 +144,10 @@ class PoDConfig(MethodConfig):
             starts = self.starts
         elif self.block_size is not None:
             starts = uniform_starts(layers, 1, self.block_size)
-        elif self.similarity is not None:
-            sim_file = load_similarity(self.similarity)
-            starts = starts_from_similarity(sim_file, self.delta, self.target_saving, self.grouping)
         else:
-            raise ValueError(
-                "pod needs its layer blocks: similarity=<file from `python -m kvcompress.train.pod_calibrate`> "
-                "(with delta or target_saving), starts=[[...]] or block_size=k"
-            )
+            source = self.similarity if self.similarity is not None else default_similarity(layers)
+            sim_file = load_similarity(shipped_path(str(source)) or source)
+            starts = starts_from_similarity(sim_file, self.delta, self.target_saving, self.grouping)
         check_starts(starts, layers)
         return starts
 
@@ -131,3 +155,4 @@ class PoDConfig(MethodConfig):
         starts = self.resolve_starts(len(layers))
         for index, layer in enumerate(layers):
             layer.connect_block(layers, index, starts[index])
+            layer.key_share = kv_key_rows(starts) / (len(starts) * len(starts[0]))

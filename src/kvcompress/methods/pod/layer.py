@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.contract import AttentionStats, Policy, Selection
-from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
+from kvcompress.core.gather_layer import GatherLayer, keep_selection
+from kvcompress.core.layer import LAYER_ATTRIBUTE
+from kvcompress.methods.pod.budget import kept_for_request
 
 
 @dataclass
@@ -27,7 +29,7 @@ class PoDStep:
     full_pos: list[int]
 
 
-class PoDLayer(CompressedLayer):
+class PoDLayer(GatherLayer):
     """A cache layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
     every token (``keys``, ``[B, S, L, d]``); for the other KV heads the keys of proximal tokens only
     (``prox_keys``, ``[B, H - S, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
@@ -35,13 +37,14 @@ class PoDLayer(CompressedLayer):
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
         self.index = policy.layer_idx
-        self.peers: list[CompressedLayer] = []
+        self.peers: list[GatherLayer] = []
         self.head_starts: tuple[int, ...] = ()
         self.step: PoDStep | None = None
         self.last_selection: Selection | None = None
+        self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
 
-    def connect_block(self, peers: list[CompressedLayer], index: int, head_starts: tuple[int, ...]) -> None:
+    def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
 
     # --- storage -------------------------------------------------------------------------------------------
@@ -159,13 +162,24 @@ class PoDLayer(CompressedLayer):
             new_slot = inverse.gather(2, old)
             self._pack_proximal(new_slot >= 0, new_slot)
 
+    def planned_keep(self) -> dict[str, torch.Tensor]:
+        """``{"keep": [B] counts}`` for a config given ``ratio``/``budget`` (``pod.budget``), else nothing."""
+        config = self.policy.config
+        if not config.budgeted:
+            return {}
+        n_real = self.valid.sum(-1).amax(1)
+        target = n_real * config.ratio if config.ratio is not None else torch.full_like(n_real, config.budget)
+        return {"keep": kept_for_request(target, n_real, self.key_share, config.n_sink + config.n_recent)}
+
     def block_selection(self, base: Policy) -> Selection | None:
         """The base method's selection, per KV head taken from the head's block-start layer (computed there in this
         same step, earlier in the forward), so a block keeps one token set per KV head."""
         kv_heads = self.values.shape[1]
         groups = len(self.head_starts) // kv_heads
         starts = [self.head_starts[g * groups] for g in range(kv_heads)]
-        own = base.select(self) if self.index in starts else None
+        own = base.select(self, **self.planned_keep()) if self.index in starts else None
+        if isinstance(own, Keep):
+            own = keep_selection(self, own)
         rows = [own if start == self.index else self.peers[start].last_selection for start in starts]
         if all(r is None for r in rows):
             self.last_selection = None

@@ -1,0 +1,74 @@
+"""Choosing victims: the lowest-scoring tokens of a ``Keep`` rule, without sorting while decoding.
+
+Scores are ranked in their own dtype (integers as float64): padding first (``-inf``), then by score, protected
+tokens last (``+inf``); equal scores evict the older token first. One victim per row (a decoding step) is an
+``argmin``; several (a prompt chunk) a stable sort of one row of scores.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcompress.core.contract import Keep
+
+if TYPE_CHECKING:  # annotations only: the layer module imports this one
+    from kvcompress.core.layer import CompressedLayer
+
+_LAST = torch.iinfo(torch.long).max
+
+
+def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False) -> torch.Tensor:
+    """``[B, H, W]`` scores of the rule with padding at ``-inf`` and protected real tokens at ``+inf``; with
+    ``protect_new`` this forward's real tokens at the largest finite value (above every score, below protected)."""
+    valid = layer.valid
+    scores = rule.scores if rule.scores.is_floating_point() else rule.scores.double()
+    padding = ~valid
+    ranked = scores.expand_as(valid).masked_fill(padding, -math.inf)
+    if protect_new:
+        ranked.scatter_(-1, layer.new_index().expand(*ranked.shape[:2], -1), torch.finfo(ranked.dtype).max)
+        ranked.masked_fill_(padding, -math.inf)  # a new token that is padding stays first to go
+    if rule.protected is not None:
+        ranked = ranked.masked_fill(rule.protected & valid, math.inf)
+    return ranked
+
+
+def lowest_victims(ranked: torch.Tensor, token_idx: torch.Tensor, count: int, ordered: bool) -> torch.Tensor:
+    """``[B, H, count]`` positions of the lowest ``ranked`` values per row, older tokens first among equals.
+
+    ``ordered``: positions are in stream order already (then ties need no token index)."""
+    if count == 1:
+        low = ranked.amin(dim=-1, keepdim=True)
+        return torch.where(ranked == low, token_idx, _LAST).argmin(dim=-1, keepdim=True)
+    if ordered:
+        return ranked.sort(dim=-1, stable=True).indices[..., :count]
+    by_token = token_idx.argsort(dim=-1)
+    order = ranked.gather(-1, by_token).sort(dim=-1, stable=True).indices[..., :count]
+    return by_token.gather(-1, order)
+
+
+def victims_of_rule(
+    rule: Keep, layer: CompressedLayer, protect_new: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The victims of ``rule`` (``None``: nothing to evict; ``protect_new``: see ``ranked_scores``) and, for
+    per-sequence counts, the tokens that stay in their slots but no longer count as kept (a sequence keeping fewer
+    than the longest row: ``[B, H, W]``)."""
+    count = rule.count
+    if not isinstance(count, torch.Tensor):
+        excess = layer.occupied - count
+        if excess <= 0:
+            return None, None
+        return lowest_victims(ranked_scores(rule, layer, protect_new), layer.token_idx, excess, layer.ordered), None
+    # per-sequence counts (a one-shot ratio): runs once per prompt, so host syncs are fine here
+    most = int(count.max())
+    excess = max(0, layer.occupied - most)
+    ranked = ranked_scores(rule, layer)
+    width = ranked.shape[-1]
+    order = lowest_victims(ranked, layer.token_idx, width, layer.ordered) if width > 1 else ranked.new_zeros(
+        *ranked.shape[:2], width, dtype=torch.long
+    )
+    place = torch.empty_like(order).scatter_(-1, order, torch.arange(width, device=order.device).expand_as(order))
+    invalidate = (place >= excess) & (place < excess + (most - count)[:, None, None])
+    return (order[..., :excess] if excess else None), invalidate

@@ -1,0 +1,203 @@
+"""The slot buffers of one cache layer: keys, values and per-slot bookkeeping, written in place.
+
+A slot holds one token of one sequence and KV head. ``token_idx`` is ``-1`` in a free slot. Writes go to a range
+of slots (a dense layer appends) or to given slots (a holed layer refills the victims' slots); freeing marks slots;
+``compact`` gathers the occupied slots to the front in stream order; ``grow``/``shrink`` reallocate (copying once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+FREE = -1
+
+
+@dataclass
+class StreamView:
+    """A layer's stored tokens in stream order (``[B, H_kv, L, ...]``), for inspection."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_idx: torch.Tensor
+    rope_pos: torch.Tensor
+    valid: torch.Tensor
+    rank: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+class SlotBuffers:
+    """Keys ``[B, H, C, d]``, values, and per slot ``token_idx``/``rope_pos``/``rank`` (long), ``valid`` (bool) and
+    the method's state tensors ``[B, H, C, ...]``; ``real_seen`` ``[B]`` counts each sequence's real tokens."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], real_seen: torch.Tensor):
+        self.tensors = tensors
+        self.state = state
+        self.real_seen = real_seen
+
+    @classmethod
+    def empty(cls, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotBuffers:
+        batch, heads = key_states.shape[:2]
+        long = {"dtype": torch.long, "device": key_states.device}
+        tensors = {
+            "keys": key_states.new_empty(batch, heads, 0, key_states.shape[-1]),
+            "values": value_states.new_empty(batch, heads, 0, value_states.shape[-1]),
+            "token_idx": torch.empty(batch, heads, 0, **long),
+            "rope_pos": torch.empty(batch, heads, 0, **long),
+            "rank": torch.empty(batch, heads, 0, **long),
+            "valid": torch.empty(batch, heads, 0, dtype=torch.bool, device=key_states.device),
+        }
+        return cls(tensors, {}, torch.zeros(batch, **long))
+
+    keys = property(lambda self: self.tensors["keys"])
+    values = property(lambda self: self.tensors["values"])
+    token_idx = property(lambda self: self.tensors["token_idx"])
+    rope_pos = property(lambda self: self.tensors["rope_pos"])
+    rank = property(lambda self: self.tensors["rank"])
+    valid = property(lambda self: self.tensors["valid"])
+
+    @property
+    def capacity(self) -> int:
+        return self.tensors["keys"].shape[2]
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        return {**self.tensors, **{f"state.{name}": value for name, value in self.state.items()}}
+
+    def _put_all(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = {name: value for name, value in tensors.items() if not name.startswith("state.")}
+        self.state = {name[6:]: value for name, value in tensors.items() if name.startswith("state.")}
+
+    # --- capacity ------------------------------------------------------------------------------------------
+    def resize(self, capacity: int, keep: int) -> None:
+        """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
+        resized = {}
+        for name, tensor in self._all().items():
+            fresh = tensor.new_zeros(*tensor.shape[:2], capacity, *tensor.shape[3:])
+            fresh[:, :, :keep] = tensor[:, :, :keep]
+            resized[name] = fresh
+        for name in ("token_idx", "rank"):
+            resized[name][:, :, keep:] = FREE
+        self._put_all(resized)
+
+    def grow(self, capacity: int) -> None:
+        self.resize(capacity, self.capacity)
+
+    def shrink(self, capacity: int) -> None:
+        if capacity < self.capacity:
+            self.resize(capacity, capacity)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch operation (select, repeat) to every buffer."""
+        self._put_all({name: fn(tensor) for name, tensor in self._all().items()})
+        self.real_seen = fn(self.real_seen)
+
+    # --- writes --------------------------------------------------------------------------------------------
+    def _new_state(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        if name not in self.state:
+            self.state[name] = value.new_zeros(*value.shape[:2], self.capacity, *value.shape[3:])
+        return self.state[name]
+
+    def write_range(self, start: int, keys, values, seen: int, state: dict[str, torch.Tensor]) -> None:
+        """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real."""
+        count = keys.shape[2]
+        stop = start + count
+        self.keys[:, :, start:stop] = keys
+        self.values[:, :, start:stop] = values
+        index = torch.arange(seen, seen + count, device=keys.device)
+        self.token_idx[:, :, start:stop] = index
+        self.rope_pos[:, :, start:stop] = index
+        self.valid[:, :, start:stop] = True
+        self.rank[:, :, start:stop] = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
+        self.real_seen += count
+        for name, value in state.items():
+            self._new_state(name, value)[:, :, start:stop] = value
+
+    def write_at(self, slots: torch.Tensor, keys, values, seen: int, state: dict[str, torch.Tensor]) -> None:
+        """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real."""
+        count = keys.shape[2]
+        self.keys.scatter_(2, slots[..., None].expand_as(keys), keys)
+        self.values.scatter_(2, slots[..., None].expand_as(values), values)
+        index = torch.arange(seen, seen + count, device=keys.device).expand_as(slots)
+        self.token_idx.scatter_(2, slots, index)
+        self.rope_pos.scatter_(2, slots, index)
+        self.valid.scatter_(2, slots, True)
+        ranks = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
+        self.rank.scatter_(2, slots, ranks.expand_as(slots))
+        self.real_seen += count
+        for name, value in state.items():
+            target = self._new_state(name, value)
+            target.scatter_(2, slots.view(*slots.shape, *[1] * (value.dim() - 3)).expand_as(value), value)
+
+    def register(self, slots: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor | None) -> None:
+        """Record the RoPE positions ``[B, q]`` and realness ``[B, q]`` of the tokens just written to ``slots``."""
+        shape = slots.shape
+        if positions is not None:
+            self.rope_pos.scatter_(2, slots, positions.expand(shape[0], -1)[:, None, :].expand(shape))
+        if real is not None:
+            self.real_seen -= shape[-1]
+            rank = self.real_seen[:, None] + real.long().cumsum(-1) - 1
+            self.real_seen += real.long().sum(-1)
+            self.valid.scatter_(2, slots, real[:, None, :].expand(shape))
+            self.rank.scatter_(2, slots, torch.where(real, rank, FREE)[:, None, :].expand(shape))
+
+    # --- freeing and compaction ----------------------------------------------------------------------------
+    def free_at(self, slots: torch.Tensor) -> None:
+        self.token_idx.scatter_(2, slots, FREE)
+        self.rank.scatter_(2, slots, FREE)
+        self.valid.scatter_(2, slots, False)
+
+    def free_mask(self, dropped: torch.Tensor, width: int) -> None:
+        self.token_idx[:, :, :width].masked_fill_(dropped, FREE)
+        self.rank[:, :, :width].masked_fill_(dropped, FREE)
+        self.valid[:, :, :width].masked_fill_(dropped, False)
+
+    def compact(self, width: int, ordered: bool, shrink: bool) -> tuple[int, bool]:
+        """Move the occupied slots of ``[0, width)`` to the front in stream order; returns the slots now in use
+        (the most of any row) and whether rows hold different counts (the shorter rows end with free slots)."""
+        token_idx = self.token_idx[:, :, :width]
+        occupied = token_idx >= 0
+        counts = occupied.sum(-1)
+        used = int(counts.max()) if counts.numel() else 0
+        ragged = bool((counts != used).any())
+        if ordered:
+            position = torch.arange(width, device=token_idx.device)
+            key = torch.where(occupied, position, width + position)
+        else:
+            key = torch.where(occupied, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
+        order = key.argsort(dim=-1, stable=True)[..., :used]
+        for tensor in self._all().values():
+            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+            tensor[:, :, :used] = tensor[:, :, :width].gather(2, index)
+        self.token_idx[:, :, used:] = FREE
+        self.rank[:, :, used:] = FREE
+        self.valid[:, :, used:] = False
+        if shrink:
+            self.shrink(used + 1)
+        return used, ragged
+
+    def stream_view(self, width: int) -> StreamView:
+        token_idx = self.token_idx[:, :, :width]
+        key = torch.where(token_idx >= 0, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
+        order = key.argsort(dim=-1)[..., : int((token_idx >= 0).sum(-1).max()) if width else 0]
+
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+            return tensor[:, :, :width].gather(2, index)
+
+        named = {name: take(tensor) for name, tensor in self.tensors.items()}
+        return StreamView(**named, state={name: take(value) for name, value in self.state.items()})
+
+    # --- accounting ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _bytes_per_slot(tensor: torch.Tensor) -> int:
+        per_slot = tensor.shape[0] * tensor.shape[1] * tensor[0, 0, :0].new_empty(1, *tensor.shape[3:]).numel()
+        return per_slot * tensor.element_size()
+
+    def kv_bytes_per_slot(self) -> int:
+        return self._bytes_per_slot(self.keys) + self._bytes_per_slot(self.values)
+
+    def metadata_bytes_per_slot(self) -> int:
+        tensors = [self.token_idx, self.rope_pos, self.rank, self.valid, *self.state.values()]
+        return sum(self._bytes_per_slot(t) for t in tensors)
