@@ -237,8 +237,8 @@ def test_ranks_are_consecutive_in_stream_order():
 
 
 def test_config_rejects_bad_parameters():
-    with pytest.raises(ValueError, match="divisible"):
-        make_config("cascade", budget=11, sinks=4, cascades=4)
+    with pytest.raises(ValueError, match="cascades"):
+        make_config("cascade", budget=7, sinks=4, cascades=4)
     with pytest.raises(ValueError, match="reduction"):
         make_config("cascade", budget=12, reduction="sum")
     with pytest.raises(ValueError, match="gamma"):
@@ -461,3 +461,12 @@ def test_streaming_circular_applies_the_models_sliding_window(monkeypatch):
     fast = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2), 5)
     generic = stream_nll(model, ids, kvcompress.cache_for(model, "streaming", budget=12, sinks=2, circular=False), 5)
     torch.testing.assert_close(fast, generic, rtol=1e-4, atol=1e-5)
+
+
+def test_a_budget_not_divisible_is_rounded_down_and_never_exceeded(tiny_llama):
+    config = make_config("cascade", budget=11, sinks=4, cascades=4)  # |C| = 7 -> W = 1, 8 slots used
+    assert (config.width, config.used_budget) == (1, 8)
+    cache = kvcompress.cache_for(tiny_llama, config)
+    with torch.no_grad():
+        tiny_llama(torch.arange(1, 41)[None], past_key_values=cache)
+    assert max(cache.tokens_stored()) == 8

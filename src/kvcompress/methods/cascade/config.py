@@ -19,7 +19,11 @@ cascade until the cache is full) is the authors' later code, off by default.
 Choices where the paper is silent or differs from its code (all overridable):
 
 - ``budget`` counts the sinks: ``budget = S + |C|`` (the paper keeps ``S`` sinks *in addition* to a window of
-  ``|C|``, "window 1024 => 1028 tokens"); ``|C|`` must be divisible by ``N``.
+  ``|C|``, "window 1024 => 1028 tokens"). Every cascade has the same ``W = floor(|C| / N)`` slots, so a window not
+  divisible by ``N`` is rounded down: ``used_budget = S + N W`` slots are stored (at most ``N - 1`` fewer than
+  asked; the budget is never exceeded), and ``used_budget`` reports it.
+- the current forward is kept whole when it fits in the first cascade (``W`` slots: it takes every token); a longer
+  forward meets the acceptance schedule like any other tokens, as in the paper.
 - ties in the selection go to the incoming token (``tie="incoming"``: the authors' code; Algorithm 1's strict
   ``>`` is ``tie="resident"``). ``select_tokens=False`` is the "w/o token selection" ablation of Tab. 3 (the
   incoming token always wins: a fixed stride pattern).
@@ -36,7 +40,7 @@ Choices where the paper is silent or differs from its code (all overridable):
 - with ``N = 1`` (or ``select_tokens=False``) scores are never consulted, so the EMA is not computed: the structure
   is then our circular sink cache.
 
-Storage (``CascadeLayer``, in ``kvcompress.methods.cascade.layer``): one buffer of ``S + |C|`` slots per layer,
+Storage (``CascadeLayer``, in ``kvcompress.methods.cascade.layer``): one buffer of ``S + N W`` slots per layer,
 allocated at the first forward, keys stored un-rotated and rotated at their rank every step; the layer exposes the
 usual ``keys``/``values``/``token_idx``/``rope_pos``/``valid``/``state`` views in stream order (filler slots first)."""
 
@@ -81,8 +85,14 @@ class CascadeConfig(MethodConfig):
 
     @property
     def width(self) -> int:
-        """``W = |C| / N``: the slots of one cascade."""
+        """``W = floor(|C| / N)``: the slots of one cascade."""
         return self.window // self.cascades
+
+    @property
+    def used_budget(self) -> int:
+        """Slots stored per layer and KV head: ``S + N W`` (``budget`` rounded down to a multiple of ``N`` above
+        the sinks)."""
+        return self.sinks + self.cascades * self.width
 
     @property
     def ema_gamma(self) -> float:
@@ -100,13 +110,6 @@ class CascadeConfig(MethodConfig):
         check_budget(self.budget)
         check_int_range(self.sinks, "sinks", 0, self.budget - 1, "budget - 1")
         check_int_range(self.cascades, "cascades", 1, self.budget - self.sinks, "budget - sinks")
-        if (self.budget - self.sinks) % self.cascades:
-            below = self.budget - (self.budget - self.sinks) % self.cascades
-            raise ValueError(
-                f"budget - sinks (the cascade window |C| = {self.budget - self.sinks}) must be divisible by "
-                f"cascades = {self.cascades}: every cascade has |C| / N slots; the nearest budgets that work are "
-                f"{below} and {below + self.cascades}"
-            )
         check_int_range(self.base, "base", 2)
         if (self.cascades - 1) * math.log2(self.base) >= 62:
             raise ValueError(

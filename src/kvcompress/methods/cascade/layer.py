@@ -54,7 +54,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
-        self.capacity = config.budget
+        self.capacity = config.used_budget
         self._pending: _Pending | None = None
         self._all_real = True
         self.force_tensor_path = False  # tests: always take the per-sequence tensor path of ``_insert``
