@@ -99,7 +99,7 @@ def _reported(value: float) -> str:
 @needs_shared_data
 def test_local_tasks_full_equals_hf_to_the_reported_digit(tmp_path):
     folder = build_tasks(tmp_path / "tasks", samples=2, words=30, words_per_page=40)
-    manager = lm_eval.tasks.TaskManager(include_path=str(folder))
+    manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     scores = {}
     for name, lm in (("hf", _lm(HFLM, max_length=512)), ("full", _lm(KVCompressLM, chunk_size=32, max_length=512))):
         out = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager, limit=2, verbosity="ERROR")
@@ -133,7 +133,8 @@ def test_cli_runs_the_local_tasks_with_a_saved_model(tmp_path, monkeypatch):
 @needs_smollm2
 @needs_shared_data
 def test_smollm2_full_equals_hf_and_a_budget_stores_less(tmp_path):
-    manager = lm_eval.tasks.TaskManager(include_path=str(build_tasks(tmp_path, samples=2, words=200)))
+    folder = build_tasks(tmp_path, samples=2, words=200)
+    manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     reported, info = {}, {}
     kvc = {"pretrained": "smollm2-135m", "chunk_size": 128}
     runs = {
