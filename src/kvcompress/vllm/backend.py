@@ -8,16 +8,27 @@ kernel then attends to the kept blocks only; its causal mask stays right because
 the step's queries. Slot mapping (where new keys are written) is computed by vLLM from the uncompacted table, so
 writes are untouched. With no policy configured the backend is vLLM's, unchanged.
 
-GPU backends need the same two hooks, which are all this file adds to the CPU backend:
+GPU backends need the same two hooks, which are all this file adds to the CPU backend (none of this can be
+tested on a CPU machine; read from vLLM 0.32's builders):
 
-* ``customize_spec``: return ``KVCompressSpec`` for full-attention layers (backend-independent, shared code);
-* the builder's ``build``: compact ``block_table_tensor`` and ``seq_lens`` of the ``CommonAttentionMetadata``
-  before the backend's own ``build``. FlashAttention, FlashInfer, Triton and FlexAttention all derive their
-  paged-KV inputs (FlashInfer's ``paged_kv_indptr/indices/last_page_len``, FlexAttention's block mask) from
-  these two fields inside ``build``, so the same wrapper applies; under CUDA graphs the compacted table must be
-  written into a persistent buffer (as vLLM's ``StaticSinkAttention`` does) and cascade attention, which reads
-  a shared prefix of the table, must stay off. Block SnapKV's key read-back also needs each backend's KV layout
-  (``[2, num_blocks, block_size, H_kv, D]`` for FlashAttention). None of this can be tested on this CPU machine.
+* ``customize_spec``: return ``KVCompressSpec`` for full-attention layers (shared code, backend-independent);
+* the metadata builder's ``build``: call ``compact_block_table`` on the ``CommonAttentionMetadata`` before the
+  backend's own ``build``, and do the same in ``update_block_table`` where a backend sets
+  ``supports_update_block_table`` (metadata reused across KV cache groups). Per backend:
+
+  - FlashAttention (``FlashAttentionMetadataBuilder``) and Triton / ROCm (``TritonAttentionMetadataBuilder``,
+    ``RocmAttentionMetadataBuilder``) pass ``block_table_tensor`` and ``seq_lens`` straight to the kernel;
+    ``seq_lens_cpu_upper_bound`` (FlashAttention's ``max_seq_len``, its AOT schedule) stays a valid bound.
+  - FlashInfer (``FlashInferMetadataBuilder``) plans on the host from ``seq_lens_cpu_upper_bound`` (else
+    ``seq_lens.cpu()``): its ``paged_kv_indptr/indices/last_page_len`` come from it, so that copy must be
+    shortened by the same evicted lengths.
+  - FlexAttention (``FlexAttentionMetadataBuilder``) builds its block mask from the two fields; its persistent
+    ``seq_lens`` buffer receives the compacted values.
+
+  Under CUDA graphs the compacted table must be written into the builder's persistent buffer (as vLLM's
+  ``StaticSinkAttention`` does), and cascade attention, which reads a prefix shared by the requests' tables,
+  must stay off. Block SnapKV's key read-back (``kvcompress.vllm.snapkv``) also needs each backend's KV layout
+  (its ``get_kv_cache_shape`` and stride order); the scoring and the block copies are plain torch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Every policy gets the same KV pool (``--pool-blocks`` blocks of 128 tokens, set 
 be read after every step. Printed per policy, as a markdown table:
 
 * peak and mean number of running requests (what the pool admits at once), and vLLM's preemptions;
-* requests/s and generated tokens/s over the whole run (first submission to last completion);
+* requests/s and generated tokens/s over the whole run (first submission to last completion), with the run's
+  wall and CPU seconds (the CPU time of this process, all threads);
 * the peak number of KV blocks in use.
 """
 
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is read
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB reserved (not a share of RAM); cut to --pool-blocks
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -42,6 +44,7 @@ VOCABULARY = (
 class RunStats:
     policy: str
     seconds: float
+    cpu_seconds: float
     requests: int
     new_tokens: int
     peak_running: int
@@ -51,11 +54,12 @@ class RunStats:
 
     def row(self) -> str:
         return (f"| {self.policy} | {self.peak_running} | {self.mean_running:.1f} | {self.preemptions} | "
-                f"{self.peak_blocks} | {self.requests / self.seconds:.3f} | {self.new_tokens / self.seconds:.1f} |")
+                f"{self.peak_blocks} | {self.requests / self.seconds:.3f} | {self.new_tokens / self.seconds:.1f} | "
+                f"{self.seconds:.0f} | {self.cpu_seconds:.0f} |")
 
 
-HEADER = ("| policy | peak running | mean running | preemptions | peak KV blocks | requests/s | tokens/s |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| policy | peak running | mean running | preemptions | peak KV blocks | requests/s | tokens/s | wall s "
+          "| CPU s |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
@@ -74,7 +78,7 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
     pool = scheduler.kv_cache_manager.block_pool
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     running, preemptions, peak_blocks, done = [], {}, 0, 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, text in enumerate(prompts):
         engine.add_request(str(i), text, params)
     while engine.has_unfinished_requests():
@@ -82,9 +86,9 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
         running.append(len(scheduler.running))
         preemptions.update({rid: request.num_preemptions for rid, request in scheduler.requests.items()})
         peak_blocks = max(peak_blocks, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     close_engine(llm)
-    return RunStats(policy_label(policy), seconds, done, done * args.new_tokens, max(running),
+    return RunStats(policy_label(policy), seconds, cpu_seconds, done, done * args.new_tokens, max(running),
                     sum(running) / len(running), sum(preemptions.values()), peak_blocks)
 
 
