@@ -350,9 +350,25 @@ def test_memory_is_allocated_once_and_equals_the_budget(tiny_llama):
         prefill(tiny_llama, ids_of(1, 10, seed=18), cache)
         for token in ids_of(1, 200, seed=19)[0]:
             tiny_llama(token.view(1, 1), past_key_values=cache)
-            sizes.add(cache.nbytes())
-    assert sizes == {36 * per_token}
+            sizes.add(sum(layer.allocated_nbytes() for layer in cache.layers))
+    assert sizes == {36 * per_token}  # several cascades: every ring's region is allocated at the first forward
+    assert cache.nbytes() == 36 * per_token  # and full once 36 tokens are stored
     assert cache.get_seq_length() == 210
+
+
+def test_one_ring_grows_with_the_tokens_seen_and_never_stores_more_than_a_full_cache(tiny_llama):
+    full = kvcompress.cache_for(tiny_llama, "full")
+    ring = kvcompress.cache_for(tiny_llama, "streaming", budget=64, sinks=4)
+    allocated = []
+    with torch.no_grad():
+        for cache in (full, ring):
+            prefill(tiny_llama, ids_of(1, 10, seed=18), cache)
+        for token in ids_of(1, 80, seed=19)[0]:
+            for cache in (full, ring):
+                tiny_llama(token.view(1, 1), past_key_values=cache)
+            assert ring.nbytes() == min(full.nbytes(), full.nbytes() * 64 // cache.get_seq_length())
+            allocated.append(sum(layer.allocated_nbytes() for layer in ring.layers))
+    assert allocated[0] < allocated[-1] == ring.nbytes()  # grown from the prompt's size to the budget
 
 
 def test_public_views_give_the_model_keys_in_stream_order(tiny_llama):

@@ -26,6 +26,7 @@ from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
+from kvcompress.methods.cascade.ring_capacity import RingCapacity
 from kvcompress.methods.cascade.ring_views import RingViews
 
 _MAX_PERIOD = 1 << 62  # acceptance periods beyond this are never reached (no overflow for large base^i)
@@ -42,7 +43,7 @@ class _Pending:
     real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
 
 
-class CascadeLayer(RingAttention, RingViews, CompressedLayer):
+class CascadeLayer(RingAttention, RingViews, RingCapacity, CompressedLayer):
     """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
     unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
 
@@ -54,15 +55,18 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
-        self.capacity = config.used_budget
+        self.full_capacity = config.used_budget  # slots at the budget
+        self.capacity = self.full_capacity  # slots allocated; one ring starts smaller and grows (``_grow``)
         self._pending: _Pending | None = None
         self._all_real = True
         self.force_tensor_path = False  # tests: always take the per-sequence tensor path of ``_insert``
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, key_dim = key_states.shape
+        batch, heads, count, key_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
+        if self.cascades == 1:
+            self._set_capacity(min(self.full_capacity, max(self.sinks + 1, count)))
         slots, cascades = self.capacity, self.cascades
         long = {"dtype": torch.long, "device": self.device}
         self._key_dim = key_dim
@@ -80,13 +84,8 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         self._filled = not self.rule.config.eager_fill
         base = self.rule.config.base
         self._period = torch.tensor([min(base**i, _MAX_PERIOD) for i in range(cascades)], **long)
-        self._first_slot = self.sinks + torch.arange(cascades, **long) * self.width
-        self._ring = torch.arange(self.width, **long)
         self._sink_slots = torch.arange(self.sinks, **long)
-        if self.inv_freq is not None:  # cos / sin of every slot-to-slot move, [2 (S + |C|) + 1, d / 2]
-            delta = torch.arange(-slots, slots + 1, dtype=torch.float64, device=self.device)
-            angles = delta[:, None] * self.inv_freq.to(self.device, torch.float64)
-            self._turn_cos, self._turn_sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        self._build_tables()
         # "in step": every sequence has taken the same number of real tokens so far (no padding yet). Then the
         # counters are the same for the whole batch (only selection outcomes differ), so they are kept as Python
         # integers and every move is a slice of the buffer; the first padded forward switches to the tensor path
@@ -115,7 +114,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
             self._in_step = False
             self._count_t, self._start_t, self._n_sink_t, self._n_real_t = count, start, n_sink, n_real
             self._sinks_full = self.sinks == 0 or self._py_seen >= self.sinks
-            self._filled = not self.rule.config.eager_fill or self._py_seen >= self.capacity
+            self._filled = not self.rule.config.eager_fill or self._py_seen >= self.full_capacity
 
     def _counter(index: int, name: str):  # noqa: N805 (a property factory used in the class body)
         def get(self) -> torch.Tensor:
@@ -159,9 +158,10 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        count = key_states.shape[2]
+        self._grow(self.seen + count)  # an upper bound of any sequence's stored tokens after this forward
         if self._pending is not None:  # the previous forward never attended: insert those tokens now
             self._insert_pending()
-        count = key_states.shape[2]
         tok = torch.arange(self.seen, self.seen + count, device=self.device)
         self._pending = _Pending(key_states, value_states, tok)
         self.seen += count
@@ -239,7 +239,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
             self._put(p, None, kv, meta, score)
             return
         count, start, config = self._py_count, self._py_start, self.rule.config
-        eager = config.eager_fill and p < self.capacity
+        eager = config.eager_fill and p < self.full_capacity
         moves: list[tuple[int, bool]] = []  # (destination slot, selection?) per cascade the token reaches
         for i in range(self.cascades):
             first = sinks + i * width
@@ -323,7 +323,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
         into_cascades = real if self._sinks_full else real & (seen >= sinks)
         accepting = ((seen - sinks)[:, None] % self._period) == 0  # the global clock
         if not self._filled:
-            accepting = accepting | (seen < slots)[:, None]
+            accepting = accepting | (seen < self.full_capacity)[:, None]
         full = count == width
         passes = accepting & full  # (b): evict the oldest, carry it on to the next cascade
         select = ~accepting & (count > 0)  # (d)
@@ -358,7 +358,7 @@ class CascadeLayer(RingAttention, RingViews, CompressedLayer):
             self._sinks_full = bool((self._n_sink == sinks).all())
         self._n_real = seen + real.long()
         if not self._filled:
-            self._filled = bool((self._n_real >= slots).all())
+            self._filled = bool((self._n_real >= self.full_capacity).all())
         if not lead:
             return  # padding only
         # items: the new token (lead columns), then the tokens evicted from cascades 0..N-2; moved as whole rows of

@@ -85,7 +85,8 @@ class RingViews:
 
     # --- transformers' layer API -----------------------------------------------------------------------------
     def stored_length(self) -> int:
-        return self.capacity if self.is_initialized else 0
+        """Occupied slots of the fullest sequence (a host read: for accounting, not the decoding path)."""
+        return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
 
     def reset(self) -> None:
         self._kv = None
@@ -112,6 +113,13 @@ class RingViews:
 
     # --- accounting ------------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:
+        """Bytes of the stored tokens' keys and values (occupied slots of the fullest sequence, as the generic
+        layer counts); ``allocated_nbytes`` counts every slot."""
+        if not self.is_initialized:
+            return 0
+        return self.allocated_nbytes() * self.stored_length() // self.capacity
+
+    def allocated_nbytes(self) -> int:
         if not self.is_initialized:
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()  # scratch excluded
