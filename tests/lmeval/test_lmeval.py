@@ -147,10 +147,12 @@ def test_smollm2_full_equals_hf_and_a_budget_stores_less(tmp_path):
             model=model, model_args=args, tasks=["kvc_needle_ll", "kvc_wikitext"], task_manager=manager, limit=2
         )
         reported[name] = {
-            task: {metric: f"{value:.4f}" for metric, value in row.items() if isinstance(value, float)}
+            task: {m: f"{v:.4f}" for m, v in row.items() if isinstance(v, float) and "stderr" not in m}
             for task, row in out["results"].items()
         }
         info[name] = out["config"].get("kvcompress")
+    # values to lm-eval's 4 printed decimals; the bootstrap stderr of a 2-document perplexity is left out (fp
+    # noise moved it by one in the 4th decimal: 0.6305 vs 0.6304)
     assert reported["full"] == reported["hf"]
     assert info["h2o"]["kv_bytes_max"] < info["full"]["kv_bytes_max"] / 2
     assert torch.isfinite(torch.tensor(float(reported["h2o"]["kvc_wikitext"]["word_perplexity,none"])))
