@@ -136,10 +136,7 @@ def test_nacl_split_is_the_documented_arithmetic():
 
 
 # Known library gaps, each a strict xfail (the test turns red when the library is fixed, so the mark is removed then).
-KNOWN_GAPS = {
-    "pod+h2o": "pod's composed base selection (GatherLayer + keep_selection) skips the core's protection of the "
-    "forward's own tokens: a prompt chunk's token is evicted where h2o alone keeps it",
-}
+KNOWN_GAPS: dict[str, str] = {}  # case -> why the library differs (a strict xfail: fixing it fails the mark)
 
 
 def case_params():

@@ -12,12 +12,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcompress.core.contract import Keep
+from kvcompress.core.contract import Keep, Policy
 
 if TYPE_CHECKING:  # annotations only: the layer module imports this one
     from kvcompress.core.layer import CompressedLayer
 
 _LAST = torch.iinfo(torch.long).max
+
+
+def protects_forward(policy: Policy, rule: Keep, new_tokens: int) -> bool:
+    """Whether this forward's ``new_tokens`` rank above every unprotected token (below the rule's protected ones).
+
+    A decode-time method never evicts the tokens of the forward being processed (a question fed after a
+    compressed context, the token just decoded) while ``count`` leaves room for them; a forward longer than
+    ``count`` (a prompt chunk) is ranked by the rule like every other token. Decided from Python integers only: no
+    host synchronisation."""
+    return not policy.one_shot and not isinstance(rule.count, torch.Tensor) and new_tokens <= rule.count
 
 
 def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False) -> torch.Tensor:

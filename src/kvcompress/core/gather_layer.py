@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
+from kvcompress.core.eviction import protects_forward
 from kvcompress.core.layer import LAYER_ATTRIBUTE
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import StreamView
@@ -106,7 +107,7 @@ class GatherLayer(CacheLayerMixin):
         if selection is None:
             return
         if isinstance(selection, Keep):
-            selection = keep_selection(self, selection)
+            selection = keep_selection(self, selection, protects_forward(self.policy, selection, self.new_tokens))
             if selection is None:
                 return
         if isinstance(selection, KeepMask):
@@ -254,9 +255,10 @@ class GatherLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def keep_selection(layer: GatherLayer, rule: Keep) -> Selection | None:
+def keep_selection(layer: GatherLayer, rule: Keep, protect_new: bool = False) -> Selection | None:
     """The kept indices of a ``Keep`` rule: per row the ``count`` highest-scoring valid tokens, protected first,
-    equal scores to the newer token (a stable sort over the reversed stream order)."""
+    equal scores to the newer token (a stable sort over the reversed stream order). ``protect_new``: this forward's
+    tokens (the last stored) rank above every unprotected token, as ``CompressedLayer`` ranks them."""
     valid = layer.valid
     n_valid = valid.sum(-1).amax(1)  # [B]; equal across heads
     keep = torch.minimum(torch.as_tensor(rule.count, device=valid.device).expand_as(n_valid), n_valid)
@@ -264,6 +266,9 @@ def keep_selection(layer: GatherLayer, rule: Keep) -> Selection | None:
         return None
     scores = rule.scores.to(torch.float64).expand(-1, valid.shape[1], -1)
     ranked = scores.masked_fill(~valid, -math.inf)
+    if protect_new and layer.new_tokens:
+        new = slice(ranked.shape[-1] - layer.new_tokens, None)
+        ranked[..., new] = ranked[..., new].masked_fill(valid[..., new], torch.finfo(ranked.dtype).max)
     if rule.protected is not None:
         ranked = ranked.masked_fill(rule.protected & valid, math.inf)
     k = int(keep.max())

@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
-from kvcompress.core.eviction import victims_of_rule
+from kvcompress.core.eviction import protects_forward, victims_of_rule
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import SlotBuffers, StreamView
 
@@ -189,7 +189,7 @@ class CompressedLayer(CacheLayerMixin):
         if rule is None:
             return
         if isinstance(rule, Keep):
-            victims, invalidate = victims_of_rule(rule, self, self.protects_forward(rule))
+            victims, invalidate = victims_of_rule(rule, self, protects_forward(self.policy, rule, self.new_tokens))
             if invalidate is not None and bool(invalidate.any()):  # per-sequence counts: once per prompt
                 self.slots.valid[:, :, : self.view_width] &= ~invalidate
                 self.all_valid = False
@@ -198,15 +198,6 @@ class CompressedLayer(CacheLayerMixin):
             return
         keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
         self.evict_mask(~keep & (self.token_idx >= 0))
-
-    def protects_forward(self, rule: Keep) -> bool:
-        """Whether this forward's tokens rank above every unprotected token (below the rule's protected ones).
-
-        A decode-time method never evicts the tokens of the forward being processed (a question fed after a
-        compressed context, the token just decoded) while ``count`` leaves room for them; a forward longer than
-        ``count`` (a prompt chunk) is ranked by the rule like every other token. Decided from Python integers
-        only: no host synchronisation."""
-        return not self.policy.one_shot and not isinstance(rule.count, torch.Tensor) and self.new_tokens <= rule.count
 
     def evict(self, victims: torch.Tensor) -> None:
         """Free the slots ``victims`` ``[B, H, e]`` (positions in the views), the same count in every row.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
-from kvcompress.core.gather_layer import GatherLayer, keep_selection
+from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_forward
 from kvcompress.core.layer import LAYER_ATTRIBUTE
 from kvcompress.methods.pod.budget import kept_for_request
 
@@ -179,7 +179,7 @@ class PoDLayer(GatherLayer):
         starts = [self.head_starts[g * groups] for g in range(kv_heads)]
         own = base.select(self, **self.planned_keep()) if self.index in starts else None
         if isinstance(own, Keep):
-            own = keep_selection(self, own)
+            own = keep_selection(self, own, protects_forward(base, own, self.new_tokens))
         rows = [own if start == self.index else self.peers[start].last_selection for start in starts]
         if all(r is None for r in rows):
             self.last_selection = None
