@@ -138,7 +138,8 @@ def attention_with_stats(
     computed apart.
     """
     queries, length = query.shape[2], key.shape[2]
-    if mask is None:  # plain causal prefill
+    given = mask  # None for a plain causal prefill: SDPA then skips the upper triangle (is_causal)
+    if mask is None and queries > 1:  # one query with no mask sees every key
         mask = causal_mask(queries, length, query.device)
     last_n = min(request.last_queries, queries)
     stats = AttentionStats(query_count=queries)
@@ -149,11 +150,12 @@ def attention_with_stats(
         parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n)
         output, last = parts.output, parts.last
     else:
-        output = sdpa(query, key, value, mask, scaling)
+        output = sdpa(query, key, value, given, scaling)
         rows = slice(queries - last_n, queries)
         last = chunked_softmax(query[:, :, rows], key, mask[:, :, rows], scaling, last_n=last_n).last
     if last_n:
-        stats.last, stats.last_visible = last, mask[:, :, queries - last_n :]
+        visible = mask if mask is not None else torch.ones(1, 1, 1, length, dtype=torch.bool, device=query.device)
+        stats.last, stats.last_visible = last, visible[:, :, queries - last_n :]
     return output, stats
 
 

@@ -73,19 +73,25 @@ def chunked_softmax(
     scale = dim**-0.5 if scaling is None else scaling
     groups = q_heads // kv_heads
     keys_t = key.transpose(-1, -2)  # a view: the query heads of a group are folded into rows, never keys copied
-    if mask is None:
+    if mask is None and queries > 1:
         mask = causal_mask(queries, length, query.device)
     parts = SoftmaxParts()
     outputs, lses, last_rows = [], [], []
     mass = torch.zeros(batch, kv_heads, groups, length, device=query.device) if received else None
     for start, stop in row_chunks(queries, batch * q_heads * length, chunk_elements):
-        rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
+        rows_mask = None if mask is None else mask(start, stop) if callable(mask) else mask[:, :, start:stop]
         rows = stop - start
         group_rows = grouped(query[:, :, start:stop], kv_heads).reshape(batch, kv_heads, groups * rows, dim)
         logits = (group_rows @ keys_t).view(batch, kv_heads, groups, rows, length).float() * scale
-        logits = logits.masked_fill(~rows_mask[:, :, None], float("-inf"))
-        row_lse = logits.logsumexp(dim=-1)
-        probs = torch.exp(logits - row_lse[..., None]).nan_to_num_(0.0)  # a row that sees nothing is all zero
+        if rows_mask is not None:  # None: one query that sees every key
+            logits = logits.masked_fill(~rows_mask[:, :, None], float("-inf"))
+        if lse:
+            row_lse = logits.logsumexp(dim=-1)
+            probs = torch.exp(logits - row_lse[..., None])
+        else:
+            probs = logits.softmax(dim=-1)
+        if rows_mask is not None:
+            probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
         if value is not None:
             flat = probs.to(value.dtype).view(batch, kv_heads, groups * rows, length)
             outputs.append((flat @ value).view(batch, kv_heads, groups, rows, -1))

@@ -1,0 +1,382 @@
+"""``speed``: every compressed cache against transformers' ``DynamicCache``, pair by pair in one process.
+
+    python -m kvcompress.bench.speed [--sections decode,full,prefill,generate] [--out DIR]
+
+Each comparison interleaves the two sides call by call (alternating which goes first) on the same loaded model, so
+both see the same machine load; each call's process CPU time is recorded beside its wall time (with one torch
+thread CPU time is the work done, not the waiting for a core), and a row reports the median of the per-pair CPU-time
+ratios with their 10th and 90th percentiles. Ratios are ours over ``DynamicCache``'s: below 1 is faster.
+
+Sections:
+
+- ``decode``: a single-token decode step of each decode-time method at ``--budget`` tokens after a chunked prefill
+  of each ``--prompts`` length, against a ``DynamicCache`` holding the same number of tokens (the physical limit:
+  it is cropped back after each step, outside the timed region).
+- ``full``: our ``full`` cache against a ``DynamicCache`` holding the same prompt, decode step by decode step.
+- ``prefill``: the longest prompt prefilled in ``--chunk``-token forwards, chunk by chunk against a
+  ``DynamicCache`` fed the same chunks; peak memory of each method's prefill (the resident-set growth of each
+  chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill of the prompt.
+- ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for ``streaming`` and
+  ``h2o`` at ``--generate-budget`` (prefilled in ``--chunk``-token chunks, as ``kvcompress generate`` does)
+  against ``DynamicCache`` (one-pass prefill, its fastest), for each prompt length and batch size; tokens/s ratios
+  (above 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+import kvcompress
+from kvcompress.bench.common import (
+    DECODE_TIME_METHODS,
+    MIB,
+    PeakMemory,
+    current_rss,
+    load_bench_model,
+    peak_rss,
+    random_prompt,
+    reset_peak_rss,
+    set_threads,
+    touch_weights,
+)
+from kvcompress.bench.model_cli import int_list, method_names, publish
+from kvcompress.bench.table import Column, markdown_table, partial_writer
+from kvcompress.core.attention import ATTENTION_NAME
+from kvcompress.generation import prefill
+
+logger = logging.getLogger(__name__)
+Row = dict[str, object]
+SECTIONS = ("decode", "full", "prefill", "generate")
+PREFILL_METHODS = (*DECODE_TIME_METHODS, "cascade", "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
+DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade")
+
+
+def _attention(model: PreTrainedModel, name: str) -> None:
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _pairs(
+    model: PreTrainedModel,
+    ours: Callable[[int], object],
+    theirs: Callable[[int], object],
+    count: int,
+    warmup: int = 1,
+    after_theirs: Callable[[], object] = lambda: None,
+) -> dict[str, float]:
+    """Interleave ``count`` timed calls of each side (after ``warmup`` untimed pairs); ratios of ours over theirs."""
+    ours_t, theirs_t = [], []
+    for i in range(warmup + count):
+        sides = [(ATTENTION_NAME, ours, ours_t), ("sdpa", theirs, theirs_t)]
+        for name, fn, times in sides if i % 2 == 0 else sides[::-1]:
+            _attention(model, name)
+            timing = _timed(lambda fn=fn, i=i: fn(i))
+            if i >= warmup:
+                times.append(timing)
+            if fn is theirs:
+                after_theirs()
+    return _summary(ours_t, theirs_t)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _summary(ours: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> dict[str, float]:
+    cpu_ratios = [o[1] / t[1] for o, t in zip(ours, theirs, strict=True)]
+    return {
+        "ours_cpu_ms": statistics.median(o[1] for o in ours) * 1e3,
+        "dynamic_cpu_ms": statistics.median(t[1] for t in theirs) * 1e3,
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "cpu_ratio_p10": _quantile(cpu_ratios, 0.1),
+        "cpu_ratio_p90": _quantile(cpu_ratios, 0.9),
+        "wall_ratio": statistics.median(o[0] / t[0] for o, t in zip(ours, theirs, strict=True)),
+        "pairs": len(cpu_ratios),
+    }
+
+
+def _method_params(method: str, budget: int) -> dict[str, object]:
+    if method == "full":
+        return {}
+    params: dict[str, object] = {"budget": budget}
+    if method == "buzz":  # sized by its peak (k + w + T = budget): never stores more than the fixed-size caches
+        params["budget_kind"] = "peak"
+    return params
+
+
+def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
+    _attention(model, "sdpa")
+    for start in range(0, ids.shape[1], chunk):
+        model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
+def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int) -> Row:
+    """One decode comparison: ``method`` after a ``prompt``-token prefill vs a DynamicCache of as many tokens."""
+    ids = random_prompt(model, prompt + steps + 2, seed)
+    cache = kvcompress.cache_for(model, method, **_method_params(method, budget))
+    prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
+    held = max(cache.tokens_stored())
+    dynamic = DynamicCache(config=model.config)
+    _dynamic_prefill(model, ids[:, :held], dynamic, chunk)
+
+    def token(i: int) -> torch.Tensor:
+        return ids[:, prompt + i : prompt + i + 1]
+
+    def crop() -> None:
+        if method != "full":
+            dynamic.crop(held - dynamic.get_seq_length())  # a negative count: drop the step's token again
+
+    result = _pairs(
+        model,
+        lambda i: model(input_ids=token(i), past_key_values=cache, use_cache=True),
+        lambda i: model(input_ids=token(i), past_key_values=dynamic, use_cache=True),
+        steps,
+        after_theirs=crop,
+    )
+    return {
+        "section": "decode" if method != "full" else "full",
+        "method": method,
+        "prompt": prompt,
+        "budget": None if method == "full" else budget,
+        "stored_tokens": held,
+        **result,
+    }
+
+
+def prefill_rows(
+    model: PreTrainedModel, methods: Sequence[str], prompt: int, budget: int, chunk: int, seed: int
+) -> list[Row]:
+    """Chunk-by-chunk prefill of every method against a DynamicCache, and each one's peak memory."""
+    ids = random_prompt(model, prompt, seed)
+    _attention(model, "sdpa")
+    with PeakMemory() as one_pass:
+        model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    gc.collect()
+    caches = {m: kvcompress.cache_for(model, m, **_method_params(m, budget)) for m in methods}
+    dynamic = DynamicCache(config=model.config)
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
+    dynamic_times, peaks = [], dict.fromkeys(methods, 0)
+    mask = torch.ones_like(ids)
+    for start in range(0, prompt, chunk):
+        piece = ids[:, start : start + chunk]
+        _attention(model, "sdpa")
+        dynamic_times.append(
+            _timed(
+                lambda piece=piece: model(input_ids=piece, past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+            )
+        )
+        for method, cache in caches.items():
+            held = sum(layer.allocated_nbytes() for layer in cache.layers)
+            reset_peak_rss()
+            before = current_rss()
+            times[method].append(
+                _timed(
+                    lambda piece=piece, cache=cache, start=start: prefill(
+                        model, piece, cache, attention_mask=mask[:, : start + piece.shape[1]], chunk_size=chunk
+                    )
+                )
+            )
+            peaks[method] = max(peaks[method], held + peak_rss() - before)
+    rows = []
+    for method in methods:
+        rows.append(
+            {
+                "section": "prefill",
+                "method": method,
+                "prompt": prompt,
+                "budget": budget,
+                "chunk": chunk,
+                **_summary(times[method], dynamic_times),
+                "peak_mib": peaks[method] / MIB,
+                "one_pass_dynamic_peak_mib": one_pass.extra / MIB,
+            }
+        )
+        rows[-1]["peak_ratio"] = peaks[method] / max(one_pass.extra, 1)
+    return rows
+
+
+def generate_row(
+    model: PreTrainedModel,
+    method: str,
+    prompt: int,
+    batch: int,
+    budget: int,
+    new_tokens: int,
+    chunk: int,
+    rounds: int,
+    seed: int,
+) -> Row:
+    """``generate`` end to end with ``method`` vs DynamicCache; ``cpu_ratio`` < 1 means more tokens/s."""
+    ids = random_prompt(model, prompt * batch, seed).view(batch, prompt)
+    options = {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+        "attention_mask": torch.ones_like(ids),
+        "pad_token_id": 0,
+    }
+
+    def ours(_: int) -> None:
+        cache = kvcompress.cache_for(model, method, budget=budget)
+        model.generate(ids, past_key_values=cache, prefill_chunk_size=chunk, **options)
+
+    def theirs(_: int) -> None:
+        model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
+
+    result = _pairs(model, ours, theirs, rounds, warmup=0)
+    result["tokens_per_s_ratio"] = 1 / result["cpu_ratio"]
+    return {"section": "generate", "method": method, "prompt": prompt, "batch": batch, "budget": budget, **result}
+
+
+def run_speed(
+    model: str | PreTrainedModel = "smollm2-135m",
+    sections: Sequence[str] = SECTIONS,
+    *,
+    methods: Sequence[str] = DECODE_METHODS,
+    prefill_methods: Sequence[str] = PREFILL_METHODS,
+    budget: int = 512,
+    prompts: Sequence[int] = (2048, 8192),
+    steps: int = 24,
+    chunk: int = 512,
+    generate_prompts: Sequence[int] = (1024, 4096),
+    batches: Sequence[int] = (1, 8),
+    generate_budget: int = 256,
+    new_tokens: int = 64,
+    rounds: int = 2,
+    threads: int = 1,
+    seed: int = 0,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """All comparisons of the chosen ``sections`` (see the module docstring); one row per comparison."""
+    set_threads(threads)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"sections must be among {', '.join(SECTIONS)}; got {', '.join(unknown)}")
+    model, _ = load_bench_model(model)
+    touch_weights(model)
+    kvcompress.prepare_model(model)
+    jobs: list[Callable[[], Row | list[Row]]] = []
+    if "decode" in sections:
+        jobs += [lambda m=m, p=p: decode_row(model, m, p, budget, steps, chunk, seed) for p in prompts for m in methods]
+    if "full" in sections:
+        jobs += [lambda p=p: decode_row(model, "full", p, budget, steps, chunk, seed) for p in prompts]
+    if "prefill" in sections:
+        jobs.append(lambda: prefill_rows(model, prefill_methods, max(prompts), budget, chunk, seed))
+    if "generate" in sections:
+        jobs += [
+            lambda m=m, p=p, b=b: generate_row(model, m, p, b, generate_budget, new_tokens, chunk, rounds, seed)
+            for p in generate_prompts
+            for b in batches
+            for m in ("streaming", "h2o")
+        ]
+    rows: list[Row] = []
+    with torch.inference_mode():
+        for job in jobs:
+            produced = job()
+            for row in produced if isinstance(produced, list) else [produced]:
+                rows.append(row)
+                logger.info("%s", {k: v for k, v in row.items() if k in ("section", "method", "prompt", "cpu_ratio")})
+                if on_row is not None:
+                    on_row(row)
+            gc.collect()
+    return rows
+
+
+COLUMNS: dict[str, tuple[Column, ...]] = {
+    "decode": (("method", "method", ""), ("prompt", "prompt", "d"), ("stored_tokens", "tokens held", "d")),
+    "full": (("method", "method", ""), ("prompt", "prompt", "d"), ("stored_tokens", "tokens held", "d")),
+    "prefill": (
+        ("method", "method", ""),
+        ("prompt", "prompt", "d"),
+        ("peak_mib", "peak MiB", ".0f"),
+        ("one_pass_dynamic_peak_mib", "one-pass DynamicCache peak MiB", ".0f"),
+        ("peak_ratio", "peak × one-pass", ".2f"),
+    ),
+    "generate": (
+        ("method", "method", ""),
+        ("prompt", "prompt", "d"),
+        ("batch", "batch", "d"),
+        ("tokens_per_s_ratio", "tokens/s × DynamicCache (CPU)", ".2f"),
+    ),
+}
+RATIO_COLUMNS: tuple[Column, ...] = (
+    ("ours_cpu_ms", "ours CPU ms", ".1f"),
+    ("dynamic_cpu_ms", "DynamicCache CPU ms", ".1f"),
+    ("cpu_ratio", "CPU × DynamicCache (median)", ".3f"),
+    ("cpu_ratio_p10", "p10", ".3f"),
+    ("cpu_ratio_p90", "p90", ".3f"),
+    ("wall_ratio", "wall × DynamicCache", ".3f"),
+    ("pairs", "pairs", "d"),
+)
+
+
+def speed_tables(rows: Sequence[Row]) -> str:
+    """One markdown table per section present in ``rows``."""
+    parts = []
+    for section, columns in COLUMNS.items():
+        chosen = [row for row in rows if row["section"] == section]
+        if chosen:
+            parts.append(f"### {section}\n\n" + markdown_table(chosen, (*columns, *RATIO_COLUMNS)))
+    return "\n\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.speed", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or HF id")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated among {', '.join(SECTIONS)}")
+    parser.add_argument("--methods", default=",".join(DECODE_METHODS), help="decode-section methods")
+    parser.add_argument("--prefill-methods", default=",".join(PREFILL_METHODS))
+    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head (decode, prefill)")
+    parser.add_argument("--prompts", default="2048,8192", help="prompt lengths (decode, full; prefill: the longest)")
+    parser.add_argument("--steps", type=int, default=24, help="timed decode pairs per comparison")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--generate-prompts", default="1024,4096")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--generate-budget", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="timed generate pairs per comparison")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="folder for speed.json/.md (+ partial .jsonl)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    rows = run_speed(
+        args.model,
+        method_names(args.sections),
+        methods=method_names(args.methods),
+        prefill_methods=method_names(args.prefill_methods),
+        budget=args.budget,
+        prompts=int_list(args.prompts),
+        steps=args.steps,
+        chunk=args.chunk,
+        generate_prompts=int_list(args.generate_prompts),
+        batches=int_list(args.batches),
+        generate_budget=args.generate_budget,
+        new_tokens=args.new_tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+        seed=args.seed,
+        on_row=partial_writer(args.out, "speed"),
+    )
+    publish("speed", args, rows, speed_tables(rows), lambda path, machine: None)
+
+
+if __name__ == "__main__":
+    main()
