@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward
-from kvcompress.core.layer import LAYER_ATTRIBUTE
+from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import StreamView
 
@@ -153,11 +153,7 @@ class GatherLayer(CacheLayerMixin):
             if selection is not None:
                 self.apply(selection)
 
-    def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling
-    ) -> tuple[torch.Tensor, AttentionStats | None] | None:
-        """This layer's own attention, or ``None`` for the default; layers with their own layout override it."""
-        return self.policy.attend(self, query, key, value, mask, scaling)
+    attend = CompressedLayer.attend  # the policy's own attention, or None for the default
 
     # --- what attention sees -------------------------------------------------------------------------------
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
