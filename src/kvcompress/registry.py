@@ -61,7 +61,11 @@ def make_config(method: str | MethodConfig, preset: str | None = None, **params:
     """Build a method config from its registry name and parameters (or return a given config).
 
     ``preset`` (e.g. ``"kvpress"``, see ``kvcompress.presets``) fills in another library's settings first; the
-    parameters given override them."""
+    parameters given override them. A method with a ``preset`` parameter of its own (NaCl's paper/official
+    settings) takes the value as that parameter."""
+    own_class = type(method) if isinstance(method, MethodConfig) else METHODS.get(method)
+    if preset is not None and own_class is not None and "preset" in {f.name for f in dataclasses.fields(own_class)}:
+        params, preset = {"preset": preset, **params}, None
     if preset is not None:
         params = {**preset_params(preset, method if isinstance(method, str) else method.name), **params}
     if isinstance(method, MethodConfig):
