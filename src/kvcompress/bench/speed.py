@@ -51,7 +51,7 @@ from kvcompress.bench.common import (
 from kvcompress.bench.model_cli import int_list, method_names, publish
 from kvcompress.bench.table import Column, markdown_table, partial_writer
 from kvcompress.core.attention import ATTENTION_NAME
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 
 logger = logging.getLogger(__name__)
 Row = dict[str, object]
@@ -124,7 +124,7 @@ def _method_params(method: str, budget: int) -> dict[str, object]:
 def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
     _attention(model, "sdpa")
     for start in range(0, ids.shape[1], chunk):
-        model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
 
 
 def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int) -> Row:
@@ -145,8 +145,8 @@ def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, st
 
     result = _pairs(
         model,
-        lambda i: model(input_ids=token(i), past_key_values=cache, use_cache=True),
-        lambda i: model(input_ids=token(i), past_key_values=dynamic, use_cache=True),
+        lambda i: model(input_ids=token(i), **cache_argument(model, cache), use_cache=True),
+        lambda i: model(input_ids=token(i), **cache_argument(model, dynamic), use_cache=True),
         steps,
         after_theirs=crop,
     )
@@ -167,7 +167,8 @@ def prefill_rows(
     ids = random_prompt(model, prompt, seed)
     _attention(model, "sdpa")
     with PeakMemory() as one_pass:
-        model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        fresh = DynamicCache(config=model.config)
+        model(input_ids=ids, **cache_argument(model, fresh), use_cache=True, logits_to_keep=1)
     gc.collect()
     caches = {m: kvcompress.cache_for(model, m, **_method_params(m, budget)) for m in methods}
     dynamic = DynamicCache(config=model.config)
@@ -178,9 +179,7 @@ def prefill_rows(
         piece = ids[:, start : start + chunk]
         _attention(model, "sdpa")
         dynamic_times.append(
-            _timed(
-                lambda piece=piece: model(input_ids=piece, past_key_values=dynamic, use_cache=True, logits_to_keep=1)
-            )
+            _timed(lambda piece=piece: model(input_ids=piece, **cache_argument(model, dynamic), logits_to_keep=1))
         )
         for method, cache in caches.items():
             held = sum(layer.allocated_nbytes() for layer in cache.layers)
@@ -235,10 +234,10 @@ def generate_row(
 
     def ours(_: int) -> None:
         cache = kvcompress.cache_for(model, method, budget=budget)
-        model.generate(ids, past_key_values=cache, prefill_chunk_size=chunk, **options)
+        model.generate(ids, **cache_argument(model, cache), prefill_chunk_size=chunk, **options)
 
     def theirs(_: int) -> None:
-        model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
+        model.generate(ids, **cache_argument(model, DynamicCache(config=model.config)), **options)
 
     result = _pairs(model, ours, theirs, rounds, warmup=0)
     result["tokens_per_s_ratio"] = 1 / result["cpu_ratio"]
