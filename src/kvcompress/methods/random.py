@@ -2,7 +2,8 @@
 
 Every token draws a fixed score from a hash of (seed, layer, head, RoPE position), and the layer keeps the
 highest scores. At every step the kept set is therefore a uniform random subset of all tokens seen so far, and a
-sequence gets the same draw alone or in a padded batch.
+sequence gets the same draw alone or in a padded batch. Exception, as for every decode-time method: the tokens of
+the forward being processed are kept while they fit in the budget, so the subset is uniform over the older tokens.
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@
 At every step the layer drops the token that receives the least attention from the current (last) query,
 averaged over all heads of the layer, so every head keeps the same tokens. Scores are not accumulated: only the
 current query counts. On a multi-token prefill the last prompt token is the current query.
+
+Choice: the paper lets the current token itself be dropped when it receives the least attention; here, as for every
+decode-time method, the tokens of the forward being processed are never dropped while they fit in the budget (so a
+question fed after a compressed context is kept whole, as TOVAPress in kvpress keeps it); the victim is the least
+attended older token.
 """
 
 from __future__ import annotations
