@@ -15,6 +15,19 @@ from kvcompress.core.model_spec import ModelSpec
 from kvcompress.core.rope import layer_inv_freqs
 
 
+def layer_class_for(config: MethodConfig, window: int | None) -> type[CompressedLayer]:
+    """The layer class of ``config``'s method on a layer with this sliding ``window`` (``None``: a global layer).
+
+    On a sliding-window layer the choice is the config's when it depends on its parameters (``sliding_layer_class``:
+    the cascade keeps the window itself when its budget holds it), else the layer class's (a class that cannot drop
+    tokens by age names the one to use), else the method's usual class."""
+    layer_class = config.layer_class() or CompressedLayer
+    if window is None:
+        return layer_class
+    by_config = getattr(config, "sliding_layer_class", None)
+    return by_config(window) if by_config is not None else getattr(layer_class, "sliding_layer_class", layer_class)
+
+
 class CompressedCache(Cache):
     """A ``transformers`` ``Cache`` applying one method to every layer of a model.
 
@@ -26,12 +39,9 @@ class CompressedCache(Cache):
         policies = [config.policy(i) for i in range(spec.layers)]
         needs_rope = any(policy.position_mode == "cache" for policy in policies)
         inv_freqs = layer_inv_freqs(model) if needs_rope else [None] * spec.layers
-        layer_class = config.layer_class() or CompressedLayer
-        # a layer class that cannot drop tokens by age names the class to use on sliding-window layers
-        sliding_class = getattr(layer_class, "sliding_layer_class", layer_class)
         layers = []
         for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):
-            layers.append((layer_class if window is None else sliding_class)(policy, inv_freq))
+            layers.append(layer_class_for(config, window)(policy, inv_freq))
             layers[-1].sliding_window = window  # sliding layers store at most their window
         super().__init__(layers=layers)
         self.config = config

@@ -26,7 +26,9 @@ class GatherLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    all_valid = False  # selection helpers take their padding-free shortcuts only on the slot layer
     is_croppable = False
+    sliding_window: int | None = None  # the model's window on this layer (set by the cache; None: global layer)
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -142,7 +144,14 @@ class GatherLayer(CacheLayerMixin):
             self.apply(selection)
 
     def expire_window(self) -> None:
-        """Sliding-window layers: nothing freed here (the window is applied as a mask; see ``CompressedLayer``)."""
+        """On a sliding-window layer, drop the tokens no later query can see (all but the last ``window - 1``, as
+        transformers' sliding layers keep), whatever the method kept (as ``CompressedLayer.expire_window``)."""
+        window = self.sliding_window
+        if window is None or not self.is_initialized or self.seen < window:
+            return
+        keep = self.token_idx > self.seen - window
+        if not bool(keep.all()):
+            self.apply(mask_selection(keep))
 
     def compress(self) -> None:
         """Run a one-shot method's compression now (after a deferred, chunked prefill)."""

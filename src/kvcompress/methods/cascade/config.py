@@ -39,6 +39,14 @@ Choices where the paper is silent or differs from its code (all overridable):
   tokens, so left padding changes nothing; padding tokens are never stored and their queries update no score.
 - with ``N = 1`` (or ``select_tokens=False``) scores are never consulted, so the EMA is not computed: the structure
   is then our circular sink cache.
+- sliding-window layers of hybrid models (Gemma-3's local layers; the paper's models have none): the model lets a
+  query see only the last ``window`` tokens, so what lies beyond is never worth storing and the layer runs with the
+  budget ``min(budget, window)``. When the budget holds the window, every token the layer can see fits and there
+  is nothing to choose: the layer keeps exactly the window (the generic ``CompressedLayer``, the last
+  ``window - 1`` tokens between forwards as transformers' sliding layers keep, at cache ranks), which is the
+  model's own result. A smaller budget runs the rings with it (fewer slots than the window); stored tokens that
+  fall out of the window are masked by stream index as the model does (they receive no attention, so their EMA
+  decays and they lose the next comparisons; sinks stay).
 
 Storage (``CascadeLayer``, in ``kvcompress.methods.cascade.layer``): one buffer of ``S + N W`` slots per layer,
 allocated at the first forward, keys stored un-rotated and rotated at their rank every step; the layer exposes the
@@ -51,6 +59,7 @@ from dataclasses import dataclass
 
 from kvcompress.core.checks import check_budget, check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig
+from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.policy import CascadePolicy
 
@@ -105,6 +114,11 @@ class CascadeConfig(MethodConfig):
 
     def layer_class(self) -> type[CascadeLayer]:
         return CascadeLayer
+
+    def sliding_layer_class(self, window: int) -> type[CompressedLayer]:
+        """The layer class on a sliding-window layer of ``window`` tokens: the generic layer keeping the window when
+        the budget holds it (``budget >= window``: nothing to choose), else the rings at this budget."""
+        return CompressedLayer if self.budget >= window else CascadeLayer
 
     def validate(self) -> None:
         check_budget(self.budget)

@@ -38,6 +38,13 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
   kvcompress.train.pod_calibrate --samples 16 --length 1024``) grouped by Algorithm 1 at ``delta``.
   ``similarity`` also takes a shipped name (``"smollm2-135m"``).
+- Sliding-window layers of hybrid models (Gemma-3's local layers; the paper's models have none) take no part in
+  sharing: each is its own block (dense attention over its window, as the model computes it) and, like every
+  method's sliding layers, stores at most its window (the last ``window - 1`` tokens between forwards, what
+  transformers' sliding layers keep). The other layers of a block that held sliding layers keep sharing, from the
+  block's first global layer. Why: a sliding layer sees no token older than its window, so it has no distant keys
+  to lend a global layer, and with the paper's ``n_recent`` (4080) above Gemma-3's windows (512 or 1024) no token
+  it sees is distant anyway. A composed ``base`` method still selects on sliding layers (each is a block start).
 - Budgets (``ratio`` or ``budget``, in KV bytes, ``kvcompress.methods.pod.budget``): PoD alone saves at most half
   the bytes (keys only), so a request is met by composing with SnapKV (the paper's Table 1), window 32, once after
   the prompt: the tokens kept per layer and KV head follow from the block layout's share of stored keys and the
@@ -60,6 +67,7 @@ from kvcompress.methods.pod.grouping import (
     load_similarity,
     starts_from_similarity,
     uniform_starts,
+    without_layers,
 )
 from kvcompress.methods.pod.layer import PoDLayer
 from kvcompress.methods.pod.policy import PoDPolicy
@@ -152,7 +160,8 @@ class PoDConfig(MethodConfig):
         return starts
 
     def connect(self, layers: list[PoDLayer]) -> None:
-        starts = self.resolve_starts(len(layers))
+        sliding = {index for index, layer in enumerate(layers) if layer.sliding_window is not None}
+        starts = without_layers(self.resolve_starts(len(layers)), sliding)
         for index, layer in enumerate(layers):
             layer.connect_block(layers, index, starts[index])
             layer.key_share = kv_key_rows(starts) / (len(starts) * len(starts[0]))

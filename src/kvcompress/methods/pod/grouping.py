@@ -104,6 +104,21 @@ def check_starts(starts: Starts, layers: int | None = None) -> None:
                 )
 
 
+def without_layers(starts: Starts, excluded: set[int]) -> Starts:
+    """``starts`` with the ``excluded`` layers taken out of sharing: each is its own block (dense attention), and the
+    other layers of a block keep sharing, from its first layer that is not excluded (their new block start).
+
+    PoD uses it for sliding-window layers, which see only their window and keep only it (``PoDConfig.connect``)."""
+
+    def new_start(layer: int, head: int) -> int:
+        if layer in excluded:
+            return layer
+        start = starts[layer][head]
+        return next(m for m in range(start, layer + 1) if m not in excluded and starts[m][head] == start)
+
+    return tuple(tuple(new_start(layer, head) for head in range(len(row))) for layer, row in enumerate(starts))
+
+
 def kv_key_rows(starts: Starts, kv_heads: int | None = None) -> int:
     """``B``: how many (layer, KV head) pairs keep their distant keys (GQA rule for per-query-head starts)."""
     heads = len(starts[0])
