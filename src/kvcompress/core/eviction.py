@@ -33,8 +33,10 @@ def protects_forward(policy: Policy, rule: Keep, new_tokens: int) -> bool:
 def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False) -> torch.Tensor:
     """``[B, H, W]`` scores of the rule with padding at ``-inf`` and protected real tokens at ``+inf``; with
     ``protect_new`` this forward's real tokens at the largest finite value (above every score, below protected)."""
-    valid = layer.valid
     scores = rule.scores if rule.scores.is_floating_point() else rule.scores.double()
+    if layer.all_valid:  # no padding stored and no free slot in the view (see ``CompressedLayer.all_valid``)
+        return _ranked_all_real(scores, rule.protected, layer, protect_new)
+    valid = layer.valid
     padding = ~valid
     ranked = scores.expand_as(valid).masked_fill(padding, -math.inf)
     if protect_new:
@@ -42,6 +44,19 @@ def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False)
         ranked.masked_fill_(padding, -math.inf)  # a new token that is padding stays first to go
     if rule.protected is not None:
         ranked = ranked.masked_fill(rule.protected & valid, math.inf)
+    return ranked
+
+
+def _ranked_all_real(
+    scores: torch.Tensor, protected: torch.Tensor | None, layer: CompressedLayer, protect_new: bool
+) -> torch.Tensor:
+    """``ranked_scores`` when every slot in the view holds a real token: two ops at most."""
+    shape = layer.slots.token_idx.shape[:2] + scores.shape[-1:]
+    ranked = scores.expand(shape)
+    if protect_new:
+        ranked = ranked.scatter(-1, layer.new_index().expand(*shape[:2], -1), torch.finfo(ranked.dtype).max)
+    if protected is not None:
+        ranked = ranked.masked_fill(protected, math.inf)
     return ranked
 
 

@@ -59,9 +59,12 @@ class CompressedLayer(CacheLayerMixin):
         self.occupied = 0  # slots holding a token (real or padding), the same count in every row
         self.dense = True  # slots [0, occupied) hold tokens in stream order; the rest is free
         self.ordered = True  # the occupied slots are in stream order (a dense layer, or one with holes only)
-        self.all_valid = True  # no padding stored
+        self.all_valid = True  # no padding stored (then, while a forward runs, every slot in the view holds a token)
         self.max_chunk = 0  # largest forward so far (tokens)
         self._free: torch.Tensor | None = None  # [B, H, e] slots freed by the last eviction of a holed layer
+        # the slots in ``_free`` still hold their evicted token's bookkeeping: the next forward overwrites it (a
+        # decoding step frees nothing), anything else reading the slots marks them free first (``_settle``)
+        self._stale = False
         self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
 
     # --- views of the slots attention sees ---------------------------------------------------------------------
@@ -70,7 +73,15 @@ class CompressedLayer(CacheLayerMixin):
         return self.occupied if self.dense else self.slots.capacity
 
     def _view(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._stale:
+            self._settle()
         return tensor[:, :, : self.view_width]
+
+    def _settle(self) -> None:
+        """Mark the victims of the last decoding step free (deferred until something other than the next write
+        reads the slots)."""
+        self._stale = False
+        self.slots.free_at(self._free)
 
     def _only_none(self, value: None) -> None:  # transformers' layer base class initialises keys/values to None
         if value is not None:
@@ -100,6 +111,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def kept(self) -> StreamView:
         """The stored tokens in stream order (keys, values, positions, validity, state): for inspection."""
+        if self._stale:
+            self._settle()
         return self.slots.stream_view(self.view_width)
 
     # --- storage -------------------------------------------------------------------------------------------
@@ -127,7 +140,9 @@ class CompressedLayer(CacheLayerMixin):
             self.slots.write_range(self.occupied, key_states, value_states, self.seen, state)
         else:
             self._new, self._free = self._free, None
-            self.slots.write_at(self._new, key_states, value_states, self.seen, state)
+            reused, self._stale = self._stale, False
+            # a reused slot of a layer without padding is already marked real: only its token changes
+            self.slots.write_at(self._new, key_states, value_states, self.seen, state, reused and self.all_valid)
             self.ordered = False
         self.occupied = needed
         self.seen += count
@@ -207,13 +222,13 @@ class CompressedLayer(CacheLayerMixin):
         """
         self.before_eviction(victims, None)
         width = self.view_width
-        self.slots.free_at(victims)
         self.occupied -= victims.shape[-1]
         decoding = self.new_tokens == 1 and victims.shape[-1] == 1 and self.policy.position_mode != "cache"
         was_dense, self.dense = self.dense, False
         if decoding and (not was_dense or width == self.slots.capacity):
-            self._free = victims
+            self._free, self._stale = victims, True  # the next token takes the slot: nothing to mark
             return
+        self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
         self.compact(shrink=self.new_tokens == 1)
 
@@ -244,6 +259,8 @@ class CompressedLayer(CacheLayerMixin):
         unused capacity (keeping room for one token)."""
         if self.slots is None or self.slots.capacity == 0:
             return
+        if self._stale:
+            self._settle()
         if not self.dense:
             self.occupied, ragged = self.slots.compact(self.view_width, self.ordered, shrink)
             self.all_valid = self.all_valid and not ragged
@@ -310,7 +327,7 @@ class CompressedLayer(CacheLayerMixin):
         self.slots = None
         self.is_initialized = False
         self.seen = self.new_tokens = self.occupied = self.max_chunk = 0
-        self.compressed = False
+        self.compressed = self._stale = False
         self.dense = self.ordered = self.all_valid = True
         self._free = self._new = None
 

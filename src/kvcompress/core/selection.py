@@ -32,6 +32,8 @@ def keep_top(
 
 def sink_mask(layer: CompressedLayer, sinks: int) -> torch.Tensor:
     """Boolean ``[B, H_kv, W]``: the first ``sinks`` real tokens of each sequence."""
+    if layer.all_valid:  # no padding: a token's rank among real tokens is its stream index
+        return layer.token_idx < sinks
     return layer.valid & (layer.rank < sinks)
 
 
@@ -41,4 +43,6 @@ def recent_mask(layer: CompressedLayer, recent: int | torch.Tensor) -> torch.Ten
     These are the newest real tokens seen; a method that protects them keeps them all stored."""
     if isinstance(recent, torch.Tensor):
         recent = recent[:, None, None]
+    elif layer.all_valid:  # no padding: ranks are stream indices and every token seen is real
+        return layer.token_idx >= layer.seen - recent
     return layer.valid & (layer.rank >= layer.real_count()[..., None] - recent)

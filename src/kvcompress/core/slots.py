@@ -114,17 +114,27 @@ class SlotBuffers:
         for name, value in state.items():
             self._new_state(name, value)[:, :, start:stop] = value
 
-    def write_at(self, slots: torch.Tensor, keys, values, seen: int, state: dict[str, torch.Tensor]) -> None:
-        """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real."""
+    def write_at(
+        self, slots: torch.Tensor, keys, values, seen: int, state: dict[str, torch.Tensor], reused_real: bool = False
+    ) -> None:
+        """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real.
+
+        ``reused_real``: one token per row into slots that still hold an evicted real token, in a layer that never
+        stored padding (so the slot is already marked real, and a real token's rank is its stream index)."""
         count = keys.shape[2]
         self.keys.scatter_(2, slots[..., None].expand_as(keys), keys)
         self.values.scatter_(2, slots[..., None].expand_as(values), values)
-        index = torch.arange(seen, seen + count, device=keys.device).expand_as(slots)
-        self.token_idx.scatter_(2, slots, index)
-        self.rope_pos.scatter_(2, slots, index)
-        self.valid.scatter_(2, slots, True)
-        ranks = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
-        self.rank.scatter_(2, slots, ranks.expand_as(slots))
+        if reused_real and count == 1:
+            self.token_idx.scatter_(2, slots, seen)
+            self.rope_pos.scatter_(2, slots, seen)
+            self.rank.scatter_(2, slots, seen)
+        else:
+            index = torch.arange(seen, seen + count, device=keys.device).expand_as(slots)
+            self.token_idx.scatter_(2, slots, index)
+            self.rope_pos.scatter_(2, slots, index)
+            self.valid.scatter_(2, slots, True)
+            ranks = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
+            self.rank.scatter_(2, slots, ranks.expand_as(slots))
         self.real_seen += count
         for name, value in state.items():
             target = self._new_state(name, value)

@@ -77,7 +77,7 @@ def chunked_softmax(
         mask = causal_mask(queries, length, query.device)
     parts = SoftmaxParts()
     outputs, lses, last_rows = [], [], []
-    mass = torch.zeros(batch, kv_heads, groups, length, device=query.device) if received else None
+    mass = None
     for start, stop in row_chunks(queries, batch * q_heads * length, chunk_elements):
         rows_mask = None if mask is None else mask(start, stop) if callable(mask) else mask[:, :, start:stop]
         rows = stop - start
@@ -97,19 +97,24 @@ def chunked_softmax(
             outputs.append((flat @ value).view(batch, kv_heads, groups, rows, -1))
         if lse:
             lses.append(row_lse)
-        if mass is not None:
+        if received:
+            weighted = probs
             if row_weight is not None:
-                probs_w = probs * row_weight[:, None, None, start:stop, None].to(probs.dtype)
-                mass += probs_w.sum(dim=-2)
-            else:
-                mass += probs.sum(dim=-2)
+                weighted = probs * row_weight[:, None, None, start:stop, None].to(probs.dtype)
+            mass = weighted.sum(dim=-2) if mass is None else mass.add_(weighted.sum(dim=-2))
         if last_n and stop > queries - last_n:
             last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
     if value is not None:
-        parts.output = torch.cat(outputs, dim=3).reshape(batch, q_heads, queries, -1)
+        parts.output = _joined(outputs, 3).reshape(batch, q_heads, queries, -1)
     if lse:
-        parts.lse = torch.cat(lses, dim=-1).reshape(batch, q_heads, queries)
+        parts.lse = _joined(lses, -1).reshape(batch, q_heads, queries)
+    if received and mass is None:  # no query
+        mass = torch.zeros(batch, kv_heads, groups, length, device=query.device)
     parts.received = mass
     if last_rows:
-        parts.last = torch.cat(last_rows, dim=3)
+        parts.last = _joined(last_rows, 3)
     return parts
+
+
+def _joined(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
