@@ -10,6 +10,7 @@ import torch
 
 from kvcompress.core.contract import AttentionStats
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.generation import cache_argument
 
 # The offline corpora of the development environment, beside the repository (never committed).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -31,7 +32,7 @@ def cache_logits(model, input_ids, cache, attention_mask=None, new_tokens=6):
     out = model.generate(
         input_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
+        **cache_argument(model, cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvcompress
+from kvcompress.generation import cache_argument
 from kvcompress.methods.pod.budget import budget_report
 from kvcompress.models import load_model
 from kvcompress.registry import METHODS
@@ -82,7 +83,7 @@ def test_stored_tokens_never_exceed_the_budget_and_the_forward_fed_is_kept(metho
     fed = 0
     with torch.no_grad():
         for count in (CONTEXT, QUESTION, *[1] * STEPS):
-            tiny_llama(ids[:, fed : fed + count], past_key_values=cache)
+            tiny_llama(ids[:, fed : fed + count], **cache_argument(tiny_llama, cache))
             appended = fed + count - CONTEXT if one_shot else 0  # one-shot: the budget bounds the prompt
             assert max(stored(cache)) <= limit + appended, (fed, count)
             fits = count <= room_for_a_forward(cache, limit)
@@ -99,7 +100,7 @@ def test_pod_at_a_ratio_or_budget_stores_at_most_the_requested_kv_bytes(key, val
     cache = kvcompress.cache_for(tiny_llama, "pod", block_size=2, n_sink=2, n_recent=4, **{key: value})
     ids = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        tiny_llama(ids, past_key_values=cache)
+        tiny_llama(ids, **cache_argument(tiny_llama, cache))
     report = budget_report(cache)
     assert report["stored_bytes"] <= report["requested_bytes"]
     assert report["stored_bytes"] > 0.7 * min(report["requested_bytes"], report["full_bytes"])  # not far below
@@ -116,7 +117,7 @@ def test_pod_by_name_on_smollm2_uses_the_shipped_grouping_and_meets_half_the_byt
     cache = kvcompress.cache_for(model, "pod", ratio=0.5)
     ids = torch.randint(1, 40000, (1, 1024), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_argument(model, cache))
     report = budget_report(cache)
     assert 0.4 < report["stored_over_full"] <= 0.5
     assert cache.compressed_layers[5].head_starts != (5, 5, 5)  # blocks from the calibration, not dense

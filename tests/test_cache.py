@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.generation import prefill, stream_nll
+from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.snapkv import SnapKVConfig
 from tests.helpers import cache_logits
 
@@ -50,9 +50,9 @@ def test_budget_never_exceeded_and_order_kept_while_decoding(key, tiny_llama):
     cache = kvcompress.cache_for(tiny_llama, method_of(key), **EVICTING[key])
     ids = ids_of(1, 30)
     with torch.no_grad():
-        tiny_llama(ids, past_key_values=cache)
+        tiny_llama(ids, **cache_argument(tiny_llama, cache))
         for step in range(25):
-            tiny_llama(ids_of(1, 1, seed=step + 1), past_key_values=cache)
+            tiny_llama(ids_of(1, 1, seed=step + 1), **cache_argument(tiny_llama, cache))
             for layer in cache.compressed_layers:
                 real = layer.valid.sum(-1)
                 limit = 12 + (step + 1 if layer.policy.one_shot else 0)  # one-shot: decoding appends
@@ -91,7 +91,7 @@ def _bytes_per_step(model, cache, steps):
     sizes = []
     with torch.no_grad():
         for token in ids_of(1, steps, seed=5)[0]:
-            model(token.view(1, 1), past_key_values=cache)
+            model(token.view(1, 1), **cache_argument(model, cache))
             sizes.append(cache.nbytes())
     return sizes
 

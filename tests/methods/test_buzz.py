@@ -10,6 +10,7 @@ import torch
 import kvcompress
 from kvcompress.core.contract import AttentionStats
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.generation import cache_argument
 from kvcompress.methods.buzz.params import buzz_params, fixed_point, middle_after_eviction, steady_sizes, theorem_ratio
 from kvcompress.registry import make_config
 from tests.helpers import kept_tokens
@@ -133,9 +134,9 @@ def test_equal_length_across_heads_and_layers_and_peak_attended_length(tiny_llam
         layer.policy.observe = recording
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        tiny_llama(ids, past_key_values=cache)
+        tiny_llama(ids, **cache_argument(tiny_llama, cache))
         for step in range(80):
-            tiny_llama(torch.tensor([[step % 100 + 1]]), past_key_values=cache)
+            tiny_llama(torch.tensor([[step % 100 + 1]]), **cache_argument(tiny_llama, cache))
             lengths = {int(n) for layer in cache.compressed_layers for n in layer.valid.sum(-1).flatten()}
             assert len(lengths) == 1, step  # every head of every layer holds as many tokens
             assert set(cache.tokens_stored()) == lengths
@@ -286,15 +287,16 @@ def test_log_n_at_512_keys_equals_plain_attention(tiny_llama):
     plain = kvcompress.cache_for(tiny_llama, "buzz", window=600)
     scaled = kvcompress.cache_for(tiny_llama, "buzz", window=600, log_n=True)
     with torch.no_grad():
-        a = tiny_llama(ids, past_key_values=plain).logits
-        b = tiny_llama(ids, past_key_values=scaled).logits
+        a = tiny_llama(ids, **cache_argument(tiny_llama, plain)).logits
+        b = tiny_llama(ids, **cache_argument(tiny_llama, scaled)).logits
     assert torch.equal(a, b)
     for x, y in zip(plain.compressed_layers, scaled.compressed_layers, strict=True):
         assert torch.equal(x.state["score"], y.state["score"])
     with torch.no_grad():  # the next step attends 513 keys: scaled by ln 513 / ln 512 > 1, so it differs
         nxt = torch.tensor([[7]])
         assert not torch.equal(
-            tiny_llama(nxt, past_key_values=plain).logits, tiny_llama(nxt, past_key_values=scaled).logits
+            tiny_llama(nxt, **cache_argument(tiny_llama, plain)).logits,
+            tiny_llama(nxt, **cache_argument(tiny_llama, scaled)).logits,
         )
 
 
@@ -335,6 +337,8 @@ def test_generate_with_buzz_and_log_n_cache_position_mode(tiny_qwen2):
     ids = torch.randint(1, 100, (2, 30), generator=torch.Generator().manual_seed(4))
     for params in ({"log_n": True}, {"position_mode": "cache"}, {"group_reduce": "max", "score_mode": "current"}):
         cache = kvcompress.cache_for(tiny_qwen2, "buzz", sinks=2, window=4, stride=3, **params)
-        out = tiny_qwen2.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        out = tiny_qwen2.generate(
+            ids, **cache_argument(tiny_qwen2, cache), max_new_tokens=20, do_sample=False, pad_token_id=0
+        )
         assert out.shape == (2, 50)
         assert max(cache.tokens_stored()) <= 2 + 4 + 10

@@ -10,7 +10,7 @@ import torch
 
 import kvcompress
 from kvcompress.core.contract import AttentionStats
-from kvcompress.generation import prefill, stream_nll
+from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.registry import make_config
 from tests.helpers import cache_logits, needs_smollm2, own_logits
@@ -349,7 +349,7 @@ def test_memory_is_allocated_once_and_equals_the_budget(tiny_llama):
     with torch.no_grad():
         prefill(tiny_llama, ids_of(1, 10, seed=18), cache)
         for token in ids_of(1, 200, seed=19)[0]:
-            tiny_llama(token.view(1, 1), past_key_values=cache)
+            tiny_llama(token.view(1, 1), **cache_argument(tiny_llama, cache))
             sizes.add(sum(layer.allocated_nbytes() for layer in cache.layers))
     assert sizes == {36 * per_token}  # several cascades: every ring's region is allocated at the first forward
     assert cache.nbytes() == 36 * per_token  # and full once 36 tokens are stored
@@ -365,7 +365,7 @@ def test_one_ring_grows_with_the_tokens_seen_and_never_stores_more_than_a_full_c
             prefill(tiny_llama, ids_of(1, 10, seed=18), cache)
         for token in ids_of(1, 80, seed=19)[0]:
             for cache in (full, ring):
-                tiny_llama(token.view(1, 1), past_key_values=cache)
+                tiny_llama(token.view(1, 1), **cache_argument(tiny_llama, cache))
             assert ring.nbytes() == min(full.nbytes(), full.nbytes() * 64 // cache.get_seq_length())
             allocated.append(sum(layer.allocated_nbytes() for layer in ring.layers))
     assert allocated[0] < allocated[-1] == ring.nbytes()  # grown from the prompt's size to the budget
@@ -484,5 +484,5 @@ def test_a_budget_not_divisible_is_rounded_down_and_never_exceeded(tiny_llama):
     assert (config.width, config.used_budget) == (1, 8)
     cache = kvcompress.cache_for(tiny_llama, config)
     with torch.no_grad():
-        tiny_llama(torch.arange(1, 41)[None], past_key_values=cache)
+        tiny_llama(torch.arange(1, 41)[None], **cache_argument(tiny_llama, cache))
     assert max(cache.tokens_stored()) == 8

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.less import LessConfig, baseline_plus
 from kvcompress.methods.less.kernels import LayerKernels, LessKernels, init_kernels, load_kernels
@@ -46,7 +46,9 @@ def strong_kernels(model, hidden: int = 16, seed: int = 3) -> LessKernels:
 def decode_logits(model, ids, cache) -> torch.Tensor:
     """Token 0 as the prompt, then every token alone through the cache: logits ``[B, S, vocab]``."""
     with torch.no_grad():
-        return torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(ids.shape[1])], 1)
+        return torch.cat(
+            [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(ids.shape[1])], 1
+        )
 
 
 # --------------------------------------------------------------------------------------------- check 1 properties
@@ -103,7 +105,7 @@ def test_state_equals_direct_sum_over_evicted_tokens(tiny_llama):
     prefill(tiny_llama, ids[:, :20], cache)  # a prompt: many tokens evicted at once
     with torch.no_grad():
         for t in range(20, 36):  # then one by one
-            tiny_llama(ids[:, t : t + 1], past_key_values=cache)
+            tiny_llama(ids[:, t : t + 1], **cache_argument(tiny_llama, cache))
     for index, layer in enumerate(cache.compressed_layers):
         keys = torch.cat([k for k, _ in seen[index]], dim=2)  # [1, H_kv, 36, d] post-RoPE
         values = torch.cat([v for _, v in seen[index]], dim=2)

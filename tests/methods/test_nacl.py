@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcompress
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.nacl import NaClSplit
 from kvcompress.methods.random import hash_uniform
 from kvcompress.registry import make_config
@@ -248,7 +248,7 @@ def test_greedy_eviction_holds_the_budget_while_the_prompt_streams(tiny_llama):
     stored = []
     with torch.no_grad():
         for start in range(0, 90, 10):
-            tiny_llama(ids[:, start : start + 10], past_key_values=cache)
+            tiny_llama(ids[:, start : start + 10], **cache_argument(tiny_llama, cache))
             stored.append(cache.tokens_stored())
     assert stored[0] == [10, 10] and all(s == [20, 20] for s in stored[1:])
 
@@ -344,7 +344,7 @@ def test_decode_interval_re_evicts_back_to_the_budget(tiny_llama):
     sizes = []
     with torch.no_grad():
         for step in range(9):
-            tiny_llama(ids[:, step : step + 1], past_key_values=cache)
+            tiny_llama(ids[:, step : step + 1], **cache_argument(tiny_llama, cache))
             sizes.append(cache.tokens_stored()[0])
     assert sizes == [11, 12, 13, 10, 11, 12, 13, 10, 11]
     assert cache.get_seq_length() == 59

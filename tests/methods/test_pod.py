@@ -12,7 +12,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import kvcompress
 from kvcompress.core.attention import padding_mask_passthrough
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.pod.grouping import (
     block_starts,
@@ -70,7 +70,7 @@ def pod_logits(model, ids, **params):
     params = {"starts": STARTS, "n_sink": NS, "n_recent": NR, **params}
     cache = kvcompress.cache_for(model, "pod", **params)
     with torch.no_grad():
-        return model(ids, past_key_values=cache).logits, cache
+        return model(ids, **cache_argument(model, cache)).logits, cache
 
 
 # --- an eager reference of spec §3.3 (full sequence, no cache), independent of the cache code -------------------
@@ -215,9 +215,9 @@ def test_decoding_with_cache_equals_teacher_forced(model, params):
     teacher, _ = pod_logits(model, ids, **params)
     cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR, **params)
     with torch.no_grad():
-        steps = [model(ids[:, :5], past_key_values=cache).logits]
-        steps += [model(ids[:, t : t + 7], past_key_values=cache).logits for t in range(5, 26, 7)]
-        steps += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(26, 64)]
+        steps = [model(ids[:, :5], **cache_argument(model, cache)).logits]
+        steps += [model(ids[:, t : t + 7], **cache_argument(model, cache)).logits for t in range(5, 26, 7)]
+        steps += [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(26, 64)]
     torch.testing.assert_close(torch.cat(steps, 1), teacher, rtol=1e-4, atol=1e-4)
 
 
@@ -246,9 +246,9 @@ def test_stored_bytes_equal_the_formula_at_every_length(model):
     cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
     ids = ids_of(40, seed=9)
     with torch.no_grad():
-        model(ids[:, :6], past_key_values=cache)
+        model(ids[:, :6], **cache_argument(model, cache))
         for t in range(6, 40):
-            model(ids[:, t : t + 1], past_key_values=cache)
+            model(ids[:, t : t + 1], **cache_argument(model, cache))
             n = t + 1
             assert cache.nbytes() == 4 * kv_elements(STARTS, n, NS, NR, head_dim=16)
     dense = 2 * 4 * 2 * 40 * 16 * 4
@@ -299,7 +299,7 @@ def test_pod_with_snapkv_keeps_one_token_set_per_block_and_counts_bytes(model):
     assert cache.nbytes() < 2 * 4 * 2 * 24 * 16 * 4  # below SnapKV alone at the same budget
     with torch.no_grad():
         for t in range(5):
-            model(ids_of(1, seed=20 + t), past_key_values=cache)
+            model(ids_of(1, seed=20 + t), **cache_argument(model, cache))
     assert all(layer.values.shape[2] == 29 for layer in layers)
 
 
@@ -417,7 +417,7 @@ def test_training_path_with_autograd_equals_inference_path(model):
     weight.requires_grad_(True)
     try:
         with torch.enable_grad():
-            logits = model(ids, past_key_values=cache).logits
+            logits = model(ids, **cache_argument(model, cache)).logits
             logits.sum().backward()
         assert weight.grad is not None
     finally:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import kvcompress
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 
 Kept = list[list[list[int]]]  # [sequence][KV head] -> sorted stream indices
 
@@ -142,7 +142,7 @@ def run_method(
                 input_ids=ids[:, step : step + 1],
                 attention_mask=mask[:, : step + 1],
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 use_cache=True,
             )
     finally:

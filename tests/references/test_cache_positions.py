@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvcompress
+from kvcompress.generation import cache_argument
 from tests.references.driver import kept_sets, token_ids
 
 
@@ -64,7 +65,7 @@ def compare_with_fresh_forwards(models, method, params, *, length=30, chunk=1, p
             input_ids=ids[:, start:stop],
             attention_mask=mask[:, :stop],
             position_ids=positions[:, start:stop],
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
         ).logits
         after = kept_sets(layer)

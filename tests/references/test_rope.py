@@ -25,6 +25,7 @@ from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply
 
 import kvcompress
 from kvcompress.core.rope import find_inv_freq, rotate_by
+from kvcompress.generation import cache_argument
 
 ROPE_TYPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -126,5 +127,5 @@ def test_length_dependent_rope_is_refused_in_cache_mode_only(rope, tiny_llama):
     cache = kvcompress.cache_for(model, "streaming", budget=6, sinks=2, position_mode="original")
     ids = torch.arange(3, 23)[None]
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
     assert cache.tokens_stored() == [6] * model.config.num_hidden_layers
