@@ -41,6 +41,7 @@ class _Pending:
     tok: torch.Tensor  # [q] stream indices (padding included)
     pos: torch.Tensor | None = None  # [B, q] RoPE positions; None = the stream indices
     real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
+    source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (rotations are cached on it)
 
 
 class CascadeLayer(RingAttention, RingViews, RingCapacity, CompressedLayer):
@@ -180,6 +181,7 @@ class CascadeLayer(RingAttention, RingViews, RingCapacity, CompressedLayer):
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
             pending.pos = positions.expand(batch, -1).long()
+            pending.source = position_ids if position_ids.dim() == 2 else None
         if padding is not None:
             pending.real = padding[:, -count:].to(self.device, torch.bool)
 

@@ -1,0 +1,46 @@
+"""RoPE rotations as matrices, built once per forward and shared by every layer that rotates alike.
+
+A layer that stores keys at one position and attends at another (the circular sink cache) rotates a query or a key
+from the position the model rotated it with (``position_ids``) to a target position. Every layer of a forward gets
+the same ``position_ids`` tensor and layers in the same state want the same targets, so the rotations are built
+once, as one ``[B, d, k d]`` matrix per set of targets (``x @ M`` gives ``x`` rotated to each of the ``k`` targets
+in one matmul), and kept on the ``position_ids`` tensor for the layers that follow. Nothing is read back to the
+host: the targets are Python integers and the positions stay on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CACHE = "_kvcompress_rotations"
+
+
+def rotation_matrices(
+    position_ids: torch.Tensor, targets: tuple[int, ...], inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[B, d, k d]``: for a vector ``x`` rotated at ``position_ids[b, -1]``, ``x @ M[b]`` holds ``x`` rotated to
+    each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)`` dimensions rotate)."""
+    key = (targets, inv_freq.data_ptr(), dim, dtype)
+    cache = getattr(position_ids, _CACHE, None)
+    if cache is None:
+        cache = {}
+        setattr(position_ids, _CACHE, cache)
+    if key not in cache:
+        cache[key] = _build(position_ids[..., -1].reshape(-1), targets, inv_freq, dim, dtype)
+    return cache[key]
+
+
+def _build(
+    positions: torch.Tensor, targets: tuple[int, ...], inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
+    angles = delta.float()[..., None] * inv_freq.to(positions.device)  # [B, k, h], as the model computes them
+    cos, sin = torch.diag_embed(angles.cos()), torch.diag_embed(angles.sin())  # [B, k, h, h]
+    # input dimension i (rows) -> output j (columns): out[:h] = x[:h] cos - x[h:] sin, out[h:] = x[h:] cos + x[:h] sin
+    rotation = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)  # [B, k, 2h, 2h]
+    rotary = rotation.shape[-1]
+    if rotary < dim:  # partial rotary: the other dimensions pass through
+        rotation = torch.nn.functional.pad(rotation, (0, dim - rotary, 0, dim - rotary))
+        rotation[..., rotary:, rotary:] = torch.eye(dim - rotary, device=positions.device)
+    batch, count = delta.shape
+    return rotation.permute(0, 2, 1, 3).reshape(batch, dim, count * dim).to(dtype)
