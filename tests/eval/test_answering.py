@@ -60,7 +60,7 @@ def test_agnostic_prefills_the_context_and_aware_all_but_the_last_token(model, m
     aware: the prompt but its last token is prefilled, then the last token. Decoding then feeds back each answer
     token but the last."""
     tokenizer = tiny_tokenizer()
-    params = dict(seed=5, length=100, chunk_size=chunk_size, modes=(mode,))
+    params = dict(seed=5, length=100, chunk_size=chunk_size, modes=(mode,), nll=False)  # the answering path only
     [sample] = make_task("passkey", model, tokenizer, **params).build_samples(1)
     context, question = sample.inputs["context_ids"][0].tolist(), sample.inputs["question_ids"][0].tolist()
     prompt = context + question

@@ -30,7 +30,7 @@ def test_run_eval_writes_one_row_per_sample_method_budget_and_the_environment(ti
     ]
     for row in results:
         assert row["task"] == "passkey" and row["task_params"]["length"] == 300
-        assert set(row["scores"]) == {"accuracy"}
+        assert set(row["scores"]) == {"accuracy", "answer_nll"}
         assert row["time_s"] > 0 and row["kv_bytes"] > 0 and len(row["tokens_stored"]) == 2
         assert max(row["tokens_stored"]) == (row["tokens_seen"] if row["budget"] is None else row["budget"])
 

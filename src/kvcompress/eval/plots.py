@@ -18,6 +18,7 @@ UNITS = {
     "score": "RULER string-match score",
     "ppl": "perplexity",
     "nll": "mean NLL (nats/token)",
+    "answer_nll": "answer NLL, teacher-forced (nats/token, lower is better)",
     "rouge1": "ROUGE-1 F vs full cache",
     "rouge2": "ROUGE-2 F vs full cache",
     "rougeL": "ROUGE-L F vs full cache",
@@ -38,17 +39,32 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
-def plot_score_vs_budget(rows: list[dict[str, Any]], metric: str, path: Path, title: str) -> Path:
-    """Mean ``metric`` (± standard error) against the token budget, one line per method; methods without a
-    budget (the full cache) are drawn as horizontal dashed lines. Ratio budgets are left out of this plot."""
+def plot_score_vs_budget(rows: list[dict[str, Any]], metrics: str | list[str], path: Path, title: str) -> Path:
+    """Mean score (± standard error) against the token budget, one line per method, one panel per metric side
+    by side; methods without a budget (the full cache) are drawn as horizontal dashed lines. Ratio budgets are
+    left out of this plot."""
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
     labels = list(dict.fromkeys(r.get("label", r["method"]) for r in rows))
     styles = _styles(labels)
+    width = 9 if len(metrics) == 1 else 5 * len(metrics) + 1.5
+    fig, axes = plt.subplots(1, len(metrics), figsize=(width, 5), dpi=120, squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        _draw_metric(ax, rows, metric, labels, styles)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="method")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _draw_metric(ax, rows: list[dict[str, Any]], metric: str, labels: list[str], styles) -> None:
+    """One panel of ``plot_score_vs_budget``."""
     cells: dict[str, dict[Any, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if metric in row["scores"]:
             cells[row.get("label", row["method"])][row["budget"]].append(row["scores"][metric])
     budgets = sorted({b for c in cells.values() for b in c if isinstance(b, int)})
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
     bounded = [label for label in labels if any(isinstance(b, int) for b in cells.get(label, {}))]
     for label in labels:
         points = cells.get(label, {})
@@ -83,13 +99,7 @@ def plot_score_vs_budget(rows: list[dict[str, Any]], metric: str, path: Path, ti
         _plain_log_axis(ax)
     elif metric in ("accuracy", "score") or metric.startswith("rouge"):
         ax.set_ylim(-0.05, 1.05)
-    ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="method")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def running_ppl(rows: list[dict[str, Any]]) -> tuple[list[int], list[float]] | None:
@@ -154,9 +164,12 @@ def _plain_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(FormatStrFormatter(""))
 
 
-def plot_group(rows: list[dict[str, Any]], metric: str, stem: Path, title: str) -> list[Path]:
-    """Every plot for one task and mode; returns the PNG paths written (``<stem>-<kind>.png``)."""
-    paths = [plot_score_vs_budget(rows, metric, stem.with_name(stem.name + f"-{metric}-vs-budget.png"), title)]
+def plot_group(rows: list[dict[str, Any]], metrics: str | list[str], stem: Path, title: str) -> list[Path]:
+    """Every plot for one task and mode; returns the PNG paths written (``<stem>-<kind>.png``). ``metrics``: the
+    scores drawn against the budget, side by side in one figure."""
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+    name = stem.name + f"-{'-'.join(metrics)}-vs-budget.png"
+    paths = [plot_score_vs_budget(rows, metrics, stem.with_name(name), title)]
     if rows[0]["task"] == "stream-ppl":
         path = plot_stream(rows, stem.with_name(stem.name + "-running-ppl.png"), title)
         if path is not None:

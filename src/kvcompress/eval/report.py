@@ -7,8 +7,10 @@ lm-eval ``results_*.json`` below it (``kvcompress.eval.lmeval_results``, tables 
 ``<out_prefix>.md`` plus ``<out_prefix>-<task>[-<mode>]-<plot>.png`` beside it. For every task and mode it gives,
 per metric, a table of the mean score per method (rows) and budget (columns) with ``± standard error`` of the
 mean over samples and the sample count; then the stored KV cache (tokens per layer and MiB) and the time per
-sample. ``niah`` also gets a per-subtask table. Plots: score against budget per method (the full cache as a
-horizontal line) and, for ``stream-ppl``, perplexity along the stream.
+sample. Each task and mode opens with a summary: one line per method and budget with every score, the stored KV
+bytes and the time per sample, each beside the full cache's (``summary_table``; ``--summary`` prints it).
+``niah`` also gets a per-subtask table. Plots: score against budget per method (the full cache as a horizontal
+line; the task's ``plot_metrics`` side by side) and, for ``stream-ppl``, perplexity along the stream.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvcompress.eval.lmeval_results import lmeval_lines, load_lmeval
 from kvcompress.eval.runner import read_rows
 from kvcompress.eval.tasks import TASKS
 
-LOWER_IS_BETTER = {"ppl", "nll"}
+LOWER_IS_BETTER = {"ppl", "nll", "answer_nll"}
 
 
 def load_results(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -66,11 +68,12 @@ def budget_name(budget: Any) -> str:
     return str(budget)
 
 
-def _format(mean: float, se: float | None, n: int, digits: int) -> str:
+def _format(mean: float, se: float | None, n: int | None, digits: int) -> str:
+    """``mean ± se (n)``; without ``± se`` when ``se`` is None, without ``(n)`` when ``n`` is None."""
     text = f"{mean:.{digits}f}"
     if se is not None:
         text += f" ± {se:.{digits}f}"
-    return f"{text} ({n})"
+    return text if n is None else f"{text} ({n})"
 
 
 def _digits(metric: str, values: Iterable[float]) -> int:
@@ -153,8 +156,16 @@ def _machine(environments: list[dict[str, Any]]) -> str:
     )
 
 
-def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[str], plots: bool = True) -> Path:
-    """Write ``<out_prefix>.md`` (tables) and PNG plots from the results in ``run_dir``; return the markdown path."""
+def write_report(
+    run_dir: str | os.PathLike[str],
+    out_prefix: str | os.PathLike[str],
+    plots: bool = True,
+    digest: list[str] | None = None,
+) -> Path:
+    """Write ``<out_prefix>.md`` (tables) and PNG plots from the results in ``run_dir``; return the markdown path.
+
+    ``digest``, when given, receives the short version as markdown lines: per task and mode its heading,
+    parameters, summary table and the paths of its plots."""
     from kvcompress.eval import plots as plotting
 
     lmeval_rows = load_lmeval(run_dir)
@@ -181,18 +192,24 @@ def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[
         "Budgets are tokens kept per layer and KV head; `no limit` is a method without a budget (the full cache).",
         "",
     ]
+    if digest is not None:
+        digest += lines[:4]
     groups = group_rows(results)
     variants: dict[tuple[str, str | None], int] = defaultdict(int)
     for (task, mode, _params), rows in groups.items():
         variants[(task, mode)] += 1
         variant = variants[(task, mode)]
         heading = _title(task, mode) + (f" [parameter set {variant}]" if variant > 1 else "")
+        start = len(lines)
         lines += [f"## {heading}", ""]
         params = rows[0].get("task_params") or {}
         if params:
             shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
             lines += [f"Task parameters: {shown}; seed {rows[0].get('seed')}.", ""]
         metrics = metric_names(rows)
+        lines += [f"**summary** ({SUMMARY_NOTE})", "", summary_table(rows, metrics), ""]
+        if digest is not None:
+            digest += lines[start:]
         for metric in metrics:
             arrow = "lower is better" if metric in LOWER_IS_BETTER else "higher is better"
             lines += [
@@ -221,13 +238,69 @@ def write_report(run_dir: str | os.PathLike[str], out_prefix: str | os.PathLike[
         if plots:
             title = f"{heading} — {', '.join(models)} — {machine}"
             stem = f"{out_prefix.name}-{task}" + (f"-{mode}" if mode else "") + (f"-{variant}" if variant > 1 else "")
-            for path in plotting.plot_group(rows, metrics[0], out_prefix.parent / stem, title):
+            for path in plotting.plot_group(rows, plotted_metrics(rows, metrics), out_prefix.parent / stem, title):
                 lines += [f"![{path.stem}]({path.name})", ""]
+                if digest is not None:
+                    digest += [f"plot: {path}", ""]
     if lmeval_rows:
         lines += ["#" + line if line.startswith("#") else line for line in lmeval_lines(lmeval_rows)]
     path = out_prefix.with_suffix(".md")
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+SUMMARY_NOTE = (
+    "scores: mean ± standard error over the samples; KV MiB: stored keys and values at the end of a sample, mean; "
+    "s/sample: wall time, median (min–max), and CPU time, median; × full: ratio of means (KV) or medians (time) "
+    "to the full cache's"
+)
+
+
+def plotted_metrics(rows: list[dict[str, Any]], metrics: list[str]) -> list[str]:
+    """The metrics drawn against the budget: the task's ``plot_metrics`` present in the rows, else the headline."""
+    task = TASKS.get(rows[0]["task"])
+    chosen = [m for m in (task.plot_metrics if task is not None else ()) if m in metrics]
+    return chosen or metrics[:1]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _ratio(value: float, reference: float | None) -> str:
+    return f"{value / reference:.2f}" if reference else "–"
+
+
+def summary_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    """Markdown table, one line per method and budget: sample count, every metric (``mean ± se``), stored KV MiB
+    and wall / CPU seconds per sample, with the ratio to the full cache (the rows of method ``full``)."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
+    for row in sorted(rows, key=lambda r: budget_sort_key(r["budget"])):
+        groups[(row.get("label", row["method"]), row["budget"])].append(row)
+    full = [r for r in rows if r["method"] == "full"]
+    full_kv = mean_se([r["kv_bytes"] for r in full])[0] if full else None
+    full_time = _median([r["time_s"] for r in full]) if full else None
+    names = [f"{m} ({'lower' if m in LOWER_IS_BETTER else 'higher'} is better)" for m in metrics]
+    lines = [
+        "| method | budget | n | " + " | ".join(names) + " | KV MiB | × full | s/sample | CPU s | × full |",
+        "|---|---|---|" + "---|" * (len(metrics) + 5),
+    ]
+    for (label, budget), group in groups.items():
+        cells = []
+        for metric in metrics:
+            values = [r["scores"][metric] for r in group if metric in r["scores"]]
+            digits = _digits(metric, [v for r in rows if metric in r["scores"] for v in [r["scores"][metric]]])
+            cells.append(_format(*mean_se(values), None, digits) if values else "")
+        kv = mean_se([r["kv_bytes"] for r in group])[0]
+        times = [r["time_s"] for r in group]
+        cpu = [r["cpu_s"] for r in group if "cpu_s" in r]
+        wall = f"{_median(times):.2f} ({min(times):.2f}–{max(times):.2f})"
+        cells += [f"{kv / 2**20:.2f}", _ratio(kv, full_kv), wall, f"{_median(cpu):.2f}" if cpu else "–"]
+        cells.append(_ratio(_median(times), full_time))
+        lines.append(f"| {label} | {budget_name(budget)} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def subtask_table(rows: list[dict[str, Any]], metric: str, subtasks: list[str]) -> str:
@@ -255,8 +328,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", help="folder of .jsonl results and/or lm-eval results_*.json (or one file)")
     parser.add_argument("--out", required=True, help="output prefix: writes PREFIX.md and PREFIX-*.png")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--summary", action="store_true", help="print the summary tables and plot paths, then the report's path"
+    )
     args = parser.parse_args(argv)
-    print(write_report(args.run_dir, args.out, plots=not args.no_plots))
+    digest: list[str] = []
+    path = write_report(args.run_dir, args.out, plots=not args.no_plots, digest=digest)
+    if args.summary:
+        print("\n".join(digest))
+    print(path)
     return 0
 
 

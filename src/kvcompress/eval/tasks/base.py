@@ -4,7 +4,7 @@ A task builds its samples once (text, token ids, answers), then evaluates each s
 configuration, in each of its modes. Everything that does not depend on the method (tokenisation, the
 full-cache reference of ``summary``) is computed once per sample and reused. ``run_task`` drives the loop and
 turns each evaluation into a row: scores, what the cache held at the end (tokens seen, tokens stored per layer,
-stored key/value bytes) and the wall time.
+stored key/value bytes), the wall time and the process CPU time.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Task:
 
     name: ClassVar[str] = ""
     metrics: ClassVar[tuple[str, ...]] = ()  # score names; the first is the headline
+    plot_metrics: ClassVar[tuple[str, ...]] = ()  # drawn side by side against the budget; empty: the headline
     higher_is_better: ClassVar[bool] = True
     defaults: ClassVar[dict[str, Any]] = {}
     description: ClassVar[str] = ""
@@ -148,7 +149,7 @@ def run_task(
 
     ``skip`` receives a row's identity (see ``row_identity``) and returns True for rows already done. Rows hold
     the identity, the task parameters, ``scores``, ``tokens_seen``, ``tokens_stored`` (per layer), ``kv_bytes``,
-    ``time_s`` and the sample's ``info`` and the result's ``extra``.
+    ``time_s`` (wall), ``cpu_s`` (process CPU time) and the sample's ``info`` and the result's ``extra``.
     """
     configs = list(configs)
     for sample in samples:
@@ -158,9 +159,9 @@ def run_task(
                 if skip is not None and skip(identity):
                     continue
                 cache = task.new_cache(config)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 result = task.evaluate(sample, config, cache, mode)
-                elapsed = time.perf_counter() - start
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 yield {
                     **identity,
                     "label": config.label,
@@ -171,6 +172,7 @@ def run_task(
                     "tokens_stored": cache.tokens_stored(),
                     "kv_bytes": cache.nbytes(),
                     "time_s": round(elapsed, 4),
+                    "cpu_s": round(cpu, 4),
                     "info": sample.info,
                     "extra": result.extra,
                 }

@@ -3,7 +3,11 @@
 The prompt is the classic one: an instruction, the repeated filler "The grass is green. The sky is blue. ...",
 and at a chosen depth the needle "The pass key is 12345. Remember it. 12345 is the pass key." The question "What
 is the pass key?" follows the text, and the assistant turn starts with "The pass key is", so the key is the
-first thing generated. Score: exact match of the first number generated with the key (chance ~0).
+first thing generated. Scores: ``accuracy``, exact match of the first number generated with the key (chance ~0),
+and ``answer_nll``, the mean negative log-likelihood (nats per token) of the key's tokens teacher-forced after
+the prompt through a second fresh cache of the same configuration (``prompting.answer_nll``): a graded score,
+lower is better, that separates methods whose exact answers are all wrong. ``nll=False`` skips it (half the
+time per sample).
 
 ``length`` is the prompt length in tokens (the filler is sized to reach it); ``depth`` the fraction of the
 filler before the needle (``None``: sample ``i`` uses the ``i``-th van der Corput point 0, 1/2, 1/4, 3/4, ...,
@@ -18,7 +22,7 @@ import random
 import re
 
 from kvcompress.eval.tasks.base import Result, Sample, check_fraction, check_positive_int, van_der_corput
-from kvcompress.eval.tasks.prompting import count_tokens, split_prompt
+from kvcompress.eval.tasks.prompting import count_tokens, encode, split_prompt
 from kvcompress.eval.tasks.qa import QATask
 
 INTRO = (
@@ -38,15 +42,25 @@ def first_number(text: str) -> str | None:
 
 class PasskeyTask(QATask):
     name = "passkey"
-    metrics = ("accuracy",)
-    description = "5-digit passkey in repeated filler; exact match"
-    defaults = {"length": 1024, "depth": None, "chunk_size": 64, "max_new_tokens": 8, "modes": ("aware",)}
+    metrics = ("accuracy", "answer_nll")
+    plot_metrics = ("accuracy", "answer_nll")
+    description = "5-digit passkey in repeated filler; exact match and the key's teacher-forced NLL"
+    defaults = {
+        "length": 1024,
+        "depth": None,
+        "chunk_size": 64,
+        "max_new_tokens": 8,
+        "modes": ("aware",),
+        "nll": True,
+    }
 
     def validate(self) -> None:
         super().validate()
         check_positive_int(self.params["length"], "length", 64)
         if self.params["depth"] is not None:
             check_fraction(self.params["depth"], "depth")
+        if not isinstance(self.params["nll"], bool):
+            raise ValueError(f"nll must be true or false, got {self.params['nll']!r}")
 
     def build_prompt(self, key: str, depth: float) -> tuple[str, float]:
         """The context text with the needle at ``depth`` (filler repetitions before / all); the actual depth."""
@@ -70,7 +84,12 @@ class PasskeyTask(QATask):
         context_ids, question_ids = split_prompt(self.tokenizer, context, QUESTION, ANSWER_PREFIX)
         return Sample(
             id=f"passkey-{index:03d}",
-            inputs={"context_ids": context_ids, "question_ids": question_ids, "key": key},
+            inputs={
+                "context_ids": context_ids,
+                "question_ids": question_ids,
+                "answer_ids": encode(self.tokenizer, " " + key),
+                "key": key,
+            },
             info={
                 "depth": round(actual, 4),
                 "prompt_tokens": context_ids.shape[1] + question_ids.shape[1],
@@ -80,5 +99,7 @@ class PasskeyTask(QATask):
 
     def evaluate(self, sample, config, cache, mode):
         text = self.generate(sample, cache, mode)
-        correct = first_number(text) == sample.inputs["key"]
-        return Result(scores={"accuracy": float(correct)}, extra={"prediction": text})
+        scores = {"accuracy": float(first_number(text) == sample.inputs["key"])}
+        if self.params["nll"]:
+            scores["answer_nll"] = self.answer_nll(sample, self.new_cache(config), mode)
+        return Result(scores=scores, extra={"prediction": text})

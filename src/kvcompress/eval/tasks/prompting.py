@@ -25,10 +25,11 @@ import re
 from collections.abc import Callable
 
 import torch
+from torch.nn import functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
 from kvcompress.core.cache import CompressedCache
-from kvcompress.generation import cache_argument, prefill
+from kvcompress.generation import cache_argument, positions_from_mask, prefill
 
 MODES = ("agnostic", "aware")
 
@@ -125,6 +126,39 @@ def decode_answer(
         else None,
     )
     return tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def answer_nll(
+    model: PreTrainedModel,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor,
+    answer_ids: torch.Tensor,
+    cache: CompressedCache,
+    mode: str,
+    chunk_size: int | None,
+    fill: Callable[..., object] = prefill,
+) -> float:
+    """Mean negative log-likelihood (nats per token) of ``answer_ids`` (``[1, A]``), teacher-forced after the
+    prompt went into ``cache`` in ``mode`` as ``answer`` puts it there: a graded retrieval score (lower is better)
+    that separates methods whose greedy answers are all wrong (or all right).
+
+    After ``prefill_prompt``, one forward feeds what the cache has not seen (the last prompt token in ``aware``
+    mode, the question in ``agnostic`` mode) and the answer but its last token; it attends to the compressed cache
+    and to its own tokens, as a decoding step does, and the cache evicts after it as its method says.
+    """
+    prompt = prefill_prompt(model, context_ids, question_ids, cache, mode, chunk_size, fill)
+    seen = cache.get_seq_length()
+    ids = torch.cat([prompt, answer_ids], dim=1)
+    mask = torch.ones_like(ids)
+    logits = model(
+        input_ids=ids[:, seen:-1],
+        attention_mask=mask[:, :-1],
+        position_ids=positions_from_mask(mask)[:, seen:-1],
+        **cache_argument(model, cache),
+        use_cache=True,
+    ).logits[0, -answer_ids.shape[1] :]
+    return F.cross_entropy(logits.float(), answer_ids[0]).item()
 
 
 class _AllFound(StoppingCriteria):

@@ -1,11 +1,12 @@
 """What the question-answering tasks (passkey, niah, docqa, summary) share: their modes, the checks of the
-parameters they have in common, and answering a sample's question through a cache (``prompting.answer``)."""
+parameters they have in common, answering a sample's question through a cache (``prompting.answer``) and the
+teacher-forced NLL of a known answer (``prompting.answer_nll``)."""
 
 from __future__ import annotations
 
 from kvcompress.core.cache import CompressedCache
 from kvcompress.eval.tasks.base import Sample, Task, check_positive_int
-from kvcompress.eval.tasks.prompting import MODES, answer
+from kvcompress.eval.tasks.prompting import MODES, answer, answer_nll
 from kvcompress.generation import prefill
 
 
@@ -52,5 +53,18 @@ class QATask(Task):
             self.params["chunk_size"],
             self.params["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
             stop_when_found=stop_when_found,
+            fill=self.fill,
+        )
+
+    def answer_nll(self, sample: Sample, cache: CompressedCache, mode: str) -> float:
+        """Mean NLL per token of ``sample.inputs["answer_ids"]`` teacher-forced through ``cache`` in ``mode``."""
+        return answer_nll(
+            self.model,
+            sample.inputs["context_ids"],
+            sample.inputs["question_ids"],
+            sample.inputs["answer_ids"],
+            cache,
+            mode,
+            self.params["chunk_size"],
             fill=self.fill,
         )
