@@ -1,6 +1,6 @@
 """Sliding-window layers of a hybrid model (the tiny Gemma-3: layers 0 and 2 slide over 8 tokens, 1 and 3 are
 global) under the two methods with their own storage. The cascade keeps the window itself on a sliding layer when
-its budget holds the window and runs its rings at a smaller budget; PoD takes sliding layers out of layer sharing.
+its budget holds the window and runs its rings at a smaller budget; PoD splits its layer blocks by layer kind.
 Every method's window bound and no-eviction logits on this model are in ``test_architectures``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import kvcompress
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.generation import cache_argument
 from kvcompress.methods.cascade import CascadeLayer
-from kvcompress.methods.pod.grouping import without_layers
+from kvcompress.methods.pod.grouping import split_by_kind
 from tests.models.zoo import SLIDING_WINDOW, zoo_model
 
 SLIDING = (0, 2)
@@ -80,15 +80,16 @@ def test_cascade_below_the_window_runs_its_rings_on_sliding_layers(gemma):
     torch.testing.assert_close(logits, one_forward(gemma, "cascade", ids, **params), rtol=1e-4, atol=1e-4)
 
 
-def test_pod_takes_sliding_layers_out_of_sharing(gemma):
-    params = {"block_size": 4, "n_sink": 2, "n_recent": 4}  # one block of all 4 layers before the exclusion
+def test_pod_shares_within_each_layer_kind(gemma):
+    params = {"block_size": 4, "n_sink": 2, "n_recent": 4}  # one block of all 4 layers before the split
     cache = kvcompress.cache_for(gemma, "pod", **params)
     ids = ids_of()
     logits = stepwise(gemma, cache, ids, check=sliding_stores_the_window)
     layers = cache.compressed_layers
-    # sliding layers are their own (dense) blocks; global layer 3 shares layer 1's distant attention
-    assert [layer.head_starts[0] for layer in layers] == [0, 1, 2, 1]
-    assert [len(layer.prox_heads) for layer in layers] == [0, 0, 0, 2]
+    # sliding layer 2 shares layer 0's distant attention (inside the window), global layer 3 shares layer 1's
+    assert [layer.head_starts[0] for layer in layers] == [0, 1, 0, 1]
+    assert [len(layer.prox_heads) for layer in layers] == [0, 0, 2, 2]
+    assert layers[2].prox_keys.shape[2] == 4 and layers[2].values.shape[2] == SLIDING_WINDOW - 1  # sinks expired
     assert layers[3].prox_keys.shape[2] == 2 + 4 and layers[3].values.shape[2] == LENGTH
     # decoding with expiring sliding layers equals one forward over the whole sequence
     torch.testing.assert_close(logits, one_forward(gemma, "pod", ids, **params), rtol=1e-4, atol=1e-4)
@@ -101,8 +102,9 @@ def test_pod_composed_with_snapkv_bounds_sliding_layers(gemma):
     assert cache.tokens_stored()[1] <= 10 + LENGTH - PROMPT
 
 
-def test_excluded_layers_become_their_own_blocks_and_the_rest_share_from_their_first_member():
-    # per head: head 0 blocks [0-3][4-5], head 1 [0][1-5]; layers 0 and 4 excluded
+def test_blocks_split_by_layer_kind_share_from_their_first_member_of_each_kind():
+    # per head: head 0 blocks [0-3][4-5], head 1 [0][1-5]; layers 0, 2 and 4 slide ("s"), the others are global
     starts = ((0, 0), (0, 1), (0, 1), (0, 1), (4, 1), (4, 1))
-    assert without_layers(starts, {0, 4}) == ((0, 0), (1, 1), (1, 1), (1, 1), (4, 4), (5, 1))
-    assert without_layers(starts, set()) == starts
+    kinds = ["s", None, "s", None, "s", None]
+    assert split_by_kind(starts, kinds) == ((0, 0), (1, 1), (0, 2), (1, 1), (4, 2), (5, 1))
+    assert split_by_kind(starts, [None] * 6) == starts

@@ -38,13 +38,15 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
   kvcompress.train.pod_calibrate --samples 16 --length 1024``) grouped by Algorithm 1 at ``delta``.
   ``similarity`` also takes a shipped name (``"smollm2-135m"``).
-- Sliding-window layers of hybrid models (Gemma-3's local layers; the paper's models have none) take no part in
-  sharing: each is its own block (dense attention over its window, as the model computes it) and, like every
-  method's sliding layers, stores at most its window (the last ``window - 1`` tokens between forwards, what
-  transformers' sliding layers keep). The other layers of a block that held sliding layers keep sharing, from the
-  block's first global layer. Why: a sliding layer sees no token older than its window, so it has no distant keys
-  to lend a global layer, and with the paper's ``n_recent`` (4080) above Gemma-3's windows (512 or 1024) no token
-  it sees is distant anyway. A composed ``base`` method still selects on sliding layers (each is a block start).
+- Sliding-window layers of hybrid models (Gemma-3's local layers; the paper's models have none) store at most their
+  window, like every method's sliding layers (the last ``window - 1`` tokens between forwards, what transformers'
+  sliding layers keep), and share only with layers of their own kind: each block is split by layer kind (sliding
+  window, or global), each part sharing from its first layer (``grouping.split_by_kind``). Why: a sliding layer
+  keeps no key older than its window, so it cannot lend distant keys to a global layer, and a global layer's keys
+  would be read at slots a sliding layer no longer has; two sliding layers keep the same tokens, so they can.
+  Every part of a complete-linkage block is still one (all its pairs were similar). On a sliding layer a token
+  is distant only between ``n_recent`` and the window: with the paper's ``n_recent`` (4080) above Gemma-3's
+  windows (512 or 1024) sliding layers are exact and only global layers save keys.
 - Budgets (``ratio`` or ``budget``, in KV bytes, ``kvcompress.methods.pod.budget``): PoD alone saves at most half
   the bytes (keys only), so a request is met by composing with SnapKV (the paper's Table 1), window 32, once after
   the prompt: the tokens kept per layer and KV head follow from the block layout's share of stored keys and the
@@ -65,9 +67,9 @@ from kvcompress.methods.pod.grouping import (
     check_starts,
     kv_key_rows,
     load_similarity,
+    split_by_kind,
     starts_from_similarity,
     uniform_starts,
-    without_layers,
 )
 from kvcompress.methods.pod.layer import PoDLayer
 from kvcompress.methods.pod.policy import PoDPolicy
@@ -160,8 +162,7 @@ class PoDConfig(MethodConfig):
         return starts
 
     def connect(self, layers: list[PoDLayer]) -> None:
-        sliding = {index for index, layer in enumerate(layers) if layer.sliding_window is not None}
-        starts = without_layers(self.resolve_starts(len(layers)), sliding)
+        starts = split_by_kind(self.resolve_starts(len(layers)), [layer.sliding_window for layer in layers])
         for index, layer in enumerate(layers):
             layer.connect_block(layers, index, starts[index])
             layer.key_share = kv_key_rows(starts) / (len(starts) * len(starts[0]))

@@ -104,17 +104,16 @@ def check_starts(starts: Starts, layers: int | None = None) -> None:
                 )
 
 
-def without_layers(starts: Starts, excluded: set[int]) -> Starts:
-    """``starts`` with the ``excluded`` layers taken out of sharing: each is its own block (dense attention), and the
-    other layers of a block keep sharing, from its first layer that is not excluded (their new block start).
+def split_by_kind(starts: Starts, kinds: Sequence[object]) -> Starts:
+    """``starts`` with every block split by layer kind (``kinds[l]``, e.g. its sliding window or ``None``): the
+    layers of one kind in a block share from the block's first layer of that kind (their new block start).
 
-    PoD uses it for sliding-window layers, which see only their window and keep only it (``PoDConfig.connect``)."""
+    A complete-linkage block stays one after the split (every pair of its layers was similar). PoD uses it so that a
+    sliding-window layer shares only with sliding layers of the same window (``PoDConfig.connect``)."""
 
     def new_start(layer: int, head: int) -> int:
-        if layer in excluded:
-            return layer
         start = starts[layer][head]
-        return next(m for m in range(start, layer + 1) if m not in excluded and starts[m][head] == start)
+        return next(m for m in range(start, layer + 1) if kinds[m] == kinds[layer] and starts[m][head] == start)
 
     return tuple(tuple(new_start(layer, head) for head in range(len(row))) for layer, row in enumerate(starts))
 
