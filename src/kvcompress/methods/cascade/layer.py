@@ -27,6 +27,7 @@ from kvcompress.core.rope import rotate_by
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
+from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_views import RingViews
 
 _MAX_PERIOD = 1 << 62  # acceptance periods beyond this are never reached (no overflow for large base^i)
@@ -44,7 +45,7 @@ class _Pending:
     source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (rotations are cached on it)
 
 
-class CascadeLayer(RingAttention, RingViews, RingCapacity, CompressedLayer):
+class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, CompressedLayer):
     """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
     unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
 
@@ -268,26 +269,18 @@ class CascadeLayer(RingAttention, RingViews, RingCapacity, CompressedLayer):
         rotated at ``dest``); with ``select``, only in the sequences where its score beats the resident's (tie
         rule of the config)."""
         buffer, scores = self._kv, self._score
-        if select:  # only the sequences where the arriving token wins write it
+        if select:  # only the sequences where the arriving token wins write it (a where: no host read)
             arriving = scores[:, source] if source is not None else self._new_score(score)
             resident = scores[:, dest]
             wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
-            winners = wins.nonzero().flatten()
-            if winners.numel() == 0:
-                return
-            if winners.numel() == wins.numel():  # everywhere: a plain write
-                self._put(dest, source, kv, meta, score)
-                return
-            # the winners' rows: index_select on the slot column (advanced indexing of the 4-d buffer is 2-3x
-            # slower on CPU); the result is a fresh tensor, rotated in place
             items, moved_meta = (
                 (kv[:, :, 0], meta[:, 0]) if source is None else (buffer[:, :, source], self._meta[:, source])
             )
-            rows = items.index_select(0, winners)
-            self._turn(rows, dest - (source or 0))
-            buffer[:, :, dest].index_copy_(0, winners, rows)
-            self._meta[:, dest].index_copy_(0, winners, moved_meta.index_select(0, winners))
-            scores[:, dest].index_copy_(0, winners, arriving.index_select(0, winners))
+            items = items.clone()
+            self._turn(items, dest - (source or 0))
+            buffer[:, :, dest] = torch.where(wins[:, None, None], items, buffer[:, :, dest])
+            self._meta[:, dest] = torch.where(wins[:, None], moved_meta, self._meta[:, dest])
+            scores[:, dest] = torch.where(wins, arriving, resident)
             return
         rows = buffer[:, :, dest]
         if source is None:

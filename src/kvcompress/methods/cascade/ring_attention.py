@@ -6,7 +6,6 @@ import torch
 
 from kvcompress.core.contract import AttentionStats, Selection
 from kvcompress.core.rope import rotate_by
-from kvcompress.core.rotation import rotation_matrices
 
 
 class RingAttention:
@@ -105,63 +104,6 @@ class RingAttention:
             outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], meta[:, m : m + 1, 0], scale))
         batch, q_heads, count, dim = query.shape
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
-
-    def _decodes_alone(self, query: torch.Tensor, pending) -> bool:
-        """Whether ``_decode_step`` applies: one real token of a batch in step, attending before it is inserted
-        into a single ring without scores (the circular sink cache), RoPE positions given, no sliding window."""
-        return (
-            self.attend_first
-            and query.shape[2] == 1
-            and self._in_step
-            and self.cascades == 1
-            and not self.rule.needs_scores
-            and not self.force_tensor_path
-            and pending.real is None
-            and pending.source is not None
-            and self.inv_freq is not None
-            and getattr(self, "_sliding_window", None) is None
-            and (self._py_start[0] == 0 or self._py_count[0] == self.width)  # a ring fills from its first slot
-        )
-
-    def _decode_step(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """One decoding token of the circular sink cache in a fixed handful of ops.
-
-        The ring's layout is known from Python integers (sinks stored, ring count and start), so the query is
-        rotated once per key frame: the sinks and an unwrapped ring at the new token's rank ``r``; once the ring
-        has wrapped, its slots from ``start`` on at ``r + start`` and those before it at ``r + start - W`` (keys sit
-        rotated at their slot index). Its own key is scored in the model's frame (relative position 0). Then the
-        token is written, rotated at its slot index, into the next free slot or over the oldest ring token.
-        """
-        sinks, width, seen, count, start = self.sinks, self.width, self._py_seen, self._py_count[0], self._py_start[0]
-        stored = min(seen, sinks) + count
-        if count < width:  # sinks, then the ring in order from its first slot: one frame
-            frames, blocks, dest = (stored,), [(0, stored, 0)], seen if seen < sinks else sinks + count
-        else:
-            frames = (stored, stored + start, stored + start - width)
-            blocks = [(0, sinks, 0), (sinks, sinks + start, 2), (sinks + start, stored, 1)]
-            dest = sinks + start
-        batch, q_heads, _, dim = query.shape
-        kv_heads = self._kv.shape[1]
-        rotations = rotation_matrices(pending.source, (*frames, dest), self.inv_freq, dim, query.dtype)
-        turned = (query.reshape(batch, q_heads, dim) @ rotations[..., : -dim]).view(batch, kv_heads, -1, len(frames), dim)
-        own_query = query.reshape(batch, kv_heads, -1, dim)
-        own_key, own_value = pending.keys.reshape(batch, kv_heads, dim, 1), pending.values
-        own_value = own_value.reshape(batch, kv_heads, 1, own_value.shape[-1])
-        keys = self._k
-        logits = [turned[:, :, :, f] @ keys[:, :, lo:hi].transpose(-1, -2) for lo, hi, f in blocks if hi > lo]
-        logits.append(own_query @ own_key)
-        probs = (torch.cat(logits, -1).float() * scale).softmax(-1).to(self._kv.dtype)
-        output = probs[..., :stored] @ self._v[:, :, :stored] + probs[..., stored:] * own_value
-        key = pending.keys.reshape(batch, kv_heads, 1, dim) @ rotations[..., -dim:].unsqueeze(1)
-        self._kv[:, :, dest].copy_(torch.cat([key.squeeze(2), own_value.squeeze(2).to(key.dtype)], -1))
-        self._meta[:, dest, 0] = self.seen - 1
-        self._meta[:, dest, 1] = pending.pos[:, 0]
-        self._py_seen, self._py_tensors = seen + 1, None
-        if sinks <= seen and count < width:
-            self._py_count[0] = count + 1
-        elif sinks <= seen:
-            self._py_start[0] = (start + 1) % width
-        return output.view(batch, q_heads, 1, -1)
 
     def _attend(self, query: torch.Tensor, real: torch.Tensor, query_tok: torch.Tensor, scale: float) -> torch.Tensor:
         """One query per sequence (``[B, H_kv, G, 1, d]`` un-rotated, stream index ``query_tok`` ``[B, 1]``) over
