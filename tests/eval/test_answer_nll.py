@@ -2,7 +2,7 @@
 
 With the full cache it equals the model's own loss on the answer in one uncached forward; it feeds what the
 cache has not seen plus the answer (but its last token) in one forward; an evicting cache changes it; the passkey
-task writes it in every row (unless ``nll=False``) from a fresh cache of the row's configuration.
+task writes it in every row (unless ``nll=False``) from a copy of the prefilled cache, equal to a fresh cache's.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import torch
 from torch.nn import functional as F
 
 import kvcompress
-from kvcompress.eval.configs import EvalConfig
+from kvcompress.eval.configs import EvalConfig, expand_configs
 from kvcompress.eval.tasks import make_task, run_task
 from kvcompress.eval.tasks.prompting import answer_nll, encode
 
 FULL = EvalConfig("full")
-WINDOW = EvalConfig("window", (), 8)
 
 
 def _parts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,17 +73,30 @@ def test_an_evicting_cache_scores_the_answer_from_what_it_kept(tiny):
     assert abs(windowed - full) > 1e-3
 
 
-def test_passkey_rows_hold_the_answer_nll_of_a_fresh_cache(tiny):
+CONFIGS = expand_configs(["full", "window", "h2o", "snapkv:window=4", "nacl", "random", "cascade"], [16])
+
+
+def test_passkey_rows_hold_the_answer_nll_of_a_fresh_cache_and_the_generated_answer(tiny):
+    """One prefill serves both scores: the NLL from a copy of the prefilled cache equals ``answer_nll`` on a fresh
+    cache, and the row's cache (the one that decoded) saw the prompt and the generated tokens, not the key."""
     model, tokenizer = tiny
-    task = make_task("passkey", model, tokenizer, seed=5, length=120, chunk_size=16)
+    task = make_task("passkey", model, tokenizer, seed=5, length=120, chunk_size=16, modes=("aware", "agnostic"))
     [sample] = task.build_samples(1)
-    assert sample.inputs["answer_ids"].tolist() == encode(tokenizer, " " + sample.inputs["key"]).tolist()
-    rows = {row["method"]: row for row in run_task(task, [FULL, WINDOW], [sample])}
-    for config in (FULL, WINDOW):
-        expected = task.answer_nll(sample, task.new_cache(config), "aware")
-        assert rows[config.method]["scores"]["answer_nll"] == pytest.approx(expected, abs=1e-6)
-    assert rows["window"]["scores"]["answer_nll"] != pytest.approx(rows["full"]["scores"]["answer_nll"], abs=1e-3)
-    assert "cpu_s" in rows["full"] and rows["full"]["cpu_s"] > 0
+    inputs = sample.inputs
+    assert inputs["answer_ids"].tolist() == encode(tokenizer, " " + inputs["key"]).tolist()
+    rows = list(run_task(task, CONFIGS, [sample]))
+    assert len(rows) == 2 * len(CONFIGS)
+    prompt_length = inputs["context_ids"].shape[1] + inputs["question_ids"].shape[1]
+    for row, (mode, config) in zip(rows, [(m, c) for m in task.modes for c in CONFIGS], strict=True):
+        fresh = task.new_cache(config)
+        expected = answer_nll(
+            model, inputs["context_ids"], inputs["question_ids"], inputs["answer_ids"], fresh, mode, 16
+        )
+        assert row["scores"]["answer_nll"] == pytest.approx(expected, abs=1e-6), (mode, config.label)
+        assert row["tokens_seen"] == prompt_length + task.params["max_new_tokens"] - 1
+    nll = {(r["mode"], r["method"]): r["scores"]["answer_nll"] for r in rows}
+    assert nll[("aware", "window")] != pytest.approx(nll[("aware", "full")], abs=1e-3)
+    assert "cpu_s" in rows[0] and rows[0]["cpu_s"] > 0
 
 
 def test_passkey_nll_can_be_turned_off_and_is_checked(tiny):

@@ -32,7 +32,7 @@ def texts(tmp_path, corpus):
     return {
         "stream-ppl": {"length": 40, "chunk_size": 8, "bin": 10, "books": str(books)},
         "ppl": {"length": 40, "chunk_size": 8, "text": str(wiki)},
-        "passkey": {"length": 100},
+        "passkey": {"length": 100, "nll": False},  # the key's NLL: tests/eval/test_answer_nll.py
         "niah": {"length": 220, "haystack": str(corpus), "subtasks": ("multivalue",)},
         "docqa": {"documents": 2, "doc_tokens": 20, "corpus": str(corpus)},
         "summary": {"length": 60, "max_new_tokens": 4, "corpus": str(corpus)},

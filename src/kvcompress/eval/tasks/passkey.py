@@ -5,9 +5,8 @@ and at a chosen depth the needle "The pass key is 12345. Remember it. 12345 is t
 is the pass key?" follows the text, and the assistant turn starts with "The pass key is", so the key is the
 first thing generated. Scores: ``accuracy``, exact match of the first number generated with the key (chance ~0),
 and ``answer_nll``, the mean negative log-likelihood (nats per token) of the key's tokens teacher-forced after
-the prompt through a second fresh cache of the same configuration (``prompting.answer_nll``): a graded score,
-lower is better, that separates methods whose exact answers are all wrong. ``nll=False`` skips it (half the
-time per sample).
+the compressed prompt, through a copy of the prefilled cache (``QATask.answer_and_nll``): a graded score, lower
+is better, that separates methods whose exact answers are all wrong. ``nll=False`` skips it.
 
 ``length`` is the prompt length in tokens (the filler is sized to reach it); ``depth`` the fraction of the
 filler before the needle (``None``: sample ``i`` uses the ``i``-th van der Corput point 0, 1/2, 1/4, 3/4, ...,
@@ -98,8 +97,11 @@ class PasskeyTask(QATask):
         )
 
     def evaluate(self, sample, config, cache, mode):
-        text = self.generate(sample, cache, mode)
-        scores = {"accuracy": float(first_number(text) == sample.inputs["key"])}
         if self.params["nll"]:
-            scores["answer_nll"] = self.answer_nll(sample, self.new_cache(config), mode)
+            text, nll = self.answer_and_nll(sample, cache, mode)
+        else:
+            text, nll = self.generate(sample, cache, mode), None
+        scores = {"accuracy": float(first_number(text) == sample.inputs["key"])}
+        if nll is not None:
+            scores["answer_nll"] = nll
         return Result(scores=scores, extra={"prediction": text})

@@ -141,13 +141,20 @@ def answer_nll(
 ) -> float:
     """Mean negative log-likelihood (nats per token) of ``answer_ids`` (``[1, A]``), teacher-forced after the
     prompt went into ``cache`` in ``mode`` as ``answer`` puts it there: a graded retrieval score (lower is better)
-    that separates methods whose greedy answers are all wrong (or all right).
-
-    After ``prefill_prompt``, one forward feeds what the cache has not seen (the last prompt token in ``aware``
-    mode, the question in ``agnostic`` mode) and the answer but its last token; it attends to the compressed cache
-    and to its own tokens, as a decoding step does, and the cache evicts after it as its method says.
-    """
+    that separates methods whose greedy answers are all wrong (or all right). ``prefill_prompt``, then
+    ``continuation_nll``."""
     prompt = prefill_prompt(model, context_ids, question_ids, cache, mode, chunk_size, fill)
+    return continuation_nll(model, prompt, answer_ids, cache)
+
+
+@torch.no_grad()
+def continuation_nll(
+    model: PreTrainedModel, prompt: torch.Tensor, answer_ids: torch.Tensor, cache: CompressedCache
+) -> float:
+    """The second half of ``answer_nll``: one forward feeds the part of ``prompt`` the cache has not seen (the
+    last prompt token in ``aware`` mode, the question in ``agnostic`` mode) and ``answer_ids`` but its last token;
+    it attends to the compressed cache and to its own tokens, as a decoding step does, and the cache evicts after
+    it as its method says. Returns the mean cross-entropy of ``answer_ids`` (nats per token)."""
     seen = cache.get_seq_length()
     ids = torch.cat([prompt, answer_ids], dim=1)
     mask = torch.ones_like(ids)

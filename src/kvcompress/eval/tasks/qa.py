@@ -1,12 +1,14 @@
 """What the question-answering tasks (passkey, niah, docqa, summary) share: their modes, the checks of the
 parameters they have in common, answering a sample's question through a cache (``prompting.answer``) and the
-teacher-forced NLL of a known answer (``prompting.answer_nll``)."""
+teacher-forced NLL of a known answer from the same prefill (``answer_and_nll``)."""
 
 from __future__ import annotations
 
+import copy
+
 from kvcompress.core.cache import CompressedCache
 from kvcompress.eval.tasks.base import Sample, Task, check_positive_int
-from kvcompress.eval.tasks.prompting import MODES, answer, answer_nll
+from kvcompress.eval.tasks.prompting import MODES, answer, continuation_nll, decode_answer, prefill_prompt
 from kvcompress.generation import prefill
 
 
@@ -56,15 +58,18 @@ class QATask(Task):
             fill=self.fill,
         )
 
-    def answer_nll(self, sample: Sample, cache: CompressedCache, mode: str) -> float:
-        """Mean NLL per token of ``sample.inputs["answer_ids"]`` teacher-forced through ``cache`` in ``mode``."""
-        return answer_nll(
-            self.model,
-            sample.inputs["context_ids"],
-            sample.inputs["question_ids"],
-            sample.inputs["answer_ids"],
-            cache,
-            mode,
-            self.params["chunk_size"],
-            fill=self.fill,
+    def answer_and_nll(self, sample: Sample, cache: CompressedCache, mode: str) -> tuple[str, float]:
+        """``generate``'s answer and the mean NLL per token of ``sample.inputs["answer_ids"]`` from one prefill.
+
+        The prompt is prefilled into ``cache`` once; a copy of the prefilled cache (``copy.deepcopy``: the same
+        compressed state) scores the answer teacher-forced (``prompting.continuation_nll``) while ``cache``
+        decodes, so the NLL costs one forward instead of a second prefill, and equals ``prompting.answer_nll``
+        on a fresh cache of the same configuration.
+        """
+        inputs = sample.inputs
+        prompt = prefill_prompt(
+            self.model, inputs["context_ids"], inputs["question_ids"], cache, mode, self.params["chunk_size"], self.fill
         )
+        nll = continuation_nll(self.model, prompt, inputs["answer_ids"], copy.deepcopy(cache))
+        text = decode_answer(self.model, self.tokenizer, prompt, cache, self.params["max_new_tokens"])
+        return text, nll
