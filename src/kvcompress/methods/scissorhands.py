@@ -29,23 +29,36 @@ class ScissorhandsPolicy(Policy):
 
     def init_state(self, layer, keys):
         batch, heads, count = keys.shape[:3]
-        return {"low": torch.zeros(batch, heads, count, self.config.history, dtype=torch.bool, device=keys.device)}
+        history = self.config.history
+        return {
+            "low": torch.zeros(batch, heads, count, history, dtype=torch.bool, device=keys.device),
+            # the low bits of each token summed over the window, kept up to date (float64: exact, and the
+            # tie-break below adds fractions to it)
+            "low_count": torch.zeros(batch, heads, count, dtype=torch.float64, device=keys.device),
+        }
 
     def observe(self, layer, stats):
         rows = stats.last.mean(dim=2)  # [B, H_kv, n, L]
         visible = stats.last_visible.expand_as(rows)
         average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
         low = (visible & (rows < average)).transpose(-1, -2)  # [B, H_kv, L, n]
-        history = self.config.history
-        rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
-        columns = torch.arange(self.observed, self.observed + rows_kept, device=low.device) % history
-        layer.state["low"].index_copy_(-1, columns, low[..., -rows_kept:])
+        history, window = self.config.history, layer.state["low"]
+        if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
+            column = window[..., self.observed % history]
+            count = layer.state["low_count"]
+            count.add_(low[..., 0].double()).sub_(column.double())
+            column.copy_(low[..., 0])
+        else:
+            rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
+            columns = torch.arange(self.observed, self.observed + rows_kept, device=low.device) % history
+            window.index_copy_(-1, columns, low[..., -rows_kept:])
+            layer.state["low_count"] = window.sum(dim=-1).double()
         self.observed += low.shape[-1]
 
     def select(self, layer):
-        low_count = layer.state["low"].sum(dim=-1).double()
         newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): breaks ties towards newer tokens
-        return keep_top(layer, newer_first - low_count, self.config.budget, recent_mask(layer, self.recent))
+        scores = newer_first - layer.state["low_count"]
+        return keep_top(layer, scores, self.config.budget, recent_mask(layer, self.recent))
 
     @property
     def recent(self) -> int:
