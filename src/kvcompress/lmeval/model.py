@@ -32,7 +32,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 import kvcompress
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.lmeval.scoring import score_batch
 from kvcompress.models import DEFAULT_MODEL, load_model
 from kvcompress.params import method_fields, method_params
@@ -76,7 +76,9 @@ class KVCompressLM(HFLM):
             generation_kwargs["attention_mask"] = mask
         if context.shape[1] > 1:
             prefill(self.model, context[:, :-1], cache, mask[:, :-1], self.chunk_size)
-        output = super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+        output = super()._model_generate(
+            context, max_length, stop, **cache_argument(self.model, cache), **generation_kwargs
+        )
         self.kv_bytes.extend([cache.nbytes() // context.shape[0]] * context.shape[0])
         return output
 

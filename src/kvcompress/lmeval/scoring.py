@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from kvcompress.core.cache import CompressedCache
-from kvcompress.generation import positions_from_mask, prefill
+from kvcompress.generation import cache_argument, positions_from_mask, prefill
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def _score(model, ids, mask, targets, cache, chunk_size):
             input_ids=ids[:, start:stop],
             attention_mask=mask[:, :stop],
             position_ids=positions[:, start:stop],
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
         ).logits
         chunk = F.log_softmax(logits.float(), dim=-1)
