@@ -35,34 +35,68 @@ class RingDecode:
         )
 
     def _decode_step(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """Attend and insert one token; the circular sink cache (``attend_first``) attends before the insertion,
-        scoring its own key in the model's frame (relative position 0), the cascade inserts it first."""
+        """Attend and insert one token (``[B, H, 1, d]`` in, the same out)."""
+        if self.attend_first:
+            return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
         kv_heads = self._kv.shape[1]
-        if not self.attend_first:
-            self._insert_in_step(self._new_item(pending, batch, kv_heads, dim), self._new_meta(pending), None)
-            self._all_real = True
-        top = min(self._py_seen, self.sinks) + sum(self._py_count) - (0 if self.attend_first else 1)
-        targets, runs = self._frames(top)
-        rotations = rotation_matrices(pending.source, targets, self.inv_freq, dim, query.dtype)
-        turned = (query.reshape(batch, q_heads, dim) @ rotations).view(batch, kv_heads, -1, len(targets), dim)
-        logits = self._run_logits(turned, runs)
-        own_value = None
-        if self.attend_first:
-            own_value = pending.values.reshape(batch, kv_heads, 1, pending.values.shape[-1])
-            logits.append(query.reshape(batch, kv_heads, -1, dim) @ pending.keys.reshape(batch, kv_heads, dim, 1))
-        probs = (torch.cat(logits, -1).float() * scale).softmax(-1)
-        stored = runs[-1][1] if runs else 0
-        weights = probs.to(self._kv.dtype)
-        output = weights[..., :stored] @ self._v[:, :, :stored]
-        if own_value is not None:
-            output = output + weights[..., stored:] * own_value
-            self._insert_in_step(self._new_item(pending, batch, kv_heads, dim), self._new_meta(pending), None)
-        elif self.rule.needs_scores:
+        self._insert_in_step(self._new_item(pending, batch, kv_heads, dim), self._new_meta(pending), None)
+        self._all_real = True
+        targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
+        probs = self._softmax(query, pending, targets, runs, scale)
+        stored = runs[-1][1]
+        output = probs.to(self._kv.dtype) @ self._v[:, :, :stored]
+        if self.rule.needs_scores:
             if stored < self.capacity:  # empty slots at the end received nothing
                 probs = torch.nn.functional.pad(probs, (0, self.capacity - stored))
             self._fold_scores(probs, None)
         return output.view(batch, q_heads, 1, -1)
+
+    def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
+        """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
+        token first goes to a spare slot: its own slot while the ring fills, else the scratch slot after the ring,
+        its key rotated into the frame of the ring's newest run; then, once attended, over the oldest ring token."""
+        sinks, width, seen, count, start = self.sinks, self.width, self._py_seen, self._py_count[0], self._py_start[0]
+        top = min(seen, sinks) + count  # the new token's rank
+        if count < width:  # the ring fills from its first slot: the new token's own slot, at its rank
+            dest = spare = top
+            spare_target = top
+        else:
+            dest, spare, spare_target = sinks + start, self.capacity, top + start
+        targets, runs = self._frames(top)
+        index = targets.index(spare_target) if spare_target in targets else len(targets)
+        targets = targets if index < len(targets) else (*targets, spare_target)
+        if runs and runs[-1][1] == spare and runs[-1][2] == index:
+            runs[-1] = (runs[-1][0], spare + 1, index)
+        else:
+            runs.append((spare, spare + 1, index))
+        batch, kv_heads, _, dim = pending.keys.shape
+        key_targets = (spare_target, dest)
+        rotations = rotation_matrices(pending.source, key_targets, self.inv_freq, dim, pending.keys.dtype)
+        keys = (pending.keys.reshape(batch, kv_heads, 1, dim) @ rotations.unsqueeze(1)).view(batch, kv_heads, 2, dim)
+        values = pending.values.reshape(batch, kv_heads, -1).to(self._kv.dtype)
+        self._kv[:, :, spare, :dim] = keys[:, :, 0]
+        self._kv[:, :, spare, dim:] = values
+        probs = self._softmax(query, pending, targets, runs, scale)
+        output = probs.to(self._kv.dtype) @ self._kv[:, :, : spare + 1, dim:]
+        if dest != spare:
+            self._kv[:, :, dest, :dim] = keys[:, :, 1]
+            self._kv[:, :, dest, dim:] = values
+        self._meta[:, dest, 0] = self.seen - 1
+        self._meta[:, dest, 1] = pending.pos[:, 0]
+        self._py_seen, self._py_tensors = seen + 1, None
+        if seen >= sinks and count < width:
+            self._py_count[0] = count + 1
+        elif seen >= sinks:
+            self._py_start[0] = (start + 1) % width
+        return output.view(batch, query.shape[1], 1, -1)
+
+    def _softmax(self, query: torch.Tensor, pending, targets: tuple[int, ...], runs: list[Run], scale: float):
+        """Attention probabilities ``[B, H_kv, G, slots]`` of one query over the runs (slot order)."""
+        batch, q_heads, _, dim = query.shape
+        rotations = rotation_matrices(pending.source, targets, self.inv_freq, dim, query.dtype)
+        turned = (query.reshape(batch, q_heads, dim) @ rotations).view(batch, self._kv.shape[1], -1, len(targets), dim)
+        return (torch.cat(self._run_logits(turned, runs), -1).float() * scale).softmax(-1)
 
     def _frames(self, top: int) -> tuple[tuple[int, ...], list[Run]]:
         """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
@@ -93,7 +127,7 @@ class RingDecode:
 
     def _run_logits(self, turned: torch.Tensor, runs: list[Run]) -> list[torch.Tensor]:
         """Logits of each run (``-inf`` for the empty slots between runs), in slot order."""
-        keys, logits, end = self._k, [], 0
+        keys, logits, end = self._kv[..., : self._key_dim], [], 0  # the scratch slot after the rings included
         batch, kv_heads, groups = turned.shape[:3]
         for lo, hi, index in runs:
             if lo > end:
