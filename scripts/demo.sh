@@ -9,7 +9,8 @@
 #     samples; stored KV MiB and seconds per sample beside the full cache's) and one plot, whose path is printed.
 #     The prompt is prefilled 32 tokens per forward: a chunk as large as the budget leaves an evicting method no
 #     choice (the chunk's own tokens fill the budget), so H2O at budget 64 with 64-token chunks is exactly window;
-#  3. the same for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`), else a one-line notice.
+#  3. the same for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`), else a one-line notice;
+#     DEMO_QWEN_SAMPLES samples (default 3: a 0.5B model is about 4x slower per token, so this part adds minutes).
 # Results are resumable JSONL under runs/demo/MODEL/ (a rerun only adds what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +38,7 @@ passkey() {  # MODEL SAMPLES: evaluate, then print the summary table and the plo
 passkey smollm2-135m "$SAMPLES"
 if .venv/bin/python -c "import sys, kvcompress.models as m; sys.exit(not any(
     i.name == 'qwen2.5-coder-0.5b' and i.installed for i in m.list_models()))"; then
-  passkey qwen2.5-coder-0.5b "${DEMO_QWEN_SAMPLES:-$SAMPLES}"
+  passkey qwen2.5-coder-0.5b "${DEMO_QWEN_SAMPLES:-3}"
 else
   echo "qwen2.5-coder-0.5b is not installed: its passkey table is skipped (\`kvcompress models\` says how to install it)."
 fi
