@@ -10,7 +10,7 @@
 #     The prompt is prefilled 32 tokens per forward: a chunk as large as the budget leaves an evicting method no
 #     choice (the chunk's own tokens fill the budget), so H2O at budget 64 with 64-token chunks is exactly window;
 #  3. the same for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`), else a one-line notice;
-#     DEMO_QWEN_SAMPLES samples (default 3: a 0.5B model is about 4x slower per token, so this part adds minutes).
+#     DEMO_QWEN_SAMPLES samples (default 3: the 0.5B model has 3.7x the parameters of SmolLM2-135M, so this part adds minutes; not timed here).
 # Results are resumable JSONL under runs/demo/MODEL/ (a rerun only adds what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
