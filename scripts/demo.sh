@@ -10,7 +10,8 @@
 #     The prompt is prefilled 32 tokens per forward: a chunk as large as the budget leaves an evicting method no
 #     choice (the chunk's own tokens fill the budget), so H2O at budget 64 with 64-token chunks is exactly window;
 #  3. the same for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`), else a one-line notice;
-#     DEMO_QWEN_SAMPLES samples (default 3: the 0.5B model has 3.7x the parameters of SmolLM2-135M, so this part adds minutes; not timed here).
+#     DEMO_QWEN_SAMPLES samples (default 3: the 0.5B model has 3.7x the parameters of SmolLM2-135M, so this
+#     part adds minutes; not timed here).
 # Results are resumable JSONL under runs/demo/MODEL/ (a rerun only adds what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +41,5 @@ if .venv/bin/python -c "import sys, kvcompress.models as m; sys.exit(not any(
     i.name == 'qwen2.5-coder-0.5b' and i.installed for i in m.list_models()))"; then
   passkey qwen2.5-coder-0.5b "${DEMO_QWEN_SAMPLES:-3}"
 else
-  echo "qwen2.5-coder-0.5b is not installed: its passkey table is skipped (\`kvcompress models\` says how to install it)."
+  echo "qwen2.5-coder-0.5b is not installed: its passkey table is skipped (\`kvcompress models\` says how)."
 fi
