@@ -177,9 +177,12 @@ class RingAttention:
             into_cache = torch.einsum("bq,bql->bl", weight, received[:, :, self.sinks : slots])
             cascade.copy_(cascade * decay[:, None] + into_cache)
             scores = torch.einsum("bq,bqj->bj", weight, received[:, :, slots:])
-        for m in range(count):
-            score = None if scores is None else scores[:, m]
-            self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+        if self._fills_in_order():
+            self._insert_in_order(kv, meta)
+        else:
+            for m in range(count):
+                score = None if scores is None else scores[:, m]
+                self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
         return output.reshape(batch, kv_heads * groups, count, -1)
 
     def after_attention(self, stats: AttentionStats | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import rotation_matrices
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
@@ -145,3 +146,44 @@ class RingDecode:
     def _new_meta(self, pending) -> torch.Tensor:
         """``[B, 1, 2]``: the new token's stream index and RoPE position."""
         return torch.stack([pending.tok.expand_as(pending.pos), pending.pos], -1)
+
+    # --- a whole forward into one ring ----------------------------------------------------------------------------
+    def _fills_in_order(self) -> bool:
+        """Whether a forward's tokens can be inserted at once: one ring without scores, the batch in step and
+        every token real (then the sinks take the first tokens and the ring the last ``W`` of the stream, the
+        ``k``-th ring token at ring offset ``k mod W``)."""
+        return (
+            self.cascades == 1 and not self.rule.needs_scores and self._in_step and self._all_real
+            and not self.force_tensor_path
+        )
+
+    def _insert_in_order(self, kv: torch.Tensor, meta: torch.Tensor) -> None:
+        """Insert ``q`` tokens (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated; ``meta`` ``[B, q, 2]``) as ``q``
+        one-token insertions would, with at most three slice writes per tensor instead of ``q`` insertions."""
+        sinks, width, seen, count = self.sinks, self.width, self._py_seen, kv.shape[2]
+        to_sinks = max(0, min(sinks, seen + count) - seen)
+        if to_sinks:
+            self._write_slots(seen, kv[:, :, :to_sinks], meta[:, :to_sinks])
+        before = max(0, seen - sinks)  # ring tokens before this forward
+        total = before + count - to_sinks
+        kept = min(width, count - to_sinks)  # only the last ``W`` of the forward's ring tokens survive
+        first = total - kept  # ring index of the first surviving token
+        split = min(total, (first // width + 1) * width)  # the surviving tokens wrap at most once
+        for lo, hi in ((first, split), (split, total)):
+            if hi > lo:
+                m = count - (total - lo)
+                self._write_slots(sinks + lo % width, kv[:, :, m : m + hi - lo], meta[:, m : m + hi - lo])
+        self._py_seen, self._py_tensors = seen + count, None
+        self._py_count[0] = min(width, total)
+        self._py_start[0] = total % width if total >= width else 0
+
+    def _write_slots(self, slot: int, kv: torch.Tensor, meta: torch.Tensor) -> None:
+        """Write items (keys un-rotated) into the consecutive slots from ``slot``, keys rotated at their slots."""
+        count = kv.shape[2]
+        keys = kv[..., : self._key_dim]
+        if self.inv_freq is not None:
+            keys = rotate_by(keys, torch.arange(slot, slot + count, device=self.device), self.inv_freq)
+        self._kv[:, :, slot : slot + count, : self._key_dim] = keys
+        self._kv[:, :, slot : slot + count, self._key_dim :] = kv[..., self._key_dim :]
+        self._meta[:, slot : slot + count] = meta
+
