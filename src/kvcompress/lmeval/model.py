@@ -24,6 +24,7 @@ the results file under ``config.kvcompress``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from kvcompress.models import DEFAULT_MODEL, load_model
 from kvcompress.params import method_fields, method_params
 
 DEFAULT_CHUNK = 128
+logger = logging.getLogger(__name__)
 
 
 @register_model("kvcompress")
@@ -59,6 +61,7 @@ class KVCompressLM(HFLM):
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
             raise ValueError(f"chunk_size must be an integer >= 1 or None; got {chunk_size!r}")
         self.chunk_size = chunk_size
+        _warn_if_chunks_fill_the_budget(self.method_config, chunk_size)
         if isinstance(pretrained, str):
             pretrained, tokenizer = load_model(pretrained, dtype)
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, **kwargs)
@@ -124,3 +127,21 @@ def kvcompress_params(config: kvcompress.MethodConfig) -> dict[str, Any]:
 def _text(value: Any) -> str:
     """lm-eval parses ``key=value`` model arguments itself; give them back as text for kvcompress's typed parser."""
     return "none" if value is None else str(value)
+
+
+def _warn_if_chunks_fill_the_budget(config, chunk_size: int | None) -> None:
+    """A method that evicts while reading never evicts the tokens of the forward it processes while they fit in its
+    budget: with chunks as long as the budget, each chunk replaces everything before it (the method keeps what
+    ``window`` keeps)."""
+    budget = getattr(config, "budget", None)
+    if config.policy(0).one_shot or not isinstance(budget, int) or budget <= 0:
+        return
+    if chunk_size is None or chunk_size >= budget:
+        logger.warning(
+            "chunk_size=%s with budget=%d: every forward fills the budget, so %s keeps only the last chunk, as window "
+            "would; pass chunk_size below the budget (e.g. chunk_size=%d) to let the method choose",
+            chunk_size,
+            budget,
+            config.name,
+            max(1, budget // 4),
+        )
