@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 from kvcompress.core.contract import AttentionStats, Selection
 from kvcompress.core.rope import rotate_by
@@ -143,7 +144,6 @@ class RingAttention:
         """The later official strided prefill (not v1): the chunk attends to the frozen cache and causally to
         itself, the EMA advances in closed form, then the chunk is inserted token by token."""
         batch, kv_heads, groups, count, dim = queries.shape
-        slots = self.capacity
         stored = (self._tok >= 0).sum(1)
         rank = stored[:, None] + (real.long().cumsum(1) - 1).clamp(min=0)  # [B, q]
         chunk_keys, values = kv[..., : self._key_dim], kv[..., self._key_dim :]
@@ -151,32 +151,11 @@ class RingAttention:
         if self.inv_freq is not None:
             chunk_keys = rotate_by(chunk_keys, rank[:, None], self.inv_freq)
             chunk_queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
-        cache_logits = self._cache_logits(queries, rank)  # [B, H_kv, G, q, L]
-        own_logits = chunk_queries.reshape(batch, kv_heads, groups * count, dim) @ chunk_keys.transpose(-1, -2)
-        own_logits = own_logits.view(batch, kv_heads, groups, count, count)
-        logits = torch.cat([cache_logits, own_logits], -1).float() * scale
-        step = torch.arange(count, device=self.device)
-        causal = (step[None, :] <= step[:, None])[None] & (real[:, None, :] | (step[None, :] == step[:, None]))
-        stored = (self._tok >= 0)[:, None, :].expand(-1, count, -1)
-        window = self._in_window(meta[:, :, 0])
-        if window is not None:
-            stored = stored & window
-            causal = causal & (step[None, :] > step[:, None] - self._sliding_window)[None]
-        visible = torch.cat([stored, causal], 2)  # [B, q, L + q]
-        probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
-        weights = probs.to(self._kv.dtype).reshape(batch, kv_heads, groups * count, slots + count)
-        output = weights[..., :slots] @ self._v + weights[..., slots:] @ values
-        scores = None
+        visible = self._chunk_visible(meta, real)  # [B, q, L + q]
         if self.rule.needs_scores:
-            gamma = self.rule.gamma
-            received = self.rule.reduce_heads(probs)  # [B, q, L + q]
-            later = real.sum(1, keepdim=True) - real.long().cumsum(1)  # real queries after query m
-            weight = real * (1.0 - gamma) * gamma ** later.float()  # [B, q]
-            decay = gamma ** real.sum(1).float()
-            cascade = self._score[:, self.sinks : slots]
-            into_cache = torch.einsum("bq,bql->bl", weight, received[:, :, self.sinks : slots])
-            cascade.copy_(cascade * decay[:, None] + into_cache)
-            scores = torch.einsum("bq,bqj->bj", weight, received[:, :, slots:])
+            output, scores = self._chunk_softmax(queries, chunk_queries, chunk_keys, values, rank, visible, real, scale)
+        else:
+            output, scores = self._chunk_sdpa(chunk_queries, chunk_keys, values, visible, scale), None
         if self._fills_in_order():
             self._insert_in_order(kv, meta)
         else:
@@ -184,6 +163,58 @@ class RingAttention:
                 score = None if scores is None else scores[:, m]
                 self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
         return output.reshape(batch, kv_heads * groups, count, -1)
+
+    def _chunk_visible(self, meta: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """``[B, q, L + q]``: the stored keys (inside the sliding window, if any) and the chunk's own, causally."""
+        count = meta.shape[1]
+        step = torch.arange(count, device=self.device)
+        causal = (step[None, :] <= step[:, None])[None] & (real[:, None, :] | (step[None, :] == step[:, None]))
+        stored = (self._tok >= 0)[:, None, :].expand(-1, count, -1)
+        window = self._in_window(meta[:, :, 0])
+        if window is not None:
+            stored = stored & window
+            causal = causal & (step[None, :] > step[:, None] - self._sliding_window)[None]
+        return torch.cat([stored, causal], 2)
+
+    def _chunk_sdpa(self, queries, chunk_keys, values, visible, scale) -> torch.Tensor:
+        """Without scores to collect: SDPA over the stored keys rotated from their slots to their ranks (one
+        rotation of at most ``S + |C|`` keys per forward) and the chunk's own keys; ``[B, H_kv, G q, d]``."""
+        keys = self._k
+        if self.inv_freq is not None:
+            rank, _ = self.ranks()
+            keys = rotate_by(keys, (rank - torch.arange(self.capacity, device=self.device))[:, None], self.inv_freq)
+        batch, kv_heads, groups, count, dim = queries.shape
+        output = F.scaled_dot_product_attention(
+            queries.reshape(batch, kv_heads * groups, count, dim),
+            torch.cat([keys, chunk_keys], 2),
+            torch.cat([self._v, values.to(self._kv.dtype)], 2),
+            attn_mask=visible[:, None],
+            scale=scale,
+            enable_gqa=groups > 1,
+        )
+        return output.reshape(batch, kv_heads, groups * count, -1)
+
+    def _chunk_softmax(self, queries, chunk_queries, chunk_keys, values, rank, visible, real, scale):
+        """With the EMA: the explicit softmax over the ring (queries rotated per cascade) and the chunk, the EMA
+        advanced in closed form; returns the output ``[B, H_kv, G q, d]`` and the chunk tokens' initial scores."""
+        batch, kv_heads, groups, count, dim = queries.shape
+        slots = self.capacity
+        cache_logits = self._cache_logits(queries, rank)  # [B, H_kv, G, q, L]
+        own_logits = chunk_queries.reshape(batch, kv_heads, groups * count, dim) @ chunk_keys.transpose(-1, -2)
+        own_logits = own_logits.view(batch, kv_heads, groups, count, count)
+        logits = torch.cat([cache_logits, own_logits], -1).float() * scale
+        probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+        weights = probs.to(self._kv.dtype).reshape(batch, kv_heads, groups * count, slots + count)
+        output = weights[..., :slots] @ self._v + weights[..., slots:] @ values
+        gamma = self.rule.gamma
+        received = self.rule.reduce_heads(probs)  # [B, q, L + q]
+        later = real.sum(1, keepdim=True) - real.long().cumsum(1)  # real queries after query m
+        weight = real * (1.0 - gamma) * gamma ** later.float()  # [B, q]
+        decay = gamma ** real.sum(1).float()
+        cascade = self._score[:, self.sinks : slots]
+        into_cache = torch.einsum("bq,bql->bl", weight, received[:, :, self.sinks : slots])
+        cascade.copy_(cascade * decay[:, None] + into_cache)
+        return output, torch.einsum("bq,bqj->bj", weight, received[:, :, slots:])
 
     def after_attention(self, stats: AttentionStats | None) -> None:
         """For callers that drive the layer by hand (tests, benchmarks): insert tokens that did not attend
