@@ -33,7 +33,7 @@ from torch.nn import functional as F
 import kvcompress
 from kvcompress.core.contract import AttentionStats
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 from kvcompress.results import append_row, done_keys, read_rows
 
@@ -108,7 +108,7 @@ def stream_run(model, ids: torch.Tensor, method: str, params: dict[str, object],
     start_time = time.process_time()
     for start in range(0, length - 1, chunk):
         stop = min(start + chunk, length - 1)
-        logits = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=ids[:, start:stop], **cache_argument(model, cache), use_cache=True).logits[0]
         losses.append(F.cross_entropy(logits.float(), ids[0, start + 1 : stop + 1], reduction="none"))
         stored.append(cache.tokens_stored()[0])
     nll = torch.cat(losses)
@@ -165,7 +165,7 @@ def generate_with(model, tokenizer, ids: torch.Tensor, method: str, params: dict
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
+        **cache_argument(model, cache),
         max_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.eos_token_id,
@@ -293,7 +293,7 @@ def docqa_answer(model, tokenizer, context, question, method, params, new_tokens
     out = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        past_key_values=cache,
+        **cache_argument(model, cache),
         max_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.eos_token_id,
@@ -391,7 +391,7 @@ def decode_times(model, method: str, params: dict, context: int, steps: int) -> 
     for i in range(context, context + steps):
         before = cache.tokens_stored()[0]
         start = time.perf_counter()
-        model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, i : i + 1], **cache_argument(model, cache), use_cache=True)
         samples.append(time.perf_counter() - start)
         stored.append(cache.tokens_stored()[0])
         evicted.append(stored[-1] <= before)

@@ -40,7 +40,7 @@ from kvcompress.bench.sink_references import CircularSinkCache, ConcatSinkCache
 from kvcompress.core.contract import AttentionStats
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.eval.tasks.passkey import ANSWER_PREFIX, FILLER, INTRO, NEEDLE, QUESTION
-from kvcompress.generation import positions_from_mask, prefill
+from kvcompress.generation import cache_argument, positions_from_mask, prefill
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.models import load_model
 
@@ -91,7 +91,9 @@ def batched_nll(model, ids: torch.Tensor, cache, chunk: int, start: int = 0) -> 
     for first in range(0, length - 1, chunk):
         stop = min(first + chunk, length - 1)
         keep = max(0, min(stop, length - 1) - max(first, start))
-        out = model(input_ids=ids[:, first:stop], past_key_values=cache, use_cache=True, logits_to_keep=keep or 1)
+        out = model(
+            input_ids=ids[:, first:stop], **cache_argument(model, cache), use_cache=True, logits_to_keep=keep or 1
+        )
         if keep:
             logits = out.logits[:, -keep:].float()
             targets = ids[:, stop - keep + 1 : stop + 1]
@@ -235,7 +237,10 @@ def key_nll(model, prompts: list[torch.Tensor], key_ids: torch.Tensor, cache) ->
     full_mask = torch.cat([mask, torch.ones_like(key_ids)], 1)
     positions = positions_from_mask(full_mask)[:, -key_ids.shape[1] : -1]
     out = model(
-        input_ids=key_ids[:, :-1], attention_mask=full_mask[:, :-1], position_ids=positions, past_key_values=cache
+        input_ids=key_ids[:, :-1],
+        attention_mask=full_mask[:, :-1],
+        position_ids=positions,
+        **cache_argument(model, cache),
     )
     logits = torch.cat([first[:, None], out.logits], 1).float()
     return F.cross_entropy(logits.transpose(1, 2), key_ids, reduction="none").mean(1).tolist()
@@ -259,7 +264,7 @@ def cmd_passkey(args) -> None:
             cache = kvcompress.cache_for(model, method, **params)
             with torch.no_grad():
                 out = model.generate(
-                    batch, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False
+                    batch, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=7, do_sample=False
                 )
             answers = [tokenizer.decode(row[batch.shape[1] :], skip_special_tokens=True) for row in out]
             record.update(answers=answers, hits=[key in a for key, a in zip(keys, answers, strict=True)])
@@ -345,7 +350,7 @@ def cmd_decode(args) -> None:
                 for context, cache in caches.items():
                     token = ids[:, context + i : context + i + 1]
                     cpu_start, start = time.process_time(), time.perf_counter()
-                    model(input_ids=token, past_key_values=cache, use_cache=True)
+                    model(input_ids=token, **cache_argument(model, cache), use_cache=True)
                     if i >= 2:  # two warm-up rounds
                         wall[context].append(time.perf_counter() - start)
                         cpu[context].append(time.process_time() - cpu_start)

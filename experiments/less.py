@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 import kvcompress
 from kvcompress.eval.data import wikitext_test
+from kvcompress.generation import cache_argument
 from kvcompress.methods.full import FullConfig
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.less import LessConfig, baseline_plus
@@ -112,7 +113,7 @@ def decode_nll(model, ids: torch.Tensor, config, batch: int = 16) -> torch.Tenso
     for start in range(0, ids.shape[0], batch):
         chunk = ids[start : start + batch]
         cache = kvcompress.cache_for(model, config)
-        logits = [model(chunk[:, t : t + 1], past_key_values=cache).logits for t in range(chunk.shape[1] - 1)]
+        logits = [model(chunk[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(chunk.shape[1] - 1)]
         parts.append(_nll(torch.cat(logits + [logits[-1]], dim=1), chunk))
     return torch.cat(parts)
 

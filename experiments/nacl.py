@@ -52,7 +52,7 @@ from kvcompress.core.attention import kvcompress_attention, register_attention
 from kvcompress.core.selection import ratio_budget
 from kvcompress.eval.configs import EvalConfig
 from kvcompress.eval.tasks import make_task
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 from kvcompress.results import done_keys, read_rows
 
@@ -202,7 +202,7 @@ def score_answer(model, cache, prompt: torch.Tensor, answer: torch.Tensor) -> di
     and accuracy = 1 if greedy decoding would write exactly the gold answer (argmax = gold at every token)."""
     seen = cache.get_seq_length()
     rest = torch.cat([prompt[:, seen:], answer], dim=1)
-    logits = model(input_ids=rest, past_key_values=cache, use_cache=True).logits[0, -answer.shape[1] - 1 : -1]
+    logits = model(input_ids=rest, **cache_argument(model, cache), use_cache=True).logits[0, -answer.shape[1] - 1 : -1]
     nll = torch.nn.functional.cross_entropy(logits.float(), answer[0])
     return {"accuracy": float((logits.argmax(-1) == answer[0]).all()), "nll": float(nll)}
 

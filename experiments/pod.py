@@ -37,6 +37,7 @@ from torch.nn import functional as F
 import kvcompress
 from kvcompress.eval.data import wikitext_test
 from kvcompress.eval.tasks import make_task
+from kvcompress.generation import cache_argument
 from kvcompress.methods.pod.grouping import (
     block_starts,
     format_blocks,
@@ -141,10 +142,10 @@ def window_nll(model, ids: torch.Tensor, method: str, params: dict, feed: str) -
     """NLL of the last ``SCORED`` tokens of one window ``[n]``; the cache after it."""
     cache = kvcompress.cache_for(model, method, **params)
     if feed == "forward":
-        logits = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=ids[None], **cache_argument(model, cache), use_cache=True).logits[0]
     else:
         parts = [
-            model(input_ids=ids[None, s : s + STREAM_CHUNK], past_key_values=cache, use_cache=True).logits[0]
+            model(input_ids=ids[None, s : s + STREAM_CHUNK], **cache_argument(model, cache), use_cache=True).logits[0]
             for s in range(0, LENGTH, STREAM_CHUNK)
         ]
         logits = torch.cat(parts)
