@@ -153,7 +153,10 @@ class RingDecode:
         every token real (then the sinks take the first tokens and the ring the last ``W`` of the stream, the
         ``k``-th ring token at ring offset ``k mod W``)."""
         return (
-            self.cascades == 1 and not self.rule.needs_scores and self._in_step and self._all_real
+            self.cascades == 1
+            and not self.rule.needs_scores
+            and self._in_step
+            and self._all_real
             and not self.force_tensor_path
         )
 
@@ -186,4 +189,3 @@ class RingDecode:
         self._kv[:, :, slot : slot + count, : self._key_dim] = keys
         self._kv[:, :, slot : slot + count, self._key_dim :] = kv[..., self._key_dim :]
         self._meta[:, slot : slot + count] = meta
-
