@@ -68,3 +68,29 @@ def kept_tokens(layer) -> list[list[list[int]]]:
         [[int(t) for t, v in zip(row_t, row_v, strict=True) if v] for row_t, row_v in zip(seq_t, seq_v, strict=True)]
         for seq_t, seq_v in zip(layer.token_idx, layer.valid, strict=True)
     ]
+
+
+def result_row(method: str, budget: int | None, sample: str, scores: dict, **fields) -> dict:
+    """One results-file row of a tiny passkey run (``fields`` override the defaults), for report tests."""
+    row = {
+        "kind": "result",
+        "task": "passkey",
+        "mode": "aware",
+        "model": "tiny",
+        "seed": 0,
+        "task_params": {"length": 512},
+        "sample": sample,
+        "method": method,
+        "params": {},
+        "budget": budget,
+        "label": method,
+        "scores": scores,
+        "tokens_seen": 500,
+        "tokens_stored": [budget or 500] * 2,
+        "kv_bytes": 1024 * (budget or 500),
+        "time_s": 1.0,
+        "info": {},
+        "extra": {},
+    }
+    return {**row, **fields}
+

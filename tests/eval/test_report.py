@@ -7,29 +7,11 @@ import pytest
 
 from kvcompress.eval.plots import running_ppl
 from kvcompress.eval.report import mean_se, write_report
+from tests.helpers import result_row
 
 
 def _row(method, budget, sample, **scores):
-    return {
-        "kind": "result",
-        "task": "passkey",
-        "mode": "aware",
-        "model": "tiny",
-        "seed": 0,
-        "task_params": {"length": 512},
-        "sample": sample,
-        "method": method,
-        "params": {},
-        "budget": budget,
-        "label": method,
-        "scores": scores,
-        "tokens_seen": 500,
-        "tokens_stored": [budget or 500] * 2,
-        "kv_bytes": 1024 * (budget or 500),
-        "time_s": 1.0,
-        "info": {},
-        "extra": {},
-    }
+    return result_row(method, budget, sample, scores)
 
 
 def _write(path, rows):

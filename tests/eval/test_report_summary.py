@@ -6,30 +6,12 @@ from __future__ import annotations
 import json
 
 from kvcompress.eval.report import main, summary_table, write_report
+from tests.helpers import result_row
 
 
 def _row(method, budget, sample, accuracy, nll, kv_mib, seconds):
-    return {
-        "kind": "result",
-        "task": "passkey",
-        "mode": "aware",
-        "model": "tiny",
-        "seed": 0,
-        "task_params": {"length": 512},
-        "sample": sample,
-        "method": method,
-        "params": {},
-        "budget": budget,
-        "label": method,
-        "scores": {"accuracy": accuracy, "answer_nll": nll},
-        "tokens_seen": 500,
-        "tokens_stored": [budget or 500] * 2,
-        "kv_bytes": int(kv_mib * 2**20),
-        "time_s": seconds,
-        "cpu_s": seconds / 2,
-        "info": {},
-        "extra": {},
-    }
+    scores = {"accuracy": accuracy, "answer_nll": nll}
+    return result_row(method, budget, sample, scores, kv_bytes=int(kv_mib * 2**20), time_s=seconds, cpu_s=seconds / 2)
 
 
 def _rows():

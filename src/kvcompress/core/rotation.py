@@ -5,7 +5,8 @@ from the position the model rotated it with (``position_ids``) to a target posit
 the same ``position_ids`` tensor and layers in the same state want the same targets, so the rotations are built
 once, as one ``[B, d, k d]`` matrix per set of targets (``x @ M`` gives ``x`` rotated to each of the ``k`` targets
 in one matmul), and kept on the ``position_ids`` tensor for the layers that follow. Nothing is read back to the
-host: the targets are Python integers and the positions stay on the device.
+host: the targets are Python integers and the positions stay on the device. (A ``position_ids`` tensor is assumed
+not to be modified in place between forwards; transformers builds a new one for every forward.)
 """
 
 from __future__ import annotations
