@@ -57,11 +57,18 @@ class Keep:
     ``scores`` ``[B, H_kv or 1, W]`` are over the layer's current view (``layer.token_idx`` etc.); ``count`` is an
     int, or ``[B]`` per-sequence counts (one-shot ratios); ``protected`` ``[B, H_kv, W]`` tokens are kept first.
     The layer evicts the rest, lowest score first; equal scores evict the older token first. Padding is never kept.
+
+    Two facts a rule may state, so the layer skips work while decoding: ``newest_kept``, how many of the newest
+    real tokens the rule keeps anyway (a recent window it protects, or scores that grow with recency: the forward's
+    own tokens then need no extra protection), and ``distinct``, that no two real tokens share a score (no tie to
+    break).
     """
 
     scores: torch.Tensor
     count: int | torch.Tensor
     protected: torch.Tensor | None = None
+    newest_kept: int = 0
+    distinct: bool = False
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Choosing victims: the lowest-scoring tokens of a ``Keep`` rule, without sorting while decoding.
 
-Scores are ranked in their own dtype (integers as float64): padding first (``-inf``), then by score, protected
-tokens last (``+inf``); equal scores evict the older token first. One victim per row (a decoding step) is an
+Scores are ranked in their own dtype (integers as float64 in a layer storing padding; elsewhere as integers, whose
+largest value stands for ``+inf``): padding first (``-inf``), then by score, protected tokens last (``+inf``);
+equal scores evict the older token first. One victim per row (a decoding step) is an
 ``argmin``; several (a prompt chunk) a stable sort of one row of scores.
 """
 
@@ -25,17 +26,19 @@ def protects_forward(policy: Policy, rule: Keep, new_tokens: int) -> bool:
 
     A decode-time method never evicts the tokens of the forward being processed (a question fed after a
     compressed context, the token just decoded) while ``count`` leaves room for them; a forward longer than
-    ``count`` (a prompt chunk) is ranked by the rule like every other token. Decided from Python integers only: no
-    host synchronisation."""
-    return not policy.one_shot and not isinstance(rule.count, torch.Tensor) and new_tokens <= rule.count
+    ``count`` (a prompt chunk) is ranked by the rule like every other token. Not needed when the rule protects at
+    least as many newest tokens itself. Decided from Python integers only: no host synchronisation."""
+    if policy.one_shot or isinstance(rule.count, torch.Tensor):
+        return False
+    return rule.newest_kept < new_tokens <= rule.count
 
 
 def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False) -> torch.Tensor:
     """``[B, H, W]`` scores of the rule with padding at ``-inf`` and protected real tokens at ``+inf``; with
     ``protect_new`` this forward's real tokens at the largest finite value (above every score, below protected)."""
-    scores = rule.scores if rule.scores.is_floating_point() else rule.scores.double()
     if layer.all_valid:  # no padding stored and no free slot in the view (see ``CompressedLayer.all_valid``)
-        return _ranked_all_real(scores, rule.protected, layer, protect_new)
+        return _ranked_all_real(rule.scores, rule.protected, layer, protect_new)
+    scores = rule.scores if rule.scores.is_floating_point() else rule.scores.double()
     valid = layer.valid
     padding = ~valid
     ranked = scores.expand_as(valid).masked_fill(padding, -math.inf)
@@ -50,20 +53,29 @@ def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False)
 def _ranked_all_real(
     scores: torch.Tensor, protected: torch.Tensor | None, layer: CompressedLayer, protect_new: bool
 ) -> torch.Tensor:
-    """``ranked_scores`` when every slot in the view holds a real token: two ops at most."""
+    """``ranked_scores`` when every slot in the view holds a real token: two ops at most, integer scores kept as
+    integers (their largest values standing for ``+inf``)."""
     shape = layer.slots.token_idx.shape[:2] + scores.shape[-1:]
     ranked = scores.expand(shape)
+    floating = ranked.is_floating_point()
+    last = math.inf if floating else torch.iinfo(ranked.dtype).max
     if protect_new:
-        ranked = ranked.scatter(-1, layer.new_index().expand(*shape[:2], -1), torch.finfo(ranked.dtype).max)
+        top = torch.finfo(ranked.dtype).max if floating else last - 1
+        ranked = ranked.scatter(-1, layer.new_index().expand(*shape[:2], -1), top)
     if protected is not None:
-        ranked = ranked.masked_fill(protected, math.inf)
+        ranked = ranked.masked_fill(protected, last)
     return ranked
 
 
-def lowest_victims(ranked: torch.Tensor, token_idx: torch.Tensor, count: int, ordered: bool) -> torch.Tensor:
+def lowest_victims(
+    ranked: torch.Tensor, token_idx: torch.Tensor, count: int, ordered: bool, untied: bool = False
+) -> torch.Tensor:
     """``[B, H, count]`` positions of the lowest ``ranked`` values per row, older tokens first among equals.
 
-    ``ordered``: positions are in stream order already (then ties need no token index)."""
+    ``ordered``: positions are in stream order already (then ties need no token index); ``untied``: the lowest
+    value of a row is unique, or ``ordered`` holds (then ``argmin``, which takes the first position, suffices)."""
+    if count == 1 and untied:
+        return ranked.argmin(dim=-1, keepdim=True)
     if count == 1:
         low = ranked.amin(dim=-1, keepdim=True)
         return torch.where(ranked == low, token_idx, _LAST).argmin(dim=-1, keepdim=True)
@@ -85,14 +97,19 @@ def victims_of_rule(
         excess = layer.occupied - count
         if excess <= 0:
             return None, None
-        return lowest_victims(ranked_scores(rule, layer, protect_new), layer.token_idx, excess, layer.ordered), None
+        # every slot holds a real token: the minimum is an unprotected real token's score, distinct or first in order
+        untied = layer.all_valid and (rule.distinct or layer.ordered)
+        ranked = ranked_scores(rule, layer, protect_new)
+        return lowest_victims(ranked, layer.token_idx, excess, layer.ordered, untied), None
     # per-sequence counts (a one-shot ratio): runs once per prompt, so host syncs are fine here
     most = int(count.max())
     excess = max(0, layer.occupied - most)
     ranked = ranked_scores(rule, layer)
     width = ranked.shape[-1]
-    order = lowest_victims(ranked, layer.token_idx, width, layer.ordered) if width > 1 else ranked.new_zeros(
-        *ranked.shape[:2], width, dtype=torch.long
+    order = (
+        lowest_victims(ranked, layer.token_idx, width, layer.ordered)
+        if width > 1
+        else ranked.new_zeros(*ranked.shape[:2], width, dtype=torch.long)
     )
     place = torch.empty_like(order).scatter_(-1, order, torch.arange(width, device=order.device).expand_as(order))
     invalidate = (place >= excess) & (place < excess + (most - count)[:, None, None])

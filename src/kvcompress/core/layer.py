@@ -75,7 +75,8 @@ class CompressedLayer(CacheLayerMixin):
     def _view(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._stale:
             self._settle()
-        return tensor[:, :, : self.view_width]
+        width = self.view_width
+        return tensor if width == tensor.shape[2] else tensor[:, :, :width]
 
     def _settle(self) -> None:
         """Mark the victims of the last decoding step free (deferred until something other than the next write
@@ -167,7 +168,9 @@ class CompressedLayer(CacheLayerMixin):
         count = self.new_tokens
         positions = None
         if position_ids is not None:
-            positions = position_ids[..., -count:].to(self.device)
+            positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
+            if positions.device != self.device:
+                positions = positions.to(self.device)
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
         real = None

@@ -18,16 +18,20 @@ def keep_top(
     scores: torch.Tensor,
     keep: torch.Tensor | int,
     protected: torch.Tensor | None = None,
+    *,
+    newest_kept: int = 0,
+    distinct: bool = False,
 ) -> Keep | None:
     """The rule "keep, per sequence and head, the ``keep`` highest-scoring real tokens; ``protected`` first".
 
     ``scores`` is ``[B, H_kv or 1, W]`` over the layer's view; ``keep`` an int or ``[B]`` counts. The layer evicts
     the rest, lowest first, the older token first among equal scores (so selections are deterministic). ``None``
-    when the layer holds no more than ``keep`` tokens (nothing to evict).
+    when the layer holds no more than ``keep`` tokens (nothing to evict). ``newest_kept`` and ``distinct``:
+    see ``Keep`` (facts about the rule that spare work, never change the selection).
     """
     if not isinstance(keep, torch.Tensor) and layer.occupied <= keep:
         return None
-    return Keep(scores, keep, protected)
+    return Keep(scores, keep, protected, newest_kept, distinct)
 
 
 def sink_mask(layer: CompressedLayer, sinks: int) -> torch.Tensor:

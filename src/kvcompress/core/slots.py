@@ -36,6 +36,28 @@ class SlotBuffers:
         self.tensors = tensors
         self.state = state
         self.real_seen = real_seen
+        # writes a decoding step defers until something reads them (each would be one more op per layer and step):
+        self._real_lag = 0  # real tokens written but not yet added to ``real_seen``
+        self._default_rope: tuple[torch.Tensor, int] | None = None  # slots whose RoPE position is their stream index
+
+    @property
+    def real_seen(self) -> torch.Tensor:
+        if self._real_lag:
+            self._real_seen += self._real_lag
+            self._real_lag = 0
+        return self._real_seen
+
+    @real_seen.setter
+    def real_seen(self, value: torch.Tensor) -> None:
+        self._real_seen, self._real_lag = value, 0
+
+    @property
+    def rope_pos(self) -> torch.Tensor:
+        if self._default_rope is not None:
+            slots, seen = self._default_rope
+            self._default_rope = None
+            self.tensors["rope_pos"].scatter_(2, slots, seen)
+        return self.tensors["rope_pos"]
 
     @classmethod
     def empty(cls, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotBuffers:
@@ -54,7 +76,6 @@ class SlotBuffers:
     keys = property(lambda self: self.tensors["keys"])
     values = property(lambda self: self.tensors["values"])
     token_idx = property(lambda self: self.tensors["token_idx"])
-    rope_pos = property(lambda self: self.tensors["rope_pos"])
     rank = property(lambda self: self.tensors["rank"])
     valid = property(lambda self: self.tensors["valid"])
 
@@ -63,6 +84,7 @@ class SlotBuffers:
         return self.tensors["keys"].shape[2]
 
     def _all(self) -> dict[str, torch.Tensor]:
+        self.rope_pos  # noqa: B018 (writes a deferred RoPE position)
         return {**self.tensors, **{f"state.{name}": value for name, value in self.state.items()}}
 
     def _put_all(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -110,7 +132,7 @@ class SlotBuffers:
         self.rope_pos[:, :, start:stop] = index
         self.valid[:, :, start:stop] = True
         self.rank[:, :, start:stop] = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
-        self.real_seen += count
+        self._real_lag += count
         for name, value in state.items():
             self._new_state(name, value)[:, :, start:stop] = value
 
@@ -122,11 +144,13 @@ class SlotBuffers:
         ``reused_real``: one token per row into slots that still hold an evicted real token, in a layer that never
         stored padding (so the slot is already marked real, and a real token's rank is its stream index)."""
         count = keys.shape[2]
-        self.keys.scatter_(2, slots[..., None].expand_as(keys), keys)
-        self.values.scatter_(2, slots[..., None].expand_as(values), values)
+        rows = slots[..., None].expand_as(keys)
+        self.keys.scatter_(2, rows, keys)
+        self.values.scatter_(2, rows if values.shape == keys.shape else slots[..., None].expand_as(values), values)
         if reused_real and count == 1:
             self.token_idx.scatter_(2, slots, seen)
-            self.rope_pos.scatter_(2, slots, seen)
+            self.rope_pos  # noqa: B018 (the previous step's deferred position, if any, first)
+            self._default_rope = (slots, seen)  # ``register`` writes the model's position instead
             self.rank.scatter_(2, slots, seen)
         else:
             index = torch.arange(seen, seen + count, device=keys.device).expand_as(slots)
@@ -135,16 +159,19 @@ class SlotBuffers:
             self.valid.scatter_(2, slots, True)
             ranks = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
             self.rank.scatter_(2, slots, ranks.expand_as(slots))
-        self.real_seen += count
+        self._real_lag += count
         for name, value in state.items():
             target = self._new_state(name, value)
-            target.scatter_(2, slots.view(*slots.shape, *[1] * (value.dim() - 3)).expand_as(value), value)
+            per_slot = slots if value.dim() == 3 else slots.view(*slots.shape, *[1] * (value.dim() - 3))
+            target.scatter_(2, per_slot.expand_as(value), value)
 
     def register(self, slots: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor | None) -> None:
         """Record the RoPE positions ``[B, q]`` and realness ``[B, q]`` of the tokens just written to ``slots``."""
         shape = slots.shape
         if positions is not None:
-            self.rope_pos.scatter_(2, slots, positions.expand(shape[0], -1)[:, None, :].expand(shape))
+            if self._default_rope is not None and self._default_rope[0] is slots:
+                self._default_rope = None
+            self.rope_pos.scatter_(2, slots, positions.view(-1, 1, shape[-1]).expand(shape))
         if real is not None:
             self.real_seen -= shape[-1]
             rank = self.real_seen[:, None] + real.long().cumsum(-1) - 1
@@ -196,7 +223,7 @@ class SlotBuffers:
             index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
             return tensor[:, :, :width].gather(2, index)
 
-        named = {name: take(tensor) for name, tensor in self.tensors.items()}
+        named = {name: take(tensor) for name, tensor in self._all().items() if not name.startswith("state.")}
         return StreamView(**named, state={name: take(value) for name, value in self.state.items()})
 
     # --- accounting ----------------------------------------------------------------------------------------

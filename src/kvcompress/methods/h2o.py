@@ -29,7 +29,7 @@ class H2OPolicy(Policy):
 
     def select(self, layer):
         recent = self.config.budget - self.config.heavy
-        return keep_top(layer, layer.state["mass"], self.config.budget, recent_mask(layer, recent))
+        return keep_top(layer, layer.state["mass"], self.config.budget, recent_mask(layer, recent), newest_kept=recent)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ class KnormPolicy(Policy):
         if not self.one_shot and layer.new_tokens <= budget:
             recent = max(recent, layer.new_tokens)  # this forward's tokens are the newest: never evicted
         protected = recent_mask(layer, min(recent, budget)) if recent else None
-        return keep_top(layer, layer.state["negative_norm"], budget, protected)
+        return keep_top(layer, layer.state["negative_norm"], budget, protected, newest_kept=min(recent, budget))
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,10 @@ class ScissorhandsPolicy(Policy):
     def select(self, layer):
         newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): breaks ties towards newer tokens
         scores = newer_first - layer.state["low_count"]
-        return keep_top(layer, scores, self.config.budget, recent_mask(layer, self.recent))
+        recent = self.recent
+        protected = recent_mask(layer, recent)
+        # the fraction above makes every score distinct
+        return keep_top(layer, scores, self.config.budget, protected, newest_kept=recent, distinct=True)
 
     @property
     def recent(self) -> int:

@@ -32,7 +32,11 @@ class StreamingPolicy(Policy):
         self.position_mode = config.position_mode
 
     def select(self, layer):
-        return keep_top(layer, layer.token_idx[:, :1], self.config.budget, sink_mask(layer, self.config.sinks))
+        budget, sinks = self.config.budget, self.config.sinks  # scores are stream indices: see window
+        recent = budget - sinks
+        return keep_top(
+            layer, layer.token_idx[:, :1], budget, sink_mask(layer, sinks), newest_kept=recent, distinct=True
+        )
 
 
 @dataclass(frozen=True)

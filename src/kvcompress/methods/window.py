@@ -17,7 +17,8 @@ class WindowPolicy(Policy):
     per_head = False
 
     def select(self, layer):
-        return keep_top(layer, layer.token_idx[:, :1], self.config.budget)
+        budget = self.config.budget  # scores are stream indices: distinct, and the newest rank highest
+        return keep_top(layer, layer.token_idx[:, :1], budget, newest_kept=budget, distinct=True)
 
 
 @dataclass(frozen=True)
