@@ -124,8 +124,7 @@ def synthetic_stats(
     if request.received:
         stats.received = torch.randn(*shape, length, generator=generator).softmax(-1)
     if request.last_queries:
-        stats.last = torch.randn(*shape, 1, length, generator=generator).softmax(-1)
-        stats.last_visible = torch.ones(setup.batch, 1, 1, length, dtype=torch.bool)
+        stats.last = torch.randn(*shape, 1, length, generator=generator).softmax(-1)  # sees every key (no mask)
     return stats
 
 
@@ -203,7 +202,6 @@ def cut(stats: AttentionStats | None, length: int) -> AttentionStats | None:
         cut.received = stats.received[..., :length]
     if stats.last is not None:
         cut.last = stats.last[..., :length]
-        cut.last_visible = stats.last_visible[..., :length]
     return cut
 
 

@@ -153,9 +153,8 @@ def attention_with_stats(
         output = sdpa(query, key, value, given, scaling)
         rows = slice(queries - last_n, queries)
         last = chunked_softmax(query[:, :, rows], key, mask[:, :, rows], scaling, last_n=last_n).last
-    if last_n:
-        visible = mask if mask is not None else torch.ones(1, 1, 1, length, dtype=torch.bool, device=query.device)
-        stats.last, stats.last_visible = last, visible[:, :, queries - last_n :]
+    if last_n:  # no mask: one query that sees every key
+        stats.last, stats.last_visible = last, None if mask is None else mask[:, :, queries - last_n :]
     return output, stats
 
 

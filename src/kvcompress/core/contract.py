@@ -47,7 +47,7 @@ class AttentionStats:
     query_count: int  # queries in this forward
     received: torch.Tensor | None = None  # [B, H_kv, G, L] float32
     last: torch.Tensor | None = None  # [B, H_kv, G, n, L] float32, rows of the last n queries
-    last_visible: torch.Tensor | None = None  # [B, H_kv or 1, n, L] bool, keys those rows could attend to
+    last_visible: torch.Tensor | None = None  # [B, H_kv or 1, n, L] bool, keys those rows could attend to (None: all)
 
 
 @dataclass

@@ -27,6 +27,7 @@ class GatherLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     all_valid = False  # selection helpers take their padding-free shortcuts only on the slot layer
+    new_positions = None  # shared per-forward positions: a slot-layer shortcut (``CompressedLayer.new_positions``)
     is_croppable = False
     sliding_window: int | None = None  # the model's window on this layer (set by the cache; None: global layer)
 

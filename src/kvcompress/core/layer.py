@@ -66,6 +66,9 @@ class CompressedLayer(CacheLayerMixin):
         # decoding step frees nothing), anything else reading the slots marks them free first (``_settle``)
         self._stale = False
         self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
+        # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
+        # positions (the same tensor for every layer: work derived from it is shared, see ``core.hashing``)
+        self.new_positions: torch.Tensor | None = None
 
     # --- views of the slots attention sees ---------------------------------------------------------------------
     @property
@@ -167,6 +170,8 @@ class CompressedLayer(CacheLayerMixin):
         """Record the RoPE positions (``[B, q]``) and validity (``[B, q]``, True = real) of the new tokens."""
         count = self.new_tokens
         positions = None
+        exact = position_ids is not None and position_ids.shape[-1] == count and position_ids.dim() == 2
+        self.new_positions = position_ids if exact and position_ids.device == self.device else None
         if position_ids is not None:
             positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
             if positions.device != self.device:
@@ -332,7 +337,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = self.new_tokens = self.occupied = self.max_chunk = 0
         self.compressed = self._stale = False
         self.dense = self.ordered = self.all_valid = True
-        self._free = self._new = None
+        self._free = self._new = self.new_positions = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:

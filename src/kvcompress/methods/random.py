@@ -14,7 +14,7 @@ import torch
 
 from kvcompress.core.checks import check_budget, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.core.hashing import hash_uniform
+from kvcompress.core.hashing import hash_uniform, layer_draws
 from kvcompress.core.selection import keep_top
 
 
@@ -24,9 +24,14 @@ class RandomPolicy(Policy):
 
     def observe(self, layer, stats):
         new = layer.new_index()
+        draw, seed = layer.state["draw"], self.config.seed
+        if layer.new_positions is not None:  # the model's positions: draws computed once per forward for all layers
+            draws = layer_draws(layer.new_positions, seed, self.layer_idx, new.shape[1])
+            draw.scatter_(-1, new, draws.expand_as(new))
+            return
         positions = layer.rope_pos.gather(-1, new)
         heads = torch.arange(positions.shape[1], device=positions.device)[None, :, None]
-        layer.state["draw"].scatter_(-1, new, hash_uniform(self.config.seed, self.layer_idx, heads, positions))
+        draw.scatter_(-1, new, hash_uniform(seed, self.layer_idx, heads, positions))
 
     def select(self, layer):
         return keep_top(layer, layer.state["draw"], self.config.budget)

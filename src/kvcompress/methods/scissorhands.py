@@ -39,14 +39,17 @@ class ScissorhandsPolicy(Policy):
 
     def observe(self, layer, stats):
         rows = stats.last.mean(dim=2)  # [B, H_kv, n, L]
-        visible = stats.last_visible.expand_as(rows)
-        average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
-        low = (visible & (rows < average)).transpose(-1, -2)  # [B, H_kv, L, n]
+        if stats.last_visible is None:  # one query that sees every key: the average is 1 / L
+            low = (rows < 1.0 / rows.shape[-1]).transpose(-1, -2)  # [B, H_kv, L, n]
+        else:
+            visible = stats.last_visible.expand_as(rows)
+            average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
+            low = (visible & (rows < average)).transpose(-1, -2)
         history, window = self.config.history, layer.state["low"]
         if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
             column = window[..., self.observed % history]
             count = layer.state["low_count"]
-            count.add_(low[..., 0].double()).sub_(column.double())
+            count.add_(low[..., 0]).sub_(column.double())
             column.copy_(low[..., 0])
         else:
             rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
