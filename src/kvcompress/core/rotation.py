@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-_CACHE = "_kvcompress_rotations"
+from kvcompress.core.forward_cache import forward_cached
 
 
 def rotation_matrices(
@@ -21,14 +21,10 @@ def rotation_matrices(
 ) -> torch.Tensor:
     """``[B, d, k d]``: for a vector ``x`` rotated at ``position_ids[b, -1]``, ``x @ M[b]`` holds ``x`` rotated to
     each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)`` dimensions rotate)."""
-    key = (targets, inv_freq.data_ptr(), dim, dtype)
-    cache = getattr(position_ids, _CACHE, None)
-    if cache is None:
-        cache = {}
-        setattr(position_ids, _CACHE, cache)
-    if key not in cache:
-        cache[key] = _build(position_ids[..., -1].reshape(-1), targets, inv_freq, dim, dtype)
-    return cache[key]
+    key = ("rotations", targets, inv_freq.data_ptr(), dim, dtype)
+    return forward_cached(
+        position_ids, key, lambda: _build(position_ids[..., -1].reshape(-1), targets, inv_freq, dim, dtype)
+    )
 
 
 def _build(

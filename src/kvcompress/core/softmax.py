@@ -157,5 +157,11 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.flatten(0, 1)
 
 
+def head_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right`` for ``[B, H, m, k]`` and ``[B, H, k, n]`` (no broadcasting) as one 3D batched matmul."""
+    batch, heads = left.shape[:2]
+    return torch.bmm(_flat(left), _flat(right)).view(batch, heads, left.shape[2], right.shape[3])
+
+
 def _joined(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)

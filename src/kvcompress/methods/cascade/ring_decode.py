@@ -15,6 +15,7 @@ import torch
 
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import rotation_matrices
+from kvcompress.core.softmax import head_matmul
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
 
@@ -46,7 +47,7 @@ class RingDecode:
         targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
         probs = self._softmax(query, pending, targets, runs, scale)
         stored = runs[-1][1]
-        output = probs.to(self._kv.dtype) @ self._v[:, :, :stored]
+        output = head_matmul(probs.to(self._kv.dtype), self._v[:, :, :stored])
         if self.rule.needs_scores:
             if stored < self.capacity:  # empty slots at the end received nothing
                 probs = torch.nn.functional.pad(probs, (0, self.capacity - stored))
@@ -79,7 +80,7 @@ class RingDecode:
         self._kv[:, :, spare, :dim] = keys[:, :, 0]
         self._kv[:, :, spare, dim:] = values
         probs = self._softmax(query, pending, targets, runs, scale)
-        output = probs.to(self._kv.dtype) @ self._kv[:, :, : spare + 1, dim:]
+        output = head_matmul(probs.to(self._kv.dtype), self._kv[:, :, : spare + 1, dim:])
         if dest != spare:
             self._kv[:, :, dest, :dim] = keys[:, :, 1]
             self._kv[:, :, dest, dim:] = values
@@ -97,7 +98,8 @@ class RingDecode:
         batch, q_heads, _, dim = query.shape
         rotations = rotation_matrices(pending.source, targets, self.inv_freq, dim, query.dtype)
         turned = (query.reshape(batch, q_heads, dim) @ rotations).view(batch, self._kv.shape[1], -1, len(targets), dim)
-        return (torch.cat(self._run_logits(turned, runs), -1).float() * scale).softmax(-1)
+        logits = self._run_logits(turned, runs)
+        return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().mul_(scale).softmax(-1)
 
     def _frames(self, top: int) -> tuple[tuple[int, ...], list[Run]]:
         """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
@@ -133,7 +135,7 @@ class RingDecode:
         for lo, hi, index in runs:
             if lo > end:
                 logits.append(turned.new_full((1, 1, 1, 1), float("-inf")).expand(batch, kv_heads, groups, lo - end))
-            logits.append(turned[:, :, :, index] @ keys[:, :, lo:hi].transpose(-1, -2))
+            logits.append(head_matmul(turned[:, :, :, index], keys[:, :, lo:hi].transpose(-1, -2)))
             end = hi
         return logits
 
