@@ -87,7 +87,7 @@ def chunked_softmax(
         group_rows = grouped(query[:, :, start:stop], kv_heads).reshape(batch * kv_heads, groups * rows, dim)
         logits = torch.bmm(group_rows, keys_t).view(batch, kv_heads, groups, rows, length).float().mul_(scale)
         if rows_mask is not None:  # None: one query that sees every key
-            logits = logits.masked_fill(~rows_mask[:, :, None], float("-inf"))
+            logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
         if lse:
             row_lse = logits.logsumexp(dim=-1)
             probs = torch.exp(logits - row_lse[..., None])
