@@ -25,15 +25,17 @@ class TOVAPolicy(Policy):
     stats = StatsRequest(last_queries=1)
     per_head = False
 
-    def init_state(self, layer, keys):
-        return {"attention": torch.zeros(keys.shape[:3], device=keys.device)}
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        # the current query's attention [B, 1, L] over the layer's view, from ``observe`` to ``select`` in the same
+        # forward: a score that is never accumulated needs no per-slot state
+        self.current: torch.Tensor | None = None
 
     def observe(self, layer, stats):
-        current = stats.last[:, :, :, -1].mean(dim=(1, 2))[:, None]  # [B, 1, L]
-        layer.state["attention"] = current
+        self.current = stats.last[:, :, :, -1].mean(dim=(1, 2))[:, None]
 
     def select(self, layer):
-        return keep_top(layer, layer.state["attention"][:, :1], self.config.budget)
+        return keep_top(layer, self.current, self.config.budget)
 
 
 @dataclass(frozen=True)

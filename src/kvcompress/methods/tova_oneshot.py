@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
@@ -18,6 +20,14 @@ from kvcompress.methods.tova import TOVAPolicy
 
 class OneShotTOVAPolicy(TOVAPolicy):
     one_shot = True
+
+    # the compression may run after a chunked prefill, so the scores travel with the slots (per-slot state)
+    def init_state(self, layer, keys):
+        return {"attention": torch.zeros(keys.shape[:3], device=keys.device)}
+
+    def observe(self, layer, stats):
+        super().observe(layer, stats)
+        layer.state["attention"] = self.current
 
     def select(self, layer):
         keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
