@@ -83,8 +83,8 @@ def attend_layer(
     custom = layer.attend(query, key, value, mask, scaling)
     if custom is not None:
         output, stats = custom
-    elif request.any:
-        output, stats = attention_with_stats(query, key, value, mask, scaling, request)
+    elif request.any:  # the layer's masks leave every query its own key
+        output, stats = attention_with_stats(query, key, value, mask, scaling, request, rows_see_keys=True)
     else:
         output, stats = sdpa(query, key, value, mask, scaling), None
     layer.after_attention(stats)
@@ -130,8 +130,9 @@ def attention_with_stats(
     mask: torch.Tensor | None,
     scaling: float | None,
     request: StatsRequest,
+    rows_see_keys: bool = False,
 ) -> tuple[torch.Tensor, AttentionStats]:
-    """Attention plus the requested statistics, in float32.
+    """Attention plus the requested statistics, in float32 (``rows_see_keys``: see ``chunked_softmax``).
 
     Mass received needs every query's probabilities: the exact chunked softmax gives output and mass together.
     Rows of the last ``n`` queries alone need only that ``n x L`` block: SDPA computes the output and the block is
@@ -144,15 +145,20 @@ def attention_with_stats(
     last_n = min(request.last_queries, queries)
     stats = AttentionStats(query_count=queries)
     if request.received:
-        parts = chunked_softmax(query, key, mask, scaling, value=value, received=True, last_n=last_n)
+        parts = chunked_softmax(
+            query, key, mask, scaling, value=value, received=True, last_n=last_n, rows_see_keys=rows_see_keys
+        )
         output, stats.received, last = parts.output, parts.received, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
-        parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n)
+        parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n, rows_see_keys=rows_see_keys)
         output, last = parts.output, parts.last
     else:
         output = sdpa(query, key, value, given, scaling)
         rows = slice(queries - last_n, queries)
-        last = chunked_softmax(query[:, :, rows], key, mask[:, :, rows], scaling, last_n=last_n).last
+        visible = mask[:, :, rows]
+        last = chunked_softmax(
+            query[:, :, rows], key, visible, scaling, last_n=last_n, rows_see_keys=rows_see_keys
+        ).last
     if last_n:  # no mask: one query that sees every key
         stats.last, stats.last_visible = last, None if mask is None else mask[:, :, queries - last_n :]
     return output, stats

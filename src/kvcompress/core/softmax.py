@@ -61,12 +61,14 @@ def chunked_softmax(
     row_weight: torch.Tensor | None = None,
     last_n: int = 0,
     chunk_elements: int | None = None,
+    rows_see_keys: bool = False,
 ) -> SoftmaxParts:
     """Softmax of ``query`` ``[B, H_q, q, d]`` over ``key`` ``[B, H_kv, L, d]`` (float32 logits), in query chunks.
 
     ``value`` ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the
     mass each key receives, summed over rows (each row weighted by ``row_weight`` ``[B, q]`` if given; a row that
     sees no key counts for nothing); ``last_n`` for the probability rows of the last ``n`` queries.
+    ``rows_see_keys``: the caller's mask leaves every row at least one key (no row to zero after the softmax).
     """
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -85,7 +87,8 @@ def chunked_softmax(
         rows_mask = None if mask is None else mask(start, stop) if callable(mask) else mask[:, :, start:stop]
         rows = stop - start
         group_rows = grouped(query[:, :, start:stop], kv_heads).reshape(batch * kv_heads, groups * rows, dim)
-        logits = torch.bmm(group_rows, keys_t).view(batch, kv_heads, groups, rows, length).float().mul_(scale)
+        # the queries scaled, not the logits: rows x d values instead of rows x L (as SDPA does)
+        logits = torch.bmm(group_rows * scale, keys_t).view(batch, kv_heads, groups, rows, length).float()
         if rows_mask is not None:  # None: one query that sees every key
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
         if lse:
@@ -93,7 +96,7 @@ def chunked_softmax(
             probs = torch.exp(logits - row_lse[..., None])
         else:
             probs = logits.softmax(dim=-1)
-        if rows_mask is not None:
+        if rows_mask is not None and not rows_see_keys:
             probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
         if values is not None:
             flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, length)
