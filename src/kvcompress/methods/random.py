@@ -14,8 +14,25 @@ import torch
 
 from kvcompress.core.checks import check_budget, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.core.hashing import hash_uniform, layer_draws
+from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
+
+LAYER_BLOCK = 64  # layers whose draws are computed together
+
+
+def layer_draws(positions: torch.Tensor, seed: int, layer: int, heads: int) -> torch.Tensor:
+    """``[B or 1, heads, q]``: ``hash_uniform(seed, layer, head, position)`` for the RoPE positions ``[B or 1, q]``
+    of a forward's tokens (the model's ``position_ids``). The hash takes some twenty small ops: they run once per
+    forward for a block of ``LAYER_BLOCK`` layers (``kvcompress.core.forward_cache``)."""
+    block = layer // LAYER_BLOCK
+
+    def build() -> torch.Tensor:
+        layers = torch.arange(block * LAYER_BLOCK, (block + 1) * LAYER_BLOCK, device=positions.device)
+        head = torch.arange(heads, device=positions.device)[:, None]
+        return hash_uniform(seed, layers[:, None, None, None], head, positions[None, :, None, :])
+
+    return forward_cached(positions, ("draws", seed, block, heads), build)[layer % LAYER_BLOCK]
 
 
 class RandomPolicy(Policy):
