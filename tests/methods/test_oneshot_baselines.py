@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcompress.core.hashing import hash_uniform
+from kvcompress.methods.random import layer_draws
 from kvcompress.registry import make_config
 from tests.helpers import filled_layer, kept_tokens, stats_from_rows
 
@@ -76,3 +78,12 @@ def test_needs_exactly_one_budget(method):
         make_config(method)
     with pytest.raises(ValueError, match="ratio"):
         make_config(method, ratio=0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**63 - 1])
+def test_random_draws_of_a_forward_equal_the_documented_hash_for_every_layer(seed):
+    positions = torch.tensor([[5, 6, 7], [0, 1, 2]])
+    heads = torch.arange(3)[None, :, None]
+    for layer in (0, 1, 63, 64, 130):
+        expected = hash_uniform(seed, layer, heads, positions[:, None, :])
+        assert torch.equal(layer_draws(positions, seed, layer, 3), expected)
