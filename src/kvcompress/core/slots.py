@@ -53,11 +53,15 @@ class SlotBuffers:
 
     @property
     def rope_pos(self) -> torch.Tensor:
+        self._write_default_rope()
+        return self.tensors["rope_pos"]
+
+    def _write_default_rope(self) -> None:
+        """Write a deferred RoPE position (a reused slot's stream index, unless ``register`` gave the model's)."""
         if self._default_rope is not None:
             slots, seen = self._default_rope
             self._default_rope = None
             self.tensors["rope_pos"].scatter_(2, slots, seen)
-        return self.tensors["rope_pos"]
 
     @classmethod
     def empty(cls, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotBuffers:
@@ -84,7 +88,7 @@ class SlotBuffers:
         return self.tensors["keys"].shape[2]
 
     def _all(self) -> dict[str, torch.Tensor]:
-        self.rope_pos  # noqa: B018 (writes a deferred RoPE position)
+        self._write_default_rope()
         return {**self.tensors, **{f"state.{name}": value for name, value in self.state.items()}}
 
     def _put_all(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -149,7 +153,7 @@ class SlotBuffers:
         self.values.scatter_(2, rows if values.shape == keys.shape else slots[..., None].expand_as(values), values)
         if reused_real and count == 1:
             self.token_idx.scatter_(2, slots, seen)
-            self.rope_pos  # noqa: B018 (the previous step's deferred position, if any, first)
+            self._write_default_rope()  # the previous step's, if any, first
             self._default_rope = (slots, seen)  # ``register`` writes the model's position instead
             self.rank.scatter_(2, slots, seen)
         else:
