@@ -75,15 +75,14 @@ class RingDecode:
         batch, kv_heads, _, dim = pending.keys.shape
         key_targets = (spare_target, dest)
         rotations = rotation_matrices(pending.source, key_targets, self.inv_freq, dim, pending.keys.dtype)
-        keys = (pending.keys.reshape(batch, kv_heads, 1, dim) @ rotations.unsqueeze(1)).view(batch, kv_heads, 2, dim)
-        values = pending.values.reshape(batch, kv_heads, -1).to(self._kv.dtype)
-        self._kv[:, :, spare, :dim] = keys[:, :, 0]
-        self._kv[:, :, spare, dim:] = values
+        keys = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), rotations).view(batch, kv_heads, 2, dim)
+        values = pending.values.reshape(batch, kv_heads, 1, -1).to(keys.dtype).expand(-1, -1, 2, -1)
+        items = torch.cat([keys, values], -1)  # the new token as a slot item at the spare slot and at ``dest``
+        self._kv[:, :, spare] = items[:, :, 0]
         probs = self._softmax(query, pending, targets, runs, scale)
         output = head_matmul(probs.to(self._kv.dtype), self._kv[:, :, : spare + 1, dim:])
         if dest != spare:
-            self._kv[:, :, dest, :dim] = keys[:, :, 1]
-            self._kv[:, :, dest, dim:] = values
+            self._kv[:, :, dest] = items[:, :, 1]
         self._meta[:, dest, 0] = self.seen - 1
         self._meta[:, dest, 1] = pending.pos[:, 0]
         self._py_seen, self._py_tensors = seen + 1, None
@@ -142,7 +141,7 @@ class RingDecode:
     def _new_item(self, pending, batch: int, kv_heads: int, dim: int) -> torch.Tensor:
         """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key un-rotated (rotated to position 0)."""
         unrotate = rotation_matrices(pending.source, (0,), self.inv_freq, dim, pending.keys.dtype)
-        key = pending.keys.reshape(batch, kv_heads, 1, dim) @ unrotate.unsqueeze(1)
+        key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), unrotate).view(batch, kv_heads, 1, dim)
         return torch.cat([key, pending.values.reshape(batch, kv_heads, 1, -1).to(key.dtype)], -1)
 
     def _new_meta(self, pending) -> torch.Tensor:
