@@ -67,7 +67,7 @@ class CompressedLayer(CacheLayerMixin):
         self._stale = False
         self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
         # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
-        # positions (the same tensor for every layer: work derived from it is shared, see ``core.hashing``)
+        # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward_cache``)
         self.new_positions: torch.Tensor | None = None
 
     # --- views of the slots attention sees ---------------------------------------------------------------------
