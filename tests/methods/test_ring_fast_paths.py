@@ -54,3 +54,22 @@ def test_fast_paths_equal_the_per_sequence_path(name, chunks):
         # later layers' inputs differ by the float rounding of the earlier layers' attention (other op order)
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "per-sequence"])
+def test_sinks_do_not_drift_in_a_long_stream(reference):
+    """One ring keeps its sinks at angle j + F and rewrites them from a copy whenever F changes: after hundreds of
+    overwrites they are still the keys the model wrote (a rotation accumulated step by step would drift)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 400), generator=torch.Generator().manual_seed(5))
+    cache = kvcompress.cache_for(model, "streaming", budget=8, sinks=2)
+    for layer in cache.layers:
+        layer.force_tensor_path = reference
+    sinks_at = {}
+    for step in range(ids.shape[1]):
+        model(input_ids=ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True)
+        if step in (20, 399):
+            sinks_at[step] = [layer.keys[:, :, :2].clone() for layer in cache.layers]
+    assert int(cache.layers[0]._frame()[0]) == 400 - 8  # every token after the ring filled overwrote one
+    for early, late in zip(sinks_at[20], sinks_at[399], strict=True):
+        torch.testing.assert_close(late, early, rtol=1e-5, atol=1e-5)

@@ -84,15 +84,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """Rotate ``x`` (``[..., L, head_dim]``, already RoPE-rotated) further by ``delta`` positions (``[..., L]``).
 
-    Only the first ``2 * len(inv_freq)`` dimensions rotate (partial rotary); the rest pass through."""
+    Only the first ``2 * len(inv_freq)`` dimensions rotate (partial rotary); the rest pass through. The angles are
+    computed as the model computes its own (float32) unless ``exact``: then in float64, so that a rotation by a large
+    ``delta`` (a position far into a stream) is as precise as one by a small one."""
     rotary = 2 * inv_freq.shape[-1]
     if rotary < x.shape[-1]:
-        rotated = rotate_by(x[..., :rotary], delta, inv_freq)  # broadcast with ``delta``: pass the rest alike
+        rotated = rotate_by(x[..., :rotary], delta, inv_freq, exact)  # broadcast with ``delta``: pass the rest alike
         return torch.cat((rotated, x[..., rotary:].expand(*rotated.shape[:-1], -1)), dim=-1)
-    angles = delta.to(torch.float32)[..., None] * inv_freq.to(x.device)
+    precision = torch.float64 if exact else torch.float32
+    angles = delta.to(precision)[..., None] * inv_freq.to(x.device, precision)
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     return x * cos + rotate_half(x) * sin

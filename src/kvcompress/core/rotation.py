@@ -27,17 +27,39 @@ def rotation_matrices(
     )
 
 
+def frame_rotation(
+    position_ids: torch.Tensor | None, delta: int, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[d, d]``: ``x @ M`` rotates ``x`` further by ``delta`` positions, whatever its position (angles in float64,
+    so a large ``delta`` is as precise as a small one). Shared by the layers of a forward when ``position_ids`` is
+    given, built on the spot otherwise."""
+    key = ("frame", delta, inv_freq.data_ptr(), dim, dtype)
+
+    def build() -> torch.Tensor:
+        angles = delta * inv_freq.to(torch.float64)
+        return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
+
+    return build() if position_ids is None else forward_cached(position_ids, key, build)
+
+
 def _build(
     positions: torch.Tensor, targets: tuple[int, ...], inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
 ) -> torch.Tensor:
     delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
     angles = delta.float()[..., None] * inv_freq.to(positions.device)  # [B, k, h], as the model computes them
-    cos, sin = torch.diag_embed(angles.cos()), torch.diag_embed(angles.sin())  # [B, k, h, h]
-    # input dimension i (rows) -> output j (columns): out[:h] = x[:h] cos - x[h:] sin, out[h:] = x[h:] cos + x[:h] sin
-    rotation = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)  # [B, k, 2h, 2h]
-    rotary = rotation.shape[-1]
-    if rotary < dim:  # partial rotary: the other dimensions pass through
-        rotation = torch.nn.functional.pad(rotation, (0, dim - rotary, 0, dim - rotary))
-        rotation[..., rotary:, rotary:] = torch.eye(dim - rotary, device=positions.device)
+    rotation = _matrix(angles.cos(), angles.sin(), dim)  # [B, k, d, d]
     batch, count = delta.shape
     return rotation.permute(0, 2, 1, 3).reshape(batch, dim, count * dim).to(dtype)
+
+
+def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[..., d, d]`` rotation matrices from ``cos``, ``sin`` ``[..., h]``, input dimension ``i`` (rows) to output
+    ``j`` (columns): ``out[:h] = x[:h] cos - x[h:] sin``, ``out[h:] = x[h:] cos + x[:h] sin``; dimensions past
+    ``2 h`` pass through (partial rotary)."""
+    cos, sin = torch.diag_embed(cos), torch.diag_embed(sin)
+    rotation = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
+    rotary = rotation.shape[-1]
+    if rotary < dim:
+        rotation = torch.nn.functional.pad(rotation, (0, dim - rotary, 0, dim - rotary))
+        rotation[..., rotary:, rotary:] = torch.eye(dim - rotary, device=rotation.device)
+    return rotation

@@ -11,8 +11,18 @@ real tokens seen (the clock), and ``start``/``count`` per cascade. One insertion
 cascade: the moves of all cascades are decided from the counters first, then done with one gather and one
 scatter per tensor (no loop over cascades, sequences or heads).
 
-Keys are stored un-rotated: the model's rotation is undone with the exact cosines and sines it used, and every
-attention rotates the stored keys to their current rank from a small table (ranks never exceed ``S + |C|``).
+Keys are stored rotated at an *angle* from which attention finds their rank with few rotations: the model's rotation
+is undone with the exact cosines and sines it used, and the key is rotated to its angle.
+
+- Several cascades: the angle is the slot index. Inside one cascade rank = slot + shift, plus the ring width for
+  the slots before the ring's start, so a query is rotated once per such frame (``RingAttention._cache_logits``)
+  and a token moving between cascades is re-rotated by the slot difference (a small table).
+- One ring (``N = 1``, the circular sink cache): a single frame. A ring token's angle is its index among the
+  sequence's real tokens, and with ``F`` = ring tokens overwritten so far, its rank is its angle minus ``F``; the
+  sinks are kept at angle ``j + F`` (rewritten from a copy at ``j`` whenever ``F`` changes, ``_sync_sinks``: one
+  rotation each time, no accumulated rounding). Every stored key then has angle rank + ``F``, so a query rotated
+  to its own rank + ``F`` attends to the whole buffer at once (one SDPA while decoding), and a new token is written
+  once, at its real-token index, never re-rotated. Angles grow with the stream, so they are computed in float64.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch
 from kvcompress.core.contract import Policy
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by
+from kvcompress.core.rotation import frame_rotation
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
@@ -87,6 +98,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, Compresse
         base = self.rule.config.base
         self._period = torch.tensor([min(base**i, _MAX_PERIOD) for i in range(cascades)], **long)
         self._sink_slots = torch.arange(self.sinks, **long)
+        # one ring: the sinks' keys at angle j (their own index), and the frame F they were last written at (a
+        # Python integer while the batch is in step, then per sequence)
+        self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)
+        self._sink_frame = 0
         self._build_tables()
         # "in step": every sequence has taken the same number of real tokens so far (no padding yet). Then the
         # counters are the same for the whole batch (only selection outcomes differ), so they are kept as Python
@@ -115,6 +130,7 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, Compresse
             count, start, n_sink, n_real = (t.clone() for t in self._counters())
             self._in_step = False
             self._count_t, self._start_t, self._n_sink_t, self._n_real_t = count, start, n_sink, n_real
+            self._sink_frame = torch.full_like(n_real, self._sink_frame)  # per sequence from now on
             self._sinks_full = self.sinks == 0 or self._py_seen >= self.sinks
             self._filled = not self.rule.config.eager_fill or self._py_seen >= self.full_capacity
 
@@ -204,6 +220,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, Compresse
             half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
             first, second, rest = keys[..., :half], keys[..., half : 2 * half], keys[..., 2 * half :]
             kv = torch.cat([first * cos + second * sin, second * cos - first * sin, rest, values], -1)
+        if self.cascades == 1 and self.inv_freq is not None:  # one frame: each key at its real-token index
+            angle = self._n_real[:, None] + real.long().cumsum(1) - real.long()
+            keys = rotate_by(kv[..., : self._key_dim], angle[:, None], self.inv_freq, exact=True)
+            kv = torch.cat([keys, kv[..., self._key_dim :]], -1)
         meta = torch.stack([pending.tok.expand(batch, -1), pos], -1)
         return kv, meta, pos, real
 
@@ -213,12 +233,44 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, Compresse
         for m in range(kv.shape[2]):
             score = None if scores is None else scores[:, m]
             self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+        self._sync_sinks()
 
     def _insert(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None) -> None:
         if self._in_step and self._all_real and not self.force_tensor_path:
             self._insert_in_step(kv, meta, score)
         else:
             self._insert_tensors(kv, meta, real, score)
+
+    # --- the single frame of one ring (N = 1) -------------------------------------------------------------------
+    def _py_frame(self) -> int:
+        """``F`` while the batch is in step: ring tokens overwritten so far (every real token after the sinks
+        enters the ring)."""
+        return max(0, self._py_seen - self.sinks) - self._py_count[0]
+
+    def _frame(self) -> torch.Tensor:
+        """``F`` per sequence ``[B]``."""
+        return (self._n_real - self.sinks).clamp(min=0) - self._count[:, 0]
+
+    def _sync_sinks(self, position_ids: torch.Tensor | None = None) -> None:
+        """One ring: rewrite the sinks' keys at angle ``j + F`` from their copy at angle ``j`` (once per change of
+        ``F``; ``position_ids`` shares the rotation between the layers of a forward)."""
+        if self.cascades != 1 or not self.sinks or self.inv_freq is None:
+            return
+        sinks = self._kv[:, :, : self.sinks, : self._key_dim]
+        if self._in_step:
+            frame = self._py_frame()
+            if frame == self._sink_frame:
+                return
+            if self._sink_frame == 0:  # until the ring first overwrites, the stored sinks are at angle j
+                self._sink_keys.copy_(sinks)
+            self._sink_frame = frame
+            sinks.copy_(self._sink_keys @ frame_rotation(position_ids, frame, self.inv_freq, self._key_dim, self.dtype))
+            return
+        frame = self._frame()
+        own = (self._sink_frame == 0)[:, None, None, None]  # these sequences' stored sinks are still at angle j
+        self._sink_keys = torch.where(own, sinks, self._sink_keys)
+        sinks.copy_(rotate_by(self._sink_keys, frame[:, None, None], self.inv_freq, exact=True))
+        self._sink_frame = frame
 
     def _turn(self, rows: torch.Tensor, delta: int) -> None:
         """Rotate the keys of ``rows`` (``[..., dk + dv]`` slot items) in place by ``delta`` positions."""
@@ -285,7 +337,8 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, Compresse
         rows = buffer[:, :, dest]
         if source is None:
             rows.copy_(kv[:, :, 0])
-            self._turn(rows, dest)  # the new key arrives un-rotated
+            if self.cascades > 1:
+                self._turn(rows, dest)  # the new key arrives un-rotated (one ring: at its angle already)
             self._meta[:, dest] = meta[:, 0]
             if self.rule.needs_scores:
                 scores[:, dest] = 0.0 if score is None else score
@@ -365,7 +418,7 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, RingCapacity, Compresse
         if depth > 1:
             moved = kv_rows.index_select(0, (rows[:, :, None] + evicted[:, None, :]).flatten())
             items = torch.cat([items, moved.view(batch, heads, -1, width_kv)], 2)
-        if self.inv_freq is not None:  # rotate each key from where it was (0 for the new one) to its slot
+        if self.inv_freq is not None and self.cascades > 1:  # each key from where it was (0: the new one) to its slot
             source = torch.cat([torch.zeros_like(dest[:, :lead]), evicted], 1)
             keys = rotate_by(items[..., : self._key_dim], (dest - source)[:, None], self.inv_freq)
             items = torch.cat([keys, items[..., self._key_dim :]], -1)

@@ -37,7 +37,10 @@ class RingAttention:
         keys = self._k
         batch, kv_heads, groups, count, dim = query.shape
         slots = self.capacity
-        if self.inv_freq is None:
+        if self.inv_freq is None or self.cascades == 1:  # one ring: one frame, every key at rank + F
+            if self.inv_freq is not None:
+                angle = top + self._frame()[:, None]
+                query = rotate_by(query, angle[:, None, None], self.inv_freq, exact=True)
             logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
             return logits.view(batch, kv_heads, groups, count, slots)
         cascades, width, sinks = self.cascades, self.width, self.sinks
@@ -102,6 +105,7 @@ class RingAttention:
         outputs = []
         for m in range(query.shape[2]):
             self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], None)
+            self._sync_sinks()
             outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], meta[:, m : m + 1, 0], scale))
         batch, q_heads, count, dim = query.shape
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
@@ -148,7 +152,10 @@ class RingAttention:
         rank = stored[:, None] + (real.long().cumsum(1) - 1).clamp(min=0)  # [B, q]
         chunk_keys, values = kv[..., : self._key_dim], kv[..., self._key_dim :]
         chunk_queries = queries
-        if self.inv_freq is not None:
+        if self.inv_freq is not None and self.cascades == 1:  # one frame: the keys are at rank + F already
+            angle = rank + self._frame()[:, None]
+            chunk_queries = rotate_by(queries, angle[:, None, None], self.inv_freq, exact=True)
+        elif self.inv_freq is not None:
             chunk_keys = rotate_by(chunk_keys, rank[:, None], self.inv_freq)
             chunk_queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
         visible = self._chunk_visible(meta, real)  # [B, q, L + q]
@@ -162,6 +169,7 @@ class RingAttention:
             for m in range(count):
                 score = None if scores is None else scores[:, m]
                 self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+            self._sync_sinks()
         return output.reshape(batch, kv_heads * groups, count, -1)
 
     def _chunk_visible(self, meta: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -180,7 +188,7 @@ class RingAttention:
         """Without scores to collect: SDPA over the stored keys rotated from their slots to their ranks (one
         rotation of at most ``S + |C|`` keys per forward) and the chunk's own keys; ``[B, H_kv, G q, d]``."""
         keys = self._k
-        if self.inv_freq is not None:
+        if self.inv_freq is not None and self.cascades > 1:  # (one ring: one frame, the queries are rotated into it)
             rank, _ = self.ranks()
             keys = rotate_by(keys, (rank - torch.arange(self.capacity, device=self.device))[:, None], self.inv_freq)
         batch, kv_heads, groups, count, dim = queries.shape

@@ -1,19 +1,20 @@
 """One decoding token of the ring storage in a fixed handful of ops, planned from Python integers.
 
 While the batch is in step (no padding so far) every sequence has the same ring layout: sinks stored, and per
-cascade its count and start, all Python integers. Keys sit rotated at their slot index, and inside one ring a
-slot's rank (its RoPE position in the cache) is its slot index plus one shift per cascade, plus the ring width for
-the slots before the ring's start (``RingAttention._cache_logits``). So a decoding step needs the query rotated to
-one target per such *frame*: one matmul by rotation matrices built once per forward and shared by the layers
-(``kvcompress.core.rotation``), then one logits matmul per contiguous run of slots in the same frame, one softmax
-over the buffer's slots in slot order (empty slots at ``-inf``) and one matmul with the values.
+cascade its count and start, all Python integers. With several cascades keys sit rotated at their slot index, and
+inside one ring a slot's rank (its RoPE position in the cache) is its slot index plus one shift per cascade, plus
+the ring width for the slots before the ring's start (``RingAttention._cache_logits``). So a decoding step needs
+the query rotated to one target per such *frame*: one matmul by rotation matrices built once per forward and
+shared by the layers (``kvcompress.core.rotation``), then one logits matmul per contiguous run of slots in the same
+frame, one softmax over the buffer's slots in slot order (empty slots at ``-inf``) and one matmul with the values.
+One ring (the circular sink cache) is a single frame (``CascadeLayer``): its step is one SDPA.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
-from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import rotation_matrices
 from kvcompress.core.softmax import head_matmul
 
@@ -44,6 +45,7 @@ class RingDecode:
         kv_heads = self._kv.shape[1]
         self._insert_in_step(self._new_item(pending, batch, kv_heads, dim), self._new_meta(pending), None)
         self._all_real = True
+        self._sync_sinks(pending.source)
         targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
         probs = self._softmax(query, pending, targets, runs, scale)
         stored = runs[-1][1]
@@ -56,33 +58,27 @@ class RingDecode:
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
-        token first goes to a spare slot: its own slot while the ring fills, else the scratch slot after the ring,
-        its key rotated into the frame of the ring's newest run; then, once attended, over the oldest ring token."""
+        token first goes to a spare slot: its own slot while the ring fills, else the scratch slot after the ring;
+        once attended, it is copied over the oldest ring token. One ring is one frame (``CascadeLayer``): the new
+        key, at its real-token index ``p``, and the query, at rank + ``F`` = ``p``, are rotated by one matrix, and
+        the query attends to the occupied slots with one SDPA (no mask: they are a prefix of the buffer)."""
         sinks, width, seen, count, start = self.sinks, self.width, self._py_seen, self._py_count[0], self._py_start[0]
-        top = min(seen, sinks) + count  # the new token's rank
-        if count < width:  # the ring fills from its first slot: the new token's own slot, at its rank
-            dest = spare = top
-            spare_target = top
+        if count < width:  # the ring fills from its first slot: the new token's own slot
+            dest = spare = min(seen, sinks) + count
         else:
-            dest, spare, spare_target = sinks + start, self.capacity, top + start
-        targets, runs = self._frames(top)
-        index = targets.index(spare_target) if spare_target in targets else len(targets)
-        targets = targets if index < len(targets) else (*targets, spare_target)
-        if runs and runs[-1][1] == spare and runs[-1][2] == index:
-            runs[-1] = (runs[-1][0], spare + 1, index)
-        else:
-            runs.append((spare, spare + 1, index))
+            dest, spare = sinks + start, self.capacity
         batch, kv_heads, _, dim = pending.keys.shape
-        key_targets = (spare_target, dest)
-        rotations = rotation_matrices(pending.source, key_targets, self.inv_freq, dim, pending.keys.dtype)
-        keys = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), rotations).view(batch, kv_heads, 2, dim)
-        values = pending.values.reshape(batch, kv_heads, 1, -1).to(keys.dtype).expand(-1, -1, 2, -1)
-        items = torch.cat([keys, values], -1)  # the new token as a slot item at the spare slot and at ``dest``
-        self._kv[:, :, spare] = items[:, :, 0]
-        probs = self._softmax(query, pending, targets, runs, scale)
-        output = head_matmul(probs.to(self._kv.dtype), self._kv[:, :, : spare + 1, dim:])
+        q_heads = query.shape[1]
+        rotation = rotation_matrices(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)  # [B, d, d]
+        key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), rotation)
+        self._kv[:, :, spare] = torch.cat([key, pending.values.reshape(batch, kv_heads, -1).to(key.dtype)], -1)
+        turned = torch.bmm(query.reshape(batch, q_heads, dim), rotation.to(query.dtype)).view(batch, q_heads, 1, dim)
+        stored = self._kv[:, :, : spare + 1]
+        output = F.scaled_dot_product_attention(
+            turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
+        )
         if dest != spare:
-            self._kv[:, :, dest] = items[:, :, 1]
+            self._kv[:, :, dest] = self._kv[:, :, spare]
         self._meta[:, dest, 0] = self.seen - 1
         self._meta[:, dest, 1] = pending.pos[:, 0]
         self._py_seen, self._py_tensors = seen + 1, None
@@ -90,7 +86,8 @@ class RingDecode:
             self._py_count[0] = count + 1
         elif seen >= sinks:
             self._py_start[0] = (start + 1) % width
-        return output.view(batch, query.shape[1], 1, -1)
+        self._sync_sinks(pending.source)
+        return output
 
     def _softmax(self, query: torch.Tensor, pending, targets: tuple[int, ...], runs: list[Run], scale: float):
         """Attention probabilities ``[B, H_kv, G, slots]`` of one query over the runs (slot order)."""
@@ -106,6 +103,9 @@ class RingDecode:
         sinks, width = self.sinks, self.width
         counts, starts = self._py_count, self._py_start
         n_sink = min(self._py_seen, sinks)
+        if self.cascades == 1:  # one frame (CascadeLayer): the stored slots are one run
+            stored = n_sink + counts[0]
+            return (top + self._py_frame(),), [(0, stored, 0)] if stored else []
         pieces = [(0, n_sink, top)] if n_sink else []
         older = sum(counts)
         for i, (count, start) in enumerate(zip(counts, starts, strict=True)):
@@ -139,8 +139,10 @@ class RingDecode:
         return logits
 
     def _new_item(self, pending, batch: int, kv_heads: int, dim: int) -> torch.Tensor:
-        """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key un-rotated (rotated to position 0)."""
-        unrotate = rotation_matrices(pending.source, (0,), self.inv_freq, dim, pending.keys.dtype)
+        """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key un-rotated (rotated to position 0; one
+        ring: to its angle, the real-token index)."""
+        angle = self._py_seen if self.cascades == 1 else 0
+        unrotate = rotation_matrices(pending.source, (angle,), self.inv_freq, dim, pending.keys.dtype)
         key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), unrotate).view(batch, kv_heads, 1, dim)
         return torch.cat([key, pending.values.reshape(batch, kv_heads, 1, -1).to(key.dtype)], -1)
 
@@ -180,13 +182,10 @@ class RingDecode:
         self._py_seen, self._py_tensors = seen + count, None
         self._py_count[0] = min(width, total)
         self._py_start[0] = total % width if total >= width else 0
+        self._sync_sinks()
 
     def _write_slots(self, slot: int, kv: torch.Tensor, meta: torch.Tensor) -> None:
-        """Write items (keys un-rotated) into the consecutive slots from ``slot``, keys rotated at their slots."""
+        """Write items (one ring: keys at their angle already) into the consecutive slots from ``slot``."""
         count = kv.shape[2]
-        keys = kv[..., : self._key_dim]
-        if self.inv_freq is not None:
-            keys = rotate_by(keys, torch.arange(slot, slot + count, device=self.device), self.inv_freq)
-        self._kv[:, :, slot : slot + count, : self._key_dim] = keys
-        self._kv[:, :, slot : slot + count, self._key_dim :] = kv[..., self._key_dim :]
+        self._kv[:, :, slot : slot + count] = kv
         self._meta[:, slot : slot + count] = meta

@@ -29,7 +29,11 @@ class RingViews:
         keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
         if self.inv_freq is None:
             return keys
-        keys = rotate_by(keys, -order[:, None], self.inv_freq)  # stored at the slot index
+        if self.cascades > 1:
+            keys = rotate_by(keys, -order[:, None], self.inv_freq)  # stored at the slot index
+        else:  # one ring: stored at rank + F (CascadeLayer)
+            angle = self.ranks()[0] + self._frame()[:, None]
+            keys = rotate_by(keys, -angle.gather(1, order)[:, None], self.inv_freq, exact=True)
         return rotate_by(keys, self._pos.gather(1, order)[:, None], self.inv_freq)
 
     @keys.setter
@@ -94,7 +98,7 @@ class RingViews:
         self.is_initialized = False
         self.seen = self.new_tokens = 0
 
-    _PER_SEQUENCE = ("_kv", "_meta", "_score", "_n_sink_t", "_n_real_t", "_count_t", "_start_t")
+    _PER_SEQUENCE = ("_kv", "_meta", "_score", "_sink_keys", "_sink_frame", "_n_sink_t", "_n_real_t", "_count_t", "_start_t")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
