@@ -25,7 +25,7 @@ def cpu_name() -> str:
 
 def machine_description(threads: int) -> str:
     """One line naming the machine the numbers came from: cores, CPU model, torch version and device, threads."""
-    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    device = f"CUDA ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "CPU"
     version = torch.__version__.split("+")[0]
     plural = "" if threads == 1 else "s"
     return f"{os.cpu_count() or 0}-core {cpu_name()}, torch {version} {device}, {threads} thread{plural}"

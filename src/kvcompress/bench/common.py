@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from kvcompress.machine import machine_description, versions
 from kvcompress.models import load_model
@@ -196,10 +196,23 @@ def environment(threads: int) -> dict[str, object]:
     }
 
 
-def load_bench_model(model: str | PreTrainedModel) -> tuple[PreTrainedModel, str]:
-    """A loaded model and its display name: a registry name / path / HF id is loaded with ``load_model``."""
+def load_bench_model(
+    model: str | PreTrainedModel, device: str = "cpu", dtype: str = "float32", random_weights: bool = False
+) -> tuple[PreTrainedModel, str]:
+    """A loaded model on ``device`` in ``dtype`` and its display name: a registry name / path / HF id is loaded
+    with ``load_model``; with ``random_weights`` a local folder needs only its ``config.json`` (timings do not
+    depend on the weights: the model's shapes are what a speed benchmark measures)."""
     if isinstance(model, str):
-        return load_model(model)[0], model
+        name = model
+        if random_weights:
+            config = AutoConfig.from_pretrained(model)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+            name += " (random weights)"
+        else:
+            model = load_model(model, dtype)[0]
+        return model.to(device), name
     return model, getattr(model.config, "name_or_path", "") or type(model).__name__
 
 
@@ -209,7 +222,8 @@ def random_prompt(model: PreTrainedModel, length: int, seed: int) -> torch.Tenso
     Ids start at 100 (or the last id of a smaller vocabulary), above the special tokens of most tokenizers.
     """
     vocab = model.config.get_text_config().vocab_size
-    return torch.randint(min(100, vocab - 1), vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    return ids.to(model.device)
 
 
 def touch_weights(model: PreTrainedModel) -> None:

@@ -58,6 +58,7 @@ Row = dict[str, object]
 SECTIONS = ("decode", "full", "prefill", "generate")
 PREFILL_METHODS = (*DECODE_TIME_METHODS, "cascade", "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
 DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade")
+_CPU = torch.device("cpu")
 
 
 def _attention(model: PreTrainedModel, name: str) -> None:
@@ -65,10 +66,14 @@ def _attention(model: PreTrainedModel, name: str) -> None:
         model.set_attn_implementation(name)
 
 
-def _timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call."""
+def _timed(fn: Callable[[], object], device: torch.device = _CPU) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call; on a GPU, up to the end of the work it queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     cpu, wall = time.process_time(), time.perf_counter()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -86,7 +91,7 @@ def _pairs(
         sides = [(ATTENTION_NAME, ours, ours_t), ("sdpa", theirs, theirs_t)]
         for name, fn, times in sides if i % 2 == 0 else sides[::-1]:
             _attention(model, name)
-            timing = _timed(lambda fn=fn, i=i: fn(i))
+            timing = _timed(lambda fn=fn, i=i: fn(i), model.device)
             if i >= warmup:
                 times.append(timing)
             if fn is theirs:
@@ -179,7 +184,10 @@ def prefill_rows(
         piece = ids[:, start : start + chunk]
         _attention(model, "sdpa")
         dynamic_times.append(
-            _timed(lambda piece=piece: model(input_ids=piece, **cache_argument(model, dynamic), logits_to_keep=1))
+            _timed(
+                lambda piece=piece: model(input_ids=piece, **cache_argument(model, dynamic), logits_to_keep=1),
+                model.device,
+            )
         )
         for method, cache in caches.items():
             held = sum(layer.allocated_nbytes() for layer in cache.layers)
@@ -189,7 +197,8 @@ def prefill_rows(
                 _timed(
                     lambda piece=piece, cache=cache, start=start: prefill(
                         model, piece, cache, attention_mask=mask[:, : start + piece.shape[1]], chunk_size=chunk
-                    )
+                    ),
+                    model.device,
                 )
             )
             peaks[method] = max(peaks[method], held + peak_rss() - before)
@@ -261,6 +270,9 @@ def run_speed(
     rounds: int = 2,
     threads: int = 1,
     seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    random_weights: bool = False,
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """All comparisons of the chosen ``sections`` (see the module docstring); one row per comparison."""
@@ -268,7 +280,7 @@ def run_speed(
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise ValueError(f"sections must be among {', '.join(SECTIONS)}; got {', '.join(unknown)}")
-    model, _ = load_bench_model(model)
+    model, _ = load_bench_model(model, device, dtype, random_weights)
     touch_weights(model)
     kvcompress.prepare_model(model)
     jobs: list[Callable[[], Row | list[Row]]] = []
@@ -353,6 +365,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed generate pairs per comparison")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the model runs (cuda: GPU times include its queue)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--random-weights", action="store_true", help="--model is a folder with a config.json: random weights"
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for speed.json/.md (+ partial .jsonl)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -372,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         rounds=args.rounds,
         threads=args.threads,
         seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        random_weights=args.random_weights,
         on_row=partial_writer(args.out, "speed"),
     )
     publish("speed", args, rows, speed_tables(rows), lambda path, machine: None)
