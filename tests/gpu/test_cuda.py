@@ -13,12 +13,13 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
 import kvcompress
 from kvcompress.generation import cache_argument
 from kvcompress.models import tiny_model
 from tests.helpers import cache_logits, own_logits
-from tests.models.test_devices import DTYPES, DeviceCheck
+from tests.models.test_devices import DTYPES, DeviceCheck, _library_frame
 from tests.test_cache import EVICTING, method_of
 from tests.test_equivalence import NO_EVICTION
 
@@ -50,15 +51,32 @@ def test_budget_above_length_reproduces_model_logits_on_cuda(method, cuda_models
     assert torch.equal(sequences, ref_sequences)
 
 
+class GpuCheck(DeviceCheck):
+    """``DeviceCheck`` on a GPU: a 0-dim CPU tensor is a scalar PyTorch mixes with any device (``x[i] = 0`` makes
+    one), so it is not a problem; everything else off the GPU is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        wrong = [t.device for t in tensors if t.device != self.device and not (t.dim() == 0 and not t.is_cuda)]
+        if wrong or "_for_cpu" in func.name():
+            self.problems.append(f"{func.name()} -> {wrong} at {_library_frame()}")
+        return out
+
+
+# built on the CPU on purpose, once per cache (its random initialisation uses a CPU generator), then moved
+BUILT_ON_THE_CPU = "/kvcompress/methods/less/kernels.py"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("key", sorted(EVICTING))
 def test_every_op_runs_on_the_gpu_in_the_models_dtype(key, dtype, cuda_models):
     model = cuda_models[dtype]
     cache = kvcompress.cache_for(model, method_of(key), **EVICTING[key])
-    check = DeviceCheck(torch.device("cuda", torch.cuda.current_device()), cpu_only_allowed=False)
+    check = GpuCheck(torch.device("cuda", torch.cuda.current_device()), cpu_only_allowed=False)
     with check:
         logits, _ = cache_logits(model, _ids(2, 16), cache, new_tokens=3)
-    ours = [problem for problem in check.problems if not problem.endswith(" at transformers")]
+    ours = [p for p in check.problems if not p.endswith(" at transformers") and BUILT_ON_THE_CPU not in p]
     assert ours == [], "\n".join(ours[:5])
     assert bool(logits.isfinite().all())
     for layer in cache.compressed_layers:
@@ -98,8 +116,13 @@ def _library_syncs(model, key: str, steps: int = 6) -> tuple[list[str], list[str
     return ours, others
 
 
+# variants of a sync-free method that read: NaCl's "− Global Eviction" ablation splits each sequence's budget on the
+# host at every forward
+READS = {"nacl-greedy"}
+
+
 def _expected(key: str):
-    if method_of(key) in SYNC_FREE:
+    if method_of(key) in SYNC_FREE and key not in READS:
         return key
     return pytest.param(key, marks=pytest.mark.xfail(reason="its schedule reads the GPU", strict=False))
 

@@ -39,12 +39,13 @@ def _run(model, method: str, params: dict, ids: torch.Tensor, chunks, reference:
     return torch.cat(logits, 1), cache
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # 2: the model's position_ids are one row [1, q] for the whole batch
 @pytest.mark.parametrize("chunks", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("name", CACHES)
-def test_fast_paths_equal_the_per_sequence_path(name, chunks):
+def test_fast_paths_equal_the_per_sequence_path(name, chunks, batch):
     model = tiny_model("llama")
     method, params = CACHES[name]
-    ids = torch.randint(0, model.config.vocab_size, (1, sum(chunks)), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (batch, sum(chunks)), generator=torch.Generator().manual_seed(3))
     fast_logits, fast = _run(model, method, params, ids, chunks, reference=False)
     reference_logits, reference = _run(model, method, params, ids, chunks, reference=True)
     torch.testing.assert_close(fast_logits, reference_logits, rtol=1e-4, atol=1e-4)

@@ -69,7 +69,9 @@ class RingDecode:
             dest, spare = sinks + start, self.capacity
         batch, kv_heads, _, dim = pending.keys.shape
         q_heads = query.shape[1]
-        rotation = rotation_matrices(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)  # [B, d, d]
+        # [B, d, d] (the model's position_ids may be one row for the whole batch)
+        rotation = rotation_matrices(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
+        rotation = rotation.expand(batch, -1, -1)
         key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), rotation)
         self._kv[:, :, spare] = torch.cat([key, pending.values.reshape(batch, kv_heads, -1).to(key.dtype)], -1)
         turned = torch.bmm(query.reshape(batch, q_heads, dim), rotation.to(query.dtype)).view(batch, q_heads, 1, dim)
@@ -143,6 +145,7 @@ class RingDecode:
         ring: to its angle, the real-token index)."""
         angle = self._py_seen if self.cascades == 1 else 0
         unrotate = rotation_matrices(pending.source, (angle,), self.inv_freq, dim, pending.keys.dtype)
+        unrotate = unrotate.expand(batch, -1, -1)  # the model's position_ids may be one row for the whole batch
         key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), unrotate).view(batch, kv_heads, 1, dim)
         return torch.cat([key, pending.values.reshape(batch, kv_heads, 1, -1).to(key.dtype)], -1)
 
