@@ -39,6 +39,7 @@ class SlotBuffers:
         # writes a decoding step defers until something reads them (each would be one more op per layer and step):
         self._real_lag = 0  # real tokens written but not yet added to ``real_seen``
         self._default_rope: tuple[torch.Tensor, int] | None = None  # slots whose RoPE position is their stream index
+        self._rank_is_token = False  # no padding stored: every rank equals its token index (written when read)
 
     @property
     def real_seen(self) -> torch.Tensor:
@@ -55,6 +56,18 @@ class SlotBuffers:
     def rope_pos(self) -> torch.Tensor:
         self._write_default_rope()
         return self.tensors["rope_pos"]
+
+    @property
+    def rank(self) -> torch.Tensor:
+        self._write_lagging_rank()
+        return self.tensors["rank"]
+
+    def _write_lagging_rank(self) -> None:
+        """Write the ranks a layer without padding skipped: a real token's rank is then its stream index, and a
+        free slot holds ``FREE`` in both."""
+        if self._rank_is_token:
+            self._rank_is_token = False
+            self.tensors["rank"].copy_(self.tensors["token_idx"])
 
     def _write_default_rope(self) -> None:
         """Write a deferred RoPE position (a reused slot's stream index, unless ``register`` gave the model's)."""
@@ -80,7 +93,6 @@ class SlotBuffers:
     keys = property(lambda self: self.tensors["keys"])
     values = property(lambda self: self.tensors["values"])
     token_idx = property(lambda self: self.tensors["token_idx"])
-    rank = property(lambda self: self.tensors["rank"])
     valid = property(lambda self: self.tensors["valid"])
 
     @property
@@ -89,6 +101,7 @@ class SlotBuffers:
 
     def _all(self) -> dict[str, torch.Tensor]:
         self._write_default_rope()
+        self._write_lagging_rank()
         return {**self.tensors, **{f"state.{name}": value for name, value in self.state.items()}}
 
     def _put_all(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -155,7 +168,7 @@ class SlotBuffers:
             self.token_idx.scatter_(2, slots, seen)
             self._write_default_rope()  # the previous step's, if any, first
             self._default_rope = (slots, seen)  # ``register`` writes the model's position instead
-            self.rank.scatter_(2, slots, seen)
+            self._rank_is_token = True
         else:
             index = torch.arange(seen, seen + count, device=keys.device).expand_as(slots)
             self.token_idx.scatter_(2, slots, index)

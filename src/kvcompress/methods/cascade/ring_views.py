@@ -98,7 +98,9 @@ class RingViews:
         self.is_initialized = False
         self.seen = self.new_tokens = 0
 
-    _PER_SEQUENCE = ("_kv", "_meta", "_score", "_sink_keys", "_sink_frame", "_n_sink_t", "_n_real_t", "_count_t", "_start_t")
+    _PER_SEQUENCE = (
+        "_kv", "_meta", "_score", "_sink_keys", "_sink_frame", "_n_sink_t", "_n_real_t", "_count_t", "_start_t"
+    )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
