@@ -326,3 +326,22 @@ def test_shipped_kernel_sets_load_with_their_metadata():
                 meta["kv_heads"],
                 meta["head_dim"],
             )
+
+
+def test_kernels_are_copied_straight_to_the_models_device():
+    """A layer on another device copies the shared kernels there tensor by tensor (no intermediate copy on the
+    kernels' device), and the shared kernels stay where they are."""
+    from kvcompress.registry import make_config
+    from tests.models.test_devices import DeviceCheck
+
+    config = make_config("less", budget=8)
+    policy = config.policy(0)
+    check = DeviceCheck(torch.device("meta"), cpu_only_allowed=True)
+    with check:
+        moved = policy.layer_kernels(4, 2, 16, torch.device("meta"))
+    built = "/methods/less/kernels.py"  # the kernels themselves are built on the CPU (a CPU generator), then copied
+    assert [p for p in check.problems if built not in p] == []
+    shared = config.kernels_for(0, 4, 2, 16)
+    assert all(p.device.type == "meta" for p in moved.parameters())
+    assert all(p.device.type == "cpu" for p in shared.parameters())
+    assert [type(p) for p in moved.parameters()] == [type(p) for p in shared.parameters()]

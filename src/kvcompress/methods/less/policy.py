@@ -15,6 +15,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from kvcompress.core.attention import attention_with_stats, sdpa
 from kvcompress.core.contract import Policy
@@ -42,8 +43,9 @@ class LessPolicy(Policy):
         so kernels shared between caches stay where they are."""
         if self.kernels is None:
             kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
-            if kernels.phi_w1.device != device:
-                kernels = copy.deepcopy(kernels).to(device)
+            if kernels.phi_w1.device != device:  # each tensor copied straight to ``device`` (no copy where it is)
+                memo = {id(t): _moved(t, device) for t in (*kernels.parameters(), *kernels.buffers())}
+                kernels = copy.deepcopy(kernels, memo)
             self.kernels = kernels
         return self.kernels
 
@@ -96,3 +98,8 @@ def mix_low_rank(
     weight_sparse = torch.exp(lse_sparse - lse)[..., None]
     weight_lr = torch.exp(lse_lr - lse)[..., None]
     return weight_sparse * out_sparse + weight_lr * (num / safe_den[..., None])
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    moved = tensor.to(device).detach()
+    return nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
