@@ -367,9 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the model runs (cuda: GPU times include its queue)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument(
-        "--random-weights", action="store_true", help="--model is a folder with a config.json: random weights"
-    )
+    parser.add_argument("--random-weights", action="store_true", help="--model: a folder with a config.json")
     parser.add_argument("--out", type=Path, default=None, help="folder for speed.json/.md (+ partial .jsonl)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
