@@ -12,6 +12,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument
+from kvcompress.methods.cascade import ring_decode
 from kvcompress.models.testing import tiny_model
 
 CACHES = {
@@ -39,10 +40,13 @@ def _run(model, method: str, params: dict, ids: torch.Tensor, chunks, reference:
     return torch.cat(logits, 1), cache
 
 
+@pytest.mark.parametrize("logits", ["one-matmul", "per-run"])  # the cascade's two ways to its decoding logits
 @pytest.mark.parametrize("batch", [1, 2])  # 2: the model's position_ids are one row [1, q] for the whole batch
 @pytest.mark.parametrize("chunks", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("name", CACHES)
-def test_fast_paths_equal_the_per_sequence_path(name, chunks, batch):
+def test_fast_paths_equal_the_per_sequence_path(name, chunks, batch, logits, monkeypatch):
+    if logits == "per-run":
+        monkeypatch.setattr(ring_decode, "DENSE_FRAME_SLOTS", {"cpu": 0})
     model = tiny_model("llama")
     method, params = CACHES[name]
     ids = torch.randint(0, model.config.vocab_size, (batch, sum(chunks)), generator=torch.Generator().manual_seed(3))

@@ -15,10 +15,15 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.rotation import rotation_matrices
 from kvcompress.core.softmax import head_matmul
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
+# frames x stored slots up to which the logits of every frame are computed for every slot by one matmul. On the CPU
+# (SmolLM2 shapes, budget 512, 9 frames) a decoding step takes the same time either way, so larger products take
+# one matmul per run (fewer multiply-adds); on a GPU each op is a kernel launch that costs more than the matmul
+DENSE_FRAME_SLOTS = {"cpu": 4_608, "cuda": 1 << 22}
 
 
 class RingDecode:
@@ -92,12 +97,41 @@ class RingDecode:
         return output
 
     def _softmax(self, query: torch.Tensor, pending, targets: tuple[int, ...], runs: list[Run], scale: float):
-        """Attention probabilities ``[B, H_kv, G, slots]`` of one query over the runs (slot order)."""
+        """Attention probabilities ``[B, H_kv, G, slots]`` of one query over the runs (slot order).
+
+        With few frames and slots, one matmul gives every frame's logits for every stored slot and each slot takes
+        its frame's row (a gather with a per-forward table): ``frames`` times the multiply-adds, but three ops
+        instead of four per run (each a dispatch, or a kernel launch on a GPU); with many, one matmul per run."""
         batch, q_heads, _, dim = query.shape
+        kv_heads, frames, stored = self._kv.shape[1], len(targets), runs[-1][1]
         rotations = rotation_matrices(pending.source, targets, self.inv_freq, dim, query.dtype)
-        turned = (query.reshape(batch, q_heads, dim) @ rotations).view(batch, self._kv.shape[1], -1, len(targets), dim)
-        logits = self._run_logits(turned, runs)
-        return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().mul_(scale).softmax(-1)
+        turned = (query.reshape(batch, q_heads, dim) @ rotations).view(batch, kv_heads, -1, frames, dim)
+        if frames * stored > DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"]):
+            logits = self._run_logits(turned, runs)
+            return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().mul_(scale).softmax(-1)
+        groups = turned.shape[2]
+        keys = self._kv[:, :, :stored, : self._key_dim].transpose(-1, -2)
+        every = head_matmul(turned.reshape(batch, kv_heads, groups * frames, dim), keys)
+        key = ("frame-of-slot", tuple(runs), self.device)
+        frame, empty = forward_cached(pending.source, key, lambda: self._slot_frames(runs))
+        logits = every.view(batch, kv_heads, groups, frames, stored).gather(
+            3, frame.expand(batch, kv_heads, groups, 1, stored)
+        )
+        logits = logits.view(batch, kv_heads, groups, stored).float().mul_(scale)
+        if empty is not None:
+            logits.masked_fill_(empty, float("-inf"))
+        return logits.softmax(-1)
+
+    def _slot_frames(self, runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[1, 1, 1, 1, slots]``: the frame of each slot up to the last run's end, and the empty slots between
+        runs (``None`` when the runs cover every slot)."""
+        stored = runs[-1][1]
+        frame, empty = [0] * stored, [True] * stored
+        for lo, hi, index in runs:
+            frame[lo:hi] = [index] * (hi - lo)
+            empty[lo:hi] = [False] * (hi - lo)
+        frames = torch.tensor(frame, device=self.device).view(1, 1, 1, 1, stored)
+        return frames, torch.tensor(empty, device=self.device) if any(empty) else None
 
     def _frames(self, top: int) -> tuple[tuple[int, ...], list[Run]]:
         """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
