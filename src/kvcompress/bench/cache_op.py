@@ -15,6 +15,10 @@ What one update is here:
 - ``circular sink (reference)``: a buffer of ``sinks + window`` slots allocated once, the new token overwrites the
   oldest non-sink slot in place (what the paper's circular buffers do, without cascades or scores): the floor;
 - ``DynamicCache (transformers)``: ``DynamicCache.update`` (concatenation, no eviction: it grows);
+- ``cascade (decode step)`` and ``cascade N=1 (decode step)``: the cascade layers' decoding step as a model runs
+  it (``update``, then the attention function with a query and its RoPE position): the in-step fast path, where
+  insertion, attention over the rings and the EMA are done together (the plain ``cascade`` rows drive the rings
+  without a query, through their per-token tensor path). Attention is included on both sides;
 - ``streaming + positioned()``: our ``streaming`` update plus the attention-side work its re-indexed positions cost
   every step (``register_new_tokens`` + ``positioned``, which re-rotates every stored key), for comparison;
 - ``buzz`` evicts in bursts (once per cycle of ``T - a' + 1`` updates, ``a'`` = middle length after an eviction), so
@@ -52,10 +56,12 @@ from kvcompress.bench.cache_op_steps import (
     CASCADES,
     CIRCULAR_SINK,
     CONCAT_SINK,
+    DECODE_STEPS,
     DYNAMIC,
     QUICK,
     STREAMING_POSITIONED,
     CacheOpSetup,
+    cascade_decode_step,
     cascade_step,
     evicts_in_bursts,
     layer_step,
@@ -99,7 +105,8 @@ def run_cache_op(
     if references:
         plan += [(name, "reference", reference_step) for name in (CONCAT_SINK, CIRCULAR_SINK)]
         plan.append((DYNAMIC, "transformers", reference_step))
-    plan += [(method, "kvcompress", cascade_step if method in CASCADES else layer_step) for method in methods]
+    builders = {**dict.fromkeys(CASCADES, cascade_step), **dict.fromkeys(DECODE_STEPS, cascade_decode_step)}
+    plan += [(method, "kvcompress", builders.get(method, layer_step)) for method in methods]
     if "streaming" in methods:
         plan.append((STREAMING_POSITIONED, "kvcompress", layer_step))
     if "buzz" in methods:

@@ -11,18 +11,24 @@ from transformers import DynamicCache
 
 from kvcompress.bench.common import DECODE_TIME_METHODS, Timing, check_int
 from kvcompress.bench.sink_references import CircularSinkCache, ConcatSinkCache
+from kvcompress.core.attention import attend_layer
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.buzz import BuzzPolicy
 from kvcompress.registry import make_config
 
 CASCADES = {"cascade": 4, "cascade N=1": 1}  # N = 4 (paper's Tab. 4 row, scores included); N = 1: our circular sink
+# the same layers' decoding step as a model runs it: the new token with its query and RoPE position, so the step takes
+# the path decoding takes (insertion, attention over the rings and the EMA are done together there); the other rows
+# time ``update`` + ``after_attention`` without a query, which the rings serve by their per-token tensor path
+DECODE_STEPS = {"cascade (decode step)": 4, "cascade N=1 (decode step)": 1}
 _AFTER_SCORED = DECODE_TIME_METHODS.index("scissorhands") + 1  # the one-shot snapkv is listed after the scored ones
 CACHE_OP_METHODS: tuple[str, ...] = (
     *DECODE_TIME_METHODS[:_AFTER_SCORED],
     "snapkv",
     *DECODE_TIME_METHODS[_AFTER_SCORED:],
     *CASCADES,
+    *DECODE_STEPS,
 )
 CONCAT_SINK = "concat sink (reference)"
 CIRCULAR_SINK = "circular sink (reference)"
@@ -184,6 +190,28 @@ def cascade_step(method: str, setup: CacheOpSetup, generator: torch.Generator):
         slot = i % _POOL
         layer.update(keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
         layer.after_attention(stats)
+        sizes.append(layer.stored_length())
+
+    step.sizes = sizes
+    return layer, step
+
+
+def cascade_decode_step(method: str, setup: CacheOpSetup, generator: torch.Generator):
+    """A cascade layer filled as in ``cascade_step`` and one decoding step of it: ``update``, then the attention
+    function's step (RoPE positions recorded, the query attends over the rings, the EMA folds its attention)."""
+    config = make_config("cascade", budget=setup.capacity, sinks=setup.sinks, cascades=DECODE_STEPS[method])
+    layer = config.layer_class()(config.policy(0), inv_freq(setup.head_dim))
+    fill = setup.random(setup.sinks + config.span, generator)
+    layer.update(fill, fill.clone())
+    layer.after_attention(None)
+    keys, values, queries = (setup.random(_POOL, generator) for _ in range(3))
+    sizes = [layer.stored_length()]
+
+    def step(i: int) -> None:
+        slot = i % _POOL
+        position = torch.tensor([[layer.seen]])
+        stored_keys, stored_values = layer.update(keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1])
+        attend_layer(layer, queries[:, :, slot : slot + 1], stored_keys, stored_values, None, position, None)
         sizes.append(layer.stored_length())
 
     step.sizes = sizes

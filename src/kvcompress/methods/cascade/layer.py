@@ -285,11 +285,13 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         first.mul_(cos).addcmul_(second, sin, value=-1)
         second.mul_(cos).add_(lost)
 
-    def _insert_in_step(self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None) -> None:
+    def _insert_in_step(
+        self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, position_ids=None
+    ) -> None:
         """``_insert`` while every sequence is in step: Algorithm 1 on Python integers (the same schedule for
         the whole batch), then the moves as slices of the buffer, deepest cascade first so that every token is
         read before its slot is overwritten. Only a selection (d) depends on the sequence: there the arriving
-        token is written where it wins."""
+        token is written where it wins. ``position_ids``: the forward's, to share the moves' index tables."""
         sinks, width, p = self.sinks, self.width, self._py_seen
         self._py_seen, self._py_tensors = p + 1, None
         if p < sinks:  # sinks fill first
@@ -314,9 +316,11 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
             else:  # (d) selection against the newest token
                 moves.append((first + (start[i] + count[i] - 1) % width, self.rule.needs_scores))
                 break
-        for column in range(len(moves) - 1, -1, -1):
-            dest, select = moves[column]
-            self._put(dest, moves[column - 1][0] if column else None, kv, meta, score, select)
+        if len(moves) > 1:
+            self._move_together(moves, kv, meta, score, position_ids)
+            return
+        dest, select = moves[0]
+        self._put(dest, None, kv, meta, score, select)
 
     def _put(self, dest: int, source: int | None, kv, meta, score, select: bool = False) -> None:
         """Write the new token (``source=None``) or the token at slot ``source`` into slot ``dest`` (its key

@@ -48,7 +48,8 @@ class RingDecode:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
         kv_heads = self._kv.shape[1]
-        self._insert_in_step(self._new_item(pending, batch, kv_heads, dim), self._new_meta(pending), None)
+        item = self._new_item(pending, batch, kv_heads, dim)
+        self._insert_in_step(item, self._new_meta(pending), None, pending.source)
         self._all_real = True
         self._sync_sinks(pending.source)
         targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
@@ -173,6 +174,47 @@ class RingDecode:
             logits.append(head_matmul(turned[:, :, :, index], keys[:, :, lo:hi].transpose(-1, -2)))
             end = hi
         return logits
+
+    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None) -> None:
+        """The moves of one in-step insertion (column ``c`` takes the new token for ``c = 0``, else the token in the
+        slot column ``c - 1`` writes) with one read and one write per tensor: every moved token is read first,
+        each key re-rotated from its slot to its destination, then written; a selection (only ever the last
+        column) writes where the arriving token wins, as ``_put`` does."""
+        dests = [dest for dest, _ in moves]
+        sources = dests[:-1]
+        select = moves[-1][1]
+        deltas = [dests[0] if self.cascades > 1 else 0] + [d - s for d, s in zip(dests[1:], sources, strict=True)]
+        key = ("moves", tuple(dests), self.cascades > 1, self.capacity, self.device)
+        build = lambda: self._move_tables(dests, sources, deltas)  # noqa: E731
+        read, written, turn = build() if position_ids is None else forward_cached(position_ids, key, build)
+        items = torch.cat([kv, self._kv.index_select(2, read)], 2)  # [B, H, m, dk + dv]
+        if self.inv_freq is not None:
+            half = self.inv_freq.shape[-1]
+            cos, sin = self._turn_cos[turn], self._turn_sin[turn]  # [m, d / 2]
+            first, second = items[..., :half], items[..., half : 2 * half]
+            items = torch.cat([first * cos - second * sin, second * cos + first * sin, items[..., 2 * half :]], -1)
+        new_score = self._new_score(score)[:, None]
+        meta_items = torch.cat([meta, self._meta.index_select(1, read)], 1)  # [B, m, 2]
+        score_items = torch.cat([new_score, self._score.index_select(1, read)], 1)  # [B, m]
+        plain = len(moves) - 1 if select else len(moves)
+        if select:  # the arriving token against the newest of the last cascade it reaches
+            dest = dests[-1]
+            arriving, resident = score_items[:, -1], self._score[:, dest]
+            wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
+            self._kv[:, :, dest] = torch.where(wins[:, None, None], items[:, :, -1], self._kv[:, :, dest])
+            self._meta[:, dest] = torch.where(wins[:, None], meta_items[:, -1], self._meta[:, dest])
+            self._score[:, dest] = torch.where(wins, arriving, resident)
+        self._kv.index_copy_(2, written[:plain], items[:, :, :plain])
+        self._meta.index_copy_(1, written[:plain], meta_items[:, :plain])
+        if self.rule.needs_scores:
+            self._score.index_copy_(1, written[:plain], score_items[:, :plain])
+
+    def _move_tables(self, dests: list[int], sources: list[int], deltas: list[int]) -> tuple[torch.Tensor, ...]:
+        """Slots read, slots written and rows of the cos / sin tables of ``_move_together`` (shared by the layers of
+        a forward through ``forward_cached``)."""
+        long = {"dtype": torch.long, "device": self.device}
+        turn = [delta + self.capacity for delta in deltas]
+        return torch.tensor(sources, **long), torch.tensor(dests, **long), torch.tensor(turn, **long)
 
     def _new_item(self, pending, batch: int, kv_heads: int, dim: int) -> torch.Tensor:
         """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key un-rotated (rotated to position 0; one
