@@ -26,3 +26,9 @@ def forward_cached(position_ids: torch.Tensor, key: Hashable, build: Callable[[]
     if key not in cache:
         cache[key] = build()
     return cache[key]
+
+
+def from_host(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of Python ``values`` on ``device`` without waiting for it: built on the CPU and copied with
+    ``non_blocking`` (``torch.tensor(values, device=gpu)`` would make the host wait for the GPU's queue)."""
+    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.forward_cache import forward_cached, from_host
 from kvcompress.core.rotation import rotation_matrices
 from kvcompress.core.softmax import head_matmul
 
@@ -131,8 +131,8 @@ class RingDecode:
         for lo, hi, index in runs:
             frame[lo:hi] = [index] * (hi - lo)
             empty[lo:hi] = [False] * (hi - lo)
-        frames = torch.tensor(frame, device=self.device).view(1, 1, 1, 1, stored)
-        return frames, torch.tensor(empty, device=self.device) if any(empty) else None
+        frames = from_host(frame, self.device).view(1, 1, 1, 1, stored)
+        return frames, from_host(empty, self.device, torch.bool) if any(empty) else None
 
     def _frames(self, top: int) -> tuple[tuple[int, ...], list[Run]]:
         """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
@@ -212,9 +212,8 @@ class RingDecode:
     def _move_tables(self, dests: list[int], sources: list[int], deltas: list[int]) -> tuple[torch.Tensor, ...]:
         """Slots read, slots written and rows of the cos / sin tables of ``_move_together`` (shared by the layers of
         a forward through ``forward_cached``)."""
-        long = {"dtype": torch.long, "device": self.device}
         turn = [delta + self.capacity for delta in deltas]
-        return torch.tensor(sources, **long), torch.tensor(dests, **long), torch.tensor(turn, **long)
+        return tuple(from_host(values, self.device) for values in (sources, dests, turn))
 
     def _new_item(self, pending, batch: int, kv_heads: int, dim: int) -> torch.Tensor:
         """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key un-rotated (rotated to position 0; one
