@@ -71,6 +71,9 @@ def test_cache_op_runs_every_method_and_reference_with_ratios():
     stored = {row["cache"]: row["stored"] for row in rows}
     assert stored["streaming"] == stored[CONCAT_SINK] == 4 + 16
     assert stored["cascade"] == stored["cascade N=1"] == 4 + 16  # circular: allocated once at the budget
+    # the rings' decoding steps as a model runs them (with a query and its position): bounded, evicting every step
+    for name in ("cascade (decode step)", "cascade N=1 (decode step)"):
+        assert stored[name] == 4 + 16 and rows[names.index(name)]["evictions"] == 3
     assert stored["full"] == 4 + 16 + 1 + 3  # unbounded: fill + warm-up + timed tokens
     by_name = {row["cache"]: row for row in rows}
     assert by_name["streaming"]["evictions"] == 3 and by_name["full"]["evictions"] == 0
