@@ -141,7 +141,7 @@ class CompressedLayer(CacheLayerMixin):
         state = self.policy.init_state(self, key_states)
         if self.dense:
             self._new = None
-            self.slots.write_range(self.occupied, key_states, value_states, self.seen, state)
+            self.slots.write_range(self.occupied, key_states, value_states, self.seen, state, self.all_valid)
         else:
             self._new, self._free = self._free, None
             reused, self._stale = self._stale, False
@@ -182,7 +182,8 @@ class CompressedLayer(CacheLayerMixin):
         if padding is not None:  # the caller passes it only when some new token is padding
             real = padding[:, -count:].to(self.device, torch.bool)
             self.all_valid = False
-        self.slots.register(self.new_index(), positions, real)
+        one = self.dense and count == 1 and real is None  # one token appended: its slot as an integer
+        self.slots.register(self.occupied - 1 if one else self.new_index(), positions, real)
 
     # --- eviction ------------------------------------------------------------------------------------------
     def after_attention(self, stats: AttentionStats | None) -> None:

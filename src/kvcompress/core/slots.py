@@ -138,17 +138,28 @@ class SlotBuffers:
             self.state[name] = value.new_zeros(*value.shape[:2], self.capacity, *value.shape[3:])
         return self.state[name]
 
-    def write_range(self, start: int, keys, values, seen: int, state: dict[str, torch.Tensor]) -> None:
-        """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real."""
+    def write_range(
+        self, start: int, keys, values, seen: int, state: dict[str, torch.Tensor], no_padding: bool = False
+    ) -> None:
+        """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real.
+
+        ``no_padding``: the layer never stored padding (then one token's bookkeeping is written as scalars and its
+        rank, its stream index, is left to ``_write_lagging_rank``)."""
         count = keys.shape[2]
         stop = start + count
         self.keys[:, :, start:stop] = keys
         self.values[:, :, start:stop] = values
-        index = torch.arange(seen, seen + count, device=keys.device)
-        self.token_idx[:, :, start:stop] = index
-        self.rope_pos[:, :, start:stop] = index
-        self.valid[:, :, start:stop] = True
-        self.rank[:, :, start:stop] = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
+        if count == 1 and no_padding:
+            self.token_idx[:, :, start].fill_(seen)
+            self.rope_pos[:, :, start].fill_(seen)
+            self.valid[:, :, start].fill_(True)
+            self._rank_is_token = True
+        else:
+            index = torch.arange(seen, seen + count, device=keys.device)
+            self.token_idx[:, :, start:stop] = index
+            self.rope_pos[:, :, start:stop] = index
+            self.valid[:, :, start:stop] = True
+            self.rank[:, :, start:stop] = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
         self._real_lag += count
         for name, value in state.items():
             self._new_state(name, value)[:, :, start:stop] = value
@@ -182,8 +193,13 @@ class SlotBuffers:
             per_slot = slots if value.dim() == 3 else slots.view(*slots.shape, *[1] * (value.dim() - 3))
             target.scatter_(2, per_slot.expand_as(value), value)
 
-    def register(self, slots: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor | None) -> None:
-        """Record the RoPE positions ``[B, q]`` and realness ``[B, q]`` of the tokens just written to ``slots``."""
+    def register(self, slots: torch.Tensor | int, positions: torch.Tensor | None, real: torch.Tensor | None) -> None:
+        """Record the RoPE positions ``[B, q]`` and realness ``[B, q]`` of the tokens just written to ``slots``
+        (an integer: one real token written to that slot of every row)."""
+        if isinstance(slots, int):
+            if positions is not None:
+                self.rope_pos[:, :, slots].copy_(positions.view(-1, 1))
+            return
         shape = slots.shape
         if positions is not None:
             if self._default_rope is not None and self._default_rope[0] is slots:
