@@ -39,6 +39,11 @@ def test_every_registered_method_is_covered():
 def test_budget_above_length_reproduces_model_logits(method, model_fixture, request):
     model = request.getfixturevalue(model_fixture)
     ids = torch.randint(1, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
+    assert_reproduces_model_logits(model, method, ids)
+
+
+def assert_reproduces_model_logits(model, method: str, ids: torch.Tensor) -> None:
+    """``method`` with nothing to evict gives the model's own logits and greedy tokens for ``ids``."""
     reference, ref_sequences = own_logits(model, ids)
     cache = kvcompress.cache_for(model, method, **NO_EVICTION[method])
     logits, sequences = cache_logits(model, ids, cache)

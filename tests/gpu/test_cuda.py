@@ -18,10 +18,10 @@ from torch.utils._pytree import tree_flatten
 import kvcompress
 from kvcompress.generation import cache_argument
 from kvcompress.models import tiny_model
-from tests.helpers import cache_logits, own_logits
+from tests.helpers import cache_logits
 from tests.models.test_devices import DTYPES, DeviceCheck, _library_frame
 from tests.test_cache import EVICTING, method_of
-from tests.test_equivalence import NO_EVICTION
+from tests.test_equivalence import NO_EVICTION, assert_reproduces_model_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -45,13 +45,7 @@ def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", sorted(NO_EVICTION))
 def test_budget_above_length_reproduces_model_logits_on_cuda(method, cuda_models):
-    model = cuda_models[torch.float32]
-    ids = _ids(1, 37)
-    reference, ref_sequences = own_logits(model, ids)
-    cache = kvcompress.cache_for(model, method, **NO_EVICTION[method])
-    logits, sequences = cache_logits(model, ids, cache)
-    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
-    assert torch.equal(sequences, ref_sequences)
+    assert_reproduces_model_logits(cuda_models[torch.float32], method, _ids(1, 37))
 
 
 class GpuCheck(DeviceCheck):
