@@ -99,3 +99,13 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, exac
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+def turn_in_place(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the keys at the start of ``rows`` (``[..., d + more]``) in place by the angles whose ``cos`` and ``sin``
+    (``[..., h]``, broadcast against ``rows``) are given (``rotate_half`` convention; dimensions past ``2 h`` stay)."""
+    half = cos.shape[-1]
+    first, second = rows[..., :half], rows[..., half : 2 * half]
+    lost = first * sin
+    first.mul_(cos).addcmul_(second, sin, value=-1)
+    second.mul_(cos).add_(lost)

@@ -1,30 +1,54 @@
-"""RoPE rotations as matrices, built once per forward and shared by every layer that rotates alike.
+"""RoPE rotations built once per forward and shared by every layer that rotates alike.
 
 A layer that stores keys at one position and attends at another (the circular sink cache) rotates a query or a key
 from the position the model rotated it with (``position_ids``) to a target position. Every layer of a forward gets
 the same ``position_ids`` tensor and layers in the same state want the same targets, so the rotations are built
-once, as one ``[B, d, k d]`` matrix per set of targets (``x @ M`` gives ``x`` rotated to each of the ``k`` targets
-in one matmul), and kept on the ``position_ids`` tensor for the layers that follow. Nothing is read back to the
-host: the targets are Python integers and the positions stay on the device. (A ``position_ids`` tensor is assumed
-not to be modified in place between forwards; transformers builds a new one for every forward.)
+once, as cos / sin factors per set of targets (``turn`` gives ``x`` rotated to each of the ``k`` targets in three
+elementwise ops, as the model applies RoPE), and kept on the ``position_ids`` tensor for the layers that follow.
+Nothing is read back to the host: the targets are Python integers and the positions stay on the device. (A
+``position_ids`` tensor is assumed not to be modified in place between forwards; transformers builds a new one for
+every forward.)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from kvcompress.core.forward_cache import forward_cached
 
 
-def rotation_matrices(
-    position_ids: torch.Tensor, targets: tuple[int, ...], inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[B, d, k d]``: for a vector ``x`` rotated at ``position_ids[b, -1]``, ``x @ M[b]`` holds ``x`` rotated to
-    each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)`` dimensions rotate)."""
-    key = ("rotations", targets, inv_freq.data_ptr(), dim, dtype)
-    return forward_cached(
-        position_ids, key, lambda: _build(position_ids[..., -1].reshape(-1), targets, inv_freq, dim, dtype)
-    )
+class Factors(NamedTuple):
+    """What ``turn`` multiplies by: ``x cos + swap(x) sin`` rotates ``x`` (``cos``, ``sin`` ``[B, 1, k, d]``; ``sin``
+    carries the sign of ``rotate_half``; dimensions past ``2 half`` keep cos 1 and sin 0)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    half: int
+
+
+def rotation_factors(
+    position_ids: torch.Tensor,
+    targets: tuple[int, ...],
+    inv_freq: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+) -> Factors:
+    """For ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_factors(...))`` holds
+    ``x`` rotated to each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)``
+    dimensions rotate), times ``scale``. The angles are computed as the model computes its own, in float32."""
+    key = ("rotation-factors", targets, inv_freq.data_ptr(), dim, dtype, scale)
+    return forward_cached(position_ids, key, lambda: _factors(position_ids, targets, inv_freq, dim, dtype, scale))
+
+
+def turn(x: torch.Tensor, factors: Factors) -> torch.Tensor:
+    """``x`` ``[B, H, 1, d]`` rotated by ``rotation_factors`` to each target: ``[B, H, k, d]``, as the model applies
+    RoPE (``x cos + rotate_half(x) sin``, in ``x``'s dtype)."""
+    half = factors.half
+    swapped = torch.cat([x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]], -1)
+    return torch.addcmul(x * factors.cos, swapped, factors.sin)
 
 
 def frame_rotation(
@@ -42,14 +66,17 @@ def frame_rotation(
     return build() if position_ids is None else forward_cached(position_ids, key, build)
 
 
-def _build(
-    positions: torch.Tensor, targets: tuple[int, ...], inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
-) -> torch.Tensor:
+def _factors(position_ids, targets, inv_freq, dim, dtype, scale) -> Factors:
+    positions = position_ids[..., -1].reshape(-1)
     delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
     angles = delta.float()[..., None] * inv_freq.to(positions.device)  # [B, k, h], as the model computes them
-    rotation = _matrix(angles.cos(), angles.sin(), dim)  # [B, k, d, d]
-    batch, count = delta.shape
-    return rotation.permute(0, 2, 1, 3).reshape(batch, dim, count * dim).to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    rest = dim - 2 * cos.shape[-1]  # partial rotary: these dimensions pass through
+    cos = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], rest)], -1)
+    sin = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], rest)], -1)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return Factors(cos.to(dtype)[:, None], sin.to(dtype)[:, None], angles.shape[-1])
 
 
 def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

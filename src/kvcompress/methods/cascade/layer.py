@@ -34,7 +34,7 @@ import torch
 
 from kvcompress.core.contract import Policy
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
-from kvcompress.core.rope import rotate_by
+from kvcompress.core.rope import rotate_by, turn_in_place
 from kvcompress.core.rotation import frame_rotation
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
@@ -276,30 +276,35 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
 
     def _turn(self, rows: torch.Tensor, delta: int) -> None:
         """Rotate the keys of ``rows`` (``[..., dk + dv]`` slot items) in place by ``delta`` positions."""
-        if self.inv_freq is None or delta == 0:
-            return
-        half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
-        cos, sin = self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity]
-        first, second = rows[..., :half], rows[..., half : 2 * half]
-        lost = first * sin
-        first.mul_(cos).addcmul_(second, sin, value=-1)
-        second.mul_(cos).add_(lost)
+        if self.inv_freq is not None and delta != 0:
+            turn_in_place(rows, self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity])
 
     def _insert_in_step(
-        self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, position_ids=None
+        self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, position_ids=None, placed=False
     ) -> None:
         """``_insert`` while every sequence is in step: Algorithm 1 on Python integers (the same schedule for
-        the whole batch), then the moves as slices of the buffer, deepest cascade first so that every token is
-        read before its slot is overwritten. Only a selection (d) depends on the sequence: there the arriving
-        token is written where it wins. ``position_ids``: the forward's, to share the moves' index tables."""
+        the whole batch, ``_plan_in_step``), then the moves as slices of the buffer, every token read before its
+        slot is overwritten. Only a selection (d) depends on the sequence: there the arriving token is written where
+        it wins. ``position_ids``: the forward's, to share the moves' tables; ``placed``: the new key is rotated at
+        its destination already (else, with several cascades, it arrives un-rotated)."""
+        moves = self._plan_in_step()
+        if len(moves) > 1:
+            self._move_together(moves, kv, meta, score, position_ids, placed)
+            return
+        dest, select = moves[0]
+        self._put(dest, None, kv, meta, score, select, placed)
+
+    def _plan_in_step(self) -> list[tuple[int, bool]]:
+        """Advance the Python counters by one real token and return its moves: ``(destination slot, selection?)``
+        per cascade the token reaches (column ``c > 0`` takes the token evicted by column ``c - 1``; one column:
+        a sink, an append, an eager add or a selection)."""
         sinks, width, p = self.sinks, self.width, self._py_seen
         self._py_seen, self._py_tensors = p + 1, None
         if p < sinks:  # sinks fill first
-            self._put(p, None, kv, meta, score)
-            return
+            return [(p, False)]
         count, start, config = self._py_count, self._py_start, self.rule.config
         eager = config.eager_fill and p < self.full_capacity
-        moves: list[tuple[int, bool]] = []  # (destination slot, selection?) per cascade the token reaches
+        moves: list[tuple[int, bool]] = []
         for i in range(self.cascades):
             first = sinks + i * width
             if eager or (p - sinks) % config.base**i == 0:
@@ -316,16 +321,13 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
             else:  # (d) selection against the newest token
                 moves.append((first + (start[i] + count[i] - 1) % width, self.rule.needs_scores))
                 break
-        if len(moves) > 1:
-            self._move_together(moves, kv, meta, score, position_ids)
-            return
-        dest, select = moves[0]
-        self._put(dest, None, kv, meta, score, select)
+        return moves
 
-    def _put(self, dest: int, source: int | None, kv, meta, score, select: bool = False) -> None:
+    def _put(self, dest: int, source: int | None, kv, meta, score, select: bool = False, placed: bool = False) -> None:
         """Write the new token (``source=None``) or the token at slot ``source`` into slot ``dest`` (its key
-        rotated at ``dest``); with ``select``, only in the sequences where its score beats the resident's (tie
-        rule of the config)."""
+        rotated at ``dest``, unless ``placed`` says the new key is there already); with ``select``, only in the
+        sequences where its score beats the resident's (tie rule of the config)."""
+        turn_new = 0 if placed or self.cascades == 1 else dest  # one ring: the new key is at its angle already
         buffer, scores = self._kv, self._score
         if select:  # only the sequences where the arriving token wins write it (a where: no host read)
             arriving = scores[:, source] if source is not None else self._new_score(score)
@@ -335,7 +337,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
                 (kv[:, :, 0], meta[:, 0]) if source is None else (buffer[:, :, source], self._meta[:, source])
             )
             items = items.clone()
-            self._turn(items, dest - (source or 0))
+            self._turn(items, turn_new if source is None else dest - source)
             buffer[:, :, dest] = torch.where(wins[:, None, None], items, buffer[:, :, dest])
             self._meta[:, dest] = torch.where(wins[:, None], moved_meta, self._meta[:, dest])
             scores[:, dest] = torch.where(wins, arriving, resident)
@@ -343,8 +345,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         rows = buffer[:, :, dest]
         if source is None:
             rows.copy_(kv[:, :, 0])
-            if self.cascades > 1:
-                self._turn(rows, dest)  # the new key arrives un-rotated (one ring: at its angle already)
+            self._turn(rows, turn_new)
             self._meta[:, dest] = meta[:, 0]
             if self.rule.needs_scores:
                 scores[:, dest] = 0.0 if score is None else score

@@ -16,7 +16,8 @@ import torch
 from torch.nn import functional as F
 
 from kvcompress.core.forward_cache import forward_cached, from_host
-from kvcompress.core.rotation import rotation_matrices
+from kvcompress.core.rope import turn_in_place
+from kvcompress.core.rotation import rotation_factors, turn
 from kvcompress.core.softmax import head_matmul
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
@@ -47,12 +48,19 @@ class RingDecode:
         if self.attend_first:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
-        kv_heads = self._kv.shape[1]
-        item = self._new_item(pending, batch, kv_heads, dim)
-        self._insert_in_step(item, self._new_meta(pending), None, pending.source)
+        state = (self._py_seen, tuple(self._py_count), tuple(self._py_start), self.capacity, id(self.rule.config))
+        moves, angle, seen, count, start, targets, runs = forward_cached(
+            pending.source, ("cascade-step", *state), self._plan_decode_step
+        )
+        self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
+        item = self._new_item(pending, angle)
+        meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
+        if len(moves) > 1:
+            self._move_together(moves, item, meta, None, pending.source, placed=True)
+        else:
+            self._put(moves[0][0], None, item, meta, None, moves[0][1], placed=True)
         self._all_real = True
         self._sync_sinks(pending.source)
-        targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
         probs = self._softmax(query, pending, targets, runs, scale)
         stored = runs[-1][1]
         output = head_matmul(probs.to(self._kv.dtype), self._v[:, :, :stored])
@@ -61,6 +69,17 @@ class RingDecode:
                 probs = torch.nn.functional.pad(probs, (0, self.capacity - stored))
             self._fold_scores(probs, None)
         return output.view(batch, q_heads, 1, -1)
+
+    def _plan_decode_step(self) -> tuple:
+        """The Python side of a decoding step, the same for every layer of a forward in the same state (shared
+        through ``forward_cached``): the moves, the new key's angle (one ring: its real-token index; several: its
+        slot index, so it is written as it comes), the counters after the step and the attention frames."""
+        angle = self._py_seen
+        moves = self._plan_in_step()
+        if self.cascades > 1:
+            angle = moves[0][0]
+        targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
+        return moves, angle, self._py_seen, tuple(self._py_count), tuple(self._py_start), targets, runs
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
@@ -73,14 +92,10 @@ class RingDecode:
             dest = spare = min(seen, sinks) + count
         else:
             dest, spare = sinks + start, self.capacity
-        batch, kv_heads, _, dim = pending.keys.shape
-        q_heads = query.shape[1]
-        # [B, d, d] (the model's position_ids may be one row for the whole batch)
-        rotation = rotation_matrices(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
-        rotation = rotation.expand(batch, -1, -1)
-        key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), rotation)
-        self._kv[:, :, spare] = torch.cat([key, pending.values.reshape(batch, kv_heads, -1).to(key.dtype)], -1)
-        turned = torch.bmm(query.reshape(batch, q_heads, dim), rotation.to(query.dtype)).view(batch, q_heads, 1, dim)
+        dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
+        rotation = rotation_factors(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
+        self._kv[:, :, spare] = torch.cat([turn(pending.keys, rotation), pending.values.to(self.dtype)], -1)[:, :, 0]
+        turned = turn(query, rotation_factors(pending.source, (seen,), self.inv_freq, dim, query.dtype))
         stored = self._kv[:, :, : spare + 1]
         output = F.scaled_dot_product_attention(
             turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
@@ -105,11 +120,11 @@ class RingDecode:
         instead of four per run (each a dispatch, or a kernel launch on a GPU); with many, one matmul per run."""
         batch, q_heads, _, dim = query.shape
         kv_heads, frames, stored = self._kv.shape[1], len(targets), runs[-1][1]
-        rotations = rotation_matrices(pending.source, targets, self.inv_freq, dim, query.dtype)
-        turned = (query.reshape(batch, q_heads, dim) @ rotations).view(batch, kv_heads, -1, frames, dim)
+        rotations = rotation_factors(pending.source, targets, self.inv_freq, dim, query.dtype, scale)
+        turned = turn(query, rotations).view(batch, kv_heads, -1, frames, dim)  # scaled (as SDPA scales q)
         if frames * stored > DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"]):
             logits = self._run_logits(turned, runs)
-            return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().mul_(scale).softmax(-1)
+            return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().softmax(-1)
         groups = turned.shape[2]
         keys = self._kv[:, :, :stored, : self._key_dim].transpose(-1, -2)
         every = head_matmul(turned.reshape(batch, kv_heads, groups * frames, dim), keys)
@@ -118,7 +133,7 @@ class RingDecode:
         logits = every.view(batch, kv_heads, groups, frames, stored).gather(
             3, frame.expand(batch, kv_heads, groups, 1, stored)
         )
-        logits = logits.view(batch, kv_heads, groups, stored).float().mul_(scale)
+        logits = logits.view(batch, kv_heads, groups, stored).float()
         if empty is not None:
             logits.masked_fill_(empty, float("-inf"))
         return logits.softmax(-1)
@@ -175,54 +190,60 @@ class RingDecode:
             end = hi
         return logits
 
-    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None) -> None:
+    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None, placed=False) -> None:
         """The moves of one in-step insertion (column ``c`` takes the new token for ``c = 0``, else the token in the
-        slot column ``c - 1`` writes) with one read and one write per tensor: every moved token is read first,
-        each key re-rotated from its slot to its destination, then written; a selection (only ever the last
-        column) writes where the arriving token wins, as ``_put`` does."""
+        slot column ``c - 1`` writes) with one read and one write per tensor: every moved token is read first, the
+        keys of all columns are turned to their destinations in place (``placed``: the new key is there
+        already), then written; a selection (only ever the last column) writes where the arriving token
+        wins and into the scratch slot elsewhere, as ``_put`` decides."""
         dests = [dest for dest, _ in moves]
-        sources = dests[:-1]
         select = moves[-1][1]
-        deltas = [dests[0] if self.cascades > 1 else 0] + [d - s for d, s in zip(dests[1:], sources, strict=True)]
-        key = ("moves", tuple(dests), self.cascades > 1, self.capacity, self.device)
-        build = lambda: self._move_tables(dests, sources, deltas)  # noqa: E731
-        read, written, turn = build() if position_ids is None else forward_cached(position_ids, key, build)
-        items = torch.cat([kv, self._kv.index_select(2, read)], 2)  # [B, H, m, dk + dv]
-        if self.inv_freq is not None:
-            half = self.inv_freq.shape[-1]
-            cos, sin = self._turn_cos[turn], self._turn_sin[turn]  # [m, d / 2]
-            first, second = items[..., :half], items[..., half : 2 * half]
-            items = torch.cat([first * cos - second * sin, second * cos + first * sin, items[..., 2 * half :]], -1)
-        new_score = self._new_score(score)[:, None]
+        batch, heads, _, width_kv = self._kv.shape
+        count = len(dests)
+        first_turn = 0 if placed else dests[0]
+        key = ("moves", tuple(dests), first_turn, self.capacity, self.device, self.dtype)
+        build = lambda: self._move_tables(dests, first_turn)  # noqa: E731
+        read, written, cos, sin = build() if position_ids is None else forward_cached(position_ids, key, build)
+        by_column = self._kv.permute(2, 0, 1, 3)  # [slots, B, H, dk + dv]: a column's rows are contiguous
+        items = torch.cat([kv.permute(2, 0, 1, 3), by_column.index_select(0, read)], 0)  # [m, B, H, dk + dv]
+        if cos is not None:
+            turn_in_place(items, cos, sin)
         meta_items = torch.cat([meta, self._meta.index_select(1, read)], 1)  # [B, m, 2]
-        score_items = torch.cat([new_score, self._score.index_select(1, read)], 1)  # [B, m]
-        plain = len(moves) - 1 if select else len(moves)
-        if select:  # the arriving token against the newest of the last cascade it reaches
-            dest = dests[-1]
-            arriving, resident = score_items[:, -1], self._score[:, dest]
-            wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
-            self._kv[:, :, dest] = torch.where(wins[:, None, None], items[:, :, -1], self._kv[:, :, dest])
-            self._meta[:, dest] = torch.where(wins[:, None], meta_items[:, -1], self._meta[:, dest])
-            self._score[:, dest] = torch.where(wins, arriving, resident)
-        self._kv.index_copy_(2, written[:plain], items[:, :, :plain])
-        self._meta.index_copy_(1, written[:plain], meta_items[:, :plain])
+        score_items = None
         if self.rule.needs_scores:
-            self._score.index_copy_(1, written[:plain], score_items[:, :plain])
+            score_items = torch.cat([self._new_score(score)[:, None], self._score.index_select(1, read)], 1)
+        if not select:
+            by_column.index_copy_(0, written, items)
+            self._meta.index_copy_(1, written, meta_items)
+            if score_items is not None:
+                self._score.index_copy_(1, written, score_items)
+            return
+        arriving, resident = score_items[:, -1], self._score[:, dests[-1]]
+        wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
+        last = torch.where(wins, dests[-1], self.capacity)  # losers write the scratch slot
+        slots = torch.cat([written[:-1].expand(batch, -1), last[:, None]], 1)  # [B, m]
+        self._kv.scatter_(2, slots[:, None, :, None].expand(batch, heads, count, width_kv), items.permute(1, 2, 0, 3))
+        self._meta.scatter_(1, slots[:, :, None].expand(batch, count, 2), meta_items)
+        self._score.scatter_(1, slots, score_items)
 
-    def _move_tables(self, dests: list[int], sources: list[int], deltas: list[int]) -> tuple[torch.Tensor, ...]:
-        """Slots read, slots written and rows of the cos / sin tables of ``_move_together`` (shared by the layers of
-        a forward through ``forward_cached``)."""
-        turn = [delta + self.capacity for delta in deltas]
-        return tuple(from_host(values, self.device) for values in (sources, dests, turn))
+    def _move_tables(self, dests: list[int], first_turn: int) -> tuple[torch.Tensor | None, ...]:
+        """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its move
+        (``first_turn`` for the new token, slot to slot for the others) for ``_move_together`` (shared by the
+        layers of a forward through ``forward_cached``)."""
+        sources = dests[:-1]
+        read, written = from_host(sources, self.device), from_host(dests, self.device)
+        if self.inv_freq is None:
+            return read, written, None, None
+        deltas = [first_turn] + [dest - source for dest, source in zip(dests[1:], sources, strict=True)]
+        turn = from_host([delta + self.capacity for delta in deltas], self.device)
+        return read, written, self._turn_cos[turn][:, None, None], self._turn_sin[turn][:, None, None]
 
-    def _new_item(self, pending, batch: int, kv_heads: int, dim: int) -> torch.Tensor:
-        """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key un-rotated (rotated to position 0; one
-        ring: to its angle, the real-token index)."""
-        angle = self._py_seen if self.cascades == 1 else 0
-        unrotate = rotation_matrices(pending.source, (angle,), self.inv_freq, dim, pending.keys.dtype)
-        unrotate = unrotate.expand(batch, -1, -1)  # the model's position_ids may be one row for the whole batch
-        key = torch.bmm(pending.keys.reshape(batch, kv_heads, dim), unrotate).view(batch, kv_heads, 1, dim)
-        return torch.cat([key, pending.values.reshape(batch, kv_heads, 1, -1).to(key.dtype)], -1)
+    def _new_item(self, pending, angle: int) -> torch.Tensor:
+        """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key rotated from the model's position to
+        ``angle``."""
+        dtype = pending.keys.dtype
+        key = turn(pending.keys, rotation_factors(pending.source, (angle,), self.inv_freq, self._key_dim, dtype))
+        return torch.cat([key, pending.values.to(key.dtype)], -1)
 
     def _new_meta(self, pending) -> torch.Tensor:
         """``[B, 1, 2]``: the new token's stream index and RoPE position."""
