@@ -46,6 +46,29 @@ def test_statistics_equal_the_explicit_attention_matrix(inputs, received, monkey
         assert stats.received is None
 
 
+@pytest.mark.parametrize("queries", [Q, L])
+@pytest.mark.parametrize("lse", [True, False])
+def test_plain_causal_softmax_equals_the_explicit_causal_mask(inputs, queries, lse, monkeypatch):
+    """``mask=None`` with several queries: causal attention of the last ``q`` of ``L`` keys, computed in row chunks
+    that see only their visible keys (three rows per chunk here), equals the explicit mask's result."""
+    monkeypatch.setattr(softmax, "CAUSAL_ROWS", 3)
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(B, HQ, queries, D, generator=g)
+    _, key, value, _ = inputs
+    causal = softmax.causal_mask(queries, L, query.device)
+    expected, probs = naive(query, key, value, causal, 0.3)
+    parts = softmax.chunked_softmax(query, key, None, 0.3, value=value, lse=lse, received=True, last_n=4)
+    torch.testing.assert_close(parts.output, expected, rtol=1e-5, atol=1e-5)
+    grouped = probs.view(B, HKV, HQ // HKV, queries, L)
+    torch.testing.assert_close(parts.received, grouped.sum(dim=3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts.last, grouped[:, :, :, -4:], rtol=1e-5, atol=1e-6)
+    if lse:
+        logits = (query @ key.repeat_interleave(HQ // HKV, dim=1).transpose(-1, -2)) * 0.3
+        expected_lse = logits.masked_fill(~causal, float("-inf")).logsumexp(-1)
+        torch.testing.assert_close(parts.lse, expected_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention.sdpa(query, key, value, None, 0.3), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_sdpa_path_matches_explicit_attention(inputs):
     query, key, value, mask = inputs
     expected, _ = naive(query, key, value, mask, 0.3)

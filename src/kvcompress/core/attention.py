@@ -84,6 +84,8 @@ def attend_layer(
     if custom is not None:
         output, stats = custom
     elif request.any:  # the layer's masks leave every query its own key
+        if layer.causal_prefix(sliding_window):  # plain causal: the softmax skips the hidden keys
+            mask = None
         output, stats = attention_with_stats(query, key, value, mask, scaling, request, rows_see_keys=True)
     else:
         output, stats = sdpa(query, key, value, mask, scaling), None
@@ -97,8 +99,11 @@ def attend_layer(
 def sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
-    """PyTorch SDPA with a ``[B, H_kv or 1, q, L]`` boolean mask (``None``: causal if square, else all visible)."""
+    """PyTorch SDPA with a ``[B, H_kv or 1, q, L]`` boolean mask (``None``: plain causal attention of the last
+    ``q`` of ``L`` positions; one query sees every key)."""
     groups = query.shape[1] // key.shape[1]
+    if mask is None and 1 < query.shape[2] < key.shape[2]:  # is_causal would align the queries to the first keys
+        mask = causal_mask(query.shape[2], key.shape[2], query.device)
     if mask is not None and mask.shape[1] > 1:
         mask = mask.repeat_interleave(groups, dim=1)
     is_causal = mask is None and query.shape[2] > 1 and query.shape[2] == key.shape[2]
@@ -139,14 +144,14 @@ def attention_with_stats(
     computed apart.
     """
     queries, length = query.shape[2], key.shape[2]
-    given = mask  # None for a plain causal prefill: SDPA then skips the upper triangle (is_causal)
+    given = mask  # None for a plain causal prefill: SDPA and the chunked softmax then skip the hidden keys
     if mask is None and queries > 1:  # one query with no mask sees every key
         mask = causal_mask(queries, length, query.device)
     last_n = min(request.last_queries, queries)
     stats = AttentionStats(query_count=queries)
     if request.received:
         parts = chunked_softmax(
-            query, key, mask, scaling, value=value, received=True, last_n=last_n, rows_see_keys=rows_see_keys
+            query, key, given, scaling, value=value, received=True, last_n=last_n, rows_see_keys=rows_see_keys
         )
         output, stats.received, last = parts.output, parts.received, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows

@@ -166,6 +166,9 @@ class GatherLayer(CacheLayerMixin):
     attend = CompressedLayer.attend  # the policy's own attention, or None for the default
 
     # --- what attention sees -------------------------------------------------------------------------------
+    def causal_prefix(self, sliding_window: int | None = None) -> bool:
+        return False  # the oracle always builds its mask from the stored token indices
+
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
         """Boolean ``[B, H_kv or 1, q, L]`` mask for the last ``query_count`` tokens, or ``None`` if all visible.
 

@@ -51,8 +51,7 @@ class CompressedLayer(CacheLayerMixin):
         self.policy = policy
         self.inv_freq = inv_freq
         self.seen = self.new_tokens = 0
-        self.compressed = False
-        self.defer_compression = False
+        self.compressed = self.defer_compression = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[CompressedLayer], None]] = []
         self.slots: SlotBuffers | None = None
@@ -288,21 +287,23 @@ class CompressedLayer(CacheLayerMixin):
         """Boolean ``[B, H_kv or 1, q, W]`` mask for the last ``query_count`` tokens, or ``None`` if all visible.
 
         A key is visible if it is real and not in the query's future; a padding query sees itself only, so no
-        row is empty. ``None`` also for a plain causal prefill (the caller then uses ``is_causal``).
-        """
+        row is empty. ``None`` also for a plain causal prefill (the caller then uses ``is_causal``)."""
         width = self.view_width
         full = self.all_valid and (self.dense or self.occupied == width) and sliding_window is None
         if full and (query_count == 1 or (self.dense and width == query_count)):
             return None
         heads = 1 if not self.policy.per_head else self.slots.token_idx.shape[1]
         token_idx, valid = self.token_idx[:, :heads], self.valid[:, :heads]
-        query_idx = torch.arange(self.seen - query_count, self.seen, device=self.device)
         keys = token_idx[:, :, None, :]
-        queries = query_idx[None, None, :, None]
+        queries = torch.arange(self.seen - query_count, self.seen, device=self.device)[None, None, :, None]
         mask = (keys <= queries) & (valid[:, :, None, :] | (keys == queries))
         if sliding_window is not None:
             mask &= keys > queries - sliding_window
         return mask
+
+    def causal_prefix(self, sliding_window: int | None = None) -> bool:
+        """Whether the mask is plain causal (dense: the new tokens are the last slots, after every older token)."""
+        return self.dense and self.all_valid and sliding_window is None
 
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In ``cache`` position mode, rotate queries and keys to their rank inside the cache (the layer is dense:

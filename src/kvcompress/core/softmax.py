@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 CHUNK_ELEMENTS = 1 << 24  # float32 logits per query chunk (~64 MB)
+# query rows per chunk of a plain causal softmax: each chunk sees only the keys up to its last query, so smaller
+# chunks skip more of the hidden upper triangle (128: a quarter of a 512-token prefill chunk's logits and masking)
+CAUSAL_ROWS = 128
 
 # A mask: boolean [B, H_kv or 1, q, L] (True = visible), a function (start, stop) -> the rows start..stop of it,
 # or None for plain causal attention of the last q of L positions.
@@ -35,9 +38,13 @@ def grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return tensor.view(tensor.shape[0], kv_heads, tensor.shape[1] // kv_heads, *tensor.shape[2:])
 
 
-def row_chunks(rows: int, elements_per_row: int, budget: int | None = None) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` bounds of row chunks holding at most ``budget`` (``CHUNK_ELEMENTS``) elements each."""
+def row_chunks(
+    rows: int, elements_per_row: int, budget: int | None = None, most: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` bounds of row chunks holding at most ``budget`` (``CHUNK_ELEMENTS``) elements and ``most``
+    rows each."""
     step = max(1, (CHUNK_ELEMENTS if budget is None else budget) // max(1, elements_per_row))
+    step = step if most is None else min(step, most)
     for start in range(0, rows, step):
         yield start, min(start + step, rows)
 
@@ -65,6 +72,9 @@ def chunked_softmax(
 ) -> SoftmaxParts:
     """Softmax of ``query`` ``[B, H_q, q, d]`` over ``key`` ``[B, H_kv, L, d]`` (float32 logits), in query chunks.
 
+    ``mask=None`` with several queries is plain causal attention of the last ``q`` of ``L`` positions: a chunk of
+    queries then computes logits only against the keys up to its last query and masks only its diagonal block.
+
     ``value`` ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the
     mass each key receives, summed over rows (each row weighted by ``row_weight`` ``[B, q]`` if given; a row that
     sees no key counts for nothing); ``last_n`` for the probability rows of the last ``n`` queries.
@@ -78,48 +88,55 @@ def chunked_softmax(
     groups = q_heads // kv_heads
     keys_t = _flat(key).transpose(1, 2)  # a view: the query heads of a group are folded into rows, never keys copied
     values = None if value is None else _flat(value)
-    if mask is None and queries > 1:
-        mask = causal_mask(queries, length, query.device)
+    causal = mask is None and queries > 1
     parts = SoftmaxParts()
     outputs, lses, last_rows = [], [], []
-    mass = None
-    for start, stop in row_chunks(queries, batch * q_heads * length, chunk_elements):
-        rows_mask = None if mask is None else mask(start, stop) if callable(mask) else mask[:, :, start:stop]
+    mass = torch.zeros(batch, kv_heads, groups, length, device=query.device) if received else None
+    chunks = row_chunks(queries, batch * q_heads * length, chunk_elements, CAUSAL_ROWS if causal else None)
+    for start, stop in chunks:
         rows = stop - start
+        seen = length - queries + stop if causal else length  # keys any query of the chunk sees
         group_rows = grouped(query[:, :, start:stop], kv_heads).reshape(batch * kv_heads, groups * rows, dim)
         # the queries scaled, not the logits: rows x d values instead of rows x L (as SDPA does)
-        logits = torch.bmm(group_rows * scale, keys_t).view(batch, kv_heads, groups, rows, length).float()
-        if rows_mask is not None:  # None: one query that sees every key
+        logits = torch.bmm(group_rows * scale, keys_t[:, :, :seen]).view(batch, kv_heads, groups, rows, seen).float()
+        if causal:  # only the chunk's own keys can be in a query's future: the block right of the diagonal
+            logits[..., seen - rows :].masked_fill_(_future(rows, query.device), float("-inf"))
+        elif mask is not None:  # None: one query that sees every key
+            rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
         if lse:
             row_lse = logits.logsumexp(dim=-1)
             probs = torch.exp(logits - row_lse[..., None])
         else:
-            probs = logits.softmax(dim=-1)
-        if rows_mask is not None and not rows_see_keys:
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
+        if mask is not None and not rows_see_keys:
             probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
         if values is not None:
-            flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, length)
-            outputs.append(torch.bmm(flat, values).view(batch, kv_heads, groups, rows, -1))
+            flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, seen)
+            outputs.append(torch.bmm(flat, values[:, :seen]).view(batch, kv_heads, groups, rows, -1))
         if lse:
             lses.append(row_lse)
         if received:
             weighted = probs
             if row_weight is not None:
                 weighted = probs * row_weight[:, None, None, start:stop, None].to(probs.dtype)
-            mass = weighted.sum(dim=-2) if mass is None else mass.add_(weighted.sum(dim=-2))
+            mass[..., :seen].add_(weighted.sum(dim=-2))
         if last_n and stop > queries - last_n:
-            last_rows.append(probs[:, :, :, max(start, queries - last_n) - start :])
+            rows_kept = probs[:, :, :, max(start, queries - last_n) - start :]
+            last_rows.append(torch.nn.functional.pad(rows_kept, (0, length - seen)))
     if value is not None:
         parts.output = _joined(outputs, 3).reshape(batch, q_heads, queries, -1)
     if lse:
         parts.lse = _joined(lses, -1).reshape(batch, q_heads, queries)
-    if received and mass is None:  # no query
-        mass = torch.zeros(batch, kv_heads, groups, length, device=query.device)
     parts.received = mass
     if last_rows:
         parts.last = _joined(last_rows, 3)
     return parts
+
+
+def _future(rows: int, device: torch.device) -> torch.Tensor:
+    """``[rows, rows]``: True where key ``j`` of a chunk's own block is after query ``i`` (hidden)."""
+    return torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
 
 
 def _one_query(
