@@ -4,10 +4,12 @@ While the batch is in step (no padding so far) every sequence has the same ring 
 cascade its count and start, all Python integers. With several cascades keys sit rotated at their slot index, and
 inside one ring a slot's rank (its RoPE position in the cache) is its slot index plus one shift per cascade, plus
 the ring width for the slots before the ring's start (``RingAttention._cache_logits``). So a decoding step needs
-the query rotated to one target per such *frame*: one matmul by rotation matrices built once per forward and
-shared by the layers (``kvcompress.core.rotation``), then one logits matmul per contiguous run of slots in the same
-frame, one softmax over the buffer's slots in slot order (empty slots at ``-inf``) and one matmul with the values.
-One ring (the circular sink cache) is a single frame (``CascadeLayer``): its step is one SDPA.
+the query rotated to one target per such *frame*: three elementwise ops with cos / sin factors built once per
+forward and shared by the layers (``kvcompress.core.rotation``), then the logits of every frame for every slot
+(one matmul and a gather; one matmul per run of slots past ``DENSE_FRAME_SLOTS``), one softmax over the buffer's
+slots in slot order (empty slots at ``-inf``) and one matmul with the values. The Python side of a step (moves,
+counters, frames) is the same for every layer of a forward and planned once (``_plan_decode_step``). One ring
+(the circular sink cache) is a single frame (``CascadeLayer``): its step is one SDPA.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class RingDecode:
         """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
         token first goes to a spare slot: its own slot while the ring fills, else the scratch slot after the ring;
         once attended, it is copied over the oldest ring token. One ring is one frame (``CascadeLayer``): the new
-        key, at its real-token index ``p``, and the query, at rank + ``F`` = ``p``, are rotated by one matrix, and
+        key, at its real-token index ``p``, and the query, at rank + ``F`` = ``p``, are rotated by the same factors, and
         the query attends to the occupied slots with one SDPA (no mask: they are a prefix of the buffer)."""
         sinks, width, seen, count, start = self.sinks, self.width, self._py_seen, self._py_count[0], self._py_start[0]
         if count < width:  # the ring fills from its first slot: the new token's own slot
