@@ -16,10 +16,10 @@ Sections:
 - ``prefill``: the longest prompt prefilled in ``--chunk``-token forwards, chunk by chunk against a
   ``DynamicCache`` fed the same chunks; peak memory of each method's prefill (the resident-set growth of each
   chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill of the prompt.
-- ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for ``streaming`` and
-  ``h2o`` at ``--generate-budget`` (prefilled in ``--chunk``-token chunks, as ``kvcompress generate`` does)
-  against ``DynamicCache`` (one-pass prefill, its fastest), for each prompt length and batch size; tokens/s ratios
-  (above 1 is faster).
+- ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for
+  ``--generate-methods`` (``streaming`` and ``h2o``) at ``--generate-budget`` (prefilled in ``--chunk``-token
+  chunks, as ``kvcompress generate`` does) against ``DynamicCache`` (one-pass prefill, its fastest), for each prompt
+  length and batch size; tokens/s ratios (above 1 is faster).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ Row = dict[str, object]
 SECTIONS = ("decode", "full", "prefill", "generate")
 PREFILL_METHODS = (*DECODE_TIME_METHODS, "cascade", "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
 DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade")
+GENERATE_METHODS = ("streaming", "h2o")
 _CPU = torch.device("cpu")
 
 
@@ -266,6 +267,7 @@ def run_speed(
     generate_prompts: Sequence[int] = (1024, 4096),
     batches: Sequence[int] = (1, 8),
     generate_budget: int = 256,
+    generate_methods: Sequence[str] = GENERATE_METHODS,
     new_tokens: int = 64,
     rounds: int = 2,
     threads: int = 1,
@@ -295,7 +297,7 @@ def run_speed(
             lambda m=m, p=p, b=b: generate_row(model, m, p, b, generate_budget, new_tokens, chunk, rounds, seed)
             for p in generate_prompts
             for b in batches
-            for m in ("streaming", "h2o")
+            for m in generate_methods
         ]
     rows: list[Row] = []
     with torch.inference_mode():
@@ -361,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--generate-prompts", default="1024,4096")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--generate-budget", type=int, default=256)
+    parser.add_argument("--generate-methods", default=",".join(GENERATE_METHODS), help="generate-section methods")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="timed generate pairs per comparison")
     parser.add_argument("--threads", type=int, default=1)
@@ -383,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         generate_prompts=int_list(args.generate_prompts),
         batches=int_list(args.batches),
         generate_budget=args.generate_budget,
+        generate_methods=method_names(args.generate_methods),
         new_tokens=args.new_tokens,
         rounds=args.rounds,
         threads=args.threads,
