@@ -101,8 +101,7 @@ def _pairs(
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return sorted(values)[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def _summary(ours: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> dict[str, float]:
@@ -121,10 +120,8 @@ def _summary(ours: list[tuple[float, float]], theirs: list[tuple[float, float]])
 def _method_params(method: str, budget: int) -> dict[str, object]:
     if method == "full":
         return {}
-    params: dict[str, object] = {"budget": budget}
-    if method == "buzz":  # sized by its peak (k + w + T = budget): never stores more than the fixed-size caches
-        params["budget_kind"] = "peak"
-    return params
+    # buzz is sized by its peak (k + w + T = budget): it never stores more than the fixed-size caches
+    return {"budget": budget, **({"budget_kind": "peak"} if method == "buzz" else {})}
 
 
 def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
