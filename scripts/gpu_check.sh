@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The checks a lent CUDA machine runs (docs/results/performance.md, section 0b): the CUDA tests, then the decode
+# and generate benchmarks in bfloat16 with SmolLM2-135M's architecture and random weights (a step's time depends on
+# the shapes, not on the weights, and the GGUF weights do not travel).
+#
+#   OUT=runs/gpu bash scripts/gpu_check.sh [decode methods]
+#
+# A machine without the network gets the missing packages as wheels in .whl/ (pip download, see the device notes),
+# and the model's config.json in .gpu/smollm2-135m/ (save it with
+# python -c "from kvcompress.models import load_model; load_model('smollm2-135m')[0].config.save_pretrained('.gpu/smollm2-135m')").
+set -o pipefail
+OUT=${OUT:-runs/gpu}
+METHODS=${1:-window,streaming,h2o,tova,scissorhands,random,knorm,buzz,cascade}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+date +%T
+python3 -m pytest tests/gpu -q -rxXf -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
+bench() {
+    date +"%T bench $*"
+    python3 -m kvcompress.bench.speed --model .gpu/smollm2-135m --random-weights --device cuda --dtype bfloat16 "$@"
+}
+bench --sections decode,full --methods "$METHODS" --steps 16 --out "$OUT/decode"
+bench --sections generate --rounds 2 --out "$OUT/generate"
