@@ -20,6 +20,9 @@ from kvcompress.core.checks import check_budget, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top, recent_mask
 
+MAX_HISTORY = 8192  # each stored token keeps one bit per query of the history window, per KV head
+LOW_WEIGHT = float(2**32)  # one low bit outweighs any stream index (< 2^32); counts * weight stay exact in float64
+
 
 class ScissorhandsPolicy(Policy):
     def __init__(self, config, layer_idx):
@@ -30,11 +33,13 @@ class ScissorhandsPolicy(Policy):
     def init_state(self, layer, keys):
         batch, heads, count = keys.shape[:3]
         history = self.config.history
+        new = torch.arange(layer.seen, layer.seen + count, dtype=torch.float64, device=keys.device)
         return {
             "low": torch.zeros(batch, heads, count, history, dtype=torch.bool, device=keys.device),
-            # the low bits of each token summed over the window, kept up to date (float64: exact, and the
-            # tie-break below adds fractions to it)
-            "low_count": torch.zeros(batch, heads, count, dtype=torch.float64, device=keys.device),
+            # the eviction score, kept up to date: the token's stream index minus LOW_WEIGHT times its low bits
+            # summed over the window. Fewer low counts rank higher, and among equal counts the newer token (the
+            # index breaks ties, so every score is distinct); exact in float64
+            "score": new.expand(batch, heads, count),
         }
 
     def observe(self, layer, stats):
@@ -48,30 +53,24 @@ class ScissorhandsPolicy(Policy):
         history, window = self.config.history, layer.state["low"]
         if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
             column = window[..., self.observed % history]
-            count = layer.state["low_count"]
-            count.add_(low[..., 0]).sub_(column.double())
+            score = layer.state["score"]
+            score.add_(column, alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
             column.copy_(low[..., 0])
         else:
             rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
             columns = torch.arange(self.observed, self.observed + rows_kept, device=low.device) % history
             window.index_copy_(-1, columns, low[..., -rows_kept:])
-            layer.state["low_count"] = window.sum(dim=-1).double()
+            layer.state["score"] = layer.token_idx.double() - LOW_WEIGHT * window.sum(dim=-1).double()
         self.observed += low.shape[-1]
 
     def select(self, layer):
-        newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): breaks ties towards newer tokens
-        scores = newer_first - layer.state["low_count"]
         recent = self.recent
         protected = recent_mask(layer, recent)
-        # the fraction above makes every score distinct
-        return keep_top(layer, scores, self.config.budget, protected, newest_kept=recent, distinct=True)
+        return keep_top(layer, layer.state["score"], self.config.budget, protected, newest_kept=recent, distinct=True)
 
     @property
     def recent(self) -> int:
         return self.config.budget // 4 if self.config.recent is None else self.config.recent
-
-
-MAX_HISTORY = 8192  # each stored token keeps one bit per query of the history window, per KV head
 
 
 @dataclass(frozen=True)

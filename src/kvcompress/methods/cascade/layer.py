@@ -52,10 +52,15 @@ class _Pending:
 
     keys: torch.Tensor  # [B, H_kv, q, d] as the model gave them (rotated at ``pos``)
     values: torch.Tensor  # [B, H_kv, q, d]
-    tok: torch.Tensor  # [q] stream indices (padding included)
+    first: int  # stream index of the first token (padding included)
     pos: torch.Tensor | None = None  # [B, q] RoPE positions; None = the stream indices
     real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
     source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (rotations are cached on it)
+
+    @property
+    def tok(self) -> torch.Tensor:
+        """``[q]`` stream indices (built when asked: a decoding step of one ring never needs them)."""
+        return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
 
 
 class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacity, CompressedLayer):
@@ -182,8 +187,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         self._grow(self.seen + count)  # an upper bound of any sequence's stored tokens after this forward
         if self._pending is not None:  # the previous forward never attended: insert those tokens now
             self._insert_pending()
-        tok = torch.arange(self.seen, self.seen + count, device=self.device)
-        self._pending = _Pending(key_states, value_states, tok)
+        self._pending = _Pending(key_states, value_states, self.seen)
         self.seen += count
         self.new_tokens = count
         keys = self._k
@@ -196,10 +200,12 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
             return
         batch = self._kv.shape[0]
         if position_ids is not None:
-            positions = position_ids[..., -count:].to(self.device)
+            positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
-            pending.pos = positions.expand(batch, -1).long()
+            if positions.device != self.device or positions.dtype != torch.long:
+                positions = positions.to(self.device, torch.long)
+            pending.pos = positions.expand(batch, -1)
             pending.source = position_ids if position_ids.dim() == 2 else None
         if padding is not None:
             pending.real = padding[:, -count:].to(self.device, torch.bool)
@@ -208,7 +214,8 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         """The pending tokens as slot items: ``kv`` ``[B, H, q, dk + dv]`` with un-rotated keys, ``meta``
         ``[B, q, 2]``, RoPE positions ``[B, q]`` and the real-token mask ``[B, q]``."""
         batch, count = self._kv.shape[0], pending.keys.shape[2]
-        pos = pending.tok.expand(batch, -1) if pending.pos is None else pending.pos
+        tok = pending.tok.expand(batch, -1)
+        pos = tok if pending.pos is None else pending.pos
         real = pending.real
         self._all_real = real is None or bool(real.all())  # no padding in this forward
         if real is None:
@@ -226,7 +233,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
             angle = self._n_real[:, None] + real.long().cumsum(1) - real.long()
             keys = rotate_by(kv[..., : self._key_dim], angle[:, None], self.inv_freq, exact=True)
             kv = torch.cat([keys, kv[..., self._key_dim :]], -1)
-        meta = torch.stack([pending.tok.expand(batch, -1), pos], -1)
+        meta = torch.stack([tok, pos], -1)
         return kv, meta, pos, real
 
     def _insert_pending(self, scores: torch.Tensor | None = None) -> None:

@@ -96,7 +96,8 @@ class RingDecode:
             dest, spare = sinks + start, self.capacity
         dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
         rotation = rotation_factors(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
-        self._kv[:, :, spare] = torch.cat([turn(pending.keys, rotation), pending.values.to(self.dtype)], -1)[:, :, 0]
+        self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)  # (no out=: compiled graphs refuse it)
+        self._kv[:, :, spare : spare + 1, dim:] = pending.values
         turned = turn(query, rotation_factors(pending.source, (seen,), self.inv_freq, dim, query.dtype))
         stored = self._kv[:, :, : spare + 1]
         output = F.scaled_dot_product_attention(
@@ -104,8 +105,8 @@ class RingDecode:
         )
         if dest != spare:
             self._kv[:, :, dest] = self._kv[:, :, spare]
-        self._meta[:, dest, 0] = self.seen - 1
-        self._meta[:, dest, 1] = pending.pos[:, 0]
+        meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
+        self._meta[:, dest] = meta[:, 0]
         self._py_seen, self._py_tensors = seen + 1, None
         if seen >= sinks and count < width:
             self._py_count[0] = count + 1
