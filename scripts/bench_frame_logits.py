@@ -50,7 +50,10 @@ def main() -> None:
     nine = torch.randn(BATCH, KV_HEADS, GROUPS * 9, DIM, generator=generator)
     five = torch.randn(BATCH, KV_HEADS, GROUPS, 1 + RINGS, DIM, generator=generator)
     frame = torch.randint(0, 9, (1, 1, 1, 1, SLOTS), generator=generator)
-    sides = {"9 frames, one matmul + gather": lambda: today(nine, kv, frame), "5 frames, per ring": lambda: per_ring(five, kv)}
+    sides = {
+        "9 frames, one matmul + gather": lambda: today(nine, kv, frame),
+        "5 frames, per ring": lambda: per_ring(five, kv),
+    }
     times: dict[str, list[float]] = {name: [] for name in sides}
     for call in range(calls + 50):
         for name in sides if call % 2 else reversed(list(sides)):
@@ -60,7 +63,9 @@ def main() -> None:
                 times[name].append((time.process_time_ns() - start) / 1e3)
     for name, values in times.items():
         deciles = statistics.quantiles(values, n=10)
-        print(f"{name:32s} median {statistics.median(values):7.1f} us CPU (p10 {deciles[0]:.1f}, p90 {deciles[-1]:.1f})")
+        print(
+            f"{name:32s} median {statistics.median(values):7.1f} us CPU (p10 {deciles[0]:.1f}, p90 {deciles[-1]:.1f})"
+        )
     ratios = [b / a for a, b in zip(*times.values(), strict=True)]
     deciles = statistics.quantiles(ratios, n=10)
     print(f"per ring / today: median {statistics.median(ratios):.3f} (p10 {deciles[0]:.3f}, p90 {deciles[-1]:.3f})")

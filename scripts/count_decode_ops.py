@@ -1,0 +1,94 @@
+"""Count the operations each method adds to a decoding step, beside transformers' ``DynamicCache``.
+
+On a GPU a decoding step of a small model is launch-bound: every operation is a kernel launch of ~10 us whatever
+its size, so the number of operations a cache adds per layer predicts its cost there (docs/results/performance.md,
+section 0b) and can be followed on a machine without a GPU. For each method: prefill the prompt in chunks, decode
+a few tokens, then count the ATen operations of one more decoding step of the whole model (views excluded: they
+launch nothing) and subtract the count of the same step on a ``DynamicCache``; host reads (``.item()``, ``bool``)
+are counted apart.
+
+    python scripts/count_decode_ops.py [--methods window,streaming,h2o] [--prompt 1024] [--budget 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+import kvcompress
+from kvcompress.bench.common import random_prompt, set_threads
+from kvcompress.core.attention import ATTENTION_NAME
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.models import load_model
+
+METHODS = "window,streaming,h2o,tova,scissorhands,random,knorm,snapkv,buzz,cascade,full"
+READS = {"_local_scalar_dense", "is_nonzero", "item"}
+
+
+class Count(TorchDispatchMode):
+    """Counts the ATen operations dispatched inside it: ``ops`` the ones that compute (a kernel each on a GPU),
+    ``views`` the ones that only make a view (no kernel, but host time: on a launch-bound GPU step both count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view:
+            self.views += 1
+        else:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_ops(model, ids: torch.Tensor, cache, attention: str) -> Count:
+    model.set_attn_implementation(attention)
+    with Count() as count:
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", default=METHODS)
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens before the counted step")
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    args = parser.parse_args()
+    set_threads(1)
+    model, _ = load_model(args.model)
+    kvcompress.prepare_model(model)
+    layers = model.config.get_text_config().num_hidden_layers
+    ids = random_prompt(model, args.prompt + 8, 0)
+    with torch.inference_mode():
+        dynamic = DynamicCache(config=model.config)
+        model.set_attn_implementation("sdpa")
+        model(input_ids=ids[:, : args.budget], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        baseline = step_ops(model, ids[:, args.prompt : args.prompt + 1], dynamic, "sdpa")
+        base_ops, base_views = sum(baseline.ops.values()), baseline.views
+        print(f"DynamicCache: {base_ops} ops and {base_views} views per decoding step ({layers} layers)")
+        print(
+            f"{'method':14s} {'ops/step':>9s} {'ops added/layer':>16s} {'views added/layer':>18s} {'host reads':>11s}"
+        )
+        for method in args.methods.split(","):
+            budget = {} if method == "full" else {"budget": args.budget}
+            cache = kvcompress.cache_for(model, method, **budget)
+            model.set_attn_implementation(ATTENTION_NAME)
+            prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
+            for token in range(args.prompt, args.prompt + 3):  # past the first step's one-off work
+                model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache), use_cache=True)
+            count = step_ops(model, ids[:, args.prompt + 3 : args.prompt + 4], cache, ATTENTION_NAME)
+            ops = sum(count.ops.values())
+            added, views = (ops - base_ops) / layers, (count.views - base_views) / layers
+            reads = sum(count.ops[name] for name in READS)
+            print(f"{method:14s} {ops:9d} {added:16.1f} {views:18.1f} {reads:11d}")
+
+
+if __name__ == "__main__":
+    main()
