@@ -7,7 +7,9 @@ see it. With grouped-query attention the row is averaged over the query heads of
 
 Choices where the paper is silent for our setting: eviction runs every step down to the budget (the paper drops a
 batch of ``m`` tokens when the buffer is full; a batch drop needs a cache larger than the budget), ties go to the
-newer token, and ``recent`` defaults to a quarter of the budget.
+newer token, and ``recent`` defaults to a quarter of the budget. The score is kept up to date as one float64
+per token (stream index − 2^32 × low count): exact, and ordered as (fewer low counts, newer) for streams of fewer
+than 2^32 tokens.
 """
 
 from __future__ import annotations

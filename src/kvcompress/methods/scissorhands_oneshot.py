@@ -23,9 +23,8 @@ class OneShotScissorhandsPolicy(ScissorhandsPolicy):
     def select(self, layer):
         keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
         recent = (keep.double() * self.config.recent_share).floor().long()
-        low_count = layer.state["low"].sum(dim=-1).double()
-        newer_first = layer.token_idx.double() / (layer.seen + 1)  # in [0, 1): ties go to newer tokens
-        return keep_top(layer, newer_first - low_count, keep, recent_mask(layer, recent))
+        # the score kept by ``ScissorhandsPolicy.observe``: fewer low counts first, ties to the newer token
+        return keep_top(layer, layer.state["score"], keep, recent_mask(layer, recent))
 
 
 @dataclass(frozen=True)
