@@ -93,4 +93,3 @@ def result_row(method: str, budget: int | None, sample: str, scores: dict, **fie
         "extra": {},
     }
     return {**row, **fields}
-

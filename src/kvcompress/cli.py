@@ -272,7 +272,7 @@ def report_error(error: Exception, args: list[str]) -> int:
         root = (error.name or "").split(".")[0]
         if root not in EXTRAS:
             raise error
-        message = f"{root} is not installed; it comes with pip install \"kvcompress[{EXTRAS[root]}]\""
+        message = f'{root} is not installed; it comes with pip install "kvcompress[{EXTRAS[root]}]"'
     else:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     command = "kvcompress" + (f" {args[0]}" if args and args[0] in app_commands() else "")

@@ -98,8 +98,10 @@ def test_imports_inside_functions_are_for_optional_dependencies_only():
                         roots = [alias.name for alias in node.names]
                     else:
                         roots = [f"{node.module}.{alias.name}" for alias in node.names]
-                    if not all(root.split(".")[0] in allowed or root.rpartition(".")[0] in allowed or root in allowed
-                               for root in roots):
+                    if not all(
+                        root.split(".")[0] in allowed or root.rpartition(".")[0] in allowed or root in allowed
+                        for root in roots
+                    ):
                         offenders.append(f"{name}.{function.name}: {ast.unparse(node)}")
     assert offenders == []
 

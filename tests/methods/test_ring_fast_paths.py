@@ -12,7 +12,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument
-from kvcompress.methods.cascade import ring_decode
+from kvcompress.methods.cascade import ring_decode, ring_group
 from kvcompress.models.testing import tiny_model
 
 CACHES = {
@@ -78,3 +78,37 @@ def test_sinks_do_not_drift_in_a_long_stream(reference):
     assert int(cache.layers[0]._frame()[0]) == 400 - 8  # every token after the ring filled overwrote one
     for early, late in zip(sinks_at[20], sinks_at[399], strict=True):
         torch.testing.assert_close(late, early, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(monkeypatch):
+    """The cascade layers of one cache share a buffer and the first layer of a decoding step moves the old tokens of
+    all of them (``RingGroup``); reordering the batch (beam search) disbands the group and each layer moves its
+    own. Both keep what the per-sequence path keeps."""
+    moved = []
+    move_all = ring_group.RingGroup._move_all
+    monkeypatch.setattr(ring_group.RingGroup, "_move_all", lambda *a: moved.append(move_all(*a)) or moved[-1])
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    method, params = CACHES["cascade-3"]
+    caches = {}
+    for reference in (False, True):
+        cache = kvcompress.cache_for(model, method, **params)
+        for layer in cache.layers:
+            layer.force_tensor_path = reference
+        caches[reference] = cache
+    for step in range(ids.shape[1]):
+        if step == 25:
+            for cache in caches.values():
+                cache.reorder_cache(torch.tensor([1, 0]))
+        logits = {}
+        for reference, cache in caches.items():
+            row = ids[:, step : step + 1] if step < 25 else ids.flip(0)[:, step : step + 1]
+            logits[reference] = model(input_ids=row, **cache_argument(model, cache), use_cache=True).logits
+        torch.testing.assert_close(logits[False], logits[True], rtol=1e-4, atol=1e-4)
+    # one decision per in-step decoding step, by the first layer; the first token finds the later layers not
+    # initialised yet; reordering leaves the in-step path (per-sequence counters) and the group
+    assert moved == [False] + [True] * 24
+    assert all(layer.group._joint is None for layer in caches[False].layers)
+    for ours, theirs in zip(caches[False].layers, caches[True].layers, strict=True):
+        assert torch.equal(ours._tok, theirs._tok)
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)

@@ -63,6 +63,11 @@ def reference_outputs(model: str, batches: list[list[str]], max_tokens: int, tmp
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps({"model": model, "batches": batches, "max_tokens": max_tokens}))
     env = {**os.environ, "VLLM_PLUGINS": ""}
-    subprocess.run([sys.executable, str(ENGINE_SCRIPT), str(out_path), str(spec_path)], env=env, check=True,
-                   timeout=300, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(ENGINE_SCRIPT), str(out_path), str(spec_path)],
+        env=env,
+        check=True,
+        timeout=300,
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(out_path.read_text())

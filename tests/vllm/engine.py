@@ -37,21 +37,32 @@ def prompt(num_words: int, seed: int) -> str:
     sentences = []
     while sum(len(s.split()) for s in sentences) < num_words:
         words = rng.sample(WORDS, 6)
-        sentences.append(f"Note {len(sentences) + 1}: the {words[0]} near the {words[1]} kept a {words[2]} "
-                         f"and a {words[3]} for the {words[4]} {words[5]}.")
+        sentences.append(
+            f"Note {len(sentences) + 1}: the {words[0]} near the {words[1]} kept a {words[2]} "
+            f"and a {words[3]} for the {words[4]} {words[5]}."
+        )
     return " ".join(sentences)
 
 
-def make_llm(model: str, policy: dict | None = None, max_model_len: int = 1024, dtype: str = "float32",
-             **kwargs) -> LLM:
+def make_llm(
+    model: str, policy: dict | None = None, max_model_len: int = 1024, dtype: str = "float32", **kwargs
+) -> LLM:
     """An in-process engine; ``policy`` is the kvcompress policy (``None``: the plugin stays inactive).
 
     float32 by default: without AVX-512/AMX, vLLM's bf16 prefill is about 6x slower than float32 here (bf16
     decodes about 1.3x faster, which only pays off for short prompts).
     """
     extra = {"additional_config": {"kvcompress": policy}} if policy else {}
-    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=False,
-               enforce_eager=True, seed=0, **extra, **kwargs)
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=0,
+        **extra,
+        **kwargs,
+    )
 
 
 def close(llm: LLM) -> None:

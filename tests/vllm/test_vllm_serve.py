@@ -47,9 +47,22 @@ def _wait_until_healthy(base: str, server: subprocess.Popen, log_path) -> None:
 
 def test_serve_answers_a_completion_with_a_policy_on_loopback(model_dir, tmp_path):
     port = _free_port()
-    command = [sys.executable, "-m", "kvcompress.vllm.serve", "--model", model_dir, "--port", str(port),
-               "--policy", json.dumps({"method": "streaming", "budget": 512}), "--max-model-len", "1024",
-               "--dtype", "float32", "--enforce-eager"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvcompress.vllm.serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--policy",
+        json.dumps({"method": "streaming", "budget": 512}),
+        "--max-model-len",
+        "1024",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+    ]
     log_path = tmp_path / "server.log"
     log = log_path.open("w")
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}, **SERVER_ENV}
@@ -57,8 +70,10 @@ def test_serve_answers_a_completion_with_a_policy_on_loopback(model_dir, tmp_pat
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_until_healthy(base, server, log_path)
-        answer = _post(f"{base}/v1/completions",
-                       {"model": model_dir, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        answer = _post(
+            f"{base}/v1/completions",
+            {"model": model_dir, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        )
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)

@@ -20,7 +20,8 @@ def test_prompt_keys_read_back_what_the_cpu_kernel_wrote(dtype):
     keys, values = torch.randn(2, tokens, heads, head_size, dtype=dtype)
     blocks = torch.tensor([3, 1, 4])  # a request's blocks, out of order in the pool
     slots = blocks.repeat_interleave(block)[:tokens] * block + torch.arange(tokens) % block
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, KEY_LAYOUT_ISAS[0],
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        keys, values, key_cache, value_cache, slots, KEY_LAYOUT_ISAS[0], k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
     read = _prompt_keys(kv_cache, blocks, tokens)
     assert torch.equal(read, keys.permute(1, 0, 2).float())

@@ -33,8 +33,16 @@ def check_seed(value: object, name: str = "seed") -> None:
     check_int_range(value, name, 0, MAX_SEED)
 
 
-def check_number(value: object, name: str, low: float, high: float, *, open_low: bool = False,
-                 open_high: bool = False, meaning: str = "") -> None:
+def check_number(
+    value: object,
+    name: str,
+    low: float,
+    high: float,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    meaning: str = "",
+) -> None:
     """A finite real number in the interval from ``low`` to ``high`` (open at an end where asked)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
     if ok:

@@ -65,6 +65,7 @@ from kvcompress.train.less_data import (
 
 logger = logging.getLogger(__name__)
 
+
 def _mse(pred: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
     return ((pred[:, start:] - target[:, start:]) ** 2).mean()
 

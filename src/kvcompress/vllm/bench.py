@@ -53,13 +53,17 @@ class RunStats:
     peak_blocks: int
 
     def row(self) -> str:
-        return (f"| {self.policy} | {self.peak_running} | {self.mean_running:.1f} | {self.preemptions} | "
-                f"{self.peak_blocks} | {self.requests / self.seconds:.3f} | {self.new_tokens / self.seconds:.1f} | "
-                f"{self.seconds:.0f} | {self.cpu_seconds:.0f} |")
+        return (
+            f"| {self.policy} | {self.peak_running} | {self.mean_running:.1f} | {self.preemptions} | "
+            f"{self.peak_blocks} | {self.requests / self.seconds:.3f} | {self.new_tokens / self.seconds:.1f} | "
+            f"{self.seconds:.0f} | {self.cpu_seconds:.0f} |"
+        )
 
 
-HEADER = ("| policy | peak running | mean running | preemptions | peak KV blocks | requests/s | tokens/s | wall s "
-          "| CPU s |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| policy | peak running | mean running | preemptions | peak KV blocks | requests/s | tokens/s | wall s "
+    "| CPU s |\n|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
@@ -70,9 +74,15 @@ def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 
 def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Namespace) -> RunStats:
     """Serve ``prompts`` with ``policy`` (JSON) on a pool of ``args.pool_blocks`` blocks, stepping the engine."""
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False,
-              enforce_eager=True, num_gpu_blocks_override=args.pool_blocks,
-              additional_config={"kvcompress": json.loads(policy)})
+    llm = LLM(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        num_gpu_blocks_override=args.pool_blocks,
+        additional_config={"kvcompress": json.loads(policy)},
+    )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
@@ -88,8 +98,17 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
         peak_blocks = max(peak_blocks, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     close_engine(llm)
-    return RunStats(policy_label(policy), seconds, cpu_seconds, done, done * args.new_tokens, max(running),
-                    sum(running) / len(running), sum(preemptions.values()), peak_blocks)
+    return RunStats(
+        policy_label(policy),
+        seconds,
+        cpu_seconds,
+        done,
+        done * args.new_tokens,
+        max(running),
+        sum(running) / len(running),
+        sum(preemptions.values()),
+        peak_blocks,
+    )
 
 
 def close_engine(llm: LLM) -> None:

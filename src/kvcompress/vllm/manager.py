@@ -31,8 +31,12 @@ class BlockEvictionManager(FullAttentionManager):
         if self.enable_caching:
             raise ValueError(PREFIX_CACHING_ERROR.format(method=kv_cache_spec.policy.method))
         self.policy = make_policy(kv_cache_spec.policy, self.block_size)
-        logger.info("kvcompress: %s, %d blocks of %d tokens per request", kv_cache_spec.policy.method,
-                    self.policy.budget_blocks, self.block_size)
+        logger.info(
+            "kvcompress: %s, %d blocks of %d tokens per request",
+            kv_cache_spec.policy.method,
+            self.policy.budget_blocks,
+            self.block_size,
+        )
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None

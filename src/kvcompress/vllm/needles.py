@@ -37,8 +37,14 @@ def _prompt(sample) -> TokensPrompt:
 
 def score_policy(model: str, policy: str, samples, max_model_len: int) -> float:
     """Mean ``string_match_all`` of vLLM's greedy answers to ``samples`` under ``policy`` (JSON)."""
-    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, enable_prefix_caching=False,
-              enforce_eager=True, additional_config={"kvcompress": json.loads(policy)})
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        additional_config={"kvcompress": json.loads(policy)},
+    )
     prompts = [_prompt(sample) for sample in samples]
     params = [SamplingParams(temperature=0, max_tokens=s.inputs["max_new_tokens"]) for s in samples]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -59,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     samples = niah_samples(args.model, args.data, args.samples, args.length)
     print("| policy (vLLM) | niah score |\n|---|---|")
     for policy in args.policies:
-        print(f"| {policy_label(policy)} | {score_policy(args.model, policy, samples, 2 * args.length):.3f} |",
-              flush=True)
+        print(
+            f"| {policy_label(policy)} | {score_policy(args.model, policy, samples, 2 * args.length):.3f} |", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,11 @@ class SnapKVTracker:
         self.pending[keys[prefilling]] = True
         step = None
         if prefilling.any() or selecting.any():
-            step = SnapKVStep(self.policy, self._stash_rows(common, keys, context, prefilling),
-                              self._select_rows(table, keys, context, selecting))
+            step = SnapKVStep(
+                self.policy,
+                self._stash_rows(common, keys, context, prefilling),
+                self._select_rows(table, keys, context, selecting),
+            )
         return step, self.prompt_len[keys]
 
     @staticmethod

@@ -40,6 +40,7 @@ from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
 from kvcompress.methods.cascade.ring_decode import RingDecode
+from kvcompress.methods.cascade.ring_group import RingGroup
 from kvcompress.methods.cascade.ring_insert import RingInsert
 from kvcompress.methods.cascade.ring_views import RingViews
 
@@ -71,6 +72,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
+        self.group: RingGroup | None = None  # set by ``CascadeConfig.connect`` for the cascade layers of a cache
         super().__init__(policy, inv_freq)
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
@@ -90,13 +92,18 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         slots, cascades = self.capacity, self.cascades
         long = {"dtype": torch.long, "device": self.device}
         self._key_dim = key_dim
-        # keys (rotated at their slot index) and values side by side; slot ``slots`` is scratch space
-        self._kv = key_states.new_zeros(batch, heads, slots + 1, key_dim + value_states.shape[-1])
-        # per slot: [stream index of the token (-1 = empty), RoPE position the model gave it]
-        self._meta = torch.stack(
-            [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
-        )
-        self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)  # attention EMA
+        # keys (rotated at their slot index) and values side by side; slot ``slots`` is scratch space; per slot: the
+        # stream index of the token (-1 = empty) and the RoPE position the model gave it; the attention EMA (fp32)
+        kv_shape = (batch, heads, slots + 1, key_dim + value_states.shape[-1])
+        joint = None if self.group is None else self.group.buffers(self, kv_shape, self.dtype, self.device)
+        if joint is not None:  # views of the buffer of every layer of the cache (``RingGroup``)
+            self._kv, self._meta, self._score = joint
+        else:
+            self._kv = key_states.new_zeros(kv_shape)
+            self._meta = torch.stack(
+                [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
+            )
+            self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
         # tensor path only (see _in_step below): sinks stored, real tokens seen (the acceptance clock), per cascade
         # the ring's start and count, and two flags: every sequence has all its sinks (then the sink column is
         # skipped), eager fill is over for every sequence

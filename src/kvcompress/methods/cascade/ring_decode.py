@@ -18,9 +18,9 @@ import torch
 from torch.nn import functional as F
 
 from kvcompress.core.forward_cache import forward_cached, from_host
-from kvcompress.core.rope import turn_in_place
 from kvcompress.core.rotation import rotation_factors, turn
 from kvcompress.core.softmax import head_matmul
+from kvcompress.methods.cascade.ring_group import shift_chain
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
 # frames x stored slots up to which the logits of every frame are computed for every slot by one matmul. On the CPU
@@ -50,17 +50,20 @@ class RingDecode:
         if self.attend_first:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
-        state = (self._py_seen, tuple(self._py_count), tuple(self._py_start), self.capacity, id(self.rule.config))
+        before = (self._py_seen, tuple(self._py_count), tuple(self._py_start))
         moves, angle, seen, count, start, targets, runs = forward_cached(
-            pending.source, ("cascade-step", *state), self._plan_decode_step
+            pending.source, ("cascade-step", *before, self.capacity, id(self.rule.config)), self._plan_decode_step
         )
-        self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
         item = self._new_item(pending, angle)
         meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
-        if len(moves) > 1:
+        dests = [dest for dest, _ in moves]
+        if self.group is not None and self.group.moved(self, before, dests, moves[-1][1], meta, pending.source):
+            self._kv[:, :, dests[0] : dests[0] + 1] = item  # the group moved the old tokens of every layer
+        elif len(moves) > 1:
             self._move_together(moves, item, meta, None, pending.source, placed=True)
         else:
             self._put(moves[0][0], None, item, meta, None, moves[0][1], placed=True)
+        self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
         self._all_real = True
         self._sync_sinks(pending.source)
         probs = self._softmax(query, pending, targets, runs, scale)
@@ -194,45 +197,24 @@ class RingDecode:
         return logits
 
     def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None, placed=False) -> None:
-        """The moves of one in-step insertion (column ``c`` takes the new token for ``c = 0``, else the token in the
-        slot column ``c - 1`` writes) with one read and one write per tensor: every moved token is read first, the
-        keys of all columns are turned to their destinations in place (``placed``: the new key is there
-        already), then written; a selection (only ever the last column) writes where the arriving token
-        wins and into the scratch slot elsewhere, as ``_put`` decides."""
+        """The moves of one in-step insertion with one read and one write per tensor (``shift_chain``): column 0
+        takes the new token (``placed``: its key is rotated at its destination already), column ``c`` the token
+        of the slot column ``c - 1`` writes."""
         dests = [dest for dest, _ in moves]
-        select = moves[-1][1]
-        batch, heads, _, width_kv = self._kv.shape
-        count = len(dests)
-        first_turn = 0 if placed else dests[0]
+        tables = self._shared_move_tables(dests, 0 if placed else dests[0], position_ids)
+        buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
+        new = (kv, meta, self._new_score(score) if self.rule.needs_scores else None)
+        shift_chain(buffers, dests, tables, moves[-1][1], self.rule.config.tie, new)
+
+    def _shared_move_tables(self, dests: list[int], first_turn: int, position_ids) -> tuple[torch.Tensor | None, ...]:
+        """``_move_tables``, shared by the layers of a forward when ``position_ids`` is given."""
         key = ("moves", tuple(dests), first_turn, self.capacity, self.device, self.dtype)
         build = lambda: self._move_tables(dests, first_turn)  # noqa: E731
-        read, written, cos, sin = build() if position_ids is None else forward_cached(position_ids, key, build)
-        by_column = self._kv.permute(2, 0, 1, 3)  # [slots, B, H, dk + dv]: a column's rows are contiguous
-        items = torch.cat([kv.permute(2, 0, 1, 3), by_column.index_select(0, read)], 0)  # [m, B, H, dk + dv]
-        if cos is not None:
-            turn_in_place(items, cos, sin)
-        meta_items = torch.cat([meta, self._meta.index_select(1, read)], 1)  # [B, m, 2]
-        score_items = None
-        if self.rule.needs_scores:
-            score_items = torch.cat([self._new_score(score)[:, None], self._score.index_select(1, read)], 1)
-        if not select:
-            by_column.index_copy_(0, written, items)
-            self._meta.index_copy_(1, written, meta_items)
-            if score_items is not None:
-                self._score.index_copy_(1, written, score_items)
-            return
-        arriving, resident = score_items[:, -1], self._score[:, dests[-1]]
-        wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
-        last = torch.where(wins, dests[-1], self.capacity)  # losers write the scratch slot
-        slots = torch.cat([written[:-1].expand(batch, -1), last[:, None]], 1)  # [B, m]
-        self._kv.scatter_(2, slots[:, None, :, None].expand(batch, heads, count, width_kv), items.permute(1, 2, 0, 3))
-        self._meta.scatter_(1, slots[:, :, None].expand(batch, count, 2), meta_items)
-        self._score.scatter_(1, slots, score_items)
+        return build() if position_ids is None else forward_cached(position_ids, key, build)
 
     def _move_tables(self, dests: list[int], first_turn: int) -> tuple[torch.Tensor | None, ...]:
         """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its move
-        (``first_turn`` for the new token, slot to slot for the others) for ``_move_together`` (shared by the
-        layers of a forward through ``forward_cached``)."""
+        (``first_turn`` for the new token, slot to slot for the others)."""
         sources = dests[:-1]
         read, written = from_host(sources, self.device), from_host(dests, self.device)
         if self.inv_freq is None:

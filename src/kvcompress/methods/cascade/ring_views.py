@@ -40,6 +40,7 @@ class RingViews:
     def keys(self, value: torch.Tensor | None) -> None:
         if value is not None:
             raise AttributeError("CascadeLayer.keys is a read-only view of the slot buffer")
+        self._leave_group()
         self._kv = None
 
     @property
@@ -53,6 +54,7 @@ class RingViews:
     def values(self, value: torch.Tensor | None) -> None:
         if value is not None:
             raise AttributeError("CascadeLayer.values is a read-only view of the slot buffer")
+        self._leave_group()
         self._kv = None
 
     @property
@@ -93,19 +95,29 @@ class RingViews:
         return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
 
     def reset(self) -> None:
+        self._leave_group()
         self._kv = None
         self._pending = None
         self.is_initialized = False
         self.seen = self.new_tokens = 0
 
     _PER_SEQUENCE = (
-        "_kv", "_meta", "_score", "_sink_keys", "_sink_frame", "_n_sink_t", "_n_real_t", "_count_t", "_start_t"
+        "_kv",
+        "_meta",
+        "_score",
+        "_sink_keys",
+        "_sink_frame",
+        "_n_sink_t",
+        "_n_real_t",
+        "_count_t",
+        "_start_t",
     )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         self._leave_step()
+        self._leave_group()
         indices = indices.to(self.device)
         for name in self._PER_SEQUENCE:
             setattr(self, name, getattr(self, name).index_select(0, indices))
@@ -114,8 +126,15 @@ class RingViews:
         if not self.is_initialized:
             return
         self._leave_step()
+        self._leave_group()
         for name in self._PER_SEQUENCE:
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+
+    def _leave_group(self) -> None:
+        """This layer's buffers are about to be replaced: no layer of the cache moves the others' tokens any more
+        (until they are initialised again, ``RingGroup``)."""
+        if self.group is not None:
+            self.group.disband()
 
     # --- accounting ------------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:
