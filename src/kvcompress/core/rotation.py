@@ -3,8 +3,8 @@
 A layer that stores keys at one position and attends at another (the circular sink cache) rotates a query or a key
 from the position the model rotated it with (``position_ids``) to a target position. Every layer of a forward gets
 the same ``position_ids`` tensor and layers in the same state want the same targets, so the rotations are built
-once, as cos / sin factors per set of targets (``turn`` gives ``x`` rotated to each of the ``k`` targets in three
-elementwise ops, as the model applies RoPE), and kept on the ``position_ids`` tensor for the layers that follow.
+once, as one matrix per set of targets (``turn`` gives ``x`` rotated to each of the ``k`` targets in one matmul),
+and kept on the ``position_ids`` tensor for the layers that follow.
 Nothing is read back to the host: the targets are Python integers and the positions stay on the device. (A
 ``position_ids`` tensor is assumed not to be modified in place between forwards; transformers builds a new one for
 every forward.)
@@ -12,43 +12,48 @@ every forward.)
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from kvcompress.core.forward_cache import forward_cached
 
 
-class Factors(NamedTuple):
-    """What ``turn`` multiplies by: ``x cos + swap(x) sin`` rotates ``x`` (``cos``, ``sin`` ``[B, 1, k, d]``; ``sin``
-    carries the sign of ``rotate_half``; dimensions past ``2 half`` keep cos 1 and sin 0)."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    half: int
-
-
-def rotation_factors(
+def rotation_to(
     position_ids: torch.Tensor,
     targets: tuple[int, ...],
     inv_freq: torch.Tensor,
     dim: int,
     dtype: torch.dtype,
     scale: float = 1.0,
-) -> Factors:
-    """For ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_factors(...))`` holds
-    ``x`` rotated to each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)``
+) -> torch.Tensor:
+    """``[B, 1, d, k d]``: for ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_to(...))``
+    holds ``x`` rotated to each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)``
     dimensions rotate), times ``scale``. The angles are computed as the model computes its own, in float32."""
-    key = ("rotation-factors", targets, inv_freq.data_ptr(), dim, dtype, scale)
-    return forward_cached(position_ids, key, lambda: _factors(position_ids, targets, inv_freq, dim, dtype, scale))
+    key = ("rotation-to", targets, inv_freq.data_ptr(), dim, dtype, scale)
+    return forward_cached(position_ids, key, lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale))
 
 
-def turn(x: torch.Tensor, factors: Factors) -> torch.Tensor:
-    """``x`` ``[B, H, 1, d]`` rotated by ``rotation_factors`` to each target: ``[B, H, k, d]``, as the model applies
-    RoPE (``x cos + rotate_half(x) sin``, in ``x``'s dtype)."""
-    half = factors.half
-    swapped = torch.cat([x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]], -1)
-    return torch.addcmul(x * factors.cos, swapped, factors.sin)
+def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, 1, d]`` rotated by ``rotation_to`` to each target: ``[B, H, k, d]`` (one matmul: the two
+    products of each output dimension, as the model's ``x cos + rotate_half(x) sin``, in ``x``'s dtype)."""
+    batch, heads, _, dim = x.shape
+    rows = rotation.shape[0]  # B, or 1 for position_ids shared by the batch
+    return torch.bmm(x.reshape(rows, -1, dim), rotation.view(rows, dim, -1)).view(batch, heads, -1, dim)
+
+
+def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Tensor:
+    positions = position_ids[..., -1].reshape(-1)
+    delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
+    angles = delta.float()[..., None] * inv_freq.to(positions.device)  # [B, k, h], as the model computes them
+    cos, sin = angles.cos(), angles.sin()
+    half = cos.shape[-1]
+    rest = dim - 2 * half  # partial rotary: these dimensions pass through
+    cos = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], rest)], -1) * scale
+    sin = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], rest)], -1) * scale
+    eye = torch.eye(dim, device=cos.device)
+    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half), torch.arange(2 * half, dim)]).to(cos.device)
+    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions
+    rotation = eye[None, :, None, :] * cos[:, None] + eye[swap][None, :, None, :] * sin[:, None]  # [B, d, k, d]
+    return rotation.reshape(cos.shape[0], 1, dim, -1).to(dtype)
 
 
 def frame_rotation(

@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from kvcompress.core.forward_cache import forward_cached, from_host
-from kvcompress.core.rotation import rotation_factors, turn
+from kvcompress.core.rotation import rotation_to, turn
 from kvcompress.core.softmax import head_matmul
 from kvcompress.methods.cascade.ring_group import shift_chain
 
@@ -66,14 +66,35 @@ class RingDecode:
         self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
         self._all_real = True
         self._sync_sinks(pending.source)
-        probs = self._softmax(query, pending, targets, runs, scale)
+        probs = self._softmax(query, pending, targets, runs, scale)  # [B, H_kv, G, stored]
         stored = runs[-1][1]
-        output = head_matmul(probs.to(self._kv.dtype), self._v[:, :, :stored])
+        output = torch.bmm(probs.flatten(0, 1).to(self._kv.dtype), self._step_views(stored)[1])
         if self.rule.needs_scores:
-            if stored < self.capacity:  # empty slots at the end received nothing
-                probs = torch.nn.functional.pad(probs, (0, self.capacity - stored))
-            self._fold_scores(probs, None)
+            self._fold_step(probs, pending.source)
         return output.view(batch, q_heads, 1, -1)
+
+    def _step_views(self, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B H_kv, d, stored]`` (transposed) and values ``[B H_kv, stored, d_v]`` of the first ``stored``
+        slots: views of the buffer, made again only when the buffer or ``stored`` changes."""
+        views = getattr(self, "_views", None)
+        if views is None or views[0] is not self._kv or views[1] != stored:
+            rows, dim = self._kv[:, :, :stored].flatten(0, 1), self._key_dim
+            views = self._views = (self._kv, stored, rows[..., :dim].transpose(1, 2), rows[..., dim:])
+        return views[2], views[3]
+
+    def _fold_step(self, probs: torch.Tensor, source: torch.Tensor) -> None:
+        """``_fold_scores`` of one decoding token over the ``stored`` first slots (empty slots after them have no
+        score to decay); with the mean over heads (the paper's), the heads' sum and the decay are one batched
+        matmul (``source``: the forward's ``position_ids``, to share the row of ones)."""
+        if self.rule.config.reduction != "mean":
+            pad = self.capacity - probs.shape[-1]
+            self._fold_scores(torch.nn.functional.pad(probs, (0, pad)) if pad else probs, None)
+            return
+        batch, stored, gamma = probs.shape[0], probs.shape[-1], self.rule.gamma
+        rows = probs.view(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
+        ones = forward_cached(source, ("ones", *rows.shape[:2]), lambda: rows.new_ones(batch, 1, rows.shape[1]))
+        cascade = self._score[:, None, self.sinks : stored]
+        cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
 
     def _plan_decode_step(self) -> tuple:
         """The Python side of a decoding step, the same for every layer of a forward in the same state (shared
@@ -98,10 +119,10 @@ class RingDecode:
         else:
             dest, spare = sinks + start, self.capacity
         dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
-        rotation = rotation_factors(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
+        rotation = rotation_to(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)  # (no out=: compiled graphs refuse it)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
-        turned = turn(query, rotation_factors(pending.source, (seen,), self.inv_freq, dim, query.dtype))
+        turned = turn(query, rotation_to(pending.source, (seen,), self.inv_freq, dim, query.dtype))
         stored = self._kv[:, :, : spare + 1]
         output = F.scaled_dot_product_attention(
             turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
@@ -126,33 +147,30 @@ class RingDecode:
         instead of four per run (each a dispatch, or a kernel launch on a GPU); with many, one matmul per run."""
         batch, q_heads, _, dim = query.shape
         kv_heads, frames, stored = self._kv.shape[1], len(targets), runs[-1][1]
-        rotations = rotation_factors(pending.source, targets, self.inv_freq, dim, query.dtype, scale)
+        rotations = rotation_to(pending.source, targets, self.inv_freq, dim, query.dtype, scale)
         turned = turn(query, rotations).view(batch, kv_heads, -1, frames, dim)  # scaled (as SDPA scales q)
         if frames * stored > DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"]):
             logits = self._run_logits(turned, runs)
             return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().softmax(-1)
         groups = turned.shape[2]
-        keys = self._kv[:, :, :stored, : self._key_dim].transpose(-1, -2)
-        every = head_matmul(turned.reshape(batch, kv_heads, groups * frames, dim), keys)
-        key = ("frame-of-slot", tuple(runs), self.device)
-        frame, empty = forward_cached(pending.source, key, lambda: self._slot_frames(runs))
-        logits = every.view(batch, kv_heads, groups, frames, stored).gather(
-            3, frame.expand(batch, kv_heads, groups, 1, stored)
-        )
+        every = torch.bmm(turned.view(batch * kv_heads, groups * frames, dim), self._step_views(stored)[0])
+        key = ("frame-of-slot", tuple(runs), self.device, batch, kv_heads, groups)
+        frame, empty = forward_cached(pending.source, key, lambda: self._slot_frames(runs, batch, kv_heads, groups))
+        logits = every.view(batch, kv_heads, groups, frames, stored).gather(3, frame)
         logits = logits.view(batch, kv_heads, groups, stored).float()
         if empty is not None:
             logits.masked_fill_(empty, float("-inf"))
         return logits.softmax(-1)
 
-    def _slot_frames(self, runs: list[Run]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[1, 1, 1, 1, slots]``: the frame of each slot up to the last run's end, and the empty slots between
-        runs (``None`` when the runs cover every slot)."""
+    def _slot_frames(self, runs: list[Run], *shape: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, H_kv, G, 1, slots]`` (``shape`` = B, H_kv, G): the frame of each slot up to the last run's end, and
+        the empty slots between runs (``None`` when the runs cover every slot)."""
         stored = runs[-1][1]
         frame, empty = [0] * stored, [True] * stored
         for lo, hi, index in runs:
             frame[lo:hi] = [index] * (hi - lo)
             empty[lo:hi] = [False] * (hi - lo)
-        frames = from_host(frame, self.device).view(1, 1, 1, 1, stored)
+        frames = from_host(frame, self.device).view(1, 1, 1, 1, stored).expand(*shape, 1, stored)
         return frames, from_host(empty, self.device, torch.bool) if any(empty) else None
 
     def _frames(self, top: int) -> tuple[tuple[int, ...], list[Run]]:
@@ -227,7 +245,7 @@ class RingDecode:
         """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key rotated from the model's position to
         ``angle``."""
         dtype = pending.keys.dtype
-        key = turn(pending.keys, rotation_factors(pending.source, (angle,), self.inv_freq, self._key_dim, dtype))
+        key = turn(pending.keys, rotation_to(pending.source, (angle,), self.inv_freq, self._key_dim, dtype))
         return torch.cat([key, pending.values.to(key.dtype)], -1)
 
     def _new_meta(self, pending) -> torch.Tensor:
