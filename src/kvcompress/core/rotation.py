@@ -50,7 +50,8 @@ def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Te
     cos = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], rest)], -1) * scale
     sin = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], rest)], -1) * scale
     eye = torch.eye(dim, device=cos.device)
-    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half), torch.arange(2 * half, dim)]).to(cos.device)
+    index = torch.arange(dim, device=cos.device)
+    swap = torch.cat([index[half : 2 * half], index[:half], index[2 * half :]])
     # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions
     rotation = eye[None, :, None, :] * cos[:, None] + eye[swap][None, :, None, :] * sin[:, None]  # [B, d, k, d]
     return rotation.reshape(cos.shape[0], 1, dim, -1).to(dtype)
@@ -69,19 +70,6 @@ def frame_rotation(
         return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
 
     return build() if position_ids is None else forward_cached(position_ids, key, build)
-
-
-def _factors(position_ids, targets, inv_freq, dim, dtype, scale) -> Factors:
-    positions = position_ids[..., -1].reshape(-1)
-    delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
-    angles = delta.float()[..., None] * inv_freq.to(positions.device)  # [B, k, h], as the model computes them
-    cos, sin = angles.cos(), angles.sin()
-    rest = dim - 2 * cos.shape[-1]  # partial rotary: these dimensions pass through
-    cos = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], rest)], -1)
-    sin = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], rest)], -1)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return Factors(cos.to(dtype)[:, None], sin.to(dtype)[:, None], angles.shape[-1])
 
 
 def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

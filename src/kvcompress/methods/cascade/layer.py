@@ -197,9 +197,12 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         self._pending = _Pending(key_states, value_states, self.seen)
         self.seen += count
         self.new_tokens = count
-        keys = self._k
-        setattr(keys, LAYER_ATTRIBUTE, self)
-        return keys, self._v
+        returned = getattr(self, "_returned", None)
+        if returned is None or returned[0] is not self._kv or returned[1] != self.capacity:
+            keys = self._k
+            setattr(keys, LAYER_ATTRIBUTE, self)
+            returned = self._returned = (self._kv, self.capacity, keys, self._v)
+        return returned[2], returned[3]
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         pending, count = self._pending, self.new_tokens
