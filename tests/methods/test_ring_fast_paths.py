@@ -112,3 +112,29 @@ def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(
     for ours, theirs in zip(caches[False].layers, caches[True].layers, strict=True):
         assert torch.equal(ours._tok, theirs._tok)
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(monkeypatch):
+    """After ``reset`` the layers join a new joint buffer at their next initialisation and decode as before; a
+    layer whose buffers cannot join (another shape) leaves every layer on its own."""
+    moved = []
+    move_all = ring_group.RingGroup._move_all
+    monkeypatch.setattr(ring_group.RingGroup, "_move_all", lambda *a: moved.append(move_all(*a)) or moved[-1])
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(6))
+    method, params = CACHES["cascade-3"]
+    cache = kvcompress.cache_for(model, method, **params)
+    runs = []
+    for _ in range(2):
+        logits = [
+            model(input_ids=ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True).logits
+            for step in range(ids.shape[1])
+        ]
+        runs.append(torch.cat(logits, 1))
+        cache.reset()
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+    assert moved == ([False] + [True] * (ids.shape[1] - 1)) * 2
+    group, cpu = cache.layers[0].group, torch.device("cpu")
+    assert group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is not None
+    assert group.buffers(cache.layers[1], (1, 1, 15, 8), torch.float32, cpu) is None  # another shape
+    assert group.broken and group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is None
