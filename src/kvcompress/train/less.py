@@ -44,11 +44,7 @@ from torch import nn
 
 from kvcompress.methods.less import LessConfig, baseline_plus
 from kvcompress.methods.less.kernels import KERNEL_FORMAT, _write_json, init_kernels, layer_file, read_meta, save_layer
-from kvcompress.methods.less.masked import (
-    eviction_times,
-    low_rank_parallel,
-    sparse_attention,
-)
+from kvcompress.methods.less.masked import eviction_times, low_rank_parallel, sparse_attention
 from kvcompress.methods.less.policy import mix_low_rank
 from kvcompress.models import load_model
 from kvcompress.train.less_data import (
