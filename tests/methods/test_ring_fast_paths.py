@@ -80,13 +80,19 @@ def test_sinks_do_not_drift_in_a_long_stream(reference):
         torch.testing.assert_close(late, early, rtol=1e-5, atol=1e-5)
 
 
-def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(monkeypatch):
+@pytest.fixture
+def moved(monkeypatch) -> list[bool]:
+    """The group's decisions, one per in-step decoding step: did the first layer move every layer's tokens?"""
+    decisions = []
+    move_all = ring_group.RingGroup._move_all
+    monkeypatch.setattr(ring_group.RingGroup, "_move_all", lambda *a: decisions.append(move_all(*a)) or decisions[-1])
+    return decisions
+
+
+def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(moved):
     """The cascade layers of one cache share a buffer and the first layer of a decoding step moves the old tokens of
     all of them (``RingGroup``); reordering the batch (beam search) disbands the group and each layer moves its
     own. Both keep what the per-sequence path keeps."""
-    moved = []
-    move_all = ring_group.RingGroup._move_all
-    monkeypatch.setattr(ring_group.RingGroup, "_move_all", lambda *a: moved.append(move_all(*a)) or moved[-1])
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
     method, params = CACHES["cascade-3"]
@@ -114,12 +120,9 @@ def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
 
 
-def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(monkeypatch):
+def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
     """After ``reset`` the layers join a new joint buffer at their next initialisation and decode as before; a
     layer whose buffers cannot join (another shape) leaves every layer on its own."""
-    moved = []
-    move_all = ring_group.RingGroup._move_all
-    monkeypatch.setattr(ring_group.RingGroup, "_move_all", lambda *a: moved.append(move_all(*a)) or moved[-1])
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(6))
     method, params = CACHES["cascade-3"]
