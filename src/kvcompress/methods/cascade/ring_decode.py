@@ -4,12 +4,13 @@ While the batch is in step (no padding so far) every sequence has the same ring 
 cascade its count and start, all Python integers. With several cascades keys sit rotated at their slot index, and
 inside one ring a slot's rank (its RoPE position in the cache) is its slot index plus one shift per cascade, plus
 the ring width for the slots before the ring's start (``RingAttention._cache_logits``). So a decoding step needs
-the query rotated to one target per such *frame*: three elementwise ops with cos / sin factors built once per
-forward and shared by the layers (``kvcompress.core.rotation``), then the logits of every frame for every slot
-(one matmul and a gather; one matmul per run of slots past ``DENSE_FRAME_SLOTS``), one softmax over the buffer's
-slots in slot order (empty slots at ``-inf``) and one matmul with the values. The Python side of a step (moves,
-counters, frames) is the same for every layer of a forward and planned once (``_plan_decode_step``). One ring
-(the circular sink cache) is a single frame (``CascadeLayer``): its step is one SDPA.
+the query rotated to one target per such *frame*: one matmul with a rotation matrix built once per forward and
+shared by the layers (``kvcompress.core.rotation``), then the logits of every frame for every slot (one matmul and
+a gather; one matmul per run of slots past ``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order
+(empty slots at ``-inf``), one matmul with the values and one for the EMA. The Python side of a step (moves,
+counters, frames) is the same for every layer of a forward and planned once (``_plan_decode_step``), and the old
+tokens' moves of every layer are done at once by the first (``RingGroup``). One ring (the circular sink cache) is
+a single frame (``CascadeLayer``): its step is one SDPA.
 """
 
 from __future__ import annotations
