@@ -80,6 +80,28 @@ def test_sinks_do_not_drift_in_a_long_stream(reference):
         torch.testing.assert_close(late, early, rtol=1e-5, atol=1e-5)
 
 
+def test_a_full_cascade_decodes_in_one_frame_per_ring_and_reads_back_at_slot_angles():
+    """While decoding in step the rings hold their keys at ring angles (``RingAngles``): one frame per ring, each
+    ring one run of slots, laps added as the rings wrap. A prefill chunk turns them back to slot angles first, and
+    decoding turns them to ring angles again; the per-sequence path (slot angles throughout) gives the same logits."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(8))
+    method, params = CACHES["cascade-3"]
+    chunks = (1,) * 30 + (9,) + (1,) * 31
+    fast_logits, fast = _run(model, method, params, ids, chunks, reference=False)
+    reference_logits, reference = _run(model, method, params, ids, chunks, reference=True)
+    torch.testing.assert_close(fast_logits, reference_logits, rtol=1e-4, atol=1e-4)
+    layer, stored = fast.layers[0], params["budget"]
+    assert layer._laps is not None and max(layer._laps) > 0  # ring 0 wrapped since the chunk
+    targets, runs = layer._frames(stored - 1)
+    width = layer.width
+    assert len(targets) == params["cascades"] + 1  # the sinks, then one frame per ring
+    assert runs == [(0, 2, 0)] + [(2 + i * width, 2 + (i + 1) * width, i + 1) for i in range(params["cascades"])]
+    keys = layer.keys  # a stream-order view reads slot angles
+    assert layer._laps is None
+    torch.testing.assert_close(keys, reference.layers[0].keys, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def moved(monkeypatch) -> list[bool]:
     """The group's decisions, one per in-step decoding step: did the first layer move every layer's tokens?"""

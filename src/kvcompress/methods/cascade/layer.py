@@ -37,6 +37,7 @@ from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by, turn_in_place
 from kvcompress.core.rotation import frame_rotation
 from kvcompress.methods.cascade.policy import CascadePolicy
+from kvcompress.methods.cascade.ring_angles import RingAngles
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
 from kvcompress.methods.cascade.ring_decode import RingDecode
@@ -64,7 +65,7 @@ class _Pending:
         return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
 
 
-class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacity, CompressedLayer):
+class CascadeLayer(RingDecode, RingAngles, RingInsert, RingAttention, RingViews, RingCapacity, CompressedLayer):
     """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
     unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
 
@@ -123,6 +124,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         self._in_step = True
         self._py_count, self._py_start, self._py_seen = [0] * cascades, [0] * cascades, 0
         self._py_tensors: tuple[torch.Tensor, ...] | None = None
+        self._laps = None  # keys at slot angles (``RingAngles``)
         self.is_initialized = True
 
     # per-sequence counters: tensors, or built from the Python integers while the batch is in step
@@ -140,6 +142,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
 
     def _leave_step(self) -> None:
         """Switch to per-sequence counter tensors (the batch is no longer in step)."""
+        self.to_slot_angles()
         if self._in_step:
             count, start, n_sink, n_real = (t.clone() for t in self._counters())
             self._in_step = False
@@ -255,6 +258,7 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
         self._sync_sinks()
 
     def _insert(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None) -> None:
+        self.to_slot_angles()
         if self._in_step and self._all_real and not self.force_tensor_path:
             self._insert_in_step(kv, meta, score)
         else:
@@ -331,6 +335,8 @@ class CascadeLayer(RingDecode, RingInsert, RingAttention, RingViews, RingCapacit
                     break
                 moves.append((first + start[i], False))  # (b) overwrite the oldest, carry it on
                 start[i] = (start[i] + 1) % width
+                if start[i] == 0 and self._laps is not None:  # a lap of ring angles (``RingAngles``)
+                    self._laps[i] += width
             elif count[i] == 0:  # (c) eager add into an empty cascade
                 moves.append((first + start[i], False))
                 count[i] = 1

@@ -98,6 +98,7 @@ class RingAttention:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         if self._decodes_alone(query, pending):
             return self._decode_step(query, pending, scale)
+        self.to_slot_angles()
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)
         if (self.rule.config.prefill == "chunked" and query.shape[2] > 1) or self.attend_first:

@@ -15,6 +15,8 @@ a single frame (``CascadeLayer``): its step is one SDPA.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch.nn import functional as F
 
@@ -51,20 +53,24 @@ class RingDecode:
         if self.attend_first:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
-        before = (self._py_seen, tuple(self._py_count), tuple(self._py_start))
-        moves, angle, seen, count, start, targets, runs = forward_cached(
+        self.to_ring_angles(pending.source)
+        laps = None if self._laps is None else tuple(self._laps)
+        before = (self._py_seen, tuple(self._py_count), tuple(self._py_start), laps)
+        plan = forward_cached(
             pending.source, ("cascade-step", *before, self.capacity, id(self.rule.config)), self._plan_decode_step
         )
+        moves, angle, turns, seen, count, start, laps, targets, runs = plan
         item = self._new_item(pending, angle)
         meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
         dests = [dest for dest, _ in moves]
-        if self.group is not None and self.group.moved(self, before, dests, moves[-1][1], meta, pending.source):
+        if self.group is not None and self.group.moved(self, before, dests, turns, moves[-1][1], meta, pending.source):
             self._kv[:, :, dests[0] : dests[0] + 1] = item  # the group moved the old tokens of every layer
         elif len(moves) > 1:
-            self._move_together(moves, item, meta, None, pending.source, placed=True)
+            self._move_together(moves, item, meta, None, pending.source, turns=turns)
         else:
             self._put(moves[0][0], None, item, meta, None, moves[0][1], placed=True)
         self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
+        self._laps = None if laps is None else list(laps)
         self._all_real = True
         self._sync_sinks(pending.source)
         probs = self._softmax(query, pending, targets, runs, scale)  # [B, H_kv, G, stored]
@@ -100,13 +106,18 @@ class RingDecode:
     def _plan_decode_step(self) -> tuple:
         """The Python side of a decoding step, the same for every layer of a forward in the same state (shared
         through ``forward_cached``): the moves, the new key's angle (one ring: its real-token index; several: its
-        slot index, so it is written as it comes), the counters after the step and the attention frames."""
+        ring angle, so it is written as it comes), how far each moved key turns, the counters after the step and
+        the attention frames."""
         angle = self._py_seen
+        before = (tuple(self._py_start), None if self._laps is None else tuple(self._laps))
         moves = self._plan_in_step()
+        after = (tuple(self._py_start), None if self._laps is None else tuple(self._laps))
         if self.cascades > 1:
-            angle = moves[0][0]
+            angle = moves[0][0] + self.angle_shift(moves[0][0], *after)
+        turns = self._step_turns(moves, before, after)
         targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
-        return moves, angle, self._py_seen, tuple(self._py_count), tuple(self._py_start), targets, runs
+        counters = (self._py_seen, tuple(self._py_count), tuple(self._py_start), after[1])
+        return moves, angle, turns, *counters, targets, runs
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
@@ -178,7 +189,7 @@ class RingDecode:
         """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
         (sinks, then each cascade's wrapped part before its part from ``start`` on: ascending slots)."""
         sinks, width = self.sinks, self.width
-        counts, starts = self._py_count, self._py_start
+        counts, starts, laps = self._py_count, self._py_start, self._laps  # (ring angles: one frame per ring)
         n_sink = min(self._py_seen, sinks)
         if self.cascades == 1:  # one frame (CascadeLayer): the stored slots are one run
             stored = n_sink + counts[0]
@@ -190,9 +201,9 @@ class RingDecode:
             if not count:
                 continue
             first = sinks + i * width
-            target = top - (n_sink + older - first - start)
-            if start + count > width:  # wrapped: the ring offsets before ``start`` are one width later
-                pieces.append((first, first + start + count - width, target - width))
+            target = top - (n_sink + older - first - start) + (0 if laps is None else laps[i])
+            if start + count > width:  # wrapped: the ring offsets before ``start`` are one width later in rank
+                pieces.append((first, first + start + count - width, target - (0 if laps is not None else width)))
             pieces.append((first + start, first + min(start + count, width), target))
         targets: dict[int, int] = {}
         runs: list[Run] = []
@@ -215,32 +226,35 @@ class RingDecode:
             end = hi
         return logits
 
-    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None, placed=False) -> None:
+    def _move_together(
+        self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None, placed=False, turns=None
+    ) -> None:
         """The moves of one in-step insertion with one read and one write per tensor (``shift_chain``): column 0
         takes the new token (``placed``: its key is rotated at its destination already), column ``c`` the token
-        of the slot column ``c - 1`` writes."""
+        of the slot column ``c - 1`` writes. ``turns``: how far each column's key turns (default: slot angles)."""
         dests = [dest for dest, _ in moves]
-        tables = self._shared_move_tables(dests, 0 if placed else dests[0], position_ids)
+        if turns is None:
+            turns = (0 if placed else dests[0], *(dest - source for source, dest in pairwise(dests)))
+        tables = self._shared_move_tables(dests, turns, position_ids)
         buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
         new = (kv, meta, self._new_score(score) if self.rule.needs_scores else None)
         shift_chain(buffers, dests, tables, moves[-1][1], self.rule.config.tie, new)
 
-    def _shared_move_tables(self, dests: list[int], first_turn: int, position_ids) -> tuple[torch.Tensor | None, ...]:
+    def _shared_move_tables(self, dests: list[int], turns: tuple[int, ...], position_ids) -> tuple:
         """``_move_tables``, shared by the layers of a forward when ``position_ids`` is given."""
-        key = ("moves", tuple(dests), first_turn, self.capacity, self.device, self.dtype)
-        build = lambda: self._move_tables(dests, first_turn)  # noqa: E731
+        key = ("moves", tuple(dests), turns, self.device, self.dtype)
+        build = lambda: self._move_tables(dests, turns)  # noqa: E731
         return build() if position_ids is None else forward_cached(position_ids, key, build)
 
-    def _move_tables(self, dests: list[int], first_turn: int) -> tuple[torch.Tensor | None, ...]:
-        """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its move
-        (``first_turn`` for the new token, slot to slot for the others)."""
-        sources = dests[:-1]
-        read, written = from_host(sources, self.device), from_host(dests, self.device)
+    def _move_tables(self, dests: list[int], turns: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
+        """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its
+        ``turns`` positions (float64 angles: ring angles grow with the stream)."""
+        read, written = from_host(dests[:-1], self.device), from_host(dests, self.device)
         if self.inv_freq is None:
             return read, written, None, None
-        deltas = [first_turn] + [dest - source for dest, source in zip(dests[1:], sources, strict=True)]
-        turn = from_host([delta + self.capacity for delta in deltas], self.device)
-        return read, written, self._turn_cos[turn][:, None, None], self._turn_sin[turn][:, None, None]
+        angles = from_host(list(turns), self.device, torch.float64)[:, None] * self.inv_freq.to(torch.float64)
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        return read, written, cos[:, None, None], sin[:, None, None]
 
     def _new_item(self, pending, angle: int) -> torch.Tensor:
         """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key rotated from the model's position to

@@ -103,14 +103,14 @@ class RingGroup:
         self.generation += 1
         self.broken = self.broken or broken
 
-    def moved(self, layer, state: tuple, dests: list[int], select: bool, meta: torch.Tensor, source) -> bool:
+    def moved(self, layer, state: tuple, dests: list[int], turns: tuple, select: bool, meta, source) -> bool:
         """Whether the old tokens of every layer have been moved for this decoding step (by the first layer of the
-        forward; shared through ``forward_cached``): ``state`` = (seen, counts, starts) before the step, ``meta``
-        the new token's slot record ``[B, 1, 2]``."""
+        forward; shared through ``forward_cached``): ``state`` = (seen, counts, starts, laps) before the step,
+        ``turns`` how far each column's key turns, ``meta`` the new token's slot record ``[B, 1, 2]``."""
         key = ("ring-group-moves", self.generation, state)
-        return forward_cached(source, key, lambda: self._move_all(layer, state, dests, select, meta, source))
+        return forward_cached(source, key, lambda: self._move_all(layer, state, dests, turns, select, meta, source))
 
-    def _move_all(self, trigger, state: tuple, dests: list[int], select: bool, meta: torch.Tensor, source) -> bool:
+    def _move_all(self, trigger, state: tuple, dests: list[int], turns: tuple, select: bool, meta, source) -> bool:
         if self._joint is None or trigger is not self.layers[0] or len(self._joined) != len(self.layers):
             return False
         if not all(self._ready(layer, trigger, state) for layer in self.layers):
@@ -124,7 +124,7 @@ class RingGroup:
             if keeps_scores:
                 score[:, dests[0]] = 0.0
             return True
-        tables = trigger._shared_move_tables(dests, 0, source)
+        tables = trigger._shared_move_tables(dests, turns, source)
         new = (None, new_meta, score.new_zeros(count) if keeps_scores else None)
         buffers = (kv, meta_buffer, score if keeps_scores else None)
         shift_chain(buffers, dests, tables, select, trigger.rule.config.tie, new)
@@ -143,4 +143,5 @@ class RingGroup:
 
 
 def _state(layer) -> tuple:
-    return layer._py_seen, tuple(layer._py_count), tuple(layer._py_start)
+    laps = None if layer._laps is None else tuple(layer._laps)
+    return layer._py_seen, tuple(layer._py_count), tuple(layer._py_start), laps

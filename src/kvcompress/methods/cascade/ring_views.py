@@ -25,6 +25,7 @@ class RingViews:
         """Stored keys in stream order, rotated at ``rope_pos`` as the model wrote them (a copy)."""
         if self._kv is None:
             return None
+        self.to_slot_angles()
         order = self._order()
         keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
         if self.inv_freq is None:
