@@ -17,7 +17,9 @@ is undone with the exact cosines and sines it used, and the key is rotated to it
 
 - Several cascades: the angle is the slot index. Inside one cascade rank = slot + shift, plus the ring width for
   the slots before the ring's start, so a query is rotated once per such frame (``RingAttention._cache_logits``)
-  and a token moving between cascades is re-rotated by the slot difference (a small table).
+  and a token moving between cascades is re-rotated by the slot difference (a small table). While a batch decodes
+  in step the rings hold ring angles instead (``ring_angles``: one frame per ring), turned back to slot angles
+  before any other path reads them.
 - One ring (``N = 1``, the circular sink cache): a single frame. A ring token's angle is its index among the
   sequence's real tokens, and with ``F`` = ring tokens overwritten so far, its rank is its angle minus ``F``; the
   sinks are kept at angle ``j + F`` (rewritten from a copy at ``j`` whenever ``F`` changes, ``_sync_sinks``: one

@@ -1,13 +1,13 @@
 """One decoding token of the ring storage in a fixed handful of ops, planned from Python integers.
 
 While the batch is in step (no padding so far) every sequence has the same ring layout: sinks stored, and per
-cascade its count and start, all Python integers. With several cascades keys sit rotated at their slot index, and
-inside one ring a slot's rank (its RoPE position in the cache) is its slot index plus one shift per cascade, plus
-the ring width for the slots before the ring's start (``RingAttention._cache_logits``). So a decoding step needs
-the query rotated to one target per such *frame*: one matmul with a rotation matrix built once per forward and
-shared by the layers (``kvcompress.core.rotation``), then the logits of every frame for every slot (one matmul and
-a gather; one matmul per run of slots past ``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order
-(empty slots at ``-inf``), one matmul with the values and one for the EMA. The Python side of a step (moves,
+cascade its count and start, all Python integers. With several cascades keys sit rotated at their ring angle
+(``RingAngles``), so inside one ring a slot's rank (its RoPE position in the cache) is its angle plus one shift per
+cascade. So a decoding step needs the query rotated to one target per such *frame* (the sinks and each ring): one
+matmul with a rotation matrix built once per forward and shared by the layers (``kvcompress.core.rotation``), then
+the logits of every frame for every slot (one matmul and a gather; one matmul per run of slots past
+``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order (empty slots at ``-inf``), one matmul
+with the values and one for the EMA. The Python side of a step (moves,
 counters, frames) is the same for every layer of a forward and planned once (``_plan_decode_step``), and the old
 tokens' moves of every layer are done at once by the first (``RingGroup``). One ring (the circular sink cache) is
 a single frame (``CascadeLayer``): its step is one SDPA.
@@ -252,7 +252,8 @@ class RingDecode:
         read, written = from_host(dests[:-1], self.device), from_host(dests, self.device)
         if self.inv_freq is None:
             return read, written, None, None
-        angles = from_host(list(turns), self.device, torch.float64)[:, None] * self.inv_freq.to(torch.float64)
+        inv_freq = self.inv_freq.to(self.device, torch.float64)
+        angles = from_host(list(turns), self.device, torch.float64)[:, None] * inv_freq
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         return read, written, cos[:, None, None], sin[:, None, None]
 
