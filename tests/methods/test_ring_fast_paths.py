@@ -82,8 +82,9 @@ def test_sinks_do_not_drift_in_a_long_stream(reference):
 
 def test_a_full_cascade_decodes_in_one_frame_per_ring_and_reads_back_at_slot_angles():
     """While decoding in step the rings hold their keys at ring angles (``RingAngles``): one frame per ring, each
-    ring one run of slots, laps added as the rings wrap. A prefill chunk turns them back to slot angles first, and
-    decoding turns them to ring angles again; the per-sequence path (slot angles throughout) gives the same logits."""
+    ring one run of slots, laps added as the rings wrap, the sinks in the oldest ring's frame. A prefill chunk turns
+    them back to slot angles first, and decoding turns them to ring angles again; the per-sequence path (slot angles
+    throughout) gives the same logits."""
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(8))
     method, params = CACHES["cascade-3"]
@@ -95,8 +96,9 @@ def test_a_full_cascade_decodes_in_one_frame_per_ring_and_reads_back_at_slot_ang
     assert layer._laps is not None and max(layer._laps) > 0  # ring 0 wrapped since the chunk
     targets, runs = layer._frames(stored - 1)
     width = layer.width
-    assert len(targets) == params["cascades"] + 1  # the sinks, then one frame per ring
-    assert runs == [(0, 2, 0)] + [(2 + i * width, 2 + (i + 1) * width, i + 1) for i in range(params["cascades"])]
+    assert len(targets) == params["cascades"]  # one frame per ring, the sinks in the oldest ring's
+    rings = [(2 + i * width, 2 + (i + 1) * width) for i in range(params["cascades"])]
+    assert runs == [(0, 2, 0)] + [(lo, hi, (i + 1) % params["cascades"]) for i, (lo, hi) in enumerate(rings)]
     keys = layer.keys  # a stream-order view reads slot angles
     assert layer._laps is None
     torch.testing.assert_close(keys, reference.layers[0].keys, rtol=1e-5, atol=1e-5)
@@ -134,8 +136,9 @@ def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(
             logits[reference] = model(input_ids=row, **cache_argument(model, cache), use_cache=True).logits
         torch.testing.assert_close(logits[False], logits[True], rtol=1e-4, atol=1e-4)
     # one decision per in-step decoding step, by the first layer; the first token finds the later layers not
-    # initialised yet; reordering leaves the in-step path (per-sequence counters) and the group
-    assert moved == [False] + [True] * 24
+    # initialised yet, the third (every sink stored) the later layers still at slot angles (``RingAngles``);
+    # reordering leaves the in-step path (per-sequence counters) and the group
+    assert moved == [False, True, False] + [True] * 22
     assert all(layer.group._joint is None for layer in caches[False].layers)
     for ours, theirs in zip(caches[False].layers, caches[True].layers, strict=True):
         assert torch.equal(ours._tok, theirs._tok)
@@ -158,7 +161,7 @@ def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
         runs.append(torch.cat(logits, 1))
         cache.reset()
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
-    assert moved == ([False] + [True] * (ids.shape[1] - 1)) * 2
+    assert moved == ([False, True, False] + [True] * (ids.shape[1] - 3)) * 2  # as in the test above
     group, cpu = cache.layers[0].group, torch.device("cpu")
     assert group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is not None
     assert group.buffers(cache.layers[1], (1, 1, 15, 8), torch.float32, cpu) is None  # another shape

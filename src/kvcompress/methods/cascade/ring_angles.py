@@ -7,7 +7,10 @@ While a batch decodes in step the layer stores ring ``k``'s keys at *ring angles
 for the ring offsets before the start, slot + ``laps[k]`` from the start on. Ring order then follows the angle
 across the wrap, so a ring is one frame; ``laps[k]`` grows by ``W`` each time the ring's start wraps to 0, which keeps
 every stored angle where it was. A token moving between rings is turned from its old angle to its new one (all
-Python integers, the same for every sequence of the batch).
+Python integers, the same for every sequence of the batch). The sinks join the oldest ring's frame: they are kept
+at angle j + ``sigma`` (``sigma``: that ring's rank offset, which grows by one whenever the ring overwrites a token)
+and rewritten from their copy at angle j whenever ``sigma`` changes (no accumulated rounding); so a full cascade of
+``N`` rings is ``N`` frames. Ring angles start once every sink is stored.
 
 Everything else (prefill, the per-sequence tensor path, the stream-order views) reads keys at slot angles, so the
 layer turns the rings back (``to_slot_angles``) before any of it, and to ring angles again at the next decoding
@@ -35,24 +38,36 @@ class RingAngles:
     def angle_shift(self, slot: int, starts, laps) -> int:
         """Angle minus slot index of ``slot`` for ring starts ``starts`` and lap offsets ``laps`` (``None``: slot
         angles)."""
-        if laps is None or slot < self.sinks or slot >= self.capacity:
+        if laps is None or slot >= self.capacity:
             return 0
+        if slot < self.sinks:  # the oldest ring's frame: its first slot's angle minus its rank
+            last = self.cascades - 1
+            return laps[last] + self.sinks + last * self.width + starts[last] - self.sinks
         ring, offset = divmod(slot - self.sinks, self.width)
         return laps[ring] + (self.width if offset < starts[ring] else 0)
 
     def to_ring_angles(self, position_ids: torch.Tensor | None = None) -> None:
         """Turn the stored rings from slot angles to ring angles (``laps`` = 0), if they are not there already."""
-        if self._laps is not None or not self._uses_ring_angles() or not self._in_step:
+        if self._laps is not None or not self._uses_ring_angles() or not self._in_step or self._py_seen < self.sinks:
             return
         self._turn_rings(1, position_ids)
         self._laps = [0] * self.cascades
+        self._sink_keys.copy_(self._kv[:, :, : self.sinks, : self._key_dim])
+        self.place_sinks(self.angle_shift(0, self._py_start, self._laps), position_ids)
 
     def to_slot_angles(self) -> None:
         """Turn the stored rings back to slot angles (before any path but the in-step decoding step reads them)."""
         if self._laps is None:
             return
         self._turn_rings(-1, None)
+        self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys
         self._laps = None
+
+    def place_sinks(self, shift: int, position_ids: torch.Tensor | None) -> None:
+        """Write the sinks' keys at angle j + ``shift`` from their copy at angle j."""
+        if self.sinks:
+            rotation = frame_rotation(position_ids, shift, self.inv_freq, self._key_dim, self.dtype)
+            self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys @ rotation
 
     def _turn_rings(self, sign: int, position_ids: torch.Tensor | None) -> None:
         """Rotate each ring's occupied slots by ``sign`` times their ring-angle shift (for ``to_slot_angles``,

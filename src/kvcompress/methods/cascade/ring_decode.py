@@ -59,7 +59,7 @@ class RingDecode:
         plan = forward_cached(
             pending.source, ("cascade-step", *before, self.capacity, id(self.rule.config)), self._plan_decode_step
         )
-        moves, angle, turns, seen, count, start, laps, targets, runs = plan
+        moves, angle, turns, sinks_shift, seen, count, start, laps, targets, runs = plan
         item = self._new_item(pending, angle)
         meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
         dests = [dest for dest, _ in moves]
@@ -71,6 +71,8 @@ class RingDecode:
             self._put(moves[0][0], None, item, meta, None, moves[0][1], placed=True)
         self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
         self._laps = None if laps is None else list(laps)
+        if sinks_shift is not None:  # the oldest ring's frame moved on (``RingAngles``)
+            self.place_sinks(sinks_shift, pending.source)
         self._all_real = True
         self._sync_sinks(pending.source)
         probs = self._softmax(query, pending, targets, runs, scale)  # [B, H_kv, G, stored]
@@ -115,9 +117,11 @@ class RingDecode:
         if self.cascades > 1:
             angle = moves[0][0] + self.angle_shift(moves[0][0], *after)
         turns = self._step_turns(moves, before, after)
+        sinks_shift = self.angle_shift(0, *after)
+        sinks_shift = None if sinks_shift == self.angle_shift(0, *before) else sinks_shift
         targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
         counters = (self._py_seen, tuple(self._py_count), tuple(self._py_start), after[1])
-        return moves, angle, turns, *counters, targets, runs
+        return moves, angle, turns, sinks_shift, *counters, targets, runs
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
@@ -194,7 +198,8 @@ class RingDecode:
         if self.cascades == 1:  # one frame (CascadeLayer): the stored slots are one run
             stored = n_sink + counts[0]
             return (top + self._py_frame(),), [(0, stored, 0)] if stored else []
-        pieces = [(0, n_sink, top)] if n_sink else []
+        sinks_target = top + self.angle_shift(0, starts, laps)  # (ring angles: the oldest ring's frame)
+        pieces = [(0, n_sink, sinks_target)] if n_sink else []
         older = sum(counts)
         for i, (count, start) in enumerate(zip(counts, starts, strict=True)):
             older -= count
