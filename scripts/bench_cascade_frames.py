@@ -1,13 +1,14 @@
 """What the cascade's RoPE frames cost in a decoding step (docs/results/performance.md, section 0).
 
-Keys are stored at their slot's angle, so a decoding query is rotated to one target per frame (the sinks, and each
-ring before and after its start: 9 frames at budget 512 with 4 rings) and one matmul computes every frame's logits
-for every slot. This times the cascade's decoding step against a ``DynamicCache`` holding the same tokens, as
-``kvcompress.bench.speed`` does (interleaved pairs, CPU time, 1 thread), with the frames as they are and collapsed
-to ``K`` (the first ``K`` targets, frame ``i`` read as ``i mod K``): the logits are then wrong, only the cost is
-measured, to weigh a storage layout with fewer frames before building it.
+While decoding, keys are stored at ring angles (``methods/cascade/ring_angles.py``), so a decoding query is rotated
+to one target per frame (each ring, the sinks in the oldest ring's: 4 frames at budget 512 with 4 rings; 9 with slot
+angles before) and one matmul computes every frame's logits for every slot. This times the cascade's decoding step
+against a ``DynamicCache`` holding the same tokens, as ``kvcompress.bench.speed`` does (interleaved pairs, CPU time,
+1 thread), with the frames as they are and collapsed to ``K`` (the first ``K`` targets, frame ``i`` read as ``i mod
+K``): the logits are then wrong, only the cost is measured, to weigh a storage layout with fewer frames before
+building it.
 
-    python scripts/bench_cascade_frames.py [--frames 0,5,1] [--prompt 2048] [--steps 30]
+    python scripts/bench_cascade_frames.py [--frames 0,4,1] [--prompt 2048] [--steps 30]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def ratios(model, ids: torch.Tensor, prompt: int, steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", default="0,5,1", help="frame counts to time (0: as built)")
+    parser.add_argument("--frames", default="0,4,1", help="frame counts to time (0: as built)")
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30, help="timed pairs per row")
     args = parser.parse_args()
