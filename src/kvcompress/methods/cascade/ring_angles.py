@@ -42,7 +42,7 @@ class RingAngles:
             return 0
         if slot < self.sinks:  # the oldest ring's frame: its first slot's angle minus its rank
             last = self.cascades - 1
-            return laps[last] + self.sinks + last * self.width + starts[last] - self.sinks
+            return laps[last] + last * self.width + starts[last]
         ring, offset = divmod(slot - self.sinks, self.width)
         return laps[ring] + (self.width if offset < starts[ring] else 0)
 

@@ -7,10 +7,10 @@ cascade. So a decoding step needs the query rotated to one target per such *fram
 matmul with a rotation matrix built once per forward and shared by the layers (``kvcompress.core.rotation``), then
 the logits of every frame for every slot (one matmul and a gather; one matmul per run of slots past
 ``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order (empty slots at ``-inf``), one matmul
-with the values and one for the EMA. The Python side of a step (moves,
-counters, frames) is the same for every layer of a forward and planned once (``_plan_decode_step``), and the old
-tokens' moves of every layer are done at once by the first (``RingGroup``). One ring (the circular sink cache) is
-a single frame (``CascadeLayer``): its step is one SDPA.
+with the values and one for the EMA. The Python side of a step (moves, counters, frames) is the same for every
+layer of a forward and planned once (``_plan_decode_step``), and the old tokens' moves of every layer are done at
+once by the first (``RingGroup``). One ring (the circular sink cache) is a single frame (``CascadeLayer``): its
+step is one SDPA.
 """
 
 from __future__ import annotations
@@ -247,19 +247,24 @@ class RingDecode:
 
     def _shared_move_tables(self, dests: list[int], turns: tuple[int, ...], position_ids) -> tuple:
         """``_move_tables``, shared by the layers of a forward when ``position_ids`` is given."""
-        key = ("moves", tuple(dests), turns, self.device, self.dtype)
+        key = ("moves", tuple(dests), turns, self.capacity, self.device, self.dtype)
         build = lambda: self._move_tables(dests, turns)  # noqa: E731
         return build() if position_ids is None else forward_cached(position_ids, key, build)
 
     def _move_tables(self, dests: list[int], turns: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
         """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its
-        ``turns`` positions (float64 angles: ring angles grow with the stream)."""
+        ``turns`` positions: from the slot-to-slot table when every turn is in it (slot angles, prefill), else
+        computed in float64 (ring angles grow with the stream)."""
         read, written = from_host(dests[:-1], self.device), from_host(dests, self.device)
         if self.inv_freq is None:
             return read, written, None, None
-        inv_freq = self.inv_freq.to(self.device, torch.float64)
-        angles = from_host(list(turns), self.device, torch.float64)[:, None] * inv_freq
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        if max(map(abs, turns)) <= self.capacity:
+            index = from_host([turn + self.capacity for turn in turns], self.device)
+            cos, sin = self._turn_cos[index], self._turn_sin[index]
+        else:
+            inv_freq = self.inv_freq.to(self.device, torch.float64)
+            angles = from_host(list(turns), self.device, torch.float64)[:, None] * inv_freq
+            cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         return read, written, cos[:, None, None], sin[:, None, None]
 
     def _new_item(self, pending, angle: int) -> torch.Tensor:
