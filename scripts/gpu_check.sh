@@ -29,3 +29,6 @@ bench --sections decode,full --methods "$METHODS" --steps 16 --out "$OUT/decode"
 # 8K prompt took most of a 7-minute run on an H100)
 bench --sections decode --methods cascade --prompts 2048 --steps 16 --out "$OUT/cascade"
 bench --sections generate --rounds 2 --out "$OUT/generate"
+# the same decoding steps replayed as CUDA graphs (kvcompress.decode_graph), beside their eager rows
+python3 -m kvcompress.bench.graph_decode --model .gpu/smollm2-135m --random-weights --device cuda --dtype bfloat16 \
+    --steps 16 --out "$OUT/graph"

@@ -78,7 +78,7 @@ def _timed(fn: Callable[[], object], device: torch.device = _CPU) -> tuple[float
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _pairs(
+def timed_pairs(
     model: PreTrainedModel,
     ours: Callable[[int], object],
     theirs: Callable[[int], object],
@@ -117,14 +117,14 @@ def _summary(ours: list[tuple[float, float]], theirs: list[tuple[float, float]])
     }
 
 
-def _method_params(method: str, budget: int) -> dict[str, object]:
+def bench_params(method: str, budget: int) -> dict[str, object]:
     if method == "full":
         return {}
     # buzz is sized by its peak (k + w + T = budget): it never stores more than the fixed-size caches
     return {"budget": budget, **({"budget_kind": "peak"} if method == "buzz" else {})}
 
 
-def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
+def dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
     _attention(model, "sdpa")
     for start in range(0, ids.shape[1], chunk):
         model(input_ids=ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
@@ -133,11 +133,11 @@ def _dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCa
 def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int) -> Row:
     """One decode comparison: ``method`` after a ``prompt``-token prefill vs a DynamicCache of as many tokens."""
     ids = random_prompt(model, prompt + steps + 2, seed)
-    cache = kvcompress.cache_for(model, method, **_method_params(method, budget))
+    cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
     prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
     held = max(cache.tokens_stored())
     dynamic = DynamicCache(config=model.config)
-    _dynamic_prefill(model, ids[:, :held], dynamic, chunk)
+    dynamic_prefill(model, ids[:, :held], dynamic, chunk)
 
     def token(i: int) -> torch.Tensor:
         return ids[:, prompt + i : prompt + i + 1]
@@ -146,7 +146,7 @@ def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, st
         if method != "full":
             dynamic.crop(held - dynamic.get_seq_length())  # a negative count: drop the step's token again
 
-    result = _pairs(
+    result = timed_pairs(
         model,
         lambda i: model(input_ids=token(i), **cache_argument(model, cache), use_cache=True),
         lambda i: model(input_ids=token(i), **cache_argument(model, dynamic), use_cache=True),
@@ -173,7 +173,7 @@ def prefill_rows(
         fresh = DynamicCache(config=model.config)
         model(input_ids=ids, **cache_argument(model, fresh), use_cache=True, logits_to_keep=1)
     gc.collect()
-    caches = {m: kvcompress.cache_for(model, m, **_method_params(m, budget)) for m in methods}
+    caches = {m: kvcompress.cache_for(model, m, **bench_params(m, budget)) for m in methods}
     dynamic = DynamicCache(config=model.config)
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
     dynamic_times, peaks = [], dict.fromkeys(methods, 0)
@@ -246,7 +246,7 @@ def generate_row(
     def theirs(_: int) -> None:
         model.generate(ids, **cache_argument(model, DynamicCache(config=model.config)), **options)
 
-    result = _pairs(model, ours, theirs, rounds, warmup=0)
+    result = timed_pairs(model, ours, theirs, rounds, warmup=0)
     result["tokens_per_s_ratio"] = 1 / result["cpu_ratio"]
     return {"section": "generate", "method": method, "prompt": prompt, "batch": batch, "budget": budget, **result}
 

@@ -34,6 +34,7 @@ from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Sel
 from kvcompress.core.eviction import protects_forward, victims_of_rule
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import SlotBuffers, StreamView
+from kvcompress.core.state_view import StateView
 
 LAYER_ATTRIBUTE = "_kvcompress_layer"
 
@@ -68,6 +69,10 @@ class CompressedLayer(CacheLayerMixin):
         # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
         # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward_cache``)
         self.new_positions: torch.Tensor | None = None
+        # set while a captured decoding step replays (``core.decode_graph``): the tokens seen as a device scalar, and
+        # the buffer the victims are copied to (a replayed step reads what the previous one wrote, at one address)
+        self.seen_tensor: torch.Tensor | None = None
+        self.free_buffer: torch.Tensor | None = None
 
     # --- views of the slots attention sees ---------------------------------------------------------------------
     @property
@@ -98,8 +103,8 @@ class CompressedLayer(CacheLayerMixin):
     rank = property(lambda self: self._view(self.slots.rank))
 
     @property
-    def state(self) -> _StateView:
-        return _StateView(self)
+    def state(self) -> StateView:
+        return StateView(self)
 
     def real_count(self) -> torch.Tensor:
         """``[B, 1]`` real tokens seen per sequence."""
@@ -138,14 +143,15 @@ class CompressedLayer(CacheLayerMixin):
         if needed > self.slots.capacity:
             self.slots.grow(self._grown_capacity(needed))
         state = self.policy.init_state(self, key_states)
+        seen = self.seen if self.seen_tensor is None else self.seen_tensor.add_(count) - count
         if self.dense:
             self._new = None
-            self.slots.write_range(self.occupied, key_states, value_states, self.seen, state, self.all_valid)
+            self.slots.write_range(self.occupied, key_states, value_states, seen, state, self.all_valid)
         else:
             self._new, self._free = self._free, None
             reused, self._stale = self._stale, False
             # a reused slot of a layer without padding is already marked real: only its token changes
-            self.slots.write_at(self._new, key_states, value_states, self.seen, state, reused and self.all_valid)
+            self.slots.write_at(self._new, key_states, value_states, seen, state, reused and self.all_valid)
             self.ordered = False
         self.occupied = needed
         self.seen += count
@@ -234,7 +240,8 @@ class CompressedLayer(CacheLayerMixin):
         decoding = self.new_tokens == 1 and victims.shape[-1] == 1 and self.policy.position_mode != "cache"
         was_dense, self.dense = self.dense, False
         if decoding and (not was_dense or width == self.slots.capacity):
-            self._free, self._stale = victims, True  # the next token takes the slot: nothing to mark
+            self._free = victims if self.free_buffer is None else self.free_buffer.copy_(victims)
+            self._stale = True  # the next token takes the slot: nothing to mark
             return
         self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
@@ -373,28 +380,3 @@ class CompressedLayer(CacheLayerMixin):
     def metadata_nbytes(self) -> int:
         """Bytes of the bookkeeping stored beside the keys (positions, validity, method statistics)."""
         return 0 if self.slots is None else self.occupied * self.slots.metadata_bytes_per_slot()
-
-
-class _StateView:
-    """``layer.state``: the method's per-token tensors as views over the slots attention sees."""
-
-    def __init__(self, layer: CompressedLayer) -> None:
-        self.layer = layer
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.layer._view(self.layer.slots.state[name])
-
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        self[name].copy_(value)  # broadcast over heads where ``value`` has one
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.layer.slots.state
-
-    def keys(self):
-        return self.layer.slots.state.keys()
-
-    def items(self):
-        return [(name, self[name]) for name in self.layer.slots.state]
-
-    def values(self):
-        return [self[name] for name in self.layer.slots.state]

@@ -48,5 +48,5 @@ def recent_mask(layer: CompressedLayer, recent: int | torch.Tensor) -> torch.Ten
     if isinstance(recent, torch.Tensor):
         recent = recent[:, None, None]
     elif layer.all_valid:  # no padding: ranks are stream indices and every token seen is real
-        return layer.token_idx >= layer.seen - recent
+        return layer.token_idx >= (layer.seen if layer.seen_tensor is None else layer.seen_tensor) - recent
     return layer.valid & (layer.rank >= layer.real_count()[..., None] - recent)

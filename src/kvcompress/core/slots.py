@@ -74,7 +74,7 @@ class SlotBuffers:
         if self._default_rope is not None:
             slots, seen = self._default_rope
             self._default_rope = None
-            self.tensors["rope_pos"].scatter_(2, slots, seen)
+            self.tensors["rope_pos"].scatter_(2, slots, _per_slot(seen, slots))
 
     @classmethod
     def empty(cls, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotBuffers:
@@ -139,7 +139,13 @@ class SlotBuffers:
         return self.state[name]
 
     def write_range(
-        self, start: int, keys, values, seen: int, state: dict[str, torch.Tensor], no_padding: bool = False
+        self,
+        start: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        seen: int | torch.Tensor,
+        state: dict[str, torch.Tensor],
+        no_padding: bool = False,
     ) -> None:
         """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real.
 
@@ -155,7 +161,7 @@ class SlotBuffers:
             self.valid[:, :, start].fill_(True)
             self._rank_is_token = True
         else:
-            index = torch.arange(seen, seen + count, device=keys.device)
+            index = _stream_range(seen, count, keys.device)
             self.token_idx[:, :, start:stop] = index
             self.rope_pos[:, :, start:stop] = index
             self.valid[:, :, start:stop] = True
@@ -165,7 +171,13 @@ class SlotBuffers:
             self._new_state(name, value)[:, :, start:stop] = value
 
     def write_at(
-        self, slots: torch.Tensor, keys, values, seen: int, state: dict[str, torch.Tensor], reused_real: bool = False
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        seen: int | torch.Tensor,
+        state: dict[str, torch.Tensor],
+        reused_real: bool = False,
     ) -> None:
         """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real.
 
@@ -176,12 +188,12 @@ class SlotBuffers:
         self.keys.scatter_(2, rows, keys)
         self.values.scatter_(2, rows if values.shape == keys.shape else slots[..., None].expand_as(values), values)
         if reused_real and count == 1:
-            self.token_idx.scatter_(2, slots, seen)
+            self.token_idx.scatter_(2, slots, _per_slot(seen, slots))
             self._write_default_rope()  # the previous step's, if any, first
             self._default_rope = (slots, seen)  # ``register`` writes the model's position instead
             self._rank_is_token = True
         else:
-            index = torch.arange(seen, seen + count, device=keys.device).expand_as(slots)
+            index = _stream_range(seen, count, keys.device).expand_as(slots)
             self.token_idx.scatter_(2, slots, index)
             self.rope_pos.scatter_(2, slots, index)
             self.valid.scatter_(2, slots, True)
@@ -271,3 +283,15 @@ class SlotBuffers:
     def metadata_bytes_per_slot(self) -> int:
         tensors = [self.token_idx, self.rope_pos, self.rank, self.valid, *self.state.values()]
         return sum(self._bytes_per_slot(t) for t in tensors)
+
+
+def _per_slot(seen: int | torch.Tensor, slots: torch.Tensor) -> int | torch.Tensor:
+    """A stream index (an int, or a device scalar while a captured step replays) to scatter into ``slots``."""
+    return seen if isinstance(seen, int) else seen.expand_as(slots)
+
+
+def _stream_range(seen: int | torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
+    """Stream indices ``seen .. seen + count`` (``seen``: an int, or a device scalar)."""
+    if isinstance(seen, int):
+        return torch.arange(seen, seen + count, device=device)
+    return seen + torch.arange(count, device=device)

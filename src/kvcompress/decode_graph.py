@@ -1,0 +1,170 @@
+"""``DecodeGraph``: one decoding step of a model with a compressed cache, captured once and replayed (CUDA graphs).
+
+A decoding step of a small model on a GPU is launch-bound: every operation is a kernel launch of ~10 µs whatever its
+size, so the few operations per layer a compressed cache adds (write the token, score, pick the victim) cost more
+than the attention they save. A CUDA graph replays the whole step (the model's layers and the cache's bookkeeping)
+as one launch. That needs a step whose operations, shapes and addresses are the same every time:
+
+- the cache is at its budget and decodes one token per sequence: each layer reuses its victim's slot, so no buffer
+  grows and no shape changes (``steady``);
+- no value that changes from step to step is baked into the step as a Python number: while a graph is in use each
+  layer counts the tokens it has seen on the device too (``CompressedLayer.seen_tensor``) and copies its victims to
+  one buffer (``free_buffer``) that the next step reads;
+- no host synchronisation (the core has none in a decoding step; CUDA refuses to capture one).
+
+The Python side of a step (the layers' counters) is not replayed by the GPU: ``DecodeGraph`` records how the
+capture changed the cache's Python state (whole numbers only; anything else must be unchanged, or the graph is
+dropped after that step and decoding goes on eagerly) and applies the same change after every replay.
+
+Supported methods (``GRAPHED_METHODS``): those whose steady decoding step has been checked to be the same
+operations every step (``tests/test_decode_graph.py`` traces two consecutive steps and compares them, then replays
+a traced step against eager decoding). Other methods, a cache not yet at its budget, padding (an attention mask with
+zeros) or a sliding-window model decode eagerly through the same object.
+
+    graph = DecodeGraph(model, cache)
+    logits = graph(input_ids, position_ids)   # [B, 1] each; logits [B, 1, vocab], valid until the next call
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.generation import cache_argument
+
+GRAPHED_METHODS = frozenset({"window", "h2o", "tova", "knorm", "random", "less"})
+_NUMBERS = (int, float, bool, str, type(None))
+
+
+def steady(layers: list[CompressedLayer]) -> bool:
+    """Whether every layer decodes one token into its victim's slot: the same operations every step."""
+    return all(
+        layer.is_initialized
+        and not layer.dense
+        and layer._free is not None
+        and layer._free.shape[-1] == 1
+        and layer.all_valid
+        and layer.sliding_window is None
+        and layer.occupied < layer.slots.capacity
+        for layer in layers
+    )
+
+
+def bind_step_buffers(layers: list[CompressedLayer]) -> None:
+    """Give each (steady) layer its device token count and its victims' buffer: what a replayed step reads."""
+    for layer in layers:
+        if layer.seen_tensor is None:
+            layer.seen_tensor = torch.tensor(layer.seen, device=layer.device)
+            layer.free_buffer = layer._free.clone()
+            layer._free = layer.free_buffer
+
+
+class DecodeGraph:
+    """Decode one token per sequence with ``cache``, replaying a captured step once the cache is ``steady``.
+
+    ``capture``: ``"cuda"`` (a CUDA graph; the default on a CUDA device) or ``"trace"`` (``make_fx``: the step as a
+    graph of ATen operations replayed on any device, the same contract as a CUDA graph: used by the tests on CPU).
+    ``None`` decodes eagerly (the reference)."""
+
+    def __init__(self, model: nn.Module, cache: Any, capture: str | None = "auto") -> None:
+        self.model, self.cache = model, cache
+        self.layers = cache.compressed_layers
+        if capture == "auto":
+            capture = "cuda" if model.device.type == "cuda" else None
+        self.capture = capture if cache.config.name in GRAPHED_METHODS else None
+        self.replay: Any = None
+        self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.logits: torch.Tensor | None = None
+        self.delta: list[tuple[int, str, int]] | None = None  # the last step's changes of the Python state
+        self.ready = False
+        self.replays = 0
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.replay is not None:
+            return self._replayed(input_ids, position_ids)
+        if self.capture is None:
+            return self._eager(input_ids, position_ids)
+        if self.ready and steady(self.layers):
+            return self._captured(input_ids, position_ids)
+        before = self._python_state()
+        if self.capture == "cuda":  # eager steps before the capture run on its side stream (CUDA's advice)
+            logits = self._on_side_stream(input_ids, position_ids)
+        else:
+            logits = self._eager(input_ids, position_ids)
+        delta = self._delta(before, self._python_state())
+        # ready: this step changed the Python state as the previous one did (counters only), and nothing grows next
+        self.ready = delta is not None and delta == self.delta and steady(self.layers)
+        self.delta = delta
+        return logits
+
+    def _eager(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        kwargs = cache_argument(self.model, self.cache)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **kwargs).logits
+
+    def _on_side_stream(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            logits = self._eager(input_ids, position_ids)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        return logits
+
+    def _captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Capture this step (it also runs it); check that it changed the Python state as the step before."""
+        bind_step_buffers(self.layers)
+        self.inputs = (input_ids.clone(), position_ids.clone())
+        before = self._python_state()
+        if self.capture == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._eager(*self.inputs)
+            graph.replay()  # capturing queued nothing: this runs the step
+            self.replay = graph.replay
+        else:
+            ran: list[torch.Tensor] = []
+            traced = make_fx(lambda ids, positions: ran.append(self._eager(ids, positions)) or ran[-1])(*self.inputs)
+            self.logits = ran[0]  # tracing runs the step; a replay returns new logits
+            self.replay = lambda: traced(*self.inputs)
+        if self._delta(before, self._python_state()) != self.delta:  # not the step seen before: decode eagerly
+            self.replay, self.capture = None, None
+        return self.logits
+
+    def _replayed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        self.inputs[0].copy_(input_ids)
+        self.inputs[1].copy_(position_ids)
+        logits = self.replay()
+        owners = self._owners()
+        for owner, name, change in self.delta:
+            setattr(owners[owner], name, getattr(owners[owner], name) + change)
+        self.replays += 1
+        return self.logits if logits is None else logits
+
+    def _owners(self) -> list[object]:
+        owners: list[object] = [self.cache]
+        for layer in self.layers:
+            owners += [layer, layer.slots, layer.policy]
+        return owners
+
+    def _python_state(self) -> list[dict[str, object]]:
+        return [
+            {k: v for k, v in getattr(o, "__dict__", {}).items() if isinstance(v, _NUMBERS)} for o in self._owners()
+        ]
+
+    def _delta(self, before: list[dict], after: list[dict]) -> list[tuple[int, str, int]] | None:
+        """The whole-number changes of one step (owner's index, name, change), or ``None`` if it changed anything
+        else."""
+        delta = []
+        for owner, (old, new) in enumerate(zip(before, after, strict=True)):
+            if old.keys() != new.keys():
+                return None
+            for name, value in new.items():
+                if type(value) is int and type(old[name]) is int:
+                    if value != old[name]:
+                        delta.append((owner, name, value - old[name]))
+                elif value != old[name]:
+                    return None
+        return delta

@@ -1,0 +1,84 @@
+"""``DecodeGraph``: a captured decoding step replayed gives what eager decoding gives.
+
+On the CPU the capture is ``make_fx``'s trace: the step as a fixed graph of ATen operations, with every Python value
+baked in and every tensor the step reads at the address it had when traced, which is the contract of a CUDA graph
+(``tests/gpu`` replays real CUDA graphs). Two checks per supported method: two consecutive steady steps trace to the
+same operations (no stream position or slot index baked in as a number), and replaying the traced step for many
+tokens reproduces eager decoding exactly (logits every step, kept tokens at the end).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import kvcompress
+from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, bind_step_buffers
+from kvcompress.generation import cache_argument
+from kvcompress.models import tiny_model
+
+BATCH, PROMPT, BUDGET = 2, 40, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=0)
+
+
+def _prefilled(model, method: str):
+    cache = kvcompress.cache_for(model, method, budget=BUDGET)
+    ids = torch.randint(3, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+    return cache
+
+
+def _positions(step: int) -> torch.Tensor:
+    return torch.full((BATCH, 1), PROMPT + step)
+
+
+def _step(model, cache):
+    return lambda ids, positions: (
+        model(input_ids=ids, position_ids=positions, **cache_argument(model, cache), use_cache=True).logits
+    )
+
+
+@pytest.mark.parametrize("method", sorted(GRAPHED_METHODS | {"scissorhands"}))
+def test_two_steady_steps_trace_to_the_same_operations_only_for_the_supported_methods(model, method):
+    cache = _prefilled(model, method)
+    token = torch.full((BATCH, 1), 5)
+    with torch.no_grad():
+        for step in range(3):  # reach the budget: every layer reuses its victim's slot
+            _step(model, cache)(token, _positions(step))
+        bind_step_buffers(cache.compressed_layers)
+        codes = [make_fx(_step(model, cache))(token, _positions(step)).code for step in (3, 4)]
+    # scissorhands writes the new token's history bit at its stream index: a number that changes every step
+    assert (codes[0] == codes[1]) == (method in GRAPHED_METHODS)
+
+
+@pytest.mark.parametrize("method", sorted(GRAPHED_METHODS))
+def test_replaying_a_traced_step_reproduces_eager_decoding(model, method):
+    graphed = DecodeGraph(model, _prefilled(model, method), capture="trace")
+    eager = DecodeGraph(model, _prefilled(model, method), capture=None)
+    token = torch.full((BATCH, 1), 5)
+    with torch.no_grad():
+        for step in range(24):
+            expected = eager(token, _positions(step))
+            torch.testing.assert_close(graphed(token, _positions(step)), expected, rtol=0, atol=0)
+            token = expected[:, -1:].argmax(-1)
+    assert graphed.replays >= 18  # captured once the cache reached its budget and its step repeated
+    assert eager.replay is None and eager.replays == 0
+    for ours, theirs in zip(graphed.layers, eager.layers, strict=True):
+        assert ours.seen == theirs.seen and ours.get_seq_length() == PROMPT + 24
+        assert int(ours.seen_tensor) == ours.seen
+        assert torch.equal(ours.kept().token_idx, theirs.kept().token_idx)
+
+
+def test_other_methods_decode_eagerly(model):
+    graph = DecodeGraph(model, _prefilled(model, "scissorhands"), capture="trace")
+    with torch.no_grad():
+        for step in range(8):
+            graph(torch.full((BATCH, 1), 5), _positions(step))
+    assert graph.replay is None and graph.replays == 0
+    assert all(layer.seen_tensor is None for layer in graph.layers)
