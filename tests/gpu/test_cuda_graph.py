@@ -38,7 +38,7 @@ def test_a_replayed_cuda_graph_reproduces_eager_decoding(method, dtype):
             expected = eager(token, positions)
             torch.testing.assert_close(graphed(token, positions), expected)
             token = expected[:, -1:].argmax(-1)
-    assert graphed.replays >= STEPS - 6
-    for ours, theirs in zip(graphed.layers, eager.layers, strict=True):
-        assert ours.seen == theirs.seen == int(ours.seen_tensor)
-        assert torch.equal(ours.kept().token_idx, theirs.kept().token_idx)
+        assert graphed.replays >= STEPS - 6
+        for ours, theirs in zip(graphed.layers, eager.layers, strict=True):
+            assert ours.seen == theirs.seen == int(ours.seen_tensor)
+            assert torch.equal(ours.kept().token_idx, theirs.kept().token_idx)
