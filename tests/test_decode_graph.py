@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import kvcompress
-from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, bind_step_buffers
+from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, bind_step_buffers, greedy_decode
 from kvcompress.generation import cache_argument
 from kvcompress.models import tiny_model
 
@@ -44,17 +44,19 @@ def _step(model, cache):
     )
 
 
-@pytest.mark.parametrize("method", sorted(GRAPHED_METHODS | {"scissorhands"}))
-def test_two_steady_steps_trace_to_the_same_operations_only_for_the_supported_methods(model, method):
+@pytest.mark.parametrize("bound", [True, False], ids=["device-counters", "python-counters"])
+@pytest.mark.parametrize("method", sorted(GRAPHED_METHODS))
+def test_two_steady_steps_trace_to_the_same_operations(model, method, bound):
     cache = _prefilled(model, method)
     token = torch.full((BATCH, 1), 5)
     with torch.no_grad():
         for step in range(3):  # reach the budget: every layer reuses its victim's slot
             _step(model, cache)(token, _positions(step))
-        bind_step_buffers(cache.compressed_layers)
+        if bound:
+            bind_step_buffers(cache.compressed_layers)
         codes = [make_fx(_step(model, cache))(token, _positions(step)).code for step in (3, 4)]
-    # scissorhands writes the new token's history bit at its stream index: a number that changes every step
-    assert (codes[0] == codes[1]) == (method in GRAPHED_METHODS)
+    # without the device counters the step bakes in the stream index it writes: a number that changes every step
+    assert (codes[0] == codes[1]) == bound
 
 
 @pytest.mark.parametrize("method", sorted(GRAPHED_METHODS))
@@ -76,9 +78,30 @@ def test_replaying_a_traced_step_reproduces_eager_decoding(model, method):
 
 
 def test_other_methods_decode_eagerly(model):
-    graph = DecodeGraph(model, _prefilled(model, "scissorhands"), capture="trace")
+    graph = DecodeGraph(model, _prefilled(model, "streaming"), capture="trace")
     with torch.no_grad():
         for step in range(8):
             graph(torch.full((BATCH, 1), 5), _positions(step))
     assert graph.replay is None and graph.replays == 0
     assert all(layer.seen_tensor is None for layer in graph.layers)
+
+
+def test_greedy_decoding_through_replayed_steps_gives_the_tokens_of_eager_decoding(model):
+    ids = torch.randint(3, 128, (BATCH, PROMPT), generator=torch.Generator().manual_seed(2))
+    runs = [
+        greedy_decode(model, kvcompress.cache_for(model, "h2o", budget=BUDGET), ids, 20, capture=capture)
+        for capture in ("trace", None)
+    ]
+    assert runs[0].shape == (BATCH, 20)
+    assert torch.equal(runs[0], runs[1])
+    with torch.no_grad():
+        reference = model.generate(
+            ids,
+            **cache_argument(model, kvcompress.cache_for(model, "h2o", budget=BUDGET)),
+            max_new_tokens=20,
+            do_sample=False,
+        )[:, PROMPT:]
+    eos = model.generation_config.eos_token_id  # generate stops a row there (then pads): compare up to it
+    for ours, theirs in zip(runs[1].tolist(), reference.tolist(), strict=True):
+        end = ours.index(eos) + 1 if eos in ours else len(ours)
+        assert ours[:end] == theirs[:end]

@@ -23,6 +23,8 @@ zeros) or a sliding-window model decode eagerly through the same object.
 
     graph = DecodeGraph(model, cache)
     logits = graph(input_ids, position_ids)   # [B, 1] each; logits [B, 1, vocab], valid until the next call
+
+    tokens = greedy_decode(model, cache, prompt_ids, max_new_tokens=64, chunk_size=512)   # prefill + decode
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.generation import cache_argument
+from kvcompress.generation import cache_argument, prefill
 
-GRAPHED_METHODS = frozenset({"window", "h2o", "tova", "knorm", "random", "less"})
+GRAPHED_METHODS = frozenset({"window", "h2o", "tova", "knorm", "random", "scissorhands", "less"})
 _NUMBERS = (int, float, bool, str, type(None))
 
 
@@ -168,3 +170,26 @@ class DecodeGraph:
                 elif value != old[name]:
                     return None
         return delta
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: nn.Module,
+    cache: Any,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    chunk_size: int | None = None,
+    capture: str | None = "auto",
+) -> torch.Tensor:
+    """Prefill ``input_ids`` ``[B, T]`` (no padding) into ``cache`` in ``chunk_size``-token forwards, then decode
+    ``max_new_tokens`` tokens greedily through a ``DecodeGraph``; returns them ``[B, max_new_tokens]``. Every step
+    runs (no stop on an end-of-sequence token: checking for one would wait for the device at every step)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    token = prefill(model, input_ids, cache, chunk_size=chunk_size).argmax(-1, keepdim=True)
+    graph, tokens = DecodeGraph(model, cache, capture), [token]
+    position = torch.full_like(token, input_ids.shape[1])
+    for _ in range(max_new_tokens - 1):
+        tokens.append(graph(tokens[-1], position)[:, -1].argmax(-1, keepdim=True))
+        position = position + 1
+    return torch.cat(tokens, dim=1)

@@ -18,83 +18,161 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 import kvcompress
 from kvcompress.bench.common import load_bench_model, random_prompt, set_threads, touch_weights
 from kvcompress.bench.model_cli import int_list, method_names, publish
 from kvcompress.bench.speed import RATIO_COLUMNS, bench_params, dynamic_prefill, timed_pairs
 from kvcompress.bench.table import markdown_table, partial_writer
-from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph
+from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, greedy_decode
 from kvcompress.generation import cache_argument, prefill
 
 logger = logging.getLogger(__name__)
 Row = dict[str, object]
 METHODS = ("window", "h2o", "tova", "knorm", "random")
+HEADERS = {
+    "dynamic_cpu_ms": "reference CPU ms",
+    "cpu_ratio": "CPU × reference (median)",
+    "wall_ratio": "wall × reference",
+}
+REFERENCE_COLUMNS = tuple((key, HEADERS.get(key, header), spec) for key, header, spec in RATIO_COLUMNS)
+
+
+Step = Callable[[int], object]
 
 
 def graph_rows(
     model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int, capture: str
 ) -> list[Row]:
-    """The ``graphed`` and ``eager`` rows of ``method`` after a ``prompt``-token prefill."""
+    """``method`` after a ``prompt``-token prefill: our step replayed and eager against ``DynamicCache``, and (on a
+    GPU) replayed against an uncompressed ``StaticCache`` replayed the same way."""
+    comparisons = [("graphed", "DynamicCache"), ("eager", "DynamicCache")]
+    if capture == "cuda":
+        comparisons.append(("graphed", "StaticCache graphed"))
     rows = []
-    for mode in ("graphed", "eager"):
+    for mode, reference in comparisons:
         ids = random_prompt(model, prompt + 2 * steps + 16, seed)
-        cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
-        prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
-        graph = DecodeGraph(model, cache, capture if mode == "graphed" else None)
-        held = max(cache.tokens_stored())
-        dynamic = DynamicCache(config=model.config)
-        dynamic_prefill(model, ids[:, :held], dynamic, chunk)
-        kvcompress.prepare_model(model)
-
-        def ours(_: int, graph=graph, cache=cache, ids=ids) -> torch.Tensor:
-            seen = cache.get_seq_length()
-            position = torch.full((ids.shape[0], 1), seen, device=model.device)
-            return graph(ids[:, seen : seen + 1], position)
-
-        def theirs(i: int, dynamic=dynamic, ids=ids) -> torch.Tensor:
-            return model(
-                input_ids=ids[:, prompt + i : prompt + i + 1], **cache_argument(model, dynamic), use_cache=True
-            )
-
-        for _ in range(8):  # reach the capture (a few steps until the cache's step repeats)
-            if mode == "eager" or graph.replay is not None:
-                break
-            ours(0)
-        if mode == "graphed" and graph.replay is None:
-            raise RuntimeError(f"{method}: the decoding step was not captured")
-        result = timed_pairs(
-            model, ours, theirs, steps, after_theirs=lambda d=dynamic, h=held: d.crop(h - d.get_seq_length())
-        )
-        rows.append(
-            {
-                "section": "graph",
-                "method": method,
-                "mode": mode,
-                "prompt": prompt,
-                "budget": budget,
-                "stored_tokens": held,
-                **result,
-            }
-        )
-        del graph, cache, dynamic
+        ours, held = _our_step(model, method, ids, prompt, budget, chunk, capture if mode == "graphed" else None)
+        build = _dynamic_step if reference == "DynamicCache" else _static_graph_step
+        try:
+            theirs, after = build(model, ids, held, steps, chunk)
+        except RuntimeError as error:  # a reference CUDA cannot capture: say so, keep the other rows
+            logger.warning("%s, %s at %d: no %s row: %s", method, mode, prompt, reference, error)
+            continue
+        result = timed_pairs(model, ours, theirs, steps, after_theirs=after)
+        row = {"section": "graph", "method": method, "mode": mode, "reference": reference, "prompt": prompt}
+        rows.append({**row, "budget": budget, "stored_tokens": held, **result})
+        del ours, theirs, after
         gc.collect()
     return rows
+
+
+def _our_step(
+    model: PreTrainedModel, method: str, ids: torch.Tensor, prompt: int, budget: int, chunk: int, capture: str | None
+) -> tuple[Step, int]:
+    """A decoding step of ``method`` through ``DecodeGraph`` (``capture=None``: eager), already captured; the tokens
+    it holds."""
+    cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
+    prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
+    graph = DecodeGraph(model, cache, capture)
+
+    def step(_: int) -> torch.Tensor:
+        seen = cache.get_seq_length()
+        return graph(ids[:, seen : seen + 1], torch.full((ids.shape[0], 1), seen, device=model.device))
+
+    for _ in range(8):  # until the cache's step repeats and is captured
+        if capture is None or graph.replay is not None:
+            break
+        step(0)
+    if capture is not None and graph.replay is None:
+        raise RuntimeError(f"{method}: the decoding step was not captured")
+    return step, max(cache.tokens_stored())
+
+
+def _dynamic_step(
+    model: PreTrainedModel, ids: torch.Tensor, held: int, steps: int, chunk: int
+) -> tuple[Step, Callable[[], None]]:
+    """An eager ``DynamicCache`` step holding ``held`` tokens (cropped back after each step: ``after``)."""
+    dynamic = DynamicCache(config=model.config)
+    dynamic_prefill(model, ids[:, :held], dynamic, chunk)
+    kvcompress.prepare_model(model)
+
+    def step(i: int) -> object:
+        return model(input_ids=ids[:, held + i : held + i + 1], **cache_argument(model, dynamic), use_cache=True)
+
+    return step, lambda: dynamic.crop(held - dynamic.get_seq_length())
+
+
+def _static_graph_step(
+    model: PreTrainedModel, ids: torch.Tensor, held: int, steps: int, chunk: int
+) -> tuple[Step, Callable[[], None]]:
+    """An uncompressed ``StaticCache`` (``held`` tokens plus room for the steps) decoding step as one CUDA graph:
+    the replayed step a user gets without compression."""
+    static = StaticCache(config=model.config, max_cache_len=held + 2 * steps + 16)
+    dynamic_prefill(model, ids[:, :held], static, chunk)
+    token, position = ids[:, held : held + 1].clone(), torch.full((ids.shape[0], 1), held, device=model.device)
+
+    def forward() -> torch.Tensor:
+        return model(input_ids=token, position_ids=position, **cache_argument(model, static), use_cache=True).logits
+
+    stream = torch.cuda.Stream(model.device)  # one eager step on the capture's side stream first
+    stream.wait_stream(torch.cuda.current_stream(model.device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(model.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    kvcompress.prepare_model(model)
+
+    def step(i: int) -> None:
+        token.copy_(ids[:, held + i : held + i + 1])
+        position.fill_(held + 1 + i)
+        graph.replay()
+
+    return step, lambda: None
+
+
+def generate_row(
+    model: PreTrainedModel, method: str, prompt: int, batch: int, budget: int, new_tokens: int, chunk: int, args
+) -> Row:
+    """Greedy decoding of ``new_tokens`` after a ``prompt``-token prompt end to end (prefill included): ours through
+    ``greedy_decode`` (chunked prefill, steps replayed) against ``model.generate`` with a ``DynamicCache``."""
+    ids = random_prompt(model, prompt, args.seed).expand(batch, -1).contiguous()
+
+    def ours(_: int) -> torch.Tensor:
+        cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
+        return greedy_decode(model, cache, ids, new_tokens, chunk_size=chunk, capture=args.capture)
+
+    def theirs(_: int) -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        limits = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_argument(model, cache), **limits)
+
+    result = timed_pairs(model, ours, theirs, args.rounds)
+    row = {"section": "generate", "method": method, "prompt": prompt, "batch": batch, "budget": budget}
+    return {**row, "tokens_per_s_ratio": 1 / result["wall_ratio"], **result}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvcompress.bench.graph_decode", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or HF id")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"among {', '.join(sorted(GRAPHED_METHODS))}")
-    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head")
-    parser.add_argument("--prompts", default="2048,8192", help="prompt lengths")
+    parser.add_argument("--budget", type=int, default=512, help="tokens per layer and KV head (decode rows)")
+    parser.add_argument("--prompts", default="2048,8192", help="prompt lengths (decode rows)")
     parser.add_argument("--steps", type=int, default=24, help="timed decode pairs per row")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--generate-methods", default="h2o", help="end-to-end rows (empty: none)")
+    parser.add_argument("--generate-prompts", default="1024,4096")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--generate-budget", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="timed end-to-end pairs per row")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="where the model runs")
@@ -103,34 +181,56 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--random-weights", action="store_true", help="--model: a folder with a config.json")
     parser.add_argument("--out", type=Path, default=None, help="folder for graph_decode.json/.md (+ partial .jsonl)")
     args = parser.parse_args(argv)
-    unknown = sorted(set(method_names(args.methods)) - GRAPHED_METHODS)
+    methods, generate_methods = method_names(args.methods), method_names(args.generate_methods)
+    unknown = sorted(set(methods + generate_methods) - GRAPHED_METHODS)
     if unknown:
-        parser.error(
-            f"--methods: {', '.join(unknown)} cannot be replayed; allowed: {', '.join(sorted(GRAPHED_METHODS))}"
-        )
+        allowed = ", ".join(sorted(GRAPHED_METHODS))
+        parser.error(f"--methods / --generate-methods: {', '.join(unknown)} cannot be replayed; allowed: {allowed}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     set_threads(args.threads)
     model, _ = load_bench_model(args.model, args.device, args.dtype, args.random_weights)
     touch_weights(model)
     kvcompress.prepare_model(model)
+    jobs: list[Callable[[], list[Row]]] = [
+        lambda m=m, p=p: graph_rows(model, m, p, args.budget, args.steps, args.chunk, args.seed, args.capture)
+        for p in int_list(args.prompts)
+        for m in methods
+    ]
+    jobs += [
+        lambda m=m, p=p, b=b: [generate_row(model, m, p, b, args.generate_budget, args.new_tokens, args.chunk, args)]
+        for p in int_list(args.generate_prompts)
+        for b in int_list(args.batches)
+        for m in generate_methods
+    ]
     on_row, rows = partial_writer(args.out, "graph_decode"), []
     with torch.inference_mode():
-        for prompt in int_list(args.prompts):
-            for method in method_names(args.methods):
-                for row in graph_rows(
-                    model, method, prompt, args.budget, args.steps, args.chunk, args.seed, args.capture
-                ):
-                    logger.info("%s", {k: row[k] for k in ("method", "mode", "prompt", "cpu_ratio", "wall_ratio")})
-                    rows.append(row)
-                    if on_row is not None:
-                        on_row(row)
-    columns = (
-        ("method", "method", ""),
-        ("mode", "ours", ""),
-        ("prompt", "prompt", "d"),
-        ("stored_tokens", "tokens held", "d"),
-    )
-    publish("graph_decode", args, rows, markdown_table(rows, (*columns, *RATIO_COLUMNS)), lambda path, machine: None)
+        for job in jobs:
+            for row in job():
+                logger.info("%s", {k: v for k, v in row.items() if k in LOGGED})
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+            gc.collect()
+    publish("graph_decode", args, rows, graph_tables(rows), lambda path, machine: None)
+
+
+LOGGED = ("section", "method", "mode", "reference", "prompt", "batch", "cpu_ratio", "wall_ratio")
+
+
+def graph_tables(rows: Sequence[Row]) -> str:
+    """The decode rows, then the end-to-end rows."""
+    decode = [row for row in rows if row["section"] == "graph"]
+    generate = [row for row in rows if row["section"] == "generate"]
+    parts = []
+    if decode:
+        columns = (("method", "method", ""), ("mode", "ours", ""), ("reference", "reference", ""))
+        columns += (("prompt", "prompt", "d"), ("stored_tokens", "tokens held", "d"))
+        parts.append(markdown_table(decode, (*columns, *REFERENCE_COLUMNS)))
+    if generate:
+        columns = (("method", "method", ""), ("prompt", "prompt", "d"), ("batch", "batch", "d"))
+        columns += (("tokens_per_s_ratio", "tokens/s × DynamicCache (wall)", ".2f"),)
+        parts.append(markdown_table(generate, (*columns, *RATIO_COLUMNS)))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

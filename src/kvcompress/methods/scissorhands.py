@@ -35,7 +35,10 @@ class ScissorhandsPolicy(Policy):
     def init_state(self, layer, keys):
         batch, heads, count = keys.shape[:3]
         history = self.config.history
-        new = torch.arange(layer.seen, layer.seen + count, dtype=torch.float64, device=keys.device)
+        if layer.seen_tensor is None:
+            new = torch.arange(layer.seen, layer.seen + count, dtype=torch.float64, device=keys.device)
+        else:  # a replayed step (``kvcompress.decode_graph``): the stream index from the device
+            new = (layer.seen_tensor + torch.arange(count, device=keys.device)).double()
         return {
             "low": torch.zeros(batch, heads, count, history, dtype=torch.bool, device=keys.device),
             # the eviction score, kept up to date: the token's stream index minus LOW_WEIGHT times its low bits
@@ -53,7 +56,9 @@ class ScissorhandsPolicy(Policy):
             average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
             low = (visible & (rows < average)).transpose(-1, -2)
         history, window = self.config.history, layer.state["low"]
-        if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
+        if low.shape[-1] == 1 and layer.seen_tensor is not None:
+            self._observe_replayed(layer, low)
+        elif low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
             column = window[..., self.observed % history]
             score = layer.state["score"]
             score.add_(column, alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
@@ -64,6 +69,15 @@ class ScissorhandsPolicy(Policy):
             window.index_copy_(-1, columns, low[..., -rows_kept:])
             layer.state["score"] = layer.token_idx.double() - LOW_WEIGHT * window.sum(dim=-1).double()
         self.observed += low.shape[-1]
+
+    def _observe_replayed(self, layer, low):
+        """The one-query update of a replayed step: the window's column from the device token count (stream index
+        minus observations is fixed while decoding), not from a Python number baked into the step."""
+        window = layer.state["low"]
+        column = ((layer.seen_tensor - (layer.seen - self.observed)) % self.config.history).view(1)
+        score = layer.state["score"]
+        score.add_(window.index_select(-1, column)[..., 0], alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
+        window.index_copy_(-1, column, low)
 
     def select(self, layer):
         recent = self.recent
