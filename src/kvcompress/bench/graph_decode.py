@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import DynamicCache, PreTrainedModel
 
 import kvcompress
 from kvcompress.bench.common import load_bench_model, random_prompt, set_threads, touch_weights
@@ -49,21 +49,13 @@ Step = Callable[[int], object]
 def graph_rows(
     model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int, capture: str
 ) -> list[Row]:
-    """``method`` after a ``prompt``-token prefill: our step replayed and eager against ``DynamicCache``, and (on a
-    GPU) replayed against an uncompressed ``StaticCache`` replayed the same way."""
+    """``method`` after a ``prompt``-token prefill: our step replayed, and eager, against ``DynamicCache``."""
     comparisons = [("graphed", "DynamicCache"), ("eager", "DynamicCache")]
-    if capture == "cuda":
-        comparisons.append(("graphed", "StaticCache graphed"))
     rows = []
     for mode, reference in comparisons:
         ids = random_prompt(model, prompt + 2 * steps + 16, seed)
         ours, held = _our_step(model, method, ids, prompt, budget, chunk, capture if mode == "graphed" else None)
-        build = _dynamic_step if reference == "DynamicCache" else _static_graph_step
-        try:
-            theirs, after = build(model, ids, held, steps, chunk)
-        except RuntimeError as error:  # a reference CUDA cannot capture: say so, keep the other rows
-            logger.warning("%s, %s at %d: no %s row: %s", method, mode, prompt, reference, error)
-            continue
+        theirs, after = _dynamic_step(model, ids, held, steps, chunk)
         result = timed_pairs(model, ours, theirs, steps, after_theirs=after)
         row = {"section": "graph", "method": method, "mode": mode, "reference": reference, "prompt": prompt}
         rows.append({**row, "budget": budget, "stored_tokens": held, **result})
@@ -106,36 +98,6 @@ def _dynamic_step(
         return model(input_ids=ids[:, held + i : held + i + 1], **cache_argument(model, dynamic), use_cache=True)
 
     return step, lambda: dynamic.crop(held - dynamic.get_seq_length())
-
-
-def _static_graph_step(
-    model: PreTrainedModel, ids: torch.Tensor, held: int, steps: int, chunk: int
-) -> tuple[Step, Callable[[], None]]:
-    """An uncompressed ``StaticCache`` (``held`` tokens plus room for the steps) decoding step as one CUDA graph:
-    the replayed step a user gets without compression."""
-    static = StaticCache(config=model.config, max_cache_len=held + 2 * steps + 16)
-    dynamic_prefill(model, ids[:, :held], static, chunk)
-    token, position = ids[:, held : held + 1].clone(), torch.full((ids.shape[0], 1), held, device=model.device)
-
-    def forward() -> torch.Tensor:
-        return model(input_ids=token, position_ids=position, **cache_argument(model, static), use_cache=True).logits
-
-    stream = torch.cuda.Stream(model.device)  # one eager step on the capture's side stream first
-    stream.wait_stream(torch.cuda.current_stream(model.device))
-    with torch.cuda.stream(stream):
-        forward()
-    torch.cuda.current_stream(model.device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    kvcompress.prepare_model(model)
-
-    def step(i: int) -> None:
-        token.copy_(ids[:, held + i : held + i + 1])
-        position.fill_(held + 1 + i)
-        graph.replay()
-
-    return step, lambda: None
 
 
 def generate_row(
