@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import kvcompress
 from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, bind_step_buffers, greedy_decode
-from kvcompress.generation import cache_argument
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import tiny_model
 
 BATCH, PROMPT, BUDGET = 2, 40, 16
@@ -105,3 +105,23 @@ def test_greedy_decoding_through_replayed_steps_gives_the_tokens_of_eager_decodi
     for ours, theirs in zip(runs[1].tolist(), reference.tolist(), strict=True):
         end = ours.index(eos) + 1 if eos in ours else len(ours)
         assert ours[:end] == theirs[:end]
+
+
+def test_a_prompt_forward_between_steps_drops_the_graph_and_decoding_goes_on_eagerly(model):
+    graphed = DecodeGraph(model, _prefilled(model, "h2o"), capture="trace")
+    eager = DecodeGraph(model, _prefilled(model, "h2o"), capture=None)
+    token, more = (
+        torch.full((BATCH, 1), 5),
+        torch.randint(3, 128, (BATCH, 6), generator=torch.Generator().manual_seed(3)),
+    )
+    with torch.no_grad():
+        for step in range(16):
+            if step == 8:  # six more prompt tokens: the layers compact, their buffers change
+                assert graphed.replay is not None
+                for graph in (graphed, eager):
+                    prefill(model, more, graph.cache)
+            position = _positions(step + (6 if step >= 8 else 0))
+            expected = eager(token, position)
+            torch.testing.assert_close(graphed(token, position), expected, rtol=0, atol=0)
+            token = expected[:, -1:].argmax(-1)
+    assert graphed.replay is not None  # captured again once steady

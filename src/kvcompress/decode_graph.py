@@ -19,7 +19,9 @@ dropped after that step and decoding goes on eagerly) and applies the same chang
 Supported methods (``GRAPHED_METHODS``): those whose steady decoding step has been checked to be the same
 operations every step (``tests/test_decode_graph.py`` traces two consecutive steps and compares them, then replays
 a traced step against eager decoding). Other methods, a cache not yet at its budget, padding (an attention mask with
-zeros) or a sliding-window model decode eagerly through the same object.
+zeros) or a sliding-window model decode eagerly through the same object. A forward that changes the cache between
+calls (more prompt, a reordered batch) or another batch shape drops the graph; decoding goes on eagerly and is
+captured again once steady.
 
     graph = DecodeGraph(model, cache)
     logits = graph(input_ids, position_ids)   # [B, 1] each; logits [B, 1, vocab], valid until the next call
@@ -65,6 +67,14 @@ def bind_step_buffers(layers: list[CompressedLayer]) -> None:
             layer._free = layer.free_buffer
 
 
+def _numbers(attributes: dict[str, object]):
+    for name, value in attributes.items():
+        if isinstance(value, _NUMBERS):
+            yield name, value
+        elif isinstance(value, list | tuple) and all(isinstance(item, _NUMBERS) for item in value):
+            yield name, tuple(value)
+
+
 class DecodeGraph:
     """Decode one token per sequence with ``cache``, replaying a captured step once the cache is ``steady``.
 
@@ -80,14 +90,16 @@ class DecodeGraph:
         self.capture = capture if cache.config.name in GRAPHED_METHODS else None
         self.replay: Any = None
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.buffers: list[tuple[torch.Tensor, int]] = []  # each layer's key buffer and occupancy when captured
         self.logits: torch.Tensor | None = None
         self.delta: list[tuple[int, str, int]] | None = None  # the last step's changes of the Python state
         self.ready = False
         self.replays = 0
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.replay is not None:
+        if self.replay is not None and self._still_captured(input_ids, position_ids):
             return self._replayed(input_ids, position_ids)
+        self.replay = None  # something else changed the cache (another forward, a reorder) or the batch: eager again
         if self.capture is None:
             return self._eager(input_ids, position_ids)
         if self.ready and steady(self.layers):
@@ -119,6 +131,7 @@ class DecodeGraph:
         """Capture this step (it also runs it); check that it changed the Python state as the step before."""
         bind_step_buffers(self.layers)
         self.inputs = (input_ids.clone(), position_ids.clone())
+        self.buffers = [(layer.slots.keys, layer.occupied) for layer in self.layers]
         before = self._python_state()
         if self.capture == "cuda":
             graph = torch.cuda.CUDAGraph()
@@ -134,6 +147,16 @@ class DecodeGraph:
         if self._delta(before, self._python_state()) != self.delta:  # not the step seen before: decode eagerly
             self.replay, self.capture = None, None
         return self.logits
+
+    def _still_captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> bool:
+        """Whether the captured step still applies: the same batch shape, and every layer still reuses its victim's
+        slot in the buffers the graph was captured with (a forward of another size would have compacted them)."""
+        if input_ids.shape != self.inputs[0].shape or position_ids.shape != self.inputs[1].shape:
+            return False
+        return all(
+            layer.slots.keys is keys and layer.occupied == occupied and layer._free is layer.free_buffer
+            for layer, (keys, occupied) in zip(self.layers, self.buffers, strict=True)
+        )
 
     def _replayed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         self.inputs[0].copy_(input_ids)
@@ -152,9 +175,8 @@ class DecodeGraph:
         return owners
 
     def _python_state(self) -> list[dict[str, object]]:
-        return [
-            {k: v for k, v in getattr(o, "__dict__", {}).items() if isinstance(v, _NUMBERS)} for o in self._owners()
-        ]
+        """Per owner, its attributes that are numbers (or lists and tuples of numbers, as tuples)."""
+        return [{k: v for k, v in _numbers(getattr(o, "__dict__", {}))} for o in self._owners()]
 
     def _delta(self, before: list[dict], after: list[dict]) -> list[tuple[int, str, int]] | None:
         """The whole-number changes of one step (owner's index, name, change), or ``None`` if it changed anything
