@@ -78,7 +78,7 @@ def test_replaying_a_traced_step_reproduces_eager_decoding(model, method):
 
 
 def test_other_methods_decode_eagerly(model):
-    graph = DecodeGraph(model, _prefilled(model, "streaming"), capture="trace")
+    graph = DecodeGraph(model, _prefilled(model, "cascade"), capture="trace")
     with torch.no_grad():
         for step in range(8):
             graph(torch.full((BATCH, 1), 5), _positions(step))
@@ -107,9 +107,10 @@ def test_greedy_decoding_through_replayed_steps_gives_the_tokens_of_eager_decodi
         assert ours[:end] == theirs[:end]
 
 
-def test_a_prompt_forward_between_steps_drops_the_graph_and_decoding_goes_on_eagerly(model):
-    graphed = DecodeGraph(model, _prefilled(model, "h2o"), capture="trace")
-    eager = DecodeGraph(model, _prefilled(model, "h2o"), capture=None)
+@pytest.mark.parametrize("method", ["h2o", "streaming"])
+def test_a_prompt_forward_between_steps_drops_the_graph_and_decoding_goes_on_eagerly(model, method):
+    graphed = DecodeGraph(model, _prefilled(model, method), capture="trace")
+    eager = DecodeGraph(model, _prefilled(model, method), capture=None)
     token, more = (
         torch.full((BATCH, 1), 5),
         torch.randint(3, 128, (BATCH, 6), generator=torch.Generator().manual_seed(3)),

@@ -40,31 +40,23 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.generation import cache_argument, prefill
 
-GRAPHED_METHODS = frozenset({"window", "h2o", "tova", "knorm", "random", "scissorhands", "less"})
+GRAPHED_METHODS = frozenset({"window", "h2o", "tova", "knorm", "random", "scissorhands", "less", "streaming"})
 _NUMBERS = (int, float, bool, str, type(None))
 
 
 def steady(layers: list[CompressedLayer]) -> bool:
-    """Whether every layer decodes one token into its victim's slot: the same operations every step."""
-    return all(
-        layer.is_initialized
-        and not layer.dense
-        and layer._free is not None
-        and layer._free.shape[-1] == 1
-        and layer.all_valid
-        and layer.sliding_window is None
-        and layer.occupied < layer.slots.capacity
-        for layer in layers
-    )
+    """Whether every layer's next decoding step runs the same operations as its last (``replay_steady``)."""
+    return all(layer.replay_steady() for layer in layers)
 
 
 def bind_step_buffers(layers: list[CompressedLayer]) -> None:
-    """Give each (steady) layer its device token count and its victims' buffer: what a replayed step reads."""
+    """Give each (steady) layer the device counters and buffers a replayed step reads (``bind_replay_buffers``)."""
     for layer in layers:
-        if layer.seen_tensor is None:
-            layer.seen_tensor = torch.tensor(layer.seen, device=layer.device)
-            layer.free_buffer = layer._free.clone()
-            layer._free = layer.free_buffer
+        layer.bind_replay_buffers()
+
+
+def _same(captured: tuple, now: tuple) -> bool:
+    return all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(captured, now, strict=True))
 
 
 def _numbers(attributes: dict[str, object]):
@@ -90,7 +82,7 @@ class DecodeGraph:
         self.capture = capture if cache.config.name in GRAPHED_METHODS else None
         self.replay: Any = None
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.buffers: list[tuple[torch.Tensor, int]] = []  # each layer's key buffer and occupancy when captured
+        self.buffers: list[tuple] = []  # each layer's ``replay_state`` when captured
         self.logits: torch.Tensor | None = None
         self.delta: list[tuple[int, str, int]] | None = None  # the last step's changes of the Python state
         self.ready = False
@@ -99,7 +91,8 @@ class DecodeGraph:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.replay is not None and self._still_captured(input_ids, position_ids):
             return self._replayed(input_ids, position_ids)
-        self.replay = None  # something else changed the cache (another forward, a reorder) or the batch: eager again
+        if self.replay is not None:  # something else changed the cache (a forward, a reorder) or the batch
+            self.replay, self.ready, self.delta = None, False, None  # eager again until the step repeats
         if self.capture is None:
             return self._eager(input_ids, position_ids)
         if self.ready and steady(self.layers):
@@ -131,7 +124,7 @@ class DecodeGraph:
         """Capture this step (it also runs it); check that it changed the Python state as the step before."""
         bind_step_buffers(self.layers)
         self.inputs = (input_ids.clone(), position_ids.clone())
-        self.buffers = [(layer.slots.keys, layer.occupied) for layer in self.layers]
+        self.buffers = [layer.replay_state() for layer in self.layers]
         before = self._python_state()
         if self.capture == "cuda":
             graph = torch.cuda.CUDAGraph()
@@ -153,10 +146,7 @@ class DecodeGraph:
         slot in the buffers the graph was captured with (a forward of another size would have compacted them)."""
         if input_ids.shape != self.inputs[0].shape or position_ids.shape != self.inputs[1].shape:
             return False
-        return all(
-            layer.slots.keys is keys and layer.occupied == occupied and layer._free is layer.free_buffer
-            for layer, (keys, occupied) in zip(self.layers, self.buffers, strict=True)
-        )
+        return all(_same(state, layer.replay_state()) for layer, state in zip(self.layers, self.buffers, strict=True))
 
     def _replayed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         self.inputs[0].copy_(input_ids)
@@ -165,6 +155,8 @@ class DecodeGraph:
         owners = self._owners()
         for owner, name, change in self.delta:
             setattr(owners[owner], name, getattr(owners[owner], name) + change)
+        for layer in self.layers:
+            layer.replayed_python_step()
         self.replays += 1
         return self.logits if logits is None else logits
 
@@ -176,7 +168,13 @@ class DecodeGraph:
 
     def _python_state(self) -> list[dict[str, object]]:
         """Per owner, its attributes that are numbers (or lists and tuples of numbers, as tuples)."""
-        return [{k: v for k, v in _numbers(getattr(o, "__dict__", {}))} for o in self._owners()]
+        skips: list[tuple[str, ...]] = [()]  # per owner (see ``_owners``): what ``replayed_python_step`` advances
+        for layer in self.layers:
+            skips += [layer.replay_managed, (), ()]
+        return [
+            {k: v for k, v in _numbers(getattr(o, "__dict__", {})) if k not in skip}
+            for o, skip in zip(self._owners(), skips, strict=True)
+        ]
 
     def _delta(self, before: list[dict], after: list[dict]) -> list[tuple[int, str, int]] | None:
         """The whole-number changes of one step (owner's index, name, change), or ``None`` if it changed anything

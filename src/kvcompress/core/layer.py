@@ -32,6 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward, victims_of_rule
+from kvcompress.core.replay import SlotReplay
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import SlotBuffers, StreamView
 from kvcompress.core.state_view import StateView
@@ -39,7 +40,7 @@ from kvcompress.core.state_view import StateView
 LAYER_ATTRIBUTE = "_kvcompress_layer"
 
 
-class CompressedLayer(CacheLayerMixin):
+class CompressedLayer(SlotReplay, CacheLayerMixin):
     """One decoder layer's compressed KV store, driven by a method ``Policy``."""
 
     is_sliding = False

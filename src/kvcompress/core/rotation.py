@@ -32,6 +32,14 @@ def rotation_to(
     return forward_cached(position_ids, key, lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale))
 
 
+def rotation_to_tensor(
+    position_ids: torch.Tensor, target: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``rotation_to`` of one target held on the device (a 0-dim integer tensor): the same matrix, built from a
+    number a replayed step reads where it is (``kvcompress.decode_graph``), not shared between forwards."""
+    return _rotation_to(position_ids, (target,), inv_freq, dim, dtype, 1.0)
+
+
 def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, 1, d]`` rotated by ``rotation_to`` to each target: ``[B, H, k, d]`` (one matmul: the two
     products of each output dimension, as the model's ``x cos + rotate_half(x) sin``, in ``x``'s dtype)."""
@@ -70,6 +78,12 @@ def frame_rotation(
         return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
 
     return build() if position_ids is None else forward_cached(position_ids, key, build)
+
+
+def frame_rotation_at(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor), angles in float64 too."""
+    angles = delta.double() * inv_freq.to(torch.float64)
+    return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
 
 
 def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ from kvcompress.core.contract import Policy
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.config import CascadeConfig
 from kvcompress.methods.cascade.layer import CascadeLayer
+from kvcompress.methods.cascade.ring_replay import CircularReplay
 
 
-class CircularSinkLayer(CascadeLayer):
+class CircularSinkLayer(CircularReplay, CascadeLayer):
     """``streaming`` (StreamingLLM, positions re-indexed in the cache) on the cascade storage with ``N = 1``: the
     sinks plus one ring of ``budget - sinks`` slots, allocated once, one slot written per token.
 
