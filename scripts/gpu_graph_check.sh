@@ -6,7 +6,7 @@
 #   OUT=runs/gpu bash scripts/gpu_graph_check.sh [methods] [prompts]
 set -o pipefail
 OUT=${OUT:-runs/gpu}
-METHODS=${1:-window,h2o,tova,knorm,random}
+METHODS=${1:-streaming,window,h2o,tova,knorm,random,scissorhands}
 PROMPTS=${2:-2048,8192}
 mkdir -p "$OUT"
 if [ -d .whl ]; then

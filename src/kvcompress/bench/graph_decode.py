@@ -34,7 +34,7 @@ from kvcompress.generation import cache_argument, prefill
 
 logger = logging.getLogger(__name__)
 Row = dict[str, object]
-METHODS = ("window", "h2o", "tova", "knorm", "random")
+METHODS = ("streaming", "window", "h2o", "tova", "knorm", "random", "scissorhands")
 HEADERS = {
     "dynamic_cpu_ms": "reference CPU ms",
     "cpu_ratio": "CPU × reference (median)",
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", default="2048,8192", help="prompt lengths (decode rows)")
     parser.add_argument("--steps", type=int, default=24, help="timed decode pairs per row")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
-    parser.add_argument("--generate-methods", default="h2o", help="end-to-end rows (empty: none)")
+    parser.add_argument("--generate-methods", default="streaming,h2o", help="end-to-end rows (empty: none)")
     parser.add_argument("--generate-prompts", default="1024,4096")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--generate-budget", type=int, default=256)
