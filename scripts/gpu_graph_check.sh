@@ -8,14 +8,7 @@ set -o pipefail
 OUT=${OUT:-runs/gpu}
 METHODS=${1:-streaming,window,h2o,tova,knorm,random,scissorhands}
 PROMPTS=${2:-2048,8192}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
-date +%T
+source "$(dirname "$0")/gpu_env.sh"
 python3 -m pytest tests/gpu/test_cuda_graph.py -q -rxXf -p no:cacheprovider 2>&1 | tee "$OUT/graph-tests.txt"
 date +%T
 python3 -m kvcompress.bench.graph_decode --model .gpu/smollm2-135m --random-weights --device cuda --dtype bfloat16 \
