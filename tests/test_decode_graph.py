@@ -126,3 +126,13 @@ def test_a_prompt_forward_between_steps_drops_the_graph_and_decoding_goes_on_eag
             torch.testing.assert_close(graphed(token, position), expected, rtol=0, atol=0)
             token = expected[:, -1:].argmax(-1)
     assert graphed.replay is not None  # captured again once steady
+
+
+def test_wrong_arguments_are_refused_with_the_parameter_named(model):
+    cache = kvcompress.cache_for(model, "h2o", budget=BUDGET)
+    with pytest.raises(ValueError, match="capture must be"):
+        DecodeGraph(model, cache, capture="graph")
+    with pytest.raises(ValueError, match="capture='cuda' needs a model on a CUDA device"):
+        DecodeGraph(model, cache, capture="cuda")
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        greedy_decode(model, cache, torch.ones(1, 4, dtype=torch.long), 0)

@@ -77,6 +77,10 @@ class DecodeGraph:
     def __init__(self, model: nn.Module, cache: Any, capture: str | None = "auto") -> None:
         self.model, self.cache = model, cache
         self.layers = cache.compressed_layers
+        if capture not in ("auto", "cuda", "trace", None):
+            raise ValueError(f"capture must be 'auto', 'cuda', 'trace' or None, got {capture!r}")
+        if capture == "cuda" and model.device.type != "cuda":
+            raise ValueError(f"capture='cuda' needs a model on a CUDA device, got one on {model.device.type}")
         if capture == "auto":
             capture = "cuda" if model.device.type == "cuda" else None
         self.capture = capture if cache.config.name in GRAPHED_METHODS else None
