@@ -35,14 +35,6 @@ from kvcompress.generation import cache_argument, prefill
 logger = logging.getLogger(__name__)
 Row = dict[str, object]
 METHODS = ("streaming", "window", "h2o", "tova", "knorm", "random", "scissorhands")
-HEADERS = {
-    "dynamic_cpu_ms": "reference CPU ms",
-    "cpu_ratio": "CPU × reference (median)",
-    "wall_ratio": "wall × reference",
-}
-REFERENCE_COLUMNS = tuple((key, HEADERS.get(key, header), spec) for key, header, spec in RATIO_COLUMNS)
-
-
 Step = Callable[[int], object]
 
 
@@ -50,14 +42,13 @@ def graph_rows(
     model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int, capture: str
 ) -> list[Row]:
     """``method`` after a ``prompt``-token prefill: our step replayed, and eager, against ``DynamicCache``."""
-    comparisons = [("graphed", "DynamicCache"), ("eager", "DynamicCache")]
     rows = []
-    for mode, reference in comparisons:
+    for mode in ("graphed", "eager"):
         ids = random_prompt(model, prompt + 2 * steps + 16, seed)
         ours, held = _our_step(model, method, ids, prompt, budget, chunk, capture if mode == "graphed" else None)
-        theirs, after = _dynamic_step(model, ids, held, steps, chunk)
+        theirs, after = _dynamic_step(model, ids, held, chunk)
         result = timed_pairs(model, ours, theirs, steps, after_theirs=after)
-        row = {"section": "graph", "method": method, "mode": mode, "reference": reference, "prompt": prompt}
+        row = {"section": "graph", "method": method, "mode": mode, "prompt": prompt}
         rows.append({**row, "budget": budget, "stored_tokens": held, **result})
         del ours, theirs, after
         gc.collect()
@@ -86,9 +77,7 @@ def _our_step(
     return step, max(cache.tokens_stored())
 
 
-def _dynamic_step(
-    model: PreTrainedModel, ids: torch.Tensor, held: int, steps: int, chunk: int
-) -> tuple[Step, Callable[[], None]]:
+def _dynamic_step(model: PreTrainedModel, ids: torch.Tensor, held: int, chunk: int) -> tuple[Step, Callable[[], None]]:
     """An eager ``DynamicCache`` step holding ``held`` tokens (cropped back after each step: ``after``)."""
     dynamic = DynamicCache(config=model.config)
     dynamic_prefill(model, ids[:, :held], dynamic, chunk)
@@ -148,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unknown:
         allowed = ", ".join(sorted(GRAPHED_METHODS))
         parser.error(f"--methods / --generate-methods: {', '.join(unknown)} cannot be replayed; allowed: {allowed}")
+    if args.capture == "cuda" and not args.device.startswith("cuda"):
+        parser.error(f"--capture cuda needs --device cuda, got --device {args.device} (use --capture trace)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     set_threads(args.threads)
     model, _ = load_bench_model(args.model, args.device, args.dtype, args.random_weights)
@@ -176,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     publish("graph_decode", args, rows, graph_tables(rows), lambda path, machine: None)
 
 
-LOGGED = ("section", "method", "mode", "reference", "prompt", "batch", "cpu_ratio", "wall_ratio")
+LOGGED = ("section", "method", "mode", "prompt", "batch", "cpu_ratio", "wall_ratio")
 
 
 def graph_tables(rows: Sequence[Row]) -> str:
@@ -185,9 +176,9 @@ def graph_tables(rows: Sequence[Row]) -> str:
     generate = [row for row in rows if row["section"] == "generate"]
     parts = []
     if decode:
-        columns = (("method", "method", ""), ("mode", "ours", ""), ("reference", "reference", ""))
-        columns += (("prompt", "prompt", "d"), ("stored_tokens", "tokens held", "d"))
-        parts.append(markdown_table(decode, (*columns, *REFERENCE_COLUMNS)))
+        columns = (("method", "method", ""), ("mode", "ours", ""), ("prompt", "prompt", "d"))
+        columns += (("stored_tokens", "tokens held", "d"),)
+        parts.append(markdown_table(decode, (*columns, *RATIO_COLUMNS)))
     if generate:
         columns = (("method", "method", ""), ("prompt", "prompt", "d"), ("batch", "batch", "d"))
         columns += (("tokens_per_s_ratio", "tokens/s × DynamicCache (wall)", ".2f"),)

@@ -70,8 +70,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
         # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward_cache``)
         self.new_positions: torch.Tensor | None = None
-        # set while a captured decoding step replays (``core.decode_graph``): the tokens seen as a device scalar, and
-        # the buffer the victims are copied to (a replayed step reads what the previous one wrote, at one address)
+        # set while a captured decoding step replays (``kvcompress.decode_graph``): the tokens seen as a device
+        # scalar, and the buffer the victims are copied to (a replayed step reads what the last one wrote, in place)
         self.seen_tensor: torch.Tensor | None = None
         self.free_buffer: torch.Tensor | None = None
 

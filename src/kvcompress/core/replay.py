@@ -3,7 +3,7 @@ kernels on fixed addresses with every Python number baked in).
 
 ``SlotReplay`` is the slot layer's (``CompressedLayer``): a steady step reuses the victim's slot; bound to a graph
 the layer counts its tokens on the device (``seen_tensor``) and copies its victims to one buffer
-(``free_buffer``) the next step reads. Layers with another storage override the three methods (the circular sink
+(``free_buffer``) the next step reads. Layers with another storage override these methods (the circular sink
 cache: ``methods.cascade.ring_replay``).
 """
 
