@@ -139,7 +139,8 @@ def attention_with_stats(
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Attention plus the requested statistics, in float32 (``rows_see_keys``: see ``chunked_softmax``).
 
-    Mass received needs every query's probabilities: the exact chunked softmax gives output and mass together.
+    Mass received (or the rows' log-normalisers) needs every query's probabilities: the exact chunked softmax gives
+    output and mass together.
     Rows of the last ``n`` queries alone need only that ``n x L`` block: SDPA computes the output and the block is
     computed apart.
     """
@@ -149,11 +150,19 @@ def attention_with_stats(
         mask = causal_mask(queries, length, query.device)
     last_n = min(request.last_queries, queries)
     stats = AttentionStats(query_count=queries)
-    if request.received:
+    if request.received or request.lse:
         parts = chunked_softmax(
-            query, key, given, scaling, value=value, received=True, last_n=last_n, rows_see_keys=rows_see_keys
+            query,
+            key,
+            given,
+            scaling,
+            value=value,
+            lse=request.lse,
+            received=request.received,
+            last_n=last_n,
+            rows_see_keys=rows_see_keys,
         )
-        output, stats.received, last = parts.output, parts.received, parts.last
+        output, stats.received, stats.lse, last = parts.output, parts.received, parts.lse, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
         parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n, rows_see_keys=rows_see_keys)
         output, last = parts.output, parts.last

@@ -31,10 +31,11 @@ class StatsRequest:
 
     received: bool = False  # attention mass each key receives, summed over this forward's queries
     last_queries: int = 0  # attention rows of the last n queries of this forward
+    lse: bool = False  # log-normaliser of every query row over the stored keys (LESS mixes its state in with it)
 
     @property
     def any(self) -> bool:
-        return self.received or self.last_queries > 0
+        return self.received or self.last_queries > 0 or self.lse
 
 
 @dataclass
@@ -48,6 +49,7 @@ class AttentionStats:
     received: torch.Tensor | None = None  # [B, H_kv, G, L] float32
     last: torch.Tensor | None = None  # [B, H_kv, G, n, L] float32, rows of the last n queries
     last_visible: torch.Tensor | None = None  # [B, H_kv or 1, n, L] bool, keys those rows could attend to (None: all)
+    lse: torch.Tensor | None = None  # [B, H_q, q] float32 log-normaliser of each query row
 
 
 @dataclass

@@ -104,11 +104,8 @@ def chunked_softmax(
         elif mask is not None:  # None: one query that sees every key
             rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
-        if lse:
-            row_lse = logits.logsumexp(dim=-1)
-            probs = torch.exp(logits - row_lse[..., None])
-        else:
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
+        row_lse = logits.logsumexp(dim=-1) if lse else None
+        probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
         if mask is not None and not rows_see_keys:
             probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
         if values is not None:
@@ -155,12 +152,9 @@ def _one_query(
     group_rows = query.reshape(batch * kv_heads, q_heads // kv_heads, dim)
     logits = torch.bmm(group_rows, _flat(key).transpose(1, 2)).float().mul_(scale)
     parts = SoftmaxParts()
-    if lse:
-        row_lse = logits.logsumexp(dim=-1, keepdim=True)
-        probs = torch.exp(logits - row_lse)
-        parts.lse = row_lse.view(batch, q_heads, 1)
-    else:
-        probs = logits.softmax(dim=-1)
+    if lse:  # the same probabilities as without it (a method mixing in more mass stays exact when it adds none)
+        parts.lse = logits.logsumexp(dim=-1).view(batch, q_heads, 1)
+    probs = logits.softmax(dim=-1)
     if value is not None:
         parts.output = torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)
     probs = probs.view(batch, kv_heads, -1, length)

@@ -79,14 +79,24 @@ class LayerKernels(nn.Module):
 
     def phi(self, query: torch.Tensor) -> torch.Tensor:
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
-        hidden = F.gelu(self.dropout(query.float() @ self.phi_w1))
+        hidden = F.gelu(self._dropped(query.float() @ self.phi_w1))
         return F.gelu(hidden @ self.phi_w2).abs()
 
-    def psi(self, key: torch.Tensor) -> torch.Tensor:
-        """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
-        hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
-        u = self.psi_s1.abs() * F.gelu(hidden @ self.psi_w2)
-        return (u + (u @ self.psi_w3) * self.psi_s2).abs()
+    def psi(self, key: torch.Tensor, mix: torch.Tensor | None = None) -> torch.Tensor:
+        """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``; ``mix``: this
+        layer's ``psi_mix()`` when the caller computed it once (inference), else it is computed here."""
+        hidden = F.gelu(self._dropped(key.float() @ self.psi_w1))
+        return (F.gelu(hidden @ self.psi_w2) @ (self.psi_mix() if mix is None else mix)).abs()
+
+    def psi_mix(self) -> torch.Tensor:
+        """``[H_kv, R, R]``: ψ's last steps as one matrix. With ``g = GELU(h W2)``, ``u = |s1| ⊙ g`` and
+        ``u + (u W3) ⊙ s2 = u (I + W3 diag(s2)) = g diag(|s1|) (I + W3 diag(s2))``, so ``ψ = |g M|`` with
+        ``M = diag(|s1|) (I + W3 diag(s2))``."""
+        eye = torch.eye(self.rank, dtype=self.psi_w3.dtype, device=self.psi_w3.device)
+        return self.psi_s1.abs().transpose(-1, -2) * (eye + self.psi_w3 * self.psi_s2)
+
+    def _dropped(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.dropout(hidden) if self.training else hidden
 
     def check_shape(self, q_heads: int, kv_heads: int, head_dim: int, layer_idx: int) -> None:
         if (q_heads, kv_heads, head_dim) != (self.q_heads, self.kv_heads, self.head_dim):

@@ -1,25 +1,26 @@
 """LESS's policy: the base policy's decisions and statistics, plus the low-rank attention term.
 
 ``mix_low_rank``: Eq. 3 in log-sum-exp form. The sparse part enters as its softmax output and log-normaliser,
-the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: ``out = e^{lse_s - lse} out_s + e^{lse_lr - lse}
-num / den`` with ``lse = logaddexp(lse_s, log den)``; equal to ``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any
-logit size. Choice: where ``den == 0`` (nothing evicted, or ψ ≡ 0) the low-rank term is exactly absent
-(``log 0 = -inf``) instead of the official code's ``max(den, 1e-6)`` floor, so LESS equals its base policy exactly
-then; the floor only ever added a ≤1e-6 phantom mass.
+the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: the low-rank share of the mass is
+``w = den / (e^{lse_s} + den) = sigmoid(log den - lse_s)`` and ``out = out_s + w (num / den - out_s)``; equal to
+``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any logit size. Choice: where ``den == 0`` (nothing evicted, or
+ψ ≡ 0) the low-rank term is exactly absent (``w = 0``) instead of the official code's ``max(den, 1e-6)`` floor, so LESS equals its base policy exactly then; the floor only
+ever added a ≤1e-6 phantom mass. The log-normaliser comes from the same softmax as the output and the base policy's
+statistics (one pass over the stored keys).
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kvcompress.core.attention import attention_with_stats, sdpa
+from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import Policy
-from kvcompress.core.softmax import chunked_softmax, grouped
+from kvcompress.core.softmax import grouped
 from kvcompress.methods.less.kernels import LayerKernels
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
@@ -37,15 +38,19 @@ class LessPolicy(Policy):
         self.per_head = self.base.per_head
         self.one_shot = self.base.one_shot
         self.kernels: LayerKernels | None = None
+        self.psi_mix: torch.Tensor | None = None  # ψ's last steps as one matrix (``LayerKernels.psi_mix``)
 
     def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
         """This layer's kernels on ``device`` (the model's): a copy where the loaded or built ones are elsewhere,
-        so kernels shared between caches stay where they are."""
+        so kernels shared between caches stay where they are. Kernels are frozen while a cache uses them: ψ's
+        last steps are folded into one matrix here, once (``psi_mix``)."""
         if self.kernels is None:
             kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
             if kernels.phi_w1.device != device:  # each tensor copied straight to ``device`` (no copy where it is)
                 memo = {id(t): _moved(t, device) for t in (*kernels.parameters(), *kernels.buffers())}
                 kernels = copy.deepcopy(kernels, memo)
+            with torch.no_grad():
+                self.psi_mix = kernels.psi_mix()
             self.kernels = kernels
         return self.kernels
 
@@ -62,25 +67,13 @@ class LessPolicy(Policy):
         kernels = self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
-        if self.stats.any:
-            output, stats = attention_with_stats(query, key, value, mask, scaling, self.stats)
-        else:
-            output, stats = sdpa(query, key, value, mask, scaling), None
-        kv_heads = key.shape[1]
-        lse = cached_logsumexp(query, key, mask, scaling)  # [B, H_q, q]
+        request = dataclasses.replace(self.stats, lse=True)  # the layer's masks leave every query its own key
+        output, stats = attention_with_stats(query, key, value, mask, scaling, request, rows_see_keys=True)
         with torch.no_grad():
-            features = grouped(kernels.phi(query), kv_heads)  # [B, H_kv, G, q, R]
-        num = features @ layer.low_rank_h[:, :, None]  # [B, H_kv, G, q, D]
-        den = (features * layer.low_rank_z[:, :, None, None]).sum(-1)  # [B, H_kv, G, q]
-        mixed = mix_low_rank(lse, output.float(), num.flatten(1, 2), den.flatten(1, 2))
-        return mixed.to(query.dtype), stats
-
-
-def cached_logsumexp(
-    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
-) -> torch.Tensor:
-    """Log-normaliser ``[B, H_q, q]`` of the softmax over the stored keys (float32, in query chunks)."""
-    return chunked_softmax(query, key, mask, scaling, lse=True).lse
+            features = grouped(kernels.phi(query), key.shape[1])  # [B, H_kv, G, q, R]
+        state = (features @ layer.low_rank[:, :, None]).flatten(1, 2)  # [B, H_q, q, D + 1]: [φ(q) H | φ(q) zᵀ]
+        mixed = mix_low_rank(stats.lse, output.float(), state[..., :-1], state[..., -1])
+        return mixed.to(query.dtype), stats if self.stats.any else None
 
 
 def mix_low_rank(
@@ -92,12 +85,9 @@ def mix_low_rank(
     ``num`` ``[..., D]`` = ``φ(q) H`` and ``den`` ``[...]`` = ``φ(q) zᵀ`` of the low-rank state.
     """
     positive = den > 0
-    safe_den = torch.where(positive, den, torch.ones_like(den))
-    lse_lr = torch.where(positive, safe_den.log(), torch.full_like(den, -math.inf))
-    lse = torch.logaddexp(lse_sparse, lse_lr)
-    weight_sparse = torch.exp(lse_sparse - lse)[..., None]
-    weight_lr = torch.exp(lse_lr - lse)[..., None]
-    return weight_sparse * out_sparse + weight_lr * (num / safe_den[..., None])
+    safe_den = torch.where(positive, den, 1.0)  # finite logs and gradients where den = 0
+    share = torch.where(positive, torch.sigmoid(safe_den.log() - lse_sparse), 0.0)[..., None]
+    return torch.lerp(out_sparse, num / safe_den[..., None], share)
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
