@@ -121,6 +121,24 @@ def test_state_equals_direct_sum_over_evicted_tokens(tiny_llama):
         assert layer.low_rank_h.shape == (1, 2, 8, 16) and layer.low_rank_z.shape == (1, 2, 8)
 
 
+def test_folds_done_together_at_the_end_of_a_forward_equal_folding_layer_by_layer(tiny_llama):
+    batch = torch.cat([ids_of(1, 30, seed=5), ids_of(1, 30, seed=6)])
+    mask = torch.ones_like(batch)
+    mask[1, :6] = 0  # left padding: the staged victims carry weights
+    config = LessConfig(base="h2o", budget=10, kernels=strong_kernels(tiny_llama))
+    together, alone = (kvcompress.cache_for(tiny_llama, config) for _ in range(2))
+    for layer in alone.compressed_layers:
+        layer.folds = None  # each layer folds its victims at once
+    queue = together.compressed_layers[0].folds
+    assert all(layer.folds is queue for layer in together.compressed_layers)
+    logits, _ = cache_logits(tiny_llama, batch, together, mask, 10)
+    assert queue.staged == []  # the last layer folded every layer's victims
+    expected, _ = cache_logits(tiny_llama, batch, alone, mask, 10)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(together.compressed_layers, alone.compressed_layers, strict=True):
+        torch.testing.assert_close(mine.low_rank, theirs.low_rank, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "base", [H2OConfig(budget=12), StreamingConfig(budget=12, sinks=4, position_mode="original")], ids=["h2o", "lambda"]
 )

@@ -52,6 +52,7 @@ from kvcompress.methods.less.kernels import (
     resolve_kernels,
     zero_kernels,
 )
+from kvcompress.methods.less.folds import PendingFolds
 from kvcompress.methods.less.layer import LessLayer
 from kvcompress.methods.less.policy import LessPolicy
 from kvcompress.registry import METHODS, make_config
@@ -165,6 +166,10 @@ class LessConfig(MethodConfig):
         budget = getattr(self.base_config, "budget", None)
         if trained_budget is not None and budget is not None and trained_budget != budget:
             logger.info("LESS kernels trained at budget %s used at budget %s", trained_budget, budget)
+        less_layers = [layer for layer in layers if isinstance(layer, LessLayer)]
+        folds = PendingFolds(less_layers)  # the layers' folds of one forward, done together
+        for layer in less_layers:
+            layer.folds = folds
         self.base_config.connect(layers)
 
 

@@ -85,8 +85,11 @@ class LayerKernels(nn.Module):
     def psi(self, key: torch.Tensor, mix: torch.Tensor | None = None) -> torch.Tensor:
         """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``; ``mix``: this
         layer's ``psi_mix()`` when the caller computed it once (inference), else it is computed here."""
-        hidden = F.gelu(self._dropped(key.float() @ self.psi_w1))
-        return (F.gelu(hidden @ self.psi_w2) @ (self.psi_mix() if mix is None else mix)).abs()
+        mix = self.psi_mix() if mix is None else mix
+        if self.training:
+            hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
+            return (F.gelu(hidden @ self.psi_w2) @ mix).abs()
+        return psi_features(key, self.psi_w1, self.psi_w2, mix)
 
     def psi_mix(self) -> torch.Tensor:
         """``[H_kv, R, R]``: ψ's last steps as one matrix. With ``g = GELU(h W2)``, ``u = |s1| ⊙ g`` and
@@ -105,6 +108,12 @@ class LayerKernels(nn.Module):
                 f"and head_dim {self.head_dim}, but the model has {q_heads}, {kv_heads} and {head_dim}: "
                 "they belong to another model (train kernels for this one with `python -m kvcompress.train.less`)"
             )
+
+
+def psi_features(key: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """ψ without dropout: ``|GELU(GELU(k W1) W2) M|`` ``[B, H, S, R]`` for keys ``[B, H, S, D]`` and per-head weights
+    ``[H, ...]`` (``M``: ``LayerKernels.psi_mix``); the heads may be several layers' stacked."""
+    return (F.gelu(F.gelu(key.float() @ w1) @ w2) @ mix).abs()
 
 
 @dataclass(eq=False)

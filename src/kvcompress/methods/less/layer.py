@@ -3,8 +3,10 @@
 Per sequence and KV head it keeps ``H`` ``[B, H_kv, R, D]`` and ``z`` ``[B, H_kv, R]`` (float32) side by side in one
 buffer ``low_rank`` ``[B, H_kv, R, D + 1]`` (``low_rank_h`` and ``low_rank_z`` are its views), so folding a token in
 (``[H | z] += ψ(k)ᵀ [v | 1]``, Eqs. 4–5) and reading the state (``φ(q) [H | z]``) are one matmul each.
-``before_eviction`` folds the real tokens being evicted, then the layer frees their slots as usual. The policy
-(``kvcompress.methods.less.policy``) reads the state in its attention term.
+``before_eviction`` copies out the real tokens being evicted, then the layer frees their slots as usual; the tokens
+are folded at the end of the forward together with the other layers' (``kvcompress.methods.less.folds``), or at
+once for a layer outside a cache. The policy (``kvcompress.methods.less.policy``) reads the state in its attention
+term.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.methods.less.folds import PendingFolds, outer_update
 
 
 class LessLayer(CompressedLayer):
@@ -19,8 +22,16 @@ class LessLayer(CompressedLayer):
 
     def __init__(self, policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
-        self.low_rank: torch.Tensor | None = None
-        self.folded = False  # something was evicted (and folded) since the last reset
+        self._low_rank: torch.Tensor | None = None
+        self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
+        self.folds: PendingFolds | None = None  # the cache's shared queue (``LessConfig.connect``); None: fold at once
+
+    @property
+    def low_rank(self) -> torch.Tensor | None:
+        """``[H | z]`` ``[B, H_kv, R, D + 1]`` with every eviction so far folded in."""
+        if self.folds is not None:
+            self.folds.flush_for(self)
+        return self._low_rank
 
     @property
     def low_rank_h(self) -> torch.Tensor | None:
@@ -36,7 +47,7 @@ class LessLayer(CompressedLayer):
         super().lazy_initialization(key_states, value_states)
         batch, heads, _, dim = value_states.shape
         rank = self.policy.config.state_rank
-        self.low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
+        self._low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
@@ -52,38 +63,51 @@ class LessLayer(CompressedLayer):
                 return
             victims = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :count]
         index = victims[..., None].expand(*victims.shape, self.keys.shape[-1])
-        keys, values = self.keys.gather(2, index), self.values.gather(2, index).float()
-        features = kernels.psi(keys, self.policy.psi_mix)  # [B, H_kv, e, R]
-        if not self.all_valid:  # padding and free slots fold nothing
-            features = features * self.valid.gather(-1, victims)[..., None]
-        ones = values.new_ones(*values.shape[:-1], 1)
-        self.low_rank += features.transpose(-1, -2) @ torch.cat([values, ones], dim=-1)
+        keys, values = self.keys.gather(2, index), self.values.gather(2, index)
+        weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         self.folded = True
+        if self.folds is None:
+            self.fold(keys, values, weight)
+        else:  # folded with the other layers' at the end of the forward (``PendingFolds``)
+            self.folds.stage(self, keys, values, weight)
+
+    def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
+        """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (rows weighted by ``weight``) to the state."""
+        features = self.policy.kernels.psi(keys, self.policy.psi_mix)  # [B, H_kv, e, R]
+        if weight is not None:
+            features = features * weight[..., None]
+        self._low_rank += outer_update(features, values)
+
+    def low_rank_state(self) -> torch.Tensor:
+        """``[H | z]`` as stored, without folding what is pending (``PendingFolds`` adds to it)."""
+        return self._low_rank
 
     def reset(self) -> None:
+        if self.folds is not None:
+            self.folds.flush()
         super().reset()
-        self.low_rank = None
+        self._low_rank = None
         self.folded = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.is_initialized:
             indices = indices.to(self.device)
-            self.low_rank = self.low_rank.index_select(0, indices)
+            self._low_rank = self.low_rank.index_select(0, indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
-            self.low_rank = self.low_rank.repeat_interleave(repeats, dim=0)
+            self._low_rank = self.low_rank.repeat_interleave(repeats, dim=0)
 
     def kv_nbytes(self) -> int:
         """Stored keys and values plus the state ``H`` (it stands in for the evicted keys and values)."""
         if not self.is_initialized:
             return 0
-        return super().kv_nbytes() + self.low_rank_h.numel() * self.low_rank.element_size()
+        return super().kv_nbytes() + self._low_rank[..., :-1].numel() * self._low_rank.element_size()
 
     def metadata_nbytes(self) -> int:
         """Positions and statistics plus the normaliser ``z``."""
         if not self.is_initialized:
             return 0
-        return super().metadata_nbytes() + self.low_rank_z.numel() * self.low_rank.element_size()
+        return super().metadata_nbytes() + self._low_rank[..., -1].numel() * self._low_rank.element_size()
