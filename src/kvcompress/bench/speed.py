@@ -57,9 +57,7 @@ logger = logging.getLogger(__name__)
 Row = dict[str, object]
 SECTIONS = ("decode", "full", "prefill", "generate")
 PREFILL_METHODS = (*DECODE_TIME_METHODS, "cascade", "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
-# every method that evicts while decoding: the fixed-size ones, the cascade, LESS (H2O + its low-rank state) and
-# PoD (distant keys shared across layers, composed with SnapKV to meet the budget)
-DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade", "less", "pod")
+DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade", "less", "pod")  # every method evicting while decoding
 GENERATE_METHODS = ("streaming", "h2o")
 _CPU = torch.device("cpu")
 

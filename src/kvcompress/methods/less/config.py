@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from kvcompress.core.checks import check_choice, check_int_range, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.methods.less.folds import PendingFolds
 from kvcompress.methods.less.kernels import (
     LayerKernels,
     LessKernels,
@@ -52,7 +53,6 @@ from kvcompress.methods.less.kernels import (
     resolve_kernels,
     zero_kernels,
 )
-from kvcompress.methods.less.folds import PendingFolds
 from kvcompress.methods.less.layer import LessLayer
 from kvcompress.methods.less.policy import LessPolicy
 from kvcompress.registry import METHODS, make_config

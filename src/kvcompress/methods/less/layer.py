@@ -72,7 +72,7 @@ class LessLayer(CompressedLayer):
             self.folds.stage(self, keys, values, weight)
 
     def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
-        """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (rows weighted by ``weight``) to the state."""
+        """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (weighted by ``weight``) to the state."""
         features = self.policy.kernels.psi(keys, self.policy.psi_mix)  # [B, H_kv, e, R]
         if weight is not None:
             features = features * weight[..., None]

@@ -4,9 +4,9 @@
 the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: the low-rank share of the mass is
 ``w = den / (e^{lse_s} + den) = sigmoid(log den - lse_s)`` and ``out = out_s + w (num / den - out_s)``; equal to
 ``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any logit size. Choice: where ``den == 0`` (nothing evicted, or
-ψ ≡ 0) the low-rank term is exactly absent (``w = 0``) instead of the official code's ``max(den, 1e-6)`` floor, so LESS equals its base policy exactly then; the floor only
-ever added a ≤1e-6 phantom mass. The log-normaliser comes from the same softmax as the output and the base policy's
-statistics (one pass over the stored keys).
+ψ ≡ 0) the low-rank term is exactly absent (``w = 0``) instead of the official code's ``max(den, 1e-6)`` floor,
+so LESS equals its base policy exactly then; the floor only ever added a ≤1e-6 phantom mass. The log-normaliser
+comes from the same softmax as the output and the base policy's statistics (one pass over the stored keys).
 """
 
 from __future__ import annotations
