@@ -53,7 +53,6 @@ def pod_attention(
     elif len(starts) != q_heads:
         raise ValueError(f"pod starts have {len(starts)} heads per layer; the model has {q_heads} query heads")
     layer.step = PoDStep(query=query, keys=layer.keys, full_pos=layer.full_pos)
-    keys = layer.own_keys()
     value = layer.values
     visible = _visible(layer, queries, mask)
     sharing = [h for h in range(q_heads) if starts[h] != layer.index]
@@ -62,16 +61,13 @@ def pod_attention(
     proximal = ((pos_k < config.n_sink) | (pos_q - pos_k < config.n_recent)) & visible
     distant = visible & ~proximal
     if not sharing or not bool(distant[:, [h // groups for h in sharing]].any()):
+        keys = layer.own_keys()
         if request.any:
             return attention_with_stats(query, keys, value, visible, scaling, request)
         return sdpa(query, keys, value, mask, scaling), None
 
     scale = dim**-0.5 if scaling is None else scaling
     share_idx = torch.tensor(sharing, device=query.device)
-    keys_q, value_q = _grouped(keys, q_heads), _grouped(value, q_heads)
-    visible_q = _grouped(visible, q_heads)
-    prox_s = _grouped(proximal, q_heads)[:, share_idx]
-    dist_s = _grouped(distant, q_heads)[:, share_idx]
     sources = []  # per sharing head: (distant query [B, q, d], distant keys [B, L, d])
     for h in sharing:
         step = layer.peers[starts[h]].step
@@ -82,8 +78,15 @@ def pod_attention(
     if config.tau is None and config.combine == "softmax" and not request.any:
         training = torch.is_grad_enabled() and query.requires_grad
         if _FLASH is not None and query.device.type == "cpu" and not training:  # CPU-only kernel returning the LSE
+            if _whole_groups(sharing, starts, groups):
+                return _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, scale), None
+            keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
             return _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
+        keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
         return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
+    keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
+    prox_s = _grouped(proximal, q_heads)[:, share_idx]
+    dist_s = _grouped(distant, q_heads)[:, share_idx]
     outputs, last_rows, received = [], [], None
     last_n = min(request.last_queries, queries)
     skipped = eligible = 0
@@ -170,6 +173,76 @@ def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharin
     gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(query.dtype)
     mixed = gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
     return out.index_copy(1, share_idx, mixed)
+
+
+def _repeated(layer: PoDLayer, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """The layer's own keys, its values and ``visible``, each KV head repeated for its query heads."""
+    return _grouped(layer.own_keys(), heads), _grouped(layer.values, heads), _grouped(visible, heads)
+
+
+def _whole_groups(sharing: list[int], starts: tuple[int, ...], groups: int) -> bool:
+    """Whether every sharing KV head shares with all its query heads, from one block start (the default grouping):
+    then the sharing KV heads are those storing proximal keys only, and their query heads fold into rows."""
+    kv_heads = {h // groups for h in sharing}
+    if len(kv_heads) * groups != len(sharing):
+        return False
+    return all(len({starts[g * groups + k] for k in range(groups)}) == 1 for g in kv_heads)
+
+
+def _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, scale) -> torch.Tensor:
+    """``_two_call_merge`` when ``_whole_groups`` holds, reading the layer's stores as they are: the heads that
+    start a block attend over their full keys (one SDPA, grouped-query), the sharing ones over their stored
+    proximal keys only (``prox_keys``, with the values of those slots) and over the block start's keys for the
+    distant part, each KV head's query heads folded into query rows. No key or value is repeated per query head."""
+    batch, q_heads, queries, dim = query.shape
+    groups = q_heads // layer.values.shape[1]
+    share, full = layer.prox_heads, layer.full_heads
+    share_q, full_q = _query_heads(share, groups), _query_heads(full, groups)
+    shared = len(share)
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:  # [B, S, G, q, x] -> [B, S, G * q, x]
+        return tensor.reshape(batch, shared, groups * queries, tensor.shape[-1])
+
+    def by_row(allowed: torch.Tensor) -> torch.Tensor:  # [B, S, q, n] -> [B, S, G * q, n]
+        return rows(allowed[:, :, None].expand(-1, -1, groups, -1, -1))
+
+    def bias(allowed: torch.Tensor) -> torch.Tensor:  # float, -inf where hidden
+        return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, -math.inf)
+
+    slot = layer.prox_slot  # [B, S, P]: each stored proximal key's slot, -1 for none
+    safe = slot.clamp(min=0)
+    prox_values = layer.heads_of(layer.values, "prox").gather(2, safe[..., None].expand(*safe.shape, dim))
+    prox_seen = proximal[:, share].gather(3, safe[:, :, None].expand(-1, -1, queries, -1)) & (slot >= 0)[:, :, None]
+    o_prox, lse_prox = _FLASH(
+        rows(query[:, share_q]),
+        layer.prox_keys,
+        prox_values,
+        0.0,
+        False,
+        attn_mask=bias(by_row(prox_seen)),
+        scale=scale,
+    )
+    dist_mask = by_row(distant[:, share])
+    has_distant = dist_mask.any(-1)  # [B, S, G * q]
+    dist_bias = bias(dist_mask).masked_fill_(~has_distant[..., None], 0.0)  # rows without distant: dropped below
+    source_query = rows(torch.stack([q for q, _ in sources], dim=1))
+    source_keys = torch.stack([sources[i * groups][1] for i in range(shared)], dim=1)
+    values = layer.heads_of(layer.values, "prox")
+    o_dist, lse_dist = _FLASH(source_query, source_keys, values, 0.0, False, attn_mask=dist_bias, scale=scale)
+    lse_dist = lse_dist.masked_fill(~has_distant, -math.inf)
+    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(query.dtype)
+    mixed = gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
+    mixed = mixed.reshape(batch, len(share_q), queries, dim)
+    if not len(full):
+        return mixed
+    full_visible = visible if visible.shape[1] == 1 else layer.heads_of(visible, "full")
+    out = sdpa(query[:, full_q], layer.keys, layer.heads_of(layer.values, "full"), full_visible, scale)
+    return torch.empty_like(query).index_copy_(1, share_q, mixed).index_copy_(1, full_q, out)
+
+
+def _query_heads(kv_heads: torch.Tensor, groups: int) -> torch.Tensor:
+    """The query heads of ``kv_heads`` (``repeat_kv`` order: KV head ``g`` serves ``g·G … g·G + G − 1``)."""
+    return (kv_heads[:, None] * groups + torch.arange(groups, device=kv_heads.device)).flatten()
 
 
 def _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale) -> torch.Tensor:

@@ -61,6 +61,7 @@ class PoDLayer(GatherLayer):
         prox = [g for g in range(kv_heads) if g not in full]
         self.full_heads = torch.tensor(full, dtype=torch.long, device=self.device)
         self.prox_heads = torch.tensor(prox, dtype=torch.long, device=self.device)
+        self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
         self.keys = key_states[:, self.full_heads, :0]
         self.prox_keys = key_states[:, self.prox_heads, :0]
@@ -90,6 +91,14 @@ class PoDLayer(GatherLayer):
         self.step = None
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
+
+    def heads_of(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """``tensor``'s KV heads of ``kind`` (``"full"`` or ``"prox"``) along dim 1: a view where they are
+        consecutive, else a copy."""
+        run = self.head_runs[kind]
+        if run is not None:
+            return tensor.narrow(1, *run)
+        return tensor[:, self.full_heads if kind == "full" else self.prox_heads]
 
     def own_keys(self) -> torch.Tensor:
         """A transient ``[B, H_kv, L, d]`` key tensor: full keys where stored, proximal keys at their slots, zeros
@@ -222,6 +231,15 @@ class PoDLayer(GatherLayer):
         if not self.is_initialized:
             return 0
         return super().metadata_nbytes() + self.prox_slot.numel() * self.prox_slot.element_size()
+
+
+def _run(heads: list[int]) -> tuple[int, int] | None:
+    """``(first, count)`` if ``heads`` are consecutive (``(0, 0)`` for none), else ``None``."""
+    if not heads:
+        return (0, 0)
+    if heads != list(range(heads[0], heads[0] + len(heads))):
+        return None
+    return (heads[0], len(heads))
 
 
 def pod_stats(cache) -> dict[str, float]:

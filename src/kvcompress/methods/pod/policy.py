@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcompress.core.contract import Policy
+from kvcompress.core.contract import Policy, StatsRequest
 from kvcompress.methods.pod.attention import pod_attention
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
@@ -37,4 +37,6 @@ class PoDPolicy(Policy):
         return layer.block_selection(self.base)
 
     def attend(self, layer, query, key, value, mask, scaling):
-        return pod_attention(layer, query, mask, scaling, self.config, self.stats)
+        # a one-shot base (SnapKV) that already compressed needs no statistics: decoding takes the fused path
+        request = StatsRequest() if self.one_shot and layer.compressed else self.stats
+        return pod_attention(layer, query, mask, scaling, self.config, request)
