@@ -25,7 +25,7 @@ from kvcompress.core.attention import ATTENTION_NAME
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 
-METHODS = "window,streaming,h2o,tova,scissorhands,random,knorm,snapkv,buzz,cascade,full"
+METHODS = "window,streaming,h2o,tova,scissorhands,random,knorm,snapkv,buzz,cascade,less,pod,full"
 READS = {"_local_scalar_dense", "is_nonzero", "item"}
 
 
