@@ -13,9 +13,9 @@ Sections:
   of each ``--prompts`` length, against a ``DynamicCache`` holding the same number of tokens (the physical limit:
   it is cropped back after each step, outside the timed region).
 - ``full``: our ``full`` cache against a ``DynamicCache`` holding the same prompt, decode step by decode step.
-- ``prefill``: the longest prompt prefilled in ``--chunk``-token forwards, chunk by chunk against a
-  ``DynamicCache`` fed the same chunks; peak memory of each method's prefill (the resident-set growth of each
-  chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill of the prompt.
+- ``prefill``: the longest prompt in ``--chunk``-token forwards, chunk by chunk against a ``DynamicCache`` fed the
+  same chunks (each side on its own attention); peak memory of each method's prefill (the resident-set growth of
+  each chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill.
 - ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for
   ``--generate-methods`` (``streaming`` and ``h2o``) at ``--generate-budget`` (prefilled in ``--chunk``-token
   chunks, as ``kvcompress generate`` does) against ``DynamicCache`` (one-pass prefill, its fastest), for each prompt
@@ -56,8 +56,8 @@ from kvcompress.generation import cache_argument, prefill
 logger = logging.getLogger(__name__)
 Row = dict[str, object]
 SECTIONS = ("decode", "full", "prefill", "generate")
-PREFILL_METHODS = (*DECODE_TIME_METHODS, "cascade", "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
 DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade", "less", "pod")  # every method evicting while decoding
+PREFILL_METHODS = ("full", *DECODE_METHODS, "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
 GENERATE_METHODS = ("streaming", "h2o")
 _CPU = torch.device("cpu")
 
@@ -120,8 +120,7 @@ def _summary(ours: list[tuple[float, float]], theirs: list[tuple[float, float]])
 def bench_params(method: str, budget: int) -> dict[str, object]:
     if method == "full":
         return {}
-    # buzz is sized by its peak (k + w + T = budget): it never stores more than the fixed-size caches
-    return {"budget": budget, **({"budget_kind": "peak"} if method == "buzz" else {})}
+    return {"budget": budget, **({"budget_kind": "peak"} if method == "buzz" else {})}  # buzz: k + w + T = budget
 
 
 def dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
@@ -187,6 +186,7 @@ def prefill_rows(
                 model.device,
             )
         )
+        _attention(model, ATTENTION_NAME)
         for method, cache in caches.items():
             held = sum(layer.allocated_nbytes() for layer in cache.layers)
             reset_peak_rss()

@@ -256,6 +256,10 @@ class GatherLayer(CacheLayerMixin):
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
+    def allocated_nbytes(self) -> int:
+        """Bytes of the key and value tensors as allocated: this layer's tensors hold exactly what it stores."""
+        return self.kv_nbytes()
+
     def metadata_nbytes(self) -> int:
         """Bytes of the bookkeeping stored beside the keys (positions, validity, method statistics)."""
         if not self.is_initialized:
