@@ -169,10 +169,15 @@ def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharin
     source_query = torch.stack([q for q, _ in sources], dim=1)
     source_keys = torch.stack([k for _, k in sources], dim=1)
     o_dist, lse_dist = _FLASH(source_query, source_keys, values, 0.0, False, attn_mask=dist_bias, scale=scale)
+    return out.index_copy(1, share_idx, _gated(o_prox, lse_prox, o_dist, lse_dist, has_distant))
+
+
+def _gated(o_prox, lse_prox, o_dist, lse_dist, has_distant) -> torch.Tensor:
+    """Eq. 4: ``g o_P + (1 - g) o_D`` with ``g = sigmoid(LSE_P - LSE_D)``; rows without distant tokens take
+    ``o_P`` (``g = 1``, whatever the distant call returned for them)."""
     lse_dist = lse_dist.masked_fill(~has_distant, -math.inf)
-    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(query.dtype)
-    mixed = gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
-    return out.index_copy(1, share_idx, mixed)
+    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(o_prox.dtype)
+    return gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
 
 
 def _repeated(layer: PoDLayer, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
@@ -212,7 +217,10 @@ def _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, s
     slot = layer.prox_slot  # [B, S, P]: each stored proximal key's slot, -1 for none
     safe = slot.clamp(min=0)
     prox_values = layer.heads_of(layer.values, "prox").gather(2, safe[..., None].expand(*safe.shape, dim))
-    prox_seen = proximal[:, share].gather(3, safe[:, :, None].expand(-1, -1, queries, -1)) & (slot >= 0)[:, :, None]
+    prox_seen = (
+        layer.heads_of(proximal, "prox").gather(3, safe[:, :, None].expand(-1, -1, queries, -1))
+        & (slot >= 0)[:, :, None]
+    )
     o_prox, lse_prox = _FLASH(
         rows(query[:, share_q]),
         layer.prox_keys,
@@ -222,17 +230,14 @@ def _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, s
         attn_mask=bias(by_row(prox_seen)),
         scale=scale,
     )
-    dist_mask = by_row(distant[:, share])
+    dist_mask = by_row(layer.heads_of(distant, "prox"))
     has_distant = dist_mask.any(-1)  # [B, S, G * q]
     dist_bias = bias(dist_mask).masked_fill_(~has_distant[..., None], 0.0)  # rows without distant: dropped below
     source_query = rows(torch.stack([q for q, _ in sources], dim=1))
     source_keys = torch.stack([sources[i * groups][1] for i in range(shared)], dim=1)
     values = layer.heads_of(layer.values, "prox")
     o_dist, lse_dist = _FLASH(source_query, source_keys, values, 0.0, False, attn_mask=dist_bias, scale=scale)
-    lse_dist = lse_dist.masked_fill(~has_distant, -math.inf)
-    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(query.dtype)
-    mixed = gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
-    mixed = mixed.reshape(batch, len(share_q), queries, dim)
+    mixed = _gated(o_prox, lse_prox, o_dist, lse_dist, has_distant).reshape(batch, len(share_q), queries, dim)
     if not len(full):
         return mixed
     full_visible = visible if visible.shape[1] == 1 else layer.heads_of(visible, "full")

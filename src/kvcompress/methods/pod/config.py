@@ -31,8 +31,11 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   everywhere. The savings compose multiplicatively, as the paper's Table 4 does.
 - Computation: distant logits at a non-start layer are recomputed from the block start's stashed query and keys
   (references held for one forward, no copies), in query chunks with an explicit softmax; layers whose query heads
-  all start a block, and forwards with no distant token, run plain SDPA. The saving this reproduces is memory;
-  the paper's compute saving (reuse of the block start's softmax) is not attempted on CPU.
+  all start a block, and forwards with no distant token, run plain SDPA. Inference on the CPU with the default
+  ``combine`` and no ``tau`` joins two fused attention calls by Eq. 4 instead (equal to the one softmax); with
+  per-KV-head grouping the sharing heads then attend over their stored proximal keys only, their query heads
+  folded into query rows. The saving this reproduces is memory; the paper's compute saving (reuse of the block
+  start's softmax) is not attempted on CPU.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
 - Default grouping: with no ``similarity``, ``starts`` or ``block_size``, the calibration shipped for the model
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
