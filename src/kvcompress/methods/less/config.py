@@ -19,7 +19,10 @@ Choices where the paper is silent or leaves a choice:
 - GQA: ψ, ``H`` and ``z`` per KV head (so ``H`` still costs ``R/2`` tokens per KV head), φ per query head; the
   base policy's own GQA rule decides (our H2O sums the mass over a group's query heads).
 - Prompt: the prompt attends in full (the state is empty); whatever the base policy evicts after it, and at
-  every later step, is folded into ``H, z`` before it is freed. A chunked prefill folds between chunks.
+  every later step, is folded into ``H, z`` before it is freed. A chunked prefill folds between chunks. Within a
+  forward the evicted keys and values are copied out at once and folded when the forward's last layer has evicted
+  (``kvcompress.methods.less.folds``): a layer's state is read only by its next attention, so this is Algorithm 1's
+  order with every layer's ψ computed in one batch.
 - Positions: keys keep the RoPE position they were written with; a base policy that re-indexes positions
   inside the cache (``position_mode="cache"``) is refused. With the base given by name (``base="streaming"``) it is
   built with ``position_mode="original"``: that is the paper's Λ-masking.
