@@ -234,3 +234,10 @@ def touch_weights(model: PreTrainedModel) -> None:
     """
     with torch.inference_mode():
         model(input_ids=torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False)
+
+
+def bench_params(method: str, budget: int) -> dict[str, object]:
+    """A method's parameters in the speed benchmarks: ``budget`` tokens (none for ``full``)."""
+    if method == "full":
+        return {}
+    return {"budget": budget, **({"budget_kind": "peak"} if method == "buzz" else {})}  # buzz: k + w + T = budget

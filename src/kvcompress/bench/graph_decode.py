@@ -25,9 +25,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 import kvcompress
-from kvcompress.bench.common import load_bench_model, random_prompt, set_threads, touch_weights
+from kvcompress.bench.common import bench_params, load_bench_model, random_prompt, set_threads, touch_weights
 from kvcompress.bench.model_cli import int_list, method_names, publish
-from kvcompress.bench.speed import RATIO_COLUMNS, bench_params, dynamic_prefill, timed_pairs
+from kvcompress.bench.pairs import timed_pairs
+from kvcompress.bench.speed import RATIO_COLUMNS, dynamic_prefill
 from kvcompress.bench.table import markdown_table, partial_writer
 from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, greedy_decode
 from kvcompress.generation import cache_argument, prefill

@@ -14,7 +14,8 @@ Sections:
   it is cropped back after each step, outside the timed region).
 - ``full``: our ``full`` cache against a ``DynamicCache`` holding the same prompt, decode step by decode step.
 - ``prefill``: the longest prompt in ``--chunk``-token forwards, chunk by chunk against a ``DynamicCache`` fed the
-  same chunks (each side on its own attention); peak memory of each method's prefill (the resident-set growth of
+  same chunks (each side on its own attention; one-shot methods compress with the last chunk, as ``prefill`` does):
+  median per-chunk ratio and whole-prefill ratio; peak memory of each method's prefill (the resident-set growth of
   each chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill.
 - ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for
   ``--generate-methods`` (``streaming`` and ``h2o``) at ``--generate-budget`` (prefilled in ``--chunk``-token
@@ -27,8 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,19 +37,16 @@ from transformers import DynamicCache, PreTrainedModel
 import kvcompress
 from kvcompress.bench.common import (
     DECODE_TIME_METHODS,
-    MIB,
-    PeakMemory,
-    current_rss,
+    bench_params,
     load_bench_model,
-    peak_rss,
     random_prompt,
-    reset_peak_rss,
     set_threads,
     touch_weights,
 )
 from kvcompress.bench.model_cli import int_list, method_names, publish
+from kvcompress.bench.pairs import timed_pairs, use_attention
+from kvcompress.bench.speed_prefill import prefill_rows
 from kvcompress.bench.table import Column, markdown_table, partial_writer
-from kvcompress.core.attention import ATTENTION_NAME
 from kvcompress.generation import cache_argument, prefill
 
 logger = logging.getLogger(__name__)
@@ -59,72 +55,10 @@ SECTIONS = ("decode", "full", "prefill", "generate")
 DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade", "less", "pod")  # every method evicting while decoding
 PREFILL_METHODS = ("full", *DECODE_METHODS, "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
 GENERATE_METHODS = ("streaming", "h2o")
-_CPU = torch.device("cpu")
-
-
-def _attention(model: PreTrainedModel, name: str) -> None:
-    if model.config._attn_implementation != name:
-        model.set_attn_implementation(name)
-
-
-def _timed(fn: Callable[[], object], device: torch.device = _CPU) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call; on a GPU, up to the end of the work it queued."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    cpu, wall = time.process_time(), time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def timed_pairs(
-    model: PreTrainedModel,
-    ours: Callable[[int], object],
-    theirs: Callable[[int], object],
-    count: int,
-    warmup: int = 1,
-    after_theirs: Callable[[], object] = lambda: None,
-) -> dict[str, float]:
-    """Interleave ``count`` timed calls of each side (after ``warmup`` untimed pairs); ratios of ours over theirs."""
-    ours_t, theirs_t = [], []
-    for i in range(warmup + count):
-        sides = [(ATTENTION_NAME, ours, ours_t), ("sdpa", theirs, theirs_t)]
-        for name, fn, times in sides if i % 2 == 0 else sides[::-1]:
-            _attention(model, name)
-            timing = _timed(lambda fn=fn, i=i: fn(i), model.device)
-            if i >= warmup:
-                times.append(timing)
-            if fn is theirs:
-                after_theirs()
-    return _summary(ours_t, theirs_t)
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
-def _summary(ours: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> dict[str, float]:
-    cpu_ratios = [o[1] / t[1] for o, t in zip(ours, theirs, strict=True)]
-    return {
-        "ours_cpu_ms": statistics.median(o[1] for o in ours) * 1e3,
-        "dynamic_cpu_ms": statistics.median(t[1] for t in theirs) * 1e3,
-        "cpu_ratio": statistics.median(cpu_ratios),
-        "cpu_ratio_p10": _quantile(cpu_ratios, 0.1),
-        "cpu_ratio_p90": _quantile(cpu_ratios, 0.9),
-        "wall_ratio": statistics.median(o[0] / t[0] for o, t in zip(ours, theirs, strict=True)),
-        "pairs": len(cpu_ratios),
-    }
-
-
-def bench_params(method: str, budget: int) -> dict[str, object]:
-    if method == "full":
-        return {}
-    return {"budget": budget, **({"budget_kind": "peak"} if method == "buzz" else {})}  # buzz: k + w + T = budget
 
 
 def dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, chunk: int) -> None:
-    _attention(model, "sdpa")
+    use_attention(model, "sdpa")
     for start in range(0, ids.shape[1], chunk):
         model(input_ids=ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
 
@@ -160,62 +94,6 @@ def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, st
         "stored_tokens": held,
         **result,
     }
-
-
-def prefill_rows(
-    model: PreTrainedModel, methods: Sequence[str], prompt: int, budget: int, chunk: int, seed: int
-) -> list[Row]:
-    """Chunk-by-chunk prefill of every method against a DynamicCache, and each one's peak memory."""
-    ids = random_prompt(model, prompt, seed)
-    _attention(model, "sdpa")
-    with PeakMemory() as one_pass:
-        fresh = DynamicCache(config=model.config)
-        model(input_ids=ids, **cache_argument(model, fresh), use_cache=True, logits_to_keep=1)
-    gc.collect()
-    caches = {m: kvcompress.cache_for(model, m, **bench_params(m, budget)) for m in methods}
-    dynamic = DynamicCache(config=model.config)
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
-    dynamic_times, peaks = [], dict.fromkeys(methods, 0)
-    mask = torch.ones_like(ids)
-    for start in range(0, prompt, chunk):
-        piece = ids[:, start : start + chunk]
-        _attention(model, "sdpa")
-        dynamic_times.append(
-            _timed(
-                lambda piece=piece: model(input_ids=piece, **cache_argument(model, dynamic), logits_to_keep=1),
-                model.device,
-            )
-        )
-        _attention(model, ATTENTION_NAME)
-        for method, cache in caches.items():
-            held = sum(layer.allocated_nbytes() for layer in cache.layers)
-            reset_peak_rss()
-            before = current_rss()
-            times[method].append(
-                _timed(
-                    lambda piece=piece, cache=cache, start=start: prefill(
-                        model, piece, cache, attention_mask=mask[:, : start + piece.shape[1]], chunk_size=chunk
-                    ),
-                    model.device,
-                )
-            )
-            peaks[method] = max(peaks[method], held + peak_rss() - before)
-    rows = []
-    for method in methods:
-        rows.append(
-            {
-                "section": "prefill",
-                "method": method,
-                "prompt": prompt,
-                "budget": budget,
-                "chunk": chunk,
-                **_summary(times[method], dynamic_times),
-                "peak_mib": peaks[method] / MIB,
-                "one_pass_dynamic_peak_mib": one_pass.extra / MIB,
-            }
-        )
-        rows[-1]["peak_ratio"] = peaks[method] / max(one_pass.extra, 1)
-    return rows
 
 
 def generate_row(
@@ -315,6 +193,7 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
     "prefill": (
         ("method", "method", ""),
         ("prompt", "prompt", "d"),
+        ("whole_cpu_ratio", "whole prefill CPU ×", ".3f"),
         ("peak_mib", "peak MiB", ".0f"),
         ("one_pass_dynamic_peak_mib", "one-pass DynamicCache peak MiB", ".0f"),
         ("peak_ratio", "peak × one-pass", ".2f"),

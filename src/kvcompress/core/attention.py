@@ -20,6 +20,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.softmax import causal_mask, chunked_softmax
 
@@ -83,17 +84,28 @@ def attend_layer(
     custom = layer.attend(query, key, value, mask, scaling)
     if custom is not None:
         output, stats = custom
-    elif request.any:  # the layer's masks leave every query its own key
-        if layer.causal_prefix(sliding_window):  # plain causal: the softmax skips the hidden keys
-            mask = None
+    elif request.any:  # the layer's masks leave every query its own key; None: plain causal
         output, stats = attention_with_stats(query, key, value, mask, scaling, request, rows_see_keys=True)
     else:
+        if mask is None and position_ids is not None and 1 < queries < key.shape[2]:
+            mask = causal_bias(queries, key.shape[2], query, position_ids)
         output, stats = sdpa(query, key, value, mask, scaling), None
     layer.after_attention(stats)
     layer.expire_window()
     for observer in layer.observers:
         observer(layer)
     return output
+
+
+def causal_bias(queries: int, length: int, like: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, q, L]`` additive mask (0 or -inf, ``like``'s dtype) of a plain causal chunk after ``L - q`` keys,
+    built once per forward (SDPA would otherwise turn a boolean mask into this one in every layer)."""
+
+    def build() -> torch.Tensor:
+        hidden = ~causal_mask(queries, length, like.device)
+        return torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+
+    return forward_cached(position_ids, ("causal_bias", queries, length, like.dtype), build)
 
 
 def sdpa(

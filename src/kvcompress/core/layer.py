@@ -295,10 +295,12 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         """Boolean ``[B, H_kv or 1, q, W]`` mask for the last ``query_count`` tokens, or ``None`` if all visible.
 
         A key is visible if it is real and not in the query's future; a padding query sees itself only, so no
-        row is empty. ``None`` also for a plain causal prefill (the caller then uses ``is_causal``)."""
-        width = self.view_width
-        full = self.all_valid and (self.dense or self.occupied == width) and sliding_window is None
-        if full and (query_count == 1 or (self.dense and width == query_count)):
+        row is empty. ``None`` also for a plain causal prefill (a dense layer with no padding: the new tokens are the
+        last slots), whose mask is the same for every head and is built once per forward by the caller."""
+        if self.causal_prefix(sliding_window):
+            return None
+        every_slot_real = self.all_valid and self.occupied == self.view_width and sliding_window is None
+        if query_count == 1 and every_slot_real:
             return None
         heads = 1 if not self.policy.per_head else self.slots.token_idx.shape[1]
         token_idx, valid = self.token_idx[:, :heads], self.valid[:, :heads]
