@@ -17,7 +17,7 @@ from kvcompress.core.softmax import chunked_softmax
 if TYPE_CHECKING:  # annotations only: the config module imports this one
     from kvcompress.methods.nacl.config import NaClConfig
 
-PROXY_CHUNK_ELEMENTS = 1 << 22  # proxy-score logits per chunk (16 MiB of float32), whatever the prompt length
+PROXY_CHUNK_ELEMENTS = 1 << 20  # proxy-score logits per chunk (4 MiB of float32), whatever the prompt length
 
 
 class NaClSplit(NamedTuple):
