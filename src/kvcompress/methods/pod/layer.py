@@ -42,6 +42,7 @@ class PoDLayer(GatherLayer):
         self.step: PoDStep | None = None
         self.last_selection: Selection | None = None
         self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
+        self.all_real = True  # no padding stored (known on the host: no mask is built for a decoding step)
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
@@ -66,6 +67,15 @@ class PoDLayer(GatherLayer):
         self.keys = key_states[:, self.full_heads, :0]
         self.prox_keys = key_states[:, self.prox_heads, :0]
         self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
+
+    def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
+        super().register_new_tokens(position_ids, padding)
+        self.all_real = self.all_real and padding is None  # padding is passed only when some new token is padding
+
+    def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
+        if query_count == 1 and sliding_window is None and self.all_real:
+            return None  # one query, no padding: it sees every stored token
+        return super().attention_mask(query_count, sliding_window)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Store values of the new tokens, their keys where this layer keeps them; return this step's keys (tagged
@@ -161,6 +171,7 @@ class PoDLayer(GatherLayer):
         )
         if selection.valid is not None:
             self.valid = self.valid & selection.valid
+            self.all_real = self.all_real and bool(selection.valid.all())  # once per selection, not per step
         self.state = {name: take(value, index) for name, value in self.state.items()}
         self.keys = take(self.keys, index[:, self.full_heads])
         if len(self.prox_heads):
@@ -206,6 +217,7 @@ class PoDLayer(GatherLayer):
     # --- transformers' layer API and accounting ------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
+        self.all_real = True
         self.prox_keys = self.prox_slot = None
         self.step = self.last_selection = None
 
