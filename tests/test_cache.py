@@ -182,3 +182,30 @@ def test_observers_see_every_layer_after_each_forward(tiny_llama):
         layer.observers.append(lambda layer: seen.append((cache.compressed_layers.index(layer), layer.stored_length())))
     prefill(tiny_llama, ids_of(1, 12, seed=3), cache, chunk_size=6)
     assert seen == [(0, 6), (1, 6), (0, 8), (1, 8)]
+
+
+def test_cache_positions_skip_the_rotation_only_when_the_model_gave_stream_indices(tiny_llama, monkeypatch):
+    """``position_mode="cache"`` re-indexes keys to their rank; before anything is dropped the ranks are the stream
+    indices, so keys given at those positions are used as they are. Positions with a gap are re-indexed."""
+    from kvcompress.core.layer import CompressedLayer
+
+    ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(3))
+    stream = torch.arange(24)[None]
+    gapped = torch.cat([torch.arange(12), torch.arange(12) + 40])[None]
+
+    def logits(positions: torch.Tensor, rotate_always: bool) -> torch.Tensor:
+        if rotate_always:
+            monkeypatch.setattr(CompressedLayer, "_ranks_are_positions", lambda self: False)
+        cache = kvcompress.cache_for(tiny_llama, "streaming_oneshot", budget=64)
+        with torch.no_grad():
+            out = tiny_llama(input_ids=ids, position_ids=positions, **cache_argument(tiny_llama, cache)).logits
+        monkeypatch.undo()
+        return out, cache
+
+    fast, cache = logits(stream, rotate_always=False)
+    assert cache.compressed_layers[0].stream_positions
+    torch.testing.assert_close(fast, logits(stream, rotate_always=True)[0], rtol=1e-5, atol=1e-5)
+    reindexed, cache = logits(gapped, rotate_always=False)
+    assert not cache.compressed_layers[0].stream_positions
+    torch.testing.assert_close(reindexed, logits(gapped, rotate_always=True)[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(reindexed, tiny_llama(input_ids=ids, position_ids=gapped).logits, atol=1e-3)

@@ -32,8 +32,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward, victims_of_rule
+from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.replay import SlotReplay
-from kvcompress.core.rope import rotate_by
+from kvcompress.core.rope import counts_from, rotate_by
 from kvcompress.core.slots import SlotBuffers, StreamView
 from kvcompress.core.state_view import StateView
 
@@ -61,6 +62,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.dense = True  # slots [0, occupied) hold tokens in stream order; the rest is free
         self.ordered = True  # the occupied slots are in stream order (a dense layer, or one with holes only)
         self.all_valid = True  # no padding stored (then, while a forward runs, every slot in the view holds a token)
+        self.stream_positions = True  # every token so far came with its stream index as RoPE position
         self.max_chunk = 0  # largest forward so far (tokens)
         self._free: torch.Tensor | None = None  # [B, H, e] slots freed by the last eviction of a holed layer
         # the slots in ``_free`` still hold their evicted token's bookkeeping: the next forward overwrites it (a
@@ -318,7 +320,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In ``cache`` position mode, rotate queries and keys to their rank inside the cache (the layer is dense:
         stored in stream order, so a real token's rank is the count of real tokens before it)."""
-        if self.policy.position_mode != "cache":
+        if self.policy.position_mode != "cache" or self._ranks_are_positions():
             return query, key
         valid = self.valid
         rank = valid.cumsum(-1) - 1
@@ -328,6 +330,18 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         new = slice(self.view_width - self.new_tokens, self.view_width)
         query_delta = (rank[..., new] - self.rope_pos[..., new]).repeat_interleave(groups, dim=1)
         return rotate_by(query, query_delta, self.inv_freq), key
+
+    def _ranks_are_positions(self) -> bool:
+        """Whether every stored key already sits at its rank: nothing dropped, no padding, and every position the
+        model gave was the token's stream index (checked once per forward, for all layers)."""
+        if not (self.dense and self.all_valid and self.occupied == self.seen and self.stream_positions):
+            return False
+        positions, first = self.new_positions, self.seen - self.new_tokens
+        key = ("stream-positions", first)
+        self.stream_positions = positions is not None and forward_cached(
+            positions, key, lambda: counts_from(positions, first)
+        )
+        return self.stream_positions
 
     # --- transformers' layer API ---------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -348,7 +362,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.is_initialized = False
         self.seen = self.new_tokens = self.occupied = self.max_chunk = 0
         self.compressed = self._stale = False
-        self.dense = self.ordered = self.all_valid = True
+        self.dense = self.ordered = self.all_valid = self.stream_positions = True
         self._free = self._new = self.new_positions = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

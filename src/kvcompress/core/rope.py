@@ -109,3 +109,9 @@ def turn_in_place(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
     lost = first * sin
     first.mul_(cos).addcmul_(second, sin, value=-1)
     second.mul_(cos).add_(lost)
+
+
+def counts_from(positions: torch.Tensor, first: int) -> bool:
+    """Whether every row of ``positions`` ``[B or 1, q]`` is ``first, first + 1, ...`` (one host read)."""
+    expected = torch.arange(first, first + positions.shape[-1], device=positions.device)
+    return bool((positions == expected).all())
