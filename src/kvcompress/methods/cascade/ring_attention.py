@@ -98,6 +98,9 @@ class RingAttention:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         if self._decodes_alone(query, pending):
             return self._decode_step(query, pending, scale)
+        exact = self.rule.config.prefill == "exact" and not self.attend_first
+        if exact and self._steps_alone(pending):
+            return self._decode_tokens(query, pending, scale)
         self.to_slot_angles()
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)

@@ -38,9 +38,12 @@ class RingDecode:
     def _decodes_alone(self, query: torch.Tensor, pending) -> bool:
         """Whether ``_decode_step`` applies: one real token of a batch in step, RoPE positions given by the model,
         no sliding window."""
+        return query.shape[2] == 1 and self._steps_alone(pending)
+
+    def _steps_alone(self, pending) -> bool:
+        """Whether ``_decode_step`` applies to each of the pending tokens in turn (the conditions above, any count)."""
         return (
-            query.shape[2] == 1
-            and self._in_step
+            self._in_step
             and not self.force_tensor_path
             and pending.real is None
             and pending.source is not None
@@ -48,8 +51,24 @@ class RingDecode:
             and getattr(self, "_sliding_window", None) is None
         )
 
-    def _decode_step(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """Attend and insert one token (``[B, H, 1, d]`` in, the same out)."""
+    def _decode_tokens(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
+        """``prefill="exact"``: a forward's tokens one after the other through ``_decode_step``, exactly what
+        feeding them one at a time does (``[B, H, q, d]`` in and out). Each token's position tensor is a view made
+        once per forward, so the layers share each step's plan as they do while decoding; old tokens are moved
+        layer by layer (every layer takes all the tokens before the next layer takes the first)."""
+        count = query.shape[2]
+        tokens = forward_cached(pending.source, ("token-sources", count), lambda: pending.source.split(1, -1))
+        outputs = []
+        for m, source in enumerate(tokens):
+            pos = None if pending.pos is None else pending.pos[:, m : m + 1]
+            keys, values = pending.keys[:, :, m : m + 1], pending.values[:, :, m : m + 1]
+            token = type(pending)(keys, values, pending.first + m, pos, None, source)
+            outputs.append(self._decode_step(query[:, :, m : m + 1], token, scale, grouped=False))
+        return torch.cat(outputs, 2)
+
+    def _decode_step(self, query: torch.Tensor, pending, scale: float, grouped: bool = True) -> torch.Tensor:
+        """Attend and insert one token (``[B, H, 1, d]`` in, the same out); ``grouped``: the first layer of the
+        forward may move the old tokens of every layer (``RingGroup``)."""
         if self.attend_first:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
@@ -63,7 +82,8 @@ class RingDecode:
         item = self._new_item(pending, angle)
         meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
         dests = [dest for dest, _ in moves]
-        if self.group is not None and self.group.moved(self, before, dests, turns, moves[-1][1], meta, pending.source):
+        moved = grouped and self.group is not None
+        if moved and self.group.moved(self, before, dests, turns, moves[-1][1], meta, pending.source):
             self._kv[:, :, dests[0] : dests[0] + 1] = item  # the group moved the old tokens of every layer
         elif len(moves) > 1:
             self._move_together(moves, item, meta, None, pending.source, turns=turns)
