@@ -30,7 +30,8 @@ Choices where the paper is silent or differs from its code (all overridable):
 - ``gamma=None`` computes ``exp(-N ln(100) / |C|)`` (App. B Eq. 14), not Table 6's truncated values.
 - prefill: ``prefill="exact"`` (default) processes a multi-token forward exactly as token-by-token decoding
   (what v1 did): inside each layer, token ``m`` is inserted, attends, and updates the EMA before token ``m + 1``;
-  the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result.
+  the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result
+  (without padding each token takes the decoding step's own path).
   ``prefill="chunked"`` is the *later official* strided variant, not the v1 paper: a chunk of ``q`` tokens attends
   causally to itself plus the frozen cache, the EMA advances in closed form with query ``m`` weighted
   ``(1 - gamma) gamma^(q-1-m)`` for every key (the chunk's own keys start from 0), then the chunk is inserted token
