@@ -82,14 +82,16 @@ def attend_layer(
     mask = layer.attention_mask(queries, sliding_window)
     request = StatsRequest() if layer.policy.one_shot and layer.compressed else layer.policy.stats
     custom = layer.attend(query, key, value, mask, scaling)
+    bias = None  # a plain causal chunk after earlier keys, attended with SDPA: its mask, shared by the layers
+    softmax_only = request.received or request.lse  # (the explicit softmax skips hidden keys without a mask)
+    if custom is None and mask is None and position_ids is not None and 1 < queries < key.shape[2]:
+        bias = None if softmax_only else causal_bias(queries, key.shape[2], query, position_ids)
     if custom is not None:
         output, stats = custom
     elif request.any:  # the layer's masks leave every query its own key; None: plain causal
-        output, stats = attention_with_stats(query, key, value, mask, scaling, request, rows_see_keys=True)
+        output, stats = attention_with_stats(query, key, value, mask, scaling, request, True, bias)
     else:
-        if mask is None and position_ids is not None and 1 < queries < key.shape[2]:
-            mask = causal_bias(queries, key.shape[2], query, position_ids)
-        output, stats = sdpa(query, key, value, mask, scaling), None
+        output, stats = sdpa(query, key, value, mask if bias is None else bias, scaling), None
     layer.after_attention(stats)
     layer.expire_window()
     for observer in layer.observers:
@@ -148,8 +150,10 @@ def attention_with_stats(
     scaling: float | None,
     request: StatsRequest,
     rows_see_keys: bool = False,
+    causal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
-    """Attention plus the requested statistics, in float32 (``rows_see_keys``: see ``chunked_softmax``).
+    """Attention plus the requested statistics, in float32 (``rows_see_keys``: see ``chunked_softmax``;
+    ``causal``: the additive mask SDPA takes when ``mask`` is ``None``, see ``causal_bias``).
 
     Mass received (or the rows' log-normalisers) needs every query's probabilities: the exact chunked softmax gives
     output and mass together.
@@ -179,7 +183,7 @@ def attention_with_stats(
         parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n, rows_see_keys=rows_see_keys)
         output, last = parts.output, parts.last
     else:
-        output = sdpa(query, key, value, given, scaling)
+        output = sdpa(query, key, value, given if causal is None else causal, scaling)
         rows = slice(queries - last_n, queries)
         visible = mask[:, :, rows]
         last = chunked_softmax(
