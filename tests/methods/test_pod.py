@@ -423,3 +423,13 @@ def test_training_path_with_autograd_equals_inference_path(model):
     finally:
         weight.grad = None
     torch.testing.assert_close(logits.detach(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_distant_tokens_follow_the_positions_the_model_gives(model, monkeypatch):
+    # positions from 50: no token is a sink, and the oldest tokens are distant before n_sink + n_recent are seen
+    ids = ids_of(10, seed=12)
+    cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
+    with torch.no_grad():
+        logits = model(ids, position_ids=torch.arange(50, 60)[None], **cache_argument(model, cache)).logits
+    monkeypatch.setitem(globals(), "NS", 0)  # the reference's sinks by index: none, as none has a position below 3
+    torch.testing.assert_close(logits, reference_logits(model, ids), rtol=1e-4, atol=1e-4)

@@ -57,7 +57,8 @@ class RingDecode:
         once per forward, so the layers share each step's plan as they do while decoding; old tokens are moved
         layer by layer (every layer takes all the tokens before the next layer takes the first)."""
         count = query.shape[2]
-        tokens = forward_cached(pending.source, ("token-sources", count), lambda: pending.source.split(1, -1))
+        split = lambda: pending.source[..., -count:].split(1, -1)  # noqa: E731 (the forward's last positions)
+        tokens = forward_cached(pending.source, ("token-sources", count), split)
         outputs = []
         for m, source in enumerate(tokens):
             pos = None if pending.pos is None else pending.pos[:, m : m + 1]

@@ -60,9 +60,9 @@ def pod_attention(
     pos_q = layer.rope_pos[:, :, -queries:, None]
     proximal = ((pos_k < config.n_sink) | (pos_q - pos_k < config.n_recent)) & visible
     distant = visible & ~proximal
-    # distant tokens need a query at least n_sink + n_recent past the stream's first token (RoPE positions are the
-    # stream indices): decided on the host, and the merges below handle rows that have none
-    if not sharing or layer.seen <= config.n_sink + config.n_recent:
+    # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
+    # below also handle rows that have none)
+    if not sharing or layer.max_position < config.n_sink + config.n_recent:
         keys = layer.own_keys()
         if request.any:
             return attention_with_stats(query, keys, value, visible, scaling, request)

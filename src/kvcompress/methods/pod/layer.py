@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
+from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_forward
 from kvcompress.core.layer import LAYER_ATTRIBUTE
 from kvcompress.methods.pod.budget import kept_for_request
@@ -43,6 +44,7 @@ class PoDLayer(GatherLayer):
         self.last_selection: Selection | None = None
         self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
         self.all_real = True  # no padding stored (known on the host: no mask is built for a decoding step)
+        self.max_position = -1  # largest RoPE position given so far, read back only while below a full window
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
@@ -71,6 +73,15 @@ class PoDLayer(GatherLayer):
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         super().register_new_tokens(position_ids, padding)
         self.all_real = self.all_real and padding is None  # padding is passed only when some new token is padding
+        config = self.policy.config
+        if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
+            newest = self.seen - 1 if position_ids is None else self._largest(position_ids)
+            self.max_position = max(self.max_position, newest)
+
+    @staticmethod
+    def _largest(position_ids: torch.Tensor) -> int:
+        """The forward's largest position (one host read per forward, shared by the layers)."""
+        return forward_cached(position_ids, "max-position", lambda: int(position_ids.max()))
 
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
         if query_count == 1 and sliding_window is None and self.all_real:
@@ -217,7 +228,7 @@ class PoDLayer(GatherLayer):
     # --- transformers' layer API and accounting ------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.all_real = True
+        self.all_real, self.max_position = True, -1
         self.prox_keys = self.prox_slot = None
         self.step = self.last_selection = None
 
