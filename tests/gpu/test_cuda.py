@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcompress
@@ -133,3 +134,39 @@ def test_a_decoding_step_never_waits_for_the_gpu(key, cuda_models):
     syncs, elsewhere = _library_syncs(cuda_models[torch.float32], key)
     print(f"{key}: {len(elsewhere)} synchronisations outside kvcompress {sorted(set(elsewhere))[:3]}")
     assert syncs == [], f"{key}: {len(syncs)} host synchronisations, first at {sorted(set(syncs))[:3]}"
+
+
+class AttentionBackends(TorchDispatchMode):
+    """Records the SDPA backends (``aten::_scaled_dot_product_*_attention`` ops) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "_scaled_dot_product" in func.name() or "cudnn_attention" in func.name():
+            self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _uses_cudnn(names: set[str]) -> bool:
+    return any("cudnn" in name for name in names)
+
+
+@pytest.mark.parametrize("key", sorted(EVICTING))
+def test_no_attention_goes_to_cudnn_which_rebuilds_per_key_length(key, cuda_models):
+    """cuDNN's SDPA builds a graph per new key length (``kvcompress.core.sdpa``); a compressed cache's length changes
+    every step, so every kvcompress attention call avoids that backend. The control shows the check can fail: the
+    same PyTorch picks cuDNN for a plain bfloat16 call."""
+    model = cuda_models[torch.bfloat16]
+    config = model.config
+    query = torch.randn(2, config.num_attention_heads, 1, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(2, config.num_key_value_heads, 37, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    with AttentionBackends() as control:  # the model's shapes, as a decoding step calls it
+        torch.nn.functional.scaled_dot_product_attention(query, keys, keys, enable_gqa=True)
+    if not _uses_cudnn(control.names):
+        pytest.skip(f"this PyTorch and GPU pick no cuDNN attention here ({sorted(control.names)})")
+    cache = kvcompress.cache_for(model, method_of(key), **EVICTING[key])
+    with AttentionBackends() as ours:
+        cache_logits(model, _ids(2, 40), cache, new_tokens=3)
+    assert not _uses_cudnn(ours.names), sorted(ours.names)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -22,6 +21,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import causal_mask, chunked_softmax
 
 ATTENTION_NAME = "kvcompress"
@@ -121,7 +121,7 @@ def sdpa(
     if mask is not None and mask.shape[1] > 1:
         mask = mask.repeat_interleave(groups, dim=1)
     is_causal = mask is None and query.shape[2] > 1 and query.shape[2] == key.shape[2]
-    return F.scaled_dot_product_attention(
+    return scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=groups > 1
     )
 

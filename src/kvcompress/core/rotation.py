@@ -27,7 +27,7 @@ def rotation_to(
 ) -> torch.Tensor:
     """``[B, 1, d, k d]``: for ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_to(...))``
     holds ``x`` rotated to each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)``
-    dimensions rotate), times ``scale``. The angles are computed as the model computes its own, in float32."""
+    dimensions rotate), times ``scale``. The angles are computed in float64 (see ``_rotation_to``)."""
     key = ("rotation-to", targets, inv_freq.data_ptr(), dim, dtype, scale)
     return forward_cached(position_ids, key, lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale))
 
@@ -51,7 +51,9 @@ def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Tensor:
     positions = position_ids[..., -1].reshape(-1)
     delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
-    angles = delta.float()[..., None] * inv_freq.to(positions.device)  # [B, k, h], as the model computes them
+    # float64 angles: a target can lie hundreds of positions from the query (a ring's frame), and a float32 angle
+    # that large is off by ~1e-5 rad, which is what the model's own rotations at the true positions are not
+    angles = delta.double()[..., None] * inv_freq.to(positions.device, torch.float64)  # [B, k, h]
     cos, sin = angles.cos(), angles.sin()
     half = cos.shape[-1]
     rest = dim - 2 * half  # partial rotary: these dimensions pass through

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from kvcompress.core.contract import AttentionStats, Selection
 from kvcompress.core.rope import rotate_by
+from kvcompress.core.sdpa import scaled_dot_product_attention
 
 
 class RingAttention:
@@ -196,7 +196,7 @@ class RingAttention:
             rank, _ = self.ranks()
             keys = rotate_by(keys, (rank - torch.arange(self.capacity, device=self.device))[:, None], self.inv_freq)
         batch, kv_heads, groups, count, dim = queries.shape
-        output = F.scaled_dot_product_attention(
+        output = scaled_dot_product_attention(
             queries.reshape(batch, kv_heads * groups, count, dim),
             torch.cat([keys, chunk_keys], 2),
             torch.cat([self._v, values.to(self._kv.dtype)], 2),

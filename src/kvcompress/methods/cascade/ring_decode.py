@@ -18,10 +18,10 @@ from __future__ import annotations
 from itertools import pairwise
 
 import torch
-from torch.nn import functional as F
 
 from kvcompress.core.forward_cache import forward_cached, from_host
 from kvcompress.core.rotation import rotation_to, turn
+from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import head_matmul
 from kvcompress.methods.cascade.ring_group import shift_chain
 
@@ -163,7 +163,7 @@ class RingDecode:
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
         turned = turn(query, rotation_to(pending.source, (seen,), self.inv_freq, dim, query.dtype))
         stored = self._kv[:, :, : spare + 1]
-        output = F.scaled_dot_product_attention(
+        output = scaled_dot_product_attention(
             turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
         )
         if dest != spare:

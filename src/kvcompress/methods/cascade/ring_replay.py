@@ -13,10 +13,10 @@ device too and this step reads them there. The Python integers advance as in the
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
+from kvcompress.core.sdpa import scaled_dot_product_attention
 
 
 class CircularReplay:
@@ -72,7 +72,7 @@ class CircularReplay:
             rotation = rotation_to_tensor(source, seen, self.inv_freq, dim, query.dtype)
         q_heads, kv_heads = query.shape[1], self._kv.shape[1]
         stored = self._kv[:, :, : spare + 1]
-        output = F.scaled_dot_product_attention(
+        output = scaled_dot_product_attention(
             turn(query, rotation), stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
         )
         dest = (self.start_tensor + sinks).view(1)

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcompress.core.attention import attention_with_stats, register_attention
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import chunked_softmax, grouped
 from kvcompress.methods.full import FullConfig
 from kvcompress.methods.less.config import LessConfig
@@ -163,7 +163,7 @@ class CaptureRun(AttentionRun):
     def __call__(self, layer_idx, query, key, value, scaling):
         self.records[layer_idx] = (query, key, value)
         groups = query.shape[1] // key.shape[1]
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        return scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=groups > 1)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 
 from kvcompress.core.attention import attention_with_stats, sdpa
 from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import row_chunks
 from kvcompress.methods.pod.layer import PoDLayer, PoDStep
 
@@ -69,7 +70,7 @@ def pod_attention(
         return sdpa(query, keys, value, mask, scaling), None
 
     scale = dim**-0.5 if scaling is None else scaling
-    share_idx = torch.tensor(sharing, device=query.device)
+    share_idx = layer.head_index(sharing)
     sources = []  # per sharing head: (distant query [B, q, d], distant keys [B, L, d])
     for h in sharing:
         step = layer.peers[starts[h]].step
@@ -83,9 +84,10 @@ def pod_attention(
             if _whole_groups(sharing, starts, groups):
                 return _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, scale), None
             keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
-            return _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
+            output = _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
+            return output, None
         keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
-        return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale), None
+        return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale), None
     keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
     prox_s = _grouped(proximal, q_heads)[:, share_idx]
     dist_s = _grouped(distant, q_heads)[:, share_idx]
@@ -145,7 +147,7 @@ def pod_attention(
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale) -> torch.Tensor:
+def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
     """Inference path (no autograd): Eq. 4 literally, with two fused attention calls that return their
     log-sum-exp: ``o_P, LSE_P`` over proximal tokens with own logits, ``o_D, LSE_D`` over distant tokens with the
     block start's logits, ``o = g o_P + (1 - g) o_D``, ``g = sigmoid(LSE_P - LSE_D)`` (``g = 1`` without distant
@@ -153,9 +155,8 @@ def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, sharin
     batch, q_heads, queries, dim = query.shape
     length = keys_q.shape[2]
     groups = q_heads // proximal.shape[1]
-    share_idx = torch.tensor(sharing, device=query.device)
     kv_of = share_idx // groups
-    out = torch.nn.functional.scaled_dot_product_attention(
+    out = scaled_dot_product_attention(
         query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, length), scale=scale
     )
     values = value_q[:, share_idx]
@@ -252,7 +253,7 @@ def _query_heads(kv_heads: torch.Tensor, groups: int) -> torch.Tensor:
     return (kv_heads[:, None] * groups + torch.arange(groups, device=kv_heads.device)).flatten()
 
 
-def _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, sources, scale) -> torch.Tensor:
+def _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
     """The mixed softmax as one fused SDPA call: every key appears twice, once as ``[k_own, 0]`` and once as
     ``[0, k_start]``, against the query ``[q_own, q_start]``; the mask picks, per (query, key), the own copy for
     proximal tokens (all visible tokens at block-start heads) and the block-start copy for distant tokens. Values
@@ -260,9 +261,8 @@ def _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, s
     of floats (autograd included)."""
     batch, q_heads, queries, dim = query.shape
     length = keys_q.shape[2]
-    heads = len(sharing)
+    heads = share_idx.shape[0]
     groups = q_heads // proximal.shape[1]
-    share_idx = torch.tensor(sharing, device=query.device)
     kv_of = share_idx // groups
     source_query = query.new_zeros(batch, q_heads, queries, dim)
     source_keys = keys_q.new_zeros(batch, q_heads, length, dim)
@@ -274,7 +274,7 @@ def _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, sharing, s
     own_allowed = own_allowed.index_copy(1, share_idx, proximal[:, kv_of].expand(batch, heads, queries, length))
     dist_allowed = torch.zeros_like(own_allowed)
     dist_allowed = dist_allowed.index_copy(1, share_idx, distant[:, kv_of].expand(batch, heads, queries, length))
-    return torch.nn.functional.scaled_dot_product_attention(
+    return scaled_dot_product_attention(
         torch.cat([query, source_query], dim=-1),
         keys,
         torch.cat([value_q, value_q], dim=2),

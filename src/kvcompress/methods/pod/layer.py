@@ -69,6 +69,15 @@ class PoDLayer(GatherLayer):
         self.keys = key_states[:, self.full_heads, :0]
         self.prox_keys = key_states[:, self.prox_heads, :0]
         self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
+        self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def head_index(self, heads: list[int]) -> torch.Tensor:
+        """``heads`` as a device tensor, made once per layer: a copy from host memory in every forward would make the
+        host wait for the GPU's queue."""
+        key = tuple(heads)
+        if key not in self._head_index:
+            self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        return self._head_index[key]
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         super().register_new_tokens(position_ids, padding)

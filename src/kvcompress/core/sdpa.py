@@ -1,0 +1,32 @@
+"""PyTorch's scaled dot-product attention as every kvcompress attention path calls it: never cuDNN's backend.
+
+On a CUDA device PyTorch may pick cuDNN's SDPA backend, which builds a cuDNN graph for each new key length; a
+compressed cache's key length changes every decoding step (the one-shot methods after their compression, PoD) or
+every prefill chunk. Measured on an H200 (torch 2.11, bfloat16, SmolLM2-135M's shapes): ~1.5 ms of host time per
+call against ~50 us when the length repeats, which made a SnapKV decoding step 3.3x a ``DynamicCache``'s whose
+length the benchmark keeps fixed. The flash and memory-efficient backends have no per-shape setup. Backends the
+user disabled stay disabled; elsewhere than CUDA the call is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, key, value, **kwargs)`` without the cuDNN backend on CUDA."""
+    if not query.is_cuda:
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+    with sdpa_kernel(_enabled_backends_but_cudnn()):
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+
+def _enabled_backends_but_cudnn() -> list[SDPBackend]:
+    enabled = (
+        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
+    )
+    return [backend for backend, on in enabled if on] or [SDPBackend.MATH]
