@@ -7,7 +7,7 @@ a few tokens, then count the ATen operations of one more decoding step of the wh
 launch nothing) and subtract the count of the same step on a ``DynamicCache``; host reads (``.item()``, ``bool``)
 are counted apart.
 
-    python scripts/count_decode_ops.py [--methods window,streaming,h2o] [--prompt 1024] [--budget 512]
+    python scripts/count_decode_ops.py [--methods window,streaming,h2o] [--prompt 1024] [--budget 512] [--by-op]
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens before the counted step")
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    parser.add_argument("--by-op", action="store_true", help="also list each method's added ops by name, per layer")
     args = parser.parse_args()
     set_threads(1)
     model, _ = load_model(args.model)
@@ -88,6 +89,11 @@ def main() -> None:
             added, views = (ops - base_ops) / layers, (count.views - base_views) / layers
             reads = sum(count.ops[name] for name in READS)
             print(f"{method:14s} {ops:9d} {added:16.1f} {views:18.1f} {reads:11d}")
+            if args.by_op:
+                extra = {name: (n - baseline.ops[name]) / layers for name, n in (count.ops - baseline.ops).items()}
+                fewer = {name: -(n - count.ops[name]) / layers for name, n in (baseline.ops - count.ops).items()}
+                listed = sorted({**extra, **fewer}.items(), key=lambda item: -abs(item[1]))
+                print("    " + ", ".join(f"{name} {per_layer:+.1f}" for name, per_layer in listed))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,28 @@ def test_proxy_scores_are_computed_in_row_chunks(monkeypatch):
     assert torch.allclose(whole.sum(-1), torch.full((B, HKV), 30.0))  # each proxy row is a distribution
 
 
+def test_proxies_in_the_last_rows_of_a_dense_layer_are_scored_as_plain_causal_attention(monkeypatch):
+    """The fast path (no per-row mask, only the diagonal block masked) is taken here and scores as the general
+    mask does."""
+    import kvcompress.methods.nacl.policy
+
+    decided = []
+    dense = kvcompress.methods.nacl.policy._last_rows_of_a_dense_layer
+
+    def spy(*args):
+        decided.append(dense(*args))
+        return decided[-1]
+
+    monkeypatch.setattr(kvcompress.methods.nacl.policy, "_last_rows_of_a_dense_layer", spy)
+    query, keys = hand_made()
+    config = make_config("nacl", ratio=0.2, proxy_tokens=30)
+    _, fast = evict(config, query, keys)
+    assert decided and all(decided)
+    monkeypatch.setattr(kvcompress.methods.nacl.policy, "_last_rows_of_a_dense_layer", lambda *a: False)
+    _, general = evict(config, query, keys)
+    torch.testing.assert_close(fast, general)
+
+
 def test_gqa_scores_use_the_query_heads_of_each_kv_group():
     query, keys = hand_made()
     query[:, G:] = 0.0  # KV head 1's group attends uniformly; KV head 0's group does not

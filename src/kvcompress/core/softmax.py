@@ -113,11 +113,11 @@ def chunked_softmax(
             outputs.append(torch.bmm(flat, values[:, :seen]).view(batch, kv_heads, groups, rows, -1))
         if lse:
             lses.append(row_lse)
-        if received:
-            weighted = probs
-            if row_weight is not None:
-                weighted = probs * row_weight[:, None, None, start:stop, None].to(probs.dtype)
-            mass[..., :seen].add_(weighted.sum(dim=-2))
+        if received and row_weight is None:
+            mass[..., :seen].add_(probs.sum(dim=-2))
+        elif received:  # the weighted column sums as one product: no weighted copy of the probabilities
+            weight = row_weight[:, None, None, None, start:stop].to(probs.dtype)  # [B, 1, 1, 1, rows]
+            mass[..., :seen].add_((weight @ probs).squeeze(-2))
         if last_n and stop > queries - last_n:
             rows_kept = probs[:, :, :, max(start, queries - last_n) - start :]
             last_rows.append(torch.nn.functional.pad(rows_kept, (0, length - seen)))

@@ -130,13 +130,16 @@ class NaClPolicy(Policy):
                 return key_visible
             return key_visible & (key_idx <= rows[start:stop][None, None, :, None])
 
+        mask, weight = visible, self._proxy_row_mask(layer, rows)
+        if self.config.proxy_causal and _last_rows_of_a_dense_layer(layer, rows):
+            mask, weight = None, None  # plain causal attention of the last rows: only the diagonal block is masked
         parts = chunked_softmax(
             self.proxy_query.float(),
             layer.keys.float(),
-            visible,
+            mask,
             self.proxy_scaling,
             received=True,
-            row_weight=self._proxy_row_mask(layer, rows),
+            row_weight=weight,
             chunk_elements=PROXY_CHUNK_ELEMENTS,
         )
         return reduce_groups(parts.received, self.config.gqa_reduce)
@@ -175,6 +178,17 @@ class NaClPolicy(Policy):
         kept = per_sequence("kept")
         keep = torch.where(kept < valid.sum(-1, keepdim=True), protected | top | sampled, valid)
         return keep_top(layer, keep.to(torch.float64), kept[:, 0, 0])
+
+
+def _last_rows_of_a_dense_layer(layer, rows: torch.Tensor) -> bool:
+    """Whether the proxy ``rows`` are the last stream rows and every slot holds the real token of its own index
+    (no padding, nothing evicted yet): then each proxy sees exactly the keys up to its own. Two host reads, once
+    per layer and compression."""
+    length = layer.keys.shape[2]
+    if not layer.all_valid or rows.numel() == 0 or rows.numel() > length:
+        return False
+    stream = torch.arange(length, device=rows.device)
+    return bool(torch.equal(rows, stream[length - rows.numel() :]) and (layer.token_idx == stream).all())
 
 
 def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
