@@ -314,6 +314,25 @@ def test_pod_with_snapkv_at_full_ratio_equals_pod(model):
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
 
 
+def test_pod_with_snapkv_scores_the_window_as_the_explicit_softmax_does(model, monkeypatch):
+    """A prefill chunk's output comes from the fused kernels and only the observation window's rows go through the
+    explicit softmax: the kept tokens and the logits equal those of the explicit softmax over every row."""
+    import kvcompress.methods.pod.attention
+
+    def run():
+        cache = kvcompress.cache_for(
+            model, "pod", starts=STARTS, n_sink=NS, n_recent=NR, base=SnapKVConfig(budget=24, window=4)
+        )
+        logits, _ = cache_logits(model, ids_of(60, seed=16), cache, new_tokens=4)
+        return logits, [layer.token_idx.clone() for layer in cache.compressed_layers]
+
+    logits, kept = run()
+    monkeypatch.setattr(kvcompress.methods.pod.attention, "_fuses", lambda config, request: not request.any)
+    explicit_logits, explicit_kept = run()
+    assert all(torch.equal(a, b) for a, b in zip(kept, explicit_kept, strict=True))
+    torch.testing.assert_close(logits, explicit_logits, rtol=1e-4, atol=1e-5)
+
+
 def test_pod_with_snapkv_padded_batch_equals_single_runs(model):
     long, short = ids_of(40, seed=14), ids_of(31, seed=15)
     batch = torch.zeros(2, 40, dtype=torch.long)

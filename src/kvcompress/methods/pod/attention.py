@@ -78,23 +78,19 @@ def pod_attention(
             raise RuntimeError(f"pod: layer {starts[h]} (block start of layer {layer.index}) has no matching step")
         source_query = step.query if config.query_source == "block_start" else query
         sources.append((source_query[:, h], step.keys[:, step.full_pos[h // groups]]))
-    if config.tau is None and config.combine == "softmax" and not request.any:
-        training = torch.is_grad_enabled() and query.requires_grad
-        if _FLASH is not None and query.device.type == "cpu" and not training:  # CPU-only kernel returning the LSE
-            if _whole_groups(sharing, starts, groups):
-                return _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, scale), None
-            keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
-            output = _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
-            return output, None
-        keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
-        return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale), None
+    fused = _fuses(config, request)
+    if fused:  # the output from fused kernels; the last rows' statistics, if asked for, from the explicit softmax
+        fused_output = _fused(layer, query, visible, proximal, distant, (sharing, starts, share_idx), sources, scale)
+        if not request.any:
+            return fused_output, None
     keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
     prox_s = _grouped(proximal, q_heads)[:, share_idx]
     dist_s = _grouped(distant, q_heads)[:, share_idx]
     outputs, last_rows, received = [], [], None
     last_n = min(request.last_queries, queries)
     skipped = eligible = 0
-    for r0, r1 in row_chunks(queries, batch * q_heads * length):
+    first = queries - last_n if fused else 0  # rows whose softmax is written out
+    for r0, r1 in ((first + a, first + b) for a, b in row_chunks(queries - first, batch * q_heads * length)):
         own = (query[:, :, r0:r1] @ keys_q.transpose(-1, -2)).float() * scale  # [B, H_q, R, L]
         dist = torch.stack([(q[:, r0:r1] @ k.transpose(-1, -2)).float() * scale for q, k in sources], dim=1)
         prox_r, dist_r = prox_s[:, :, r0:r1], dist_s[:, :, r0:r1]
@@ -132,7 +128,7 @@ def pod_attention(
             last_rows.append(probs[:, :, max(r0, queries - last_n) - r0 :])
     layer.gate_counts[0] += skipped
     layer.gate_counts[1] += eligible
-    output = torch.cat(outputs, dim=2)
+    output = fused_output if fused else torch.cat(outputs, dim=2)
     stats = None
     if request.any:
         stats = AttentionStats(query_count=queries)
@@ -145,6 +141,29 @@ def pod_attention(
 
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
+    """Whether the output comes from fused kernels: the plain mixed softmax, asked at most for the last rows."""
+    return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
+
+
+def _fused(layer, query, visible, proximal, distant, heads, sources, scale) -> torch.Tensor:
+    """The mixed softmax's output (no statistics) from fused attention kernels: two calls returning their
+    log-sum-exp on the CPU (``_two_call_merge``, grouped where ``_whole_groups`` holds), one masked SDPA
+    elsewhere and under autograd (``_mixed_sdpa``). ``heads``: the sharing query heads, every query head's block
+    start and the sharing heads as a device tensor."""
+    sharing, starts, share_idx = heads
+    q_heads = query.shape[1]
+    groups = q_heads // layer.values.shape[1]
+    training = torch.is_grad_enabled() and query.requires_grad
+    if _FLASH is not None and query.device.type == "cpu" and not training:  # CPU-only kernel returning the LSE
+        if _whole_groups(sharing, starts, groups):
+            return _two_call_merge_grouped(layer, query, visible, proximal, distant, sources, scale)
+        keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
+        return _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
+    keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
+    return _mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
 
 
 def _two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
