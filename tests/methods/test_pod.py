@@ -333,6 +333,37 @@ def test_pod_with_snapkv_scores_the_window_as_the_explicit_softmax_does(model, m
     torch.testing.assert_close(logits, explicit_logits, rtol=1e-4, atol=1e-5)
 
 
+def test_chunks_of_the_stream_as_it_came_share_their_masks_and_equal_the_general_masks(model, monkeypatch):
+    """While every layer holds the stream as it came, a chunk's masks are built once per forward from the
+    positions (``stream_masks``): the logits and kept tokens equal those of the per-layer masks."""
+    import kvcompress.methods.pod.attention
+
+    built = []
+    shared = kvcompress.methods.pod.attention.stream_biases
+
+    def spy(*args):
+        built.append(shared(*args))
+        return built[-1]
+
+    def run():
+        cache = kvcompress.cache_for(
+            model, "pod", starts=STARTS, n_sink=NS, n_recent=NR, base=SnapKVConfig(budget=24, window=4)
+        )
+        ids = ids_of(63, seed=17)
+        prefill(model, ids[:, :60], cache, chunk_size=16)
+        with torch.no_grad():
+            steps = [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(60, 63)]
+        return torch.cat(steps, 1), [layer.token_idx.clone() for layer in cache.compressed_layers]
+
+    monkeypatch.setattr(kvcompress.methods.pod.attention, "stream_biases", spy)
+    logits, kept = run()
+    assert any(b is not None for b in built)
+    monkeypatch.setattr(kvcompress.methods.pod.attention, "stream_biases", lambda *args: None)
+    general_logits, general_kept = run()
+    assert all(torch.equal(a, b) for a, b in zip(kept, general_kept, strict=True))
+    torch.testing.assert_close(logits, general_logits, rtol=1e-5, atol=1e-6)
+
+
 def test_pod_with_snapkv_padded_batch_equals_single_runs(model):
     long, short = ids_of(40, seed=14), ids_of(31, seed=15)
     batch = torch.zeros(2, 40, dtype=torch.long)

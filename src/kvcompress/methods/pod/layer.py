@@ -16,6 +16,7 @@ from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
 from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_forward
 from kvcompress.core.layer import LAYER_ATTRIBUTE
+from kvcompress.core.rope import counts_from
 from kvcompress.methods.pod.budget import kept_for_request
 
 
@@ -45,6 +46,8 @@ class PoDLayer(GatherLayer):
         self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
         self.all_real = True  # no padding stored (known on the host: no mask is built for a decoding step)
         self.max_position = -1  # largest RoPE position given so far, read back only while below a full window
+        self.on_stream = True  # every token stored at its stream index and position, no padding (``stream_masks``)
+        self.forward_positions: torch.Tensor | None = None  # this forward's position_ids (shared by its layers)
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
@@ -86,6 +89,21 @@ class PoDLayer(GatherLayer):
         if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
             newest = self.seen - 1 if position_ids is None else self._largest(position_ids)
             self.max_position = max(self.max_position, newest)
+        self.forward_positions = position_ids
+        # a decoding step ends it without a read (its masks are small); one host read per chunk, shared by the layers
+        first = self.seen - self.new_tokens
+        dense = self.sliding_window is None and self.values.shape[2] == self.seen  # nothing expired or dropped
+        self.on_stream = self.on_stream and dense and self.all_real and self.new_tokens > 1
+        self.on_stream = self.on_stream and (position_ids is None or self._counts_from(position_ids, first))
+
+    def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
+        """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
+
+        def check() -> bool:
+            positions = position_ids[..., -self.new_tokens :]
+            return counts_from(positions[0] if positions.dim() == 3 else positions, first)
+
+        return forward_cached(position_ids, ("counts-from", first, self.new_tokens), check)
 
     @staticmethod
     def _largest(position_ids: torch.Tensor) -> int:
@@ -93,8 +111,8 @@ class PoDLayer(GatherLayer):
         return forward_cached(position_ids, "max-position", lambda: int(position_ids.max()))
 
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
-        if query_count == 1 and sliding_window is None and self.all_real:
-            return None  # one query, no padding: it sees every stored token
+        if sliding_window is None and (self.on_stream or (query_count == 1 and self.all_real)):
+            return None  # plain causal: the stream as it came, or one query without padding (every stored token)
         return super().attention_mask(query_count, sliding_window)
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -183,6 +201,7 @@ class PoDLayer(GatherLayer):
             return tensor.gather(2, shaped.expand(*rows.shape, *tensor.shape[3:]))
 
         prox_index = index[:, self.prox_heads]
+        self.on_stream = False
         self.values = take(self.values, index)
         self.token_idx, self.rope_pos, self.valid = (
             take(self.token_idx, index),
@@ -237,7 +256,7 @@ class PoDLayer(GatherLayer):
     # --- transformers' layer API and accounting ------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.all_real, self.max_position = True, -1
+        self.all_real, self.max_position, self.on_stream = True, -1, True
         self.prox_keys = self.prox_slot = None
         self.step = self.last_selection = None
 
