@@ -99,13 +99,14 @@ def pod_attention(
     last_n = min(request.last_queries, queries)
     first = queries - last_n if fused else 0  # rows whose softmax is written out
     visible, proximal, distant = _masks(layer, queries, mask, config, first)
-    keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
+    own_keys, visible_q = layer.own_keys(), _grouped(visible, q_heads)
+    value_q = None if fused else _grouped(layer.values, q_heads)  # (the fused output stands: statistics only)
     prox_s = _grouped(proximal, q_heads)[:, share_idx]
     dist_s = _grouped(distant, q_heads)[:, share_idx]
     outputs, last_rows, received = [], [], None
     skipped = eligible = 0
     for r0, r1 in ((first + a, first + b) for a, b in row_chunks(queries - first, batch * q_heads * length)):
-        own = (query[:, :, r0:r1] @ keys_q.transpose(-1, -2)).float() * scale  # [B, H_q, R, L]
+        own = _grouped_logits(query[:, :, r0:r1], own_keys).float() * scale  # [B, H_q, R, L]
         dist = torch.stack([(q[:, r0:r1] @ k.transpose(-1, -2)).float() * scale for q, k in sources], dim=1)
         prox_r, dist_r = prox_s[:, :, r0 - first : r1 - first], dist_s[:, :, r0 - first : r1 - first]
         own_s = own[:, share_idx]
@@ -124,7 +125,7 @@ def pod_attention(
         mixed_s = torch.where(prox_r, own_s, dist).masked_fill(~(prox_r | allowed), -math.inf)
         logits = own.masked_fill(~visible_q[:, :, r0 - first : r1 - first], -math.inf).index_copy(1, share_idx, mixed_s)
         probs = logits.softmax(dim=-1)
-        out = probs.to(value.dtype) @ value_q
+        out = None if fused else probs.to(value.dtype) @ value_q
         if config.combine == "lse":
             p_prox = own_s.masked_fill(~prox_r, -math.inf).softmax(-1)
             p_dist = dist.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0)
@@ -180,6 +181,15 @@ def _fused(layer, query, mask, config, heads, sources, scale) -> torch.Tensor:
     keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
     merge = two_call_merge if FLASH is not None and query.device.type == "cpu" and not training else mixed_sdpa
     return merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
+
+
+def _grouped_logits(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``query`` ``[B, H_q, R, d]`` against ``keys`` ``[B, H_kv, L, d]``: ``[B, H_q, R, L]``, each KV head's query
+    heads folded into rows (no key repeated per query head)."""
+    batch, q_heads, rows, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    folded = query.reshape(batch, kv_heads, q_heads // kv_heads * rows, dim)
+    return (folded @ keys.transpose(-1, -2)).view(batch, q_heads, rows, length)
 
 
 def _repeated(layer: PoDLayer, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
