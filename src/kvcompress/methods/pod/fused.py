@@ -97,7 +97,7 @@ def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) ->
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, -inf elsewhere, in ``dtype``."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
+    return torch.full(allowed.shape, -math.inf, dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
 
 
 def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, sources, scale) -> torch.Tensor:
@@ -108,9 +108,8 @@ def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, so
     or value is repeated per query head."""
     batch, q_heads, queries, dim = query.shape
     groups = q_heads // layer.values.shape[1]
-    share, full = layer.prox_heads, layer.full_heads
-    share_q, full_q = query_heads(share, groups), query_heads(full, groups)
-    shared = len(share)
+    share_q, full_q = (layer.head_index(_query_heads(layer, kind, groups)) for kind in ("prox", "full"))
+    shared, full = len(layer.prox_heads), len(layer.full_heads)
 
     def rows(tensor: torch.Tensor) -> torch.Tensor:  # [B, S, G, q, x] -> [B, S, G * q, x]
         return tensor.reshape(batch, shared, groups * queries, tensor.shape[-1])
@@ -126,15 +125,17 @@ def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, so
     o_dist, lse_dist = FLASH(source_query, source_keys, values, 0.0, False, attn_mask=biases.dist, scale=scale)
     mixed = gated(o_prox, lse_prox, o_dist, lse_dist, biases.has_distant)
     mixed = mixed.reshape(batch, len(share_q), queries, dim)
-    if not len(full):
+    if not full:
         return mixed
     out = sdpa(query[:, full_q], layer.keys, layer.heads_of(layer.values, "full"), full_visible, scale)
     return torch.empty_like(query).index_copy_(1, share_q, mixed).index_copy_(1, full_q, out)
 
 
-def query_heads(kv_heads: torch.Tensor, groups: int) -> torch.Tensor:
-    """The query heads of ``kv_heads`` (``repeat_kv`` order: KV head ``g`` serves ``g·G … g·G + G − 1``)."""
-    return (kv_heads[:, None] * groups + torch.arange(groups, device=kv_heads.device)).flatten()
+def _query_heads(layer, kind: str, groups: int) -> list[int]:
+    """The query heads of the layer's KV heads of ``kind`` (``"prox"`` or ``"full"``), in ``repeat_kv`` order: KV
+    head ``g`` serves ``g·G … g·G + G − 1``."""
+    heads = [g for g, row in enumerate(layer.full_pos) if (row < 0) == (kind == "prox")]
+    return [g * groups + k for g in heads for k in range(groups)]
 
 
 def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:

@@ -164,8 +164,9 @@ class PoDLayer(GatherLayer):
 
     def _pack_proximal(self, keep: torch.Tensor, slot: torch.Tensor) -> None:
         """Keep the proximal entries marked in ``keep`` ``[B, H - S, P]`` (stream order), re-packed to the max count."""
-        count = int(keep.sum(-1).max()) if keep.numel() else 0
-        if keep.numel() and count == keep.shape[-1] and bool(keep.all()):
+        # one host read: the packed width is a shape
+        fewest, count = torch.stack(keep.sum(-1).aminmax()).tolist() if keep.numel() else (0, 0)
+        if keep.numel() and fewest == keep.shape[-1]:
             self.prox_slot = slot
             return
         order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :count]
@@ -179,12 +180,12 @@ class PoDLayer(GatherLayer):
         if not len(self.prox_heads) or not self.prox_slot.shape[-1]:
             return
         config = self.policy.config
-        heads = self.prox_heads
         slot = self.prox_slot
         safe = slot.clamp(min=0)
-        pos = self.rope_pos[:, heads].gather(-1, safe)
-        real = (slot >= 0) & self.valid[:, heads].gather(-1, safe)
-        newest = self.rope_pos[:, heads, -1:]
+        rope_pos = self.heads_of(self.rope_pos, "prox")
+        pos = rope_pos.gather(-1, safe)
+        real = (slot >= 0) & self.heads_of(self.valid, "prox").gather(-1, safe)
+        newest = rope_pos[..., -1:]
         keep = real & ((pos < config.n_sink) | (newest - pos < config.n_recent))
         self._pack_proximal(keep, slot)
 
