@@ -143,6 +143,19 @@ def test_one_shot_method_compresses_once_after_a_chunked_prefill(tiny_llama):
     assert cache.tokens_stored() == [10, 10]
 
 
+@pytest.mark.parametrize(
+    ("method", "params"), [("snapkv", {"budget": 12, "window": 4}), ("pod", {"budget": 12, "block_size": 2})]
+)
+def test_a_chunked_prefill_inside_a_callers_deferred_block_leaves_the_compression_to_it(tiny_llama, method, params):
+    cache = kvcompress.cache_for(tiny_llama, method, **params)
+    ids = ids_of(1, 48, seed=9)
+    with cache.deferred_compression():
+        prefill(tiny_llama, ids[:, :32], cache, chunk_size=8)  # its own block, nested in the caller's
+        assert max(cache.tokens_stored()) == 32
+        prefill(tiny_llama, ids[:, 32:], cache, chunk_size=8)
+    assert max(cache.tokens_stored()) < 48
+
+
 @pytest.mark.parametrize("method", ["nacl", "snapkv"])
 def test_one_pass_prefill_compresses_each_layer_before_the_next_layer_runs(tiny_llama, method):
     cache = kvcompress.cache_for(tiny_llama, method, ratio=0.25)

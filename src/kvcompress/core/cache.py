@@ -92,11 +92,14 @@ class CompressedCache(Cache):
 
     @contextmanager
     def deferred_compression(self) -> Iterator[CompressedCache]:
-        """Within this block one-shot methods do not compress; they compress once when it ends."""
+        """Within this block one-shot methods do not compress; they compress once when it ends. Blocks nest: an
+        inner block (``prefill`` of several chunks inside a caller's block) leaves the compression to the outer."""
+        outer = not any(layer.defer_compression for layer in self.compressed_layers)
         for layer in self.compressed_layers:
             layer.defer_compression = True
         try:
             yield self
         finally:
-            for layer in self.compressed_layers:
-                layer.compress()
+            if outer:
+                for layer in self.compressed_layers:
+                    layer.compress()
