@@ -82,21 +82,37 @@ def attend_layer(
     mask = layer.attention_mask(queries, sliding_window)
     request = StatsRequest() if layer.policy.one_shot and layer.compressed else layer.policy.stats
     custom = layer.attend(query, key, value, mask, scaling)
-    bias = None  # a plain causal chunk after earlier keys, attended with SDPA: its mask, shared by the layers
-    softmax_only = request.received or request.lse  # (the explicit softmax skips hidden keys without a mask)
-    if custom is None and mask is None and position_ids is not None and 1 < queries < key.shape[2]:
-        bias = None if softmax_only else causal_bias(queries, key.shape[2], query, position_ids)
     if custom is not None:
         output, stats = custom
-    elif request.any:  # the layer's masks leave every query its own key; None: plain causal
-        output, stats = attention_with_stats(query, key, value, mask, scaling, request, True, bias)
     else:
-        output, stats = sdpa(query, key, value, mask if bias is None else bias, scaling), None
+        output, stats = layer_attention(query, key, value, mask, scaling, request, position_ids)
     layer.after_attention(stats)
     layer.expire_window()
     for observer in layer.observers:
         observer(layer)
     return output
+
+
+def layer_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    request: StatsRequest,
+    position_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, AttentionStats | None]:
+    """A layer's attention under its own ``mask`` (``None``: plain causal): SDPA, or the explicit softmax beside it
+    where statistics are asked for. The layer's masks leave every query its own key. A plain causal chunk after
+    earlier keys reads one additive mask shared by the forward's layers (``causal_bias``)."""
+    queries = query.shape[2]
+    bias = None
+    softmax_only = request.received or request.lse  # (the explicit softmax skips hidden keys without a mask)
+    if mask is None and position_ids is not None and 1 < queries < key.shape[2] and not softmax_only:
+        bias = causal_bias(queries, key.shape[2], query, position_ids)
+    if request.any:
+        return attention_with_stats(query, key, value, mask, scaling, request, True, bias)
+    return sdpa(query, key, value, mask if bias is None else bias, scaling), None
 
 
 def causal_bias(queries: int, length: int, like: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

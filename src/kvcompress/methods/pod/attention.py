@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcompress.core.attention import attention_with_stats, sdpa
+from kvcompress.core.attention import layer_attention
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.softmax import row_chunks
 from kvcompress.methods.pod.fused import (
@@ -77,10 +77,7 @@ def pod_attention(
     # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
     # below also handle rows that have none)
     if not sharing or layer.max_position < config.n_sink + config.n_recent:
-        keys = layer.own_keys()
-        if request.any:
-            return attention_with_stats(query, keys, value, _visible(layer, queries, mask), scaling, request)
-        return sdpa(query, keys, value, mask, scaling), None
+        return layer_attention(query, layer.own_keys(), value, mask, scaling, request, layer.forward_positions)
 
     scale = dim**-0.5 if scaling is None else scaling
     share_idx = layer.head_index(sharing)

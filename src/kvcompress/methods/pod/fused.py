@@ -13,9 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvcompress.core.attention import sdpa
+from kvcompress.core.attention import layer_attention
+from kvcompress.core.contract import StatsRequest
 from kvcompress.core.sdpa import scaled_dot_product_attention
 
+NO_STATS = StatsRequest()
 FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # CPU only; returns the LSE
 
 
@@ -127,7 +129,9 @@ def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, so
     mixed = mixed.reshape(batch, len(share_q), queries, dim)
     if not full:
         return mixed
-    out = sdpa(query[:, full_q], layer.keys, layer.heads_of(layer.values, "full"), full_visible, scale)
+    full_values = layer.heads_of(layer.values, "full")
+    positions = layer.forward_positions
+    out, _ = layer_attention(query[:, full_q], layer.keys, full_values, full_visible, scale, NO_STATS, positions)
     return torch.empty_like(query).index_copy_(1, share_q, mixed).index_copy_(1, full_q, out)
 
 
