@@ -5,8 +5,8 @@ its size, so the number of operations a cache adds per layer predicts its cost t
 section 0b) and can be followed on a machine without a GPU. For each method: prefill the prompt in chunks, decode
 a few tokens, then count the ATen operations of one more decoding step of the whole model (views excluded: they
 launch nothing) and subtract the count of the same step on a ``DynamicCache``; host reads (``.item()``, ``bool``)
-are counted apart. A ``.tolist()`` of a CPU tensor dispatches no operation, so its reads are not counted here
-(PoD's proximal trim reads its counts that way, once per layer); ``tests/gpu`` sees every read on a GPU.
+are counted apart. A ``.tolist()`` of a CPU tensor dispatches no operation, so such reads are not counted here;
+``tests/gpu`` sees every read on a GPU.
 
     python scripts/count_decode_ops.py [--methods window,streaming,h2o] [--prompt 1024] [--budget 512] [--by-op]
 """

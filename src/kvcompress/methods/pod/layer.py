@@ -164,8 +164,10 @@ class PoDLayer(GatherLayer):
 
     def _pack_proximal(self, keep: torch.Tensor, slot: torch.Tensor) -> None:
         """Keep the proximal entries marked in ``keep`` ``[B, H - S, P]`` (stream order), re-packed to the max count."""
-        # one host read: the packed width is a shape
-        fewest, count = torch.stack(keep.sum(-1).aminmax()).tolist() if keep.numel() else (0, 0)
+        fewest = count = 0
+        if keep.numel():  # one host read (the packed width is a shape): both counts in one number
+            counts, width = keep.sum(-1), keep.shape[-1] + 1
+            fewest, count = divmod(int(counts.amin() * width + counts.amax()), width)
         if keep.numel() and fewest == keep.shape[-1]:
             self.prox_slot = slot
             return
