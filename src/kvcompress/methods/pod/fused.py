@@ -28,6 +28,9 @@ class GroupedBiases(NamedTuple):
     prox: torch.Tensor  # [B or 1, S or 1, G q, P]: the stored proximal keys (``prox_slot`` order) each row sees
     dist: torch.Tensor  # [B or 1, S or 1, G q, L]: the distant keys; rows without any see every key (dropped)
     has_distant: torch.Tensor  # [B or 1, S or 1, G q]
+    # (first, stop): instead, every row sees the distant keys [first, stop) and, from ``stop``, the next q keys
+    # causally (query row i the first i + 1 of them; ``dist`` is then that [.., G q, q] block's mask)
+    split: tuple[int, int] | None = None
 
 
 def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
@@ -97,6 +100,22 @@ def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) ->
     )
 
 
+def distant_attention(query, keys, values, biases: GroupedBiases, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and log-sum-exp of the rows ``query`` over their distant ``keys``: one masked call, or with
+    ``biases.split`` an unmasked call over the keys every row sees and a call over the causal block, merged."""
+    if biases.split is None:
+        return FLASH(query, keys, values, 0.0, False, attn_mask=biases.dist, scale=scale)
+    first, stop = biases.split
+    block = slice(stop, stop + biases.dist.shape[-1])
+    o_all, lse_all = FLASH(query, keys[:, :, first:stop], values[:, :, first:stop], 0.0, False, scale=scale)
+    o_new, lse_new = FLASH(
+        query, keys[:, :, block], values[:, :, block], 0.0, False, attn_mask=biases.dist, scale=scale
+    )
+    lse = torch.logaddexp(lse_all, lse_new)
+    output = o_all * (lse_all - lse).exp()[..., None] + o_new * (lse_new - lse).exp()[..., None]
+    return output.to(o_all.dtype), lse
+
+
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, -inf elsewhere, in ``dtype``."""
     return torch.full(allowed.shape, -math.inf, dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
@@ -124,7 +143,7 @@ def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, so
     source_query = rows(torch.stack([q for q, _ in sources], dim=1))
     source_keys = torch.stack([sources[i * groups][1] for i in range(shared)], dim=1)
     values = layer.heads_of(layer.values, "prox")
-    o_dist, lse_dist = FLASH(source_query, source_keys, values, 0.0, False, attn_mask=biases.dist, scale=scale)
+    o_dist, lse_dist = distant_attention(source_query, source_keys, values, biases, scale)
     mixed = gated(o_prox, lse_prox, o_dist, lse_dist, biases.has_distant)
     mixed = mixed.reshape(batch, len(share_q), queries, dim)
     if not full:

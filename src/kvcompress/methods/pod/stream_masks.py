@@ -37,13 +37,16 @@ def _build(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiase
         near = (key_pos < config.n_sink) | (query_pos - key_pos < config.n_recent)
         return seen & near, seen & ~near
 
-    prox_seen, _ = near_and_far(layer.prox_slot[0, 0])  # a stored proximal key's slot is its position here
-    _, distant = near_and_far(torch.arange(layer.seen, device=layer.device))
-    has_distant = distant.any(-1)
-
     def rows(tensor: torch.Tensor) -> torch.Tensor:  # [q, ...] -> [1, 1, G q, ...]: the same rows per query head
         return tensor.repeat(groups, *([1] * (tensor.dim() - 1)))[None, None]
 
-    return GroupedBiases(
-        rows(additive(prox_seen, dtype)), rows(additive(distant | ~has_distant[:, None], dtype)), rows(has_distant)
-    )
+    prox_seen, _ = near_and_far(layer.prox_slot[0, 0])  # a stored proximal key's slot is its position here
+    prox = rows(additive(prox_seen, dtype))
+    stop = layer.seen - queries - config.n_recent  # distant to every query before it, to query i up to stop + i
+    if stop > config.n_sink:  # two unmasked-or-small calls instead of one [G q, L] mask
+        causal = torch.ones(queries, queries, dtype=torch.bool, device=layer.device).tril()
+        every = torch.ones(groups * queries, dtype=torch.bool, device=layer.device)[None, None]
+        return GroupedBiases(prox, rows(additive(causal, dtype)), every, (config.n_sink, stop))
+    _, distant = near_and_far(torch.arange(layer.seen, device=layer.device))
+    has_distant = distant.any(-1)
+    return GroupedBiases(prox, rows(additive(distant | ~has_distant[:, None], dtype)), rows(has_distant))
