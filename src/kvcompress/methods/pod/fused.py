@@ -189,3 +189,51 @@ def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, 
         attn_mask=torch.cat([own_allowed, dist_allowed], dim=-1),
         scale=scale,
     )
+
+
+def ring_attention(layer, query: torch.Tensor, sources: list, scale: float) -> torch.Tensor:
+    """A decoding step's output (one query, no padding) while the layer's proximal keys are in its ring
+    (``kvcompress.methods.pod.ring``): the sharing KV heads attend over the ring with their own query rows and
+    over the stored distant tokens with their block start's query and keys (one call per run of KV heads whose
+    block start holds their keys side by side: views, no copy), merged by Eq. 4; the block-start heads over their
+    full keys (one grouped-query SDPA). ``sources``: per run, ``(first, count, distant query [B, n, G, d], keys
+    [B, n, L, d])``."""
+    ring = layer.ring
+    batch, q_heads, _, dim = query.shape
+    length = layer.values.shape[2]
+    groups = q_heads // layer.values.shape[1]
+    shared = len(layer.prox_heads)
+    share_q = _query_heads(layer, "prox", groups)
+    rows = _heads(query, share_q, layer).reshape(batch, shared, groups, dim)
+    values = layer.heads_of(layer.values, "prox")
+    near_values = values.gather(2, ring.slot[..., None].expand(*ring.slot.shape, dim))
+    o_prox, lse_prox = FLASH(rows, ring.keys, near_values, 0.0, False, attn_mask=ring.bias, scale=scale)
+    parts = []
+    for first, count, source_query, source_keys in sources:
+        heads = slice(first, first + count)
+        mask = ring.distant(length)[:, heads]
+        parts.append(FLASH(source_query, source_keys, values[:, heads], 0.0, False, attn_mask=mask, scale=scale))
+    o_dist, lse_dist = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
+    has_distant = ring.has_distant(length)
+    if has_distant is not None:  # rows without a distant token take the proximal part alone
+        lse_dist = lse_dist.masked_fill(~has_distant, -math.inf)
+    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(o_prox.dtype)
+    mixed = torch.lerp(o_dist, o_prox, gate).reshape(batch, shared * groups, 1, dim)
+    if not len(layer.full_heads):
+        return mixed
+    full_q = _query_heads(layer, "full", groups)
+    full_values = layer.heads_of(layer.values, "full")
+    out, _ = layer_attention(_heads(query, full_q, layer), layer.keys, full_values, None, scale, NO_STATS, None)
+    if share_q[0] == 0 and share_q == list(range(len(share_q))) and full_q == list(range(len(share_q), q_heads)):
+        return torch.cat([mixed, out], dim=1)
+    if full_q[0] == 0 and full_q == list(range(len(full_q))) and share_q == list(range(len(full_q), q_heads)):
+        return torch.cat([out, mixed], dim=1)
+    share_idx, full_idx = layer.head_index(share_q), layer.head_index(full_q)
+    return torch.empty_like(query).index_copy_(1, share_idx, mixed).index_copy_(1, full_idx, out)
+
+
+def _heads(query: torch.Tensor, heads: list[int], layer) -> torch.Tensor:
+    """``query``'s query ``heads`` along dim 1: a view where they are consecutive, else a copy."""
+    if heads == list(range(heads[0], heads[0] + len(heads))):
+        return query.narrow(1, heads[0], len(heads))
+    return query.index_select(1, layer.head_index(heads))

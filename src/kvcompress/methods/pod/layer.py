@@ -18,6 +18,7 @@ from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_f
 from kvcompress.core.layer import LAYER_ATTRIBUTE
 from kvcompress.core.rope import counts_from
 from kvcompress.methods.pod.budget import kept_for_request
+from kvcompress.methods.pod.ring import ProximalRing
 
 
 @dataclass
@@ -49,6 +50,9 @@ class PoDLayer(GatherLayer):
         self.on_stream = True  # every token stored at its stream index and position, no padding (``stream_masks``)
         self.forward_positions: torch.Tensor | None = None  # this forward's position_ids (shared by its layers)
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
+        self.ring: ProximalRing | None = None  # the proximal keys while decoding (``ring.py``)
+        self.ring_ready: bool | None = None  # whether decoding may use the ring (set by the first attention)
+        self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
@@ -67,6 +71,7 @@ class PoDLayer(GatherLayer):
         prox = [g for g in range(kv_heads) if g not in full]
         self.full_heads = torch.tensor(full, dtype=torch.long, device=self.device)
         self.prox_heads = torch.tensor(prox, dtype=torch.long, device=self.device)
+        self.head_lists = {"full": full, "prox": prox}
         self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
         self.keys = key_states[:, self.full_heads, :0]
@@ -95,6 +100,55 @@ class PoDLayer(GatherLayer):
         dense = self.sliding_window is None and self.values.shape[2] == self.seen  # nothing expired or dropped
         self.on_stream = self.on_stream and dense and self.all_real and self.new_tokens > 1
         self.on_stream = self.on_stream and (position_ids is None or self._counts_from(position_ids, first))
+        if self._ring_key is not None:
+            self._write_ring(position_ids)
+
+    # --- the proximal ring while decoding (``ring.py``) ----------------------------------------------------
+    def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
+        """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
+        asked, no autograd, and past the first distant position (decided on the host)."""
+        config = self.policy.config
+        wants_stats = not (self.policy.one_shot and self.compressed) and self.policy.stats.any
+        return (
+            count == 1
+            and self.ring_ready is True
+            and self.all_real
+            and self.sliding_window is None
+            and not wants_stats
+            and not key_states.requires_grad
+            and self.max_position >= config.n_sink + config.n_recent
+        )
+
+    def _write_ring(self, position_ids: torch.Tensor | None) -> None:
+        key, self._ring_key = self._ring_key, None
+        if self.ring is None:
+            position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
+            if position is None:  # rows at different positions: the packed keys, from now on
+                self.ring_ready = False
+                self._append_proximal(key)
+                return
+            self.ring = ProximalRing(self, position)
+            self.prox_keys, self.prox_slot = self.ring.keys, None
+        length = self.values.shape[2]
+        self.ring.advance(key, length - 1, length)
+
+    @staticmethod
+    def _decoding_position(position_ids: torch.Tensor) -> int | None:
+        """The new token's position if every row has the same (one host read per forward), else None."""
+
+        def read() -> int | None:
+            positions = position_ids[..., -1]
+            positions = positions[0] if positions.dim() == 2 and position_ids.dim() == 3 else positions
+            largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
+            return largest if largest == smallest else None
+
+        return forward_cached(position_ids, "pod-decoding-position", read)
+
+    def leave_ring(self) -> None:
+        """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
+        if self.ring is not None:
+            self.prox_keys, self.prox_slot = self.ring.packed()
+            self.ring = None
 
     def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
         """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
@@ -121,7 +175,9 @@ class PoDLayer(GatherLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, count, _ = key_states.shape
-        old = self.values.shape[2]
+        ring_step = self._ring_step(count, key_states)
+        if not ring_step:
+            self.leave_ring()
         new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
@@ -130,15 +186,24 @@ class PoDLayer(GatherLayer):
         for name, value in self.policy.init_state(self, key_states).items():
             previous = self.state.get(name)
             self.state[name] = value if previous is None else torch.cat([previous, value], dim=2)
-        self.keys = torch.cat([self.keys, key_states[:, self.full_heads]], dim=-2)
-        self.prox_keys = torch.cat([self.prox_keys, key_states[:, self.prox_heads]], dim=-2)
-        slots = torch.arange(old, old + count, device=self.device).expand(batch, len(self.prox_heads), count)
-        self.prox_slot = torch.cat([self.prox_slot, slots], dim=-1)
+        self.keys = torch.cat([self.keys, self.heads_of(key_states, "full")], dim=-2)
+        if ring_step:
+            self._ring_key = self.heads_of(key_states, "prox")
+        else:
+            self._append_proximal(self.heads_of(key_states, "prox"))
         self.seen += count
         self.new_tokens = count
         self.step = None
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
+
+    def _append_proximal(self, keys: torch.Tensor) -> None:
+        """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
+        batch, shared, count, _ = keys.shape
+        length = self.values.shape[2]
+        slots = torch.arange(length - count, length, device=self.device).expand(batch, shared, count)
+        self.prox_keys = torch.cat([self.prox_keys, keys], dim=-2)
+        self.prox_slot = torch.cat([self.prox_slot, slots], dim=-1)
 
     def heads_of(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
         """``tensor``'s KV heads of ``kind`` (``"full"`` or ``"prox"``) along dim 1: a view where they are
@@ -179,7 +244,7 @@ class PoDLayer(GatherLayer):
 
     def trim_proximal(self) -> None:
         """Drop the keys of tokens that left every future query's proximal window (non-start KV heads only)."""
-        if not len(self.prox_heads) or not self.prox_slot.shape[-1]:
+        if self.ring is not None or not len(self.prox_heads) or not self.prox_slot.shape[-1]:
             return
         config = self.policy.config
         slot = self.prox_slot
@@ -196,6 +261,7 @@ class PoDLayer(GatherLayer):
         self.trim_proximal()
 
     def apply(self, selection: Selection) -> None:
+        self.leave_ring()
         index = selection.indices
         length = self.values.shape[2]
 
@@ -260,10 +326,11 @@ class PoDLayer(GatherLayer):
     def reset(self) -> None:
         super().reset()
         self.all_real, self.max_position, self.on_stream = True, -1, True
-        self.prox_keys = self.prox_slot = None
+        self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_ready = None
         self.step = self.last_selection = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.leave_ring()
         super().batch_select_indices(indices)
         if self.is_initialized:
             indices = indices.to(self.device)
@@ -271,6 +338,7 @@ class PoDLayer(GatherLayer):
             self.prox_slot = self.prox_slot.index_select(0, indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.leave_ring()
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
             self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
@@ -284,6 +352,8 @@ class PoDLayer(GatherLayer):
     def metadata_nbytes(self) -> int:
         if not self.is_initialized:
             return 0
+        if self.ring is not None:
+            return super().metadata_nbytes() + self.ring.nbytes()[1]
         return super().metadata_nbytes() + self.prox_slot.numel() * self.prox_slot.element_size()
 
 

@@ -1,0 +1,110 @@
+"""PoD's proximal keys while decoding one token per forward: a ring written in place.
+
+Between forwards a sharing KV head keeps the keys of its sinks and of its last ``n_recent`` tokens, packed
+(``PoDLayer.prox_keys``), and a forward trims them after attention: a host read per layer, and masks rebuilt from
+the stored positions every step. While decoding without padding, exactly one token enters the recent window per
+step and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: entry
+``j < n_sink`` holds the token at position ``j``, entry ``n_sink + pos % n_recent`` the recent token at ``pos``.
+Writing the new token (position ``p``) overwrites the token at ``p - n_recent``, which has just become distant:
+its slot opens in the distant mask (``dist``). A step writes one key, one slot number and one mask entry, and reads
+nothing back.
+
+Positions are read once, when the ring is built; after that each decoding token is taken to be one position past
+the previous one (what ``generate`` and every decoding loop give). A forward of several tokens, padding, an
+eviction or a batch reorder turns the ring back into the packed keys (``packed``) and the layer goes on from them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ProximalRing:
+    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = n_sink + n_recent``) of the ``S`` sharing KV heads, each
+    entry's slot in the layer's values (``slot``; 0 where it holds none), ``bias`` ``[B, S, 1, W]`` (0 where an entry
+    holds a stored token, -inf elsewhere), and ``dist`` ``[B, S, 1, capacity + 1]``: 0 at the slots of the stored
+    distant tokens, -inf elsewhere (the last column a sink for writes that open nothing)."""
+
+    def __init__(self, layer, position: int) -> None:
+        """Build the ring from ``layer``'s packed proximal keys as they stand for the query at ``position - 1``
+        (the new token, at ``position``, is stored in ``layer.values`` but not yet written here)."""
+        config = layer.policy.config
+        self.n_sink, self.n_recent = config.n_sink, config.n_recent
+        self.position = position - 1
+        width = self.n_sink + self.n_recent
+        slot = layer.prox_slot
+        safe = slot.clamp(min=0)
+        rope_pos, valid = layer.heads_of(layer.rope_pos, "prox"), layer.heads_of(layer.valid, "prox")
+        pos = rope_pos.gather(-1, safe)
+        near = (pos < self.n_sink) | (pos >= position - self.n_recent)
+        entry = torch.where(pos < self.n_sink, pos, self.n_sink + pos % self.n_recent)
+        entry = torch.where((slot >= 0) & valid.gather(-1, safe) & near, entry, width)  # width: a discarded entry
+        batch, shared, _, dim = layer.prox_keys.shape
+        keys = layer.prox_keys.new_zeros(batch, shared, width + 1, dim)
+        keys.scatter_(2, entry[..., None].expand(*entry.shape, dim), layer.prox_keys)
+        length = layer.values.shape[2]
+        self.capacity = 2 * length
+        self.keys = keys[:, :, :width].contiguous()
+        self.slot = torch.zeros(batch, shared, width + 1, dtype=torch.long, device=slot.device)
+        self.slot = self.slot.scatter_(2, entry, safe)[:, :, :width].contiguous()
+        # until a decoding step writes an entry, the slot its token opens when it leaves (none: the sink column)
+        self.leaving = torch.full((batch, shared, width + 1), self.capacity, dtype=torch.long, device=slot.device)
+        self.leaving = self.leaving.scatter_(2, entry, safe)[:, :, :width].contiguous()
+        held = torch.zeros(batch, shared, width + 1, dtype=torch.bool, device=slot.device)
+        held = held.scatter_(2, entry, True)[:, :, None, :width]
+        self.bias = torch.full(held.shape, -math.inf, dtype=keys.dtype, device=keys.device).masked_fill_(held, 0.0)
+        distant = valid & (rope_pos >= self.n_sink) & (rope_pos <= self.position - self.n_recent)
+        self.dist = torch.full((batch, shared, 1, self.capacity + 1), -math.inf, dtype=keys.dtype, device=keys.device)
+        self.dist[:, :, 0, :length].masked_fill_(distant, 0.0)
+        self.written = [False] * self.n_recent  # recent entries a decoding step wrote (known to hold a token)
+        self.always_distant: bool | None = None  # every row sees a distant token (None: not checked yet)
+
+    def advance(self, key: torch.Tensor, slot: int, length: int) -> None:
+        """Write the new token (``key`` ``[B, S, 1, d]``, stored at ``slot`` of ``length`` values): the token it
+        replaces in the ring becomes distant."""
+        self.position += 1
+        recent = self.position % self.n_recent
+        entry = self.n_sink + recent
+        if length > self.capacity:
+            self._grow(length)
+        source = self.slot if self.written[recent] else self.leaving
+        leaving = source[:, :, entry, None, None]  # [B, S, 1, 1]
+        self.dist.scatter_(3, leaving, 0.0)
+        self.keys[:, :, entry] = key[:, :, 0]
+        self.slot[:, :, entry] = slot
+        if not self.written[recent]:
+            self.bias[:, :, 0, entry] = 0.0
+            self.written[recent] = True
+
+    def _grow(self, length: int) -> None:
+        old = self.capacity
+        self.capacity = 2 * length
+        dist = self.dist.new_full((*self.dist.shape[:3], self.capacity + 1), -math.inf)
+        dist[..., :old] = self.dist[..., :old]
+        self.dist = dist
+        self.leaving.masked_fill_(self.leaving == old, self.capacity)
+
+    def distant(self, length: int) -> torch.Tensor:
+        """``[B, S, 1, length]``: the distant mask over the layer's ``length`` stored tokens (a view)."""
+        return self.dist[..., :length]
+
+    def has_distant(self, length: int) -> torch.Tensor | None:
+        """``[B, S, 1]`` rows that see a distant token, or None when all do. A row that has one keeps it (nothing is
+        evicted while the ring lives), so this is read back once per ring, at its first step."""
+        if self.always_distant:
+            return None
+        has = (self.distant(length) == 0).any(-1)
+        if self.always_distant is None:
+            self.always_distant = bool(has.all())
+        return None if self.always_distant else has
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed form the layer keeps between forwards: keys ``[B, S, W, d]`` and slots (-1: no token)."""
+        return self.keys, torch.where(self.bias[:, :, 0] == 0, self.slot, -1)
+
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes of the keys, and of the bookkeeping (slots, masks)."""
+        meta = (self.slot, self.leaving, self.bias, self.dist)
+        return self.keys.numel() * self.keys.element_size(), sum(t.numel() * t.element_size() for t in meta)

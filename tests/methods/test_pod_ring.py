@@ -1,0 +1,84 @@
+"""PoD's proximal ring while decoding (``kvcompress.methods.pod.ring``): the same logits, kept tokens and bytes as
+the packed proximal keys it replaces, across its wrap-around, a chunk after it and SnapKV's compression; and a
+decoding step that reads nothing back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.methods.snapkv import SnapKVConfig
+from tests.methods.test_pod import NR, NS, STARTS, ids_of, model  # noqa: F401  (the module's tiny model)
+
+READS = {"_local_scalar_dense", "item", "is_nonzero"}
+
+
+def decode(model, cache, ids, ring: bool):
+    """Logits of every forward: a chunked prompt, single tokens, a chunk of 5, single tokens again."""
+    layers = cache.compressed_layers
+    with torch.no_grad():
+        prefill(model, ids[:, :30], cache, chunk_size=10)
+        for layer in layers:
+            layer.ring_ready = layer.ring_ready and ring
+        steps = [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(30, 50)]
+        steps.append(model(ids[:, 50:55], **cache_argument(model, cache)).logits)
+        steps += [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(55, 70)]
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"query_source": "own"}, {"base": SnapKVConfig(budget=20, window=4)}, {"block_size": 2}],
+    ids=["block-start-query", "own-query", "snapkv", "uniform-blocks"],
+)
+def test_ring_decoding_equals_the_packed_proximal_keys(model, params):  # noqa: F811
+    ids = ids_of(70, seed=30, batch=2)
+    params = {"n_sink": NS, "n_recent": NR, **({"starts": STARTS} if "block_size" not in params else {}), **params}
+    ringed = kvcompress.cache_for(model, "pod", **params)
+    logits = decode(model, ringed, ids, ring=True)
+    assert any(layer.ring is not None for layer in ringed.compressed_layers)  # the last steps used it
+    packed = kvcompress.cache_for(model, "pod", **params)
+    expected = decode(model, packed, ids, ring=False)
+    assert all(layer.ring is None for layer in packed.compressed_layers)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert ringed.nbytes() == packed.nbytes()
+    for a, b in zip(ringed.compressed_layers, packed.compressed_layers, strict=True):
+        assert torch.equal(a.token_idx, b.token_idx)
+        a.leave_ring()
+        for row in range(a.prox_slot.shape[1]):  # the same proximal tokens, whatever their order
+            held = [sorted(layer.prox_slot[0, row][layer.prox_slot[0, row] >= 0].tolist()) for layer in (a, b)]
+            assert held[0] == held[1]
+
+
+def test_ring_decoding_step_reads_nothing_back(model):  # noqa: F811
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func.overloadpacket.__name__ in READS
+            return func(*args, **(kwargs or {}))
+
+    ids = ids_of(40, seed=31)
+    cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
+    with torch.no_grad():
+        prefill(model, ids[:, :30], cache, chunk_size=10)
+        for t in range(30, 32):  # the first step builds the ring (one read of the position)
+            model(ids[:, t : t + 1], **cache_argument(model, cache))
+        with Reads():
+            model(ids[:, 32:33], **cache_argument(model, cache))
+    assert any(layer.ring is not None for layer in cache.compressed_layers)
+    assert Reads.count == 0
+
+
+def test_rows_at_different_positions_keep_the_packed_keys(model):  # noqa: F811
+    ids = ids_of(31, seed=32, batch=2)
+    cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
+    with torch.no_grad():
+        prefill(model, ids[:, :30], cache, chunk_size=10)
+        positions = torch.tensor([[30], [31]])
+        model(ids[:, 30:31], position_ids=positions, **cache_argument(model, cache))
+    assert all(layer.ring is None for layer in cache.compressed_layers)
