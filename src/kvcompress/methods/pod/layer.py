@@ -178,14 +178,17 @@ class PoDLayer(GatherLayer):
         ring_step = self._ring_step(count, key_states)
         if not ring_step:
             self.leave_ring()
-        new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
+        new_idx, real = self._new_indices(batch, heads, count)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
         self.rope_pos = torch.cat([self.rope_pos, new_idx], dim=-1)
-        self.valid = torch.cat([self.valid, torch.ones_like(new_idx, dtype=torch.bool)], dim=-1)
-        for name, value in self.policy.init_state(self, key_states).items():
-            previous = self.state.get(name)
-            self.state[name] = value if previous is None else torch.cat([previous, value], dim=2)
+        self.valid = torch.cat([self.valid, real], dim=-1)
+        if self.policy.one_shot and self.compressed:
+            self.state = {}  # a one-shot base that compressed never reads its statistics again
+        else:
+            for name, value in self.policy.init_state(self, key_states).items():
+                previous = self.state.get(name)
+                self.state[name] = value if previous is None else torch.cat([previous, value], dim=2)
         self.keys = torch.cat([self.keys, self.heads_of(key_states, "full")], dim=-2)
         if ring_step:
             self._ring_key = self.heads_of(key_states, "prox")
@@ -196,6 +199,18 @@ class PoDLayer(GatherLayer):
         self.step = None
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
+
+    def _new_indices(self, batch: int, heads: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' stream indices ``[B, H, q]`` and validity (all True), made by the forward's first layer
+        and read by the others (every layer of a forward stores the same tokens; nothing writes into them)."""
+        key = (self.seen, count, batch, heads, self.device)
+        owner = self.peers[0] if self.peers else self
+        tables = getattr(owner, "_new_index_tables", None)
+        if tables is None or tables[0] != key:
+            new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
+            tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool))
+            owner._new_index_tables = tables
+        return tables[1], tables[2]
 
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
