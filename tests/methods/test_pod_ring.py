@@ -15,16 +15,16 @@ from tests.methods.test_pod import NR, NS, STARTS, ids_of, model  # noqa: F401  
 READS = {"_local_scalar_dense", "item", "is_nonzero"}
 
 
-def decode(model, cache, ids, ring: bool):
-    """Logits of every forward: a chunked prompt, single tokens, a chunk of 5, single tokens again."""
-    layers = cache.compressed_layers
+def decode(lm, cache, ids, ring: bool):
+    """Logits of every forward: a chunked prompt, single tokens, a chunk of 5, single tokens again (``ring``
+    False: every layer keeps its packed proximal keys)."""
     with torch.no_grad():
-        prefill(model, ids[:, :30], cache, chunk_size=10)
-        for layer in layers:
-            layer.ring_ready = layer.ring_ready and ring
-        steps = [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(30, 50)]
-        steps.append(model(ids[:, 50:55], **cache_argument(model, cache)).logits)
-        steps += [model(ids[:, t : t + 1], **cache_argument(model, cache)).logits for t in range(55, 70)]
+        prefill(lm, ids[:, :30], cache, chunk_size=10)
+        for layer in cache.compressed_layers:
+            layer.ring_plan = layer.ring_plan if ring else False
+        steps = [lm(ids[:, t : t + 1], **cache_argument(lm, cache)).logits for t in range(30, 50)]
+        steps.append(lm(ids[:, 50:55], **cache_argument(lm, cache)).logits)
+        steps += [lm(ids[:, t : t + 1], **cache_argument(lm, cache)).logits for t in range(55, 70)]
     return torch.cat(steps, 1)
 
 
@@ -82,3 +82,33 @@ def test_rows_at_different_positions_keep_the_packed_keys(model):  # noqa: F811
         positions = torch.tensor([[30], [31]])
         model(ids[:, 30:31], position_ids=positions, **cache_argument(model, cache))
     assert all(layer.ring is None for layer in cache.compressed_layers)
+
+
+def test_interleaved_heads_and_split_runs_equal_the_packed_proximal_keys():
+    """Three KV heads; at layer 1 the middle one starts a block and the outer two share from layer 0: the sharing
+    query heads are not consecutive, the distant keys come in two runs and the output is scattered by head."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    params = {"starts": ((0, 0, 0), (0, 1, 0)), "n_sink": NS, "n_recent": NR}
+    ids = ids_of(70, seed=33)
+    ringed = kvcompress.cache_for(lm, "pod", **params)
+    logits = decode(lm, ringed, ids, ring=True)
+    plan = ringed.compressed_layers[1].ring_plan
+    assert plan.share_rows is None and len(plan.runs) == 2 and plan.ordered is None
+    assert ringed.compressed_layers[1].ring is not None
+    expected = decode(lm, kvcompress.cache_for(lm, "pod", **params), ids, ring=False)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -16,12 +16,12 @@ from kvcompress.methods.pod.fused import (
     FLASH,
     grouped_biases,
     mixed_sdpa,
-    ring_attention,
     two_call_merge,
     two_call_merge_grouped,
     whole_groups,
 )
 from kvcompress.methods.pod.layer import PoDLayer, PoDStep
+from kvcompress.methods.pod.ring_attention import ring_attention, ring_plan
 from kvcompress.methods.pod.stream_masks import stream_biases
 
 if TYPE_CHECKING:  # annotations only: the config module imports the policy, which imports this module
@@ -67,19 +67,14 @@ def pod_attention(
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = layer.values.shape[1], layer.values.shape[2]
     groups = q_heads // kv_heads
-    starts = layer.head_starts
-    if len(starts) == kv_heads:
-        starts = tuple(s for s in starts for _ in range(groups))
-    elif len(starts) != q_heads:
-        raise ValueError(f"pod starts have {len(starts)} heads per layer; the model has {q_heads} query heads")
+    starts, sharing = layer.query_layout(q_heads)
     layer.step = PoDStep(query=query, keys=layer.keys, full_pos=layer.full_pos)
-    value = layer.values
-    sharing = [h for h in range(q_heads) if starts[h] != layer.index]
-    if layer.ring_ready is None:
-        layer.ring_ready = _ring_ready(layer, query, config, sharing, starts, groups)
+    if layer.ring_plan is None:
+        layer.ring_plan = ring_plan(layer, query, config, starts, sharing) or False
     if layer.ring is not None:
         scale = dim**-0.5 if scaling is None else scaling
-        return ring_attention(layer, query, _ring_sources(layer, query, config, starts, groups), scale), None
+        return ring_attention(layer, layer.ring_plan, query, config, scale), None
+    value = layer.values
     # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
     # below also handle rows that have none)
     if not sharing or layer.max_position < config.n_sink + config.n_recent:
@@ -198,40 +193,3 @@ def _grouped_logits(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def _repeated(layer: PoDLayer, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
     """The layer's own keys, its values and ``visible``, each KV head repeated for its query heads."""
     return _grouped(layer.own_keys(), heads), _grouped(layer.values, heads), _grouped(visible, heads)
-
-
-def _ring_ready(layer: PoDLayer, query: torch.Tensor, config: PoDConfig, sharing, starts, groups: int) -> bool:
-    """Whether this layer's decoding steps may keep their proximal keys in a ring (``ring_attention``): the plain
-    mixed softmax on the CPU's fused kernel, and sharing query heads that are whole groups of the KV heads storing
-    proximal keys only."""
-    if FLASH is None or query.device.type != "cpu" or config.tau is not None or config.combine != "softmax":
-        return False
-    if not sharing or not whole_groups(sharing, starts, groups):
-        return False
-    return sorted({h // groups for h in sharing}) == layer.head_lists["prox"]
-
-
-def _ring_sources(layer: PoDLayer, query: torch.Tensor, config: PoDConfig, starts, groups: int) -> list[tuple]:
-    """Per run of sharing KV heads that one block start holds side by side: ``(first, count, distant query
-    [B, count, G, d], keys [B, count, L, d])``, all views."""
-    batch, _, _, dim = query.shape
-    length = layer.values.shape[2]
-    runs: list[list[int]] = []  # [first index in prox_heads, count, KV head, block start, row in its keys]
-    for index, head in enumerate(layer.head_lists["prox"]):
-        start = starts[head * groups]
-        step = layer.peers[start].step
-        if step is None or step.keys.shape[2] != length:
-            raise RuntimeError(f"pod: layer {start} (block start of layer {layer.index}) has no matching step")
-        row = step.full_pos[head]
-        last = runs[-1] if runs else None
-        if last and last[3] == start and last[2] + last[1] == head and last[4] + last[1] == row:
-            last[1] += 1
-        else:
-            runs.append([index, 1, head, start, row])
-    sources = []
-    for first, count, head, start, row in runs:
-        step = layer.peers[start].step
-        source = step.query if config.query_source == "block_start" else query
-        source_query = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups, dim)
-        sources.append((first, count, source_query, step.keys.narrow(1, row, count)))
-    return sources

@@ -51,7 +51,8 @@ class PoDLayer(GatherLayer):
         self.forward_positions: torch.Tensor | None = None  # this forward's position_ids (shared by its layers)
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
         self.ring: ProximalRing | None = None  # the proximal keys while decoding (``ring.py``)
-        self.ring_ready: bool | None = None  # whether decoding may use the ring (set by the first attention)
+        self.ring_plan = None  # RingPlan if decoding may use the ring, False if not (set by the first attention)
+        self._query_layout: tuple | None = None  # (query heads, block start per query head, sharing query heads)
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
@@ -78,6 +79,17 @@ class PoDLayer(GatherLayer):
         self.prox_keys = key_states[:, self.prox_heads, :0]
         self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
         self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def query_layout(self, q_heads: int) -> tuple[tuple[int, ...], list[int]]:
+        """Each query head's block start and the query heads that share from another layer (computed once)."""
+        if self._query_layout is None or self._query_layout[0] != q_heads:
+            kv_heads, starts = self.values.shape[1], self.head_starts
+            if len(starts) == kv_heads:
+                starts = tuple(s for s in starts for _ in range(q_heads // kv_heads))
+            elif len(starts) != q_heads:
+                raise ValueError(f"pod starts have {len(starts)} heads per layer; the model has {q_heads} query heads")
+            self._query_layout = (q_heads, starts, [h for h in range(q_heads) if starts[h] != self.index])
+        return self._query_layout[1], self._query_layout[2]
 
     def head_index(self, heads: list[int]) -> torch.Tensor:
         """``heads`` as a device tensor, made once per layer: a copy from host memory in every forward would make the
@@ -111,7 +123,7 @@ class PoDLayer(GatherLayer):
         wants_stats = not (self.policy.one_shot and self.compressed) and self.policy.stats.any
         return (
             count == 1
-            and self.ring_ready is True
+            and bool(self.ring_plan)
             and self.all_real
             and self.sliding_window is None
             and not wants_stats
@@ -124,7 +136,7 @@ class PoDLayer(GatherLayer):
         if self.ring is None:
             position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
             if position is None:  # rows at different positions: the packed keys, from now on
-                self.ring_ready = False
+                self.ring_plan = False
                 self._append_proximal(key)
                 return
             self.ring = ProximalRing(self, position)
@@ -341,7 +353,7 @@ class PoDLayer(GatherLayer):
     def reset(self) -> None:
         super().reset()
         self.all_real, self.max_position, self.on_stream = True, -1, True
-        self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_ready = None
+        self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self._query_layout = None
         self.step = self.last_selection = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

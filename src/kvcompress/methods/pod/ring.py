@@ -58,6 +58,8 @@ class ProximalRing:
         distant = valid & (rope_pos >= self.n_sink) & (rope_pos <= self.position - self.n_recent)
         self.dist = torch.full((batch, shared, 1, self.capacity + 1), -math.inf, dtype=keys.dtype, device=keys.device)
         self.dist[:, :, 0, :length].masked_fill_(distant, 0.0)
+        self.batch_index = torch.arange(batch, device=slot.device)[:, None, None]  # index the values by entry
+        self.head_index = layer.prox_heads[None, :, None]
         self.written = [False] * self.n_recent  # recent entries a decoding step wrote (known to hold a token)
         self.always_distant: bool | None = None  # every row sees a distant token (None: not checked yet)
 
@@ -70,12 +72,11 @@ class ProximalRing:
         if length > self.capacity:
             self._grow(length)
         source = self.slot if self.written[recent] else self.leaving
-        leaving = source[:, :, entry, None, None]  # [B, S, 1, 1]
-        self.dist.scatter_(3, leaving, 0.0)
-        self.keys[:, :, entry] = key[:, :, 0]
-        self.slot[:, :, entry] = slot
+        self.dist.scatter_(3, source.narrow(2, entry, 1).unsqueeze(-1), 0.0)  # the leaving token's slot opens
+        self.keys.narrow(2, entry, 1).copy_(key)
+        self.slot.narrow(2, entry, 1).fill_(slot)
         if not self.written[recent]:
-            self.bias[:, :, 0, entry] = 0.0
+            self.bias.narrow(3, entry, 1).fill_(0.0)
             self.written[recent] = True
 
     def _grow(self, length: int) -> None:
