@@ -112,3 +112,26 @@ def test_interleaved_heads_and_split_runs_equal_the_packed_proximal_keys():
     assert ringed.compressed_layers[1].ring is not None
     expected = decode(lm, kvcompress.cache_for(lm, "pod", **params), ids, ring=False)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_padding_token_while_decoding_leaves_the_ring(model):  # noqa: F811
+    ids = ids_of(45, seed=34, batch=2)
+
+    def run(ring: bool):
+        cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
+        mask = torch.ones(2, 45, dtype=torch.long)
+        mask[1, 40] = 0  # the second row's token 40 is padding
+        with torch.no_grad():
+            prefill(model, ids[:, :30], cache, chunk_size=10)
+            for layer in cache.compressed_layers:
+                layer.ring_plan = layer.ring_plan if ring else False
+            steps = []
+            for t in range(30, 45):
+                step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **cache_argument(model, cache))
+                steps.append(step.logits)
+                if t == 39:
+                    assert any(layer.ring is not None for layer in cache.compressed_layers) == ring
+        assert all(layer.ring is None for layer in cache.compressed_layers)
+        return torch.cat(steps, 1)
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-5)

@@ -100,6 +100,10 @@ class PoDLayer(GatherLayer):
         return self._head_index[key]
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
+        if self._ring_key is not None and self.ring is not None and padding is None:
+            self.forward_positions = position_ids  # (the position was stored by update, from the ring's count)
+            self._write_ring(position_ids)
+            return
         super().register_new_tokens(position_ids, padding)
         self.all_real = self.all_real and padding is None  # padding is passed only when some new token is padding
         config = self.policy.config
@@ -133,6 +137,10 @@ class PoDLayer(GatherLayer):
 
     def _write_ring(self, position_ids: torch.Tensor | None) -> None:
         key, self._ring_key = self._ring_key, None
+        if not self.all_real:  # a padding token came: the packed keys, which the masks read
+            self.leave_ring()
+            self._append_proximal(key)
+            return
         if self.ring is None:
             position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
             if position is None:  # rows at different positions: the packed keys, from now on
@@ -190,10 +198,11 @@ class PoDLayer(GatherLayer):
         ring_step = self._ring_step(count, key_states)
         if not ring_step:
             self.leave_ring()
-        new_idx, real = self._new_indices(batch, heads, count)
+        position = self.ring.position + 1 if ring_step and self.ring is not None else None
+        new_idx, real, new_pos = self._new_indices(batch, heads, count, position)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
-        self.rope_pos = torch.cat([self.rope_pos, new_idx], dim=-1)
+        self.rope_pos = torch.cat([self.rope_pos, new_pos], dim=-1)  # the model's positions: register_new_tokens
         self.valid = torch.cat([self.valid, real], dim=-1)
         if self.policy.one_shot and self.compressed:
             self.state = {}  # a one-shot base that compressed never reads its statistics again
@@ -212,17 +221,20 @@ class PoDLayer(GatherLayer):
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
 
-    def _new_indices(self, batch: int, heads: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new tokens' stream indices ``[B, H, q]`` and validity (all True), made by the forward's first layer
-        and read by the others (every layer of a forward stores the same tokens; nothing writes into them)."""
-        key = (self.seen, count, batch, heads, self.device)
+    def _new_indices(self, batch: int, heads: int, count: int, position: int | None) -> tuple[torch.Tensor, ...]:
+        """The new tokens' stream indices ``[B, H, q]``, validity (all True) and RoPE positions (``position`` for a
+        ring step, which takes it from the ring; else the indices until ``register_new_tokens`` writes the model's),
+        made by the forward's first layer and read by the others (every layer of a forward stores the same tokens;
+        nothing writes into these tensors)."""
+        key = (self.seen, count, batch, heads, self.device, position)
         owner = self.peers[0] if self.peers else self
         tables = getattr(owner, "_new_index_tables", None)
         if tables is None or tables[0] != key:
             new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
-            tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool))
+            new_pos = new_idx if position is None else torch.full_like(new_idx, position)
+            tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool), new_pos)
             owner._new_index_tables = tables
-        return tables[1], tables[2]
+        return tables[1:]
 
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
