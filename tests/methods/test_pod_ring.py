@@ -15,37 +15,50 @@ from tests.methods.test_pod import NR, NS, STARTS, ids_of, model  # noqa: F401  
 READS = {"_local_scalar_dense", "item", "is_nonzero"}
 
 
-def decode(lm, cache, ids, ring: bool):
+def decode(lm, cache, ids, ring: bool, offset: int = 0):
     """Logits of every forward: a chunked prompt, single tokens, a chunk of 5, single tokens again (``ring``
-    False: every layer keeps its packed proximal keys)."""
+    False: every layer keeps its packed proximal keys; ``offset``: the positions the model is given, past the
+    stream indices)."""
+
+    def forward(first: int, stop: int) -> torch.Tensor:
+        positions = torch.arange(first + offset, stop + offset)[None].expand(ids.shape[0], -1)
+        return lm(ids[:, first:stop], position_ids=positions, **cache_argument(lm, cache)).logits
+
     with torch.no_grad():
-        prefill(lm, ids[:, :30], cache, chunk_size=10)
+        steps = [forward(t, t + 10) for t in range(0, 30, 10)]
         for layer in cache.compressed_layers:
             layer.ring_plan = layer.ring_plan if ring else False
-        steps = [lm(ids[:, t : t + 1], **cache_argument(lm, cache)).logits for t in range(30, 50)]
-        steps.append(lm(ids[:, 50:55], **cache_argument(lm, cache)).logits)
-        steps += [lm(ids[:, t : t + 1], **cache_argument(lm, cache)).logits for t in range(55, 70)]
+        steps += [forward(t, t + 1) for t in range(30, 50)]
+        steps.append(forward(50, 55))
+        steps += [forward(t, t + 1) for t in range(55, 70)]
     return torch.cat(steps, 1)
 
 
 @pytest.mark.parametrize(
-    "params",
-    [{}, {"query_source": "own"}, {"base": SnapKVConfig(budget=20, window=4)}, {"block_size": 2}],
-    ids=["block-start-query", "own-query", "snapkv", "uniform-blocks"],
+    ("params", "offset"),
+    [
+        ({}, 0),
+        ({"query_source": "own"}, 0),
+        ({"base": SnapKVConfig(budget=20, window=4)}, 0),
+        ({"block_size": 2}, 0),
+        ({}, 7),
+    ],
+    ids=["block-start-query", "own-query", "snapkv", "uniform-blocks", "positions-offset"],
 )
-def test_ring_decoding_equals_the_packed_proximal_keys(model, params):  # noqa: F811
+def test_ring_decoding_equals_the_packed_proximal_keys(model, params, offset):  # noqa: F811
     ids = ids_of(70, seed=30, batch=2)
     params = {"n_sink": NS, "n_recent": NR, **({"starts": STARTS} if "block_size" not in params else {}), **params}
     ringed = kvcompress.cache_for(model, "pod", **params)
-    logits = decode(model, ringed, ids, ring=True)
+    logits = decode(model, ringed, ids, ring=True, offset=offset)
     assert any(layer.ring is not None for layer in ringed.compressed_layers)  # the last steps used it
     packed = kvcompress.cache_for(model, "pod", **params)
-    expected = decode(model, packed, ids, ring=False)
+    expected = decode(model, packed, ids, ring=False, offset=offset)
     assert all(layer.ring is None for layer in packed.compressed_layers)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert ringed.nbytes() == packed.nbytes()
     for a, b in zip(ringed.compressed_layers, packed.compressed_layers, strict=True):
-        assert torch.equal(a.token_idx, b.token_idx)
+        assert torch.equal(a.token_idx, b.token_idx) and torch.equal(a.valid, b.valid)
+        assert torch.equal(a.rope_pos, b.rope_pos)
         a.leave_ring()
         for row in range(a.prox_slot.shape[1]):  # the same proximal tokens, whatever their order
             held = [sorted(layer.prox_slot[0, row][layer.prox_slot[0, row] >= 0].tolist()) for layer in (a, b)]

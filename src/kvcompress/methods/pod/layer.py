@@ -53,6 +53,7 @@ class PoDLayer(GatherLayer):
         self.ring: ProximalRing | None = None  # the proximal keys while decoding (``ring.py``)
         self.ring_plan = None  # RingPlan if decoding may use the ring, False if not (set by the first attention)
         self._query_layout: tuple | None = None  # (query heads, block start per query head, sharing query heads)
+        self._pending = 0  # ring steps' tokens not yet in token_idx, rope_pos and valid
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
@@ -167,6 +168,7 @@ class PoDLayer(GatherLayer):
     def leave_ring(self) -> None:
         """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
         if self.ring is not None:
+            self._settle()
             self.prox_keys, self.prox_slot = self.ring.packed()
             self.ring = None
 
@@ -198,12 +200,17 @@ class PoDLayer(GatherLayer):
         ring_step = self._ring_step(count, key_states)
         if not ring_step:
             self.leave_ring()
-        position = self.ring.position + 1 if ring_step and self.ring is not None else None
-        new_idx, real, new_pos = self._new_indices(batch, heads, count, position)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
-        self.rope_pos = torch.cat([self.rope_pos, new_pos], dim=-1)  # the model's positions: register_new_tokens
-        self.valid = torch.cat([self.valid, real], dim=-1)
+        if ring_step and self.ring is not None:
+            if not self._pending:
+                self._pending_position = self.ring.position + 1  # the ring takes one position per step
+            self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
+        else:
+            self._settle()
+            new_idx, real = self._new_indices(batch, heads, count)
+            self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
+            self.rope_pos = torch.cat([self.rope_pos, new_idx], dim=-1)  # the model's: ``register_new_tokens``
+            self.valid = torch.cat([self.valid, real], dim=-1)
         if self.policy.one_shot and self.compressed:
             self.state = {}  # a one-shot base that compressed never reads its statistics again
         else:
@@ -221,20 +228,58 @@ class PoDLayer(GatherLayer):
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
 
-    def _new_indices(self, batch: int, heads: int, count: int, position: int | None) -> tuple[torch.Tensor, ...]:
-        """The new tokens' stream indices ``[B, H, q]``, validity (all True) and RoPE positions (``position`` for a
-        ring step, which takes it from the ring; else the indices until ``register_new_tokens`` writes the model's),
-        made by the forward's first layer and read by the others (every layer of a forward stores the same tokens;
-        nothing writes into these tensors)."""
-        key = (self.seen, count, batch, heads, self.device, position)
+    def _new_indices(self, batch: int, heads: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' stream indices ``[B, H, q]`` and validity (all True), made by the forward's first layer
+        and read by the others (every layer of a forward stores the same tokens; nothing writes into them)."""
+        key = (self.seen, count, batch, heads, self.device)
         owner = self.peers[0] if self.peers else self
         tables = getattr(owner, "_new_index_tables", None)
         if tables is None or tables[0] != key:
             new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
-            new_pos = new_idx if position is None else torch.full_like(new_idx, position)
-            tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool), new_pos)
+            tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool))
             owner._new_index_tables = tables
-        return tables[1:]
+        return tables[1], tables[2]
+
+    # token_idx, rope_pos and valid: a ring step appends to them when they are next read (three fewer copies a step)
+    @property
+    def token_idx(self) -> torch.Tensor:
+        self._settle()
+        return self._token_idx
+
+    @token_idx.setter
+    def token_idx(self, value: torch.Tensor) -> None:
+        self._token_idx = value
+
+    @property
+    def rope_pos(self) -> torch.Tensor:
+        self._settle()
+        return self._rope_pos
+
+    @rope_pos.setter
+    def rope_pos(self, value: torch.Tensor) -> None:
+        self._rope_pos = value
+
+    @property
+    def valid(self) -> torch.Tensor:
+        self._settle()
+        return self._valid
+
+    @valid.setter
+    def valid(self, value: torch.Tensor) -> None:
+        self._valid = value
+
+    def _settle(self) -> None:
+        """Append the ring steps' tokens: the last ``_pending`` stream indices, at consecutive positions from the
+        first one's (as the ring takes them), all real."""
+        count, self._pending = self._pending, 0
+        if not count:
+            return
+        batch, heads = self._token_idx.shape[:2]
+        new_idx = torch.arange(self.seen - count, self.seen, device=self.device).expand(batch, heads, count)
+        self._token_idx = torch.cat([self._token_idx, new_idx], dim=-1)
+        positions = new_idx + (self._pending_position - (self.seen - count))
+        self._rope_pos = torch.cat([self._rope_pos, positions], dim=-1)
+        self._valid = torch.cat([self._valid, torch.ones_like(new_idx, dtype=torch.bool)], dim=-1)
 
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
@@ -366,6 +411,7 @@ class PoDLayer(GatherLayer):
         super().reset()
         self.all_real, self.max_position, self.on_stream = True, -1, True
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self._query_layout = None
+        self._pending = 0
         self.step = self.last_selection = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

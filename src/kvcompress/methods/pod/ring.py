@@ -3,8 +3,9 @@
 Between forwards a sharing KV head keeps the keys of its sinks and of its last ``n_recent`` tokens, packed
 (``PoDLayer.prox_keys``), and a forward trims them after attention: a host read per layer, and masks rebuilt from
 the stored positions every step. While decoding without padding, exactly one token enters the recent window per
-step and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: entry
-``j < n_sink`` holds the token at position ``j``, entry ``n_sink + pos % n_recent`` the recent token at ``pos``.
+step and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: the first
+entries hold the stored sinks (as many as a row holds at most; no new token is a sink), entry ``sinks + pos %
+n_recent`` the recent token at ``pos``.
 Writing the new token (position ``p``) overwrites the token at ``p - n_recent``, which has just become distant:
 its slot opens in the distant mask (``dist``). A step writes one key, one slot number and one mask entry, and reads
 nothing back.
@@ -22,7 +23,7 @@ import torch
 
 
 class ProximalRing:
-    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = n_sink + n_recent``) of the ``S`` sharing KV heads, each
+    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, each
     entry's slot in the layer's values (``slot``; 0 where it holds none), ``bias`` ``[B, S, 1, W]`` (0 where an entry
     holds a stored token, -inf elsewhere), and ``dist`` ``[B, S, 1, capacity + 1]``: 0 at the slots of the stored
     distant tokens, -inf elsewhere (the last column a sink for writes that open nothing)."""
@@ -33,14 +34,18 @@ class ProximalRing:
         config = layer.policy.config
         self.n_sink, self.n_recent = config.n_sink, config.n_recent
         self.position = position - 1
-        width = self.n_sink + self.n_recent
         slot = layer.prox_slot
         safe = slot.clamp(min=0)
         rope_pos, valid = layer.heads_of(layer.rope_pos, "prox"), layer.heads_of(layer.valid, "prox")
         pos = rope_pos.gather(-1, safe)
-        near = (pos < self.n_sink) | (pos >= position - self.n_recent)
-        entry = torch.where(pos < self.n_sink, pos, self.n_sink + pos % self.n_recent)
-        entry = torch.where((slot >= 0) & valid.gather(-1, safe) & near, entry, width)  # width: a discarded entry
+        real = (slot >= 0) & valid.gather(-1, safe)
+        sink = real & (pos < self.n_sink)
+        # the sinks first, in their stored order (no new token is a sink), as many entries as a row holds at most
+        self.sinks = int(sink.sum(-1).amax()) if sink.numel() else 0  # (one host read per ring)
+        width = self.sinks + self.n_recent
+        recent = real & ~sink & (pos >= position - self.n_recent)
+        entry = torch.where(sink, sink.cumsum(-1) - 1, self.sinks + pos % self.n_recent)
+        entry = torch.where(sink | recent, entry, width)  # width: a discarded entry
         batch, shared, _, dim = layer.prox_keys.shape
         keys = layer.prox_keys.new_zeros(batch, shared, width + 1, dim)
         keys.scatter_(2, entry[..., None].expand(*entry.shape, dim), layer.prox_keys)
@@ -68,7 +73,7 @@ class ProximalRing:
         replaces in the ring becomes distant."""
         self.position += 1
         recent = self.position % self.n_recent
-        entry = self.n_sink + recent
+        entry = self.sinks + recent
         if length > self.capacity:
             self._grow(length)
         source = self.slot if self.written[recent] else self.leaving
