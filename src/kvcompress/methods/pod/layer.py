@@ -19,6 +19,7 @@ from kvcompress.core.layer import LAYER_ATTRIBUTE
 from kvcompress.core.rope import counts_from
 from kvcompress.methods.pod.budget import kept_for_request
 from kvcompress.methods.pod.ring import ProximalRing
+from kvcompress.methods.pod.ring_steps import RingSteps
 
 
 @dataclass
@@ -32,7 +33,7 @@ class PoDStep:
     full_pos: list[int]
 
 
-class PoDLayer(GatherLayer):
+class PoDLayer(RingSteps, GatherLayer):
     """A cache layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
     every token (``keys``, ``[B, S, L, d]``); for the other KV heads the keys of proximal tokens only
     (``prox_keys``, ``[B, H - S, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
@@ -120,58 +121,6 @@ class PoDLayer(GatherLayer):
         if self._ring_key is not None:
             self._write_ring(position_ids)
 
-    # --- the proximal ring while decoding (``ring.py``) ----------------------------------------------------
-    def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
-        """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
-        asked, no autograd, and past the first distant position (decided on the host)."""
-        config = self.policy.config
-        wants_stats = not (self.policy.one_shot and self.compressed) and self.policy.stats.any
-        return (
-            count == 1
-            and bool(self.ring_plan)
-            and self.all_real
-            and self.sliding_window is None
-            and not wants_stats
-            and not key_states.requires_grad
-            and self.max_position >= config.n_sink + config.n_recent
-        )
-
-    def _write_ring(self, position_ids: torch.Tensor | None) -> None:
-        key, self._ring_key = self._ring_key, None
-        if not self.all_real:  # a padding token came: the packed keys, which the masks read
-            self.leave_ring()
-            self._append_proximal(key)
-            return
-        if self.ring is None:
-            position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
-            if position is None:  # rows at different positions: the packed keys, from now on
-                self.ring_plan = False
-                self._append_proximal(key)
-                return
-            self.ring = ProximalRing(self, position)
-            self.prox_keys, self.prox_slot = self.ring.keys, None
-        length = self.values.shape[2]
-        self.ring.advance(key, length - 1, length)
-
-    @staticmethod
-    def _decoding_position(position_ids: torch.Tensor) -> int | None:
-        """The new token's position if every row has the same (one host read per forward), else None."""
-
-        def read() -> int | None:
-            positions = position_ids[..., -1]
-            positions = positions[0] if positions.dim() == 2 and position_ids.dim() == 3 else positions
-            largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
-            return largest if largest == smallest else None
-
-        return forward_cached(position_ids, "pod-decoding-position", read)
-
-    def leave_ring(self) -> None:
-        """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
-        if self.ring is not None:
-            self._settle()
-            self.prox_keys, self.prox_slot = self.ring.packed()
-            self.ring = None
-
     def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
         """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
 
@@ -239,47 +188,6 @@ class PoDLayer(GatherLayer):
             tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool))
             owner._new_index_tables = tables
         return tables[1], tables[2]
-
-    # token_idx, rope_pos and valid: a ring step appends to them when they are next read (three fewer copies a step)
-    @property
-    def token_idx(self) -> torch.Tensor:
-        self._settle()
-        return self._token_idx
-
-    @token_idx.setter
-    def token_idx(self, value: torch.Tensor) -> None:
-        self._token_idx = value
-
-    @property
-    def rope_pos(self) -> torch.Tensor:
-        self._settle()
-        return self._rope_pos
-
-    @rope_pos.setter
-    def rope_pos(self, value: torch.Tensor) -> None:
-        self._rope_pos = value
-
-    @property
-    def valid(self) -> torch.Tensor:
-        self._settle()
-        return self._valid
-
-    @valid.setter
-    def valid(self, value: torch.Tensor) -> None:
-        self._valid = value
-
-    def _settle(self) -> None:
-        """Append the ring steps' tokens: the last ``_pending`` stream indices, at consecutive positions from the
-        first one's (as the ring takes them), all real."""
-        count, self._pending = self._pending, 0
-        if not count:
-            return
-        batch, heads = self._token_idx.shape[:2]
-        new_idx = torch.arange(self.seen - count, self.seen, device=self.device).expand(batch, heads, count)
-        self._token_idx = torch.cat([self._token_idx, new_idx], dim=-1)
-        positions = new_idx + (self._pending_position - (self.seen - count))
-        self._rope_pos = torch.cat([self._rope_pos, positions], dim=-1)
-        self._valid = torch.cat([self._valid, torch.ones_like(new_idx, dtype=torch.bool)], dim=-1)
 
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
