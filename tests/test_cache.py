@@ -156,6 +156,48 @@ def test_a_chunked_prefill_inside_a_callers_deferred_block_leaves_the_compressio
     assert max(cache.tokens_stored()) < 48
 
 
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("snapkv", {"budget": 12, "window": 4}),
+        ("pod", {"budget": 12, "block_size": 2}),
+        ("h2o_oneshot", {"budget": 12}),
+    ],
+)
+def test_chunks_that_more_prompt_follows_skip_statistics_only_the_latest_forward_counts(
+    tiny_llama, method, params, monkeypatch
+):
+    """SnapKV (alone or under PoD) votes with the last forward's window only: ``prefill`` computes no statistics
+    for the chunks before the last, and keeps the tokens and logits of computing them in every chunk; a method
+    accumulating over every query (H2O's one-shot form) still observes every chunk."""
+    ids = ids_of(1, 48, seed=10)
+    observed = []
+
+    def run(skip: bool):
+        cache = kvcompress.cache_for(tiny_llama, method, **params)
+        policy = type(cache.compressed_layers[0].policy)
+        observe = policy.observe
+        monkeypatch.setattr(
+            policy, "observe", lambda self, layer, stats: observed.append(1) or observe(self, layer, stats)
+        )
+        observed.clear()
+        if skip:
+            logits = prefill(tiny_llama, ids, cache, chunk_size=8)
+        else:
+            with cache.deferred_compression():
+                for start in range(0, 48, 8):
+                    logits = prefill(tiny_llama, ids[:, start : start + 8], cache)
+        monkeypatch.undo()
+        return logits, [layer.token_idx.clone() for layer in cache.compressed_layers], len(observed)
+
+    skipped, every = run(True), run(False)
+    torch.testing.assert_close(skipped[0], every[0])
+    assert all(torch.equal(a, b) for a, b in zip(skipped[1], every[1], strict=True))
+    layers = len(tiny_llama.model.layers)
+    assert every[2] == 6 * layers  # (a tiny model: every chunk observed without the declaration)
+    assert skipped[2] == (6 * layers if method == "h2o_oneshot" else layers)
+
+
 @pytest.mark.parametrize("method", ["nacl", "snapkv"])
 def test_one_pass_prefill_compresses_each_layer_before_the_next_layer_runs(tiny_llama, method):
     cache = kvcompress.cache_for(tiny_llama, method, ratio=0.25)

@@ -73,14 +73,15 @@ def prefill(
     several_chunks = len(bounds) > 2
     with cache.deferred_compression() if several_chunks else nullcontext():
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            out = model(
-                input_ids=input_ids[:, start:stop],
-                attention_mask=attention_mask[:, : seen + stop],
-                position_ids=positions[:, seen + start : seen + stop],
-                **cache_argument(model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with cache.more_prompt() if stop < length else nullcontext():  # (SnapKV's window: the last chunk)
+                out = model(
+                    input_ids=input_ids[:, start:stop],
+                    attention_mask=attention_mask[:, : seen + stop],
+                    position_ids=positions[:, seen + start : seen + stop],
+                    **cache_argument(model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             logits = out.logits[:, -1]
     return logits
 

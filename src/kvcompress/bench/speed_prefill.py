@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -58,7 +58,8 @@ def prefill_rows(
             before = current_rss()
 
             def forward(piece=piece, cache=cache, start=start, method=method, last=last) -> None:
-                prefill(model, piece, cache, attention_mask=mask[:, : start + piece.shape[1]], chunk_size=chunk)
+                with nullcontext() if last else cache.more_prompt():  # as ``prefill(chunk_size=...)`` feeds them
+                    prefill(model, piece, cache, attention_mask=mask[:, : start + piece.shape[1]], chunk_size=chunk)
                 if last:
                     deferred[method].close()
 

@@ -80,7 +80,7 @@ def attend_layer(
     layer.register_new_tokens(position_ids, padding)
     query, key = layer.positioned(query, key)
     mask = layer.attention_mask(queries, sliding_window)
-    request = StatsRequest() if layer.policy.one_shot and layer.compressed else layer.policy.stats
+    request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
     custom = layer.attend(query, key, value, mask, scaling)
     if custom is not None:
         output, stats = custom

@@ -103,3 +103,17 @@ class CompressedCache(Cache):
             if outer:
                 for layer in self.compressed_layers:
                     layer.compress()
+
+    @contextmanager
+    def more_prompt(self) -> Iterator[CompressedCache]:
+        """Declare the forwards within this block prompt chunks that more prompt chunks follow before a one-shot
+        method compresses (``prefill`` wraps every chunk but the last): a method whose statistics are those of the
+        latest forward only (SnapKV's observation window) skips computing them there. Inside a
+        ``deferred_compression`` block only: a compression right after such a forward would find no statistics."""
+        for layer in self.compressed_layers:
+            layer.more_prompt = True
+        try:
+            yield self
+        finally:
+            for layer in self.compressed_layers:
+                layer.more_prompt = False

@@ -105,10 +105,20 @@ class Policy:
     position_mode: str = "original"
     per_head: bool = True  # False: all KV heads of a layer keep the same tokens
     one_shot: bool = False  # True: compress once after the prompt, never while decoding
+    # True: ``observe`` keeps only the latest forward's statistics (an observation window at the prompt's end), so a
+    # one-shot method needs none from the prompt chunks that more chunks follow (``CompressedCache.more_prompt``)
+    latest_stats_only: bool = False
 
     def __init__(self, config: MethodConfig, layer_idx: int) -> None:
         self.config = config
         self.layer_idx = layer_idx
+
+    def wants_stats(self, layer: CompressedLayer) -> bool:
+        """Whether this forward's attention computes ``stats`` (and ``observe`` runs): not once a one-shot method
+        compressed, nor for a prompt chunk that more chunks follow when only the latest forward's count."""
+        if not self.one_shot:
+            return True
+        return not (layer.compressed or (self.latest_stats_only and layer.more_prompt))
 
     def init_state(self, layer: CompressedLayer, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token state for the new tokens (each ``[B, H_kv, q, ...]``), stored and gathered with them."""

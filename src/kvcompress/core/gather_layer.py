@@ -38,7 +38,7 @@ class GatherLayer(CacheLayerMixin):
         self.seen = 0
         self.new_tokens = 0
         self.compressed = False
-        self.defer_compression = False
+        self.defer_compression = self.more_prompt = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[GatherLayer], None]] = []
         self.ordered = True
@@ -135,7 +135,8 @@ class GatherLayer(CacheLayerMixin):
         """Update the method's statistics, then evict what the method no longer keeps."""
         if self.policy.one_shot and self.compressed:
             return  # compressed once: decoding appends (attention computed no statistics)
-        self.policy.observe(self, stats)
+        if self.policy.wants_stats(self):
+            self.policy.observe(self, stats)
         if self.policy.one_shot:
             if self.defer_compression or self.new_tokens < 2:
                 return

@@ -54,7 +54,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.policy = policy
         self.inv_freq = inv_freq
         self.seen = self.new_tokens = 0
-        self.compressed = self.defer_compression = False
+        self.compressed = self.defer_compression = self.more_prompt = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[CompressedLayer], None]] = []
         self.slots: SlotBuffers | None = None
@@ -198,7 +198,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         """Update the method's statistics, then evict what the method no longer keeps."""
         if self.policy.one_shot and self.compressed:
             return  # compressed once: decoding appends (attention computed no statistics)
-        self.policy.observe(self, stats)
+        if self.policy.wants_stats(self):
+            self.policy.observe(self, stats)
         if self.policy.one_shot:
             if self.defer_compression or self.new_tokens < 2:
                 return

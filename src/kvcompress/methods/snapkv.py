@@ -25,6 +25,7 @@ from kvcompress.core.selection import keep_top, ratio_budget, recent_mask
 
 class SnapKVPolicy(Policy):
     one_shot = True
+    latest_stats_only = True  # the votes of the prompt's last ``window`` queries, from the last forward
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)

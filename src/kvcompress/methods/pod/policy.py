@@ -23,6 +23,7 @@ class PoDPolicy(Policy):
         if self.base is not None:
             self.stats = self.base.stats
             self.one_shot = self.base.one_shot
+            self.latest_stats_only = self.base.latest_stats_only
 
     def init_state(self, layer, keys):
         return {} if self.base is None else self.base.init_state(layer, keys)
@@ -38,5 +39,5 @@ class PoDPolicy(Policy):
 
     def attend(self, layer, query, key, value, mask, scaling):
         # a one-shot base (SnapKV) that already compressed needs no statistics: decoding takes the fused path
-        request = StatsRequest() if self.one_shot and layer.compressed else self.stats
+        request = self.stats if self.wants_stats(layer) else StatsRequest()
         return pod_attention(layer, query, mask, scaling, self.config, request)

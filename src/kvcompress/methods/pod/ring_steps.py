@@ -21,7 +21,7 @@ class RingSteps:
         """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
         asked, no autograd, and past the first distant position (decided on the host)."""
         config = self.policy.config
-        wants_stats = not (self.policy.one_shot and self.compressed) and self.policy.stats.any
+        wants_stats = self.policy.wants_stats(self) and self.policy.stats.any
         return (
             count == 1
             and bool(self.ring_plan)
