@@ -20,6 +20,12 @@ CACHES = {
     "streaming-no-sinks": ("streaming", {"budget": 9, "sinks": 0}),
     "cascade-3": ("cascade", {"budget": 14, "sinks": 2, "cascades": 3}),
     "cascade-1": ("cascade", {"budget": 9, "sinks": 1, "cascades": 1}),
+    # the chunk inserted at once after the chunk attention (``ring_chunk_insert``): selections, ties, eager fill
+    "cascade-3-chunked": ("cascade", {"budget": 14, "sinks": 2, "cascades": 3, "prefill": "chunked"}),
+    "cascade-2-chunked-resident-ties": (
+        "cascade",
+        {"budget": 12, "sinks": 1, "cascades": 2, "prefill": "chunked", "tie": "resident", "eager_fill": True},
+    ),
 }
 CHUNKS = {
     "one-by-one": (1,) * 40,
@@ -56,6 +62,8 @@ def test_fast_paths_equal_the_per_sequence_path(name, chunks, batch, logits, mon
     for ours, theirs in zip(fast.layers, reference.layers, strict=True):
         assert ours._in_step and not theirs._in_step
         assert torch.equal(ours._tok, theirs._tok)  # the same tokens in the same slots
+        cascade = slice(ours.sinks, ours.capacity)  # (sinks have no EMA; the scratch slot holds nothing)
+        torch.testing.assert_close(ours._score[:, cascade], theirs._score[:, cascade], rtol=1e-5, atol=1e-6)
         # later layers' inputs differ by the float rounding of the earlier layers' attention (other op order)
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.values, theirs.values, rtol=1e-5, atol=1e-5)
@@ -166,3 +174,35 @@ def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
     assert group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is not None
     assert group.buffers(cache.layers[1], (1, 1, 15, 8), torch.float32, cpu) is None  # another shape
     assert group.broken and group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is None
+
+
+@pytest.mark.parametrize("tie", ["incoming", "resident"])
+def test_a_chunk_inserted_at_once_equals_one_by_one_insertions_with_tied_scores(tie):
+    """``prefill="chunked"`` inserts its chunk at once (``ring_chunk_insert``): the same slots, scores and
+    counters as inserting the tokens one by one, with scores that tie (both tie rules) and keys equal up to the
+    rounding of one turn instead of several."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    params = {"budget": 14, "sinks": 2, "cascades": 3, "prefill": "chunked", "tie": tie}
+    layers = []
+    for _ in range(2):
+        cache = kvcompress.cache_for(model, "cascade", **params)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+        layers.append(cache.layers[0])
+    count, generator = 9, torch.Generator().manual_seed(5)
+    kv = torch.randn(2, *layers[0]._kv.shape[1:2], count, layers[0]._kv.shape[-1], generator=generator)
+    tok = torch.arange(10, 10 + count).expand(2, count)
+    meta = torch.stack([tok, tok], -1)
+    scores = torch.randint(0, 3, (2, count), generator=generator).float() / 4  # few values: many ties
+    for layer in layers:
+        layer._score[:, layer.sinks : layer.capacity] = torch.randint(0, 3, (2, layer.capacity - layer.sinks)) / 4
+    layers[1]._score.copy_(layers[0]._score)
+    layers[0]._insert_chunk(kv, meta, scores)
+    for m in range(count):
+        layers[1]._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], torch.ones(2, dtype=torch.bool), scores[:, m])
+    ours, theirs = layers
+    assert (ours._py_seen, ours._py_count, ours._py_start) == (theirs._py_seen, theirs._py_count, theirs._py_start)
+    assert torch.equal(ours._tok, theirs._tok) and not torch.equal(ours._tok[0], ours._tok[1])  # rows differ
+    cascade = slice(ours.sinks, ours.capacity)
+    assert torch.equal(ours._score[:, cascade], theirs._score[:, cascade])
+    torch.testing.assert_close(ours._kv[:, :, : ours.capacity], theirs._kv[:, :, : ours.capacity])

@@ -42,6 +42,7 @@ from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_angles import RingAngles
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
+from kvcompress.methods.cascade.ring_chunk_insert import RingChunkInsert
 from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_group import RingGroup
 from kvcompress.methods.cascade.ring_insert import RingInsert
@@ -67,7 +68,9 @@ class _Pending:
         return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
 
 
-class CascadeLayer(RingDecode, RingAngles, RingInsert, RingAttention, RingViews, RingCapacity, CompressedLayer):
+class CascadeLayer(
+    RingDecode, RingAngles, RingInsert, RingChunkInsert, RingAttention, RingViews, RingCapacity, CompressedLayer
+):
     """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
     unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
 

@@ -169,6 +169,8 @@ class RingAttention:
             output, scores = self._chunk_sdpa(chunk_queries, chunk_keys, values, visible, scale), None
         if self._fills_in_order():
             self._insert_in_order(kv, meta)
+        elif self._inserts_chunk_at_once(real):
+            self._insert_chunk(kv, meta, scores)
         else:
             for m in range(count):
                 score = None if scores is None else scores[:, m]
