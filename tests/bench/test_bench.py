@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.bench import speed, speed_prefill
+from kvcompress.bench import common, speed
 from kvcompress.bench.cache_op import BUZZ_AVERAGE, CONCAT_SINK, CacheOpSetup, run_cache_op
 from kvcompress.bench.cache_op_steps import synthetic_stats
 from kvcompress.bench.decode import DECODE_COLUMNS, decode_table, run_decode
@@ -142,11 +142,10 @@ def test_tiny_model_prefill_bench_compares_one_pass_and_chunks():
 
 
 def test_speed_bench_runs_every_default_method_on_a_tiny_model(monkeypatch):
-    given = speed.bench_params  # pod ships a layer grouping for SmolLM2 only: the tiny model's is given here
-    for module in (speed, speed_prefill):
-        monkeypatch.setattr(
-            module, "bench_params", lambda m, b: {**given(m, b), **({"block_size": 2} if m == "pod" else {})}
-        )
+    given = common.bench_params  # pod ships a layer grouping for SmolLM2 only: the tiny model's is given here
+    monkeypatch.setattr(
+        common, "bench_params", lambda m, b: {**given(m, b), **({"block_size": 2} if m == "pod" else {})}
+    )
     rows = speed.run_speed(
         tiny_model("llama"), ("decode", "prefill"), budget=40, prompts=(96,), steps=2, chunk=32, threads=1
     )

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+import kvcompress
 from kvcompress.machine import machine_description, versions
 from kvcompress.models import load_model
+from kvcompress.params import parse_method_spec
 
 MIB = 1 << 20
 
@@ -234,6 +236,13 @@ def touch_weights(model: PreTrainedModel) -> None:
     """
     with torch.inference_mode():
         model(input_ids=torch.ones(1, 8, dtype=torch.long, device=model.device), use_cache=False)
+
+
+def bench_cache(model, spec: str, budget: int):
+    """A method's cache in the speed benchmarks: ``spec`` is a method name, or a name with parameters beside the
+    budget, ``name:key=value`` (``cascade:prefill=chunked``)."""
+    name, params = parse_method_spec(spec)
+    return kvcompress.cache_for(model, name, **{**bench_params(name, budget), **params})
 
 
 def bench_params(method: str, budget: int) -> dict[str, object]:

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 import kvcompress
-from kvcompress.bench.common import bench_params, load_bench_model, random_prompt, set_threads, touch_weights
+from kvcompress.bench.common import bench_cache, load_bench_model, random_prompt, set_threads, touch_weights
 from kvcompress.bench.model_cli import int_list, method_names, publish
 from kvcompress.bench.pairs import timed_pairs
 from kvcompress.bench.speed import RATIO_COLUMNS, dynamic_prefill
@@ -61,7 +61,7 @@ def _our_step(
 ) -> tuple[Step, int]:
     """A decoding step of ``method`` through ``DecodeGraph`` (``capture=None``: eager), already captured; the tokens
     it holds."""
-    cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
+    cache = bench_cache(model, method, budget)
     prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
     graph = DecodeGraph(model, cache, capture)
 
@@ -98,7 +98,7 @@ def generate_row(
     ids = random_prompt(model, prompt, args.seed).expand(batch, -1).contiguous()
 
     def ours(_: int) -> torch.Tensor:
-        cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
+        cache = bench_cache(model, method, budget)
         return greedy_decode(model, cache, ids, new_tokens, chunk_size=chunk, capture=args.capture)
 
     def theirs(_: int) -> torch.Tensor:

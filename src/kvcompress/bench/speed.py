@@ -37,7 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 import kvcompress
 from kvcompress.bench.common import (
     DECODE_TIME_METHODS,
-    bench_params,
+    bench_cache,
     load_bench_model,
     random_prompt,
     set_threads,
@@ -53,7 +53,16 @@ logger = logging.getLogger(__name__)
 Row = dict[str, object]
 SECTIONS = ("decode", "full", "prefill", "generate")
 DECODE_METHODS = (*DECODE_TIME_METHODS[1:], "cascade", "less", "pod")  # every method evicting while decoding
-PREFILL_METHODS = ("full", *DECODE_METHODS, "snapkv", "nacl", "streaming_oneshot", "tova_oneshot")
+# (+ the cascade's later official strided prefill, its documented fast option: a method spec with a parameter)
+PREFILL_METHODS = (
+    "full",
+    *DECODE_METHODS,
+    "cascade:prefill=chunked",
+    "snapkv",
+    "nacl",
+    "streaming_oneshot",
+    "tova_oneshot",
+)
 GENERATE_METHODS = ("streaming", "h2o")
 
 
@@ -66,7 +75,7 @@ def dynamic_prefill(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCac
 def decode_row(model: PreTrainedModel, method: str, prompt: int, budget: int, steps: int, chunk: int, seed: int) -> Row:
     """One decode comparison: ``method`` after a ``prompt``-token prefill vs a DynamicCache of as many tokens."""
     ids = random_prompt(model, prompt + steps + 2, seed)
-    cache = kvcompress.cache_for(model, method, **bench_params(method, budget))
+    cache = bench_cache(model, method, budget)
     prefill(model, ids[:, :prompt], cache, chunk_size=chunk)
     held = max(cache.tokens_stored())
     dynamic = DynamicCache(config=model.config)

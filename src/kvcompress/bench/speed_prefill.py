@@ -15,8 +15,7 @@ from contextlib import ExitStack, nullcontext
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-import kvcompress
-from kvcompress.bench.common import MIB, PeakMemory, bench_params, current_rss, peak_rss, random_prompt, reset_peak_rss
+from kvcompress.bench.common import MIB, PeakMemory, bench_cache, current_rss, peak_rss, random_prompt, reset_peak_rss
 from kvcompress.bench.pairs import summary, timed, use_attention
 from kvcompress.core.attention import ATTENTION_NAME
 from kvcompress.generation import cache_argument, prefill
@@ -34,7 +33,7 @@ def prefill_rows(
         fresh = DynamicCache(config=model.config)
         model(input_ids=ids, **cache_argument(model, fresh), use_cache=True, logits_to_keep=1)
     gc.collect()
-    caches = {m: kvcompress.cache_for(model, m, **bench_params(m, budget)) for m in methods}
+    caches = {m: bench_cache(model, m, budget) for m in methods}
     deferred = {m: ExitStack() for m in methods}  # one-shot methods compress after the last chunk, as prefill() does
     for method, cache in caches.items():
         deferred[method].enter_context(cache.deferred_compression())
