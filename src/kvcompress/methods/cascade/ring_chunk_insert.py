@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.core.forward_cache import from_host
 from kvcompress.core.rope import turn_in_place
 
 
@@ -60,7 +61,7 @@ class RingChunkInsert:
         turned from its stored angle (its slot; the chunk's keys are un-rotated) to the slot's."""
         capacity, dim = self.capacity, self._key_dim
         batch, heads, _, width = self._kv.shape
-        source = torch.tensor(sources, dtype=torch.long, device=self.device)  # [B, capacity]
+        source = from_host(sources, self.device)  # [B, capacity]
         slot = torch.arange(capacity, device=self.device)
         new = source > capacity
         turn = torch.where(new, slot, slot - source)  # angle moved by: from 0 (a chunk token) or from its slot
