@@ -34,8 +34,12 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   all start a block, and forwards with no distant token, run plain SDPA. Inference on the CPU with the default
   ``combine`` and no ``tau`` joins two fused attention calls by Eq. 4 instead (equal to the one softmax); with
   per-KV-head grouping the sharing heads then attend over their stored proximal keys only, their query heads
-  folded into query rows. The saving this reproduces is memory; the paper's compute saving (reuse of the block
-  start's softmax) is not attempted on CPU.
+  folded into query rows. While decoding one token per forward without padding (and on the CPU with those
+  defaults) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``): the same logits
+  and bytes as the packed keys, no trim and no host read per step; each decoding token's position is then taken
+  to be one past the previous one's (what ``generate`` gives; the ring is built from the model's positions). The
+  saving this reproduces is memory; the paper's compute saving (reuse of the block start's softmax) is not
+  attempted on CPU.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
 - Default grouping: with no ``similarity``, ``starts`` or ``block_size``, the calibration shipped for the model
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
