@@ -10,6 +10,19 @@ from kvcompress.core.forward_cache import forward_cached
 from kvcompress.methods.pod.ring import ProximalRing
 
 
+def _settled(name: str) -> property:
+    """A per-token store of the layer (kept as ``name``) that ring steps append to when it is next read."""
+
+    def get(self) -> torch.Tensor:
+        self._settle()
+        return getattr(self, name)
+
+    def put(self, value: torch.Tensor) -> None:
+        setattr(self, name, value)
+
+    return property(get, put)
+
+
 class RingSteps:
     """The ring half of ``PoDLayer`` (a mixin: it reads and sets the layer's stores)."""
 
@@ -68,33 +81,10 @@ class RingSteps:
             self.prox_keys, self.prox_slot = self.ring.packed()
             self.ring = None
 
-    # token_idx, rope_pos and valid: a ring step appends to them when they are next read (three fewer copies a step)
-    @property
-    def token_idx(self) -> torch.Tensor:
-        self._settle()
-        return self._token_idx
-
-    @token_idx.setter
-    def token_idx(self, value: torch.Tensor) -> None:
-        self._token_idx = value
-
-    @property
-    def rope_pos(self) -> torch.Tensor:
-        self._settle()
-        return self._rope_pos
-
-    @rope_pos.setter
-    def rope_pos(self, value: torch.Tensor) -> None:
-        self._rope_pos = value
-
-    @property
-    def valid(self) -> torch.Tensor:
-        self._settle()
-        return self._valid
-
-    @valid.setter
-    def valid(self, value: torch.Tensor) -> None:
-        self._valid = value
+    # a ring step appends to these when they are next read (three fewer copies a step)
+    token_idx = _settled("_token_idx")
+    rope_pos = _settled("_rope_pos")
+    valid = _settled("_valid")
 
     def _settle(self) -> None:
         """Append the ring steps' tokens: the last ``_pending`` stream indices, at consecutive positions from the
