@@ -161,13 +161,15 @@ def test_a_chunked_prefill_inside_a_callers_deferred_block_leaves_the_compressio
     [
         ("snapkv", {"budget": 12, "window": 4}),
         ("pod", {"budget": 12, "block_size": 2}),
+        ("tova_oneshot", {"budget": 12}),
         ("h2o_oneshot", {"budget": 12}),
     ],
 )
 def test_chunks_that_more_prompt_follows_skip_statistics_only_the_latest_forward_counts(
     tiny_llama, method, params, monkeypatch
 ):
-    """SnapKV (alone or under PoD) votes with the last forward's window only: ``prefill`` computes no statistics
+    """SnapKV (alone or under PoD) votes with the last forward's window only, one-shot TOVA with its last query:
+    ``prefill`` computes no statistics
     for the chunks before the last, and keeps the tokens and logits of computing them in every chunk; a method
     accumulating over every query (H2O's one-shot form) still observes every chunk."""
     ids = ids_of(1, 48, seed=10)

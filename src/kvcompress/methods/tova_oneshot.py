@@ -20,6 +20,7 @@ from kvcompress.methods.tova import TOVAPolicy
 
 class OneShotTOVAPolicy(TOVAPolicy):
     one_shot = True
+    latest_stats_only = True  # the last prompt token's attention: the last forward's
 
     # the compression may run after a chunked prefill, so the scores travel with the slots (per-slot state)
     def init_state(self, layer, keys):
