@@ -169,9 +169,8 @@ def test_chunks_that_more_prompt_follows_skip_statistics_only_the_latest_forward
     tiny_llama, method, params, monkeypatch
 ):
     """SnapKV (alone or under PoD) votes with the last forward's window only, one-shot TOVA with its last query:
-    ``prefill`` computes no statistics
-    for the chunks before the last, and keeps the tokens and logits of computing them in every chunk; a method
-    accumulating over every query (H2O's one-shot form) still observes every chunk."""
+    ``prefill`` computes no statistics for the chunks before the last, and keeps the tokens and logits of computing
+    them in every chunk; a method accumulating over every query (H2O's one-shot form) still observes every chunk."""
     ids = ids_of(1, 48, seed=10)
     observed = []
 
