@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 import kvcompress
 import kvcompress.methods.pod.attention as pod_attention
+import kvcompress.methods.pod.ring_attention as pod_ring_attention
 from kvcompress.methods.window import WindowConfig, WindowPolicy
 from kvcompress.models import tiny_model
 from tests.helpers import cache_logits
@@ -94,13 +95,17 @@ def test_the_check_catches_a_tensor_created_without_the_models_device(models):
 
 
 def test_pods_device_generic_path_equals_the_cpu_kernel(models, monkeypatch):
-    """Off the CPU PoD takes its fused-SDPA path (the CPU kernel returning the log-normaliser has no GPU twin)."""
+    """Off the CPU PoD takes its fused-SDPA path (the CPU kernel returning the log-normaliser has no GPU twin) and,
+    decoding on its ring, explicit attention parts with their log-sum-exp."""
     model = models[torch.float32]
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     params = EVICTING["pod-snapkv"]
-    reference, _ = cache_logits(model, ids, kvcompress.cache_for(model, "pod", **params))
+    reference, _ = cache_logits(model, ids, kvcompress.cache_for(model, "pod", **params), new_tokens=8)
     monkeypatch.setattr(pod_attention, "FLASH", None)
-    generic, _ = cache_logits(model, ids, kvcompress.cache_for(model, "pod", **params))
+    monkeypatch.setattr(pod_ring_attention, "FLASH", None)
+    cache = kvcompress.cache_for(model, "pod", **params)
+    generic, _ = cache_logits(model, ids, cache, new_tokens=8)
+    assert any(layer.ring is not None for layer in cache.compressed_layers)
     torch.testing.assert_close(generic, reference, rtol=1e-4, atol=1e-4)
 
 

@@ -34,8 +34,8 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   all start a block, and forwards with no distant token, run plain SDPA. Inference on the CPU with the default
   ``combine`` and no ``tau`` joins two fused attention calls by Eq. 4 instead (equal to the one softmax); with
   per-KV-head grouping the sharing heads then attend over their stored proximal keys only, their query heads
-  folded into query rows. While decoding one token per forward without padding (and on the CPU with those
-  defaults) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``): the same logits
+  folded into query rows. While decoding one token per forward without padding (with the default ``combine``
+  and no ``tau``) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``): the same logits
   and bytes as the packed keys, no trim and no host read per step; each decoding token's position is then taken
   to be one past the previous one's (what ``generate`` gives; the ring is built from the model's positions). The
   saving this reproduces is memory; the paper's compute saving (reuse of the block start's softmax) is not

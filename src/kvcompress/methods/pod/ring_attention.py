@@ -1,7 +1,8 @@
 """PoD's decoding step while a layer's proximal keys are in its ring (``kvcompress.methods.pod.ring``): one query
-per sequence, no padding, the plain mixed softmax, on the CPU's fused attention kernel that returns the
-log-sum-exp. The layer's head layout is planned once (``RingPlan``); a step makes only views of the stores, four
-or five kernel calls and the Eq. 4 merge."""
+per sequence, no padding, the plain mixed softmax. Each part is one attention call that also returns its
+log-sum-exp: the CPU's fused kernel, elsewhere (no such kernel with a mask on a GPU) the logits, their
+log-sum-exp and one matmul, in float32. The layer's head layout is planned once (``RingPlan``); a step makes only
+views of the stores, four or five attention calls and the Eq. 4 merge."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class RingPlan:
 
 
 def ring_plan(layer, query: torch.Tensor, config, starts: tuple[int, ...], sharing: list[int]) -> RingPlan | None:
-    """The layer's plan, or None where its decoding steps cannot use the ring: another device or attention form
-    (``tau``, ``combine="lse"``), or sharing query heads that are not whole groups of its proximal-only KV heads."""
-    if FLASH is None or query.device.type != "cpu" or config.tau is not None or config.combine != "softmax":
+    """The layer's plan, or None where its decoding steps cannot use the ring: another attention form (``tau``,
+    ``combine="lse"``), or sharing query heads that are not whole groups of its proximal-only KV heads."""
+    if config.tau is not None or config.combine != "softmax":
         return None
     groups = query.shape[1] // layer.values.shape[1]
     prox, full = layer.head_lists["prox"], layer.head_lists["full"]
@@ -70,7 +71,7 @@ def ring_attention(layer, plan: RingPlan, query: torch.Tensor, config, scale: fl
     shared = ring.keys.shape[1]
     rows = _query_rows(layer, query, plan.share_rows, "prox", groups)
     near_values = layer.values[ring.batch_index, ring.head_index, ring.slot]  # [B, S, W, d]
-    o_near, lse_near = FLASH(rows, ring.keys, near_values, 0.0, False, attn_mask=ring.bias, scale=scale)
+    o_near, lse_near = _attention(rows, ring.keys, near_values, ring.bias, scale)
     parts = []
     for first, count, head, start, row in plan.runs:
         step = layer.peers[start].step
@@ -80,7 +81,7 @@ def ring_attention(layer, plan: RingPlan, query: torch.Tensor, config, scale: fl
         source = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups, dim)
         keys, values = step.keys.narrow(1, row, count), layer.values.narrow(1, head, count)
         mask = ring.distant(length).narrow(1, first, count)
-        parts.append(FLASH(source, keys, values, 0.0, False, attn_mask=mask, scale=scale))
+        parts.append(_attention(source, keys, values, mask, scale))
     o_far, lse_far = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
     has_distant = ring.has_distant(length)
     if has_distant is not None:  # rows without a distant token take the proximal part alone
@@ -91,13 +92,27 @@ def ring_attention(layer, plan: RingPlan, query: torch.Tensor, config, scale: fl
         return mixed.reshape(batch, shared * groups, 1, dim)
     full_rows = _query_rows(layer, query, plan.full_rows, "full", groups)
     full_values = layer.heads_of(layer.values, "full")
-    out, _ = FLASH(full_rows, layer.keys, full_values, 0.0, False, scale=scale)  # [B, F, G, d]
+    out, _ = _attention(full_rows, layer.keys, full_values, None, scale)  # [B, F, G, d]
     if plan.ordered is not None:
         parts = [out, mixed] if plan.ordered == "full-first" else [mixed, out]
         return torch.cat(parts, dim=1).reshape(batch, -1, 1, dim)
     output = query.new_empty(batch, layer.values.shape[1], groups, dim)
     output.index_copy_(1, layer.prox_heads, mixed).index_copy_(1, layer.full_heads, out)
     return output.reshape(batch, -1, 1, dim)
+
+
+def _attention(query, keys, values, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``query`` ``[B, n, G, d]`` over ``keys``/``values`` ``[B, n, L, d]`` under an additive ``mask``
+    ``[B, n, 1, L]`` (or None): the output and the log-sum-exp ``[B, n, G]`` (-inf and a zero output for a row that
+    sees nothing)."""
+    if FLASH is not None and query.device.type == "cpu":
+        return FLASH(query, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+    logits = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale)
+    if mask is not None:
+        logits.add_(mask)
+    lse = logits.logsumexp(-1)
+    weights = (logits - lse.clamp(min=torch.finfo(logits.dtype).min)[..., None]).exp_()
+    return torch.matmul(weights.to(values.dtype), values), lse
 
 
 def _query_rows(layer, query: torch.Tensor, rows: tuple[int, int] | None, kind: str, groups: int) -> torch.Tensor:
