@@ -346,7 +346,7 @@ class PoDLayer(RingSteps, GatherLayer):
         if not self.is_initialized:
             return 0
         if self.ring is not None:
-            return super().metadata_nbytes() + self.ring.nbytes()[1]
+            return super().metadata_nbytes() + self.ring.metadata_nbytes()
         return super().metadata_nbytes() + self.prox_slot.numel() * self.prox_slot.element_size()
 
 

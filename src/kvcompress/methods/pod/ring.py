@@ -110,7 +110,6 @@ class ProximalRing:
         """The packed form the layer keeps between forwards: keys ``[B, S, W, d]`` and slots (-1: no token)."""
         return self.keys, torch.where(self.bias[:, :, 0] == 0, self.slot, -1)
 
-    def nbytes(self) -> tuple[int, int]:
-        """Bytes of the keys, and of the bookkeeping (slots, masks)."""
-        meta = (self.slot, self.leaving, self.bias, self.dist)
-        return self.keys.numel() * self.keys.element_size(), sum(t.numel() * t.element_size() for t in meta)
+    def metadata_nbytes(self) -> int:
+        """Bytes of the bookkeeping (slots, masks); the keys are the layer's ``prox_keys`` while the ring lives."""
+        return sum(t.numel() * t.element_size() for t in (self.slot, self.leaving, self.bias, self.dist))
