@@ -213,7 +213,10 @@ def test_mix_low_rank_is_eq3_and_stable_for_large_logits():
     huge = mix_low_rank(lse + 85.0, out, num, den)  # exp(85+) would overflow a naive fp32 sum
     assert bool(torch.isfinite(huge).all())
     torch.testing.assert_close(huge, out, rtol=1e-5, atol=1e-5)
-    assert torch.equal(mix_low_rank(lse, out, num, torch.zeros(5)), out)  # den = 0: no low-rank term at all
+    tiny = mix_low_rank(lse - 85.0, out, num, den)  # e^-(lse) would overflow: the state's mass is all there is
+    torch.testing.assert_close(tiny, num / den[:, None])
+    # den = 0 (ψ ≡ 0 or nothing evicted; num = φ H is then 0 as well): no low-rank term at all
+    assert torch.equal(mix_low_rank(lse, out, torch.zeros(5, 4), torch.zeros(5)), out)
 
 
 def test_low_rank_parallel_equals_the_masked_matrix_form():

@@ -152,9 +152,10 @@ def _one_query(
     group_rows = query.reshape(batch * kv_heads, q_heads // kv_heads, dim)
     logits = torch.bmm(group_rows, _flat(key).transpose(1, 2)).float().mul_(scale)
     parts = SoftmaxParts()
-    if lse:  # the same probabilities as without it (a method mixing in more mass stays exact when it adds none)
-        parts.lse = logits.logsumexp(dim=-1).view(batch, q_heads, 1)
+    top = logits.amax(dim=-1) if lse else None
     probs = logits.softmax(dim=-1)
+    if lse:  # a row's largest probability is e^(max logit - lse) >= 1 / L: no underflow, half logsumexp's ops
+        parts.lse = top.sub_(probs.amax(dim=-1).log_()).view(batch, q_heads, 1)
     if value is not None:
         parts.output = torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)
     probs = probs.view(batch, kv_heads, -1, length)

@@ -3,10 +3,12 @@
 ``mix_low_rank``: Eq. 3 in log-sum-exp form. The sparse part enters as its softmax output and log-normaliser,
 the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: the low-rank share of the mass is
 ``w = den / (e^{lse_s} + den) = sigmoid(log den - lse_s)`` and ``out = out_s + w (num / den - out_s)``; equal to
-``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any logit size. Choice: where ``den == 0`` (nothing evicted, or
-ψ ≡ 0) the low-rank term is exactly absent (``w = 0``) instead of the official code's ``max(den, 1e-6)`` floor,
-so LESS equals its base policy exactly then; the floor only ever added a ≤1e-6 phantom mass. The log-normaliser
-comes from the same softmax as the output and the base policy's statistics (one pass over the stored keys).
+``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any logit size. Choice: ``den`` is floored at float32's smallest
+normal number (1.2e-38) instead of the official code's ``max(den, 1e-6)``. Where ``den == 0`` (nothing evicted,
+or ψ ≡ 0; ``num`` is then 0 too) the share is ``sigmoid(-87.3 - lse_s)``, below half a float32 step for any row
+with ``lse_s > -70``, so LESS equals its base policy exactly then; the official floor added a 1e-6 phantom mass.
+The log-normaliser comes from the same softmax as the output and the base policy's statistics (one pass over the
+stored keys).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import Policy
-from kvcompress.core.softmax import grouped
+from kvcompress.core.softmax import grouped, head_matmul
 from kvcompress.methods.less.kernels import LayerKernels
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
@@ -39,6 +41,7 @@ class LessPolicy(Policy):
         self.one_shot = self.base.one_shot
         self.kernels: LayerKernels | None = None
         self.psi_mix: torch.Tensor | None = None  # ψ's last steps as one matrix (``LayerKernels.psi_mix``)
+        self.request = dataclasses.replace(self.stats, lse=True)  # what ``attend`` asks of the softmax
 
     def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
         """This layer's kernels on ``device`` (the model's): a copy where the loaded or built ones are elsewhere,
@@ -67,11 +70,12 @@ class LessPolicy(Policy):
         kernels = self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
-        request = dataclasses.replace(self.stats, lse=True)  # the layer's masks leave every query its own key
-        output, stats = attention_with_stats(query, key, value, mask, scaling, request, rows_see_keys=True)
+        # the layer's masks leave every query its own key
+        output, stats = attention_with_stats(query, key, value, mask, scaling, self.request, rows_see_keys=True)
         with torch.no_grad():
-            features = grouped(kernels.phi(query), key.shape[1])  # [B, H_kv, G, q, R]
-        state = (features @ layer.low_rank[:, :, None]).flatten(1, 2)  # [B, H_q, q, D + 1]: [φ(q) H | φ(q) zᵀ]
+            features = kernels.phi(query)  # [B, H_q, q, R]
+        state = head_matmul(grouped(features, key.shape[1]).flatten(2, 3), layer.low_rank)  # [B, H_kv, G q, D + 1]
+        state = state.view(*features.shape[:3], -1)  # [B, H_q, q, D + 1]: [φ(q) H | φ(q) zᵀ]
         mixed = mix_low_rank(stats.lse, output.float(), state[..., :-1], state[..., -1])
         return mixed.to(query.dtype), stats if self.stats.any else None
 
@@ -84,10 +88,9 @@ def mix_low_rank(
     ``lse_sparse`` ``[...]`` and ``out_sparse`` ``[..., D]``: log-normaliser and softmax output of the cached tokens;
     ``num`` ``[..., D]`` = ``φ(q) H`` and ``den`` ``[...]`` = ``φ(q) zᵀ`` of the low-rank state.
     """
-    positive = den > 0
-    safe_den = torch.where(positive, den, 1.0)  # finite logs and gradients where den = 0
-    share = torch.where(positive, torch.sigmoid(safe_den.log() - lse_sparse), 0.0)[..., None]
-    return torch.lerp(out_sparse, num / safe_den[..., None], share)
+    safe_den = den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # finite logs and gradients at den = 0
+    share = torch.sigmoid(safe_den.log() - lse_sparse[..., None])
+    return torch.lerp(out_sparse, num / safe_den, share)
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
