@@ -16,7 +16,8 @@ Sections:
 - ``prefill``: the longest prompt in ``--chunk``-token forwards, chunk by chunk against a ``DynamicCache`` fed the
   same chunks (each side on its own attention; one-shot methods compress with the last chunk, as ``prefill`` does):
   median per-chunk ratio and whole-prefill ratio; peak memory of each method's prefill (the resident-set growth of
-  each chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill.
+  each chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill. Run last:
+  it maps large allocations one by one from then on (``map_large_allocations``).
 - ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for
   ``--generate-methods`` (``streaming`` and ``h2o``) at ``--generate-budget`` (prefilled in ``--chunk``-token
   chunks, as ``kvcompress generate`` does) against ``DynamicCache`` (one-pass prefill, its fastest), for each prompt
@@ -174,8 +175,6 @@ def run_speed(
         jobs += [lambda m=m, p=p: decode_row(model, m, p, budget, steps, chunk, seed) for p in prompts for m in methods]
     if "full" in sections:
         jobs += [lambda p=p: decode_row(model, "full", p, budget, steps, chunk, seed) for p in prompts]
-    if "prefill" in sections:
-        jobs.append(lambda: prefill_rows(model, prefill_methods, max(prompts), budget, chunk, seed))
     if "generate" in sections:
         jobs += [
             lambda m=m, p=p, b=b: generate_row(model, m, p, b, generate_budget, new_tokens, chunk, rounds, seed)
@@ -183,6 +182,8 @@ def run_speed(
             for b in batches
             for m in generate_methods
         ]
+    if "prefill" in sections:  # last: it changes how the process allocates (``map_large_allocations``)
+        jobs.append(lambda: prefill_rows(model, prefill_methods, max(prompts), budget, chunk, seed))
     rows: list[Row] = []
     with torch.inference_mode():
         for job in jobs:
