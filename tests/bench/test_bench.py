@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kvcompress.bench import common, speed
+from kvcompress.bench import common, speed, speed_prefill
 from kvcompress.bench.cache_op import BUZZ_AVERAGE, CONCAT_SINK, CacheOpSetup, run_cache_op
 from kvcompress.bench.cache_op_steps import synthetic_stats
 from kvcompress.bench.decode import DECODE_COLUMNS, decode_table, run_decode
@@ -142,6 +143,7 @@ def test_tiny_model_prefill_bench_compares_one_pass_and_chunks():
 
 
 def test_speed_bench_runs_every_default_method_on_a_tiny_model(monkeypatch):
+    monkeypatch.setattr(speed_prefill, "map_large_allocations", lambda: False)  # not in the test process (below)
     given = common.bench_params  # pod ships a layer grouping for SmolLM2 only: the tiny model's is given here
     monkeypatch.setattr(
         common, "bench_params", lambda m, b: {**given(m, b), **({"block_size": 2} if m == "pod" else {})}
@@ -156,3 +158,32 @@ def test_speed_bench_runs_every_default_method_on_a_tiny_model(monkeypatch):
     assert all(row["cpu_ratio"] > 0 for row in rows)
     stored = {row["method"]: row["stored_tokens"] for row in rows if row["section"] == "prefill"}
     assert stored["full"] == 96 and stored["snapkv"] == stored["nacl"] == 40  # one-shot: compressed after the prompt
+
+
+MAPPED_PROBE = """
+import torch
+from kvcompress.bench import common
+mapped = common.map_large_allocations() if MAP else None
+torch.ones(1 << 20).sum()  # a 4 MiB block freed: the adaptive threshold would put the next ones on the heap
+common.release_free_memory()
+before = common.current_rss()
+blocks = [torch.ones(1 << 20) for _ in range(64)]  # 64 x 4 MiB, written
+held = common.current_rss()
+del blocks[::2]  # every other block freed: holes a heap could not hand back
+print(mapped, held - before, common.current_rss() - before)
+"""
+
+
+def test_mapped_large_allocations_leave_the_resident_set_when_freed():
+    # in a child process: the allocation mode stays for the rest of a process
+    import subprocess
+    import sys
+
+    probe = "MAP = True" + MAPPED_PROBE
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    mapped, held, after = out.split()
+    if mapped != "True":
+        pytest.skip("not glibc: allocations cannot be mapped one by one")
+    mib = 1 << 20
+    assert int(held) >= 200 * mib  # the 256 MiB were resident
+    assert int(after) <= int(held) - 100 * mib  # half of them freed: about 128 MiB handed back at once
