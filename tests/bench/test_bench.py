@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompress.bench import common, speed, speed_prefill
+from kvcompress.bench import common, speed
 from kvcompress.bench.cache_op import BUZZ_AVERAGE, CONCAT_SINK, CacheOpSetup, run_cache_op
 from kvcompress.bench.cache_op_steps import synthetic_stats
 from kvcompress.bench.decode import DECODE_COLUMNS, decode_table, run_decode
 from kvcompress.bench.prefill import run_prefill
+from kvcompress.bench.prefill_peaks import peaks_in_child
 from kvcompress.bench.sink_references import CircularSinkCache, ConcatSinkCache
 from kvcompress.bench.table import load_rows, markdown_table, save_rows
 from kvcompress.core.layer import CompressedLayer
@@ -143,7 +144,6 @@ def test_tiny_model_prefill_bench_compares_one_pass_and_chunks():
 
 
 def test_speed_bench_runs_every_default_method_on_a_tiny_model(monkeypatch):
-    monkeypatch.setattr(speed_prefill, "map_large_allocations", lambda: False)  # not in the test process (below)
     given = common.bench_params  # pod ships a layer grouping for SmolLM2 only: the tiny model's is given here
     monkeypatch.setattr(
         common, "bench_params", lambda m, b: {**given(m, b), **({"block_size": 2} if m == "pod" else {})}
@@ -187,3 +187,11 @@ def test_mapped_large_allocations_leave_the_resident_set_when_freed():
     mib = 1 << 20
     assert int(held) >= 200 * mib  # the 256 MiB were resident
     assert int(after) <= int(held) - 100 * mib  # half of them freed: about 128 MiB handed back at once
+
+
+def test_prefill_peaks_are_measured_in_a_child_process_with_mapped_allocations(tmp_path):
+    tiny_model("llama").config.save_pretrained(tmp_path)  # the child loads it again (random weights: shapes only)
+    load = {"device": "cpu", "dtype": "float32", "random_weights": True, "threads": 1}
+    peaks = peaks_in_child(str(tmp_path), ["full", "streaming"], prompt=64, budget=16, chunk=16, seed=0, **load)
+    assert set(peaks) == {"one_pass_dynamic", "full", "streaming", "mapped"}
+    assert peaks["mapped"] == 1 and all(peaks[k] >= 0 for k in ("one_pass_dynamic", "full", "streaming"))

@@ -16,8 +16,8 @@ Sections:
 - ``prefill``: the longest prompt in ``--chunk``-token forwards, chunk by chunk against a ``DynamicCache`` fed the
   same chunks (each side on its own attention; one-shot methods compress with the last chunk, as ``prefill`` does):
   median per-chunk ratio and whole-prefill ratio; peak memory of each method's prefill (the resident-set growth of
-  each chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill. Run last:
-  it maps large allocations one by one from then on (``map_large_allocations``).
+  each chunk plus what its cache had allocated before it) against a one-pass ``DynamicCache`` prefill, measured
+  in a child process that maps large allocations one by one (``kvcompress.bench.prefill_peaks``).
 - ``generate``: ``model.generate`` of ``--new-tokens`` tokens end to end (prefill included) for
   ``--generate-methods`` (``streaming`` and ``h2o``) at ``--generate-budget`` (prefilled in ``--chunk``-token
   chunks, as ``kvcompress generate`` does) against ``DynamicCache`` (one-pass prefill, its fastest), for each prompt
@@ -167,6 +167,8 @@ def run_speed(
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise ValueError(f"sections must be among {', '.join(SECTIONS)}; got {', '.join(unknown)}")
+    load = {"device": device, "dtype": dtype, "random_weights": random_weights, "threads": threads}
+    source = {"model": model, **load} if isinstance(model, str) else None  # the prefill peaks' child loads it again
     model, _ = load_bench_model(model, device, dtype, random_weights)
     touch_weights(model)
     kvcompress.prepare_model(model)
@@ -175,6 +177,8 @@ def run_speed(
         jobs += [lambda m=m, p=p: decode_row(model, m, p, budget, steps, chunk, seed) for p in prompts for m in methods]
     if "full" in sections:
         jobs += [lambda p=p: decode_row(model, "full", p, budget, steps, chunk, seed) for p in prompts]
+    if "prefill" in sections:
+        jobs.append(lambda: prefill_rows(model, prefill_methods, max(prompts), budget, chunk, seed, source))
     if "generate" in sections:
         jobs += [
             lambda m=m, p=p, b=b: generate_row(model, m, p, b, generate_budget, new_tokens, chunk, rounds, seed)
@@ -182,8 +186,6 @@ def run_speed(
             for b in batches
             for m in generate_methods
         ]
-    if "prefill" in sections:  # last: it changes how the process allocates (``map_large_allocations``)
-        jobs.append(lambda: prefill_rows(model, prefill_methods, max(prompts), budget, chunk, seed))
     rows: list[Row] = []
     with torch.inference_mode():
         for job in jobs:
