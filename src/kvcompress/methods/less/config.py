@@ -28,9 +28,10 @@ Choices where the paper is silent or leaves a choice:
   built with ``position_mode="original"``: that is the paper's Λ-masking.
 - ``H, z`` are kept in float32 and counted in the cache's bytes (``H`` with the keys/values, ``z`` with the
   metadata); with a float32 model ``H`` is exactly ``R/2`` tokens per KV head.
-- ``den = φ(q) zᵀ = 0`` means no low-rank term at all (not the official code's 1e-6 floor), so with ψ ≡ 0
-  (``init="zero"``) or before the first eviction LESS is exactly its base policy; the attention then runs on the
-  default path, statistics included.
+- ``den = φ(q) zᵀ = 0`` means no low-rank term (not the official code's 1e-6 floor): ``den`` is floored at
+  float32's smallest normal number, which leaves an output unchanged to the last bit for any row whose
+  log-normaliser is above -70. So with ψ ≡ 0 (``init="zero"``) LESS is exactly its base policy, and before the
+  first eviction the attention runs on the default path, statistics included.
 - Untrained kernels (``kernels=None``) use the paper's initialisation (scalars 1e-4: LESS ≈ its base policy);
   trained kernels are a directory written by ``python -m kvcompress.train.less`` and must match the model's shape
   and the base method (the budget may differ: training and test sparsity are independent, Table 2).
