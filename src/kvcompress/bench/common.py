@@ -151,8 +151,8 @@ def map_large_allocations(threshold: int = 1 << 20) -> bool:
     goes back to the OS the moment it is freed. The resident set then follows the live tensors instead of how
     fragmented malloc's heap happens to be: without it the same one-pass prefill read 610 to 1,072 MiB in different
     runs. glibc keeps the threshold fixed from then on (its adaptive threshold is off for good), and a mapping
-    costs page faults on first touch: call it only before the last measurement of a process. Returns False where
-    it is not possible (not glibc)."""
+    costs page faults on first touch, which would tilt timings: call it first thing in a process that only
+    measures memory (``kvcompress.bench.prefill_peaks``). Returns False where it is not possible (not glibc)."""
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):

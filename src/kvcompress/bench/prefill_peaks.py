@@ -3,8 +3,8 @@
 The speed benchmark's ``prefill`` section measures these in a child process of its own
 (``python -m kvcompress.bench.prefill_peaks``), which maps every allocation of 1 MiB or more one by one from its
 start (``map_large_allocations``). The resident set then counts the live tensors, not how fragmented malloc's heap
-has become: in one process after the timings, the same one-pass prefill read 610 to 1,072 MiB in different runs;
-mapped from the start, two runs agree within 2 %. (The page faults of that mode would tilt timings, so the timed
+has become: unmapped, the same one-pass prefill read 610 to 1,072 MiB in different runs; mapped from the start,
+three 4K runs agree within 2 %. (The page faults of that mode would tilt timings, so the timed
 pass stays in the benchmark's own process.) A method's peak is the resident-set growth of each chunk plus what its
 cache had allocated before it; one method at a time, so only its cache is held.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -78,7 +77,7 @@ def peaks_in_child(
     command += [f"--prompt={prompt}", f"--budget={budget}", f"--chunk={chunk}", f"--seed={seed}"]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in load.items() if key != "random_weights"]
     command += ["--random-weights"] if load.get("random_weights") else []
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"prefill peaks: the child process failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
