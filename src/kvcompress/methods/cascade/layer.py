@@ -44,6 +44,7 @@ from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
 from kvcompress.methods.cascade.ring_chunk_insert import RingChunkInsert
 from kvcompress.methods.cascade.ring_decode import RingDecode
+from kvcompress.methods.cascade.ring_exact import RingExact
 from kvcompress.methods.cascade.ring_group import RingGroup
 from kvcompress.methods.cascade.ring_insert import RingInsert
 from kvcompress.methods.cascade.ring_views import RingViews
@@ -69,7 +70,15 @@ class _Pending:
 
 
 class CascadeLayer(
-    RingDecode, RingAngles, RingInsert, RingChunkInsert, RingAttention, RingViews, RingCapacity, CompressedLayer
+    RingExact,
+    RingDecode,
+    RingAngles,
+    RingInsert,
+    RingChunkInsert,
+    RingAttention,
+    RingViews,
+    RingCapacity,
+    CompressedLayer,
 ):
     """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
     unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""

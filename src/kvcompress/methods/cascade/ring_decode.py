@@ -51,22 +51,6 @@ class RingDecode:
             and getattr(self, "_sliding_window", None) is None
         )
 
-    def _decode_tokens(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """``prefill="exact"``: a forward's tokens one after the other through ``_decode_step``, exactly what
-        feeding them one at a time does (``[B, H, q, d]`` in and out). Each token's position tensor is a view made
-        once per forward, so the layers share each step's plan as they do while decoding; old tokens are moved
-        layer by layer (every layer takes all the tokens before the next layer takes the first)."""
-        count = query.shape[2]
-        split = lambda: pending.source[..., -count:].split(1, -1)  # noqa: E731 (the forward's last positions)
-        tokens = forward_cached(pending.source, ("token-sources", count), split)
-        outputs = []
-        for m, source in enumerate(tokens):
-            pos = None if pending.pos is None else pending.pos[:, m : m + 1]
-            keys, values = pending.keys[:, :, m : m + 1], pending.values[:, :, m : m + 1]
-            token = type(pending)(keys, values, pending.first + m, pos, None, source)
-            outputs.append(self._decode_step(query[:, :, m : m + 1], token, scale, grouped=False))
-        return torch.cat(outputs, 2)
-
     def _decode_step(self, query: torch.Tensor, pending, scale: float, grouped: bool = True) -> torch.Tensor:
         """Attend and insert one token (``[B, H, 1, d]`` in, the same out); ``grouped``: the first layer of the
         forward may move the old tokens of every layer (``RingGroup``)."""

@@ -1,0 +1,196 @@
+"""``prefill="exact"``: a forward's tokens one after the other through the decoding step.
+
+Each token of the forward is inserted, attends and folds its attention into the EMA before the next one, exactly
+what feeding the tokens one at a time does (v1 of the paper); the MLPs still run on the whole forward.
+
+The schedule of the steps depends only on the token count, so every layer of a forward takes the same steps. In the
+steady state (the batch in step, the rings at ring angles, every token pushing older ones down the rings, scores
+kept with the paper's mean over heads) the Python side of every step of the forward is planned once, by the first
+layer, and shared (``forward_cached``); each layer then runs the steps as a short, fixed list of ops on views made
+once per forward (``_lean_tokens``):
+
+- once per forward: the new keys turned from the model's positions to their ring angles, all at once;
+- per token: one gather of the tokens it pushes on, their keys turned in place, one write per tensor (a selection's
+  loser into the scratch slot); the query rotated to every frame by one matmul, the logits of every frame for every
+  slot by one matmul and a gather, one softmax, one matmul with the values and one for the EMA.
+
+Anything else (the first forward, sinks or rings still filling, padding, another head reduction) takes
+``_decode_step`` token by token, which handles every case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.forward_cache import forward_cached, from_host
+from kvcompress.core.rope import rotate_by, turn_in_place
+from kvcompress.core.rotation import rotation_to
+from kvcompress.methods.cascade.ring_decode import DENSE_FRAME_SLOTS
+
+
+@dataclass(frozen=True)
+class _TokenStep:
+    """The planned step of one token, shared by the layers of a forward (tensors on the layer's device)."""
+
+    read: torch.Tensor  # [m - 1] slots whose tokens move on
+    written: torch.Tensor  # [m] slots written: the new token's, then each moved token's
+    cos: torch.Tensor  # [m, 1, 1, d / 2] turning each column's key (the new key's column: no turn)
+    sin: torch.Tensor
+    select: bool  # the last column is a selection against the slot's resident
+    last: int  # the last column's slot
+    winner: torch.Tensor  # that slot and the scratch slot as 0-dim tensors (a selection writes one or the other)
+    scratch: torch.Tensor
+    sinks_shift: int | None  # the sinks' new angle shift, when the oldest ring's frame moved on
+    rotation: torch.Tensor  # [rows, 1, d, F d]: the query to each frame, scaled (``rotation_to``)
+    frame: torch.Tensor  # [B, H_kv, G, 1, stored]: the frame of each slot
+    empty: torch.Tensor | None  # [stored] slots between the runs (none: ``None``)
+    stored: int  # slots up to the last occupied one
+
+
+class RingExact:
+    """Mixin of ``CascadeLayer``: ``prefill="exact"`` (see the module docstring)."""
+
+    def _decode_tokens(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
+        """The forward's tokens one after the other through the decoding step (``[B, H, q, d]`` in and out). Each
+        token's position tensor is a view made once per forward, so the layers share each step's plan as they do
+        while decoding; old tokens are moved layer by layer (every layer takes all the tokens before the next layer
+        takes the first)."""
+        count = query.shape[2]
+        split = lambda: pending.source[..., -count:].split(1, -1)  # noqa: E731 (the forward's last positions)
+        tokens = forward_cached(pending.source, ("token-sources", count), split)
+        plan = self._lean_plan(query, pending, tokens, scale)
+        if plan is not None:
+            return self._lean_tokens(query, pending, plan, tokens)
+        outputs = []
+        for m, source in enumerate(tokens):
+            pos = None if pending.pos is None else pending.pos[:, m : m + 1]
+            keys, values = pending.keys[:, :, m : m + 1], pending.values[:, :, m : m + 1]
+            token = type(pending)(keys, values, pending.first + m, pos, None, source)
+            outputs.append(self._decode_step(query[:, :, m : m + 1], token, scale, grouped=False))
+        return torch.cat(outputs, 2)
+
+    # --- planning, once per forward -------------------------------------------------------------------------------
+    def _lean_plan(self, query: torch.Tensor, pending, tokens, scale: float) -> tuple | None:
+        """The steps of every token of the forward and the counters after them, or ``None`` when the lean path does
+        not apply (then ``_decode_step`` takes each token)."""
+        self.to_ring_angles(tokens[0])
+        rows = pending.source.shape[0]
+        if (
+            self._laps is None
+            or not self.rule.needs_scores
+            or self.rule.config.reduction != "mean"
+            or rows not in (1, self._kv.shape[0])
+        ):
+            return None
+        state = (self._py_seen, tuple(self._py_count), tuple(self._py_start), tuple(self._laps))
+        shape = (*self._kv.shape[:2], query.shape[1], query.dtype, scale)
+        key = ("exact-plan", state, len(tokens), self.capacity, id(self.rule.config), shape)
+        return forward_cached(pending.source, key, lambda: self._plan_tokens(query, pending, tokens, scale))
+
+    def _plan_tokens(self, query: torch.Tensor, pending, tokens, scale: float) -> tuple | None:
+        """Plan each token's step from the counters as they will be (the layer's own counters are left as they
+        are): ``(steps, new-key angle shifts [B, q], counters after)``, or ``None`` if some step is not a push
+        down the rings or its logits take one matmul per run."""
+        saved = (self._py_seen, list(self._py_count), list(self._py_start), list(self._laps))
+        steps, angles = [], []
+        try:
+            for source in tokens:
+                step, angle = self._plan_token(query, source, scale)
+                if step is None:
+                    return None
+                steps.append(step)
+                angles.append(angle)
+            after = (self._py_seen, list(self._py_count), list(self._py_start), list(self._laps))
+        finally:
+            self._py_seen, self._py_count, self._py_start, self._laps = saved
+        shift = from_host(angles, self.device)[None, :] - pending.pos  # [B, q]: model position to ring angle
+        return steps, shift, after
+
+    def _plan_token(self, query: torch.Tensor, source: torch.Tensor, scale: float) -> tuple[_TokenStep | None, int]:
+        """One token's step (``_plan_decode_step``), advancing the layer's counters."""
+        moves, angle, turns, sinks_shift, seen, count, start, laps, targets, runs = self._plan_decode_step()
+        self._py_seen, self._py_count, self._py_start, self._laps = seen, list(count), list(start), list(laps)
+        stored = runs[-1][1]
+        dense = len(targets) * stored <= DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"])
+        if len(moves) < 2 or not dense:
+            return None, angle
+        dests = [dest for dest, _ in moves]
+        read, written, cos, sin = self._shared_move_tables(dests, turns, source)
+        batch, kv_heads = self._kv.shape[:2]
+        groups = query.shape[1] // kv_heads
+        key = ("frame-of-slot", tuple(runs), self.device, batch, kv_heads, groups)
+        frame, empty = forward_cached(source, key, lambda: self._slot_frames(runs, batch, kv_heads, groups))
+        rotation = rotation_to(source, targets, self.inv_freq, self._key_dim, query.dtype, scale)
+        slot = lambda value: torch.tensor(value, device=self.device)  # noqa: E731
+        step = _TokenStep(
+            read, written, cos, sin, moves[-1][1], dests[-1], slot(dests[-1]), slot(self.capacity),
+            sinks_shift, rotation, frame, empty, stored,
+        )  # fmt: skip
+        return step, angle
+
+    # --- the steps ------------------------------------------------------------------------------------------------
+    def _lean_tokens(self, query: torch.Tensor, pending, plan: tuple, tokens) -> torch.Tensor:
+        """Run the planned steps of the forward's tokens (see the module docstring); ``[B, H, q, d]`` out."""
+        steps, shift, (seen, count, start, laps) = plan
+        batch, q_heads, _, dim = query.shape
+        kv_heads = self._kv.shape[1]
+        keys = rotate_by(pending.keys, shift[:, None], self.inv_freq, exact=True)
+        arriving = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3).contiguous()
+        meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
+        columns = self._kv.permute(2, 0, 1, 3)  # [slots + 1, B, H_kv, dk + dv]
+        zero = self._score.new_zeros(batch, 1)
+        ones = self._score.new_ones(batch, 1, q_heads)
+        gamma, incoming = self.rule.gamma, self.rule.config.tie == "incoming"
+        queries = query.unbind(2)
+        views, outputs = None, []
+        for m, step in enumerate(steps):
+            items = torch.cat([arriving[m : m + 1], columns.index_select(0, step.read)])
+            turn_in_place(items, step.cos, step.sin)
+            records = torch.cat([meta[:, m : m + 1], self._meta.index_select(1, step.read)], 1)
+            scores = torch.cat([zero, self._score.index_select(1, step.read)], 1)
+            if step.select:
+                challenger, resident = scores[:, -1], self._score[:, step.last]
+                wins = challenger >= resident if incoming else challenger > resident
+                last = torch.where(wins, step.winner, step.scratch)
+                self._write_columns(columns, step.written, last, items, records, scores)
+            else:
+                columns.index_copy_(0, step.written, items)
+                self._meta.index_copy_(1, step.written, records)
+                self._score.index_copy_(1, step.written, scores)
+            if step.sinks_shift is not None:
+                self.place_sinks(step.sinks_shift, tokens[m])
+            if views is None or views[0] != step.stored:
+                stored = step.stored
+                views = (stored, *self._step_views(stored), self._score[:, None, self.sinks : stored])
+            stored, keys_t, values, folded = views
+            rows = step.rotation.shape[0]  # position rows: B, or 1 shared by the batch
+            turned = torch.bmm(queries[m].reshape(rows, -1, dim), step.rotation.view(rows, dim, -1))
+            every = torch.bmm(turned.view(batch * kv_heads, -1, dim), keys_t)
+            logits = every.view(batch, kv_heads, q_heads // kv_heads, -1, stored).gather(3, step.frame).float()
+            if step.empty is not None:
+                logits.masked_fill_(step.empty, float("-inf"))
+            probs = logits.view(batch * kv_heads, -1, stored).softmax(-1)
+            outputs.append(torch.bmm(probs.to(values.dtype), values))
+            received = probs.view(batch, -1, stored)[..., self.sinks :]
+            folded.baddbmm_(ones, received, beta=gamma, alpha=(1.0 - gamma) / q_heads)
+        self._py_seen, self._py_count, self._py_start, self._laps = seen, list(count), list(start), list(laps)
+        self._py_tensors, self._all_real = None, True
+        return torch.stack(outputs, 2).view(batch, q_heads, len(steps), -1)
+
+    def _write_columns(self, columns, written, last, items, records, scores) -> None:
+        """A selection step's writes: every column to its slot, the last one to ``last`` ``[B]`` (the slot where
+        the arriving token wins, else the scratch slot)."""
+        batch = items.shape[1]
+        if batch == 1:  # one sequence: the slots are one index list
+            slots = torch.cat([written[:-1], last])
+            columns.index_copy_(0, slots, items)
+            self._meta.index_copy_(1, slots, records)
+            self._score.index_copy_(1, slots, scores)
+            return
+        slots = torch.cat([written[:-1].expand(batch, -1), last[:, None]], 1)  # [B, m]
+        heads, count, width = items.shape[2], items.shape[0], items.shape[3]
+        self._kv.scatter_(2, slots[:, None, :, None].expand(batch, heads, count, width), items.permute(1, 2, 0, 3))
+        self._meta.scatter_(1, slots[:, :, None].expand(batch, -1, 2), records)
+        self._score.scatter_(1, slots, scores)
