@@ -40,6 +40,25 @@ def rotation_to_tensor(
     return _rotation_to(position_ids, (target,), inv_freq, dim, dtype, 1.0)
 
 
+def rotations_along(
+    position_ids: torch.Tensor,
+    targets: list[tuple[int, ...]],
+    inv_freq: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """``[q rows, d, k d]``: ``rotation_to`` of each of the last ``q = len(targets)`` positions of ``position_ids``
+    (``[rows, >= q]``) to its own ``k`` targets ``targets[m]``, in one batch (``m`` major, then the rows): a
+    forward's tokens rotated each to its own targets by one batched matmul. The same matrices, to the bit."""
+    rows, count = position_ids.shape[0], len(targets)
+    positions = position_ids[:, -count:].t().reshape(-1, 1)  # [q rows, 1]
+    per_row = torch.tensor(targets, device="cpu").repeat_interleave(rows, 0)  # [q rows, k]
+    columns = tuple(per_row.to(position_ids.device, non_blocking=True).unbind(1))
+    rotation = _rotation_to(positions, columns, inv_freq, dim, dtype, scale)  # [q rows, 1, d, k d]
+    return rotation.view(rows * count, dim, -1)
+
+
 def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, 1, d]`` rotated by ``rotation_to`` to each target: ``[B, H, k, d]`` (one matmul: the two
     products of each output dimension, as the model's ``x cos + rotate_half(x) sin``, in ``x``'s dtype)."""

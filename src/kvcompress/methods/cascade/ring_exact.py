@@ -26,7 +26,7 @@ import torch
 
 from kvcompress.core.forward_cache import forward_cached, from_host
 from kvcompress.core.rope import rotate_by, turn_in_place
-from kvcompress.core.rotation import rotation_to
+from kvcompress.core.rotation import rotations_along
 from kvcompress.methods.cascade.ring_decode import DENSE_FRAME_SLOTS
 
 
@@ -40,13 +40,21 @@ class _TokenStep:
     sin: torch.Tensor
     select: bool  # the last column is a selection against the slot's resident
     last: int  # the last column's slot
-    winner: torch.Tensor  # that slot and the scratch slot as 0-dim tensors (a selection writes one or the other)
-    scratch: torch.Tensor
+    lost: torch.Tensor  # [m]: ``written`` with the scratch slot last (where a selection's loser is written)
     sinks_shift: int | None  # the sinks' new angle shift, when the oldest ring's frame moved on
-    rotation: torch.Tensor  # [rows, 1, d, F d]: the query to each frame, scaled (``rotation_to``)
-    frame: torch.Tensor  # [B, H_kv, G, 1, stored]: the frame of each slot
+    logit: torch.Tensor  # [stored]: where each slot's logit is among the logits of every frame for every slot
     empty: torch.Tensor | None  # [stored] slots between the runs (none: ``None``)
     stored: int  # slots up to the last occupied one
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The steps of a forward's tokens and what the layers do once per forward."""
+
+    steps: list[_TokenStep]
+    shift: torch.Tensor  # [B, q]: how far each new key turns, from the model's position to its ring angle
+    rotation: torch.Tensor  # [q rows, d, F d]: each query to each of its F frames, scaled (rows: position rows)
+    after: tuple  # the counters after the forward: seen, counts, starts, laps
 
 
 class RingExact:
@@ -72,7 +80,7 @@ class RingExact:
         return torch.cat(outputs, 2)
 
     # --- planning, once per forward -------------------------------------------------------------------------------
-    def _lean_plan(self, query: torch.Tensor, pending, tokens, scale: float) -> tuple | None:
+    def _lean_plan(self, query: torch.Tensor, pending, tokens, scale: float) -> _Plan | None:
         """The steps of every token of the forward and the counters after them, or ``None`` when the lean path does
         not apply (then ``_decode_step`` takes each token)."""
         self.to_ring_angles(tokens[0])
@@ -89,63 +97,70 @@ class RingExact:
         key = ("exact-plan", state, len(tokens), self.capacity, id(self.rule.config), shape)
         return forward_cached(pending.source, key, lambda: self._plan_tokens(query, pending, tokens, scale))
 
-    def _plan_tokens(self, query: torch.Tensor, pending, tokens, scale: float) -> tuple | None:
+    def _plan_tokens(self, query: torch.Tensor, pending, tokens, scale: float) -> _Plan | None:
         """Plan each token's step from the counters as they will be (the layer's own counters are left as they
-        are): ``(steps, new-key angle shifts [B, q], counters after)``, or ``None`` if some step is not a push
-        down the rings or its logits take one matmul per run."""
+        are), or ``None`` if some step is not a push down the rings or its logits would take one matmul per
+        run."""
         saved = (self._py_seen, list(self._py_count), list(self._py_start), list(self._laps))
-        steps, angles = [], []
+        steps, angles, targets = [], [], []
         try:
             for source in tokens:
-                step, angle = self._plan_token(query, source, scale)
+                step, angle, frames = self._plan_token(source)
                 if step is None:
                     return None
                 steps.append(step)
                 angles.append(angle)
+                targets.append(frames)
             after = (self._py_seen, list(self._py_count), list(self._py_start), list(self._laps))
         finally:
             self._py_seen, self._py_count, self._py_start, self._laps = saved
-        shift = from_host(angles, self.device)[None, :] - pending.pos  # [B, q]: model position to ring angle
-        return steps, shift, after
+        frames = max(map(len, targets))
+        dense = DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"])
+        if frames * max(step.stored for step in steps) > dense:
+            return None
+        shift = from_host(angles, self.device)[None, :] - pending.pos
+        targets = [(*row, *row[-1:] * (frames - len(row))) for row in targets]  # (an unused frame pads a row)
+        rotation = rotations_along(pending.source, targets, self.inv_freq, self._key_dim, query.dtype, scale)
+        return _Plan(steps, shift, rotation, after)
 
-    def _plan_token(self, query: torch.Tensor, source: torch.Tensor, scale: float) -> tuple[_TokenStep | None, int]:
-        """One token's step (``_plan_decode_step``), advancing the layer's counters."""
+    def _plan_token(self, source: torch.Tensor) -> tuple[_TokenStep | None, int, tuple[int, ...]]:
+        """One token's step (``_plan_decode_step``), its new key's angle and its query's frames, advancing the
+        layer's counters."""
         moves, angle, turns, sinks_shift, seen, count, start, laps, targets, runs = self._plan_decode_step()
         self._py_seen, self._py_count, self._py_start, self._laps = seen, list(count), list(start), list(laps)
-        stored = runs[-1][1]
-        dense = len(targets) * stored <= DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"])
-        if len(moves) < 2 or not dense:
-            return None, angle
+        if len(moves) < 2:
+            return None, angle, targets
         dests = [dest for dest, _ in moves]
         read, written, cos, sin = self._shared_move_tables(dests, turns, source)
-        batch, kv_heads = self._kv.shape[:2]
-        groups = query.shape[1] // kv_heads
-        key = ("frame-of-slot", tuple(runs), self.device, batch, kv_heads, groups)
-        frame, empty = forward_cached(source, key, lambda: self._slot_frames(runs, batch, kv_heads, groups))
-        rotation = rotation_to(source, targets, self.inv_freq, self._key_dim, query.dtype, scale)
-        slot = lambda value: torch.tensor(value, device=self.device)  # noqa: E731
-        step = _TokenStep(
-            read, written, cos, sin, moves[-1][1], dests[-1], slot(dests[-1]), slot(self.capacity),
-            sinks_shift, rotation, frame, empty, stored,
-        )  # fmt: skip
-        return step, angle
+        stored = runs[-1][1]
+        logit, empty = forward_cached(source, ("slot-logits", tuple(runs)), lambda: self._slot_logits(runs))
+        lost = from_host([*dests[:-1], self.capacity], self.device)
+        step = _TokenStep(read, written, cos, sin, moves[-1][1], dests[-1], lost, sinks_shift, logit, empty, stored)
+        return step, angle, targets
+
+    def _slot_logits(self, runs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per slot, where its logit is among the logits of every frame for every slot (``frame * stored +
+        slot``), and the empty slots between the runs (``None`` when the runs cover every slot)."""
+        frame, empty = self._slot_frames(runs, 1, 1, 1)
+        stored = frame.shape[-1]
+        return frame.view(-1) * stored + torch.arange(stored, device=self.device), empty
 
     # --- the steps ------------------------------------------------------------------------------------------------
-    def _lean_tokens(self, query: torch.Tensor, pending, plan: tuple, tokens) -> torch.Tensor:
+    def _lean_tokens(self, query: torch.Tensor, pending, plan: _Plan, tokens) -> torch.Tensor:
         """Run the planned steps of the forward's tokens (see the module docstring); ``[B, H, q, d]`` out."""
-        steps, shift, (seen, count, start, laps) = plan
-        batch, q_heads, _, dim = query.shape
-        kv_heads = self._kv.shape[1]
-        keys = rotate_by(pending.keys, shift[:, None], self.inv_freq, exact=True)
+        batch, q_heads, count, dim = query.shape
+        kv_heads, rows = self._kv.shape[1], plan.rotation.shape[0] // count
+        keys = rotate_by(pending.keys, plan.shift[:, None], self.inv_freq, exact=True)
         arriving = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3).contiguous()
         meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
         columns = self._kv.permute(2, 0, 1, 3)  # [slots + 1, B, H_kv, dk + dv]
         zero = self._score.new_zeros(batch, 1)
         ones = self._score.new_ones(batch, 1, q_heads)
         gamma, incoming = self.rule.gamma, self.rule.config.tie == "incoming"
-        queries = query.unbind(2)
+        queries = query.permute(2, 0, 1, 3).reshape(count * rows, -1, dim)  # [q rows, B H / rows, d]
+        turned = torch.bmm(queries, plan.rotation).view(count, batch * kv_heads, -1, dim)  # [q, B H_kv, G F, d]
         views, outputs = None, []
-        for m, step in enumerate(steps):
+        for m, step in enumerate(plan.steps):
             items = torch.cat([arriving[m : m + 1], columns.index_select(0, step.read)])
             turn_in_place(items, step.cos, step.sin)
             records = torch.cat([meta[:, m : m + 1], self._meta.index_select(1, step.read)], 1)
@@ -153,8 +168,8 @@ class RingExact:
             if step.select:
                 challenger, resident = scores[:, -1], self._score[:, step.last]
                 wins = challenger >= resident if incoming else challenger > resident
-                last = torch.where(wins, step.winner, step.scratch)
-                self._write_columns(columns, step.written, last, items, records, scores)
+                slots = torch.where(wins[:, None], step.written, step.lost)  # [B, m]
+                self._write_columns(columns, slots, items, records, scores)
             else:
                 columns.index_copy_(0, step.written, items)
                 self._meta.index_copy_(1, step.written, records)
@@ -165,31 +180,28 @@ class RingExact:
                 stored = step.stored
                 views = (stored, *self._step_views(stored), self._score[:, None, self.sinks : stored])
             stored, keys_t, values, folded = views
-            rows = step.rotation.shape[0]  # position rows: B, or 1 shared by the batch
-            turned = torch.bmm(queries[m].reshape(rows, -1, dim), step.rotation.view(rows, dim, -1))
-            every = torch.bmm(turned.view(batch * kv_heads, -1, dim), keys_t)
-            logits = every.view(batch, kv_heads, q_heads // kv_heads, -1, stored).gather(3, step.frame).float()
+            every = torch.bmm(turned[m], keys_t)  # [B H_kv, G F, stored]
+            logits = every.view(batch * q_heads, -1).index_select(1, step.logit).float()
             if step.empty is not None:
                 logits.masked_fill_(step.empty, float("-inf"))
             probs = logits.view(batch * kv_heads, -1, stored).softmax(-1)
             outputs.append(torch.bmm(probs.to(values.dtype), values))
             received = probs.view(batch, -1, stored)[..., self.sinks :]
             folded.baddbmm_(ones, received, beta=gamma, alpha=(1.0 - gamma) / q_heads)
-        self._py_seen, self._py_count, self._py_start, self._laps = seen, list(count), list(start), list(laps)
+        seen, counts, starts, laps = plan.after
+        self._py_seen, self._py_count, self._py_start, self._laps = seen, list(counts), list(starts), list(laps)
         self._py_tensors, self._all_real = None, True
-        return torch.stack(outputs, 2).view(batch, q_heads, len(steps), -1)
+        return torch.stack(outputs, 2).view(batch, q_heads, count, -1)
 
-    def _write_columns(self, columns, written, last, items, records, scores) -> None:
-        """A selection step's writes: every column to its slot, the last one to ``last`` ``[B]`` (the slot where
-        the arriving token wins, else the scratch slot)."""
+    def _write_columns(self, columns, slots, items, records, scores) -> None:
+        """A selection step's writes: column ``c`` of sequence ``b`` to slot ``slots[b, c]``."""
         batch = items.shape[1]
         if batch == 1:  # one sequence: the slots are one index list
-            slots = torch.cat([written[:-1], last])
+            slots = slots.view(-1)
             columns.index_copy_(0, slots, items)
             self._meta.index_copy_(1, slots, records)
             self._score.index_copy_(1, slots, scores)
             return
-        slots = torch.cat([written[:-1].expand(batch, -1), last[:, None]], 1)  # [B, m]
         heads, count, width = items.shape[2], items.shape[0], items.shape[3]
         self._kv.scatter_(2, slots[:, None, :, None].expand(batch, heads, count, width), items.permute(1, 2, 0, 3))
         self._meta.scatter_(1, slots[:, :, None].expand(batch, -1, 2), records)
