@@ -78,12 +78,15 @@ def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Te
     rest = dim - 2 * half  # partial rotary: these dimensions pass through
     cos = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], rest)], -1) * scale
     sin = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], rest)], -1) * scale
-    eye = torch.eye(dim, device=cos.device)
     index = torch.arange(dim, device=cos.device)
     swap = torch.cat([index[half : 2 * half], index[:half], index[2 * half :]])
-    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions
-    rotation = eye[None, :, None, :] * cos[:, None] + eye[swap][None, :, None, :] * sin[:, None]  # [B, d, k, d]
-    return rotation.reshape(cos.shape[0], 1, dim, -1).to(dtype)
+    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry by
+    # entry (no dense intermediates: a forward's tokens build theirs at once); sin first, so that a pass-through
+    # dimension (swap(j) = j, sin 0) keeps its cos
+    rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
+    rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
+    rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
+    return rotation.view(cos.shape[0], 1, dim, -1)
 
 
 def frame_rotation(
