@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.rope import rotate_by
-from kvcompress.core.rotation import rotation_to, rotations_along, turn
+from kvcompress.core.rotation import frames_along, rotation_to, turn, turn_along
 
 
 def test_rotation_to_a_far_target_is_as_precise_as_a_near_one():
@@ -24,16 +24,19 @@ def test_rotation_to_a_far_target_is_as_precise_as_a_near_one():
         torch.testing.assert_close(turned[:, :, k : k + 1], expected, rtol=0, atol=1e-12)
 
 
-def test_rotations_along_a_forward_are_each_tokens_own_rotation():
-    """``rotations_along``: one batch of every token's rotation to its own targets, the matrices ``rotation_to``
-    builds for each token alone, to the bit (rows of positions shared by the batch, or one per sequence)."""
-    dim = 16
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+def test_frames_along_a_forward_turn_each_token_as_its_own_rotation():
+    """``frames_along`` / ``turn_along``: every token of a forward rotated to its own targets at once, as
+    ``rotation_to``'s matrix for that token alone rotates it (rows of positions shared by the batch, or one per
+    sequence; partial rotary)."""
+    dim, rotary = 16, 12
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
     targets = [(9, 40, 2), (11, 41, 3), (12, 12, 12)]
+    x = torch.randn(3, 2, 4, dim, generator=torch.Generator().manual_seed(1))  # [q, B, H, d]
     for position_ids in (torch.tensor([[0, 4, 5, 6]]), torch.tensor([[0, 4, 5, 6], [1, 2, 3, 9]])):
         rows = position_ids.shape[0]
-        batched = rotations_along(position_ids, targets, inv_freq, dim, torch.float32, 0.25).view(3, rows, dim, -1)
+        frames = frames_along(position_ids, targets, inv_freq, dim, torch.float32, 0.25)
+        turned = turn_along(x.reshape(3 * rows, -1, dim), *frames).view(3, 2, 4, 3, dim)
         for m, token_targets in enumerate(targets):
             token = position_ids[:, : 2 + m]  # the token's own position last
-            alone = rotation_to(token, token_targets, inv_freq, dim, torch.float32, 0.25)  # [rows, 1, d, 3 d]
-            assert torch.equal(batched[m], alone[:, 0])
+            alone = turn(x[m][:, :, None], rotation_to(token, token_targets, inv_freq, dim, torch.float32, 0.25))
+            torch.testing.assert_close(turned[m], alone, rtol=1e-6, atol=1e-6)

@@ -40,23 +40,30 @@ def rotation_to_tensor(
     return _rotation_to(position_ids, (target,), inv_freq, dim, dtype, 1.0)
 
 
-def rotations_along(
+def frames_along(
     position_ids: torch.Tensor,
     targets: list[tuple[int, ...]],
     inv_freq: torch.Tensor,
     dim: int,
     dtype: torch.dtype,
     scale: float = 1.0,
-) -> torch.Tensor:
-    """``[q rows, d, k d]``: ``rotation_to`` of each of the last ``q = len(targets)`` positions of ``position_ids``
-    (``[rows, >= q]``) to its own ``k`` targets ``targets[m]``, in one batch (``m`` major, then the rows): a
-    forward's tokens rotated each to its own targets by one batched matmul. The same matrices, to the bit."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``turn_along`` needs to rotate each of the last ``q = len(targets)`` positions of ``position_ids``
+    (``[rows, >= q]``) to its own ``k`` targets ``targets[m]``: ``cos``, ``sin`` ``[q rows, 1, k, d]`` (``m`` major,
+    then the rows; angles in float64, times ``scale``) and the dimension each output dimension pairs with. A
+    forward's tokens rotated at once, from a few bytes per token (``rotation_to``'s matrices are ``d`` times
+    larger)."""
     rows, count = position_ids.shape[0], len(targets)
-    positions = position_ids[:, -count:].t().reshape(-1, 1)  # [q rows, 1]
+    positions = position_ids[:, -count:].t().reshape(-1)  # [q rows]
     per_row = torch.tensor(targets, device="cpu").repeat_interleave(rows, 0)  # [q rows, k]
-    columns = tuple(per_row.to(position_ids.device, non_blocking=True).unbind(1))
-    rotation = _rotation_to(positions, columns, inv_freq, dim, dtype, scale)  # [q rows, 1, d, k d]
-    return rotation.view(rows * count, dim, -1)
+    delta = per_row.to(position_ids.device, non_blocking=True) - positions[:, None]
+    cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)
+    return cos[:, None].to(dtype), sin[:, None].to(dtype), swap
+
+
+def turn_along(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[N, n, d]`` rotated to each of the ``k`` targets of ``frames_along``: ``[N, n, k, d]``."""
+    return torch.addcmul(x[:, :, None] * cos, x.index_select(-1, swap)[:, :, None], sin)
 
 
 def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -70,23 +77,31 @@ def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Tensor:
     positions = position_ids[..., -1].reshape(-1)
     delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
+    cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)  # [B, k, d]
+    index = torch.arange(dim, device=cos.device)
+    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry by
+    # entry (no dense intermediates); sin first, so that a pass-through dimension (swap(j) = j, sin 0) keeps its cos
+    rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
+    rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
+    rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
+    return rotation.view(cos.shape[0], 1, dim, -1)
+
+
+def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, scale: float) -> tuple[torch.Tensor, ...]:
+    """For turns by ``delta`` positions (``[...]`` integers): ``cos``, ``sin`` ``[..., d]`` (float64, times
+    ``scale``) and ``swap`` ``[d]`` such that output dimension ``j`` = ``x_j cos_j + x_swap(j) sin_j``
+    (``rotate_half`` convention; only the first ``2 len(inv_freq)`` dimensions rotate)."""
     # float64 angles: a target can lie hundreds of positions from the query (a ring's frame), and a float32 angle
     # that large is off by ~1e-5 rad, which is what the model's own rotations at the true positions are not
-    angles = delta.double()[..., None] * inv_freq.to(positions.device, torch.float64)  # [B, k, h]
+    angles = delta.double()[..., None] * inv_freq.to(delta.device, torch.float64)  # [..., h]
     cos, sin = angles.cos(), angles.sin()
     half = cos.shape[-1]
     rest = dim - 2 * half  # partial rotary: these dimensions pass through
     cos = torch.cat([cos, cos, cos.new_ones(*cos.shape[:-1], rest)], -1) * scale
     sin = torch.cat([-sin, sin, sin.new_zeros(*sin.shape[:-1], rest)], -1) * scale
-    index = torch.arange(dim, device=cos.device)
+    index = torch.arange(dim, device=delta.device)
     swap = torch.cat([index[half : 2 * half], index[:half], index[2 * half :]])
-    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry by
-    # entry (no dense intermediates: a forward's tokens build theirs at once); sin first, so that a pass-through
-    # dimension (swap(j) = j, sin 0) keeps its cos
-    rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
-    rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
-    rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
-    return rotation.view(cos.shape[0], 1, dim, -1)
+    return cos, sin, swap
 
 
 def frame_rotation(

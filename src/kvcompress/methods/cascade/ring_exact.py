@@ -9,10 +9,11 @@ kept with the paper's mean over heads) the Python side of every step of the forw
 layer, and shared (``forward_cached``); each layer then runs the steps as a short, fixed list of ops on views made
 once per forward (``_lean_tokens``):
 
-- once per forward: the new keys turned from the model's positions to their ring angles, all at once;
+- once per forward: the new keys turned from the model's positions to their ring angles, and the queries to each
+  of their frames, all at once;
 - per token: one gather of the tokens it pushes on, their keys turned in place, one write per tensor (a selection's
-  loser into the scratch slot); the query rotated to every frame by one matmul, the logits of every frame for every
-  slot by one matmul and a gather, one softmax, one matmul with the values and one for the EMA.
+  loser into the scratch slot); the logits of every frame for every slot by one matmul and an index, one softmax,
+  one matmul with the values and one for the EMA.
 
 Anything else (the first forward, sinks or rings still filling, padding, another head reduction) takes
 ``_decode_step`` token by token, which handles every case.
@@ -26,7 +27,7 @@ import torch
 
 from kvcompress.core.forward_cache import forward_cached, from_host
 from kvcompress.core.rope import rotate_by, turn_in_place
-from kvcompress.core.rotation import rotations_along
+from kvcompress.core.rotation import frames_along, turn_along
 from kvcompress.methods.cascade.ring_decode import DENSE_FRAME_SLOTS
 
 
@@ -53,7 +54,7 @@ class _Plan:
 
     steps: list[_TokenStep]
     shift: torch.Tensor  # [B, q]: how far each new key turns, from the model's position to its ring angle
-    rotation: torch.Tensor  # [q rows, d, F d]: each query to each of its F frames, scaled (rows: position rows)
+    frames: tuple[torch.Tensor, ...]  # each query to each of its F frames, scaled (``frames_along``)
     after: tuple  # the counters after the forward: seen, counts, starts, laps
 
 
@@ -120,8 +121,8 @@ class RingExact:
             return None
         shift = from_host(angles, self.device)[None, :] - pending.pos
         targets = [(*row, *row[-1:] * (frames - len(row))) for row in targets]  # (an unused frame pads a row)
-        rotation = rotations_along(pending.source, targets, self.inv_freq, self._key_dim, query.dtype, scale)
-        return _Plan(steps, shift, rotation, after)
+        frames = frames_along(pending.source, targets, self.inv_freq, self._key_dim, query.dtype, scale)
+        return _Plan(steps, shift, frames, after)
 
     def _plan_token(self, source: torch.Tensor) -> tuple[_TokenStep | None, int, tuple[int, ...]]:
         """One token's step (``_plan_decode_step``), its new key's angle and its query's frames, advancing the
@@ -149,7 +150,7 @@ class RingExact:
     def _lean_tokens(self, query: torch.Tensor, pending, plan: _Plan, tokens) -> torch.Tensor:
         """Run the planned steps of the forward's tokens (see the module docstring); ``[B, H, q, d]`` out."""
         batch, q_heads, count, dim = query.shape
-        kv_heads, rows = self._kv.shape[1], plan.rotation.shape[0] // count
+        kv_heads, rows = self._kv.shape[1], plan.frames[0].shape[0] // count
         keys = rotate_by(pending.keys, plan.shift[:, None], self.inv_freq, exact=True)
         arriving = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3).contiguous()
         meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
@@ -158,7 +159,7 @@ class RingExact:
         ones = self._score.new_ones(batch, 1, q_heads)
         gamma, incoming = self.rule.gamma, self.rule.config.tie == "incoming"
         queries = query.permute(2, 0, 1, 3).reshape(count * rows, -1, dim)  # [q rows, B H / rows, d]
-        turned = torch.bmm(queries, plan.rotation).view(count, batch * kv_heads, -1, dim)  # [q, B H_kv, G F, d]
+        turned = turn_along(queries, *plan.frames).view(count, batch * kv_heads, -1, dim)  # [q, B H_kv, G F, d]
         views, outputs = None, []
         for m, step in enumerate(plan.steps):
             items = torch.cat([arriving[m : m + 1], columns.index_select(0, step.read)])
