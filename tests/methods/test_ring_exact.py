@@ -8,7 +8,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument
-from kvcompress.methods.cascade import ring_exact
+from kvcompress.methods.cascade import ring_decode, ring_exact
 from kvcompress.models.testing import tiny_model
 
 # the rings fill and turn to ring angles token by token, then chunks push tokens down the rings
@@ -44,10 +44,15 @@ def lean_forwards(monkeypatch) -> list[int]:
     return counts
 
 
+@pytest.mark.parametrize("logits", ["one-matmul", "per-run"])  # the two ways to the logits of the frames
 @pytest.mark.parametrize("tie", ["incoming", "resident"])
 @pytest.mark.parametrize("per_row_positions", [False, True], ids=["shared-positions", "per-row-positions"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_lean_steps_equal_one_token_at_a_time_and_the_per_sequence_path(batch, per_row_positions, tie, lean_forwards):
+def test_lean_steps_equal_one_token_at_a_time_and_the_per_sequence_path(
+    batch, per_row_positions, tie, logits, lean_forwards, monkeypatch
+):
+    if logits == "per-run":
+        monkeypatch.setattr(ring_decode, "DENSE_FRAME_SLOTS", {"cpu": 0})
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (batch, sum(CHUNKS)), generator=torch.Generator().manual_seed(4))
     lean_logits, lean = _run(model, ids, CHUNKS, False, per_row_positions, tie=tie)
@@ -57,8 +62,8 @@ def test_lean_steps_equal_one_token_at_a_time_and_the_per_sequence_path(batch, p
     single_logits, single = _run(model, ids, (1,) * sum(CHUNKS), False, per_row_positions, tie=tie)
     reference_logits, reference = _run(model, ids, CHUNKS, True, per_row_positions, tie=tie)
     assert lean_forwards == []
-    for logits in (single_logits, reference_logits):
-        torch.testing.assert_close(lean_logits, logits, rtol=1e-4, atol=1e-4)
+    for other in (single_logits, reference_logits):
+        torch.testing.assert_close(lean_logits, other, rtol=1e-4, atol=1e-4)
     for ours, one, theirs in zip(lean.layers, single.layers, reference.layers, strict=True):
         assert torch.equal(ours._tok, one._tok) and torch.equal(ours._tok, theirs._tok)
         assert ours._py_seen == one._py_seen and ours._py_count == one._py_count and ours._laps == one._laps

@@ -172,7 +172,7 @@ class RingDecode:
         kv_heads, frames, stored = self._kv.shape[1], len(targets), runs[-1][1]
         rotations = rotation_to(pending.source, targets, self.inv_freq, dim, query.dtype, scale)
         turned = turn(query, rotations).view(batch, kv_heads, -1, frames, dim)  # scaled (as SDPA scales q)
-        if frames * stored > DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"]):
+        if not self._dense_logits(frames, stored):
             logits = self._run_logits(turned, runs)
             return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().softmax(-1)
         groups = turned.shape[2]
@@ -184,6 +184,10 @@ class RingDecode:
         if empty is not None:
             logits.masked_fill_(empty, float("-inf"))
         return logits.softmax(-1)
+
+    def _dense_logits(self, frames: int, stored: int) -> bool:
+        """Whether one matmul gives the logits of every frame for every slot (else one matmul per run)."""
+        return frames * stored <= DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"])
 
     def _slot_frames(self, runs: list[Run], *shape: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[B, H_kv, G, 1, slots]`` (``shape`` = B, H_kv, G): the frame of each slot up to the last run's end, and

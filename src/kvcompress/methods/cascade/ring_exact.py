@@ -28,7 +28,6 @@ import torch
 from kvcompress.core.forward_cache import forward_cached, from_host
 from kvcompress.core.rope import rotate_by, turn_in_place
 from kvcompress.core.rotation import frames_along, turn_along
-from kvcompress.methods.cascade.ring_decode import DENSE_FRAME_SLOTS
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,7 @@ class _TokenStep:
     logit: torch.Tensor  # [stored]: where each slot's logit is among the logits of every frame for every slot
     empty: torch.Tensor | None  # [stored] slots between the runs (none: ``None``)
     stored: int  # slots up to the last occupied one
+    runs: tuple  # (first slot, end, frame) of each run, in slot order
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class _Plan:
     steps: list[_TokenStep]
     shift: torch.Tensor  # [B, q]: how far each new key turns, from the model's position to its ring angle
     frames: tuple[torch.Tensor, ...]  # each query to each of its F frames, scaled (``frames_along``)
+    dense: bool  # one matmul for the logits of every frame for every slot (else one matmul per run)
     after: tuple  # the counters after the forward: seen, counts, starts, laps
 
 
@@ -116,13 +117,13 @@ class RingExact:
         finally:
             self._py_seen, self._py_count, self._py_start, self._laps = saved
         frames = max(map(len, targets))
-        dense = DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"])
-        if frames * max(step.stored for step in steps) > dense:
-            return None
+        dense = self._dense_logits(frames, max(step.stored for step in steps))
+        if not dense and any(step.empty is not None for step in steps):
+            return None  # (one matmul per run leaves no empty slot between the runs)
         shift = from_host(angles, self.device)[None, :] - pending.pos
         targets = [(*row, *row[-1:] * (frames - len(row))) for row in targets]  # (an unused frame pads a row)
         frames = frames_along(pending.source, targets, self.inv_freq, self._key_dim, query.dtype, scale)
-        return _Plan(steps, shift, frames, after)
+        return _Plan(steps, shift, frames, dense, after)
 
     def _plan_token(self, source: torch.Tensor) -> tuple[_TokenStep | None, int, tuple[int, ...]]:
         """One token's step (``_plan_decode_step``), its new key's angle and its query's frames, advancing the
@@ -136,7 +137,8 @@ class RingExact:
         stored = runs[-1][1]
         logit, empty = forward_cached(source, ("slot-logits", tuple(runs)), lambda: self._slot_logits(runs))
         lost = from_host([*dests[:-1], self.capacity], self.device)
-        step = _TokenStep(read, written, cos, sin, moves[-1][1], dests[-1], lost, sinks_shift, logit, empty, stored)
+        select, last = moves[-1][1], dests[-1]
+        step = _TokenStep(read, written, cos, sin, select, last, lost, sinks_shift, logit, empty, stored, tuple(runs))
         return step, angle, targets
 
     def _slot_logits(self, runs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -181,8 +183,12 @@ class RingExact:
                 stored = step.stored
                 views = (stored, *self._step_views(stored), self._score[:, None, self.sinks : stored])
             stored, keys_t, values, folded = views
-            every = torch.bmm(turned[m], keys_t)  # [B H_kv, G F, stored]
-            logits = every.view(batch * q_heads, -1).index_select(1, step.logit).float()
+            if plan.dense:
+                every = torch.bmm(turned[m], keys_t)  # [B H_kv, G F, stored]
+                logits = every.view(batch * q_heads, -1).index_select(1, step.logit).float()
+            else:
+                by_run = self._logits_by_run(turned[m], keys_t, step.runs, q_heads // kv_heads)
+                logits = by_run.view(batch * q_heads, stored).float()
             if step.empty is not None:
                 logits.masked_fill_(step.empty, float("-inf"))
             probs = logits.view(batch * kv_heads, -1, stored).softmax(-1)
@@ -193,6 +199,13 @@ class RingExact:
         self._py_seen, self._py_count, self._py_start, self._laps = seen, list(counts), list(starts), list(laps)
         self._py_tensors, self._all_real = None, True
         return torch.stack(outputs, 2).view(batch, q_heads, count, -1)
+
+    @staticmethod
+    def _logits_by_run(turned: torch.Tensor, keys_t: torch.Tensor, runs: tuple, groups: int) -> torch.Tensor:
+        """``[B H_kv, G, stored]``: each run's logits with its frame's queries (``turned`` ``[B H_kv, G F, d]``,
+        ``keys_t`` ``[B H_kv, d, stored]``), one matmul per run."""
+        per_frame = turned.view(turned.shape[0], groups, -1, turned.shape[-1])  # [B H_kv, G, F, d]
+        return torch.cat([torch.bmm(per_frame[:, :, frame], keys_t[..., lo:hi]) for lo, hi, frame in runs], -1)
 
     def _write_columns(self, columns, slots, items, records, scores) -> None:
         """A selection step's writes: column ``c`` of sequence ``b`` to slot ``slots[b, c]``."""
