@@ -12,8 +12,8 @@ once per forward (``_lean_tokens``):
 - once per forward: the new keys turned from the model's positions to their ring angles, and the queries to each
   of their frames, all at once;
 - per token: one gather of the tokens it pushes on, their keys turned in place, one write per tensor (a selection's
-  loser into the scratch slot); the logits of every frame for every slot by one matmul and an index, one softmax,
-  one matmul with the values and one for the EMA.
+  loser into the scratch slot); the logits of every frame for every slot by one matmul and an index (one matmul
+  per run where that product is large), one softmax, one matmul with the values and one for the EMA.
 
 Anything else (the first forward, sinks or rings still filling, padding, another head reduction) takes
 ``_decode_step`` token by token, which handles every case.
