@@ -148,3 +148,21 @@ def test_a_padding_token_while_decoding_leaves_the_ring(model):  # noqa: F811
         return torch.cat(steps, 1)
 
     torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_steps_append_in_place(model):  # noqa: F811
+    """A decoding step writes the new token's value (and key, where the layer keeps keys) into room left behind the
+    stored ones: no copy of the layer's store per step; the stored bytes count the tokens, the allocated the room."""
+    ids = ids_of(40, seed=32)
+    cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
+    with torch.no_grad():
+        prefill(model, ids[:, :30], cache, chunk_size=10)
+        model(ids[:, 30:31], **cache_argument(model, cache))
+        before = [(layer.values.data_ptr(), layer.keys.data_ptr()) for layer in cache.compressed_layers]
+        for t in range(31, 33):
+            model(ids[:, t : t + 1], **cache_argument(model, cache))
+    assert [(layer.values.data_ptr(), layer.keys.data_ptr()) for layer in cache.compressed_layers] == before
+    for layer in cache.compressed_layers:
+        assert layer.values.shape[2] == 33
+        assert layer.allocated_nbytes() > layer.kv_nbytes()  # the room (at most one forward: 10 tokens)
+        assert layer.allocated_nbytes() - layer.kv_nbytes() <= 10 * layer.values[:, :, :1].numel() * 4 * 2

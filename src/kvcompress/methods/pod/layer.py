@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcompress.core.append_buffer import AppendBuffer
 from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
 from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_forward
@@ -56,6 +57,8 @@ class PoDLayer(RingSteps, GatherLayer):
         self._query_layout: tuple | None = None  # (query heads, block start per query head, sharing query heads)
         self._pending = 0  # ring steps' tokens not yet in token_idx, rope_pos and valid
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
+        self._room = {"keys": AppendBuffer(), "values": AppendBuffer()}  # appends write in place, not cat
+        self.max_chunk = 1  # the most tokens one forward brought (the room an append buffer may keep ahead)
 
     def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
@@ -149,7 +152,8 @@ class PoDLayer(RingSteps, GatherLayer):
         ring_step = self._ring_step(count, key_states)
         if not ring_step:
             self.leave_ring()
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.max_chunk = max(self.max_chunk, count)
+        self.values = self._room["values"].append(self.values, value_states, self.max_chunk)
         if ring_step and self.ring is not None:
             if not self._pending:
                 self._pending_position = self.ring.position + 1  # the ring takes one position per step
@@ -166,7 +170,7 @@ class PoDLayer(RingSteps, GatherLayer):
             for name, value in self.policy.init_state(self, key_states).items():
                 previous = self.state.get(name)
                 self.state[name] = value if previous is None else torch.cat([previous, value], dim=2)
-        self.keys = torch.cat([self.keys, self.heads_of(key_states, "full")], dim=-2)
+        self.keys = self._room["keys"].append(self.keys, self.heads_of(key_states, "full"), self.max_chunk)
         if ring_step:
             self._ring_key = self.heads_of(key_states, "prox")
         else:
@@ -254,6 +258,7 @@ class PoDLayer(RingSteps, GatherLayer):
 
     def apply(self, selection: Selection) -> None:
         self.leave_ring()
+        self._release_room()
         index = selection.indices
         length = self.values.shape[2]
 
@@ -315,15 +320,22 @@ class PoDLayer(RingSteps, GatherLayer):
         return self.last_selection
 
     # --- transformers' layer API and accounting ------------------------------------------------------------
+    def _release_room(self) -> None:
+        """Let the append buffers go: the stores are about to be replaced (a gather, a batch reorder, a reset)."""
+        for room in self._room.values():
+            room.release()
+
     def reset(self) -> None:
+        self._release_room()
         super().reset()
-        self.all_real, self.max_position, self.on_stream = True, -1, True
+        self.all_real, self.max_position, self.on_stream, self.max_chunk = True, -1, True, 1
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self._query_layout = None
         self._pending = 0
         self.step = self.last_selection = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.leave_ring()
+        self._release_room()
         super().batch_select_indices(indices)
         if self.is_initialized:
             indices = indices.to(self.device)
@@ -332,6 +344,7 @@ class PoDLayer(RingSteps, GatherLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.leave_ring()
+        self._release_room()
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
             self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
@@ -341,6 +354,13 @@ class PoDLayer(RingSteps, GatherLayer):
         if not self.is_initialized:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.prox_keys))
+
+    def allocated_nbytes(self) -> int:
+        """The stored keys and values with the room their append buffers keep (at most one forward more)."""
+        if not self.is_initialized:
+            return 0
+        allocated = self._room["keys"].nbytes(self.keys) + self._room["values"].nbytes(self.values)
+        return allocated + self.prox_keys.numel() * self.prox_keys.element_size()
 
     def metadata_nbytes(self) -> int:
         if not self.is_initialized:
