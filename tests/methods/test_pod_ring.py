@@ -152,7 +152,8 @@ def test_a_padding_token_while_decoding_leaves_the_ring(model):  # noqa: F811
 
 def test_decoding_steps_append_in_place(model):  # noqa: F811
     """A decoding step writes the new token's value (and key, where the layer keeps keys) into room left behind the
-    stored ones: no copy of the layer's store per step; the stored bytes count the tokens, the allocated the room."""
+    stored ones: no copy of the layer's store per step (nor of a layer's keys where it keeps every head's); the
+    stored bytes count the tokens, the allocated the room."""
     ids = ids_of(40, seed=32)
     cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR)
     with torch.no_grad():
@@ -162,6 +163,8 @@ def test_decoding_steps_append_in_place(model):  # noqa: F811
         for t in range(31, 33):
             model(ids[:, t : t + 1], **cache_argument(model, cache))
     assert [(layer.values.data_ptr(), layer.keys.data_ptr()) for layer in cache.compressed_layers] == before
+    assert not cache.compressed_layers[0].head_lists["prox"]  # the first layer starts every block
+    assert cache.compressed_layers[0].own_keys() is cache.compressed_layers[0].keys  # its keys as stored, no copy
     for layer in cache.compressed_layers:
         assert layer.values.shape[2] == 33
         assert layer.allocated_nbytes() > layer.kv_nbytes()  # the room (at most one forward: 10 tokens)

@@ -211,8 +211,11 @@ class PoDLayer(RingSteps, GatherLayer):
 
     def own_keys(self) -> torch.Tensor:
         """A transient ``[B, H_kv, L, d]`` key tensor: full keys where stored, proximal keys at their slots, zeros
-        elsewhere (those slots are distant, never read with this layer's logits at this head)."""
+        elsewhere (those slots are distant, never read with this layer's logits at this head). A layer keeping every
+        KV head's keys returns them as stored (no copy)."""
         batch, heads, length, dim = self.values.shape
+        if self.head_runs["full"] == (0, heads):
+            return self.keys
         out = self.keys.new_zeros(batch, heads, length, dim)
         if len(self.full_heads):
             out = out.index_copy(1, self.full_heads, self.keys)
