@@ -1,9 +1,10 @@
 """The append-and-gather cache layer: new tokens are concatenated, eviction gathers the kept tokens.
 
 This was the core's layer before slots; it stays for PoD, whose storage (values in every layer, keys only where a
-layer block starts) is built on it, and as a reference the slot layer is tested against. Stored tokens stay in
-stream order. ``update()`` appends and returns what the current step attends to; eviction (``apply``) gathers the
-kept tokens per sequence and head, so tensors stay rectangular and memory really shrinks.
+layer block starts) is built on it (PoD appends its stores in place instead, ``core.append_buffer``), and as a
+reference the slot layer is tested against. Stored tokens stay in stream order. ``update()`` appends and returns
+what the current step attends to; eviction (``apply``) gathers the kept tokens per sequence and head, so tensors
+stay rectangular and memory really shrinks.
 """
 
 from __future__ import annotations
