@@ -52,3 +52,14 @@ def test_release_lets_the_buffer_go():
     room.release()
     assert not room.holds(store)
     assert torch.equal(room.append(store, _tokens(1), most_ahead=4), torch.cat([store, _tokens(1)], dim=2))
+
+
+def test_under_autograd_appends_concatenate_so_earlier_graphs_stay_valid():
+    room = AppendBuffer()
+    weight = torch.ones(1, requires_grad=True)
+    first = room.append(_tokens(0), _tokens(2) * weight, most_ahead=4)
+    loss = (first * first).sum()  # its graph saved ``first``
+    second = room.append(first, _tokens(1) * weight, most_ahead=4)
+    (loss + second.sum()).backward()  # raises if the second append wrote into the buffer ``first`` is a view of
+    expected = 2 * (_tokens(2) ** 2).sum() + torch.cat([_tokens(2), _tokens(1)], dim=2).sum()
+    assert torch.allclose(weight.grad, expected.view(1))

@@ -21,7 +21,11 @@ class AppendBuffer:
     def append(self, store: torch.Tensor, new: torch.Tensor, most_ahead: int) -> torch.Tensor:
         """``store`` with ``new`` appended along dim 2, as a view of this buffer. A new buffer keeps room for at
         least a quarter more slots (16 at least), but at most ``most_ahead`` (one forward's tokens) beyond the
-        store: a short prompt never holds much more than it stores."""
+        store: a short prompt never holds much more than it stores. Under autograd it concatenates instead: an
+        earlier forward's graph may have saved the buffer, and writing into it would break that graph's backward."""
+        if torch.is_grad_enabled() and (store.requires_grad or new.requires_grad):
+            self._buffer = None
+            return torch.cat([store, new], dim=2)
         length, count = store.shape[2], new.shape[2]
         buffer = self._buffer
         if buffer is None or not self.holds(store) or length + count > buffer.shape[2]:
