@@ -7,8 +7,8 @@ step and the one ``n_recent`` positions older leaves it, so the proximal keys li
 entries hold the stored sinks (as many as a row holds at most; no new token is a sink), entry ``sinks + pos %
 n_recent`` the recent token at ``pos``.
 Writing the new token (position ``p``) overwrites the token at ``p - n_recent``, which has just become distant:
-its slot opens in the distant mask (``dist``). A step writes one key, one slot number and one mask entry, and reads
-nothing back.
+its slot opens in the distant mask (``dist``). A step writes one key and its value, one slot number and one mask
+entry, and reads nothing back (the ring keeps a copy of its entries' values, so the step need not gather them).
 
 Positions are read once, when the ring is built; after that each decoding token is taken to be one position past
 the previous one (what ``generate`` and every decoding loop give). A forward of several tokens, padding, an
@@ -23,10 +23,12 @@ import torch
 
 
 class ProximalRing:
-    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, each
-    entry's slot in the layer's values (``slot``; 0 where it holds none), ``bias`` ``[B, S, 1, W]`` (0 where an entry
-    holds a stored token, -inf elsewhere), and ``dist`` ``[B, S, 1, capacity + 1]``: 0 at the slots of the stored
-    distant tokens, -inf elsewhere (the last column a sink for writes that open nothing)."""
+    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, their
+    values beside them (``values``: a copy of those tokens' values, so a step reads them without gathering them from
+    the layer's store), each entry's slot in the layer's values (``slot``; 0 where it holds none), ``bias``
+    ``[B, S, 1, W]`` (0 where an entry holds a stored token, -inf elsewhere), and ``dist`` ``[B, S, 1, capacity + 1]``:
+    0 at the slots of the stored distant tokens, -inf elsewhere (the last column a sink for writes that open
+    nothing)."""
 
     def __init__(self, layer, position: int) -> None:
         """Build the ring from ``layer``'s packed proximal keys as they stand for the query at ``position - 1``
@@ -54,6 +56,8 @@ class ProximalRing:
         self.keys = keys[:, :, :width].contiguous()
         self.slot = torch.zeros(batch, shared, width + 1, dtype=torch.long, device=slot.device)
         self.slot = self.slot.scatter_(2, entry, safe)[:, :, :width].contiguous()
+        values = layer.heads_of(layer.values, "prox")
+        self.values = values.gather(2, self.slot[..., None].expand(*self.slot.shape, values.shape[-1]))
         # until a decoding step writes an entry, the slot its token opens when it leaves (none: the sink column)
         self.leaving = torch.full((batch, shared, width + 1), self.capacity, dtype=torch.long, device=slot.device)
         self.leaving = self.leaving.scatter_(2, entry, safe)[:, :, :width].contiguous()
@@ -63,14 +67,12 @@ class ProximalRing:
         distant = valid & (rope_pos >= self.n_sink) & (rope_pos <= self.position - self.n_recent)
         self.dist = torch.full((batch, shared, 1, self.capacity + 1), -math.inf, dtype=keys.dtype, device=keys.device)
         self.dist[:, :, 0, :length].masked_fill_(distant, 0.0)
-        self.batch_index = torch.arange(batch, device=slot.device)[:, None, None]  # index the values by entry
-        self.head_index = layer.prox_heads[None, :, None]
         self.written = [False] * self.n_recent  # recent entries a decoding step wrote (known to hold a token)
         self.always_distant: bool | None = None  # every row sees a distant token (None: not checked yet)
 
-    def advance(self, key: torch.Tensor, slot: int, length: int) -> None:
-        """Write the new token (``key`` ``[B, S, 1, d]``, stored at ``slot`` of ``length`` values): the token it
-        replaces in the ring becomes distant."""
+    def advance(self, key: torch.Tensor, value: torch.Tensor, slot: int, length: int) -> None:
+        """Write the new token (``key`` and ``value`` ``[B, S, 1, d]``, stored at ``slot`` of ``length`` values): the
+        token it replaces in the ring becomes distant."""
         self.position += 1
         recent = self.position % self.n_recent
         entry = self.sinks + recent
@@ -79,6 +81,7 @@ class ProximalRing:
         source = self.slot if self.written[recent] else self.leaving
         self.dist.scatter_(3, source.narrow(2, entry, 1).unsqueeze(-1), 0.0)  # the leaving token's slot opens
         self.keys.narrow(2, entry, 1).copy_(key)
+        self.values.narrow(2, entry, 1).copy_(value)
         self.slot.narrow(2, entry, 1).fill_(slot)
         if not self.written[recent]:
             self.bias.narrow(3, entry, 1).fill_(0.0)
@@ -111,5 +114,6 @@ class ProximalRing:
         return self.keys, torch.where(self.bias[:, :, 0] == 0, self.slot, -1)
 
     def metadata_nbytes(self) -> int:
-        """Bytes of the bookkeeping (slots, masks); the keys are the layer's ``prox_keys`` while the ring lives."""
-        return sum(t.numel() * t.element_size() for t in (self.slot, self.leaving, self.bias, self.dist))
+        """Bytes of the bookkeeping (slots, masks, the copy of the entries' values); the keys are the layer's
+        ``prox_keys`` while the ring lives."""
+        return sum(t.numel() * t.element_size() for t in (self.slot, self.leaving, self.bias, self.dist, self.values))

@@ -70,9 +70,8 @@ def ring_attention(layer, plan: RingPlan, query: torch.Tensor, config, scale: fl
     length, groups = layer.values.shape[2], plan.groups
     shared = ring.keys.shape[1]
     rows = _query_rows(layer, query, plan.share_rows, "prox", groups)
-    near_values = layer.values[ring.batch_index, ring.head_index, ring.slot]  # [B, S, W, d]
-    o_near, lse_near = _attention(rows, ring.keys, near_values, ring.bias, scale)
-    parts = []
+    o_near, lse_near = _attention(rows, ring.keys, ring.values, ring.bias, scale)
+    parts, distant = [], ring.distant(length)
     for first, count, head, start, row in plan.runs:
         step = layer.peers[start].step
         if step is None or step.keys.shape[2] != length:
@@ -80,8 +79,7 @@ def ring_attention(layer, plan: RingPlan, query: torch.Tensor, config, scale: fl
         source = step.query if config.query_source == "block_start" else query
         source = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups, dim)
         keys, values = step.keys.narrow(1, row, count), layer.values.narrow(1, head, count)
-        mask = ring.distant(length).narrow(1, first, count)
-        parts.append(_attention(source, keys, values, mask, scale))
+        parts.append(_attention(source, keys, values, distant.narrow(1, first, count), scale))
     o_far, lse_far = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
     has_distant = ring.has_distant(length)
     if has_distant is not None:  # rows without a distant token take the proximal part alone

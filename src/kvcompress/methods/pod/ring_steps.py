@@ -60,7 +60,7 @@ class RingSteps:
             self.ring = ProximalRing(self, position)
             self.prox_keys, self.prox_slot = self.ring.keys, None
         length = self.values.shape[2]
-        self.ring.advance(key, length - 1, length)
+        self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
 
     @staticmethod
     def _decoding_position(position_ids: torch.Tensor) -> int | None:
