@@ -36,10 +36,11 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   per-KV-head grouping the sharing heads then attend over their stored proximal keys only, their query heads
   folded into query rows. While decoding one token per forward without padding (with the default ``combine``
   and no ``tau``) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``): the same logits
-  and bytes as the packed keys, no trim and no host read per step; each decoding token's position is then taken
+  and stored bytes as the packed keys (the ring also keeps a copy of its entries' values, counted as metadata), no
+  trim and no host read per step; each decoding token's position is then taken
   to be one past the previous one's (what ``generate`` gives; the ring is built from the model's positions). The
-  saving this reproduces is memory; the paper's compute saving (reuse of the block start's softmax) is not
-  attempted on CPU.
+  saving this reproduces is memory; the paper's compute saving (reuse of the block start's softmax) was tried on
+  the CPU and not kept: multiplying the reused probabilities by each layer's values cost what the fused calls did.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
 - Default grouping: with no ``similarity``, ``starts`` or ``block_size``, the calibration shipped for the model
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
