@@ -67,8 +67,8 @@ class PendingFolds:
         key = tuple(id(layer) for layer in layers)
         if self._weights is None or self._weights[0] != key:
             policies = [layer.policy for layer in layers]
-            parts = [(p.kernels.psi_w1, p.kernels.psi_w2, p.psi_mix) for p in policies]
-            self._weights = (key, tuple(torch.cat(column, dim=0).detach() for column in zip(*parts, strict=True)))
+            parts = [p.weights.psi for p in policies]
+            self._weights = (key, tuple(torch.cat(column, dim=0) for column in zip(*parts, strict=True)))
         return self._weights[1]
 
 

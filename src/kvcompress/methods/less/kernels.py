@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvcompress.methods.less.native import native_kernels
 
 KERNEL_FORMAT = 1
 META_FILE = "meta.json"
@@ -80,18 +82,25 @@ class LayerKernels(nn.Module):
     def phi(self, query: torch.Tensor) -> torch.Tensor:
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
         if not self.training:
-            return head_major_mlp(query, self.phi_w1, self.phi_w2)
+            return phi_features(query, *self.inference_weights().phi)
         hidden = F.gelu(self._dropped(query.float() @ self.phi_w1))
         return F.gelu(hidden @ self.phi_w2).abs()
 
-    def psi(self, key: torch.Tensor, mix: torch.Tensor | None = None) -> torch.Tensor:
-        """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``; ``mix``: this
-        layer's ``psi_mix()`` when the caller computed it once (inference), else it is computed here."""
-        mix = self.psi_mix() if mix is None else mix
+    def psi(self, key: torch.Tensor) -> torch.Tensor:
+        """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
         if self.training:
             hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
-            return (F.gelu(hidden @ self.psi_w2) @ mix).abs()
-        return psi_features(key, self.psi_w1, self.psi_w2, mix)
+            return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
+        return psi_features(key, *self.inference_weights().psi)
+
+    @torch.no_grad()
+    def inference_weights(self) -> InferenceWeights:
+        """The weights as ``phi_features`` and ``psi_features`` take them (detached; made once by a cache, whose
+        kernels are frozen while it uses them)."""
+        transposed = lambda weight: weight.detach().mT.contiguous()  # noqa: E731
+        return InferenceWeights(
+            transposed(self.phi_w1), self.phi_w2.detach(), transposed(self.psi_w1), self.psi_w2.detach(), self.psi_mix()
+        )
 
     def psi_mix(self) -> torch.Tensor:
         """``[H_kv, R, R]``: ψ's last steps as one matrix. With ``g = GELU(h W2)``, ``u = |s1| ⊙ g`` and
@@ -112,19 +121,53 @@ class LayerKernels(nn.Module):
             )
 
 
-def psi_features(key: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+class InferenceWeights(NamedTuple):
+    """One layer's kernels in the form inference takes them: W1 per head transposed (``[H, hidden, D]``, see
+    ``head_major_mlp``), ψ's last steps as one matrix ``M`` (``LayerKernels.psi_mix``)."""
+
+    phi_w1_t: torch.Tensor
+    phi_w2: torch.Tensor
+    psi_w1_t: torch.Tensor
+    psi_w2: torch.Tensor
+    psi_mix: torch.Tensor
+
+    @property
+    def phi(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.phi_w1_t, self.phi_w2
+
+    @property
+    def psi(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.psi_w1_t, self.psi_w2, self.psi_mix
+
+
+def phi_features(query: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """φ without dropout: ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]`` for queries ``[B, H, S, D]`` and per-head
+    weights (``w1_t``: W1 transposed, ``LayerKernels.inference_weights``)."""
+    return _heads_second(head_major_mlp(query, w1_t, w2).abs_(), query)
+
+
+def psi_features(key: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """ψ without dropout: ``|GELU(GELU(k W1) W2) M|`` ``[B, H, S, R]`` for keys ``[B, H, S, D]`` and per-head weights
-    ``[H, ...]`` (``M``: ``LayerKernels.psi_mix``); the heads may be several layers' stacked."""
-    return (F.gelu(F.gelu(key.float() @ w1) @ w2) @ mix).abs()
+    (``w1_t``: W1 transposed; ``M``: ``LayerKernels.psi_mix``); the heads may be several layers' stacked."""
+    return _heads_second(torch.bmm(head_major_mlp(key, w1_t, w2), mix).abs_(), key)
 
 
-def head_major_mlp(inputs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``|GELU(GELU(x W1) W2)|`` ``[B, H, S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head weights ``[H, ...]``:
-    the heads made the batch of two 3D matmuls (a broadcast 4D matmul costs more than its arithmetic when
-    decoding)."""
+def head_major_mlp(inputs: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head weights ``w1_t``
+    ``[H, hidden, D]`` (W1 transposed) and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a
+    broadcast 4D matmul costs more than its arithmetic when decoding). The first product is taken as ``W1ᵀ xᵀ``:
+    with one row per head (a decoding step) that is a matrix-vector product, which a CPU BLAS runs faster than the
+    row-times-matrix ``x W1``. The GELUs run on PyTorch's own kernel (``native_kernels``)."""
     batch, heads, length, dim = inputs.shape
     rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
-    features = F.gelu(torch.bmm(F.gelu(torch.bmm(rows, w1)), w2)).abs_()
+    with native_kernels(rows):
+        hidden = F.gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
+        return F.gelu(torch.bmm(hidden.mT, w2))
+
+
+def _heads_second(features: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[H, B S, R]`` -> ``[B, H, S, R]`` (a view) for inputs shaped ``like`` ``[B, H, S, D]``."""
+    batch, heads, length, _ = like.shape
     return features.view(heads, batch, length, -1).transpose(0, 1)
 
 

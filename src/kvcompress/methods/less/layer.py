@@ -15,6 +15,7 @@ import torch
 
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.less.folds import PendingFolds, outer_update
+from kvcompress.methods.less.kernels import psi_features
 
 
 class LessLayer(CompressedLayer):
@@ -73,7 +74,7 @@ class LessLayer(CompressedLayer):
 
     def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (weighted by ``weight``) to the state."""
-        features = self.policy.kernels.psi(keys, self.policy.psi_mix)  # [B, H_kv, e, R]
+        features = psi_features(keys, *self.policy.weights.psi)  # [B, H_kv, e, R]
         if weight is not None:
             features = features * weight[..., None]
         self._low_rank += outer_update(features, values)

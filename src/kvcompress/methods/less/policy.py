@@ -23,7 +23,7 @@ from torch import nn
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import Policy
 from kvcompress.core.softmax import grouped, head_matmul
-from kvcompress.methods.less.kernels import LayerKernels
+from kvcompress.methods.less.kernels import InferenceWeights, LayerKernels, phi_features
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
     from kvcompress.methods.less.config import LessConfig
@@ -40,20 +40,19 @@ class LessPolicy(Policy):
         self.per_head = self.base.per_head
         self.one_shot = self.base.one_shot
         self.kernels: LayerKernels | None = None
-        self.psi_mix: torch.Tensor | None = None  # ψ's last steps as one matrix (``LayerKernels.psi_mix``)
+        self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
         self.request = dataclasses.replace(self.stats, lse=True)  # what ``attend`` asks of the softmax
 
     def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
         """This layer's kernels on ``device`` (the model's): a copy where the loaded or built ones are elsewhere,
-        so kernels shared between caches stay where they are. Kernels are frozen while a cache uses them: ψ's
-        last steps are folded into one matrix here, once (``psi_mix``)."""
+        so kernels shared between caches stay where they are. Kernels are frozen while a cache uses them: the
+        weights in the form inference takes them are made here, once (``weights``)."""
         if self.kernels is None:
             kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
             if kernels.phi_w1.device != device:  # each tensor copied straight to ``device`` (no copy where it is)
                 memo = {id(t): _moved(t, device) for t in (*kernels.parameters(), *kernels.buffers())}
                 kernels = copy.deepcopy(kernels, memo)
-            with torch.no_grad():
-                self.psi_mix = kernels.psi_mix()
+            self.weights = kernels.inference_weights()
             self.kernels = kernels
         return self.kernels
 
@@ -67,13 +66,12 @@ class LessPolicy(Policy):
         return self.base.select(layer)
 
     def attend(self, layer, query, key, value, mask, scaling):
-        kernels = self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
         # the layer's masks leave every query its own key
         output, stats = attention_with_stats(query, key, value, mask, scaling, self.request, rows_see_keys=True)
-        with torch.no_grad():
-            features = kernels.phi(query)  # [B, H_q, q, R]
+        features = phi_features(query, *self.weights.phi)  # [B, H_q, q, R]
         state = head_matmul(grouped(features, key.shape[1]).flatten(2, 3), layer.low_rank)  # [B, H_kv, G q, D + 1]
         state = state.view(*features.shape[:3], -1)  # [B, H_q, q, D + 1]: [φ(q) H | φ(q) zᵀ]
         mixed = mix_low_rank(stats.lse, output.float(), state[..., :-1], state[..., -1])
