@@ -4,8 +4,10 @@ Each LESS layer folds what it evicts into its state (``[H | z] += ψ(k)ᵀ [v | 
 dozen small operations (ψ is a two-layer MLP), each costing far more than its arithmetic on a decoding step. The
 state is read only by the layer's next attention, so a cache's layers hand their evicted keys and values to one
 ``PendingFolds`` and the last layer of the forward folds them all at once: ψ of every layer's victims as one
-batched MLP (the layers' ψ weights stacked), one outer product, then one addition per layer. Anything that reads a
-state first folds what is pending (``flush``), so the order of additions is all that changes.
+batched MLP (the layers' ψ weights stacked), one outer product, then one addition: the layers' states are views of
+one buffer where their shapes agree, so the addition and the ratios ``H / z`` a decoding step reads
+(``LessLayer.ratio``) are one operation each for the whole cache. Anything that reads a state first folds what is
+pending (``flush``), so the order of additions is all that changes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcompress.methods.less.kernels import psi_features
+from kvcompress.methods.less.low_rank_slots import state_ratio
 
 if TYPE_CHECKING:  # annotations only: the layer module imports this one
     from kvcompress.methods.less.layer import LessLayer
@@ -27,6 +30,10 @@ class PendingFolds:
         self.layers = layers
         self.staged: list[tuple[LessLayer, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._weights: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
+        self._states: list[torch.Tensor] | None = None  # the layers' views of ``_stacked_state`` (``_stack``)
+        self._stacked_state: torch.Tensor | None = None  # [B, n * H_kv, R, D + 1]: every layer's [H | z]
+        self._stacked_ratio: torch.Tensor | None = None  # [B, n * H_kv, R, D]: every layer's H / z
+        self._ratios: list[torch.Tensor] = []
 
     def stage(self, layer: LessLayer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Queue ``layer``'s evicted ``keys``/``values`` ``[B, H_kv, e, D]`` (``weight`` ``[B, H_kv, e]``: 0 for
@@ -57,10 +64,38 @@ class PendingFolds:
         features = psi_features(keys, *self._stacked(layers))
         if staged[0][3] is not None:
             features = features * torch.cat([weight for *_, weight in staged], dim=1)[..., None]
-        update = outer_update(features, values)  # [B, n * H_kv, R, D + 1]
-        heads = staged[0][1].shape[1]
+        self._add(layers, outer_update(features, values))
+
+    def _add(self, layers: list[LessLayer], update: torch.Tensor) -> None:
+        """Add ``update`` ``[B, n * H_kv, R, D + 1]`` to the states of ``layers``: one addition and one ratio for the
+        whole cache where every layer folded and the states are stacked (a decoding step), else one per layer."""
+        every = len(layers) == len(self.layers) and all(a is b for a, b in zip(layers, self.layers, strict=True))
+        if every and self._stack():
+            self._stacked_state.add_(update)
+            state_ratio(self._stacked_state, out=self._stacked_ratio)
+            for layer, state, ratio in zip(self.layers, self._states, self._ratios, strict=True):
+                layer.share_state(state, ratio)  # a layer that folded alone since holds its own ratio
+            return
+        heads = update.shape[1] // len(layers)
         for i, layer in enumerate(layers):
-            layer.low_rank_state().add_(update[:, i * heads : (i + 1) * heads])
+            layer.add_to_state(update[:, i * heads : (i + 1) * heads])
+
+    def _stack(self) -> bool:
+        """Whether the layers' states are views of one buffer, made so (one copy) where they are not yet but agree in
+        shape; a layer replaces its state when its batch changes or it resets, and is stacked again here."""
+        states = [layer.low_rank_state() for layer in self.layers]
+        if self._states is not None and all(a is b for a, b in zip(states, self._states, strict=True)):
+            return True
+        if any(state is None for state in states) or len({state.shape for state in states}) > 1:
+            return False
+        self._stacked_state = torch.cat(states, dim=1)
+        self._stacked_ratio = state_ratio(self._stacked_state)
+        heads = states[0].shape[1]
+        self._states, self._ratios = (
+            [stacked[:, i * heads : (i + 1) * heads] for i in range(len(states))]
+            for stacked in (self._stacked_state, self._stacked_ratio)
+        )
+        return True
 
     def _stacked(self, layers: list[LessLayer]) -> tuple[torch.Tensor, ...]:
         """ψ's weights of ``layers`` stacked along the heads (built once per set of layers: kernels are frozen)."""

@@ -109,6 +109,11 @@ class LayerKernels(nn.Module):
         eye = torch.eye(self.rank, dtype=self.psi_w3.dtype, device=self.psi_w3.device)
         return self.psi_s1.abs().transpose(-1, -2) * (eye + self.psi_w3 * self.psi_s2)
 
+    @torch.no_grad()
+    def psi_is_zero(self) -> bool:
+        """Whether ψ is identically zero because ``psi_mix`` is (``zero_kernels``); one host read."""
+        return not bool(self.psi_mix().any())
+
     def _dropped(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.dropout(hidden) if self.training else hidden
 

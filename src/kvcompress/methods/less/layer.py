@@ -6,7 +6,7 @@ buffer ``low_rank`` ``[B, H_kv, R, D + 1]`` (``low_rank_h`` and ``low_rank_z`` a
 ``before_eviction`` copies out the real tokens being evicted, then the layer frees their slots as usual; the tokens
 are folded at the end of the forward together with the other layers' (``kvcompress.methods.less.folds``), or at
 once for a layer outside a cache. The policy (``kvcompress.methods.less.policy``) reads the state in its attention
-term.
+term; a decoding step reads it as ``z`` and ``ratio`` = ``H / z`` (``kvcompress.methods.less.low_rank_slots``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.less.folds import PendingFolds, outer_update
 from kvcompress.methods.less.kernels import psi_features
+from kvcompress.methods.less.low_rank_slots import state_ratio
 
 
 class LessLayer(CompressedLayer):
@@ -24,6 +25,7 @@ class LessLayer(CompressedLayer):
     def __init__(self, policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
         self._low_rank: torch.Tensor | None = None
+        self._ratio: torch.Tensor | None = None  # H / z of ``_low_rank``; None: to be computed (``ratio``)
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
         self.folds: PendingFolds | None = None  # the cache's shared queue (``LessConfig.connect``); None: fold at once
 
@@ -33,6 +35,15 @@ class LessLayer(CompressedLayer):
         if self.folds is not None:
             self.folds.flush_for(self)
         return self._low_rank
+
+    @property
+    def ratio(self) -> torch.Tensor | None:
+        """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``): each row of the state as one value vector
+        (``kvcompress.methods.less.low_rank_slots``). ``PendingFolds`` writes every layer's at once."""
+        low_rank = self.low_rank
+        if self._ratio is None and low_rank is not None:
+            self._ratio = state_ratio(low_rank)
+        return self._ratio
 
     @property
     def low_rank_h(self) -> torch.Tensor | None:
@@ -49,6 +60,7 @@ class LessLayer(CompressedLayer):
         batch, heads, _, dim = value_states.shape
         rank = self.policy.config.state_rank
         self._low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
+        self._ratio = None
 
     @torch.no_grad()
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
@@ -57,6 +69,8 @@ class LessLayer(CompressedLayer):
         kernels = self.policy.kernels
         if kernels is None:  # evicting before any attention (not reached through the attention function)
             raise RuntimeError("LESS kernels are set at the layer's first attention; evict only after attention")
+        if self.policy.inert:  # ψ ≡ 0: nothing to fold, the state stays empty
+            return
         if victims is None:
             evicted = dropped & self.valid
             count = int(evicted.sum(-1).max()) if evicted.numel() else 0
@@ -78,28 +92,39 @@ class LessLayer(CompressedLayer):
         if weight is not None:
             features = features * weight[..., None]
         self._low_rank += outer_update(features, values)
+        self._ratio = None
 
-    def low_rank_state(self) -> torch.Tensor:
+    def low_rank_state(self) -> torch.Tensor | None:
         """``[H | z]`` as stored, without folding what is pending (``PendingFolds`` adds to it)."""
         return self._low_rank
+
+    def add_to_state(self, update: torch.Tensor) -> None:
+        """Add a fold's ``update`` ``[B, H_kv, R, D + 1]`` to the stored state (``PendingFolds``)."""
+        self._low_rank.add_(update)
+        self._ratio = None
+
+    def share_state(self, low_rank: torch.Tensor, ratio: torch.Tensor) -> None:
+        """Hold ``low_rank`` (equal to the state, a view of the cache's stacked states) and its ``ratio`` (kept
+        current by ``PendingFolds``) instead of the state's own tensors."""
+        self._low_rank, self._ratio = low_rank, ratio
 
     def reset(self) -> None:
         if self.folds is not None:
             self.folds.flush()
         super().reset()
-        self._low_rank = None
+        self._low_rank = self._ratio = None
         self.folded = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.is_initialized:
             indices = indices.to(self.device)
-            self._low_rank = self.low_rank.index_select(0, indices)
+            self._low_rank, self._ratio = self.low_rank.index_select(0, indices), None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
-            self._low_rank = self.low_rank.repeat_interleave(repeats, dim=0)
+            self._low_rank, self._ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
 
     def kv_nbytes(self) -> int:
         """Stored keys and values plus the state ``H`` (it stands in for the evicted keys and values)."""

@@ -8,7 +8,8 @@ normal number (1.2e-38) instead of the official code's ``max(den, 1e-6)``. Where
 or ψ ≡ 0; ``num`` is then 0 too) the share is ``sigmoid(-87.3 - lse_s)``, below half a float32 step for any row
 with ``lse_s > -70``, so LESS equals its base policy exactly then; the official floor added a 1e-6 phantom mass.
 The log-normaliser comes from the same softmax as the output and the base policy's statistics (one pass over the
-stored keys).
+stored keys). A decoding step whose query sees every stored key takes Eq. 3 as one softmax over the stored keys and
+the state's rows instead (``kvcompress.methods.less.low_rank_slots``): no log-normaliser, no mix.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import Policy
 from kvcompress.core.softmax import grouped, head_matmul
 from kvcompress.methods.less.kernels import InferenceWeights, LayerKernels, phi_features
+from kvcompress.methods.less.low_rank_slots import low_rank_slots_attention
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
     from kvcompress.methods.less.config import LessConfig
@@ -41,6 +43,7 @@ class LessPolicy(Policy):
         self.one_shot = self.base.one_shot
         self.kernels: LayerKernels | None = None
         self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
+        self.inert = False  # ψ ≡ 0 (its last matrix is zero, as in ``zero_kernels``): nothing is ever folded
         self.request = dataclasses.replace(self.stats, lse=True)  # what ``attend`` asks of the softmax
 
     def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
@@ -49,6 +52,7 @@ class LessPolicy(Policy):
         weights in the form inference takes them are made here, once (``weights``)."""
         if self.kernels is None:
             kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
+            self.inert = kernels.psi_is_zero()  # read where the kernels were made or loaded, before any copy
             if kernels.phi_w1.device != device:  # each tensor copied straight to ``device`` (no copy where it is)
                 memo = {id(t): _moved(t, device) for t in (*kernels.parameters(), *kernels.buffers())}
                 kernels = copy.deepcopy(kernels, memo)
@@ -69,6 +73,11 @@ class LessPolicy(Policy):
         self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
+        if query.shape[2] == 1 and mask is None:  # a decoding step that sees every stored key
+            features = phi_features(query, *self.weights.phi)
+            ratio = layer.ratio  # (folds what is pending first)
+            z = layer.low_rank_state()[..., -1]
+            return low_rank_slots_attention(query, key, value, scaling, features, z, ratio, self.stats)
         # the layer's masks leave every query its own key
         output, stats = attention_with_stats(query, key, value, mask, scaling, self.request, rows_see_keys=True)
         features = phi_features(query, *self.weights.phi)  # [B, H_q, q, R]

@@ -1,0 +1,61 @@
+"""A decoding step's attention with LESS's state as ``R`` more slots of one softmax.
+
+Eq. 3 for one query, ``(Σ_i e^{s_i} v_i + φ(q) H) / (Σ_i e^{s_i} + φ(q) zᵀ)``, splits the state by its rows:
+``φ(q) H = Σ_r φ_r z_r (H_r / z_r)`` and ``φ(q) zᵀ = Σ_r φ_r z_r``. So it is one softmax over the stored keys'
+logits ``s_i`` and ``R`` more logits ``log(φ_r z_r)``, whose values are ``H_r / z_r`` (the ψ_r-weighted mean of
+the evicted values; ``LessLayer.ratio``): the softmax's own max keeps it safe for any logit size, and no
+log-normaliser or mix is computed. The base policy's statistics are the stored keys' probabilities renormalised
+over the stored keys alone, as the sparse softmax gives them (LESS's mass stays out of the policy's scores).
+
+Choices: where ``z_r = 0`` the slot's logit is ``-inf`` and its value 0 (``z`` floored at float32's smallest
+normal number in the ratio), so it takes no mass. With an empty state the output and the statistics equal the base
+policy's to float rounding, not bit for bit (the softmax and its renormalisation run over ``R`` more entries);
+kernels whose ψ is identically zero never fold (``LessPolicy.inert``), so they give the base policy bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.core.contract import AttentionStats, StatsRequest
+
+
+def low_rank_slots_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    features: torch.Tensor,
+    z: torch.Tensor,
+    ratio: torch.Tensor,
+    request: StatsRequest,
+) -> tuple[torch.Tensor, AttentionStats]:
+    """Eq. 3 for one query per row that sees every stored key, and the base policy's ``request``ed statistics.
+
+    ``query`` ``[B, H_q, 1, D]``, ``key``/``value`` ``[B, H_kv, L, D]`` (the stored slots, all visible),
+    ``features`` ``[B, H_q, 1, R]`` = ``φ(q)``, ``z`` ``[B, H_kv, R]`` and ``ratio`` ``[B, H_kv, R, D]`` = ``H / z``
+    of the layer's state. Returns the output ``[B, H_q, 1, D]`` in the query's dtype.
+    """
+    batch, q_heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    rows = batch * kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    logits = torch.bmm(query.reshape(rows, -1, dim), key.flatten(0, 1).transpose(1, 2)).float().mul_(scale)
+    state_logits = features.reshape(rows, -1, features.shape[-1]).mul(z.reshape(rows, 1, -1)).log_()
+    probs = torch.cat([logits, state_logits], dim=-1).softmax(dim=-1)  # [B H_kv, G, L + R]
+    stored, state = probs[..., :length], probs[..., length:]
+    sparse = torch.bmm(stored.to(value.dtype), value.flatten(0, 1)).float()
+    output = torch.baddbmm(sparse, state, ratio.flatten(0, 1)).view(batch, q_heads, 1, -1)
+    stats = AttentionStats(query_count=1)
+    if request.received or request.last_queries:  # the base policy's view: the stored keys' softmax alone
+        shares = stored.div_(stored.sum(dim=-1, keepdim=True)).view(batch, kv_heads, -1, length)
+        stats.received = shares if request.received else None
+        stats.last = shares.unsqueeze(3) if request.last_queries else None
+    return output.to(query.dtype), stats
+
+
+def state_ratio(low_rank: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``H / z`` ``[..., R, D]`` of a state ``[H | z]`` ``[..., R, D + 1]`` (0 where ``z = 0``, since ``H = 0`` there:
+    ψ is non-negative); written to ``out`` when given."""
+    floor = low_rank[..., -1:].clamp_min(torch.finfo(low_rank.dtype).tiny)
+    return torch.div(low_rank[..., :-1], floor, out=out)
