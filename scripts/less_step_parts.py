@@ -1,7 +1,8 @@
 """Where LESS's decoding step spends its time beyond its base policy's, part by part, inside real decoding steps.
 
-LESS runs its base policy's step (H2O by default) plus its own parts: φ of the query, the read of the low-rank
-state, the Eq. 3 mix, the copy of the evicted tokens and the folds, and the log-normaliser its softmax adds. Each is
+LESS runs its base policy's step (H2O by default) plus its own parts: φ of the query, the attention over the stored
+keys and the state's rows (Eq. 3, in place of the base policy's softmax), the copy of the evicted tokens and the
+folds (a prefill chunk's or a masked step's attention reads the state and mixes it in apart instead). Each is
 a few small operations per layer, so what they cost depends on running between the model's own layers (caches
 cold), which a micro-benchmark does not reproduce. This script wraps each part's function (the library's code is
 not copied), decodes a LESS cache and an H2O cache step by step in turns after the same prompt, and prints each
@@ -52,6 +53,8 @@ def wrap_parts(layers: int) -> None:
     policy_module.phi_features = timed("phi of the query", policy_module.phi_features)
     policy_module.head_matmul = timed("state read", policy_module.head_matmul)
     policy_module.mix_low_rank = timed("Eq. 3 mix", policy_module.mix_low_rank)
+    slots = policy_module.low_rank_slots_attention
+    policy_module.low_rank_slots_attention = timed("softmax over the stored keys and the state's rows", slots)
     evict = layer_module.LessLayer.before_eviction
     layer_module.LessLayer.before_eviction = timed("copy of the evicted tokens", evict)
     folds_module.PendingFolds.flush = timed("folds (a step's, per layer)", folds_module.PendingFolds.flush, layers)
