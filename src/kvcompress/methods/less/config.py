@@ -30,8 +30,11 @@ Choices where the paper is silent or leaves a choice:
   metadata); with a float32 model ``H`` is exactly ``R/2`` tokens per KV head.
 - ``den = φ(q) zᵀ = 0`` means no low-rank term (not the official code's 1e-6 floor): ``den`` is floored at
   float32's smallest normal number, which leaves an output unchanged to the last bit for any row whose
-  log-normaliser is above -70. So with ψ ≡ 0 (``init="zero"``) LESS is exactly its base policy, and before the
-  first eviction the attention runs on the default path, statistics included.
+  log-normaliser is above -70. A decoding step that sees every stored key takes Eq. 3 as one softmax over the
+  stored keys and the state's ``R`` rows (``kvcompress.methods.less.low_rank_slots``); an empty row there takes no
+  mass, and an empty state leaves the output equal to the base policy's to float rounding. Kernels whose ψ is
+  identically zero (``init="zero"``) never fold, so LESS is then exactly its base policy; before the first
+  eviction the attention runs on the default path, statistics included.
 - Untrained kernels (``kernels=None``) use the paper's initialisation (scalars 1e-4: LESS ≈ its base policy);
   trained kernels are a directory written by ``python -m kvcompress.train.less`` and must match the model's shape
   and the base method (the budget may differ: training and test sparsity are independent, Table 2).
