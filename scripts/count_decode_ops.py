@@ -91,8 +91,8 @@ def main() -> None:
             reads = sum(count.ops[name] for name in READS)
             print(f"{method:14s} {ops:9d} {added:16.1f} {views:18.1f} {reads:11d}")
             if args.by_op:
-                extra = {name: (n - baseline.ops[name]) / layers for name, n in (count.ops - baseline.ops).items()}
-                fewer = {name: -(n - count.ops[name]) / layers for name, n in (baseline.ops - count.ops).items()}
+                extra = {name: n / layers for name, n in (count.ops - baseline.ops).items()}  # (counts of more)
+                fewer = {name: -n / layers for name, n in (baseline.ops - count.ops).items()}
                 listed = sorted({**extra, **fewer}.items(), key=lambda item: -abs(item[1]))
                 print("    " + ", ".join(f"{name} {per_layer:+.1f}" for name, per_layer in listed))
 
