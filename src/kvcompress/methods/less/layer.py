@@ -39,7 +39,8 @@ class LessLayer(CompressedLayer):
     @property
     def ratio(self) -> torch.Tensor | None:
         """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``): each row of the state as one value vector
-        (``kvcompress.methods.less.low_rank_slots``). ``PendingFolds`` writes every layer's at once."""
+        (``kvcompress.methods.less.low_rank_slots``). ``PendingFolds`` writes every layer's at once. A working copy
+        the size of ``H``, derived from it: not counted again in ``kv_nbytes``."""
         low_rank = self.low_rank
         if self._ratio is None and low_rank is not None:
             self._ratio = state_ratio(low_rank)
