@@ -4,13 +4,14 @@ Eq. 3 for one query, ``(Σ_i e^{s_i} v_i + φ(q) H) / (Σ_i e^{s_i} + φ(q) zᵀ
 ``φ(q) H = Σ_r φ_r z_r (H_r / z_r)`` and ``φ(q) zᵀ = Σ_r φ_r z_r``. So it is one softmax over the stored keys'
 logits ``s_i`` and ``R`` more logits ``log(φ_r z_r)``, whose values are ``H_r / z_r`` (the ψ_r-weighted mean of
 the evicted values; ``LessLayer.ratio``): the softmax's own max keeps it safe for any logit size, and no
-log-normaliser or mix is computed. The base policy's statistics are the stored keys' probabilities renormalised
-over the stored keys alone, as the sparse softmax gives them (LESS's mass stays out of the policy's scores).
+log-normaliser or mix is computed. The base policy's statistics are the sparse softmax over the stored keys alone,
+from the same logits its own decoding step computes (``kvcompress.core.softmax``): bit for bit what the base policy
+would see, whatever the state holds (LESS's mass stays out of the policy's scores).
 
 Choices: where ``z_r = 0`` the slot's logit is ``-inf`` and its value 0 (``z`` floored at float32's smallest
-normal number in the ratio), so it takes no mass. With an empty state the output and the statistics equal the base
-policy's to float rounding, not bit for bit (the softmax and its renormalisation run over ``R`` more entries);
-kernels whose ψ is identically zero never fold (``LessPolicy.inert``), so they give the base policy bit for bit.
+normal number in the ratio), so it takes no mass. With an empty state the output equals the base policy's to float
+rounding, not bit for bit (its softmax runs over ``R`` more entries); kernels whose ψ is identically zero never fold
+(``LessPolicy.inert``), so they give the base policy's output bit for bit.
 """
 
 from __future__ import annotations
@@ -43,15 +44,19 @@ def low_rank_slots_attention(
     logits = torch.bmm(query.reshape(rows, -1, dim), key.flatten(0, 1).transpose(1, 2)).float().mul_(scale)
     state_logits = features.reshape(rows, -1, features.shape[-1]).mul(z.reshape(rows, 1, -1)).log_()
     probs = torch.cat([logits, state_logits], dim=-1).softmax(dim=-1)  # [B H_kv, G, L + R]
-    stored, state = probs[..., :length], probs[..., length:]
-    sparse = torch.bmm(stored.to(value.dtype), value.flatten(0, 1)).float()
-    output = torch.baddbmm(sparse, state, ratio.flatten(0, 1)).view(batch, q_heads, 1, -1)
+    output = torch.bmm(_as(probs[..., :length], value.dtype), value.flatten(0, 1))
+    output = _as(output, torch.float32).baddbmm_(probs[..., length:], ratio.flatten(0, 1))
     stats = AttentionStats(query_count=1)
-    if request.received or request.last_queries:  # the base policy's view: the stored keys' softmax alone
-        shares = stored.div_(stored.sum(dim=-1, keepdim=True)).view(batch, kv_heads, -1, length)
+    if request.received or request.last_queries:  # the base policy's view: the sparse softmax of the stored keys
+        shares = logits.softmax(dim=-1).view(batch, kv_heads, -1, length)
         stats.received = shares if request.received else None
         stats.last = shares.unsqueeze(3) if request.last_queries else None
-    return output.to(query.dtype), stats
+    return _as(output.view(batch, q_heads, 1, -1), query.dtype), stats
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` (itself where it already is: no conversion call on the float32 decoding path)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def state_ratio(low_rank: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
