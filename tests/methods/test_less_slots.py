@@ -124,3 +124,17 @@ def test_kernels_whose_psi_is_zero_never_fold(tiny_llama):
     warm = kvcompress.cache_for(tiny_llama, LessConfig(base="h2o", budget=8))  # the paper's init: ψ small, not 0
     decode_logits(tiny_llama, ids_of(1, 20, seed=9), warm)
     assert all(not layer.policy.inert and layer.folded for layer in warm.compressed_layers)
+
+
+def test_decoding_with_gradients_on_folds_without_recording_them(tiny_llama):
+    """A forward outside ``torch.no_grad`` (the folds enter it themselves): the same states, none recording a graph."""
+    ids = ids_of(1, 24, seed=4)
+    caches = [kvcompress.cache_for(tiny_llama, LessConfig(budget=8, kernels=strong_kernels(tiny_llama))) for _ in "ab"]
+    with torch.enable_grad():
+        for t in range(ids.shape[1]):
+            tiny_llama(ids[:, t : t + 1], past_key_values=caches[0])
+    decode_logits(tiny_llama, ids, caches[1])  # under torch.no_grad
+    for graded, plain in zip(caches[0].compressed_layers, caches[1].compressed_layers, strict=True):
+        assert not graded.low_rank.requires_grad and graded.low_rank.grad_fn is None
+        torch.testing.assert_close(graded.low_rank, plain.low_rank)
+        assert bool(graded.low_rank.abs().sum() > 0)  # tokens were folded

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcompress.core.grad_mode import without_grad
 from kvcompress.methods.less.kernels import psi_features
 from kvcompress.methods.less.low_rank_slots import state_ratio
 
@@ -29,6 +30,7 @@ class PendingFolds:
     def __init__(self, layers: list[LessLayer]) -> None:
         self.layers = layers
         self.staged: list[tuple[LessLayer, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._staged_ids: set[int] = set()  # ``id`` of the layers with something in ``staged``
         self._weights: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
         self._states: list[torch.Tensor] | None = None  # the layers' views of ``_stacked_state`` (``_stack``)
         self._stacked_state: torch.Tensor | None = None  # [B, n * H_kv, R, D + 1]: every layer's [H | z]
@@ -39,18 +41,20 @@ class PendingFolds:
         """Queue ``layer``'s evicted ``keys``/``values`` ``[B, H_kv, e, D]`` (``weight`` ``[B, H_kv, e]``: 0 for
         slots that hold no token, ``None``: all real); the forward's last layer folds the queue."""
         self.staged.append((layer, keys, values, weight))
+        self._staged_ids.add(id(layer))
         if layer is self.layers[-1]:
             self.flush()
 
     def flush_for(self, layer: LessLayer) -> None:
         """Fold what is staged if some of it is ``layer``'s (about to be read); the others' can wait."""
-        if any(staged is layer for staged, *_ in self.staged):
+        if id(layer) in self._staged_ids:
             self.flush()
 
-    @torch.no_grad()
+    @without_grad
     def flush(self) -> None:
         """Fold everything staged: together where the layers' shapes agree (a decoding step), else one by one."""
         staged, self.staged = self.staged, []
+        self._staged_ids.clear()
         if not staged:
             return
         shapes = {(keys.shape, weight is None) for _, keys, _, weight in staged}

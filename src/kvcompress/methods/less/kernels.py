@@ -164,7 +164,8 @@ def head_major_mlp(inputs: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -
     with one row per head (a decoding step) that is a matrix-vector product, which a CPU BLAS runs faster than the
     row-times-matrix ``x W1``. The GELUs run on PyTorch's own kernel (``native_kernels``)."""
     batch, heads, length, dim = inputs.shape
-    rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
+    rows = inputs if inputs.dtype == torch.float32 else inputs.float()
+    rows = rows.transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
     with native_kernels(rows):
         hidden = F.gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
         return F.gelu(torch.bmm(hidden.mT, w2))

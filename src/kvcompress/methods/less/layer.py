@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.less.folds import PendingFolds, outer_update
 from kvcompress.methods.less.kernels import psi_features
@@ -63,7 +64,7 @@ class LessLayer(CompressedLayer):
         self._low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
         self._ratio = None
 
-    @torch.no_grad()
+    @without_grad
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ v`` and ``ψ(k)`` of the real tokens about to be evicted to ``H`` and ``z`` (Eqs. 4–5):
         the ``victims`` ``[B, H_kv, e]`` slots, or the ``dropped`` ``[B, H_kv, W]`` ones."""

@@ -43,6 +43,6 @@ _ONEDNN_OFF = _OneDNNOff()
 def native_kernels(like: torch.Tensor) -> AbstractContextManager:
     """A context running PyTorch's CPU operators on their own kernels, for tensors like ``like``; a no-op
     elsewhere (a GPU, or while ``torch.compile`` traces)."""
-    if like.device.type != "cpu" or torch.compiler.is_compiling():
+    if not like.is_cpu or torch.compiler.is_compiling():
         return nullcontext()
     return _ONEDNN_OFF

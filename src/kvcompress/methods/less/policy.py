@@ -70,7 +70,8 @@ class LessPolicy(Policy):
         return self.base.select(layer)
 
     def attend(self, layer, query, key, value, mask, scaling):
-        self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
+        if self.kernels is None:  # set at the first attention
+            self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
         if query.shape[2] == 1 and mask is None:  # a decoding step that sees every stored key
