@@ -32,7 +32,8 @@ Choices where the paper is silent or leaves a choice:
   float32's smallest normal number, which leaves an output unchanged to the last bit for any row whose
   log-normaliser is above -70. A decoding step that sees every stored key takes Eq. 3 as one softmax over the
   stored keys and the state's ``R`` rows (``kvcompress.methods.less.low_rank_slots``); an empty row there takes no
-  mass, and an empty state leaves the output equal to the base policy's to float rounding. Kernels whose ψ is
+  mass, and an empty state leaves the output equal to the base policy's to float rounding; the statistics are the
+  base policy's sparse softmax bit for bit, whatever the state holds. Kernels whose ψ is
   identically zero (``init="zero"``) never fold, so LESS is then exactly its base policy; before the first
   eviction the attention runs on the default path, statistics included.
 - Untrained kernels (``kernels=None``) use the paper's initialisation (scalars 1e-4: LESS ≈ its base policy);
