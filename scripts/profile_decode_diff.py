@@ -3,8 +3,9 @@ and input shape, per step, for two methods after the same prompt, and their diff
 
 ``count_decode_ops.py`` counts operations; this script weighs them inside real decoding steps, where the model's own
 layers stream their weights through the caches between two of a cache's operations, so a small operation costs
-what it costs cold. Each method's cache is prefilled in chunks and decoded a few tokens, then ``--steps`` steps are
-profiled; the rows with the largest differences are printed (milliseconds per step; calls per step). The profiler
+what it costs cold. Each method's cache is prefilled in chunks and decoded a few tokens, then ``--steps`` steps of
+each are profiled in turns (one step of one, one of the other, so a noisy stretch of the shared machine falls on
+both); the rows with the largest differences are printed (milliseconds per step; calls per step). The profiler
 adds a little to every call, so the totals run above the benchmark's and the differences, not the absolute times,
 are what to read.
 
@@ -25,24 +26,26 @@ from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 
 Row = tuple[str, str]  # operation, input shapes
+WARM_STEPS = 8  # decoding steps before the profiled ones (past the first steps' one-off work)
 
 
-def step_profile(model, ids: torch.Tensor, method: str, args) -> dict[Row, tuple[float, float]]:
-    """Self CPU milliseconds and calls per step of each (operation, input shapes) in ``args.steps`` decoding steps."""
+def ready_cache(model, ids: torch.Tensor, method: str, args):
+    """``method``'s cache after the prompt (prefilled in chunks) and a few decoding steps (their one-off work)."""
     cache = kvcompress.cache_for(model, method, **({} if method == "full" else {"budget": args.budget}))
     prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
-    warm = args.prompt + 8  # past the first steps' one-off work
-    for token in range(args.prompt, warm):
+    for token in range(args.prompt, args.prompt + WARM_STEPS):
         model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache))
+    return cache
+
+
+def profile_step(model, ids: torch.Tensor, cache, token: int, into: dict[Row, list[float]], steps: int) -> None:
+    """Profile one decoding step; add each (operation, input shapes)'s self CPU ms and calls per step to ``into``."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
-        for token in range(warm, warm + args.steps):
-            model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache))
-    rows: dict[Row, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache))
     for event in profiler.key_averages(group_by_input_shape=True):
-        row = rows[(event.key, str(event.input_shapes))]
-        row[0] += event.self_cpu_time_total / 1000 / args.steps
-        row[1] += event.count / args.steps
-    return {row: (ms, calls) for row, (ms, calls) in rows.items()}
+        row = into[(event.key, str(event.input_shapes))]
+        row[0] += event.self_cpu_time_total / 1000 / steps
+        row[1] += event.count / steps
 
 
 def main() -> None:
@@ -59,9 +62,14 @@ def main() -> None:
     set_threads(1)
     model, _ = load_model(args.model)
     kvcompress.prepare_model(model)
-    ids = random_prompt(model, args.prompt + args.steps + 8, 0)
+    ids = random_prompt(model, args.prompt + WARM_STEPS + args.steps, 0)
+    profiles: list[dict[Row, list[float]]] = [defaultdict(lambda: [0.0, 0.0]) for _ in range(2)]
     with torch.inference_mode():
-        profiles = [step_profile(model, ids, method, args) for method in (first, second)]
+        caches = [ready_cache(model, ids, method, args) for method in (first, second)]
+        for step in range(args.steps):  # the two methods' steps in turns (which goes first alternates too)
+            token = args.prompt + WARM_STEPS + step
+            for side in (0, 1) if step % 2 == 0 else (1, 0):
+                profile_step(model, ids, caches[side], token, profiles[side], args.steps)
     totals = [sum(ms for ms, _ in rows.values()) for rows in profiles]
     print(f"self CPU per step: {first} {totals[0]:.2f} ms, {second} {totals[1]:.2f} ms ({totals[1] - totals[0]:+.2f})")
     print(f"{second} - {first}:")
