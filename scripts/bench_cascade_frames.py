@@ -46,7 +46,7 @@ def ratios(model, ids: torch.Tensor, prompt: int, steps: int) -> list[float]:
     """Per pair: CPU time of a cascade step / a ``DynamicCache`` step holding the same 512 tokens."""
     dynamic = DynamicCache(config=model.config)
     model.set_attn_implementation("sdpa")
-    model(input_ids=ids[:, :512], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids[:, :512], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
     cache = kvcompress.cache_for(model, "cascade", budget=512, prefill="chunked")
     prefill(model, ids[:, :prompt], cache, chunk_size=512)
     ours, theirs = [], []
@@ -60,7 +60,7 @@ def ratios(model, ids: torch.Tensor, prompt: int, steps: int) -> list[float]:
                 ours.append(time.process_time() - start)
             else:
                 model.set_attn_implementation("sdpa")
-                model(input_ids=token, past_key_values=dynamic, use_cache=True)
+                model(input_ids=token, **cache_argument(model, dynamic), use_cache=True)
                 theirs.append(time.process_time() - start)
                 dynamic.crop(-1)
     return [a / b for a, b in zip(ours[4:], theirs[4:], strict=True)]  # 4 warm-up pairs

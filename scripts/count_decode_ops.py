@@ -71,7 +71,7 @@ def main() -> None:
     with torch.inference_mode():
         dynamic = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
-        model(input_ids=ids[:, : args.budget], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, : args.budget], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
         baseline = step_ops(model, ids[:, args.prompt : args.prompt + 1], dynamic, "sdpa")
         base_ops, base_views = sum(baseline.ops.values()), baseline.views
         print(f"DynamicCache: {base_ops} ops and {base_views} views per decoding step ({layers} layers)")

@@ -86,7 +86,7 @@ def main() -> None:
         held = caches["h2o"].compressed_layers[0].values.shape[2]
         dynamic = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
-        model(input_ids=ids[:, :held], past_key_values=dynamic, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :held], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
         wrap_parts(layers)
         steps: dict[str, list[float]] = defaultdict(list)
         for step in range(args.steps):
@@ -99,7 +99,7 @@ def main() -> None:
                 steps[method].append(time.process_time() - start)
             model.set_attn_implementation("sdpa")
             start = time.process_time()
-            model(input_ids=ids[:, held : held + 1], past_key_values=dynamic, use_cache=True)
+            model(input_ids=ids[:, held : held + 1], **cache_argument(model, dynamic), use_cache=True)
             steps["DynamicCache"].append(time.process_time() - start)
             dynamic.crop(-1)
     print(f"{args.model}, prompt {args.prompt}, budget {args.budget}, {args.steps} steps, 1 torch thread")

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 import kvcompress
 from kvcompress.bench.common import random_prompt, set_threads
 from kvcompress.core.attention import ATTENTION_NAME
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 
 
@@ -42,7 +42,8 @@ def main() -> None:
 
     def dynamic() -> None:
         model.set_attn_implementation("sdpa")
-        model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
 
     with torch.inference_mode():
         for _ in range(2):

@@ -1,7 +1,7 @@
 """kvcompress: KV-cache compression as real ``transformers`` caches.
 
 >>> cache = kvcompress.cache_for(model, "streaming", budget=256)
->>> model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+>>> model.generate(input_ids, cache=cache, max_new_tokens=64)  # transformers < 5.24: past_key_values=cache
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcompress
+from kvcompress.generation import cache_argument
 from kvcompress.methods.less.kernels import init_kernels, phi_features, psi_features
 from kvcompress.methods.less.native import native_kernels
 
@@ -88,8 +89,8 @@ def test_a_decoding_step_restores_the_switch(onednn_on, tiny_llama):
     cache = kvcompress.cache_for(model, "less", budget=8)
     ids = torch.randint(0, model.config.vocab_size, (1, 20))
     with torch.no_grad():
-        model(input_ids=ids[:, :16], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :16], use_cache=True, **cache_argument(model, cache))
         for t in range(16, 20):  # decoding steps that fold and read the state
-            model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, t : t + 1], use_cache=True, **cache_argument(model, cache))
     assert cache.compressed_layers[0].folded
     assert torch.backends.mkldnn.enabled

@@ -10,6 +10,7 @@ import kvcompress
 import kvcompress.methods.less.policy as less_policy
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import StatsRequest
+from kvcompress.generation import cache_argument
 from kvcompress.methods.less import LessConfig
 from kvcompress.methods.less.low_rank_slots import low_rank_slots_attention, state_ratio
 from kvcompress.methods.less.policy import mix_low_rank
@@ -132,7 +133,7 @@ def test_decoding_with_gradients_on_folds_without_recording_them(tiny_llama):
     caches = [kvcompress.cache_for(tiny_llama, LessConfig(budget=8, kernels=strong_kernels(tiny_llama))) for _ in "ab"]
     with torch.enable_grad():
         for t in range(ids.shape[1]):
-            tiny_llama(ids[:, t : t + 1], past_key_values=caches[0])
+            tiny_llama(ids[:, t : t + 1], **cache_argument(tiny_llama, caches[0]))
     decode_logits(tiny_llama, ids, caches[1])  # under torch.no_grad
     for graded, plain in zip(caches[0].compressed_layers, caches[1].compressed_layers, strict=True):
         assert not graded.low_rank.requires_grad and graded.low_rank.grad_fn is None
