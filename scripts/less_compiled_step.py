@@ -5,7 +5,9 @@ and the softmax over the stored keys and the state's rows (``kvcompress.methods.
 compiler they would be fewer calls. This decodes two LESS caches in turns after the same prompt: one as built, one
 whose ``phi_features`` and ``low_rank_slots_attention`` (the library's own functions) run compiled by inductor
 (``--backend``); each step's process CPU time is recorded (1 torch thread) and the median of the per-step ratios
-compiled / eager is printed with its 10th and 90th percentiles, beside the logits' largest difference.
+compiled / eager is printed with its 10th and 90th percentiles, beside the logits' largest difference. Then each
+part is called again in a loop of its own on the last step's inputs (everything warm in the caches), compiled and
+eager, and the median time of one call is printed: what a compiled call costs with nothing cold.
 
     python scripts/less_compiled_step.py [--prompt 2048] [--budget 512] [--steps 100] [--backend inductor]
 """
@@ -29,10 +31,33 @@ PARTS = ("phi_features", "low_rank_slots_attention")
 EAGER = {name: getattr(policy_module, name) for name in PARTS}
 
 
+LAST_ARGS: dict[str, tuple] = {}  # each part's inputs at its last call (``use``)
+
+
 def use(compiled: dict[str, object] | None) -> None:
-    """Make LESS's policy call the compiled parts (``None``: the eager ones)."""
+    """Make LESS's policy call the compiled parts (``None``: the eager ones), recording each part's last inputs."""
     for name in PARTS:
-        setattr(policy_module, name, EAGER[name] if compiled is None else compiled[name])
+        setattr(policy_module, name, recorded(name, EAGER[name] if compiled is None else compiled[name]))
+
+
+def recorded(name: str, part):
+    def call(*args):
+        LAST_ARGS[name] = args
+        return part(*args)
+
+    return call
+
+
+def warm_call_us(part, args: tuple, calls: int = 2000) -> float:
+    """Median microseconds of one call of ``part(*args)`` repeated in a loop (warm caches)."""
+    for _ in range(100):
+        part(*args)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        part(*args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -75,6 +100,10 @@ def main() -> None:
     print(f"{args.model}, prompt {args.prompt}, budget {args.budget}, {args.steps} steps, 1 torch thread")
     print(f"step CPU time, compiled / eager: median {statistics.median(ratios):.3f} (p10 {deciles[0]:.3f}, ", end="")
     print(f"p90 {deciles[-1]:.3f}); largest logit difference {difference:.2e}")
+    with torch.inference_mode():
+        for name in PARTS:
+            eager, fused = (warm_call_us(part, LAST_ARGS[name]) for part in (EAGER[name], compiled[name]))
+            print(f"{name}, one call in a warm loop: eager {eager:.1f} us, compiled {fused:.1f} us")
 
 
 if __name__ == "__main__":
