@@ -92,8 +92,10 @@ class Recorder:
         return hook
 
     def _snapshot(self, index: int):
-        def hook(module, args, output):
-            self.forwards[-1].kept.append(kept_sets(self.cache.compressed_layers[index]))
+        def hook(module, args, output):  # after the last layer's attention every eviction of the forward is done
+            layers = self.cache.compressed_layers  # (a decoding step's may run together there: ``LayerBatch``)
+            if index == len(layers) - 1:
+                self.forwards[-1].kept.extend(kept_sets(layer) for layer in layers)
 
         return hook
 

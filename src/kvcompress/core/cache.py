@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.layer_batch import LayerBatch
 from kvcompress.core.model_spec import ModelSpec
 from kvcompress.core.rope import layer_inv_freqs
 
@@ -49,6 +50,7 @@ class CompressedCache(Cache):
         # warn once past the trained length if some layer keeps original positions
         self._warn_after = spec.max_positions if any(p.position_mode == "original" for p in policies) else None
         config.connect(self.compressed_layers)
+        LayerBatch.connect(self.compressed_layers)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs

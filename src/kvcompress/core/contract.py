@@ -108,6 +108,10 @@ class Policy:
     # True: ``observe`` keeps only the latest forward's statistics (an observation window at the prompt's end), so a
     # one-shot method needs none from the prompt chunks that more chunks follow (``CompressedCache.more_prompt``)
     latest_stats_only: bool = False
+    # True: at a decoding step ``observe`` and ``select`` work per row (sequence and KV head) on the layer's
+    # ``state``, ``token_idx`` and scalar bookkeeping only, and ``select`` returns ``None`` or a ``Keep`` with an int
+    # count, so a cache may run them once for all its layers stacked (``kvcompress.core.layer_batch``)
+    batchable: bool = False
 
     def __init__(self, config: MethodConfig, layer_idx: int) -> None:
         self.config = config

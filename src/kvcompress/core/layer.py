@@ -57,6 +57,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.compressed = self.defer_compression = self.more_prompt = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[CompressedLayer], None]] = []
+        self.batch = None  # the cache's ``LayerBatch`` when its layers may evict together at a decoding step
         self.slots: SlotBuffers | None = None
         self.occupied = 0  # slots holding a token (real or padding), the same count in every row
         self.dense = True  # slots [0, occupied) hold tokens in stream order; the rest is free
@@ -89,8 +90,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return tensor if width == tensor.shape[2] else tensor[:, :, :width]
 
     def _settle(self) -> None:
-        """Mark the victims of the last decoding step free (deferred until something other than the next write
-        reads the slots)."""
+        """Mark the last decoding step's victims free (deferred until something but the next write reads the slots)."""
         self._stale = False
         self.slots.free_at(self._free)
 
@@ -194,10 +194,12 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.slots.register(self.occupied - 1 if one else self.new_index(), positions, real)
 
     # --- eviction ------------------------------------------------------------------------------------------
-    def after_attention(self, stats: AttentionStats | None) -> None:
-        """Update the method's statistics, then evict what the method no longer keeps."""
+    def after_attention(self, stats: AttentionStats | None, alone: bool = False) -> None:
+        """Update the method's statistics and evict; at a decoding step maybe with every layer unless ``alone``."""
         if self.policy.one_shot and self.compressed:
             return  # compressed once: decoding appends (attention computed no statistics)
+        if not alone and self.batch is not None and self.batch.defer(self, stats):
+            return
         if self.policy.wants_stats(self):
             self.policy.observe(self, stats)
         if self.policy.one_shot:
@@ -255,8 +257,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         """Free the slots where ``dropped`` ``[B, H, W]`` is True (counts may differ between rows)."""
         self.before_eviction(None, dropped)
         self.slots.free_mask(dropped, self.view_width)
-        self.ordered = self.ordered and self.dense
-        self.dense = False
+        self.ordered, self.dense = self.ordered and self.dense, False
         self.compact()
 
     def expire_window(self) -> None:
@@ -266,8 +267,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         if window is None or self.slots is None or self.seen < window:
             return
         self.slots.free_mask((self.token_idx >= 0) & (self.token_idx <= self.seen - window), self.view_width)
-        self.ordered = self.ordered and self.dense
-        self.dense = False
+        self.ordered, self.dense = self.ordered and self.dense, False
         self.compact()
 
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:

@@ -20,6 +20,7 @@ from kvcompress.core.selection import keep_top, recent_mask
 
 class H2OPolicy(Policy):
     stats = StatsRequest(received=True)
+    batchable = True
 
     def init_state(self, layer, keys):
         return {"mass": torch.zeros(keys.shape[:3], device=keys.device)}

@@ -41,6 +41,7 @@ class LessPolicy(Policy):
         self.position_mode = self.base.position_mode
         self.per_head = self.base.per_head
         self.one_shot = self.base.one_shot
+        self.batchable = self.base.batchable  # (the fold happens in the layer's ``before_eviction``, per layer)
         self.kernels: LayerKernels | None = None
         self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
         self.inert = False  # ψ ≡ 0 (its last matrix is zero, as in ``zero_kernels``): nothing is ever folded
