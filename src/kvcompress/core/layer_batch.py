@@ -37,7 +37,8 @@ class LayerBatch:
     @classmethod
     def connect(cls, layers: list[CompressedLayer]) -> None:
         """Give ``layers`` (one cache's, in forward order) a shared batch when their policies allow it."""
-        if len(layers) > 1 and all(layer.policy.batchable for layer in layers):
+        first = layers[0].policy if layers else None
+        if len(layers) > 1 and all(_same_method(layer.policy, first) for layer in layers):
             batch = cls(layers)
             for layer in layers:
                 layer.batch = batch
@@ -92,7 +93,8 @@ class LayerBatch:
         """Whether the layers agree in shape and bookkeeping, with their stream indices and method state made views
         of stacked buffers (one copy per name where they are not yet)."""
         first = layers[0]
-        if any(not _alike(layer, first) for layer in layers):
+        agreed = _bookkeeping(first)
+        if any(_bookkeeping(layer) != agreed for layer in layers):
             return False
         names = ["token_idx", *(f"state.{name}" for name in first.slots.state)]
         for name in names:
@@ -139,14 +141,14 @@ class _Slots:
         self.token_idx = token_idx
 
 
-def _alike(layer: CompressedLayer, first: CompressedLayer) -> bool:
-    return (
-        layer.policy.config == first.policy.config
-        and type(layer.policy) is type(first.policy)
-        and (layer.seen, layer.occupied, layer.view_width, layer.dense, layer.ordered)
-        == (first.seen, first.occupied, first.view_width, first.dense, first.ordered)
-        and layer.slots.state.keys() == first.slots.state.keys()
-    )
+def _same_method(policy, first) -> bool:
+    """Whether ``policy`` may run for ``first``'s layers too: batchable, of the same class and configuration."""
+    return policy.batchable and type(policy) is type(first) and policy.config == first.config
+
+
+def _bookkeeping(layer: CompressedLayer) -> tuple:
+    """What the layers evicting together must agree on at this step."""
+    return layer.seen, layer.occupied, layer.view_width, layer.dense, layer.ordered, tuple(layer.slots.state)
 
 
 def _buffer(layer: CompressedLayer, name: str) -> torch.Tensor:

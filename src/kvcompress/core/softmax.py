@@ -147,10 +147,9 @@ def _one_query(
 ) -> SoftmaxParts:
     """``chunked_softmax`` for one query that sees every key (a decoding step): one row per query head, so the
     probabilities are the received mass and the last row as they are (views, no sums)."""
-    batch, q_heads, _, dim = query.shape
+    batch, q_heads = query.shape[:2]
     kv_heads, length = key.shape[1], key.shape[2]
-    group_rows = query.reshape(batch * kv_heads, q_heads // kv_heads, dim)
-    logits = torch.bmm(group_rows, _flat(key).transpose(1, 2)).float().mul_(scale)
+    logits = one_query_logits(query, key, scale)
     parts = SoftmaxParts()
     top = logits.amax(dim=-1) if lse else None
     probs = logits.softmax(dim=-1)
@@ -164,6 +163,18 @@ def _one_query(
     if last_n:
         parts.last = probs.unsqueeze(3)
     return parts
+
+
+def one_query_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · q kᵀ`` ``[B H_kv, G, L]`` in float32 for one query per row, ``query`` ``[B, H_q, 1, D]`` and ``key``
+    ``[B, H_kv, L, D]``: one product that also scales (``baddbmm`` with ``beta = 0`` never reads its input, so an
+    uninitialised scalar stands in for it), instead of a product and a multiplication."""
+    batch, q_heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group_rows = query.reshape(batch * kv_heads, q_heads // kv_heads, dim)
+    unread = query.new_empty(()).expand(group_rows.shape[0], group_rows.shape[1], length)
+    logits = torch.baddbmm(unread, group_rows, _flat(key).transpose(1, 2), beta=0, alpha=scale)
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,12 @@ class InferenceWeights(NamedTuple):
 def phi_features(query: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """φ without dropout: ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]`` for queries ``[B, H, S, D]`` and per-head
     weights (``w1_t``: W1 transposed, ``LayerKernels.inference_weights``)."""
-    return _heads_second(head_major_mlp(query, w1_t, w2).abs_(), query)
+    return _heads_second(phi_head_major(query, w1_t, w2), query)
+
+
+def phi_head_major(query: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``phi_features`` heads first, ``[H, B S, R]``, as the products leave it (a decoding step takes it so)."""
+    return head_major_mlp(query, w1_t, w2).abs_()
 
 
 def psi_features(key: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:

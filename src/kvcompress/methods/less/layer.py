@@ -27,6 +27,8 @@ class LessLayer(CompressedLayer):
         super().__init__(policy, inv_freq)
         self._low_rank: torch.Tensor | None = None
         self._ratio: torch.Tensor | None = None  # H / z of ``_low_rank``; None: to be computed (``ratio``)
+        self._z_of: torch.Tensor | None = None  # the state ``_z`` is a view of (``state_z``)
+        self._z: torch.Tensor | None = None
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
         self.folds: PendingFolds | None = None  # the cache's shared queue (``LessConfig.connect``); None: fold at once
 
@@ -46,6 +48,14 @@ class LessLayer(CompressedLayer):
         if self._ratio is None and low_rank is not None:
             self._ratio = state_ratio(low_rank)
         return self._ratio
+
+    @property
+    def state_z(self) -> torch.Tensor:
+        """``z`` of the state as stored, a view made once per state tensor (a decoding step reads it after ``ratio``
+        folded what was pending)."""
+        if self._z_of is not self._low_rank:
+            self._z_of, self._z = self._low_rank, self._low_rank[..., -1]
+        return self._z
 
     @property
     def low_rank_h(self) -> torch.Tensor | None:
@@ -114,7 +124,7 @@ class LessLayer(CompressedLayer):
         if self.folds is not None:
             self.folds.flush()
         super().reset()
-        self._low_rank = self._ratio = None
+        self._low_rank = self._ratio = self._z_of = self._z = None
         self.folded = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.softmax import one_query_logits
 
 
 def low_rank_slots_attention(
@@ -34,14 +35,16 @@ def low_rank_slots_attention(
     """Eq. 3 for one query per row that sees every stored key, and the base policy's ``request``ed statistics.
 
     ``query`` ``[B, H_q, 1, D]``, ``key``/``value`` ``[B, H_kv, L, D]`` (the stored slots, all visible),
-    ``features`` ``[B, H_q, 1, R]`` = ``φ(q)``, ``z`` ``[B, H_kv, R]`` and ``ratio`` ``[B, H_kv, R, D]`` = ``H / z``
-    of the layer's state. Returns the output ``[B, H_q, 1, D]`` in the query's dtype.
+    ``features`` ``[H_q, B, R]`` = ``φ(q)`` heads first (as ``phi_head_major`` makes it), ``z`` ``[B, H_kv, R]`` and
+    ``ratio`` ``[B, H_kv, R, D]`` = ``H / z`` of the layer's state. Returns the output ``[B, H_q, 1, D]`` in the
+    query's dtype.
     """
     batch, q_heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     rows = batch * kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
-    logits = torch.bmm(query.reshape(rows, -1, dim), key.flatten(0, 1).transpose(1, 2)).float().mul_(scale)
+    logits = one_query_logits(query, key, dim**-0.5 if scaling is None else scaling)  # the base policy's own
+    if batch > 1:
+        features = features.transpose(0, 1)
     state_logits = features.reshape(rows, -1, features.shape[-1]).mul(z.reshape(rows, 1, -1)).log_()
     probs = torch.cat([logits, state_logits], dim=-1).softmax(dim=-1)  # [B H_kv, G, L + R]
     output = torch.bmm(_as(probs[..., :length], value.dtype), value.flatten(0, 1))

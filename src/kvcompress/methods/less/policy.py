@@ -24,7 +24,7 @@ from torch import nn
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import Policy
 from kvcompress.core.softmax import grouped, head_matmul
-from kvcompress.methods.less.kernels import InferenceWeights, LayerKernels, phi_features
+from kvcompress.methods.less.kernels import InferenceWeights, LayerKernels, phi_features, phi_head_major
 from kvcompress.methods.less.low_rank_slots import low_rank_slots_attention
 
 if TYPE_CHECKING:  # annotations only: the config module imports this one
@@ -76,10 +76,9 @@ class LessPolicy(Policy):
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
         if query.shape[2] == 1 and mask is None:  # a decoding step that sees every stored key
-            features = phi_features(query, *self.weights.phi)
+            features = phi_head_major(query, *self.weights.phi)
             ratio = layer.ratio  # (folds what is pending first)
-            z = layer.low_rank_state()[..., -1]
-            return low_rank_slots_attention(query, key, value, scaling, features, z, ratio, self.stats)
+            return low_rank_slots_attention(query, key, value, scaling, features, layer.state_z, ratio, self.stats)
         # the layer's masks leave every query its own key
         output, stats = attention_with_stats(query, key, value, mask, scaling, self.request, rows_see_keys=True)
         features = phi_features(query, *self.weights.phi)  # [B, H_q, q, R]

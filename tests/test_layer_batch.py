@@ -1,0 +1,94 @@
+"""A decoding step's evictions run once for all layers (``LayerBatch``): the same victims, logits and kept tokens
+as every layer evicting alone, one policy call per step, and no eviction carried over from a forward that stopped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress.core.layer_batch import LayerBatch
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.methods.h2o import H2OPolicy
+from kvcompress.methods.less import LessConfig
+from tests.methods.test_less import ids_of, strong_kernels
+
+PROMPT, STEPS = 17, 24
+
+
+def config_of(model, method: str):
+    if method == "less":
+        return LessConfig(base="h2o", budget=10, kernels=strong_kernels(model))
+    return kvcompress.registry.make_config(method, budget=10)
+
+
+def decode(model, ids: torch.Tensor, cache) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Prefill in chunks of 5, then decode one token per forward: the logits and every layer's kept stream
+    indices (sorted per row) after each step."""
+    logits, kept = [], []
+    with torch.no_grad():
+        prefill(model, ids[:, :PROMPT], cache, chunk_size=5)
+        for t in range(PROMPT, ids.shape[1]):
+            logits.append(model(ids[:, t : t + 1], **cache_argument(model, cache)).logits)
+            kept.append([layer.kept().token_idx.sort(dim=-1).values for layer in cache.compressed_layers])
+    return logits, kept
+
+
+def alone(cache):
+    """``cache`` with every layer evicting right after its own attention."""
+    for layer in cache.compressed_layers:
+        layer.batch = None
+    return cache
+
+
+@pytest.mark.parametrize("method", ["h2o", "less"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_layers_evicting_together_decode_as_layers_evicting_alone(tiny_llama, method, batch):
+    ids = ids_of(batch, PROMPT + STEPS, seed=5)
+    together = kvcompress.cache_for(tiny_llama, config_of(tiny_llama, method))
+    assert all(layer.batch is not None for layer in together.compressed_layers)
+    logits, kept = decode(tiny_llama, ids, together)
+    expected_logits, expected_kept = decode(
+        tiny_llama, ids, alone(kvcompress.cache_for(tiny_llama, config_of(tiny_llama, method)))
+    )
+    for step in range(STEPS):
+        assert torch.equal(logits[step], expected_logits[step]), f"step {step}"
+        for got, want in zip(kept[step], expected_kept[step], strict=True):
+            assert torch.equal(got, want), f"step {step}"
+    assert all(layer.stored_length() == 10 for layer in together.compressed_layers)
+
+
+def test_a_decoding_step_runs_the_policy_once_for_every_layer(tiny_llama, monkeypatch):
+    calls = []
+    observe = H2OPolicy.observe
+    monkeypatch.setattr(
+        H2OPolicy, "observe", lambda self, layer, stats: calls.append(stats) or observe(self, layer, stats)
+    )
+    ids = ids_of(2, PROMPT + STEPS, seed=6)
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=10)
+    with torch.no_grad():
+        prefill(tiny_llama, ids[:, :PROMPT], cache, chunk_size=5)
+        model_layers = len(cache.compressed_layers)
+        for t in range(PROMPT, PROMPT + 3):  # the first steps restack the layers' buffers (one copy per name)
+            tiny_llama(ids[:, t : t + 1], **cache_argument(tiny_llama, cache))
+        calls.clear()
+        for t in range(PROMPT + 3, ids.shape[1]):
+            tiny_llama(ids[:, t : t + 1], **cache_argument(tiny_llama, cache))
+    assert len(calls) == STEPS - 3  # once per step, not once per layer
+    heads = tiny_llama.config.num_key_value_heads
+    assert all(stats.received.shape[1] == model_layers * heads for stats in calls)
+
+
+def test_a_forward_that_stopped_before_its_last_layer_leaves_no_eviction_behind(tiny_llama):
+    ids = ids_of(1, PROMPT + 2, seed=7)
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=10)
+    with torch.no_grad():
+        prefill(tiny_llama, ids[:, :PROMPT], cache, chunk_size=5)
+        tiny_llama(ids[:, PROMPT : PROMPT + 1], **cache_argument(tiny_llama, cache))
+    batch: LayerBatch = cache.compressed_layers[0].batch
+    first = cache.compressed_layers[0]
+    batch.waiting.append((first, None))  # what a forward stopped after layer 0's attention would leave
+    with torch.no_grad():
+        tiny_llama(ids[:, PROMPT + 1 : PROMPT + 2], **cache_argument(tiny_llama, cache))
+    assert batch.waiting == []
+    assert all(layer.stored_length() == 10 for layer in cache.compressed_layers)
