@@ -75,8 +75,7 @@ def test_a_decoding_step_runs_the_policy_once_for_every_layer(tiny_llama, monkey
         for t in range(PROMPT + 3, ids.shape[1]):
             tiny_llama(ids[:, t : t + 1], **cache_argument(tiny_llama, cache))
     assert len(calls) == STEPS - 3  # once per step, not once per layer
-    heads = tiny_llama.config.num_key_value_heads
-    assert all(stats.received.shape[1] == model_layers * heads for stats in calls)
+    assert all(stats.received.shape[0] == model_layers * 2 for stats in calls)  # layers x sequences
 
 
 def test_a_forward_that_stopped_before_its_last_layer_leaves_no_eviction_behind(tiny_llama):

@@ -5,9 +5,10 @@ that layer's bookkeeping only, and nothing reads it again before the layer's nex
 small operations, each costing far more than its arithmetic. So when every layer of a cache runs the same policy
 on slots of the same shape, the layers hand their statistics to one ``LayerBatch`` and the forward's last layer runs
 the policy once over all of them: the layers' stream indices and method state are views of one buffer per name
-(``[B, layers · H_kv, C]``, restacked with one copy when a layer replaces its buffers), so the policy's operations
-on those stacked rows replace the same operations once per layer. Every operation is per row (sequence and KV head),
-so the victims are those each layer would choose alone; the layers then free them one by one as before.
+(``[layers · B, H_kv, C]``: each layer's view stays contiguous; restacked with one copy when a layer replaces its
+buffers), so the policy's operations on those stacked rows replace the same operations once per layer. Every
+operation is per row (a layer's sequence and KV head), so the victims are those each layer would choose alone; the
+layers then free them one by one as before.
 
 Only policies that declare ``Policy.batchable`` take this path, at decoding steps of layers without padding,
 observers or a sliding window; anything else evicts right after its own attention.
@@ -48,8 +49,8 @@ class LayerBatch:
         cover). The forward's last layer runs every deferred one."""
         covered = self._covers(layer, stats)
         if covered:
-            if any(waiting is layer for waiting, _ in self.waiting):
-                self.waiting = []  # a forward that stopped before its last layer: its evictions are void
+            if layer is self.layers[0]:
+                self.waiting = []  # (left by a forward that stopped before its last layer: its evictions are void)
             self.waiting.append((layer, stats))
         if layer is self.layers[-1]:
             self.run()
@@ -75,19 +76,19 @@ class LayerBatch:
             for layer, stats in waiting:
                 layer.after_attention(stats, alone=True)
             return
-        rows = StackedLayer(layers, {name: stacked[0] for name, stacked in self._stacked.items()})
+        together = StackedLayer(layers, {name: stacked[0] for name, stacked in self._stacked.items()})
         policy = layers[0].policy
-        policy.observe(rows, _stacked_stats([stats for _, stats in waiting]))
-        rule = policy.select(rows)
+        policy.observe(together, _stacked_stats([stats for _, stats in waiting]))
+        rule = policy.select(together)
         if rule is None:
             return
         if not isinstance(rule, Keep) or isinstance(rule.count, torch.Tensor):
             raise TypeError(f"{type(policy).__name__} is batchable but selected {rule!r} at a decoding step")
-        victims, _ = victims_of_rule(rule, rows, protects_forward(policy, rule, 1))
+        victims, _ = victims_of_rule(rule, together, protects_forward(policy, rule, 1))
         if victims is not None:
-            heads = victims.shape[1] // len(layers)
+            batch = victims.shape[0] // len(layers)
             for index, layer in enumerate(layers):
-                layer.evict(victims[:, index * heads : (index + 1) * heads])
+                layer.evict(victims[index * batch : (index + 1) * batch])
 
     def _stack(self, layers: list[CompressedLayer]) -> bool:
         """Whether the layers agree in shape and bookkeeping, with their stream indices and method state made views
@@ -104,9 +105,9 @@ class LayerBatch:
                 continue
             if len({(tensor.shape, tensor.dtype) for tensor in tensors}) > 1:
                 return False
-            stacked = torch.cat(tensors, dim=1)
-            heads = tensors[0].shape[1]
-            views = [stacked[:, i * heads : (i + 1) * heads] for i in range(len(layers))]
+            stacked, batch = torch.cat(tensors), tensors[0].shape[0]
+            # slices, not ``chunk``: its views may not be written in place under autograd
+            views = [stacked[i * batch : (i + 1) * batch] for i in range(len(layers))]
             for layer, view in zip(layers, views, strict=True):
                 _set_buffer(layer, name, view)
             self._stacked[name] = (stacked, views)
@@ -114,7 +115,8 @@ class LayerBatch:
 
 
 class StackedLayer:
-    """What a policy and the eviction read of a layer, for several layers stacked along the heads."""
+    """What a policy and the eviction read of a layer, for several layers stacked along the batch (a row of the
+    stacked tensors is a layer's sequence)."""
 
     def __init__(self, layers: list[CompressedLayer], buffers: dict[str, torch.Tensor]) -> None:
         first = layers[0]
@@ -130,10 +132,10 @@ class StackedLayer:
         self.state = {name[6:]: tensor[:, :, :width] for name, tensor in buffers.items() if name.startswith("state.")}
 
     def new_index(self) -> torch.Tensor:
-        return torch.cat([layer.new_index() for layer in self.layers], dim=1)
+        return torch.cat([layer.new_index() for layer in self.layers])
 
     def real_count(self) -> torch.Tensor:
-        return self.layers[0].real_count()
+        return torch.cat([layer.real_count() for layer in self.layers])
 
 
 class _Slots:
@@ -163,10 +165,10 @@ def _set_buffer(layer: CompressedLayer, name: str, tensor: torch.Tensor) -> None
 
 
 def _stacked_stats(stats: list[AttentionStats]) -> AttentionStats:
-    """The layers' statistics of one query, stacked along the heads."""
+    """The layers' statistics of one query, stacked along the batch."""
 
     def joined(name: str) -> torch.Tensor | None:
         parts = [getattr(s, name) for s in stats]
-        return None if parts[0] is None else torch.cat(parts, dim=1)
+        return None if parts[0] is None else torch.cat(parts)
 
     return AttentionStats(query_count=1, received=joined("received"), last=joined("last"), lse=joined("lse"))
