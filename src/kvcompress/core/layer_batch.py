@@ -47,10 +47,10 @@ class LayerBatch:
     def defer(self, layer: CompressedLayer, stats: AttentionStats | None) -> bool:
         """Take ``layer``'s eviction of this forward (``True``), or leave it to the layer (a step this path does not
         cover). The forward's last layer runs every deferred one."""
+        if layer is self.layers[0]:
+            self.waiting = []  # (left by a forward that stopped before its last layer: its evictions are void)
         covered = self._covers(layer, stats)
         if covered:
-            if layer is self.layers[0]:
-                self.waiting = []  # (left by a forward that stopped before its last layer: its evictions are void)
             self.waiting.append((layer, stats))
         if layer is self.layers[-1]:
             self.run()
