@@ -29,7 +29,8 @@ class QATask(Task):
         return tuple(self.params["modes"])
 
     def validate(self) -> None:
-        check_positive_int(self.params["chunk_size"], "chunk_size")
+        if self.params["chunk_size"] is not None:  # None: the prompt in one forward
+            check_positive_int(self.params["chunk_size"], "chunk_size")
         if "max_new_tokens" in self.params:
             check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
         for mode in self.params["modes"]:
