@@ -87,7 +87,7 @@ def test_a_data_folder_replaces_the_shipped_books(corpus, monkeypatch):
 def test_gzip_texts_are_read(tmp_path):
     import gzip
 
-    (tmp_path / "a.txt.gz").write_bytes(gzip.compress("First.\r\nSecond.".encode()))
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"First.\r\nSecond."))
     (tmp_path / "b.txt").write_text("Plain.")
     docs = data.load_documents(tmp_path)
     assert [(d.name, d.text) for d in docs] == [("a", "First.\nSecond."), ("b", "Plain.")]

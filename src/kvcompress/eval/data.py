@@ -70,7 +70,8 @@ def data_root(data: str | os.PathLike[str] | None = None) -> Path:
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """Read a UTF-8 file, gzip-compressed if it ends in ``.gz`` (a byte-order mark is dropped), with ``\\n`` line endings."""
+    """Read a UTF-8 file, gzip-compressed if it ends in ``.gz`` (a byte-order mark is dropped), with ``\\n``
+    line endings."""
     path = Path(path)
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     text = raw.decode("utf-8-sig")

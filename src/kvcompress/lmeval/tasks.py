@@ -6,8 +6,9 @@ writes into ``OUT_DIR`` (then ``lm_eval --include_path OUT_DIR``; ``kvcompress l
 itself):
 
 * ``kvc_needle`` (``generate_until``): the passkey needle ("The pass key is 12345. Remember it. ...") hidden at
-  depth ``i``-th van der Corput point of ``words`` words of real prose (``kvcompress.eval.data.prose``); the prompt ends with the question
-  and "The pass key is", the first number generated is compared with the key (``exact_match``).
+  depth ``i``-th van der Corput point of ``words`` words of real prose (``kvcompress.eval.data.prose``); the
+  prompt ends with the question and "The pass key is", the first number generated is compared with the key
+  (``exact_match``).
 * ``kvc_needle_ll`` (``loglikelihood``): the same documents, the key scored as the continuation: ``acc`` (greedy
   decoding would give the key) and ``perplexity`` (exp of the mean summed negative log-likelihood of the key), a
   graded score that moves before the exact match does.
@@ -160,7 +161,9 @@ def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcompress.lmeval.tasks", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--data", help="data folder (else $KVCOMPRESS_DATA, else the shipped books; kvc_wikitext needs one)")
+    parser.add_argument(
+        "--data", help="data folder (else $KVCOMPRESS_DATA, else the shipped books; kvc_wikitext needs one)"
+    )
     parser.add_argument("--samples", type=int, default=50, help="needle documents")
     parser.add_argument("--words", type=int, default=700, help="haystack words per needle document")
     parser.add_argument("--words-per-page", type=int, default=800, help="WikiText words kept per article")

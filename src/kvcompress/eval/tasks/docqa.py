@@ -1,8 +1,9 @@
 """Lost-in-the-middle multi-document QA (Liu et al., 2023, arXiv:2307.03172) with synthetic facts.
 
 Each prompt holds ``documents`` short documents in LITM's format ("Document [i](Title: ...) text"): excerpts of
-real prose (``data.prose``: the shipped books, or the Paul Graham essays of a data folder), each carrying one synthetic fact "The code word of the {team} team is {word}." about a
-different team. The question asks for one team's code word; the document holding it sits at a chosen position
+real prose (``data.prose``: the shipped books, or the Paul Graham essays of a data folder), each carrying one
+synthetic fact "The code word of the {team} team is {word}." about a different team. The question asks for one team's
+code word; the document holding it sits at a chosen position
 (``position``, 0-based; ``None``: sample ``i`` uses position ``i mod documents``, so positions are covered
 evenly). No offline QA set exists, hence synthetic facts in real text; the other nine documents are
 distractors of the same form, as LITM's retrieved-but-wrong passages are.
