@@ -131,7 +131,10 @@ def test_a_kept_ratio_sizes_every_methods_budget_from_the_context(tiny):
     context = sample.inputs["context_ids"].shape[1]
     prompt = context + sample.inputs["question_ids"].shape[1]
     by_key = {(r["method"], r["mode"]): r for r in rows}
-    assert len(rows) == 6 and all(r["prefill_s"] > 0 for r in rows)
+    assert len(rows) == 6 and all(r["prefill_s"] > 0 and r["decode_s"] > 0 for r in rows)
+    for row in rows:  # one character per printed token; the cache saw the prompt and every answer token but the last
+        assert len(row["extra"]["prediction"]) <= row["new_tokens"] <= sample.inputs["max_new_tokens"]
+        assert row["tokens_seen"] == prompt + row["new_tokens"] - 1
     # window keeps floor(0.5 * context) while the question goes in (agnostic), floor(0.5 * (prompt - 1)) (aware)
     assert by_key[("window", "agnostic")]["tokens_stored"][0] == context // 2
     assert by_key[("window", "aware")]["tokens_stored"][0] == (prompt - 1) // 2

@@ -16,8 +16,8 @@ The results are a resumable JSON-lines file (``<out>/<task>.jsonl``: a rerun add
 
 Table: one line per method and kept ratio, best first within a ratio: the mean score (×100, as RULER and kvpress
 report it) ± its standard error over samples, the sample count, the stored KV bytes at the end of the answer as a
-multiple of the full cache's on the same samples, and the median wall seconds of the prefill and compression
-(``prefill_s``). A per-task table follows for tasks with subtasks (RULER's).
+multiple of the full cache's on the same samples, the median wall seconds of the prefill and compression
+(``prefill_s``) and the answer's decoding speed (the question's tokens and the answer's, over their wall time). A per-task table follows for tasks with subtasks (RULER's).
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def leaderboard_rows(results: list[dict[str, Any]], metric: str) -> list[dict[st
         mean, se = mean_se(scores)
         ratios = [r["kv_bytes"] / full_bytes[r["sample"]] for r in rows if full_bytes.get(r["sample"])]
         prefill = [r["prefill_s"] for r in rows if r.get("prefill_s") is not None]
+        decoded = [(r["new_tokens"], r["decode_s"]) for r in rows if r.get("decode_s")]
         entries.append(
             {
                 "method": label,
@@ -99,6 +100,7 @@ def leaderboard_rows(results: list[dict[str, Any]], metric: str) -> list[dict[st
                 "se": se,
                 "bytes_x_full": _median(ratios),
                 "prefill_s": _median(prefill),
+                "tokens_per_s": sum(n for n, _ in decoded) / sum(t for _, t in decoded) if decoded else None,
             }
         )
     return sorted(entries, key=lambda e: (-e["kept"], -e["score"]))
@@ -106,14 +108,17 @@ def leaderboard_rows(results: list[dict[str, Any]], metric: str) -> list[dict[st
 
 def leaderboard_table(entries: list[dict[str, Any]]) -> str:
     lines = [
-        "| kept | method | score ± se | n | KV bytes × full | prefill + compress s |",
-        "|---|---|---|---|---|---|",
+        "| kept | method | score ± se | n | KV bytes × full | prefill + compress s | answer tokens/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         se = "" if e["se"] is None else f" ± {e['se']:.1f}"
         stored = "–" if e["bytes_x_full"] is None else f"{e['bytes_x_full']:.2f}"
         prefill = "–" if e["prefill_s"] is None else f"{e['prefill_s']:.2f}"
-        lines.append(f"| {e['kept']:g} | {e['method']} | {e['score']:.1f}{se} | {e['n']} | {stored} | {prefill} |")
+        speed = "–" if e["tokens_per_s"] is None else f"{e['tokens_per_s']:.1f}"
+        lines.append(
+            f"| {e['kept']:g} | {e['method']} | {e['score']:.1f}{se} | {e['n']} | {stored} | {prefill} | {speed} |"
+        )
     return "\n".join(lines)
 
 

@@ -49,7 +49,7 @@ class Task:
     """
 
     name: ClassVar[str] = ""
-    prefill_s: float | None = None  # wall seconds the last evaluation spent putting the prompt in the cache
+    timings: dict[str, float]  # the current evaluation's timed parts (set afresh for each by run_task)
     metrics: ClassVar[tuple[str, ...]] = ()  # score names; the first is the headline
     plot_metrics: ClassVar[tuple[str, ...]] = ()  # drawn side by side against the budget; empty: the headline
     higher_is_better: ClassVar[bool] = True
@@ -68,6 +68,7 @@ class Task:
         self.model = model
         self.tokenizer = tokenizer
         self.seed = seed
+        self.timings = {}
         given = {k: v for k, v in params.items() if v is not None}
         for key, value in given.items():  # list parameters given one value ("modes=aware") become 1-tuples
             if isinstance(self.defaults[key], tuple):
@@ -157,8 +158,8 @@ def run_task(
 
     ``skip`` receives a row's identity (see ``row_identity``) and returns True for rows already done. Rows hold
     the identity, the task parameters, ``scores``, ``tokens_seen``, ``tokens_stored`` (per layer), ``kv_bytes``,
-    ``time_s`` (wall), ``cpu_s`` (process CPU time), ``prefill_s`` (wall seconds of the prefill and compression,
-    for the tasks that time it) and the sample's ``info`` and the result's ``extra``.
+    ``time_s`` (wall), ``cpu_s`` (process CPU time), what the task timed in ``task.timings`` (the question-answering
+    tasks: ``prefill_s``, wall seconds of the prefill and compression, ``decode_s`` and ``new_tokens``) and the sample's ``info`` and the result's ``extra``.
     """
     configs = list(configs)
     for sample in samples:
@@ -168,7 +169,7 @@ def run_task(
                 if skip is not None and skip(identity):
                     continue
                 cache = task.new_cache(config, sample, mode)
-                task.prefill_s = None
+                task.timings = {}
                 start, cpu_start = time.perf_counter(), time.process_time()
                 result = task.evaluate(sample, config, cache, mode)
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -183,7 +184,7 @@ def run_task(
                     "kv_bytes": cache.nbytes(),
                     "time_s": round(elapsed, 4),
                     "cpu_s": round(cpu, 4),
-                    "prefill_s": None if task.prefill_s is None else round(task.prefill_s, 4),
+                    **{name: round(value, 4) for name, value in task.timings.items()},
                     "info": sample.info,
                     "extra": result.extra,
                 }

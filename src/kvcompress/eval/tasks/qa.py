@@ -47,17 +47,23 @@ class QATask(Task):
         stop_when_found: list[str] | None = None,
     ) -> str:
         """The answer to ``sample`` through ``cache`` in ``mode``; ``max_new_tokens`` defaults to the task's.
-        ``prompting.answer`` in its two halves, the first (prefill and compression) timed into ``prefill_s``."""
+        ``prompting.answer`` in its two halves, each timed into ``timings`` (``prefill_s``: the prefill and the
+        compression; ``decode_s`` and ``new_tokens``: the question and the answer)."""
         prompt = self._prefill(sample, cache, mode)
         limit = self.params["max_new_tokens"] if max_new_tokens is None else max_new_tokens
-        return decode_answer(self.model, self.tokenizer, prompt, cache, limit, stop_when_found)
+        start = time.perf_counter()
+        text = decode_answer(self.model, self.tokenizer, prompt, cache, limit, stop_when_found)
+        self.timings["decode_s"] = time.perf_counter() - start
+        # generate never feeds its last token to the cache
+        self.timings["new_tokens"] = cache.get_seq_length() - prompt.shape[1] + 1
+        return text
 
     def _prefill(self, sample: Sample, cache: CompressedCache, mode: str):
         inputs, start = sample.inputs, time.perf_counter()
         prompt = prefill_prompt(
             self.model, inputs["context_ids"], inputs["question_ids"], cache, mode, self.params["chunk_size"], self.fill
         )
-        self.prefill_s = time.perf_counter() - start
+        self.timings["prefill_s"] = time.perf_counter() - start
         return prompt
 
     def compressed_tokens(self, sample: Sample, mode: str | None) -> int:
