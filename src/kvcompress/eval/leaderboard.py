@@ -17,7 +17,8 @@ The results are a resumable JSON-lines file (``<out>/<task>.jsonl``: a rerun add
 Table: one line per method and kept ratio, best first within a ratio: the mean score (×100, as RULER and kvpress
 report it) ± its standard error over samples, the sample count, the stored KV bytes at the end of the answer as a
 multiple of the full cache's on the same samples, the median wall seconds of the prefill and compression
-(``prefill_s``) and the answer's decoding speed (the question's tokens and the answer's, over their wall time). A per-task table follows for tasks with subtasks (RULER's).
+(``prefill_s``) and the answer's decoding speed (the question's tokens and the answer's, over their wall time). A
+per-task table follows for tasks with subtasks (RULER's).
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ def run_task(
     ``skip`` receives a row's identity (see ``row_identity``) and returns True for rows already done. Rows hold
     the identity, the task parameters, ``scores``, ``tokens_seen``, ``tokens_stored`` (per layer), ``kv_bytes``,
     ``time_s`` (wall), ``cpu_s`` (process CPU time), what the task timed in ``task.timings`` (the question-answering
-    tasks: ``prefill_s``, wall seconds of the prefill and compression, ``decode_s`` and ``new_tokens``) and the sample's ``info`` and the result's ``extra``.
+    tasks: ``prefill_s``, wall seconds of the prefill and compression, ``decode_s`` and ``new_tokens``) and the
+    sample's ``info`` and the result's ``extra``.
     """
     configs = list(configs)
     for sample in samples:
