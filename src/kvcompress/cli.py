@@ -15,6 +15,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -112,6 +113,7 @@ def generate(
         raise ValueError(f"the prompt {text!r} gives no tokens; give some text to continue")
     cache = kvcompress.cache_for(lm, config)
     one_shot = cache.compressed_layers[0].policy.one_shot
+    start = time.perf_counter()
     with console.status(f"prefilling {inputs.input_ids.shape[1]} tokens and generating"), torch.no_grad():
         output = lm.generate(
             **inputs,
@@ -121,6 +123,7 @@ def generate(
             prefill_chunk_size=None if one_shot else chunk_size,
             pad_token_id=tokenizer.pad_token_id,
         )
+    seconds = time.perf_counter() - start
     new_tokens = output[0, inputs.input_ids.shape[1] :]
     console.print(tokenizer.decode(new_tokens, skip_special_tokens=True), markup=False, highlight=False)
     full_bytes = cache.tokens_seen() * model_info(lm)["kv_bytes_per_token"]
@@ -131,6 +134,7 @@ def generate(
     table.add_row("KV bytes stored", f"{cache.nbytes():,} ({human_bytes(cache.nbytes())})")
     table.add_row("KV bytes, full cache", f"{full_bytes:,} ({human_bytes(full_bytes)})")
     table.add_row("saved", f"{1 - cache.nbytes() / full_bytes:.1%}")
+    table.add_row("wall time (prefill + generation)", f"{seconds:.1f} s, {len(new_tokens) / seconds:.1f} tokens/s")
     console.print(table)
 
 

@@ -21,10 +21,11 @@ import gzip
 import os
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 DATA_ENV = "KVCOMPRESS_DATA"
-BOOKS = Path(__file__).resolve().parents[1] / "data" / "books"  # shipped with the package
+BOOKS = Path(str(resources.files("kvcompress") / "data" / "books"))  # shipped with the package
 
 # "*** START OF THIS PROJECT GUTENBERG EBOOK TITLE ***", "***START OF THE PROJECT GUTENBERG EBOOK TITLE\nWRAPPED***"
 _START = re.compile(r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG[^*]*\*{3}[ \t]*$", re.M | re.I)
