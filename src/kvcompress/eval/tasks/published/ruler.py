@@ -104,9 +104,9 @@ def _split(row: Row, task: str) -> tuple[str, str, str]:
 def ruler_items(rows: Iterator[Row], subset: str | None) -> Iterator[Item]:
     task = None
     for count, row in enumerate(rows):
+        outputs = row.texts("outputs")
         task = task or _task_of(row, subset)
         context, question, prefix = _split(row, task)
-        outputs = row.texts("outputs")
         yield Item(
             id=f"{task}-{count:05d}",
             subset=task,
