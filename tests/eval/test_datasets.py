@@ -140,6 +140,11 @@ def test_schema_is_told_from_the_fields():
             r"cannot tell the RULER task",
         ),
         ("[1, 2]\n", {}, r"line 1: a row must be a JSON object"),
+        (
+            '{"index": 0, "input": "x", "outputs": ["1"]}\n',
+            {"schema": "longbench"},
+            r"line 1: field 'dataset' is missing",
+        ),
         ('{"text": "x"}\n', {}, r"line 1: cannot tell the schema from the fields text"),
         ("\n\n", {}, r"holds no rows"),
         (
@@ -171,6 +176,8 @@ def test_missing_file_and_bad_parameters(tiny):
         make_task("dataset", model, tokenizer, file="nowhere.jsonl").build_samples(1)
     with pytest.raises(ValueError, match="needs --param file"):
         make_task("dataset", model, tokenizer)
+    with pytest.raises(ValueError, match="file must be one path"):
+        make_task("dataset", model, tokenizer, file=("a", "b"))
     with pytest.raises(ValueError, match="schema must be one of"):
         make_task("dataset", model, tokenizer, file=str(RULER_NIAH), schema="squad")
     with pytest.raises(ValueError, match="max_context_tokens"):

@@ -91,7 +91,7 @@ def kvpress_scorer(task: str, row: Row):
 
 def load_items(path: str | Path, schema: str = "auto", subset: str | None = None) -> Iterator[Item]:
     """The questions of a benchmark file, read lazily; ``ValueError`` for a missing or malformed file."""
-    path = Path(path)
+    path = Path(path).expanduser()
     rows = read_rows(path, "ruler" if schema == "auto" else schema)
     first = next(rows, None)
     if first is None:
@@ -143,6 +143,8 @@ class DatasetTask(QATask):
         for mode in self.params["modes"]:
             if mode not in MODES:
                 raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
+        if isinstance(self.params["file"], tuple):
+            raise ValueError(f"file must be one path, got {self.params['file']!r} ('+' separates list items)")
         if not isinstance(self.params["file"], str) or not self.params["file"]:
             raise ValueError("the dataset task needs --param file=PATH (a .jsonl file of RULER, LongBench, ...)")
         if self.params["schema"] not in SCHEMAS:

@@ -100,7 +100,7 @@ SCHEMA_NAMES = tuple(FIELDS)
 
 def read_rows(path: str | Path, schema: str) -> Iterator[Row]:
     """The JSON objects of a JSON-lines file, one per non-blank line, read lazily (files can be large)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"file {str(path)!r} does not exist or is not a file; give a .jsonl file of the benchmark")
     with path.open(encoding="utf-8") as handle:
