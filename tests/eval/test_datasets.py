@@ -257,3 +257,74 @@ def test_command_line_answers_a_malformed_file_with_one_line_and_status_2(tmp_pa
         f"kvcompress eval: error: {bad} line 2: not valid JSON (Expecting property name enclosed in double quotes, "
         "column 2) (see `kvcompress eval --help`)"
     ]
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_kvpress_rows_of_other_benchmarks_are_scored_by_their_task(tmp_path):
+    common = {"context": "c", "question": "q", "answer_prefix": "Answer:", "max_new_tokens": 9}
+    path = _write(
+        tmp_path / "kvpress.jsonl",
+        [
+            {**common, "task": "kv_retrieval", "answer": ["ab-12"]},
+            {**common, "task": "code_debug", "answer": ["C"]},  # kvpress keeps the letter only
+            {**common, "task": "longdep_qa", "answer": "the cat sat on the mat"},
+            {**common, "task": "shortdep_cloze", "answer": json.dumps({"<mask-0>": "Bob"})},
+            {**common, "task": "hotpotqa_e", "answers": ["Oslo"], "all_classes": None},
+        ],
+    )
+    kv, debug, qa, cloze, hotpot = _items(path)
+    assert kv.scorer("it is ab-12.") == {"score": 1.0} and kv.max_new_tokens == 9
+    assert debug.scorer("C. func") == {"score": 1.0} and debug.scorer("B") == {"score": 0.0}
+    assert qa.scorer("the cat sat")["score"] == pytest.approx(0.5)
+    assert cloze.scorer("{'<mask-0>': 'Bob'}") == {"score": 1.0, "partial": 1.0}
+    assert hotpot.scorer("Oslo") == {"score": 1.0}
+    _write(path, [{**common, "task": "squad", "answer": ["x"]}])
+    with pytest.raises(ValueError, match=r"line 1: task 'squad' is not a RULER, LongBench, InfiniteBench or LooGLE"):
+        _items(path)
+
+
+def test_longbench_e_rows_and_subset_selection(tmp_path):
+    row = {"input": "Q?", "context": "C.", "answers": ["a"], "length": 5, "language": "en", "all_classes": None}
+    path = _write(
+        tmp_path / "mixed.jsonl",
+        [{**row, "dataset": "hotpotqa_e", "_id": "1"}, {**row, "dataset": "passage_count", "_id": "2"}],
+    )
+    assert [i.subset for i in _items(path)] == ["hotpotqa", "passage_count"]
+    (count,) = _items(path, subset="passage_count")
+    assert count.question.startswith("Please enter the final count") and count.answer_prefix == "The final answer is:"
+    assert count.scorer("a") == {"score": 0.0}  # no number in the answer
+
+
+def test_infinitebench_placeholders_come_from_the_input(tmp_path):
+    math = _write(
+        tmp_path / "math_find.jsonl",
+        [{"id": 3, "context": "[4, 52, 7]", "input": "What is the largest number? The largest number of the list is:",
+          "answer": [52], "options": []}],
+    )  # fmt: skip
+    (item,) = _items(math)
+    assert item.context == "What is the largest number in the following list?\n\n[4, 52, 7]"
+    assert item.scorer("52") == {"score": 1.0} and item.max_new_tokens == 3 and item.source_id == 3
+    run = _write(
+        tmp_path / "code_run.jsonl",
+        [
+            {
+                "id": 0,
+                "context": "def func_1(x): ...",
+                "input": "What is func_1(-3)? {input}",
+                "answer": [-6],
+                "options": [],
+            }
+        ],
+    )
+    (item,) = _items(run)
+    assert item.context.startswith("There is a function called func_1 in the following Python code.")
+    assert item.question == "Please compute the exact value of func_1(-3)." and item.answer_prefix.endswith(
+        "func_1(-3) is"
+    )
+    bad = _write(tmp_path / "passkey.jsonl", [{"id": 0, "context": "c", "input": "q", "answer": [5], "options": []}])
+    with pytest.raises(ValueError, match=r"line 1: field 'answer' must hold strings for passkey"):
+        _items(bad)
