@@ -1,8 +1,8 @@
 """The ``kvcompress`` command line.
 
-``generate``, ``methods`` and ``models`` live here. ``eval``, ``report``, ``lm-eval``, ``bench`` and ``train`` hand
-their arguments unchanged to the ``main(argv)`` of the module that does the work, so each option is defined once
-(``kvcompress eval --help`` prints the runner's own help).
+``generate``, ``methods`` and ``models`` live here. ``eval``, ``leaderboard``, ``report``, ``lm-eval``, ``bench`` and
+``train`` hand their arguments unchanged to the ``main(argv)`` of the module that does the work, so each option is
+defined once (``kvcompress eval --help`` prints the runner's own help).
 
 A user error (a bad option or parameter value, a missing file, model or data folder, a missing optional package)
 prints one line, ``kvcompress COMMAND: error: ...`` naming what is wrong and what is allowed, and exits with 2;
@@ -209,6 +209,12 @@ def choose(kind: str, name: str, table: dict[str, str]) -> str:
 def evaluate(ctx: typer.Context) -> None:
     """Evaluate methods x budgets on a task into resumable JSONL (TASK --methods --budgets --samples --out ...)."""
     delegate("kvcompress.eval.runner", ctx.args, "kvcompress eval")
+
+
+@app.command(context_settings=PASS_THROUGH)
+def leaderboard(ctx: typer.Context) -> None:
+    """Methods x kept ratios on a model, context compressed before the question: one table and one plot."""
+    delegate("kvcompress.eval.leaderboard", ctx.args, "kvcompress leaderboard")
 
 
 @app.command(context_settings=PASS_THROUGH)

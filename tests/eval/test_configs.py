@@ -21,17 +21,23 @@ def test_parse_budget_accepts_tokens_and_ratios_only():
             parse_budget(bad)
 
 
-def test_expand_configs_runs_full_once_and_ratios_only_where_meaningful():
+def test_expand_configs_runs_full_once_and_kept_ratios_for_every_budgeted_method():
     configs = expand_configs(["full", "window", "snapkv", "h2o:heavy_ratio=0.25"], [64, 0.5])
     assert configs == [
         EvalConfig("full", (), None),
         EvalConfig("window", (), 64),
+        EvalConfig("window", (), 0.5),
         EvalConfig("snapkv", (), 64),
         EvalConfig("snapkv", (), 0.5),
         EvalConfig("h2o", (("heavy_ratio", 0.25),), 64),
+        EvalConfig("h2o", (("heavy_ratio", 0.25),), 0.5),
     ]
-    assert configs[3].cache_params() == {"ratio": 0.5}
-    assert configs[4].label == "h2o(heavy_ratio=0.25)"
+    assert configs[4].cache_params() == {"ratio": 0.5}  # a ratio method takes the kept ratio itself
+    assert configs[2].cache_params(compressed_tokens=1001) == {"budget": 500}  # floor(0.5 * 1001), as ratios round
+    assert configs[6].cache_params(compressed_tokens=1) == {"heavy_ratio": 0.25, "budget": 1}
+    with pytest.raises(ValueError, match="compressed tokens"):
+        configs[2].cache_params()
+    assert configs[5].label == "h2o(heavy_ratio=0.25)"
 
 
 def test_expand_configs_keeps_a_budget_fixed_in_the_method_string():

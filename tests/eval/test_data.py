@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvcompress.eval import data
-from tests.helpers import needs_shared_data
+from tests.helpers import SHARED_DATA, needs_shared_data
 
 HEADER = (
     "The Project Gutenberg EBook of Test, by Someone\r\n\r\nLicence words here.\r\n\r\n"
@@ -45,19 +45,52 @@ def test_read_text_drops_bom_and_crlf(tmp_path):
     assert doc.name == "book" and doc.text == BODY.replace("\r\n", "\n")
 
 
-def test_data_root_prefers_argument_then_env_then_working_directory(tmp_path, monkeypatch):
+def test_data_folder_is_the_argument_then_the_environment_else_the_shipped_books(tmp_path, monkeypatch):
     env_dir, arg_dir = tmp_path / "env", tmp_path / "arg"
     env_dir.mkdir()
     arg_dir.mkdir()
-    (tmp_path / "data").mkdir()
+    (tmp_path / "data").mkdir()  # a ./data folder is not picked up by itself
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(data.DATA_ENV, str(env_dir))
     assert data.data_root(arg_dir) == arg_dir
     assert data.data_root() == env_dir
     monkeypatch.delenv(data.DATA_ENV)
-    assert data.data_root().resolve() == (tmp_path / "data").resolve()
-    with pytest.raises(FileNotFoundError, match="KVCOMPRESS_DATA"):
+    assert data.configured_root() is None
+    with pytest.raises(FileNotFoundError, match="--data or set \\$KVCOMPRESS_DATA"):
+        data.data_root()
+    with pytest.raises(FileNotFoundError, match="--data: data folder .*missing"):
         data.data_root(tmp_path / "missing")
+    monkeypatch.setenv(data.DATA_ENV, str(tmp_path / "gone"))
+    with pytest.raises(FileNotFoundError, match="KVCOMPRESS_DATA: data folder .*gone"):
+        data.prose()
+
+
+def test_without_a_data_folder_every_corpus_is_the_shipped_books(monkeypatch):
+    monkeypatch.delenv(data.DATA_ENV, raising=False)
+    books = data.gutenberg_books()
+    assert [b.name for b in data.prose()] == [b.name for b in books]
+    assert len(books) == 5
+    for book in books:
+        assert "gutenberg" not in book.text.lower()  # licence and transcriber's notes removed
+        assert "\r" not in book.text and len(book.text) > 200_000
+    with pytest.raises(FileNotFoundError, match="needs a data folder"):
+        data.wikitext_test()
+
+
+def test_a_data_folder_replaces_the_shipped_books(corpus, monkeypatch):
+    monkeypatch.setenv(data.DATA_ENV, str(corpus.parent))
+    (corpus.parent / "paul_graham_essays").mkdir(exist_ok=True)
+    (corpus.parent / "paul_graham_essays" / "mine.txt").write_text("My own essay.")
+    assert [d.text for d in data.prose()] == ["My own essay."]
+
+
+def test_gzip_texts_are_read(tmp_path):
+    import gzip
+
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"First.\r\nSecond."))
+    (tmp_path / "b.txt").write_text("Plain.")
+    docs = data.load_documents(tmp_path)
+    assert [(d.name, d.text) for d in docs] == [("a", "First.\nSecond."), ("b", "Plain.")]
 
 
 def test_load_documents_reads_a_folder_sorted(corpus):
@@ -67,7 +100,7 @@ def test_load_documents_reads_a_folder_sorted(corpus):
 
 @needs_shared_data
 def test_shared_gutenberg_books_are_stripped():
-    books = data.gutenberg_books()
+    books = data.gutenberg_books(data=SHARED_DATA)
     assert len(books) == 5
     for book in books:
         assert "PROJECT GUTENBERG EBOOK" not in book.text.upper()[:3000]

@@ -18,7 +18,7 @@ from kvcompress.lmeval import KVCompressLM, build_tasks  # noqa: E402
 from kvcompress.lmeval.cli import main, with_local_tasks  # noqa: E402
 from kvcompress.lmeval.scoring import score_batch, split_request  # noqa: E402
 from kvcompress.models import model_cache_dir, tiny_model, tiny_tokenizer  # noqa: E402
-from tests.helpers import needs_shared_data, needs_smollm2  # noqa: E402
+from tests.helpers import SHARED_DATA, needs_shared_data, needs_smollm2  # noqa: E402
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,7 +101,7 @@ def _reported(value: float) -> str | float:
 
 @needs_shared_data
 def test_local_tasks_full_equals_hf_to_the_reported_digit(tmp_path):
-    folder = build_tasks(tmp_path / "tasks", samples=2, words=30, words_per_page=40)
+    folder = build_tasks(tmp_path / "tasks", SHARED_DATA, samples=2, words=30, words_per_page=40)
     manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     scores = {}
     for name, lm in (("hf", _lm(HFLM, max_length=512)), ("full", _lm(KVCompressLM, chunk_size=32, max_length=512))):
@@ -119,7 +119,6 @@ def test_local_tasks_full_equals_hf_to_the_reported_digit(tmp_path):
 
 
 @pytest.mark.slow  # lm-eval's own CLI indexes its thousands of task files first: about a minute on 2 cores
-@needs_shared_data
 def test_cli_runs_the_local_tasks_with_a_saved_model(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tiny_model().save_pretrained(tmp_path / "model")
@@ -139,7 +138,7 @@ def test_cli_runs_the_local_tasks_with_a_saved_model(tmp_path, monkeypatch):
 @needs_smollm2
 @needs_shared_data
 def test_smollm2_full_equals_hf_and_a_budget_stores_less(tmp_path):
-    folder = build_tasks(tmp_path, samples=2, words=200)
+    folder = build_tasks(tmp_path, SHARED_DATA, samples=2, words=200)
     manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     reported, info = {}, {}
     kvc = {"pretrained": "smollm2-135m", "chunk_size": 128}

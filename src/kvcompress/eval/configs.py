@@ -1,16 +1,20 @@
 """Method configurations to evaluate: parsing ``"name:key=value,..."`` strings and crossing them with budgets.
 
 A method is given as ``"h2o"`` or ``"h2o:heavy_ratio=0.25"``. Budgets are integers (tokens kept per layer and KV
-head, the method's ``budget=``) or, for methods that have a ``ratio`` parameter (SnapKV), floats in ``(0, 1)``
-(a fraction of the prompt). A method without a ``budget`` parameter (``full``) is run once, whatever the
-budgets; a method whose parameters already fix ``budget`` or ``ratio`` is not crossed with the budgets either.
-A float budget is skipped for methods without ``ratio`` (it has no meaning for them).
+head, the method's ``budget=``) or floats in ``(0, 1)``: the *kept ratio*, the fraction of the compressed tokens
+(the prompt, or the context before the question) that the cache keeps. A method with a ``ratio`` parameter
+(SnapKV, the one-shot methods) takes it as that; any other method with a ``budget`` gets, per sample,
+``budget = max(1, floor(kept ratio × compressed tokens))``, the rounding of the ratio methods (kvpress rounds
+likewise), so every method stores about the same bytes at a kept ratio. A method without a ``budget`` parameter
+(``full``) is run once, whatever the budgets; a method whose parameters already fix ``budget`` or ``ratio`` is not
+crossed with the budgets either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,11 +34,19 @@ class EvalConfig:
     def param_dict(self) -> dict[str, object]:
         return dict(self.params)
 
-    def cache_params(self) -> dict[str, object]:
-        """Keyword arguments for ``kvcompress.cache_for(model, self.method, **...)``."""
+    def cache_params(self, compressed_tokens: int | None = None) -> dict[str, object]:
+        """Keyword arguments for ``kvcompress.cache_for(model, self.method, **...)``.
+
+        A kept ratio becomes the method's ``ratio``, or, for a method with a ``budget`` only, the budget it gives
+        for ``compressed_tokens`` (required then)."""
         params = self.param_dict
         if isinstance(self.budget, float):
-            params["ratio"] = self.budget
+            if "ratio" in _fields(self.method):
+                params["ratio"] = self.budget
+            elif compressed_tokens is None:
+                raise ValueError(f"{self.method} has no ratio: a kept ratio needs the number of compressed tokens")
+            else:
+                params["budget"] = max(1, math.floor(self.budget * compressed_tokens))
         elif self.budget is not None:
             params["budget"] = self.budget
         return params
@@ -103,12 +115,10 @@ def expand_configs(methods: Sequence[str], budgets: Sequence[int | float | str])
                 budget = float(params.pop("ratio"))  # type: ignore[arg-type]
             candidates: list[int | float | None] = [budget]
         else:
-            candidates = [
-                b for b in parsed_budgets if ("ratio" in fields if isinstance(b, float) else "budget" in fields)
-            ]
+            candidates = [b for b in parsed_budgets if isinstance(b, float) or "budget" in fields]
         for budget in candidates:
             config = EvalConfig(name, tuple(sorted(params.items())), budget)
-            make_config(name, **config.cache_params())  # raises ValueError naming the bad parameter
+            make_config(name, **config.cache_params(compressed_tokens=4096))  # a bad parameter raises ValueError
             if config not in configs:
                 configs.append(config)
     return configs

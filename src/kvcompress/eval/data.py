@@ -1,8 +1,13 @@
-"""Text data for the evaluation tasks: any text file or folder, and the shared offline corpora.
+"""Text data for the evaluation tasks: the books shipped with the package, any text file or folder, and a data
+folder of your own.
 
-The data root is resolved, first match wins, from an explicit ``data`` argument (the ``--data`` option), then the
-``KVCOMPRESS_DATA`` environment variable, then ``./data`` in the working directory. It holds ``gutenberg/``,
-``paul_graham_essays/`` and ``wikitext-2/``; the corpora are read in place and never copied.
+With nothing configured every task reads the five public-domain books shipped inside the package
+(``kvcompress/data/books``, gzip-compressed, about 3 MB of text): ``pip install kvcompress`` is enough to run
+``kvcompress eval``. A data folder, given by the ``data`` argument (the ``--data`` option) or else the
+``KVCOMPRESS_DATA`` environment variable, replaces them: its ``paul_graham_essays/`` (the haystack of the public
+needle-in-a-haystack test) becomes the prose of the question-answering tasks, its ``gutenberg/`` the books of
+``stream-ppl``, and its ``wikitext-2/test.txt`` is what the ``ppl`` task needs (WikiText-2 is not shipped).
+Files are read in place and never copied.
 
 Project Gutenberg books carry a licence header and footer around the text; ``strip_gutenberg`` keeps what lies
 between the ``*** START OF ...`` and ``*** END OF ...`` markers (spelt with and without spaces, the title possibly
@@ -12,13 +17,14 @@ to ``\\n``.
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 DATA_ENV = "KVCOMPRESS_DATA"
-DEFAULT_DATA_ROOT = Path("data")
+BOOKS = Path(__file__).resolve().parents[1] / "data" / "books"  # shipped with the package
 
 # "*** START OF THIS PROJECT GUTENBERG EBOOK TITLE ***", "***START OF THE PROJECT GUTENBERG EBOOK TITLE\nWRAPPED***"
 _START = re.compile(r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG[^*]*\*{3}[ \t]*$", re.M | re.I)
@@ -37,21 +43,38 @@ class Document:
     text: str
 
 
-def data_root(data: str | os.PathLike[str] | None = None) -> Path:
-    """The data folder: ``data`` if given, else ``$KVCOMPRESS_DATA``, else ``./data``."""
+def configured_root(data: str | os.PathLike[str] | None = None) -> Path | None:
+    """The data folder the user chose: ``data`` if given, else ``$KVCOMPRESS_DATA``, else ``None`` (shipped books).
+
+    A chosen folder that does not exist raises ``FileNotFoundError`` naming it."""
     env = os.environ.get(DATA_ENV)
-    root = Path(data) if data is not None else Path(env) if env else DEFAULT_DATA_ROOT
+    if data is None and not env:
+        return None
+    root = Path(data) if data is not None else Path(env)
     if not root.is_dir():
+        source = "--data" if data is not None else f"${DATA_ENV}"
+        raise FileNotFoundError(f"{source}: data folder {str(root)!r} does not exist")
+    return root
+
+
+def data_root(data: str | os.PathLike[str] | None = None) -> Path:
+    """The data folder the user chose (see ``configured_root``); an error when none is, for work that needs one
+    (training LESS kernels, calibrating PoD, WikiText-2 perplexity)."""
+    root = configured_root(data)
+    if root is None:
         raise FileNotFoundError(
-            f"data folder {str(root)!r} does not exist (pass --data or set ${DATA_ENV} to a folder with "
-            "gutenberg/, paul_graham_essays/, wikitext-2/)"
+            f"this needs a data folder: pass --data or set ${DATA_ENV} to a folder holding gutenberg/, "
+            "paul_graham_essays/ or wikitext-2/"
         )
     return root
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """Read a UTF-8 file (a byte-order mark is dropped) with ``\\n`` line endings."""
-    text = Path(path).read_text(encoding="utf-8-sig")
+    """Read a UTF-8 file, gzip-compressed if it ends in ``.gz`` (a byte-order mark is dropped), with ``\\n``
+    line endings."""
+    path = Path(path)
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    text = raw.decode("utf-8-sig")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -75,34 +98,41 @@ def strip_gutenberg(text: str) -> str:
     return text.strip("\n")
 
 
-def load_documents(path: str | os.PathLike[str], pattern: str = "*.txt") -> list[Document]:
-    """Every text under ``path`` (a file, or a folder searched recursively for ``pattern``), sorted by path."""
+def load_documents(path: str | os.PathLike[str], patterns: tuple[str, ...] = ("*.txt", "*.txt.gz")) -> list[Document]:
+    """Every text under ``path`` (a file, or a folder searched recursively for ``patterns``), sorted by path."""
     path = Path(path)
     if path.is_file():
         files = [path]
     elif path.is_dir():
-        files = sorted(p for p in path.rglob(pattern) if p.is_file())
+        files = sorted({p for pattern in patterns for p in path.rglob(pattern) if p.is_file()})
     else:
         raise FileNotFoundError(f"no such file or folder: {str(path)!r}")
     if not files:
-        raise FileNotFoundError(f"no {pattern} files under {str(path)!r}")
-    return [Document(name=file.stem, text=strip_gutenberg(read_text(file))) for file in files]
+        raise FileNotFoundError(f"no {' or '.join(patterns)} files under {str(path)!r}")
+    return [Document(name=file.name.split(".")[0], text=strip_gutenberg(read_text(file))) for file in files]
 
 
-def _corpus(default_subdir: str, path: str | os.PathLike[str] | None, data: str | os.PathLike[str] | None):
-    return load_documents(path if path is not None else data_root(data) / default_subdir)
+def _corpus(subdir: str, path, data) -> list[Document]:
+    """``path`` if given, else ``<chosen data folder>/subdir``, else the shipped books."""
+    if path is not None:
+        return load_documents(path)
+    root = configured_root(data)
+    return load_documents(BOOKS if root is None else root / subdir)
 
 
 def gutenberg_books(path=None, data=None) -> list[Document]:
-    """The Gutenberg books (licence stripped): ``path`` if given, else ``<data root>/gutenberg``."""
+    """Books (licence stripped): ``path`` if given, else ``<data folder>/gutenberg``, else the shipped books."""
     return _corpus("gutenberg", path, data)
 
 
-def essays(path=None, data=None) -> list[Document]:
-    """The Paul Graham essays: ``path`` if given, else ``<data root>/paul_graham_essays``."""
+def prose(path=None, data=None) -> list[Document]:
+    """The prose of the question-answering tasks (haystacks, documents, passages): ``path`` if given, else
+    ``<data folder>/paul_graham_essays``, else the shipped books."""
     return _corpus("paul_graham_essays", path, data)
 
 
 def wikitext_test(path=None, data=None) -> str:
-    """WikiText-2 raw test split as one string: ``path`` if given, else ``<data root>/wikitext-2/test.txt``."""
-    return "\n".join(doc.text for doc in _corpus("wikitext-2/test.txt", path, data))
+    """WikiText-2 raw test split as one string: ``path`` if given, else ``<data folder>/wikitext-2/test.txt``
+    (not shipped: a data folder is needed)."""
+    source = Path(path) if path is not None else data_root(data) / "wikitext-2" / "test.txt"
+    return "\n".join(doc.text for doc in load_documents(source))

@@ -176,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--data", default=None, help="data folder (else $KVCOMPRESS_DATA, else ./data)")
+    parser.add_argument(
+        "--data", default=None, help="data folder (else $KVCOMPRESS_DATA, else the books shipped with the package)"
+    )
     parser.add_argument("--param", action="append", default=[], help="task parameter key=value (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

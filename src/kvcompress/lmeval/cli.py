@@ -2,8 +2,9 @@
 
 Sets ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` unless already set (a user with network may set them to
 0 to run Hub tasks), builds the local tasks (``kvcompress.lmeval.tasks``) from the data folder
-(``$KVCOMPRESS_DATA``, else ``./data``) into ``tasks_dir()`` when a ``kvc_`` task is asked for, adds that folder
-to ``--include_path`` (unless one is given), and runs lm-eval's own CLI with every other argument unchanged.
+(``$KVCOMPRESS_DATA``, else the books shipped with the package; ``kvc_wikitext`` needs a data folder) into
+``tasks_dir()`` when a ``kvc_`` task is asked for, adds that folder to ``--include_path`` (unless one is given), and
+runs lm-eval's own CLI with every other argument unchanged.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ writes into ``OUT_DIR`` (then ``lm_eval --include_path OUT_DIR``; ``kvcompress l
 itself):
 
 * ``kvc_needle`` (``generate_until``): the passkey needle ("The pass key is 12345. Remember it. ...") hidden at
-  depth ``i``-th van der Corput point of ``words`` words of Paul Graham essays; the prompt ends with the question
-  and "The pass key is", the first number generated is compared with the key (``exact_match``).
+  depth ``i``-th van der Corput point of ``words`` words of real prose (``kvcompress.eval.data.prose``); the
+  prompt ends with the question and "The pass key is", the first number generated is compared with the key
+  (``exact_match``).
 * ``kvc_needle_ll`` (``loglikelihood``): the same documents, the key scored as the continuation: ``acc`` (greedy
   decoding would give the key) and ``perplexity`` (exp of the mean summed negative log-likelihood of the key), a
   graded score that moves before the exact match does.
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from lm_eval.tasks.wikitext import preprocess_wikitext
 
-from kvcompress.eval.data import essays, wikitext_test
+from kvcompress.eval.data import configured_root, prose, wikitext_test
 from kvcompress.eval.tasks.base import van_der_corput
 from kvcompress.eval.tasks.passkey import ANSWER_PREFIX, INTRO, NEEDLE, QUESTION
 
@@ -139,12 +140,14 @@ def build_tasks(
             raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    haystack = " ".join(doc.text for doc in essays(data=data))
+    haystack = " ".join(doc.text for doc in prose(data=data))
     needle = _write_jsonl(out / "kvc_needle.jsonl", needle_docs(haystack, samples, words))
-    pages = _write_jsonl(out / "kvc_wikitext.jsonl", wikitext_pages(wikitext_test(data=data), words_per_page))
     common = _NEEDLE_COMMON.format(data=json.dumps(str(needle)))
     (out / "kvc_needle.yaml").write_text(_NEEDLE_GEN.format(common=common))
     (out / "kvc_needle_ll.yaml").write_text(_NEEDLE_LL.format(common=common))
+    if configured_root(data) is None:  # WikiText-2 is not shipped: kvc_wikitext needs a data folder
+        return out
+    pages = _write_jsonl(out / "kvc_wikitext.jsonl", wikitext_pages(wikitext_test(data=data), words_per_page))
     (out / "kvc_wikitext.yaml").write_text(_WIKITEXT.format(data=json.dumps(str(pages))))
     shutil.copyfile(preprocess_wikitext.__file__, out / "preprocess_wikitext.py")
     return out
@@ -158,7 +161,9 @@ def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcompress.lmeval.tasks", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--data", help="data folder (else $KVCOMPRESS_DATA, else ./data)")
+    parser.add_argument(
+        "--data", help="data folder (else $KVCOMPRESS_DATA, else the shipped books; kvc_wikitext needs one)"
+    )
     parser.add_argument("--samples", type=int, default=50, help="needle documents")
     parser.add_argument("--words", type=int, default=700, help="haystack words per needle document")
     parser.add_argument("--words-per-page", type=int, default=800, help="WikiText words kept per article")

@@ -10,6 +10,7 @@ from kvcompress.eval.tasks.docqa import DocQATask
 from kvcompress.eval.tasks.niah import NiahTask
 from kvcompress.eval.tasks.passkey import PasskeyTask
 from kvcompress.eval.tasks.perplexity import StreamPerplexityTask, WikitextPerplexityTask
+from kvcompress.eval.tasks.ruler import RulerTask
 from kvcompress.eval.tasks.summary import SummaryTask
 
 TASKS: dict[str, type[Task]] = {
@@ -19,6 +20,7 @@ TASKS: dict[str, type[Task]] = {
         WikitextPerplexityTask,
         PasskeyTask,
         NiahTask,
+        RulerTask,
         DocQATask,
         SummaryTask,
         DatasetTask,

@@ -49,6 +49,7 @@ class Task:
     """
 
     name: ClassVar[str] = ""
+    timings: dict[str, float]  # the current evaluation's timed parts (set afresh for each by run_task)
     metrics: ClassVar[tuple[str, ...]] = ()  # score names; the first is the headline
     plot_metrics: ClassVar[tuple[str, ...]] = ()  # drawn side by side against the budget; empty: the headline
     higher_is_better: ClassVar[bool] = True
@@ -67,6 +68,7 @@ class Task:
         self.model = model
         self.tokenizer = tokenizer
         self.seed = seed
+        self.timings = {}
         given = {k: v for k, v in params.items() if v is not None}
         for key, value in given.items():  # list parameters given one value ("modes=aware") become 1-tuples
             if isinstance(self.defaults[key], tuple):
@@ -99,8 +101,15 @@ class Task:
     def evaluate(self, sample: Sample, config: EvalConfig, cache: CompressedCache, mode: str | None) -> Result:
         raise NotImplementedError
 
-    def new_cache(self, config: EvalConfig) -> CompressedCache:
-        return kvcompress.cache_for(self.model, config.method, **config.cache_params())
+    def compressed_tokens(self, sample: Sample, mode: str | None) -> int:
+        """How many of ``sample``'s tokens the cache compresses in ``mode`` (what a kept ratio is a fraction of)."""
+        raise ValueError(f"task {self.name!r} does not take kept ratios; give budgets in tokens")
+
+    def new_cache(self, config: EvalConfig, sample: Sample | None = None, mode: str | None = None) -> CompressedCache:
+        """A fresh cache for ``config``; a kept ratio of a method with a budget only is sized for ``sample``."""
+        needs_count = isinstance(config.budget, float) and sample is not None
+        count = self.compressed_tokens(sample, mode) if needs_count else None
+        return kvcompress.cache_for(self.model, config.method, **config.cache_params(count))
 
 
 def van_der_corput(index: int) -> float:
@@ -149,7 +158,9 @@ def run_task(
 
     ``skip`` receives a row's identity (see ``row_identity``) and returns True for rows already done. Rows hold
     the identity, the task parameters, ``scores``, ``tokens_seen``, ``tokens_stored`` (per layer), ``kv_bytes``,
-    ``time_s`` (wall), ``cpu_s`` (process CPU time) and the sample's ``info`` and the result's ``extra``.
+    ``time_s`` (wall), ``cpu_s`` (process CPU time), what the task timed in ``task.timings`` (the question-answering
+    tasks: ``prefill_s``, wall seconds of the prefill and compression, ``decode_s`` and ``new_tokens``) and the
+    sample's ``info`` and the result's ``extra``.
     """
     configs = list(configs)
     for sample in samples:
@@ -158,7 +169,8 @@ def run_task(
                 identity = row_identity(task, sample, mode, config)
                 if skip is not None and skip(identity):
                     continue
-                cache = task.new_cache(config)
+                cache = task.new_cache(config, sample, mode)
+                task.timings = {}
                 start, cpu_start = time.perf_counter(), time.process_time()
                 result = task.evaluate(sample, config, cache, mode)
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -173,6 +185,7 @@ def run_task(
                     "kv_bytes": cache.nbytes(),
                     "time_s": round(elapsed, 4),
                     "cpu_s": round(cpu, 4),
+                    **{name: round(value, 4) for name, value in task.timings.items()},
                     "info": sample.info,
                     "extra": result.extra,
                 }

@@ -1,8 +1,9 @@
 """Lost-in-the-middle multi-document QA (Liu et al., 2023, arXiv:2307.03172) with synthetic facts.
 
 Each prompt holds ``documents`` short documents in LITM's format ("Document [i](Title: ...) text"): excerpts of
-the Paul Graham essays, each carrying one synthetic fact "The code word of the {team} team is {word}." about a
-different team. The question asks for one team's code word; the document holding it sits at a chosen position
+real prose (``data.prose``: the shipped books, or the Paul Graham essays of a data folder), each carrying one
+synthetic fact "The code word of the {team} team is {word}." about a different team. The question asks for one team's
+code word; the document holding it sits at a chosen position
 (``position``, 0-based; ``None``: sample ``i`` uses position ``i mod documents``, so positions are covered
 evenly). No offline QA set exists, hence synthetic facts in real text; the other nine documents are
 distractors of the same form, as LITM's retrieved-but-wrong passages are.
@@ -19,7 +20,7 @@ import re
 import string
 from functools import cached_property
 
-from kvcompress.eval.data import Document, essays
+from kvcompress.eval.data import Document, prose
 from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
 from kvcompress.eval.tasks.prompting import sentences, split_prompt, take_sentences
 from kvcompress.eval.tasks.qa import QATask
@@ -84,8 +85,8 @@ class DocQATask(QATask):
 
     @cached_property
     def _documents(self) -> list[Document]:
-        """The corpus essays the documents are cut from (loaded once)."""
-        return essays(self.params["corpus"], self.params["data"])
+        """The texts the documents are cut from (loaded once)."""
+        return prose(self.params["corpus"], self.params["data"])
 
     def _document(self, number: int, doc: Document, fact: str, rng: random.Random) -> str:
         """Document ``[number]``: about ``doc_tokens`` tokens of ``doc`` from a random sentence, ``fact`` inside."""

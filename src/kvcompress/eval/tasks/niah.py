@@ -1,7 +1,8 @@
-"""RULER-style needle-in-a-haystack tasks (Hsieh et al., 2024, arXiv:2404.06654) over the Paul Graham essays.
+"""RULER-style needle-in-a-haystack tasks (Hsieh et al., 2024, arXiv:2404.06654) over real prose.
 
 Subtasks, following RULER's templates (``niah_single_2``, ``niah_multikey_1``, ``niah_multivalue``,
-``niah_multiquery``, ``vt``) with the essays as haystack:
+``niah_multiquery``, ``vt``) with real prose as haystack (``data.prose``: the shipped books, or the Paul Graham
+essays of a data folder):
 
 - ``single``: one needle "One of the special magic numbers for {key} is: {value}." (7-digit value, word key);
 - ``multikey``: 4 needles with different keys; one is asked for, the others are distractors;
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import random
 
-from kvcompress.eval.data import essays
+from kvcompress.eval.data import prose
 from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
 from kvcompress.eval.tasks.prompting import MODES, count_tokens, sentences, split_prompt, take_sentences
 from kvcompress.eval.tasks.qa import QATask
@@ -85,7 +86,7 @@ def _join(words: list[str]) -> str:
 class NiahTask(QATask):
     name = "niah"
     metrics = ("score",)
-    description = "RULER needle tasks over the essays; string_match_all"
+    description = "RULER needle tasks over real prose; string_match_all"
     defaults = {
         "length": 1024,
         "subtasks": SUBTASKS,
@@ -93,7 +94,7 @@ class NiahTask(QATask):
         "chunk_size": 64,
         "needles": 4,  # needles of multikey / multivalue / multiquery (RULER's 4)
         "hops": 4,  # variable tracking: assignments after the first (RULER's 4: 5 variables)
-        "haystack": None,  # a text file or folder; default: the essays in the data root
+        "haystack": None,  # a text file or folder; default: data.prose (the shipped books)
         "data": None,
     }
 
@@ -109,7 +110,7 @@ class NiahTask(QATask):
     # --- building ----------------------------------------------------------------------------------------
     def _haystack(self) -> list[str]:
         if not hasattr(self, "_sentences"):
-            docs = essays(self.params["haystack"], self.params["data"])
+            docs = prose(self.params["haystack"], self.params["data"])
             self._sentences = [s for doc in docs for s in sentences(doc.text)]
         return self._sentences
 

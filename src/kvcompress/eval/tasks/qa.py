@@ -5,10 +5,11 @@ teacher-forced NLL of a known answer from the same prefill (``answer_and_nll``).
 from __future__ import annotations
 
 import copy
+import time
 
 from kvcompress.core.cache import CompressedCache
 from kvcompress.eval.tasks.base import Sample, Task, check_positive_int
-from kvcompress.eval.tasks.prompting import MODES, answer, continuation_nll, decode_answer, prefill_prompt
+from kvcompress.eval.tasks.prompting import MODES, continuation_nll, decode_answer, prefill_prompt
 from kvcompress.generation import prefill
 
 
@@ -29,7 +30,8 @@ class QATask(Task):
         return tuple(self.params["modes"])
 
     def validate(self) -> None:
-        check_positive_int(self.params["chunk_size"], "chunk_size")
+        if self.params["chunk_size"] is not None:  # None: the prompt in one forward
+            check_positive_int(self.params["chunk_size"], "chunk_size")
         if "max_new_tokens" in self.params:
             check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
         for mode in self.params["modes"]:
@@ -44,19 +46,30 @@ class QATask(Task):
         max_new_tokens: int | None = None,
         stop_when_found: list[str] | None = None,
     ) -> str:
-        """The answer to ``sample`` through ``cache`` in ``mode``; ``max_new_tokens`` defaults to the task's."""
-        return answer(
-            self.model,
-            self.tokenizer,
-            sample.inputs["context_ids"],
-            sample.inputs["question_ids"],
-            cache,
-            mode,
-            self.params["chunk_size"],
-            self.params["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
-            stop_when_found=stop_when_found,
-            fill=self.fill,
+        """The answer to ``sample`` through ``cache`` in ``mode``; ``max_new_tokens`` defaults to the task's.
+        ``prompting.answer`` in its two halves, each timed into ``timings`` (``prefill_s``: the prefill and the
+        compression; ``decode_s`` and ``new_tokens``: the question and the answer)."""
+        prompt = self._prefill(sample, cache, mode)
+        limit = self.params["max_new_tokens"] if max_new_tokens is None else max_new_tokens
+        start = time.perf_counter()
+        text = decode_answer(self.model, self.tokenizer, prompt, cache, limit, stop_when_found)
+        self.timings["decode_s"] = time.perf_counter() - start
+        # generate never feeds its last token to the cache
+        self.timings["new_tokens"] = cache.get_seq_length() - prompt.shape[1] + 1
+        return text
+
+    def _prefill(self, sample: Sample, cache: CompressedCache, mode: str):
+        inputs, start = sample.inputs, time.perf_counter()
+        prompt = prefill_prompt(
+            self.model, inputs["context_ids"], inputs["question_ids"], cache, mode, self.params["chunk_size"], self.fill
         )
+        self.timings["prefill_s"] = time.perf_counter() - start
+        return prompt
+
+    def compressed_tokens(self, sample: Sample, mode: str | None) -> int:
+        """The context (``agnostic``) or the prompt but its last token (``aware``): what ``prefill_prompt`` fills."""
+        context = sample.inputs["context_ids"].shape[1]
+        return context if mode == "agnostic" else context + sample.inputs["question_ids"].shape[1] - 1
 
     def answer_and_nll(self, sample: Sample, cache: CompressedCache, mode: str) -> tuple[str, float]:
         """``generate``'s answer and the mean NLL per token of ``sample.inputs["answer_ids"]`` from one prefill.
@@ -67,9 +80,7 @@ class QATask(Task):
         on a fresh cache of the same configuration.
         """
         inputs = sample.inputs
-        prompt = prefill_prompt(
-            self.model, inputs["context_ids"], inputs["question_ids"], cache, mode, self.params["chunk_size"], self.fill
-        )
+        prompt = self._prefill(sample, cache, mode)
         nll = continuation_nll(self.model, prompt, inputs["answer_ids"], copy.deepcopy(cache))
         text = decode_answer(self.model, self.tokenizer, prompt, cache, self.params["max_new_tokens"])
         return text, nll

@@ -14,7 +14,7 @@ import random
 from functools import cached_property
 
 from kvcompress.eval.configs import EvalConfig
-from kvcompress.eval.data import Document, essays
+from kvcompress.eval.data import Document, prose
 from kvcompress.eval.tasks.base import Result, Sample, check_positive_int
 from kvcompress.eval.tasks.prompting import sentences, split_prompt, take_sentences
 from kvcompress.eval.tasks.qa import QATask
@@ -61,8 +61,8 @@ class SummaryTask(QATask):
 
     @cached_property
     def _essays(self) -> list[Document]:
-        """The corpus essays the passages are taken from (loaded once)."""
-        return essays(self.params["corpus"], self.params["data"])
+        """The texts the passages are taken from (loaded once)."""
+        return prose(self.params["corpus"], self.params["data"])
 
     def build_sample(self, index: int, rng: random.Random) -> Sample:
         """Sample ``index``: a passage from essay ``index mod (number of essays)`` at a random sentence."""
