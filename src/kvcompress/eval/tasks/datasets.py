@@ -19,7 +19,9 @@ Parameters (``--param key=value``):
 - ``max_context_tokens``: cut the context to this many tokens by dropping its middle (LongBench's, LooGLE's and
   InfiniteBench's truncation, for contexts longer than the model's window); default: no cut.
 - ``modes``: ``agnostic`` (kvpress's protocol: the context is compressed, then the question is asked) and/or
-  ``aware`` (the question inside what is compressed); default both. ``chunk_size``: prefill chunk (64).
+  ``aware`` (the question inside what is compressed); default both.
+- ``chunk_size``: default none: what is compressed goes in one forward, then the cache is compressed (kvpress's
+  protocol, as the ``ruler`` task); a number prefills in chunks of that many tokens, evicting between them.
 
 ``--samples N`` takes the first ``N`` questions of the file (fewer if it holds fewer; a LooGLE document gives one
 per question). Sample ids are ``<task>-<number>`` in file order, so a rerun with a larger ``--samples`` resumes.
@@ -134,15 +136,12 @@ class DatasetTask(QATask):
         "subset": None,
         "max_new_tokens": None,  # None: each benchmark's own per task
         "max_context_tokens": None,
-        "chunk_size": 64,
+        "chunk_size": None,  # None: one forward, then compression (kvpress's protocol)
         "modes": MODES,
     }
 
     def validate(self) -> None:
-        check_positive_int(self.params["chunk_size"], "chunk_size")
-        for mode in self.params["modes"]:
-            if mode not in MODES:
-                raise ValueError(f"modes must be drawn from {', '.join(MODES)}; got {mode!r}")
+        super().validate()
         if isinstance(self.params["file"], tuple):
             raise ValueError(f"file must be one path, got {self.params['file']!r} ('+' separates list items)")
         if not isinstance(self.params["file"], str) or not self.params["file"]:
@@ -151,9 +150,8 @@ class DatasetTask(QATask):
             raise ValueError(f"schema must be one of {', '.join(SCHEMAS)}; got {self.params['schema']!r}")
         if self.params["subset"] is not None and not isinstance(self.params["subset"], str):
             raise ValueError(f"subset must be a task name, got {self.params['subset']!r}")
-        for key, low in (("max_new_tokens", 1), ("max_context_tokens", 2)):
-            if self.params[key] is not None:
-                check_positive_int(self.params[key], key, low)
+        if self.params["max_context_tokens"] is not None:
+            check_positive_int(self.params["max_context_tokens"], "max_context_tokens", 2)
 
     def build_samples(self, count: int) -> list[Sample]:
         """The first ``count`` questions of the file (all of them when it holds fewer)."""
