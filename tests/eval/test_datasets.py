@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcompress.cli import main
+from kvcompress.eval import leaderboard
 from kvcompress.eval.runner import read_rows, run_eval
 from kvcompress.eval.tasks import make_task
 from kvcompress.eval.tasks.datasets import cut_middle, load_items
@@ -328,3 +329,16 @@ def test_infinitebench_placeholders_come_from_the_input(tmp_path):
     bad = _write(tmp_path / "passkey.jsonl", [{"id": 0, "context": "c", "input": "q", "answer": [5], "options": []}])
     with pytest.raises(ValueError, match=r"line 1: field 'answer' must hold strings for passkey"):
         _items(bad)
+
+
+def test_the_leaderboard_runs_a_benchmark_file(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    file = FIXTURES / "longbench" / "hotpotqa.jsonl"
+    args = ["--model", str(folder), "--task", "dataset", "--param", f"file={file}", "--param", "max_new_tokens=4"]
+    leaderboard.main([*args, "--kept", "0.5", "--methods", "full,snapkv", "--samples", "2", "--out", str(tmp_path)])
+    table = capsys.readouterr().out
+    assert "| 0.5 | snapkv |" in table and "| 1 | full |" in table
+    assert "| method | budget | hotpotqa |" in table  # the per-task table
