@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -342,3 +343,17 @@ def test_the_leaderboard_runs_a_benchmark_file(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     assert "| 0.5 | snapkv |" in table and "| 1 | full |" in table
     assert "| method | budget | hotpotqa |" in table  # the per-task table
+
+
+def test_prompts_survive_chat_templates_that_trim_the_message(tiny):
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<u>{{ m['content'] | trim }}</u>{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    task = make_task("dataset", model, tokenizer, file=str(FIXTURES / "kvpress" / "longbench_trec.jsonl"))
+    sample = task.build_samples(1)[0]
+    context, question = (tokenizer.decode(sample.inputs[key][0]) for key in ("context_ids", "question_ids"))
+    assert context.startswith("<u>Please determine") and context.endswith("Type: Human being")
+    assert question == "\n\nQuestion: Where is Bergen ?</u><a>Type:"

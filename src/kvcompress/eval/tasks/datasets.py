@@ -165,8 +165,10 @@ class DatasetTask(QATask):
 
     def build_item(self, item: Item) -> Sample:
         """Token ids of one question: the chat prompt split after the context (or LongBench's raw prompt)."""
-        if item.chat:
-            context_ids, question_ids = split_prompt(self.tokenizer, item.context, item.question, item.answer_prefix)
+        if item.chat:  # one blank line between the parts; no outer white space (chat templates may trim it)
+            context_ids, question_ids = split_prompt(
+                self.tokenizer, item.context.strip(), item.question.strip(), item.answer_prefix
+            )
         else:
             context_ids = torch.tensor([self.tokenizer(item.context)["input_ids"]], dtype=torch.long)
             question_ids = encode(self.tokenizer, item.question + item.answer_prefix)
