@@ -39,8 +39,8 @@ def texts(tmp_path, corpus):
     }
 
 
-def test_the_six_tasks_are_registered():
-    assert sorted(TASKS) == ["docqa", "niah", "passkey", "ppl", "stream-ppl", "summary"]
+def test_the_tasks_are_registered():
+    assert sorted(TASKS) == ["dataset", "docqa", "niah", "passkey", "ppl", "ruler", "stream-ppl", "summary"]
 
 
 def _answers(name: str, sample) -> tuple[str, str]:

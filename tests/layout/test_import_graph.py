@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "kvcompress"
-# Optional dependencies may be imported where they are used, so the package works without them.
-OPTIONAL = {"matplotlib", "rouge_score", "tqdm", "vllm", "lm_eval", "hypothesis"}
+# Optional dependencies may be imported where they are used, so the package works without them (nltk comes with
+# rouge-score, in the eval extra).
+OPTIONAL = {"matplotlib", "rouge_score", "nltk", "tqdm", "vllm", "lm_eval", "hypothesis"}
 MAX_LINES = 400
 
 

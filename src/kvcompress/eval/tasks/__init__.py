@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcompress.eval.tasks.base import Result, Sample, Task, run_task
+from kvcompress.eval.tasks.datasets import DatasetTask
 from kvcompress.eval.tasks.docqa import DocQATask
 from kvcompress.eval.tasks.niah import NiahTask
 from kvcompress.eval.tasks.passkey import PasskeyTask
@@ -22,6 +23,7 @@ TASKS: dict[str, type[Task]] = {
         RulerTask,
         DocQATask,
         SummaryTask,
+        DatasetTask,
     )
 }
 

@@ -32,7 +32,7 @@ class QATask(Task):
     def validate(self) -> None:
         if self.params["chunk_size"] is not None:  # None: the prompt in one forward
             check_positive_int(self.params["chunk_size"], "chunk_size")
-        if "max_new_tokens" in self.params:
+        if self.params.get("max_new_tokens") is not None:  # None: each sample's own length (the dataset task)
             check_positive_int(self.params["max_new_tokens"], "max_new_tokens")
         for mode in self.params["modes"]:
             if mode not in MODES:
