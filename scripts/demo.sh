@@ -1,45 +1,42 @@
 #!/usr/bin/env bash
-# Set up .venv, then the main job (CPU, 1 torch thread; under 10 minutes on 2 cores with the default model):
-#  1. generate from a ~4,000-token prompt with a 256-token StreamingLLM cache, then with LESS over H2O (shipped
-#     kernels), and show tokens seen vs stored and the memory saved;
-#  2. passkey retrieval with the question at the end of a 512-token prompt, on SmolLM2-135M: the full cache vs
-#     query-agnostic methods that evict while reading (window, streaming, h2o) and query-aware ones that compress
-#     once after the question (snapkv, nacl), at budgets 64 and 128. One table (accuracy and the key's answer NLL,
-#     teacher-forced through the compressed cache, lower is better, each ± standard error over DEMO_SAMPLES
-#     samples; stored KV MiB and seconds per sample beside the full cache's) and one plot, whose path is printed.
-#     The prompt is prefilled 32 tokens per forward: a chunk as large as the budget leaves an evicting method no
-#     choice (the chunk's own tokens fill the budget), so H2O at budget 64 with 64-token chunks is exactly window;
-#  3. the same for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`), else a one-line notice;
-#     DEMO_QWEN_SAMPLES samples (default 3: the 0.5B model has 3.7x the parameters of SmolLM2-135M, so this
-#     part adds minutes; not timed here).
-# Results are resumable JSONL under runs/demo/MODEL/ (a rerun only adds what is missing).
+# The main job: set up .venv, then show what kvcompress is for, on the default model (SmolLM2-135M-Instruct), CPU.
+# Nothing outside the repository is read: the text comes from the books shipped with the package.
+#  1. One answer, three caches: a number hidden in ~1,200 tokens of a book, asked for after the text; the full
+#     cache, one-shot TOVA keeping 30 % of the prompt (chosen with the question) and StreamingLLM keeping
+#     256 tokens answer it (text, tokens stored,
+#     MiB, tokens/s).
+#  2. The leaderboard: RULER's needle tasks that this model answers with the full cache (niah_single_1,
+#     niah_single_2, niah_multikey_1, niah_multivalue) at 1,024 tokens, the context compressed before the question
+#     (kvpress's protocol), every method at kept ratios 0.75, 0.5 and 0.25 of the context: one table (score ±
+#     standard error, n, KV bytes × full, prefill + compression seconds, answer tokens/s) and one plot.
+#  3. The same leaderboard for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`).
+# DEMO_SAMPLES (default 8: two per task) and DEMO_METHODS change part 2. Results are resumable JSON lines under
+# runs/demo/ (a rerun only adds what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== [1/4] setting up .venv (scripts/setup.sh; the first run installs torch and the default model) =="
 bash scripts/setup.sh
-export OMP_NUM_THREADS=1
-export KVCOMPRESS_DATA="${KVCOMPRESS_DATA:-$(pwd)/../shared/data}"
-DATA="$KVCOMPRESS_DATA"
-SAMPLES="${DEMO_SAMPLES:-6}"
-PROMPT="$(mktemp)"
-{ head -c 15000 "$DATA/paul_graham_essays/founders.txt"; printf '\n\nWhat is the main advice of the essay above? Answer in two sentences.\n'; } > "$PROMPT"
-.venv/bin/kvcompress generate --file "$PROMPT" --method streaming --budget 256 --max-new-tokens 48
-# LESS over H2O with the kernels shipped for this model (no training step needed)
-.venv/bin/kvcompress generate --file "$PROMPT" --method less --budget 256 -p base=h2o \
-  -p kernels=smollm2-135m-h2o-50of512 --max-new-tokens 48
-rm -f "$PROMPT"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+THREADS="$OMP_NUM_THREADS"
+SAMPLES="${DEMO_SAMPLES:-8}"
+METHODS="${DEMO_METHODS:-full,kvzip,expected_attention,keydiff,snapkv,knorm,tova_oneshot,streaming}"
+TASKS="niah_single_1+niah_single_2+niah_multikey_1+niah_multivalue"
 
-passkey() {  # MODEL SAMPLES: evaluate, then print the summary table and the plot's path
-  local out="runs/demo/$1"
-  echo "== passkey on $1: $2 samples x 11 configurations =="
-  .venv/bin/kvcompress eval passkey --model "$1" --methods full,window,streaming,h2o,snapkv,nacl \
-    --budgets 64,128 --samples "$2" --out "$out" --param length=512 --param chunk_size=32
-  .venv/bin/kvcompress report "$out" --out "$out/report" --summary
+echo "== [2/4] one question, three caches (smollm2-135m) =="
+.venv/bin/python examples/needle.py
+
+leaderboard() {  # MODEL SAMPLES
+  echo "== leaderboard on $1: $2 samples x ($(echo "$METHODS" | tr ',' '\n' | grep -vc '^full$') methods x 3 kept ratios + full) =="
+  .venv/bin/kvcompress leaderboard --model "$1" --methods "$METHODS" --kept 0.75,0.5,0.25 --samples "$2" \
+    --threads "$THREADS" --param length=1024 --param tasks="$TASKS" --out runs/demo
 }
 
-passkey smollm2-135m "$SAMPLES"
+echo "== [3/4] the leaderboard on smollm2-135m =="
+leaderboard smollm2-135m "$SAMPLES"
+echo "== [4/4] the leaderboard on qwen2.5-coder-0.5b =="
 if .venv/bin/python -c "import sys, kvcompress.models as m; sys.exit(not any(
     i.name == 'qwen2.5-coder-0.5b' and i.installed for i in m.list_models()))"; then
-  passkey qwen2.5-coder-0.5b "${DEMO_QWEN_SAMPLES:-3}"
+  leaderboard qwen2.5-coder-0.5b "${DEMO_QWEN_SAMPLES:-4}"
 else
-  echo "qwen2.5-coder-0.5b is not installed: its passkey table is skipped (\`kvcompress models\` says how)."
+  echo "qwen2.5-coder-0.5b is not installed: its leaderboard is skipped (\`kvcompress models\` says how)."
 fi
