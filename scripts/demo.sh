@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The main job: set up .venv, then show what kvcompress is for, on the default model (SmolLM2-135M-Instruct), CPU.
 # Nothing outside the repository is read: the text comes from the books shipped with the package.
-#  1. One answer, three caches: a number hidden in ~1,200 tokens of a book, asked for after the text; the full
-#     cache, one-shot TOVA keeping 30 % of the prompt (chosen with the question) and StreamingLLM keeping
-#     256 tokens answer it (text, tokens stored,
-#     MiB, tokens/s).
+#  1. One question, three caches (examples/needle.py): a number hidden in ~1,200 tokens of a book, asked for after
+#     the text; the full cache, one-shot TOVA keeping 30 % of the prompt (chosen with the question) and StreamingLLM
+#     keeping 256 tokens answer it (the answer, tokens stored, MiB).
 #  2. The leaderboard: RULER's needle tasks that this model answers with the full cache (niah_single_1,
 #     niah_single_2, niah_multikey_1, niah_multivalue) at 1,024 tokens, the context compressed before the question
 #     (kvpress's protocol), every method at kept ratios 0.75, 0.5 and 0.25 of the context: one table (score ±
