@@ -1,4 +1,4 @@
-"""Block SnapKV reads keys back from vLLM's paged CPU cache: its layout assumption, checked against the kernel."""
+"""Block SnapKV reads keys back from vLLM's paged CPU cache: every layout vLLM writes, learnt from its writer."""
 
 from __future__ import annotations
 
@@ -9,19 +9,33 @@ pytest.importorskip("vllm.v1", reason="the vLLM suite runs in .venv-vllm (bash s
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
-from kvcompress.vllm.snapkv import KEY_LAYOUT_ISAS, _prompt_keys  # noqa: E402
+from kvcompress.vllm.layout import KeyLayout  # noqa: E402
 
 
+# vec: x86 without AMX, head sizes divisible by 32; vec16: head sizes divisible by 16 only (48, 80, ...). The
+# other layouts (amx, neon, vsx, vxe, rvv) are learnt the same way on the machines whose vLLM build has them.
+@pytest.mark.parametrize("isa,head_size", [("vec", 64), ("vec", 128), ("vec16", 48), ("vec16", 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_keys_read_back_what_the_cpu_kernel_wrote(dtype):
-    num_blocks, heads, block, head_size, tokens = 5, 3, 128, 64, 300
+def test_prompt_keys_read_back_what_the_cpu_kernel_wrote(isa, head_size, dtype):
+    num_blocks, heads, block, tokens = 5, 3, 128, 300
     kv_cache = torch.zeros(num_blocks, heads, block, 2 * head_size, dtype=dtype)
     key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block, head_size).chunk(2, dim=2)
     keys, values = torch.randn(2, tokens, heads, head_size, dtype=dtype)
     blocks = torch.tensor([3, 1, 4])  # a request's blocks, out of order in the pool
     slots = blocks.repeat_interleave(block)[:tokens] * block + torch.arange(tokens) % block
-    ops.cpu_attn_reshape_and_cache(
-        keys, values, key_cache, value_cache, slots, KEY_LAYOUT_ISAS[0], k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
-    )
-    read = _prompt_keys(kv_cache, blocks, tokens)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    read = KeyLayout(isa, dtype, heads, block, head_size).read(kv_cache, blocks, tokens)
     assert torch.equal(read, keys.permute(1, 0, 2).float())
+
+
+def test_a_layout_this_vllm_cannot_write_is_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"^kvcompress: snapkv cannot read keys back in vLLM's 'nonesuch' CPU KV"
+    ) as error:
+        KeyLayout("nonesuch", torch.float32, 2, 128, 64)
+    assert "\n" not in str(error.value)
+
+
+def test_a_quantised_cache_is_refused():
+    with pytest.raises(ValueError, match=r"floating-point cache \(--kv-cache-dtype auto\), not torch.uint8"):
+        KeyLayout("vec", torch.uint8, 2, 128, 64)

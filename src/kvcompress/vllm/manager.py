@@ -11,16 +11,11 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
+from kvcompress.vllm.config import PREFIX_CACHING_ERROR
 from kvcompress.vllm.policies import make_policy
 from kvcompress.vllm.spec import KVCompressSpec
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, whose handlers print in every process
-
-PREFIX_CACHING_ERROR = (
-    "kvcompress: the {method} policy evicts and rewrites KV blocks, so vLLM's prefix caching (on by default) "
-    "would share blocks whose content depends on the eviction; start vLLM with --no-enable-prefix-caching "
-    "(enable_prefix_caching=False in Python)"
-)
 
 
 class BlockEvictionManager(FullAttentionManager):

@@ -84,24 +84,28 @@ class SnapKVBlocks(BlockPolicy):
 
     Maps to kvcompress's ``snapkv``: the last ``window`` prompt queries vote for earlier tokens (attention summed
     over the window, averaged over the query heads of each KV head, max-pooled with width ``kernel``), scored
-    here per block (the sum of its tokens' votes) instead of per token. Each layer and KV head keeps its own
-    ``budget_blocks - 2`` best blocks among those before the observation window, copied in order into the
-    request's first blocks (``kvcompress.vllm.snapkv``), so the per-head choice of the per-token method survives
-    vLLM's single block table; the blocks holding the observation window (one or two) are kept as they are.
-    The blocks in between are freed. Decoding then appends without eviction, as in the per-token method.
+    here per block (the sum of its tokens' votes) instead of per token. The blocks holding the observation window
+    (one, or two where the window straddles a block boundary) are kept as they are; each layer and KV head keeps
+    its own best blocks among those before the window, as many as the rest of the budget holds, copied in order
+    into the request's first blocks (``kvcompress.vllm.snapkv``), so the per-head choice of the per-token method
+    survives vLLM's single block table. The blocks in between are freed: the compressed prompt holds exactly
+    ``budget_blocks`` blocks, and a prompt of at most ``budget_blocks`` blocks is left whole. Decoding then
+    appends without eviction, as in the per-token method.
     """
 
     one_shot = True
 
-    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
-        super().__init__(config, block_size)
-        self.selected_blocks = self.budget_blocks - 2  # room for the 1-2 blocks the observation window spans
-
     def window_start_block(self, prompt_len):
+        """The first block holding an observation-window token: blocks before it are the candidates."""
         return _maximum(prompt_len - self.config.window, 0) // self.block_size
 
+    def selected_blocks(self, prompt_len):
+        """Blocks selected per KV head: the budget less the 1-2 blocks the observation window spans."""
+        prompt_blocks = (prompt_len + self.block_size - 1) // self.block_size
+        return self.budget_blocks - (prompt_blocks - self.window_start_block(prompt_len))
+
     def _range(self, compressed, prompt_len):
-        lo = self.selected_blocks
+        lo = self.selected_blocks(prompt_len)
         hi = _maximum(self.window_start_block(prompt_len), lo)
         return lo, _where(compressed, hi, lo)
 

@@ -7,14 +7,14 @@ During the prompt's prefill steps each attention layer keeps the last ``window``
 2. computes SnapKV's votes: softmax attention of the window queries over the prompt (causal inside the window),
    summed over the window, averaged over the query heads of each KV head, max-pooled over ``kernel`` tokens;
 3. scores each block before the observation window by the sum of its votes and keeps, per KV head, the
-   ``selected_blocks`` best ones;
-4. copies them, in their original order, into the request's first ``selected_blocks`` blocks (whole
+   ``selected_blocks(prompt_len)`` best ones;
+4. copies them, in their original order, into the request's first ``selected_blocks(prompt_len)`` blocks (whole
    ``[block, head]`` slabs of keys and values, so the kernel's layout does not matter for the copy).
 
 The metadata builder then drops the blocks between the selected ones and the observation window from what the
 kernel reads, and the scheduler frees them (``SnapKVBlocks``). Keys were rotated before caching, so a moved block
-keeps its original positions. Reading keys back needs the kernel's key layout: the ``vec`` ISA (x86 without AMX)
-stores each ``[block, head]`` key slab transposed, as ``[head_size, block_size]``; other ISAs are refused.
+keeps its original positions. Keys are read back through ``kvcompress.vllm.layout.KeyLayout``, learnt at start-up
+from vLLM's own cache writer for the layer's ISA, so every CPU layout is read exactly.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import SnapKVBlocks
-
-KEY_LAYOUT_ISAS = ("vec",)
 
 
 @dataclass
@@ -53,6 +52,7 @@ class SnapKVStep:
     """The block SnapKV work of one step, shared by all layers (built once by the metadata builder)."""
 
     policy: SnapKVBlocks
+    layout: KeyLayout
     stash: list[StashRow]
     select: list[SelectRow]
 
@@ -75,25 +75,23 @@ class ObservationStash:
         return self.queries.pop(key, None)
 
 
-def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float, isa: str) -> None:
+def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float) -> None:
     """One layer's share of ``step``: stash prefill queries, compress the prompts that just ended."""
     for row in step.stash:
         stash.add(row, query)
     for row in step.select:
         window_queries = stash.pop(row.key)
         if window_queries is not None:
-            compress_prompt(step.policy, row, window_queries, kv_cache, scale, isa)
+            compress_prompt(step.policy, step.layout, row, window_queries, kv_cache, scale)
 
 
-def compress_prompt(policy: SnapKVBlocks, row: SelectRow, queries, kv_cache, scale: float, isa: str) -> None:
+def compress_prompt(policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float) -> None:
     """Move each KV head's best prompt blocks to the front of the request's blocks (see the module docstring)."""
     candidates = int(policy.window_start_block(row.prompt_len))
-    keep = policy.selected_blocks
+    keep = int(policy.selected_blocks(row.prompt_len))
     if candidates <= keep:
         return
-    if isa not in KEY_LAYOUT_ISAS:
-        raise NotImplementedError(f"kvcompress snapkv reads keys in the {KEY_LAYOUT_ISAS} layout, not {isa!r}")
-    keys = _prompt_keys(kv_cache, row.blocks, row.prompt_len)
+    keys = layout.read(kv_cache, row.blocks, row.prompt_len)
     votes = _votes(queries, keys, scale, policy.config.kernel)
     scores = _block_scores(votes, policy.block_size)[:, :candidates]
     chosen = scores.topk(keep, dim=1).indices.sort(dim=1).values  # [H_kv, keep]
@@ -101,15 +99,6 @@ def compress_prompt(policy: SnapKVBlocks, row: SelectRow, queries, kv_cache, sca
     sources = row.blocks[chosen]
     targets = row.blocks[:keep].unsqueeze(0).expand_as(sources)
     kv_cache[targets, heads] = kv_cache[sources, heads]
-
-
-def _prompt_keys(kv_cache, blocks: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """``[H_kv, prompt_len, head_size]`` float32 keys of the prompt's blocks (``vec`` layout)."""
-    num_blocks, num_heads, block_size, twice_head = kv_cache.shape
-    head_size = twice_head // 2
-    slabs = kv_cache[blocks].view(len(blocks), num_heads, 2 * block_size, head_size)[:, :, :block_size]
-    keys = slabs.reshape(len(blocks), num_heads, head_size, block_size).transpose(2, 3)
-    return keys.permute(1, 0, 2, 3).reshape(num_heads, -1, head_size)[:, :prompt_len].float()
 
 
 def _votes(queries: torch.Tensor, keys: torch.Tensor, scale: float, kernel: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import SnapKVBlocks
 from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
 
@@ -19,8 +20,9 @@ from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
 class SnapKVTracker:
     """Which rows stash queries and which compress their prompt in a step, and every row's compressed prompt length."""
 
-    def __init__(self, policy: SnapKVBlocks) -> None:
+    def __init__(self, policy: SnapKVBlocks, layout: KeyLayout) -> None:
         self.policy = policy
+        self.layout = layout
         self.prompt_len = torch.zeros(0, dtype=torch.long)  # by first block id; 0: not compressed
         self.pending = torch.zeros(0, dtype=torch.bool)  # by first block id: prefilled, not yet compressed
 
@@ -47,6 +49,7 @@ class SnapKVTracker:
         if prefilling.any() or selecting.any():
             step = SnapKVStep(
                 self.policy,
+                self.layout,
                 self._stash_rows(common, keys, context, prefilling),
                 self._select_rows(table, keys, context, selecting),
             )

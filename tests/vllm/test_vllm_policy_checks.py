@@ -1,0 +1,110 @@
+"""Policies checked before an engine starts, and block SnapKV's budget exact at block granularity (no engine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm.v1", reason="the vLLM suite runs in .venv-vllm (bash scripts/test_vllm.sh)")
+
+from kvcompress.vllm import LLM  # noqa: E402
+from kvcompress.vllm.config import BlockPolicyConfig, check_engine, parse_policy  # noqa: E402
+from kvcompress.vllm.policies import make_policy  # noqa: E402
+
+BLOCK = 128
+
+
+@pytest.mark.parametrize(
+    "policy,message",
+    [
+        ('{"method": "snapkv", "budget": 512', "is not valid JSON"),
+        ('["snapkv", 512]', "must be a JSON object"),
+        ({"method": "snapkv", "budget": "512"}, "budget must be an integer (tokens or blocks), got '512'"),
+        ({"method": "streaming", "budget": True}, "budget must be an integer"),
+        ({"method": "streaming", "budget": 512, "window": 2.5}, "window must be an integer"),
+        ({"method": "h2o", "budget": 512}, "unknown method 'h2o'"),
+        ({"method": "snapkv", "budget": 512, "kernel": 4}, "kernel must be an odd integer"),
+        ({"method": "snapkv", "budget": 512, "ratio": 2}, "unknown policy parameter(s) ['ratio']"),
+    ],
+)
+def test_a_malformed_policy_is_one_line_naming_what_is_wrong(policy, message):
+    with pytest.raises(ValueError) as error:
+        parse_policy(policy)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_budget_below_what_the_method_needs_is_refused_at_the_block_size():
+    with pytest.raises(ValueError, match=r"budget 100 is 0 block\(s\) of 128 tokens; window needs at least 1"):
+        check_engine(parse_policy({"method": "window", "budget": 100}))
+    check_engine(parse_policy({"method": "window", "budget": 100}), block_size=32)  # 3 blocks of 32: fine
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+        check_engine(parse_policy({"method": "streaming", "budget": 512}), enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="only on vLLM's CPU_ATTN attention backend, not FLASH_ATTN"):
+        check_engine(parse_policy({"method": "snapkv", "budget": 512}), attention_backend="FLASH_ATTN")
+    check_engine(parse_policy({"method": "full"}), enable_prefix_caching=True, attention_backend="FLASH_ATTN")
+
+
+SERVE_CASES = {
+    "malformed JSON": (["--policy", '{"method": "snapkv", "budget": 512'], "is not valid JSON"),
+    "string budget": (["--policy", '{"method": "snapkv", "budget": "512"}'], "budget must be an integer"),
+    "budget below a block": (["--policy", '{"method": "window", "budget": 64}'], "0 block(s) of 128 tokens"),
+    "prefix caching": (
+        ["--policy", '{"method": "streaming", "budget": 512}', "--enable-prefix-caching"],
+        "--no-enable-prefix-caching",
+    ),
+    "GPU backend": (
+        ["--policy", '{"method": "streaming", "budget": 512}', "--attention-backend", "FLASHINFER"],
+        "not FLASHINFER",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SERVE_CASES))
+def test_serve_refuses_a_bad_policy_in_one_line_with_status_2_before_any_engine(case, model_dir):
+    args, message = SERVE_CASES[case]
+    start = time.monotonic()
+    command = [sys.executable, "-m", "kvcompress.vllm.serve", "--model", model_dir, "--port", "1", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("kvcompress.vllm.serve: error: kvcompress: "), done.stderr
+    assert message in lines[0]
+    assert time.monotonic() - start < 60  # an engine start takes minutes here
+
+
+def test_python_llm_raises_before_building_an_engine(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", lambda *args, **kwargs: pytest.fail("an engine was started"))
+    with pytest.raises(ValueError, match="budget must be an integer"):
+        LLM("any-model", {"method": "snapkv", "budget": "1024"})
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+        LLM("any-model", '{"method": "snapkv", "budget": 1024}', enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="snapkv needs at least 2 blocks"):
+        LLM("any-model", {"method": "snapkv", "budget": 200})
+
+
+def _kept_blocks(policy, prompt_len):
+    lo, hi = policy.scheduler_range(prompt_len + 1, prompt_len)  # after the first decode step
+    return -(-prompt_len // BLOCK) - (hi - lo)
+
+
+@pytest.mark.parametrize("window", [1, 32, 128])
+def test_snapkv_keeps_exactly_its_budget_in_blocks_or_the_whole_prompt(window):
+    for budget_blocks in range(2, 12):
+        policy = make_policy(BlockPolicyConfig("snapkv", budget_blocks * BLOCK, window=window), BLOCK)
+        for prompt_len in range(1, 14 * BLOCK, 7):
+            assert _kept_blocks(policy, prompt_len) == min(-(-prompt_len // BLOCK), budget_blocks), (
+                budget_blocks,
+                prompt_len,
+            )
+
+
+def test_a_1200_token_prompt_under_a_1280_token_snapkv_budget_is_left_whole():
+    policy = make_policy(BlockPolicyConfig("snapkv", 1280), BLOCK)
+    lo, hi = policy.scheduler_range(1201, 1200)
+    assert lo == hi
+    assert _kept_blocks(policy, 1200) == 10
