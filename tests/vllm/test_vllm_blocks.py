@@ -57,3 +57,32 @@ def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, sho
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs
     assert reused.logprobs == kept.logprobs
+
+
+def test_streaming_holds_budget_plus_one_chunk_during_a_chunked_prefill_and_admits_on_that(short_model_dir):
+    """Prompts of 8 blocks, prefilled 256 tokens (2 blocks) a step, in a pool of 9 usable blocks.
+
+    A request holds at most its budget (3 blocks) plus one chunk plus the block a chunk may straddle into,
+    never its prompt; vLLM is told so, and admits a second request while the first is prefilling. Told the
+    whole prompt (vLLM's default for full attention) it runs one request at a time here.
+    """
+    policy = {"method": "streaming", "budget": 3 * BLOCK}
+    prompts = [prompt(800, seed=s) for s in (21, 22, 23)]
+
+    def run(tell_vllm: bool):
+        llm = make_llm(
+            short_model_dir, policy, max_model_len=1280, num_gpu_blocks_override=10, max_num_batched_tokens=256
+        )
+        if not tell_vllm:
+            manager(llm).max_admission_blocks_per_request = None
+        try:
+            return trace_blocks(llm, prompts, max_tokens=16)
+        finally:
+            close(llm)
+
+    told, untold = run(True), run(False)
+    assert all(max(live) > 3 for live in told.live_blocks.values())  # prefill chunks really passed through
+    assert max(max(live) for live in told.live_blocks.values()) <= 3 + 2 + 1
+    assert all(len(out) == 16 for out in told.outputs.values()) and len(told.outputs) == 3
+    assert max(untold.running) == 1
+    assert max(told.running) >= 2

@@ -83,7 +83,7 @@ def test_python_llm_raises_before_building_an_engine(monkeypatch):
         LLM("any-model", {"method": "snapkv", "budget": "1024"})
     with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
         LLM("any-model", '{"method": "snapkv", "budget": 1024}', enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="snapkv needs at least 2 blocks"):
+    with pytest.raises(ValueError, match="snapkv needs at least 3 blocks"):
         LLM("any-model", {"method": "snapkv", "budget": 200})
 
 
@@ -94,7 +94,7 @@ def _kept_blocks(policy, prompt_len):
 
 @pytest.mark.parametrize("window", [1, 32, 128])
 def test_snapkv_keeps_exactly_its_budget_in_blocks_or_the_whole_prompt(window):
-    for budget_blocks in range(2, 12):
+    for budget_blocks in range(3, 12):
         policy = make_policy(BlockPolicyConfig("snapkv", budget_blocks * BLOCK, window=window), BLOCK)
         for prompt_len in range(1, 14 * BLOCK, 7):
             assert _kept_blocks(policy, prompt_len) == min(-(-prompt_len // BLOCK), budget_blocks), (
@@ -108,3 +108,38 @@ def test_a_1200_token_prompt_under_a_1280_token_snapkv_budget_is_left_whole():
     lo, hi = policy.scheduler_range(1201, 1200)
     assert lo == hi
     assert _kept_blocks(policy, 1200) == 10
+
+
+@pytest.mark.parametrize("reselect", [1, 2, 5])
+@pytest.mark.parametrize("window", [32, 128])
+def test_snapkv_reselection_bounds_generation_and_scheduler_follows_worker(reselect, window):
+    import torch
+
+    budget_blocks = 4
+    config = BlockPolicyConfig("snapkv", budget_blocks * BLOCK, window=window, reselect_blocks=reselect)
+    policy = make_policy(config, BLOCK)
+    for prompt_len in (200, 600, 639, 640, 641, 1000):
+        held, selections, stashed = [], [], []
+        for context in range(prompt_len, prompt_len + 12 * BLOCK):  # the decode steps
+            lo, worker_hi = policy.worker_range(context, prompt_len)
+            freed_lo, freed_hi = policy.scheduler_range(context, prompt_len)
+            assert freed_lo == lo and freed_hi <= worker_hi  # never frees a block this step reads
+            assert policy.scheduler_range(context + 1, prompt_len) == (lo, worker_hi)  # frees it after the step
+            held.append(-(-(context + 1) // BLOCK) - (freed_hi - freed_lo))
+            c, p = torch.tensor([context]), torch.tensor([prompt_len])
+            if context > prompt_len and policy.reselects(c, p).item():
+                assert context % BLOCK == 0 and worker_hi > policy.worker_range(context - 1, prompt_len)[1]
+                selections.append(context)
+            elif context > prompt_len:
+                assert worker_hi == policy.worker_range(context - 1, prompt_len)[1]
+            if policy.stashes(c, p).item():
+                stashed.append(context)
+        assert selections, prompt_len
+        for at in selections:  # the window queries are exactly the `window` decode steps before each selection
+            assert [s for s in stashed if at - window <= s < at] == list(range(at - window, at))
+        # From the step after the prompt's selection (the first decode step), whatever the number generated: the
+        # budget plus R blocks, plus the block a selecting step starts before its selection frees any.
+        assert max(held[1:]) == budget_blocks + reselect + 1
+        for at in selections[:-1]:
+            assert held[at - prompt_len] == budget_blocks + reselect + 1
+            assert held[at + 1 - prompt_len] == budget_blocks + 1

@@ -105,16 +105,18 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
 # The policy of the model this worker builds. ``customize_spec`` runs where no vLLM config is current, so the
 # attention layers record it when they are built (inside the config's context, before any spec is asked for).
 _worker_policy = BlockPolicyConfig()
+_worker_in_flight_tokens = 0
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
     """CPU attention that first does the layer's block SnapKV work of the step, if any."""
 
     def __init__(self, *args, **kwargs) -> None:
-        global _worker_policy
+        global _worker_policy, _worker_in_flight_tokens
         super().__init__(*args, **kwargs)
         config = get_current_vllm_config()
         _worker_policy = policy_from_vllm_config(config)  # checked as the model is built, before its weights load
+        _worker_in_flight_tokens = config.max_in_flight_tokens
         check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         self.stash: ObservationStash | None = None
 
@@ -143,7 +145,7 @@ class KVCompressCPUBackend(CPUAttentionBackend):
                 f"this model has {type(spec).__name__} layers{window}"
             )
         make_policy(_worker_policy, spec.block_size)  # validate the budget against the block size, in the worker
-        return KVCompressSpec.from_full(spec, _worker_policy)
+        return KVCompressSpec.from_full(spec, _worker_policy, _worker_in_flight_tokens)
 
     @staticmethod
     def get_impl_cls():

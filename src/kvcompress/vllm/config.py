@@ -32,6 +32,9 @@ class BlockPolicyConfig:
     sink_blocks: ``streaming`` only: leading blocks always kept (the attention sinks live in the first block).
     window: ``snapkv`` only: observation window, the last prompt tokens whose queries vote (at most one block).
     kernel: ``snapkv`` only: width of the max pooling applied to the token votes before blocks are scored (odd).
+    reselect_blocks: ``snapkv`` only: select again each time generated tokens fill this many more blocks, so a
+        request holds at most its budget plus ``reselect_blocks + 1`` blocks; 0 (default): the prompt only, as in
+        the paper.
     """
 
     method: str = "full"
@@ -39,11 +42,12 @@ class BlockPolicyConfig:
     sink_blocks: int = 1
     window: int = 32
     kernel: int = 7
+    reselect_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"kvcompress: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for name in ("budget", "sink_blocks", "window", "kernel"):
+        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"kvcompress: {name} must be an integer (tokens or blocks), got {value!r}")
@@ -51,6 +55,8 @@ class BlockPolicyConfig:
             raise ValueError(f"kvcompress: method {self.method!r} needs a positive budget (tokens), got {self.budget}")
         if self.sink_blocks < 0:
             raise ValueError(f"kvcompress: sink_blocks must be >= 0, got {self.sink_blocks}")
+        if self.reselect_blocks < 0:
+            raise ValueError(f"kvcompress: reselect_blocks must be >= 0 (0: select once), got {self.reselect_blocks}")
         if self.window < 1:
             raise ValueError(f"kvcompress: window must be >= 1 token, got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
@@ -63,8 +69,9 @@ class BlockPolicyConfig:
     def budget_blocks(self, block_size: int) -> int:
         """The budget in whole KV blocks, checked against what the method needs at ``block_size``."""
         blocks = self.budget // block_size
-        # snapkv: its observation window (at most one block) spans one or two blocks, kept whole.
-        needed = {"streaming": self.sink_blocks + 1, "window": 1, "snapkv": 2}.get(self.method, 0)
+        # snapkv: its observation window (at most one block) spans one or two blocks, kept whole, and at least
+        # one selected block (the request's first block, which names the request in the worker, is never freed).
+        needed = {"streaming": self.sink_blocks + 1, "window": 1, "snapkv": 3}.get(self.method, 0)
         if blocks < needed:
             raise ValueError(
                 f"kvcompress: budget {self.budget} is {blocks} block(s) of {block_size} tokens; "

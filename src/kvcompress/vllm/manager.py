@@ -26,6 +26,9 @@ class BlockEvictionManager(FullAttentionManager):
         if self.enable_caching:
             raise ValueError(PREFIX_CACHING_ERROR.format(method=kv_cache_spec.policy.method))
         self.policy = make_policy(kv_cache_spec.policy, self.block_size)
+        # vLLM admits a waiting request if the pool holds what it can hold at once: with eviction during
+        # prefill, its budget plus one step, not its whole prompt (vLLM's cap for sliding-window layers).
+        self.max_admission_blocks_per_request = kv_cache_spec.admission_blocks()
         logger.info(
             "kvcompress: %s, %d blocks of %d tokens per request",
             kv_cache_spec.policy.method,

@@ -12,9 +12,13 @@ During the prompt's prefill steps each attention layer keeps the last ``window``
    ``[block, head]`` slabs of keys and values, so the kernel's layout does not matter for the copy).
 
 The metadata builder then drops the blocks between the selected ones and the observation window from what the
-kernel reads, and the scheduler frees them (``SnapKVBlocks``). Keys were rotated before caching, so a moved block
-keeps its original positions. Keys are read back through ``kvcompress.vllm.layout.KeyLayout``, learnt at start-up
-from vLLM's own cache writer for the layer's ISA, so every CPU layout is read exactly.
+kernel reads, and the scheduler frees them (``SnapKVBlocks``). A re-selection (``reselect_blocks``) is the same
+work at a block boundary during decoding, over the kept tokens (the selected blocks, then the blocks written
+since): the window is the last generated queries, kept from the decode steps just before the boundary. Max
+pooling runs over the kept tokens in order, so it may pool across the gap left by evicted blocks. Keys were
+rotated before caching, so a moved block keeps its original positions. Keys are read back through
+``kvcompress.vllm.layout.KeyLayout``, learnt at start-up from vLLM's own cache writer for the layer's ISA, so
+every CPU layout is read exactly.
 """
 
 from __future__ import annotations
@@ -40,11 +44,18 @@ class StashRow:
 
 @dataclass
 class SelectRow:
-    """A request in its first decode step: its key block id, prompt length and the prompt's block ids."""
+    """A request selecting in this step: its key block id, cached tokens, evicted range before and after.
+
+    ``blocks`` are the ids of its logical blocks ``[0, ceil(context / block_size))``; blocks ``[lo, hi_before)``
+    are evicted already, ``[lo, hi_after)`` will be.
+    """
 
     key: int
-    prompt_len: int
-    blocks: torch.Tensor  # int64 [ceil(prompt_len / block_size)], logical order
+    context: int
+    lo: int
+    hi_before: int
+    hi_after: int
+    blocks: torch.Tensor
 
 
 @dataclass
@@ -76,28 +87,28 @@ class ObservationStash:
 
 
 def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float) -> None:
-    """One layer's share of ``step``: stash prefill queries, compress the prompts that just ended."""
+    """One layer's share of ``step``: stash window queries, select in the requests that reached a selection."""
     for row in step.stash:
         stash.add(row, query)
     for row in step.select:
         window_queries = stash.pop(row.key)
         if window_queries is not None:
-            compress_prompt(step.policy, step.layout, row, window_queries, kv_cache, scale)
+            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale)
 
 
-def compress_prompt(policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float) -> None:
-    """Move each KV head's best prompt blocks to the front of the request's blocks (see the module docstring)."""
-    candidates = int(policy.window_start_block(row.prompt_len))
-    keep = int(policy.selected_blocks(row.prompt_len))
-    if candidates <= keep:
+def select_blocks(policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float) -> None:
+    """Move each KV head's best candidate blocks to the front of the request's blocks (see the module docstring)."""
+    lo, before, after = row.lo, row.hi_before, row.hi_after
+    if after <= before:
         return
-    keys = layout.read(kv_cache, row.blocks, row.prompt_len)
+    kept = torch.cat([row.blocks[:lo], row.blocks[before:]])  # the tokens attended to so far, in order
+    keys = layout.read(kv_cache, kept, row.context - (before - lo) * policy.block_size)
     votes = _votes(queries, keys, scale, policy.config.kernel)
-    scores = _block_scores(votes, policy.block_size)[:, :candidates]
-    chosen = scores.topk(keep, dim=1).indices.sort(dim=1).values  # [H_kv, keep]
+    scores = _block_scores(votes, policy.block_size)[:, : lo + after - before]  # the candidates
+    chosen = scores.topk(lo, dim=1).indices.sort(dim=1).values  # [H_kv, lo]
     heads = torch.arange(kv_cache.shape[1]).unsqueeze(1)
-    sources = row.blocks[chosen]
-    targets = row.blocks[:keep].unsqueeze(0).expand_as(sources)
+    sources = kept[chosen]
+    targets = row.blocks[:lo].unsqueeze(0).expand_as(sources)
     kv_cache[targets, heads] = kv_cache[sources, heads]
 
 
