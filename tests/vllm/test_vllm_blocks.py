@@ -34,6 +34,8 @@ def test_streaming_holds_its_budget_in_blocks_over_2k_generated_tokens(short_mod
 REUSE_CASES = {
     "streaming": ({"method": "streaming", "budget": 2 * BLOCK}, 12, 100),
     "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 14, 60),
+    # Selecting again at every generated block: each request passes three re-selections.
+    "snapkv-reselect": ({"method": "snapkv", "budget": 3 * BLOCK, "reselect_blocks": 1}, 16, 400),
 }
 
 
@@ -57,6 +59,9 @@ def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, sho
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs
     assert reused.logprobs == kept.logprobs
+    if policy.get("reselect_blocks"):  # generation bounded: budget + R blocks, + 1 in a selecting step
+        for live in reused.live_blocks.values():
+            assert max(live[-2 * BLOCK :]) == 3 + 1 + 1
 
 
 def test_streaming_holds_budget_plus_one_chunk_during_a_chunked_prefill_and_admits_on_that(short_model_dir):

@@ -39,3 +39,47 @@ def test_a_layout_this_vllm_cannot_write_is_refused_by_name():
 def test_a_quantised_cache_is_refused():
     with pytest.raises(ValueError, match=r"floating-point cache \(--kv-cache-dtype auto\), not torch.uint8"):
         KeyLayout("vec", torch.uint8, 2, 128, 64)
+
+
+@pytest.fixture(scope="module")
+def head_48_model(model_dir, tmp_path_factory):
+    """A random 2-layer Llama with head size 48 (vLLM's CPU attention picks the ``vec16`` layout), SmolLM2's
+    tokenizer."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("head-48")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=192,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for path in Path(model_dir).iterdir():
+        if "token" in path.name or path.name == "special_tokens_map.json":
+            shutil.copy(path, folder / path.name)
+    return str(folder)
+
+
+def test_snapkv_compresses_where_vllm_picks_the_vec16_layout(head_48_model):
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from tests.vllm.engine import close, make_llm, prompt, trace_blocks
+
+    assert _get_attn_isa(torch.float32, 128, 48) == "vec16"  # the layout vLLM picks for this model
+    llm = make_llm(head_48_model, {"method": "snapkv", "budget": 3 * 128}, max_model_len=1024)
+    try:
+        trace = trace_blocks(llm, [prompt(500, seed=31)], max_tokens=8)
+    finally:
+        close(llm)
+    (live,) = trace.live_blocks.values()
+    assert max(live) >= 5 and live[-1] == 3  # a prompt of 5+ blocks, compressed to the budget
