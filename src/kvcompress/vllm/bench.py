@@ -128,9 +128,10 @@ def close_engine(llm: LLM) -> None:
 
 
 def policy_label(policy: str) -> str:
-    """``"streaming 384"`` for ``'{"method": "streaming", "budget": 384}'``."""
+    """``"streaming 384"`` for ``'{"method": "streaming", "budget": 384}'``, other parameters as ``name=value``."""
     data = json.loads(policy)
-    return " ".join(str(data[key]) for key in ("method", "budget") if key in data)
+    words = [str(data.pop(key)) for key in ("method", "budget") if key in data]
+    return " ".join(words + [f"{key}={value}" for key, value in data.items()])
 
 
 def main(argv: list[str] | None = None) -> None:
