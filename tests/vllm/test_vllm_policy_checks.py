@@ -143,3 +143,39 @@ def test_snapkv_reselection_bounds_generation_and_scheduler_follows_worker(resel
         for at in selections[:-1]:
             assert held[at - prompt_len] == budget_blocks + reselect + 1
             assert held[at + 1 - prompt_len] == budget_blocks + 1
+
+
+def _manager(policy: dict):
+    import torch
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcompress.vllm.manager import BlockEvictionManager
+    from kvcompress.vllm.spec import KVCompressSpec
+
+    spec = KVCompressSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, policy=parse_policy(policy)
+    )
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
+    return BlockEvictionManager(
+        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK
+    )
+
+
+@pytest.mark.parametrize("reselect", [0, 1])
+def test_after_a_preemption_the_scheduler_frees_what_the_worker_evicts(reselect):
+    """vLLM recomputes a preempted request's prompt (1000 tokens) and 300 generated tokens in one step; the worker
+    then selects over all 1300 tokens, and the scheduler must free exactly the blocks the worker stops reading."""
+    policy = {"method": "snapkv", "budget": 4 * BLOCK, "reselect_blocks": reselect}
+    manager, worker = _manager(policy), make_policy(parse_policy(policy), BLOCK)
+    prompt_len, resumed = 1000, 1300
+    manager.allocate_new_blocks("r", resumed, resumed)
+    manager.remove_skipped_blocks("r", 0, prompt_len)  # the recompute step, from scratch
+    for context in range(resumed, resumed + 3 * BLOCK):  # decode steps after it
+        manager.remove_skipped_blocks("r", context, prompt_len)
+        manager.allocate_new_blocks("r", context + 1, context + 1)
+        lo, hi = worker.worker_range(context, resumed)  # what the worker reads this step: all but [lo, hi)
+        live = {i for i, block in enumerate(manager.req_to_blocks["r"]) if not block.is_null}
+        blocks = -(-(context + 1) // BLOCK)
+        assert live >= set(range(lo)) | set(range(hi, blocks))  # nothing this step reads is freed
+        if context > resumed:  # and what the worker stopped reading in the step before is freed
+            assert live == set(range(lo)) | set(range(worker.worker_range(context - 1, resumed)[1], blocks))
