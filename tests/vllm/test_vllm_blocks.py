@@ -91,3 +91,18 @@ def test_streaming_holds_budget_plus_one_chunk_during_a_chunked_prefill_and_admi
     assert all(len(out) == 16 for out in told.outputs.values()) and len(told.outputs) == 3
     assert max(untold.running) == 1
     assert max(told.running) >= 2
+
+
+def test_snapkv_survives_preemption_in_a_tiny_pool_holding_only_what_it_reads(short_model_dir):
+    """Three requests of 4 blocks in a pool of 9: vLLM preempts and recomputes. Each request ends holding
+    the blocks its worker reads (the manager's count matches the policy's arithmetic), and all finish."""
+    policy = {"method": "snapkv", "budget": 3 * BLOCK}
+    llm = make_llm(short_model_dir, policy, num_gpu_blocks_override=10)
+    try:
+        trace = trace_blocks(llm, [prompt(380, seed=s) for s in (41, 42, 43)], max_tokens=300)
+    finally:
+        close(llm)
+    assert trace.preemptions > 0
+    assert all(len(out) == 300 for out in trace.outputs.values()) and len(trace.outputs) == 3
+    for live in trace.live_blocks.values():
+        assert max(live[-BLOCK:]) <= 3 + -(-300 // BLOCK) + 1  # the budget + what was generated since selecting
