@@ -87,13 +87,16 @@ class ObservationStash:
 
 
 def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float) -> None:
-    """One layer's share of ``step``: stash window queries, select in the requests that reached a selection."""
-    for row in step.stash:
-        stash.add(row, query)
+    """One layer's share of ``step``: select in the requests that reached a selection, then stash window queries.
+
+    Selecting first: a step's own query may open the next observation window, never the one being used.
+    """
     for row in step.select:
         window_queries = stash.pop(row.key)
         if window_queries is not None:
             select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale)
+    for row in step.stash:
+        stash.add(row, query)
 
 
 def select_blocks(policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float) -> None:
