@@ -83,3 +83,24 @@ def test_snapkv_compresses_where_vllm_picks_the_vec16_layout(head_48_model):
         close(llm)
     (live,) = trace.live_blocks.values()
     assert max(live) >= 5 and live[-1] == 3  # a prompt of 5+ blocks, compressed to the budget
+
+
+def test_a_step_that_selects_votes_with_the_window_before_it_and_opens_the_next(monkeypatch):
+    """window = one block, re-selecting every block: the query of the selecting step is the first of the next
+    window, never part of the one the selection uses."""
+    from kvcompress.vllm import snapkv
+    from kvcompress.vllm.config import BlockPolicyConfig
+    from kvcompress.vllm.policies import make_policy
+
+    policy = make_policy(BlockPolicyConfig("snapkv", 3 * 128, window=128, reselect_blocks=1), 128)
+    used = []
+    monkeypatch.setattr(snapkv, "select_blocks", lambda policy, layout, row, queries, *args: used.append(queries))
+    stash = snapkv.ObservationStash(128)
+    for position in range(128):  # the window's decode steps, one query each (value = its position)
+        step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1000 + position)], [])
+        snapkv.run_step(step, stash, torch.full((1, 1, 1), float(position)), None, 1.0)
+    select = snapkv.SelectRow(7, 1128, 2, 8, 9, torch.arange(9))
+    step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1128)], [select])
+    snapkv.run_step(step, stash, torch.full((1, 1, 1), 128.0), None, 1.0)
+    assert used[0].flatten().tolist() == list(range(128))
+    assert stash.queries[7].flatten().tolist() == [128.0]
