@@ -179,3 +179,14 @@ def test_after_a_preemption_the_scheduler_frees_what_the_worker_evicts(reselect)
         assert live >= set(range(lo)) | set(range(hi, blocks))  # nothing this step reads is freed
         if context > resumed:  # and what the worker stopped reading in the step before is freed
             assert live == set(range(lo)) | set(range(worker.worker_range(context - 1, resumed)[1], blocks))
+
+
+@pytest.mark.parametrize("module", ["kvcompress.vllm.bench", "kvcompress.vllm.needles"])
+def test_bench_and_needles_refuse_a_bad_policy_in_one_line_with_status_2(module):
+    command = [sys.executable, "-m", module, "--model", "m", "--policies", '{"method": "window", "budget": 64}']
+    if module.endswith("needles"):
+        command += ["--data", "d"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"{module}: error: kvcompress: budget 64 is 0 block(s)")

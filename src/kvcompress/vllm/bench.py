@@ -25,11 +25,15 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcompress.vllm.config import check_policies, exit_on_user_error
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is read
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB reserved (not a share of RAM); cut to --pool-blocks
-
-from vllm import LLM, SamplingParams  # noqa: E402
 
 DEFAULT_POLICIES = (
     '{"method": "full"}',
@@ -78,6 +82,8 @@ def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 
 def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Namespace) -> RunStats:
     """Serve ``prompts`` with ``policy`` (JSON) on a pool of ``args.pool_blocks`` blocks, stepping the engine."""
+    from vllm import LLM, SamplingParams  # imported once the policies are checked (vLLM's import prints)
+
     llm = LLM(
         model=model,
         dtype=args.dtype,
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's cap on tokens per step")
     parser.add_argument("--dtype", default="float32", help="float32: bf16 prefill is slow without AVX-512")
     args = parser.parse_args(argv)
+    exit_on_user_error("kvcompress.vllm.bench", check_policies, args.policies)
     prompts = make_prompts(args.requests, args.prompt_words)
     print(HEADER)
     for policy in args.policies:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -156,3 +157,18 @@ def check_platform(policy: BlockPolicyConfig) -> None:
             f"kvcompress: the {policy.method} policy runs only on vLLM's {ADAPTED_BACKEND} attention backend "
             f"(CPU); this vLLM runs on {current_platform.device_name!r}, whose attention backends are not adapted"
         )
+
+
+def exit_on_user_error(prog: str, check, *args) -> Any:
+    """``check(*args)``; a ``ValueError`` becomes one line ``PROG: error: ...`` on stderr and exit status 2."""
+    try:
+        return check(*args)
+    except ValueError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_policies(policies: list[str]) -> None:
+    """Check command-line policies (JSON) as ``check_engine`` does, before any engine starts."""
+    for policy in policies:
+        check_engine(parse_policy(policy), enable_prefix_caching=False)

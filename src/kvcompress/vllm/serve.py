@@ -24,7 +24,7 @@ import os
 import runpy
 import sys
 
-from kvcompress.vllm.config import CONFIG_KEY, ENV_VAR, check_engine, parse_policy
+from kvcompress.vllm.config import CONFIG_KEY, ENV_VAR, check_engine, exit_on_user_error, parse_policy
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 
@@ -63,11 +63,7 @@ def vllm_arguments(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        args = vllm_arguments(sys.argv[1:] if argv is None else argv)
-    except ValueError as error:
-        print(f"kvcompress.vllm.serve: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    args = exit_on_user_error("kvcompress.vllm.serve", vllm_arguments, sys.argv[1:] if argv is None else argv)
     sys.argv = [VLLM_SERVER, *args]
     runpy.run_module(VLLM_SERVER, run_name="__main__", alter_sys=True)
 
