@@ -8,13 +8,17 @@ policy is chosen per engine (see ``kvcompress.vllm.config``), e.g.::
 
 How it fits together (one module each):
 
-* ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``;
+* ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``, and the checks
+  made before an engine starts (``check_engine``);
 * ``policies``: ``streaming``, ``window`` and ``snapkv`` at block granularity, each a contiguous range of
   logical blocks evicted per request, computed alike by the scheduler and the worker;
 * ``spec`` / ``manager``: the layers' KV cache spec and the scheduler's manager that frees evicted blocks;
 * ``backend``: the attention backend whose metadata builder cuts evicted blocks out of what the kernel reads;
-* ``snapkv`` / ``snapkv_state``: the one-shot block SnapKV selection inside attention, in the worker;
-* ``serve``: the OpenAI-compatible server with the plugin; ``bench``: the fixed-pool benchmark.
+* ``snapkv`` / ``snapkv_state``: the block SnapKV selection inside attention, in the worker (after the prompt,
+  and again every ``reselect_blocks`` generated blocks if asked); ``layout``: vLLM's CPU KV layout, learnt from
+  its cache writer, to read keys back;
+* ``serve``: the OpenAI-compatible server with the plugin; ``bench``: the fixed-pool benchmark; ``needles``:
+  needle accuracy through vLLM.
 
 Prefix caching is refused with an error (start vLLM with ``--no-enable-prefix-caching``). In Python, ``LLM`` below
 checks the policy before the engine starts (a policy passed straight to ``vllm.LLM`` is checked inside the engine,
