@@ -58,16 +58,22 @@ def short_model_dir(model_dir, tmp_path_factory) -> str:
     return str(folder)
 
 
-def reference_outputs(model: str, batches: list[list[str]], max_tokens: int, tmp_path: Path) -> list:
-    """Greedy outputs of vLLM without the plugin (``VLLM_PLUGINS=""``, a separate process) for each batch."""
+def reference_outputs(
+    model: str, batches: list[list], max_tokens: int, tmp_path: Path, max_model_len: int = 1024
+) -> list:
+    """Greedy outputs of vLLM without the plugin (``VLLM_PLUGINS=""``, a separate process) for each batch.
+
+    A prompt is a text or ``{"prompt_token_ids": [...]}``.
+    """
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
-    spec_path.write_text(json.dumps({"model": model, "batches": batches, "max_tokens": max_tokens}))
+    spec = {"model": model, "batches": batches, "max_tokens": max_tokens, "max_model_len": max_model_len}
+    spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_PLUGINS": ""}
     subprocess.run(
         [sys.executable, str(ENGINE_SCRIPT), str(out_path), str(spec_path)],
         env=env,
         check=True,
-        timeout=300,
+        timeout=900,
         stdout=subprocess.DEVNULL,
     )
     return json.loads(out_path.read_text())

@@ -71,7 +71,7 @@ def close(llm: LLM) -> None:
     gc.collect()
 
 
-def greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
+def greedy(llm: LLM, prompts: list, max_tokens: int) -> list[list[int]]:
     """Greedy token ids, the prompts submitted together (continuous batching)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
@@ -92,6 +92,7 @@ class BlockTrace:
     logical_blocks: dict[str, int] = field(default_factory=dict)  # block indices a request went through
     owners: dict[int, set] = field(default_factory=lambda: defaultdict(set))  # block id -> (request, index)
     preemptions: int = 0
+    running: list[int] = field(default_factory=list)  # requests running after each step
 
     @property
     def reused_blocks(self) -> int:
@@ -123,6 +124,7 @@ def trace_blocks(llm: LLM, prompts: list[str], max_tokens: int) -> BlockTrace:
             for index, block in enumerate(blocks):
                 if not block.is_null:
                     trace.owners[block.block_id].add((request_id, index))
+        trace.running.append(len(scheduler.running))
         trace.preemptions = max([trace.preemptions, *(r.num_preemptions for r in scheduler.requests.values())])
     return trace
 
@@ -130,7 +132,7 @@ def trace_blocks(llm: LLM, prompts: list[str], max_tokens: int) -> BlockTrace:
 def _write_reference(out_path: str, spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    llm = make_llm(spec["model"])
+    llm = make_llm(spec["model"], max_model_len=spec["max_model_len"])
     results = [greedy(llm, prompts, spec["max_tokens"]) for prompts in spec["batches"]]
     with open(out_path, "w") as f:
         json.dump(results, f)

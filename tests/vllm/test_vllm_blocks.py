@@ -34,6 +34,8 @@ def test_streaming_holds_its_budget_in_blocks_over_2k_generated_tokens(short_mod
 REUSE_CASES = {
     "streaming": ({"method": "streaming", "budget": 2 * BLOCK}, 12, 100),
     "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 14, 60),
+    # Selecting again at every generated block: each request passes three re-selections.
+    "snapkv-reselect": ({"method": "snapkv", "budget": 3 * BLOCK, "reselect_blocks": 1}, 16, 400),
 }
 
 
@@ -57,3 +59,50 @@ def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, sho
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs
     assert reused.logprobs == kept.logprobs
+    if policy.get("reselect_blocks"):  # generation bounded: budget + R blocks, + 1 in a selecting step
+        for live in reused.live_blocks.values():
+            assert max(live[-2 * BLOCK :]) == 3 + 1 + 1
+
+
+def test_streaming_holds_budget_plus_one_chunk_during_a_chunked_prefill_and_admits_on_that(short_model_dir):
+    """Prompts of 8 blocks, prefilled 256 tokens (2 blocks) a step, in a pool of 9 usable blocks.
+
+    A request holds at most its budget (3 blocks) plus one chunk plus the block a chunk may straddle into,
+    never its prompt; vLLM is told so, and admits a second request while the first is prefilling. Told the
+    whole prompt (vLLM's default for full attention) it runs one request at a time here.
+    """
+    policy = {"method": "streaming", "budget": 3 * BLOCK}
+    prompts = [prompt(800, seed=s) for s in (21, 22, 23)]
+
+    def run(tell_vllm: bool):
+        llm = make_llm(
+            short_model_dir, policy, max_model_len=1280, num_gpu_blocks_override=10, max_num_batched_tokens=256
+        )
+        if not tell_vllm:
+            manager(llm).max_admission_blocks_per_request = None
+        try:
+            return trace_blocks(llm, prompts, max_tokens=16)
+        finally:
+            close(llm)
+
+    told, untold = run(True), run(False)
+    assert all(max(live) > 3 for live in told.live_blocks.values())  # prefill chunks really passed through
+    assert max(max(live) for live in told.live_blocks.values()) <= 3 + 2 + 1
+    assert all(len(out) == 16 for out in told.outputs.values()) and len(told.outputs) == 3
+    assert max(untold.running) == 1
+    assert max(told.running) >= 2
+
+
+def test_snapkv_survives_preemption_in_a_tiny_pool_holding_only_what_it_reads(short_model_dir):
+    """Three requests of 4 blocks in a pool of 9: vLLM preempts and recomputes. Each request ends holding
+    the blocks its worker reads (the manager's count matches the policy's arithmetic), and all finish."""
+    policy = {"method": "snapkv", "budget": 3 * BLOCK}
+    llm = make_llm(short_model_dir, policy, num_gpu_blocks_override=10)
+    try:
+        trace = trace_blocks(llm, [prompt(380, seed=s) for s in (41, 42, 43)], max_tokens=300)
+    finally:
+        close(llm)
+    assert trace.preemptions > 0
+    assert all(len(out) == 300 for out in trace.outputs.values()) and len(trace.outputs) == 3
+    for live in trace.live_blocks.values():
+        assert max(live[-BLOCK:]) <= 3 + -(-300 // BLOCK) + 1  # the budget + what was generated since selecting

@@ -8,18 +8,45 @@ policy is chosen per engine (see ``kvcompress.vllm.config``), e.g.::
 
 How it fits together (one module each):
 
-* ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``;
+* ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``, and the checks
+  made before an engine starts (``check_engine``);
 * ``policies``: ``streaming``, ``window`` and ``snapkv`` at block granularity, each a contiguous range of
   logical blocks evicted per request, computed alike by the scheduler and the worker;
 * ``spec`` / ``manager``: the layers' KV cache spec and the scheduler's manager that frees evicted blocks;
 * ``backend``: the attention backend whose metadata builder cuts evicted blocks out of what the kernel reads;
-* ``snapkv`` / ``snapkv_state``: the one-shot block SnapKV selection inside attention, in the worker;
-* ``serve``: the OpenAI-compatible server with the plugin; ``bench``: the fixed-pool benchmark.
+* ``snapkv`` / ``snapkv_state``: the block SnapKV selection inside attention, in the worker (after the prompt,
+  and again every ``reselect_blocks`` generated blocks if asked); ``layout``: vLLM's CPU KV layout, learnt from
+  its cache writer, to read keys back;
+* ``serve``: the OpenAI-compatible server with the plugin; ``bench``: the fixed-pool benchmark; ``needles``:
+  needle accuracy through vLLM.
 
-Prefix caching is refused with an error (start vLLM with ``--no-enable-prefix-caching``).
+Prefix caching is refused with an error (start vLLM with ``--no-enable-prefix-caching``). In Python, ``LLM`` below
+checks the policy before the engine starts (a policy passed straight to ``vllm.LLM`` is checked inside the engine,
+as it builds the model).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+
+def LLM(model: str, policy: str | dict[str, Any], **kwargs: Any):  # noqa: N802 (named after the class it builds)
+    """``vllm.LLM(model, **kwargs)`` running ``policy`` (JSON or dict), checked before the engine starts.
+
+    Raises ``ValueError`` (one line) for a malformed policy, a budget under what the method needs at
+    ``block_size`` (vLLM's CPU default 128 if not given), ``enable_prefix_caching=True``, or a platform or
+    ``attention_backend`` other than vLLM's CPU attention. Prefix caching is turned off unless given.
+    """
+    from kvcompress.vllm.config import CONFIG_KEY, check_engine, parse_policy
+
+    config = parse_policy(policy)
+    kwargs.setdefault("enable_prefix_caching", False)
+    check_engine(config, kwargs.get("block_size"), kwargs["enable_prefix_caching"], kwargs.get("attention_backend"))
+    additional = {**(kwargs.pop("additional_config", None) or {}), CONFIG_KEY: asdict(config)}
+    import vllm
+
+    return vllm.LLM(model, additional_config=additional, **kwargs)
 
 
 def register() -> None:
@@ -28,12 +55,17 @@ def register() -> None:
     vLLM calls it in every process (API server, engine core, workers), possibly more than once; both
     registrations are idempotent.
     """
+    import os
+
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+    from kvcompress.vllm.config import ENV_VAR, check_platform, parse_policy
     from kvcompress.vllm.manager import BlockEvictionManager
     from kvcompress.vllm.spec import KVCompressSpec
+
+    check_platform(parse_policy(os.environ.get(ENV_VAR)))  # a policy from the environment, on a GPU: refuse now
 
     # The registry fills itself with vLLM's built-in specs only while it is empty: fill it before adding ours.
     KVCacheSpecRegistry._ensure_registered()

@@ -27,7 +27,7 @@ tested on a CPU machine; read from vLLM 0.32's builders):
 
   Under CUDA graphs the compacted table must be written into the builder's persistent buffer (as vLLM's
   ``StaticSinkAttention`` does), and cascade attention, which reads a prefix shared by the requests' tables,
-  must stay off. Block SnapKV's key read-back (``kvcompress.vllm.snapkv``) also needs each backend's KV layout
+  must stay off. Block SnapKV's key read-back (``kvcompress.vllm.layout``) also needs each backend's KV layout
   (its ``get_kv_cache_shape`` and stride order); the scoring and the block copies are plain torch.
 """
 
@@ -46,7 +46,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from kvcompress.vllm.config import BlockPolicyConfig, policy_from_vllm_config
+from kvcompress.vllm.config import BlockPolicyConfig, check_engine, policy_from_vllm_config
+from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import make_policy
 from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_step
 from kvcompress.vllm.snapkv_state import SnapKVTracker
@@ -79,7 +80,11 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         self.snapkv = None
         if isinstance(kv_cache_spec, KVCompressSpec):
             self.policy = make_policy(kv_cache_spec.policy, kv_cache_spec.block_size)
-            self.snapkv = SnapKVTracker(self.policy) if self.policy.one_shot else None
+            if self.policy.one_shot:  # learn the key layout now: an unreadable one is refused at start-up
+                layout = KeyLayout(
+                    self.isa, kv_cache_spec.dtype, self.num_kv_heads, self.block_size, kv_cache_spec.head_size
+                )
+                self.snapkv = SnapKVTracker(self.policy, layout)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build=False):
         if self.policy is None:
@@ -100,15 +105,19 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
 # The policy of the model this worker builds. ``customize_spec`` runs where no vLLM config is current, so the
 # attention layers record it when they are built (inside the config's context, before any spec is asked for).
 _worker_policy = BlockPolicyConfig()
+_worker_in_flight_tokens = 0
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
     """CPU attention that first does the layer's block SnapKV work of the step, if any."""
 
     def __init__(self, *args, **kwargs) -> None:
-        global _worker_policy
+        global _worker_policy, _worker_in_flight_tokens
         super().__init__(*args, **kwargs)
-        _worker_policy = policy_from_vllm_config(get_current_vllm_config())
+        config = get_current_vllm_config()
+        _worker_policy = policy_from_vllm_config(config)  # checked as the model is built, before its weights load
+        _worker_in_flight_tokens = config.max_in_flight_tokens
+        check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         self.stash: ObservationStash | None = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
@@ -117,7 +126,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             if self.stash is None:
                 self.stash = ObservationStash(step.policy.config.window)
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            run_step(step, self.stash, queries, kv_cache, self.scale, layer.isa)
+            run_step(step, self.stash, queries, kv_cache, self.scale)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
 
@@ -127,12 +136,16 @@ class KVCompressCPUBackend(CPUAttentionBackend):
     @classmethod
     def customize_spec(cls, spec):
         spec = super().customize_spec(spec)
-        if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
-            return spec
         if not _worker_policy.active:
             return spec
+        if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+            window = f" (sliding window {spec.sliding_window})" if getattr(spec, "sliding_window", None) else ""
+            raise ValueError(
+                f"kvcompress: the {_worker_policy.method} policy evicts blocks of full-attention layers only; "
+                f"this model has {type(spec).__name__} layers{window}"
+            )
         make_policy(_worker_policy, spec.block_size)  # validate the budget against the block size, in the worker
-        return KVCompressSpec.from_full(spec, _worker_policy)
+        return KVCompressSpec.from_full(spec, _worker_policy, _worker_in_flight_tokens)
 
     @staticmethod
     def get_impl_cls():

@@ -10,7 +10,10 @@ be read after every step. Printed per policy, as a markdown table:
 * peak and mean number of running requests (what the pool admits at once), and vLLM's preemptions;
 * requests/s and generated tokens/s over the whole run (first submission to last completion), with the run's
   wall and CPU seconds (the CPU time of this process, all threads);
-* the peak number of KV blocks in use.
+* the peak number of KV blocks in use, in all and per request (the most any one request held after a step).
+
+``--max-num-batched-tokens`` caps the tokens of a step (vLLM's option): below the prompt length, prompts are
+prefilled in chunks and a policy that evicts during prefill holds its budget plus one chunk per request.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcompress.vllm.config import check_policies, exit_on_user_error
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is read
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB reserved (not a share of RAM); cut to --pool-blocks
-
-from vllm import LLM, SamplingParams  # noqa: E402
 
 DEFAULT_POLICIES = (
     '{"method": "full"}',
@@ -51,18 +58,19 @@ class RunStats:
     mean_running: float
     preemptions: int
     peak_blocks: int
+    peak_request_blocks: int
 
     def row(self) -> str:
         return (
             f"| {self.policy} | {self.peak_running} | {self.mean_running:.1f} | {self.preemptions} | "
-            f"{self.peak_blocks} | {self.requests / self.seconds:.3f} | {self.new_tokens / self.seconds:.1f} | "
-            f"{self.seconds:.0f} | {self.cpu_seconds:.0f} |"
+            f"{self.peak_blocks} | {self.peak_request_blocks} | {self.requests / self.seconds:.3f} | "
+            f"{self.new_tokens / self.seconds:.1f} | {self.seconds:.0f} | {self.cpu_seconds:.0f} |"
         )
 
 
 HEADER = (
-    "| policy | peak running | mean running | preemptions | peak KV blocks | requests/s | tokens/s | wall s "
-    "| CPU s |\n|---|---|---|---|---|---|---|---|---|"
+    "| policy | peak running | mean running | preemptions | peak KV blocks | peak blocks / request | requests/s "
+    "| tokens/s | wall s | CPU s |\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -74,6 +82,8 @@ def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 
 def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Namespace) -> RunStats:
     """Serve ``prompts`` with ``policy`` (JSON) on a pool of ``args.pool_blocks`` blocks, stepping the engine."""
+    from vllm import LLM, SamplingParams  # imported once the policies are checked (vLLM's import prints)
+
     llm = LLM(
         model=model,
         dtype=args.dtype,
@@ -81,13 +91,15 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
         enable_prefix_caching=False,
         enforce_eager=True,
         num_gpu_blocks_override=args.pool_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         additional_config={"kvcompress": json.loads(policy)},
     )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
+    group = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    running, preemptions, peak_blocks, done = [], {}, 0, 0
+    running, preemptions, peak_blocks, peak_request, done = [], {}, 0, 0, 0
     start, cpu_start = time.perf_counter(), time.process_time()
     for i, text in enumerate(prompts):
         engine.add_request(str(i), text, params)
@@ -96,6 +108,8 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
         running.append(len(scheduler.running))
         preemptions.update({rid: request.num_preemptions for rid, request in scheduler.requests.items()})
         peak_blocks = max(peak_blocks, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        held = [sum(not block.is_null for block in blocks) for blocks in group.req_to_blocks.values()]
+        peak_request = max([peak_request, *held])
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     close_engine(llm)
     return RunStats(
@@ -108,6 +122,7 @@ def run_policy(model: str, policy: str, prompts: list[str], args: argparse.Names
         sum(running) / len(running),
         sum(preemptions.values()),
         peak_blocks,
+        peak_request,
     )
 
 
@@ -119,9 +134,10 @@ def close_engine(llm: LLM) -> None:
 
 
 def policy_label(policy: str) -> str:
-    """``"streaming 384"`` for ``'{"method": "streaming", "budget": 384}'``."""
+    """``"streaming 384"`` for ``'{"method": "streaming", "budget": 384}'``, other parameters as ``name=value``."""
     data = json.loads(policy)
-    return " ".join(str(data[key]) for key in ("method", "budget") if key in data)
+    words = [str(data.pop(key)) for key in ("method", "budget") if key in data]
+    return " ".join(words + [f"{key}={value}" for key, value in data.items()])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,8 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-words", type=int, default=900, help="words per prompt (about 1.1 tokens each)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's cap on tokens per step")
     parser.add_argument("--dtype", default="float32", help="float32: bf16 prefill is slow without AVX-512")
     args = parser.parse_args(argv)
+    exit_on_user_error("kvcompress.vllm.bench", check_policies, args.policies)
     prompts = make_prompts(args.requests, args.prompt_words)
     print(HEADER)
     for policy in args.policies:

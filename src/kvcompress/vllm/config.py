@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,6 +33,9 @@ class BlockPolicyConfig:
     sink_blocks: ``streaming`` only: leading blocks always kept (the attention sinks live in the first block).
     window: ``snapkv`` only: observation window, the last prompt tokens whose queries vote (at most one block).
     kernel: ``snapkv`` only: width of the max pooling applied to the token votes before blocks are scored (odd).
+    reselect_blocks: ``snapkv`` only: select again each time generated tokens fill this many more blocks, so a
+        request holds at most its budget plus ``reselect_blocks + 1`` blocks; 0 (default): the prompt only, as in
+        the paper.
     """
 
     method: str = "full"
@@ -39,14 +43,25 @@ class BlockPolicyConfig:
     sink_blocks: int = 1
     window: int = 32
     kernel: int = 7
+    reselect_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"kvcompress: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"kvcompress: {name} must be an integer (tokens or blocks), got {value!r}")
         if self.method != "full" and self.budget <= 0:
-            raise ValueError(f"kvcompress: method {self.method!r} needs a positive budget (tokens)")
-        if self.sink_blocks < 0 or self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError("kvcompress: sink_blocks >= 0, window >= 1 and an odd kernel >= 1 are required")
+            raise ValueError(f"kvcompress: method {self.method!r} needs a positive budget (tokens), got {self.budget}")
+        if self.sink_blocks < 0:
+            raise ValueError(f"kvcompress: sink_blocks must be >= 0, got {self.sink_blocks}")
+        if self.reselect_blocks < 0:
+            raise ValueError(f"kvcompress: reselect_blocks must be >= 0 (0: select once), got {self.reselect_blocks}")
+        if self.window < 1:
+            raise ValueError(f"kvcompress: window must be >= 1 token, got {self.window}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kvcompress: kernel must be an odd integer >= 1, got {self.kernel}")
 
     @property
     def active(self) -> bool:
@@ -55,6 +70,8 @@ class BlockPolicyConfig:
     def budget_blocks(self, block_size: int) -> int:
         """The budget in whole KV blocks, checked against what the method needs at ``block_size``."""
         blocks = self.budget // block_size
+        # snapkv: its observation window (at most one block) spans one or two blocks, kept whole, and at least
+        # one selected block (the request's first block, which names the request in the worker, is never freed).
         needed = {"streaming": self.sink_blocks + 1, "window": 1, "snapkv": 3}.get(self.method, 0)
         if blocks < needed:
             raise ValueError(
@@ -70,7 +87,18 @@ def parse_policy(value: str | dict[str, Any] | None) -> BlockPolicyConfig:
     """A policy from a JSON string or a dict; ``None`` or ``""`` gives ``full`` (plugin inactive)."""
     if not value:
         return BlockPolicyConfig()
-    data = json.loads(value) if isinstance(value, str) else dict(value)
+    if isinstance(value, str):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"kvcompress: the policy {value!r} is not valid JSON ({error})") from None
+    else:
+        data = value
+    if not isinstance(data, dict):
+        raise ValueError(
+            f'kvcompress: the policy must be a JSON object such as {{"method": "streaming", "budget": 1024}}, '
+            f"got {value!r}"
+        )
     known = {f.name for f in fields(BlockPolicyConfig)}
     unknown = set(data) - known
     if unknown:
@@ -84,3 +112,63 @@ def policy_from_vllm_config(vllm_config: Any) -> BlockPolicyConfig:
     if CONFIG_KEY in additional:
         return parse_policy(additional[CONFIG_KEY])
     return parse_policy(os.environ.get(ENV_VAR))
+
+
+PREFIX_CACHING_ERROR = (
+    "kvcompress: the {method} policy evicts and rewrites KV blocks, so vLLM's prefix caching would share blocks "
+    "whose content depends on the eviction; start vLLM with --no-enable-prefix-caching "
+    "(enable_prefix_caching=False in Python)"
+)
+ADAPTED_BACKEND = "CPU_ATTN"
+CPU_BLOCK_SIZE = 128  # vLLM's default KV block size on CPU for models without MLA or mamba layers
+
+
+def check_engine(
+    policy: BlockPolicyConfig,
+    block_size: int | None = None,
+    enable_prefix_caching: bool | None = None,
+    attention_backend: str | None = None,
+) -> None:
+    """Refuse, before an engine starts, what ``policy`` cannot run with: ``ValueError`` with one line.
+
+    ``block_size`` is vLLM's ``--block-size`` (``None``: the CPU default, 128), ``enable_prefix_caching`` and
+    ``attention_backend`` vLLM's options of those names (``None``: not given). Only vLLM's CPU attention
+    backend is adapted, so any other platform or backend is refused by name.
+    """
+    if not policy.active:
+        return
+    if enable_prefix_caching:
+        raise ValueError(PREFIX_CACHING_ERROR.format(method=policy.method))
+    if attention_backend is not None and str(attention_backend).upper() != ADAPTED_BACKEND:
+        raise ValueError(
+            f"kvcompress: the {policy.method} policy runs only on vLLM's {ADAPTED_BACKEND} attention backend, "
+            f"not {attention_backend}"
+        )
+    check_platform(policy)
+    policy.budget_blocks(block_size or CPU_BLOCK_SIZE)
+
+
+def check_platform(policy: BlockPolicyConfig) -> None:
+    """Refuse an active ``policy`` on a vLLM platform other than CPU (no other attention backend is adapted)."""
+    from vllm.platforms import current_platform
+
+    if policy.active and not current_platform.is_cpu():
+        raise ValueError(
+            f"kvcompress: the {policy.method} policy runs only on vLLM's {ADAPTED_BACKEND} attention backend "
+            f"(CPU); this vLLM runs on {current_platform.device_name!r}, whose attention backends are not adapted"
+        )
+
+
+def exit_on_user_error(prog: str, check, *args) -> Any:
+    """``check(*args)``; a ``ValueError`` becomes one line ``PROG: error: ...`` on stderr and exit status 2."""
+    try:
+        return check(*args)
+    except ValueError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_policies(policies: list[str]) -> None:
+    """Check command-line policies (JSON) as ``check_engine`` does, before any engine starts."""
+    for policy in policies:
+        check_engine(parse_policy(policy), enable_prefix_caching=False)

@@ -14,29 +14,33 @@ import argparse
 import json
 import os
 
+import torch
+
+from kvcompress.eval.tasks.niah import NiahTask, string_match_all
+from kvcompress.vllm.bench import DEFAULT_POLICIES, close_engine, policy_label
+from kvcompress.vllm.config import check_policies, exit_on_user_error
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-
-from kvcompress.eval.tasks.niah import NiahTask, string_match_all  # noqa: E402
-from kvcompress.vllm.bench import DEFAULT_POLICIES, close_engine, policy_label  # noqa: E402
 
 
 def niah_samples(model: str, data: str, count: int, length: int):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model)
     return NiahTask(None, tokenizer, seed=0, length=length, modes=("aware",), data=data).build_samples(count)
 
 
-def _prompt(sample) -> TokensPrompt:
+def _prompt(sample):
+    from vllm.inputs import TokensPrompt
+
     ids = torch.cat([sample.inputs["context_ids"], sample.inputs["question_ids"]], dim=1)[0]
     return TokensPrompt(prompt_token_ids=ids.tolist())
 
 
 def score_policy(model: str, policy: str, samples, max_model_len: int) -> float:
     """Mean ``string_match_all`` of vLLM's greedy answers to ``samples`` under ``policy`` (JSON)."""
+    from vllm import LLM, SamplingParams  # imported once the policies are checked (vLLM's import prints)
+
     llm = LLM(
         model=model,
         dtype="float32",
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--length", type=int, default=1024, help="context tokens per sample (niah's length)")
     args = parser.parse_args(argv)
+    exit_on_user_error("kvcompress.vllm.needles", check_policies, args.policies)
     samples = niah_samples(args.model, args.data, args.samples, args.length)
     print("| policy (vLLM) | niah score |\n|---|---|")
     for policy in args.policies:

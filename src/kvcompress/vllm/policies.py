@@ -47,6 +47,10 @@ class BlockPolicy:
         """``(lo, hi)``: blocks the scheduler may free once ``processed`` tokens are computed and committed."""
         return self.worker_range(processed, prompt_len)
 
+    def peak_blocks(self, step_tokens: int) -> int | None:
+        """The most blocks a request holds when a step adds at most ``step_tokens`` (``None``: unbounded)."""
+        return None
+
 
 class StreamingBlocks(BlockPolicy):
     """StreamingLLM at block granularity: ``sink_blocks`` leading blocks + the most recent blocks.
@@ -70,6 +74,10 @@ class StreamingBlocks(BlockPolicy):
         writing_block = context // self.block_size  # the block the next token goes into
         return self.sink_blocks, _maximum(writing_block - self.recent_blocks + 1, self.sink_blocks)
 
+    def peak_blocks(self, step_tokens: int) -> int | None:
+        # Freed down to the budget before each step (prefill chunk or decode token), then the step's blocks.
+        return self.budget_blocks + -(-step_tokens // self.block_size) + 1
+
 
 class WindowBlocks(StreamingBlocks):
     """The local window at block granularity: the most recent ``budget_blocks`` blocks, no sinks.
@@ -80,38 +88,86 @@ class WindowBlocks(StreamingBlocks):
 
 
 class SnapKVBlocks(BlockPolicy):
-    """SnapKV at block granularity: once, after the prompt, keep the top-scored prompt blocks + the window.
+    """SnapKV at block granularity: after the prompt, keep the top-scored prompt blocks + the window.
 
     Maps to kvcompress's ``snapkv``: the last ``window`` prompt queries vote for earlier tokens (attention summed
     over the window, averaged over the query heads of each KV head, max-pooled with width ``kernel``), scored
-    here per block (the sum of its tokens' votes) instead of per token. Each layer and KV head keeps its own
-    ``budget_blocks - 2`` best blocks among those before the observation window, copied in order into the
-    request's first blocks (``kvcompress.vllm.snapkv``), so the per-head choice of the per-token method survives
-    vLLM's single block table; the blocks holding the observation window (one or two) are kept as they are.
-    The blocks in between are freed. Decoding then appends without eviction, as in the per-token method.
+    here per block (the sum of its tokens' votes) instead of per token. The blocks holding the observation window
+    (one, or two where the window straddles a block boundary) are kept as they are; each layer and KV head keeps
+    its own best blocks among those before the window, as many as the rest of the budget holds, copied in order
+    into the request's first blocks (``kvcompress.vllm.snapkv``), so the per-head choice of the per-token method
+    survives vLLM's single block table. The blocks in between are freed: the compressed prompt holds exactly
+    ``budget_blocks`` blocks, and a prompt of at most ``budget_blocks`` blocks is left whole.
+
+    Decoding then appends without eviction, as in the paper (``reselect_blocks=0``). With ``reselect_blocks=R``
+    (not in the paper: SnapKV compresses the prompt only), each time generated tokens have filled ``R`` more blocks
+    the same selection runs again at that block boundary: the last ``window`` generated queries vote over every
+    kept token, each KV head keeps its best blocks among the selected ones and the blocks written since, and the
+    newest blocks (as many as the prompt's window spanned) stay; a request then holds between ``budget_blocks + 1``
+    and ``budget_blocks + R`` blocks however long it generates (``budget_blocks + R + 1`` during the step that
+    selects, which starts a block before the selection frees any).
+
+    The evicted blocks are always one contiguous range ``[lo, hi)``: ``lo`` (the selected blocks) is fixed by the
+    prompt, ``hi`` moves ``R`` blocks on at each selection, so the scheduler and the worker derive it from token
+    counts alone.
     """
 
     one_shot = True
 
     def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
         super().__init__(config, block_size)
-        self.selected_blocks = self.budget_blocks - 2  # room for the 1-2 blocks the observation window spans
+        self.reselect = config.reselect_blocks
 
     def window_start_block(self, prompt_len):
+        """The first block holding an observation-window token: blocks before it are the candidates."""
         return _maximum(prompt_len - self.config.window, 0) // self.block_size
 
-    def _range(self, compressed, prompt_len):
-        lo = self.selected_blocks
-        hi = _maximum(self.window_start_block(prompt_len), lo)
-        return lo, _where(compressed, hi, lo)
+    def _window_blocks(self, prompt_len):
+        return (prompt_len + self.block_size - 1) // self.block_size - self.window_start_block(prompt_len)
+
+    def selected_blocks(self, prompt_len):
+        """Blocks selected per KV head: the budget less the 1-2 blocks the observation window spans."""
+        return self.budget_blocks - self._window_blocks(prompt_len)
+
+    def _selections(self, count, prompt_len):
+        """How many re-selections have happened once ``count`` tokens are cached, and the end of the evicted range."""
+        first_hi = _maximum(self.window_start_block(prompt_len), self.selected_blocks(prompt_len))
+        if not self.reselect:
+            return 0, first_hi
+        base = first_hi + self._window_blocks(prompt_len)  # re-selection k runs at block base + k * R
+        done = _maximum(count // self.block_size - base, 0) // self.reselect
+        return done, first_hi + done * self.reselect
+
+    def _range(self, count, prompt_len, compressed):
+        lo = self.selected_blocks(prompt_len)
+        return lo, _where(compressed, self._selections(count, prompt_len)[1], lo)
 
     def worker_range(self, context, prompt_len):
-        # The worker compresses in the first decode step (context == prompt), before that step's attention.
-        return self._range(_compressed(context, prompt_len, strict=False), prompt_len)
+        # The worker selects at the start of a step (the first decode step, then block boundaries), before its
+        # attention.
+        return self._range(context, prompt_len, _compressed(context, prompt_len, strict=False))
 
     def scheduler_range(self, processed, prompt_len):
-        # Blocks are freed only once that first decode step has run (its copies are done).
-        return self._range(_compressed(processed, prompt_len, strict=True), prompt_len)
+        # Blocks are freed only once the step that selected has run (its copies are done).
+        return self._range(processed - 1, prompt_len, _compressed(processed, prompt_len, strict=True))
+
+    def reselects(self, context: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
+        """Rows (already compressed, decoding) whose step starting at ``context`` selects again."""
+        if not self.reselect:
+            return torch.zeros_like(context, dtype=torch.bool)
+        done = self._selections(context, prompt_len)[0]
+        before = self._selections(context - 1, prompt_len)[0]
+        return (done > before) & (context > prompt_len)
+
+    def stashes(self, context: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
+        """Rows (compressed, decoding) whose query at ``context`` belongs to the next re-selection's window."""
+        if not self.reselect:
+            return torch.zeros_like(context, dtype=torch.bool)
+        done, _ = self._selections(context, prompt_len)
+        first_hi = _maximum(self.window_start_block(prompt_len), self.selected_blocks(prompt_len))
+        base = first_hi + self._window_blocks(prompt_len)
+        next_start = (base + (done + 1) * self.reselect) * self.block_size
+        return (context >= next_start - self.config.window) & (context >= prompt_len)
 
 
 def _compressed(count, prompt_len, strict: bool):

@@ -7,14 +7,18 @@ During the prompt's prefill steps each attention layer keeps the last ``window``
 2. computes SnapKV's votes: softmax attention of the window queries over the prompt (causal inside the window),
    summed over the window, averaged over the query heads of each KV head, max-pooled over ``kernel`` tokens;
 3. scores each block before the observation window by the sum of its votes and keeps, per KV head, the
-   ``selected_blocks`` best ones;
-4. copies them, in their original order, into the request's first ``selected_blocks`` blocks (whole
+   ``selected_blocks(prompt_len)`` best ones;
+4. copies them, in their original order, into the request's first ``selected_blocks(prompt_len)`` blocks (whole
    ``[block, head]`` slabs of keys and values, so the kernel's layout does not matter for the copy).
 
 The metadata builder then drops the blocks between the selected ones and the observation window from what the
-kernel reads, and the scheduler frees them (``SnapKVBlocks``). Keys were rotated before caching, so a moved block
-keeps its original positions. Reading keys back needs the kernel's key layout: the ``vec`` ISA (x86 without AMX)
-stores each ``[block, head]`` key slab transposed, as ``[head_size, block_size]``; other ISAs are refused.
+kernel reads, and the scheduler frees them (``SnapKVBlocks``). A re-selection (``reselect_blocks``) is the same
+work at a block boundary during decoding, over the kept tokens (the selected blocks, then the blocks written
+since): the window is the last generated queries, kept from the decode steps just before the boundary. Max
+pooling runs over the kept tokens in order, so it may pool across the gap left by evicted blocks. Keys were
+rotated before caching, so a moved block keeps its original positions. Keys are read back through
+``kvcompress.vllm.layout.KeyLayout``, learnt at start-up from vLLM's own cache writer for the layer's ISA, so
+every CPU layout is read exactly.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import SnapKVBlocks
-
-KEY_LAYOUT_ISAS = ("vec",)
 
 
 @dataclass
@@ -41,11 +44,18 @@ class StashRow:
 
 @dataclass
 class SelectRow:
-    """A request in its first decode step: its key block id, prompt length and the prompt's block ids."""
+    """A request selecting in this step: its key block id, cached tokens, evicted range before and after.
+
+    ``blocks`` are the ids of its logical blocks ``[0, ceil(context / block_size))``; blocks ``[lo, hi_before)``
+    are evicted already, ``[lo, hi_after)`` will be.
+    """
 
     key: int
-    prompt_len: int
-    blocks: torch.Tensor  # int64 [ceil(prompt_len / block_size)], logical order
+    context: int
+    lo: int
+    hi_before: int
+    hi_after: int
+    blocks: torch.Tensor
 
 
 @dataclass
@@ -53,6 +63,7 @@ class SnapKVStep:
     """The block SnapKV work of one step, shared by all layers (built once by the metadata builder)."""
 
     policy: SnapKVBlocks
+    layout: KeyLayout
     stash: list[StashRow]
     select: list[SelectRow]
 
@@ -75,41 +86,33 @@ class ObservationStash:
         return self.queries.pop(key, None)
 
 
-def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float, isa: str) -> None:
-    """One layer's share of ``step``: stash prefill queries, compress the prompts that just ended."""
-    for row in step.stash:
-        stash.add(row, query)
+def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float) -> None:
+    """One layer's share of ``step``: select in the requests that reached a selection, then stash window queries.
+
+    Selecting first: a step's own query may open the next observation window, never the one being used.
+    """
     for row in step.select:
         window_queries = stash.pop(row.key)
         if window_queries is not None:
-            compress_prompt(step.policy, row, window_queries, kv_cache, scale, isa)
+            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale)
+    for row in step.stash:
+        stash.add(row, query)
 
 
-def compress_prompt(policy: SnapKVBlocks, row: SelectRow, queries, kv_cache, scale: float, isa: str) -> None:
-    """Move each KV head's best prompt blocks to the front of the request's blocks (see the module docstring)."""
-    candidates = int(policy.window_start_block(row.prompt_len))
-    keep = policy.selected_blocks
-    if candidates <= keep:
+def select_blocks(policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float) -> None:
+    """Move each KV head's best candidate blocks to the front of the request's blocks (see the module docstring)."""
+    lo, before, after = row.lo, row.hi_before, row.hi_after
+    if after <= before:
         return
-    if isa not in KEY_LAYOUT_ISAS:
-        raise NotImplementedError(f"kvcompress snapkv reads keys in the {KEY_LAYOUT_ISAS} layout, not {isa!r}")
-    keys = _prompt_keys(kv_cache, row.blocks, row.prompt_len)
+    kept = torch.cat([row.blocks[:lo], row.blocks[before:]])  # the tokens attended to so far, in order
+    keys = layout.read(kv_cache, kept, row.context - (before - lo) * policy.block_size)
     votes = _votes(queries, keys, scale, policy.config.kernel)
-    scores = _block_scores(votes, policy.block_size)[:, :candidates]
-    chosen = scores.topk(keep, dim=1).indices.sort(dim=1).values  # [H_kv, keep]
+    scores = _block_scores(votes, policy.block_size)[:, : lo + after - before]  # the candidates
+    chosen = scores.topk(lo, dim=1).indices.sort(dim=1).values  # [H_kv, lo]
     heads = torch.arange(kv_cache.shape[1]).unsqueeze(1)
-    sources = row.blocks[chosen]
-    targets = row.blocks[:keep].unsqueeze(0).expand_as(sources)
+    sources = kept[chosen]
+    targets = row.blocks[:lo].unsqueeze(0).expand_as(sources)
     kv_cache[targets, heads] = kv_cache[sources, heads]
-
-
-def _prompt_keys(kv_cache, blocks: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """``[H_kv, prompt_len, head_size]`` float32 keys of the prompt's blocks (``vec`` layout)."""
-    num_blocks, num_heads, block_size, twice_head = kv_cache.shape
-    head_size = twice_head // 2
-    slabs = kv_cache[blocks].view(len(blocks), num_heads, 2 * block_size, head_size)[:, :, :block_size]
-    keys = slabs.reshape(len(blocks), num_heads, head_size, block_size).transpose(2, 3)
-    return keys.permute(1, 0, 2, 3).reshape(num_heads, -1, head_size)[:, :prompt_len].float()
 
 
 def _votes(queries: torch.Tensor, keys: torch.Tensor, scale: float, kernel: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import SnapKVBlocks
 from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
 
@@ -19,8 +20,9 @@ from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
 class SnapKVTracker:
     """Which rows stash queries and which compress their prompt in a step, and every row's compressed prompt length."""
 
-    def __init__(self, policy: SnapKVBlocks) -> None:
+    def __init__(self, policy: SnapKVBlocks, layout: KeyLayout) -> None:
         self.policy = policy
+        self.layout = layout
         self.prompt_len = torch.zeros(0, dtype=torch.long)  # by first block id; 0: not compressed
         self.pending = torch.zeros(0, dtype=torch.bool)  # by first block id: prefilled, not yet compressed
 
@@ -43,14 +45,19 @@ class SnapKVTracker:
         self.prompt_len[keys[selecting]] = context[selecting]
         self.pending[keys[selecting]] = False
         self.pending[keys[prefilling]] = True
+        prompt_len = self.prompt_len[keys]
+        decoding = ~prefilling & live & (prompt_len > 0)
+        reselecting = decoding & self.policy.reselects(context, prompt_len)
+        stashing = prefilling | (decoding & self.policy.stashes(context, prompt_len))
         step = None
-        if prefilling.any() or selecting.any():
+        if stashing.any() or selecting.any() or reselecting.any():
             step = SnapKVStep(
                 self.policy,
-                self._stash_rows(common, keys, context, prefilling),
-                self._select_rows(table, keys, context, selecting),
+                self.layout,
+                self._stash_rows(common, keys, context, stashing),
+                self._select_rows(table, keys, context, prompt_len, selecting | reselecting, selecting),
             )
-        return step, self.prompt_len[keys]
+        return step, prompt_len
 
     @staticmethod
     def _stash_rows(common, keys, context, prefilling) -> list[StashRow]:
@@ -60,10 +67,12 @@ class SnapKVTracker:
             for i in prefilling.nonzero().flatten().tolist()
         ]
 
-    def _select_rows(self, table, keys, context, selecting) -> list[SelectRow]:
+    def _select_rows(self, table, keys, context, prompt_len, selecting, first) -> list[SelectRow]:
         rows = []
         for i in selecting.nonzero().flatten().tolist():
-            prompt_len = int(context[i])
-            num_blocks = -(-prompt_len // self.policy.block_size)
-            rows.append(SelectRow(int(keys[i]), prompt_len, table[i, :num_blocks].long().clone()))
+            tokens, length = int(context[i]), int(prompt_len[i])
+            lo, after = self.policy.worker_range(tokens, length)
+            before = lo if first[i] else self.policy.worker_range(tokens - 1, length)[1]
+            blocks = table[i, : -(-tokens // self.policy.block_size)].long().clone()
+            rows.append(SelectRow(int(keys[i]), tokens, int(lo), int(before), int(after), blocks))
         return rows

@@ -1,0 +1,103 @@
+"""Where vLLM's CPU attention kernel keeps each key element: learnt from vLLM's own cache writer, per layout.
+
+vLLM's CPU KV cache is a ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` tensor whose content is laid
+out for the kernel's ISA (``vec``, ``vec16``, ``amx``, ``neon``, ``vsx``, ``vxe``, ``rvv``: chosen by vLLM from the
+CPU, the dtype, the block size and the head size), e.g. ``vec`` stores a ``[block, head]`` key slab transposed.
+Block SnapKV needs the prompt's keys back, so instead of assuming one layout, ``KeyLayout`` writes probe keys
+through vLLM's ``cpu_attn_reshape_and_cache`` for the layer's ISA and records where each ``(head, token, dim)``
+key element lands in a block: every layout vLLM can write is read back exactly, without knowing it.
+
+The probe values are small integers (exact in bfloat16 and float16), one pass per base-128 digit of each
+coordinate. The probe also checks what the block moves of ``kvcompress.vllm.snapkv`` rely on: each KV head's
+keys and values lie inside its own ``[block, head]`` slab. A layout that breaks this, an ISA whose kernel this
+vLLM build lacks, or a quantised (fp8) cache is refused with a ``ValueError`` naming it, when the engine builds
+its attention metadata (start-up), not at the first compression.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DIGIT = 128  # probe values 1..DIGIT are exact integers in every floating KV dtype vLLM's CPU cache uses
+
+
+class KeyLayout:
+    """The offsets, in one block of the CPU KV cache, of each key element ``[head, token, dim]``."""
+
+    def __init__(self, isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int) -> None:
+        self.isa = isa
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"kvcompress: snapkv reads keys back from the KV cache and needs a floating-point cache "
+                f"(--kv-cache-dtype auto), not {dtype}"
+            )
+        self.shape = (num_kv_heads, block_size, head_size)
+        coordinates = torch.stack(
+            torch.meshgrid(*(torch.arange(n) for n in self.shape), indexing="ij"), dim=-1
+        ).reshape(-1, 3)  # [(head, token, dim)] of every key element
+        offsets = None
+        decoded = torch.zeros_like(coordinates)  # at each cache offset, the coordinates of the element written there
+        for axis, size in enumerate(self.shape):
+            scale = 1
+            while scale < size:
+                digit = (coordinates[:, axis] // scale) % DIGIT + 1
+                block = self._write(digit.reshape(self.shape), torch.zeros(self.shape), dtype)
+                written = block.nonzero().flatten()
+                if offsets is None:
+                    offsets = written
+                    if len(offsets) != len(coordinates):
+                        self._refuse(f"{len(offsets)} cache positions hold {len(coordinates)} key elements")
+                elif not torch.equal(written, offsets):
+                    self._refuse("key positions depend on the key values")
+                decoded[:, axis] += (block[offsets].long() - 1) * scale
+                scale *= DIGIT
+        order = decoded[:, 0] * (block_size * head_size) + decoded[:, 1] * head_size + decoded[:, 2]
+        if not torch.equal(order.sort().values, torch.arange(len(coordinates))):
+            self._refuse("key elements do not map one to one onto cache positions")
+        self.offsets = torch.empty_like(offsets)
+        self.offsets[order] = offsets  # offset in the block of key element (head, token, dim), row-major
+        slab = block_size * 2 * head_size  # elements of one [block, head] slab
+        key_heads = self.offsets.view(num_kv_heads, -1) // slab
+        if not torch.equal(key_heads, torch.arange(num_kv_heads).unsqueeze(1).expand_as(key_heads)):
+            self._refuse("a KV head's keys leave its [block, head] slab")
+        head_marks = (torch.arange(num_kv_heads) % DIGIT + 1).view(-1, 1, 1).expand(self.shape)
+        values = self._write(torch.zeros(self.shape), head_marks, dtype)
+        value_offsets = values.nonzero().flatten()
+        if len(value_offsets) != len(coordinates) or not torch.equal(
+            (value_offsets // slab) % DIGIT + 1, values[value_offsets].long()
+        ):
+            self._refuse("a KV head's values leave its [block, head] slab")
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One block written by vLLM's cache writer for this ISA, flattened (float32)."""
+        from vllm import _custom_ops as ops
+
+        heads, block_size, head_size = self.shape
+        cache = torch.zeros(1, heads, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = cache.view(1, heads, 2 * block_size, head_size).chunk(2, dim=2)
+        try:
+            ops.cpu_attn_reshape_and_cache(
+                keys.transpose(0, 1).to(dtype).contiguous(),
+                values.transpose(0, 1).to(dtype).contiguous(),
+                key_cache,
+                value_cache,
+                torch.arange(block_size),
+                self.isa,
+            )
+        except RuntimeError as error:
+            self._refuse(f"this vLLM build cannot write it ({str(error).splitlines()[0]})")
+        return cache.flatten().float()
+
+    def _refuse(self, why: str) -> None:
+        heads, block_size, head_size = self.shape
+        raise ValueError(
+            f"kvcompress: snapkv cannot read keys back in vLLM's {self.isa!r} CPU KV layout ({heads} KV heads, "
+            f"block size {block_size}, head size {head_size}): {why}"
+        )
+
+    def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[num_kv_heads, num_tokens, head_size]`` float32 keys of the first ``num_tokens`` tokens of ``blocks``."""
+        heads, block_size, head_size = self.shape
+        offsets = self.offsets.to(kv_cache.device)
+        keys = kv_cache[blocks].flatten(1)[:, offsets].view(len(blocks), heads, block_size, head_size)
+        return keys.transpose(0, 1).reshape(heads, -1, head_size)[:, :num_tokens].float()
