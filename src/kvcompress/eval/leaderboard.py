@@ -35,6 +35,8 @@ import torch
 
 from kvcompress.eval.report import load_results, mean_se, subtask_table
 from kvcompress.eval.runner import parse_task_params, run_eval
+from kvcompress.eval.tasks import TASKS
+from kvcompress.eval.tasks.qa import QATask
 
 DEFAULT_METHODS = (
     "full",
@@ -194,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
+    answering = [name for name, task in TASKS.items() if issubclass(task, QATask)]
+    if args.task not in answering:
+        raise ValueError(f"--task must be a question-answering task ({', '.join(answering)}); got {args.task!r}")
     kept = parse_kept(args.kept)
     params = {"modes": "agnostic", **parse_task_params(args.param)}
     methods = [m.strip().replace(";", ",") for m in args.methods.split(",") if m.strip()]
