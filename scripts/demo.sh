@@ -18,7 +18,7 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 THREADS="$OMP_NUM_THREADS"
 SAMPLES="${DEMO_SAMPLES:-8}"
-METHODS="${DEMO_METHODS:-full,kvzip,expected_attention,keydiff,snapkv,knorm,tova_oneshot,streaming}"
+METHODS="${DEMO_METHODS:-full,kvzip,keydiff,snapkv,streaming}"
 TASKS="niah_single_1+niah_single_2+niah_multikey_1+niah_multivalue"
 
 echo "== [2/4] one question, three caches (smollm2-135m) =="
