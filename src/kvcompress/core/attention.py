@@ -20,6 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import causal_mask, chunked_softmax
@@ -51,7 +52,8 @@ def kvcompress_attention(
     padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(attention_mask, queries):
         padding = attention_mask[:, -queries:]
-    output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
+    with recorded_as_computed():  # (a backward pass reads what this step saw, whatever later steps write)
+        output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from kvcompress.core.contract import MethodConfig
+from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.layer_batch import LayerBatch
 from kvcompress.core.model_spec import ModelSpec
@@ -58,7 +59,8 @@ class CompressedCache(Cache):
         """Store a layer's new keys and values (``Cache.update``), refusing keys of another model."""
         if layer_idx == 0 or layer_idx >= self.model_spec.layers:
             self._check_forward(layer_idx, key_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        with recorded_as_computed():
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Once per forward (layer 0): the shapes match, the previous forward reached the last layer (else the model

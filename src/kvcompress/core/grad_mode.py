@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -25,3 +26,24 @@ def without_grad(function: Callable[P, R]) -> Callable[P, R]:
             return function(*args, **kwargs)
 
     return wrapper
+
+
+def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone()
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def recorded_as_computed() -> contextlib.AbstractContextManager:
+    """Where gradients are recorded, every tensor autograd saves for the backward pass is saved as a copy: a
+    compressed cache writes its slots, rings and states in place at later steps, which would otherwise change (and
+    invalidate) what an earlier step's backward reads. Elsewhere (``torch.no_grad``, ``torch.inference_mode``) no
+    context is entered. The backward pass then sees exactly the values of the forward."""
+    if not torch.is_grad_enabled():
+        return _NOTHING
+    return torch.autograd.graph.saved_tensors_hooks(_snapshot, _unchanged)
+
+
+_NOTHING = contextlib.nullcontext()
