@@ -88,7 +88,9 @@ def test_gradients_without_eviction_equal_the_models_own_cache(method, ids):
     cache = kvcompress.cache_for(model, method, **NO_EVICTION[method])
     next_token_loss(run_steps(model, cache, ids), ids).backward()
     for (name, mine), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{method} {name}: {m}")
+        torch.testing.assert_close(
+            mine.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{method} {name}: {m}"
+        )
 
 
 def _own_steps(model, ids: torch.Tensor) -> torch.Tensor:
