@@ -31,7 +31,7 @@ from kvcompress.eval.tasks import TASKS, make_task, run_task
 from kvcompress.eval.tasks.base import Task
 from kvcompress.machine import cpu_name, versions
 from kvcompress.models import load_model
-from kvcompress.results import read_rows
+from kvcompress.results import ResultsFile, read_rows  # noqa: F401 (read_rows: also read from here)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ def row_key(row: dict[str, Any]) -> str:
     """What makes two result rows the same evaluation."""
     fields = ("task", "model", "seed", "task_params", "sample", "mode", "method", "params", "budget")
     return json.dumps([row.get(f) for f in fields], sort_keys=True)
+
+
+def result_key(row: dict[str, Any]) -> str | None:
+    """``row_key`` of a result row; ``None`` for other rows (environment rows)."""
+    return row_key(row) if row.get("kind", "result") == "result" else None
 
 
 def environment() -> dict[str, Any]:
@@ -99,12 +104,11 @@ def run_eval(
     items = evaluation.build_samples(samples)
 
     path = results_path(out_dir, task)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = {row_key(row) for row in read_rows(path) if row.get("kind") == "result"}
+    results = ResultsFile(path, result_key)  # other runs may append to it meanwhile: neither writes a row twice
     common = {"model": name, "seed": seed, "task_params": evaluation.record_params()}
 
     def is_done(identity: dict[str, Any]) -> bool:
-        return row_key({**identity, **common}) in done
+        return results.done(row_key({**identity, **common}))
 
     total = len(items) * len(evaluation.modes) * len(configs)
     already = sum(
@@ -116,28 +120,24 @@ def run_eval(
         for c in configs
     )
     logger.info("%s: %d evaluations, %d already in %s", task, total, already, path)
-    with path.open("a", encoding="utf-8") as handle:
-        if already < total:
-            handle.write(json.dumps(environment()) + "\n")
-            handle.flush()
-        rows = run_task(evaluation, configs, items, skip=is_done)
-        if progress:
-            columns = (
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-            )
-            with Progress(*columns, transient=False) as bar:
-                job = bar.add_task(task, total=total, completed=already)
-                for row in rows:
-                    handle.write(json.dumps({"kind": "result", **common, **row}) + "\n")
-                    handle.flush()
-                    bar.update(job, advance=1, description=f"{task} {row['sample']} {row['label']} {row['budget']}")
-        else:
+    if already < total:
+        results.append(environment())
+    rows = run_task(evaluation, configs, items, skip=is_done)
+    if progress:
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, transient=False) as bar:
+            job = bar.add_task(task, total=total, completed=already)
             for row in rows:
-                handle.write(json.dumps({"kind": "result", **common, **row}) + "\n")
-                handle.flush()
+                results.append({"kind": "result", **common, **row})
+                bar.update(job, advance=1, description=f"{task} {row['sample']} {row['label']} {row['budget']}")
+    else:
+        for row in rows:
+            results.append({"kind": "result", **common, **row})
     return path
 
 
