@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from kvcompress.core.cache import watch_inputs
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.grad_mode import recorded_as_computed
@@ -219,11 +220,13 @@ def register_attention(name: str, attention: Callable, mask: Callable) -> None:
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Register kvcompress attention and switch the model to it. Returns the model.
+    """Register kvcompress attention and switch the model to it, and check the inputs of every forward through a
+    compressed cache (``core.cache.check_inputs``). Returns the model.
 
     The model still works with ordinary caches afterwards (plain causal attention with padding).
     """
     register_attention(ATTENTION_NAME, kvcompress_attention, padding_mask_passthrough)
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
+    watch_inputs(model)  # every forward with a compressed cache checks the model and its inputs first
     return model

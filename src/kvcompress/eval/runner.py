@@ -99,6 +99,11 @@ def run_eval(
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
     configs = expand_configs(methods, budgets)
+    if not configs:  # nothing to run is a mistake, not a finished run
+        raise ValueError(
+            f"methods {list(methods)} x budgets {list(budgets)} give no evaluation (give at least one method; a ratio "
+            "budget applies only to methods with a ratio)"
+        )
     name, model, tokenizer = _load(model_name)
     evaluation: Task = make_task(task, model, tokenizer, seed=seed, **task_params)
     items = evaluation.build_samples(samples)
@@ -186,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         params["data"] = str(data_root(args.data))  # a missing folder fails here, before the model loads
     # Method parameters are separated by ';' on the command line, since ',' separates methods.
     methods = [m.replace(";", ",") for m in _split(args.methods)]
+    for option, given in (("--methods", methods), ("--budgets", _split(args.budgets))):
+        if not given:
+            parser.error(f"{option} {getattr(args, option[2:])!r} names nothing to run; give a comma-separated list")
     path = run_eval(args.task, args.model, methods, _split(args.budgets), args.samples, args.seed, args.out, **params)
     print(path)
     return 0

@@ -313,11 +313,7 @@ def train_less(
     for layer_idx in track_if(todo, f"training {len(todo)} layers", progress):
         if layer_file(out, layer_idx).exists():  # finished meanwhile by another process on the same directory
             continue
-        saved = load_tensors(
-            activations / f"layer_{layer_idx:03d}.pt",
-            "saved attention inputs",
-            f"delete {activations} to collect them again",
-        )
+        saved = load_tensors(activations / f"layer_{layer_idx:03d}.pt", "attention inputs", f"delete {activations}")
         kernels, record = train_layer(model, layer_idx, saved, base_config, plus_config, settings)
         save_layer(out, layer_idx, kernels, extra=record)
         logger.info(
