@@ -13,6 +13,7 @@ import kvcompress
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.models.testing import tiny_model
 from tests.robustness.test_gradients import EVICTING
+from tests.test_cache import method_of
 
 IDS = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(7))
 
@@ -93,10 +94,9 @@ def test_generate_after_prefill_continues_the_prompt(model):
     assert torch.equal(out[:, :12], IDS) and out.shape[1] == 15
 
 
-@pytest.mark.parametrize("method", sorted(EVICTING))
-def test_reset_makes_a_used_cache_generate_as_a_fresh_one(method):
-    model = tiny_model("llama")
-    params = EVICTING[method]
+@pytest.mark.parametrize("key", sorted(EVICTING))
+def test_reset_makes_a_used_cache_generate_as_a_fresh_one(key):
+    model, method, params = tiny_model("llama"), method_of(key), EVICTING[key]
     long = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
     cache = kvcompress.cache_for(model, method, **params)
     generate(model, long, cache, max_new_tokens=4)
@@ -109,10 +109,10 @@ def test_reset_makes_a_used_cache_generate_as_a_fresh_one(method):
     torch.testing.assert_close(torch.stack(again.logits), torch.stack(fresh.logits), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", sorted(EVICTING))
-def test_a_one_token_prompt_generates_with_every_method(method):
+@pytest.mark.parametrize("key", sorted(EVICTING))
+def test_a_one_token_prompt_generates_with_every_method(key):
     model = tiny_model("llama")
-    cache = kvcompress.cache_for(model, method, **EVICTING[method])
+    cache = kvcompress.cache_for(model, method_of(key), **EVICTING[key])
     out = generate(model, IDS[:, :1], cache, max_new_tokens=12)
     assert out.shape == (1, 13)
 

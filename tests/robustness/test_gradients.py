@@ -12,34 +12,17 @@ import kvcompress
 from kvcompress.core.softmax import chunked_softmax
 from kvcompress.generation import cache_argument
 from kvcompress.models.testing import tiny_model
+from tests.test_cache import EVICTING as CACHE_TESTS
+from tests.test_cache import method_of
 from tests.test_equivalence import NO_EVICTION
 
-# every method evicting from a 24-token prompt and the 4 tokens decoded after it
-EVICTING = {
-    "full": {},
-    "window": {"budget": 8},
-    "streaming": {"budget": 8},
-    "cascade": {"budget": 8},
-    "h2o": {"budget": 8},
-    "tova": {"budget": 8},
-    "scissorhands": {"budget": 8},
-    "snapkv": {"budget": 8, "window": 4},
-    "random": {"budget": 8},
-    "knorm": {"budget": 8},
-    "buzz": {"budget": 16},
-    "less": {"budget": 8},
-    "nacl": {"budget": 8},
-    "h2o_oneshot": {"budget": 8},
-    "tova_oneshot": {"budget": 8},
-    "scissorhands_oneshot": {"budget": 8},
-    "streaming_oneshot": {"budget": 8},
-    "pod": {"block_size": 2, "n_recent": 4},
-}
+# every method (several settings of some) evicting from a 24-token prompt and the 4 tokens decoded after it
+EVICTING = {**CACHE_TESTS, "full": {}, "pod": {"block_size": 2, "n_recent": 4}}
 PROMPT, STEPS = 24, 4
 
 
 def test_every_registered_method_is_covered():
-    assert set(EVICTING) == set(kvcompress.METHODS)
+    assert {method_of(key) for key in EVICTING} == set(kvcompress.METHODS)
 
 
 def run_steps(model, cache, ids: torch.Tensor) -> torch.Tensor:
@@ -59,12 +42,12 @@ def ids():
     return torch.randint(3, 128, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("method", sorted(EVICTING))
-def test_backward_through_an_evicting_cache_for_every_method(method, ids):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("key", sorted(EVICTING))
+def test_backward_through_an_evicting_cache_for_every_method(key, ids):
+    model, method = tiny_model("llama"), method_of(key)
     with torch.no_grad():
-        expected = run_steps(model, kvcompress.cache_for(model, method, **EVICTING[method]), ids)
-    cache = kvcompress.cache_for(model, method, **EVICTING[method])
+        expected = run_steps(model, kvcompress.cache_for(model, method, **EVICTING[key]), ids)
+    cache = kvcompress.cache_for(model, method, **EVICTING[key])
     assert torch.is_grad_enabled()
     logits = run_steps(model, cache, ids)  # gradients on, as in a notebook
     if method != "full":  # something was evicted (PoD: keys shared between layers)
