@@ -53,8 +53,12 @@ def kvcompress_attention(
     padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(attention_mask, queries):
         padding = attention_mask[:, -queries:]
-    with recorded_as_computed():  # (a backward pass reads what this step saw, whatever later steps write)
-        output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
+    positions = kwargs.get("position_ids")
+    if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
+        with recorded_as_computed():
+            output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
+    else:
+        output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -106,8 +106,10 @@ class CompressedCache(Cache):
         """Store a layer's new keys and values (``Cache.update``), refusing keys of another model."""
         if layer_idx == 0 or layer_idx >= self.model_spec.layers:
             self._check_forward(layer_idx, key_states)
-        with recorded_as_computed():
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
+            with recorded_as_computed():
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Once per forward (layer 0): the shapes match, the previous forward reached the last layer (else the model

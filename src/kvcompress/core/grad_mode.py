@@ -1,4 +1,5 @@
-"""``without_grad``: ``torch.no_grad`` for functions that run at every layer of every decoding step."""
+"""``without_grad``: ``torch.no_grad`` for functions that run at every layer of every decoding step;
+``recorded_as_computed``: what a backward pass through a compressed cache reads, saved as a copy."""
 
 from __future__ import annotations
 
@@ -37,13 +38,8 @@ def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def recorded_as_computed() -> contextlib.AbstractContextManager:
-    """Where gradients are recorded, every tensor autograd saves for the backward pass is saved as a copy: a
-    compressed cache writes its slots, rings and states in place at later steps, which would otherwise change (and
-    invalidate) what an earlier step's backward reads. Elsewhere (``torch.no_grad``, ``torch.inference_mode``) no
-    context is entered. The backward pass then sees exactly the values of the forward."""
-    if not torch.is_grad_enabled():
-        return _NOTHING
+    """Every tensor autograd saves for the backward pass inside this block is saved as a copy: a compressed cache
+    writes its slots, rings and states in place at later steps, which would otherwise change (and invalidate) what an
+    earlier step's backward reads. The backward pass then sees exactly the values of the forward. Callers enter it
+    only where gradients are on (``torch.is_grad_enabled()``): elsewhere nothing is saved and no context is needed."""
     return torch.autograd.graph.saved_tensors_hooks(_snapshot, _unchanged)
-
-
-_NOTHING = contextlib.nullcontext()

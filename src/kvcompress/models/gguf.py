@@ -67,7 +67,9 @@ def _ensure_converted(spec: ModelSpec) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(root, f".{spec.name}.partial-")
     if final.exists():
-        logger.warning("The converted %s in %s is incomplete, damaged or outdated; converting it again", spec.name, final)
+        logger.warning(
+            "The converted %s in %s is incomplete, damaged or outdated; converting it again", spec.name, final
+        )
     logger.warning(
         "Converting %s (%s) to fp32 safetensors in %s; this takes a minute or more, once.",
         spec.name,
