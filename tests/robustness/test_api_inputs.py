@@ -121,7 +121,7 @@ def test_a_cache_continued_by_another_model_is_refused(model):
     cache = h2o(model)
     model(IDS, **cache_argument(model, cache))
     other = kvcompress.prepare_model(tiny_model("qwen2"))  # the same layer count, heads and head size
-    with pytest.raises(ValueError, match="built for a LlamaForCausalLM and is continued by .*model_type 'llama' vs"):
+    with pytest.raises(ValueError, match="built for LlamaForCausalLM .* continued by Qwen2ForCausalLM .*'llama' vs"):
         other(IDS[:, :1], **cache_argument(other, cache))
 
 

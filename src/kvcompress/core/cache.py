@@ -48,7 +48,7 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, CompressedCache):
         return
-    cache.model_check.check(getattr(model, "config", None))
+    cache.model_check.check(model)
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     new = ids.shape[-1] if isinstance(ids, torch.Tensor) else embeds.shape[1] if embeds is not None else None

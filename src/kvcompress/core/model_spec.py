@@ -80,14 +80,15 @@ class ModelSpec:
         )
 
 
-# what makes two models' keys and values interchangeable in a cache: the architecture and its configuration
+# what makes two models' keys and values interchangeable in a cache: the architecture and its configuration (the
+# shapes first, so a refusal names them first)
 ARCHITECTURE_FIELDS = (
-    "model_type",
-    "hidden_size",
     "num_hidden_layers",
-    "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
     "intermediate_size",
     "vocab_size",
     "max_position_embeddings",
@@ -113,14 +114,15 @@ def architecture(config: object) -> tuple:
 class ModelCheck:
     """The model a cache was built for, as every forward through the cache checks it: the model's config is the
     cache's model's own (one identity comparison), or one of the same architecture and configuration (then accepted:
-    a copy or a reload of the model); another model is refused with a ``ValueError`` naming what differs."""
+    a copy or a reload of the model); another model is refused with a ``ValueError`` naming both and what differs."""
 
     def __init__(self, model: nn.Module) -> None:
         self.config = model.config
-        self.model = type(model).__name__
+        self.spec = ModelSpec.of(model)
         self.fields = architecture(self.config)
 
-    def check(self, config: object) -> None:
+    def check(self, model: nn.Module) -> None:
+        config = getattr(model, "config", None)
         if config is self.config or config is None:
             return
         fields = architecture(config)
@@ -129,6 +131,6 @@ class ModelCheck:
             return
         differ = [f"{a[0]} {a[1]} vs {b[1]}" for a, b in zip(self.fields, fields, strict=True) if a != b]
         raise ValueError(
-            f"this cache was built for a {self.model} and is continued by a model of another architecture or "
-            f"configuration ({'; '.join(differ[:3])}): build one cache per model with kvcompress.cache_for(model, ...)"
+            f"this cache was built for {self.spec.describe()} and is continued by {ModelSpec.of(model).describe()} "
+            f"({'; '.join(differ[:3])}): build one cache per model with kvcompress.cache_for(model, ...)"
         )
