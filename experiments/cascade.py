@@ -393,7 +393,7 @@ def paired_bootstrap(diff: torch.Tensor, block: int = 200, samples: int = 2000, 
 
 
 def _records(out: Path, kind: str) -> dict[str, dict]:
-    return {p.stem: torch.load(p) for p in sorted((out / kind).glob("*.pt"))}
+    return {p.stem: torch.load(p, weights_only=True) for p in sorted((out / kind).glob("*.pt"))}
 
 
 def _scored(record: dict, replay: bool) -> torch.Tensor:

@@ -21,9 +21,14 @@ def cache_for(model: PreTrainedModel, method: str | MethodConfig = "full", **par
     """Prepare ``model`` for kvcompress attention and return an empty cache applying ``method`` to every layer.
 
     ``method`` is a registry name (see ``kvcompress.METHODS``) with its parameters as keywords, e.g.
-    ``cache_for(model, "h2o", budget=512)``, or a method config object. Use a fresh cache per generation.
+    ``cache_for(model, "h2o", budget=512)``, or a method config object. Use a fresh cache per generation (or
+    ``cache.reset()`` it): a second ``generate`` on a cache an earlier one filled is refused.
     """
     config = make_config(method, **params)
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"model must be a transformers causal language model (a PreTrainedModel); got {type(model).__name__}"
+        )
     prepare_model(model)
     return CompressedCache(model, config)
 

@@ -192,12 +192,13 @@ def delegate(module: str, argv: list[str], prog: str) -> None:
     """Run ``module.main(argv)`` as if it were this command, and exit with its status. Its argparse errors become
     ``ValueError`` (one line, exit status 2, like every user error) instead of argparse's usage block."""
     sys.argv[0] = prog
-    original = argparse.ArgumentParser.error
+    original = argparse.ArgumentParser.error, argparse.ArgumentParser.parse_known_args
     argparse.ArgumentParser.error = _argument_error
+    argparse.ArgumentParser.parse_known_args = _once_each
     try:
         status = importlib.import_module(module).main(argv)
     finally:
-        argparse.ArgumentParser.error = original
+        argparse.ArgumentParser.error, argparse.ArgumentParser.parse_known_args = original
     raise typer.Exit(status or 0)
 
 
@@ -205,7 +206,44 @@ def _argument_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     raise ValueError(message)
 
 
-def choose(kind: str, name: str, table: dict[str, str]) -> str:
+def _once_each(parser: argparse.ArgumentParser, args=None, namespace=None):
+    """``parse_known_args`` refusing an option given twice (argparse keeps the last value silently); options that
+    collect values (``action="append"``, counts) may repeat."""
+    tokens = list(sys.argv[1:] if args is None else args)
+    repeatable = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction, argparse._ExtendAction)
+    actions = {
+        option: action for option, action in parser._option_string_actions.items() if not isinstance(action, repeatable)
+    }
+    repeated(tokens, actions, parser.error)
+    return argparse.ArgumentParser.parse_known_args.__wrapped__(parser, args, namespace)
+
+
+_once_each.__wrapped__ = argparse.ArgumentParser.parse_known_args
+
+
+def repeated(tokens: list[str], options: dict[str, object], error) -> None:
+    """Call ``error`` naming the first of ``options`` (option string: what it sets, aliases sharing one) that
+    ``tokens`` give twice (``--name value`` or ``--name=value``; nothing after ``--`` counts)."""
+    given: dict[int, str] = {}
+    for token in tokens:
+        if token == "--":
+            return
+        option = token.split("=", 1)[0] if token.startswith("--") else token
+        target = options.get(option)
+        if target is None:
+            continue
+        if id(target) in given:
+            first = given[id(target)]
+            error(f"{option} is given twice{'' if first == option else f' (as {first} and {option})'}; give it once")
+        given[id(target)] = option
+
+
+def choose(kind: str, name: str, table: dict[str, str], ctx: typer.Context) -> str:
+    """The module of ``name``; ``--help``/``-h`` in its place prints the command's help and exits with 0."""
+    if name in ("--help", "-h"):
+        typer.echo(ctx.get_help())
+        typer.echo(f"\nEach {kind} has its own options: `{ctx.command_path} NAME --help`.")
+        raise typer.Exit(0)
     if name not in table:
         raise typer.BadParameter(f"{kind} must be one of {', '.join(table)}; got {name!r}")
     return table[name]
@@ -238,13 +276,13 @@ def lm_eval(ctx: typer.Context) -> None:
 @app.command(context_settings=PASS_THROUGH)
 def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="cache-op | decode | prefill")]) -> None:
     """Benchmarks: cache-op latency, decode step time vs context, prefill time and peak memory."""
-    delegate(choose("benchmark", name, BENCHMARKS), ctx.args, f"kvcompress bench {name}")
+    delegate(choose("benchmark", name, BENCHMARKS, ctx), ctx.args, f"kvcompress bench {name}")
 
 
 @app.command(context_settings=PASS_THROUGH)
 def train(ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt")]) -> None:
     """Training steps: LESS kernels, PoD calibration and adaptation."""
-    delegate(choose("trainer", name, TRAINERS), ctx.args, f"kvcompress train {name}")
+    delegate(choose("trainer", name, TRAINERS, ctx), ctx.args, f"kvcompress train {name}")
 
 
 @app.callback()
@@ -263,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     args = [arg for arg in args if arg != "--debug"]
     logging.basicConfig(level=logging.WARNING)
     try:
+        check_repeated_options(args)
         status = app(args=args, prog_name="kvcompress", standalone_mode=False)
     except Exception as error:
         if debug or not isinstance(error, (CLICK_ERROR, ModuleNotFoundError, *USER_ERRORS)):
@@ -290,6 +329,29 @@ def report_error(error: Exception, args: list[str]) -> int:
     command = "kvcompress" + (f" {args[0]}" if args and args[0] in app_commands() else "")
     sys.stderr.write(f"{command}: error: {' '.join(message.split())} (see `{command} --help`)\n")
     return USAGE_STATUS
+
+
+def check_repeated_options(args: list[str]) -> None:
+    """A ``ValueError`` for an option of a command defined here given twice (click keeps the last value silently);
+    options that take several values (``-p``) may repeat. Delegated commands check their own (``delegate``)."""
+    if not args:
+        return
+    group = typer.main.get_command(app)
+    command = group.commands.get(args[0]) if hasattr(group, "commands") else None
+    if command is None or command.context_settings.get("ignore_unknown_options"):
+        return
+    options = {}
+    for param in command.params:
+        if getattr(param, "multiple", False) or getattr(param, "count", False) or not hasattr(param, "opts"):
+            continue
+        for option in (*param.opts, *param.secondary_opts):
+            if option.startswith("-"):  # (an argument's name is no option)
+                options[option] = param
+    repeated(args[1:], options, _raise_value_error)
+
+
+def _raise_value_error(message: str) -> NoReturn:
+    raise ValueError(message)
 
 
 def app_commands() -> set[str]:

@@ -38,6 +38,26 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def check_input_ids(input_ids: object, least: int = 1) -> None:
+    """``input_ids`` must be a ``[batch, tokens]`` integer tensor of at least ``least`` tokens (``ValueError``)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        found = f"a tensor of shape {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else "not a tensor"
+        raise ValueError(f"input_ids must be an integer tensor [batch, tokens]; got {found}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] < least:
+        raise ValueError(
+            f"input_ids must hold at least {least} token{'s' if least > 1 else ''} per sequence; got shape "
+            f"{list(input_ids.shape)}"
+        )
+
+
+def check_attention_mask(attention_mask: torch.Tensor, batch: int, total: int, seen: int) -> None:
+    """A ``[batch, total]`` mask: the tokens the cache has ``seen`` and the new ones (``ValueError`` otherwise)."""
+    if tuple(attention_mask.shape) != (batch, total):
+        earlier = f" ({seen} the cache has seen + {total - seen} new)" if seen else ""
+        shape = list(attention_mask.shape)
+        raise ValueError(f"attention_mask must have shape [batch, tokens] = [{batch}, {total}]{earlier}; got {shape}")
+
+
 def _check_chunk_size(chunk_size: int | None) -> None:
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be an integer >= 1 or None (one pass), got {chunk_size!r}")
@@ -61,10 +81,12 @@ def prefill(
     tokens lies inside it. The cache may already hold earlier tokens (then ``attention_mask`` covers them too).
     """
     _check_chunk_size(chunk_size)
+    check_input_ids(input_ids)
     seen = cache.get_seq_length()
     total = seen + input_ids.shape[1]
     if attention_mask is None:
         attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
+    check_attention_mask(attention_mask, input_ids.shape[0], total, seen)
     positions = positions_from_mask(attention_mask)
     length = input_ids.shape[1]
     step = chunk_size or length
@@ -100,6 +122,7 @@ def stream_nll(
     every forward. Returns ``[T - 1]`` float32 losses: entry ``t`` is ``-log p(x[t+1] | x[..t])``.
     """
     _check_chunk_size(chunk_size)
+    check_input_ids(input_ids, least=2)  # (the first token has no loss: one token gives nothing to score)
     if input_ids.shape[0] != 1:
         raise ValueError(f"stream_nll takes one stream (input_ids of shape [1, T]); got batch {input_ids.shape[0]}")
     length = input_ids.shape[1]

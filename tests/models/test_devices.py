@@ -10,8 +10,10 @@ raises, and the cache must store keys and values in the model's dtype.
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,9 +49,24 @@ class DeviceCheck(TorchDispatchMode):
         return out
 
 
+# the package's own files: matched by location, not by a "/kvcompress/" in the path, which a checkout or virtual
+# environment inside a folder of that name (a clone's .venv/lib/.../torch) would also match
+PACKAGE = str(Path(kvcompress.__file__).resolve().parent) + os.sep
+
+
 def _library_frame() -> str:
-    frames = [f for f in traceback.extract_stack() if "/kvcompress/" in f.filename and "/tests/" not in f.filename]
+    frames = [f for f in traceback.extract_stack() if str(Path(f.filename).resolve()).startswith(PACKAGE)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "transformers"
+
+
+def test_frames_are_attributed_by_the_packages_location_not_by_a_folder_name():
+    """A virtual environment inside a checkout named kvcompress (a fresh clone's .venv) is no library frame."""
+    namespace = {"_library_frame": _library_frame}
+    exec(
+        compile("def torch_internal():\n    return _library_frame()\n", "/x/kvcompress/.venv/torch/f.py", "exec"),
+        namespace,
+    )
+    assert namespace["torch_internal"]() == "transformers"  # (no package frame on this stack)
 
 
 @pytest.fixture(scope="module")

@@ -76,9 +76,9 @@ def test_a_model_without_rope_is_refused_clearly_and_runs_original_positions():
 @pytest.mark.parametrize(
     ("built_for", "used_with", "message"),
     [
-        ("llama-gqa", "gemma3-hybrid", "more than 2 layers"),
-        ("gemma3-hybrid", "llama-gqa", "stopped before layer 3"),
-        ("llama-gqa", "phi3-partial", "4 KV heads of dimension 16"),
+        ("llama-gqa", "gemma3-hybrid", "continued by .*4 layers.*num_hidden_layers 2 vs 4"),
+        ("gemma3-hybrid", "llama-gqa", "continued by .*2 layers.*num_hidden_layers 4 vs 2"),
+        ("llama-gqa", "phi3-partial", "continued by .*4 KV heads of dimension 16.*num_key_value_heads 2 vs 4"),
     ],
 )
 def test_a_cache_refuses_another_model(built_for, used_with, message):

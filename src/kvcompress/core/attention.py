@@ -18,8 +18,10 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from kvcompress.core.cache import watch_inputs
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import causal_mask, chunked_softmax
@@ -51,7 +53,12 @@ def kvcompress_attention(
     padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(attention_mask, queries):
         padding = attention_mask[:, -queries:]
-    output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
+    positions = kwargs.get("position_ids")
+    if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
+        with recorded_as_computed():
+            output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
+    else:
+        output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -217,11 +224,13 @@ def register_attention(name: str, attention: Callable, mask: Callable) -> None:
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Register kvcompress attention and switch the model to it. Returns the model.
+    """Register kvcompress attention and switch the model to it, and check the inputs of every forward through a
+    compressed cache (``core.cache.check_inputs``). Returns the model.
 
     The model still works with ordinary caches afterwards (plain causal attention with padding).
     """
     register_attention(ATTENTION_NAME, kvcompress_attention, padding_mask_passthrough)
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
+    watch_inputs(model)  # every forward with a compressed cache checks the model and its inputs first
     return model

@@ -10,9 +10,10 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from kvcompress.core.contract import MethodConfig
+from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.layer_batch import LayerBatch
-from kvcompress.core.model_spec import ModelSpec
+from kvcompress.core.model_spec import ModelCheck, ModelSpec
 from kvcompress.core.rope import layer_inv_freqs
 
 
@@ -27,6 +28,49 @@ def layer_class_for(config: MethodConfig, window: int | None) -> type[Compressed
         return layer_class
     by_config = getattr(config, "sliding_layer_class", None)
     return by_config(window) if by_config is not None else getattr(layer_class, "sliding_layer_class", layer_class)
+
+
+HOOKED = "_kvcompress_input_check"
+
+
+def watch_inputs(model: nn.Module) -> None:
+    """Check every forward of ``model`` that carries a ``CompressedCache`` before it runs (``check_inputs``): one
+    forward pre-hook per model, registered once."""
+    if getattr(model, HOOKED, None) is None and hasattr(model, "register_forward_pre_hook"):
+        setattr(model, HOOKED, model.register_forward_pre_hook(check_inputs, with_kwargs=True))
+
+
+def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward through a compressed cache, before the model runs: the model is the one the cache was built for (or
+    one of the same architecture and configuration), it brings at least one token, and a 2D ``attention_mask``
+    covers every token: those the cache has seen and the new ones. Each is a ``ValueError`` naming what is wrong,
+    instead of a failure deep inside ``transformers``."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, CompressedCache):
+        return
+    cache.model_check.check(model)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    new = ids.shape[-1] if isinstance(ids, torch.Tensor) else embeds.shape[1] if embeds is not None else None
+    if new == 0:
+        raise ValueError(
+            f"input_ids is empty (shape {list(ids.shape)}): a forward through a compressed cache needs at least one "
+            "new token"
+        )
+    positions = kwargs.get("position_ids")
+    if new is not None and isinstance(positions, torch.Tensor) and positions.shape[-1] != new:
+        raise ValueError(
+            f"position_ids cover {positions.shape[-1]} tokens but the forward brings {new} (generate derives them from "
+            "attention_mask: is it of another length than input_ids?)"
+        )
+    mask = kwargs.get("attention_mask")
+    seen = cache.get_seq_length()
+    if new is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
+        before = f" ({seen} the cache has seen + {new} new)" if seen else ""
+        raise ValueError(
+            f"attention_mask covers {mask.shape[-1]} tokens but the forward needs {seen + new}{before}: give a mask "
+            "of every token, or none"
+        )
 
 
 class CompressedCache(Cache):
@@ -47,8 +91,12 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.config = config
         self.model_spec = spec
+        self._generated = False  # a ``generate`` call has used this cache (see ``_is_user_defined``)
+        self.model_check = ModelCheck(model)
+        watch_inputs(model)
         # warn once past the trained length if some layer keeps original positions
-        self._warn_after = spec.max_positions if any(p.position_mode == "original" for p in policies) else None
+        self._keeps_original_positions = any(p.position_mode == "original" for p in policies)
+        self._warn_after = spec.max_positions if self._keeps_original_positions else None
         config.connect(self.compressed_layers)
         LayerBatch.connect(self.compressed_layers)
 
@@ -58,6 +106,9 @@ class CompressedCache(Cache):
         """Store a layer's new keys and values (``Cache.update``), refusing keys of another model."""
         if layer_idx == 0 or layer_idx >= self.model_spec.layers:
             self._check_forward(layer_idx, key_states)
+        if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
+            with recorded_as_computed():
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
@@ -72,6 +123,29 @@ class CompressedCache(Cache):
         if self._warn_after is not None and seen > self._warn_after:
             spec.warn_past_trained_length(seen, self.config.name)
             self._warn_after = None
+
+    # transformers' ``generate`` marks a cache handed to it with ``cache._is_user_defined = True`` when it starts:
+    # here that refuses a second generate on a cache an earlier one filled (its tokens would be taken as the prompt's
+    # start and the new prompt cut or dropped), while a generate after ``prefill`` continues that prompt as intended.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._generated
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if value and self._generated and self.get_seq_length() > 0:
+            raise ValueError(
+                f"this cache already holds the {self.get_seq_length()} tokens of an earlier generate: call "
+                "cache.reset() before generating again, or build a fresh one with kvcompress.cache_for(model, ...) "
+                "(one cache per generation)"
+            )
+        self._generated = bool(value)
+
+    def reset(self) -> None:
+        """Empty every layer (``Cache.reset``): the cache is as built, for a new generation."""
+        super().reset()
+        self._generated = False
+        self._warn_after = self.model_spec.max_positions if self._keeps_original_positions else None
 
     @property
     def compressed_layers(self) -> list[CompressedLayer]:

@@ -144,8 +144,10 @@ class _Slots:
 
 
 def _same_method(policy, first) -> bool:
-    """Whether ``policy`` may run for ``first``'s layers too: batchable, of the same class and configuration."""
-    return policy.batchable and type(policy) is type(first) and policy.config == first.config
+    """Whether ``policy`` may run for ``first``'s layers too: batchable, of the same class and configuration, and
+    not one-shot (a one-shot policy selects once, over the prompt: it has no decoding-step evictions, and a prompt of
+    one token must not reach its selection as a decoding step)."""
+    return policy.batchable and not policy.one_shot and type(policy) is type(first) and policy.config == first.config
 
 
 def _bookkeeping(layer: CompressedLayer) -> tuple:

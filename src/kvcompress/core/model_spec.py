@@ -78,3 +78,59 @@ class ModelSpec:
             UserWarning,
             stacklevel=4,
         )
+
+
+# what makes two models' keys and values interchangeable in a cache: the architecture and its configuration (the
+# shapes first, so a refusal names them first)
+ARCHITECTURE_FIELDS = (
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "head_dim",
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "sliding_window",
+    "layer_types",
+    "attention_bias",
+    "hidden_act",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
+
+
+def architecture(config: object) -> tuple:
+    """The fields of a model's (text) config that decide what its keys mean (``ARCHITECTURE_FIELDS``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return tuple((name, repr(getattr(text, name, None))) for name in ARCHITECTURE_FIELDS)
+
+
+class ModelCheck:
+    """The model a cache was built for, as every forward through the cache checks it: the model's config is the
+    cache's model's own (one identity comparison), or one of the same architecture and configuration (then accepted:
+    a copy or a reload of the model); another model is refused with a ``ValueError`` naming both and what differs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.config = model.config
+        self.spec = ModelSpec.of(model)
+        self.fields = architecture(self.config)
+
+    def check(self, model: nn.Module) -> None:
+        config = getattr(model, "config", None)
+        if config is self.config or config is None:
+            return
+        fields = architecture(config)
+        if fields == self.fields:
+            self.config = config  # the same architecture: later forwards compare identities again
+            return
+        differ = [f"{a[0]} {a[1]} vs {b[1]}" for a, b in zip(self.fields, fields, strict=True) if a != b]
+        raise ValueError(
+            f"this cache was built for {self.spec.describe()} and is continued by {ModelSpec.of(model).describe()} "
+            f"({'; '.join(differ[:3])}): build one cache per model with kvcompress.cache_for(model, ...)"
+        )

@@ -105,9 +105,13 @@ def chunked_softmax(
             rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
         row_lse = logits.logsumexp(dim=-1) if lse else None
-        probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
-        if mask is not None and not rows_see_keys:
-            probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
+        if logits.requires_grad:  # recorded for a backward pass: the same values, computed out of place
+            probs = logits.softmax(dim=-1)
+            probs = probs if mask is None or rows_see_keys else probs.nan_to_num(0.0)
+        else:
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
+            if mask is not None and not rows_see_keys:
+                probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
         if values is not None:
             flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, seen)
             outputs.append(torch.bmm(flat, values[:, :seen]).view(batch, kv_heads, groups, rows, -1))
@@ -153,7 +157,9 @@ def _one_query(
     parts = SoftmaxParts()
     top = logits.amax(dim=-1) if lse else None
     probs = logits.softmax(dim=-1)
-    if lse:  # a row's largest probability is e^(max logit - lse) >= 1 / L: no underflow, half logsumexp's ops
+    if lse and logits.requires_grad:  # recorded for a backward pass: the same values, out of place
+        parts.lse = (top - probs.amax(dim=-1).log()).view(batch, q_heads, 1)
+    elif lse:  # a row's largest probability is e^(max logit - lse) >= 1 / L: no underflow, half logsumexp's ops
         parts.lse = top.sub_(probs.amax(dim=-1).log_()).view(batch, q_heads, 1)
     if value is not None:
         parts.output = torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -26,22 +27,57 @@ from pathlib import Path
 from typing import Any
 
 from kvcompress.eval.lmeval_results import lmeval_lines, load_lmeval
-from kvcompress.eval.runner import read_rows
+from kvcompress.eval.runner import row_key
 from kvcompress.eval.tasks import TASKS
+from kvcompress.results import numbered_rows
 
 LOWER_IS_BETTER = {"ppl", "nll", "answer_nll"}
+logger = logging.getLogger(__name__)
 
 
-def load_results(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(results, environments)`` rows of every JSONL file under ``run_dir`` (or of that one file)."""
+RESULT_FIELDS = {"task": str, "method": str, "scores": dict}  # what every table reads from a result row
+
+
+def load_results(
+    run_dir: str | os.PathLike[str], problems: list[str] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(results, environments)`` rows of every JSONL file under ``run_dir`` (or of that one file).
+
+    A result row whose key (``runner.row_key``) an earlier row has (two runs that wrote one file) counts once; a line
+    that is no JSON object, or a result row without the fields the tables read, is skipped and reported in
+    ``problems`` as ``FILE:LINE: what is wrong`` (logged when ``problems`` is ``None``)."""
     path = Path(run_dir)
     files = [path] if path.is_file() else sorted(path.glob("*.jsonl"))
     if not files:
         raise FileNotFoundError(f"no .jsonl results in {str(path)!r}")
-    rows = [row for file in files for row in read_rows(file)]
-    results = [r for r in rows if r.get("kind", "result") == "result"]
-    environments = [r for r in rows if r.get("kind") == "environment"]
+    if problems is None:
+        problems = []
+        try:
+            return load_results(run_dir, problems)
+        finally:
+            for problem in problems:
+                logger.warning("%s", problem)
+    results, environments, seen = [], [], set()
+    for file in files:
+        for number, row in numbered_rows(file, problems):
+            kind = row.get("kind", "result")
+            if kind == "environment":
+                environments.append(row)
+            elif kind == "result" and _well_formed(row, f"{file}:{number}", problems):
+                key = row_key(row)
+                if key not in seen:
+                    seen.add(key)
+                    results.append(row)
     return results, environments
+
+
+def _well_formed(row: dict[str, Any], where: str, problems: list[str]) -> bool:
+    wrong = [name for name, kind in RESULT_FIELDS.items() if not isinstance(row.get(name), kind)]
+    if "budget" not in row:
+        wrong.append("budget")
+    if wrong:
+        problems.append(f"{where}: a result row without {', '.join(wrong)} (or of the wrong type); skipped")
+    return not wrong
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
@@ -161,16 +197,18 @@ def write_report(
     out_prefix: str | os.PathLike[str],
     plots: bool = True,
     digest: list[str] | None = None,
+    problems: list[str] | None = None,
 ) -> Path:
     """Write ``<out_prefix>.md`` (tables) and PNG plots from the results in ``run_dir``; return the markdown path.
 
     ``digest``, when given, receives the short version as markdown lines: per task and mode its heading,
-    parameters, summary table and the paths of its plots."""
+    parameters, summary table and the paths of its plots. ``problems``, when given, receives the lines skipped
+    (``load_results``)."""
     from kvcompress.eval import plots as plotting
 
     lmeval_rows = load_lmeval(run_dir)
     try:
-        results, environments = load_results(run_dir)
+        results, environments = load_results(run_dir, problems)
     except FileNotFoundError:
         if not lmeval_rows:
             raise
@@ -333,7 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     digest: list[str] = []
-    path = write_report(args.run_dir, args.out, plots=not args.no_plots, digest=digest)
+    problems: list[str] = []
+    path = write_report(args.run_dir, args.out, plots=not args.no_plots, digest=digest, problems=problems)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
     if args.summary:
         print("\n".join(digest))
     print(path)

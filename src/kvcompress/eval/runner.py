@@ -31,7 +31,7 @@ from kvcompress.eval.tasks import TASKS, make_task, run_task
 from kvcompress.eval.tasks.base import Task
 from kvcompress.machine import cpu_name, versions
 from kvcompress.models import load_model
-from kvcompress.results import read_rows
+from kvcompress.results import ResultsFile, read_rows  # noqa: F401 (read_rows: also read from here)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ def row_key(row: dict[str, Any]) -> str:
     """What makes two result rows the same evaluation."""
     fields = ("task", "model", "seed", "task_params", "sample", "mode", "method", "params", "budget")
     return json.dumps([row.get(f) for f in fields], sort_keys=True)
+
+
+def result_key(row: dict[str, Any]) -> str | None:
+    """``row_key`` of a result row; ``None`` for other rows (environment rows)."""
+    return row_key(row) if row.get("kind", "result") == "result" else None
 
 
 def environment() -> dict[str, Any]:
@@ -94,17 +99,21 @@ def run_eval(
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
     configs = expand_configs(methods, budgets)
+    if not configs:  # nothing to run is a mistake, not a finished run
+        raise ValueError(
+            f"methods {list(methods)} x budgets {list(budgets)} give no evaluation (give at least one method; a ratio "
+            "budget applies only to methods with a ratio)"
+        )
     name, model, tokenizer = _load(model_name)
     evaluation: Task = make_task(task, model, tokenizer, seed=seed, **task_params)
     items = evaluation.build_samples(samples)
 
     path = results_path(out_dir, task)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = {row_key(row) for row in read_rows(path) if row.get("kind") == "result"}
+    results = ResultsFile(path, result_key)  # other runs may append to it meanwhile: neither writes a row twice
     common = {"model": name, "seed": seed, "task_params": evaluation.record_params()}
 
     def is_done(identity: dict[str, Any]) -> bool:
-        return row_key({**identity, **common}) in done
+        return results.done(row_key({**identity, **common}))
 
     total = len(items) * len(evaluation.modes) * len(configs)
     already = sum(
@@ -116,28 +125,24 @@ def run_eval(
         for c in configs
     )
     logger.info("%s: %d evaluations, %d already in %s", task, total, already, path)
-    with path.open("a", encoding="utf-8") as handle:
-        if already < total:
-            handle.write(json.dumps(environment()) + "\n")
-            handle.flush()
-        rows = run_task(evaluation, configs, items, skip=is_done)
-        if progress:
-            columns = (
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-            )
-            with Progress(*columns, transient=False) as bar:
-                job = bar.add_task(task, total=total, completed=already)
-                for row in rows:
-                    handle.write(json.dumps({"kind": "result", **common, **row}) + "\n")
-                    handle.flush()
-                    bar.update(job, advance=1, description=f"{task} {row['sample']} {row['label']} {row['budget']}")
-        else:
+    if already < total:
+        results.append(environment())
+    rows = run_task(evaluation, configs, items, skip=is_done)
+    if progress:
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, transient=False) as bar:
+            job = bar.add_task(task, total=total, completed=already)
             for row in rows:
-                handle.write(json.dumps({"kind": "result", **common, **row}) + "\n")
-                handle.flush()
+                results.append({"kind": "result", **common, **row})
+                bar.update(job, advance=1, description=f"{task} {row['sample']} {row['label']} {row['budget']}")
+    else:
+        for row in rows:
+            results.append({"kind": "result", **common, **row})
     return path
 
 
@@ -188,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         params["data"] = str(data_root(args.data))  # a missing folder fails here, before the model loads
     # Method parameters are separated by ';' on the command line, since ',' separates methods.
     methods = [m.replace(";", ",") for m in _split(args.methods)]
+    for option, given in (("--methods", methods), ("--budgets", _split(args.budgets))):
+        if not given:
+            parser.error(f"{option} {getattr(args, option[2:])!r} names nothing to run; give a comma-separated list")
     path = run_eval(args.task, args.model, methods, _split(args.budgets), args.samples, args.seed, args.out, **params)
     print(path)
     return 0

@@ -53,6 +53,6 @@ class KnormConfig(MethodConfig):
 
     def validate(self) -> None:
         check_budget(self.budget)
-        check_int_range(self.recent, "recent", 0)
+        check_int_range(self.recent, "recent", 0, self.budget, "budget")  # (more would keep the newest tokens only)
         if not isinstance(self.one_shot, bool):
             raise ValueError(f"one_shot must be True or False, got {self.one_shot!r}")

@@ -66,6 +66,10 @@ def _ensure_converted(spec: ModelSpec) -> Path:
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(root, f".{spec.name}.partial-")
+    if final.exists():
+        logger.warning(
+            "The converted %s in %s is incomplete, damaged or outdated; converting it again", spec.name, final
+        )
     logger.warning(
         "Converting %s (%s) to fp32 safetensors in %s; this takes a minute or more, once.",
         spec.name,
@@ -73,13 +77,18 @@ def _ensure_converted(spec: ModelSpec) -> Path:
         final,
     )
     with _partial_dir(root, f".{spec.name}.partial-{os.getpid()}-") as tmp:
-        _convert_gguf(gguf_path, tmp)
+        try:
+            _convert_gguf(gguf_path, tmp)
+        except Exception as error:  # (transformers' GGUF reader fails on a cut file with a reshape error)
+            raise unreadable_gguf(gguf_path, error, f"reinstall it with: {spec.install_command}") from error
         marker = {
             "format": CACHE_FORMAT,
             "name": spec.name,
             "hf_id": spec.hf_id,
             "gguf": spec.gguf_filename,
             "dtype": "float32",
+            # every file's size: a file cut short later (a full disk, a copy stopped) is found before loading
+            "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir()) if path.is_file()},
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if final.exists() and not _cache_complete(final):
@@ -91,6 +100,12 @@ def _ensure_converted(spec: ModelSpec) -> Path:
                 raise
             logger.info("Another process converted %s first; using its cache", spec.name)
     return final
+
+
+def unreadable_gguf(path: Path, error: BaseException, remedy: str) -> ValueError:
+    """The error for a GGUF file that cannot be read as a model (cut short, damaged, not GGUF)."""
+    reason = " ".join(str(error).split())[:200] or type(error).__name__
+    return ValueError(f"{path} cannot be read as a GGUF model, it is damaged or truncated ({reason}); {remedy}")
 
 
 def _join_parts(spec: ModelSpec, parts: list[Path]) -> Path:

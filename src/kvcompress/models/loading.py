@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvcompress.models import registry
-from kvcompress.models.gguf import _ensure_converted, _load_gguf
+from kvcompress.models.gguf import _ensure_converted, _load_gguf, unreadable_gguf
 from kvcompress.models.registry import DEFAULT_MODEL, ModelInfo, _missing_packages, is_cached
 
 logger = logging.getLogger(__name__)
@@ -54,11 +54,21 @@ def load_model(
         spec = registry.MODELS[name_or_path]
         directory = _ensure_converted(spec)
         logger.info("Loading %s from %s", spec.name, directory)
-        model, tokenizer = _load_pretrained(str(directory), dtype)
+        try:
+            model, tokenizer = _load_pretrained(str(directory), dtype)
+        except Exception as error:  # a cache damaged in a way its file sizes do not show
+            reason = " ".join(str(error).split())[:200] or type(error).__name__
+            raise ValueError(
+                f"the converted {spec.name} in {directory} cannot be loaded, it is damaged ({reason}); delete that "
+                "folder and run again to convert the model anew"
+            ) from error
     elif os.path.exists(name_or_path):
         path = Path(name_or_path)
         if path.is_file() and path.suffix == ".gguf":
-            model, tokenizer = _load_gguf(path, dtype)
+            try:
+                model, tokenizer = _load_gguf(path, dtype)
+            except Exception as error:
+                raise unreadable_gguf(path, error, "download or copy it again") from error
         else:
             model, tokenizer = _load_pretrained(name_or_path, dtype)
     elif "/" in name_or_path:

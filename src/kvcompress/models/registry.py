@@ -241,6 +241,12 @@ def _cache_complete(directory: Path) -> bool:
     if not any(directory.glob("*.safetensors")):
         return False
     try:
-        return json.loads(marker.read_text()).get("format") == CACHE_FORMAT
+        written = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(written, dict) or written.get("format") != CACHE_FORMAT:
+        return False
+    sizes = written.get("files") or {}  # (caches converted before the sizes were recorded have none)
+    return all(
+        (directory / name).is_file() and (directory / name).stat().st_size == size for name, size in sizes.items()
+    )

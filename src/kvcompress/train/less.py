@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvcompress.files import load_tensors
 from kvcompress.methods.less import LessConfig, baseline_plus
 from kvcompress.methods.less.kernels import KERNEL_FORMAT, _write_json, init_kernels, layer_file, read_meta, save_layer
 from kvcompress.methods.less.masked import eviction_times, low_rank_parallel, sparse_attention
@@ -301,7 +302,7 @@ def train_less(
     activations = out / "activations"
     ids_path = out / "windows.pt"
     if ids_path.is_file():
-        ids = torch.load(ids_path, weights_only=True)["ids"]
+        ids = load_tensors(ids_path, "the LESS training windows", f"delete it to sample them again in {out}")["ids"]
     else:
         ids, names = sample_windows(tokenizer, files, window, windows, seed)
         torch.save({"ids": ids, "names": names}, ids_path)
@@ -312,7 +313,7 @@ def train_less(
     for layer_idx in track_if(todo, f"training {len(todo)} layers", progress):
         if layer_file(out, layer_idx).exists():  # finished meanwhile by another process on the same directory
             continue
-        saved = torch.load(activations / f"layer_{layer_idx:03d}.pt", weights_only=True)
+        saved = load_tensors(activations / f"layer_{layer_idx:03d}.pt", "attention inputs", f"delete {activations}")
         kernels, record = train_layer(model, layer_idx, saved, base_config, plus_config, settings)
         save_layer(out, layer_idx, kernels, extra=record)
         logger.info(

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
+from kvcompress.files import load_tensors, require_keys
 from kvcompress.generation import cache_argument
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.models import load_model
@@ -142,7 +143,7 @@ def adapt(
     step = 0
     checkpoint_path = out / "checkpoint.pt"
     if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+        state = load_tensors(checkpoint_path, "a pod-adapt checkpoint", f"delete it to start over in {out}")
         if state["config"] != asdict(config):
             raise ValueError(f"{checkpoint_path} was written with other settings: {state['config']}")
         model.load_state_dict(state["params"], strict=False)
@@ -204,7 +205,8 @@ def adapt(
 
 def load_adapted(model: PreTrainedModel, path: str | os.PathLike[str]) -> PreTrainedModel:
     """Load the weights of an adaptation run (``final.pt`` or ``checkpoint.pt``) into ``model``; returns it."""
-    state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=False)
+    state = load_tensors(path, "pod-adapt weights", "use the final.pt or checkpoint.pt of `kvcompress train pod-adapt`")
+    state = require_keys(state, ("params",), path, "pod-adapt weights", "re-run `kvcompress train pod-adapt`")
     missing = set(state["params"]) - {name for name, _ in model.named_parameters()}
     if missing:
         raise ValueError(f"{path} has parameters the model lacks: {sorted(missing)[:3]}")

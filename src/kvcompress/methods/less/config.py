@@ -110,6 +110,11 @@ class LessConfig(MethodConfig):
             except FileNotFoundError as error:
                 raise ValueError(f"kernels: {error}") from None
         base = self.base_config
+        if base.name == "full":
+            raise ValueError(
+                "base full keeps every token, so LESS's low-rank state would never receive one (less over full is "
+                "full); give an evicting base such as h2o, window or streaming"
+            )
         policy = base.policy(0)
         if policy.position_mode != "original":
             raise ValueError(

@@ -30,10 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcompress.files import damaged, load_json, load_tensors, require_keys
 from kvcompress.methods.less.native import native_kernels
 
 KERNEL_FORMAT = 1
 META_FILE = "meta.json"
+KERNEL_FILE = "a LESS kernel file"
+KERNEL_REMEDY = (
+    "retrain the layer (delete the file and re-run `kvcompress train less` with the same --out: it trains the missing "
+    "layers) or reinstall kvcompress for a shipped kernel set"
+)
 
 
 def layer_file(directory: str | os.PathLike[str], layer: int) -> Path:
@@ -270,15 +276,20 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"{str(directory)!r} is not a LESS kernel directory (no {META_FILE}); kernels are written by "
             "`python -m kvcompress.train.less --out DIR`"
         )
-    return json.loads(path.read_text())
+    return load_json(path, "a LESS kernel index", KERNEL_REMEDY)
 
 
 def load_layer(directory: str | os.PathLike[str], index: int) -> tuple[LayerKernels, dict[str, Any]]:
     """One layer's kernels (float32, eval mode) and the rest of its file (training history, ...)."""
-    payload = torch.load(layer_file(directory, index), map_location="cpu", weights_only=True)
-    shape = payload["shape"]
-    layer = LayerKernels(**shape)
-    layer.load_state_dict({name: tensor.float() for name, tensor in payload["state_dict"].items()})
+    path = layer_file(directory, index)
+    payload = require_keys(
+        load_tensors(path, KERNEL_FILE, KERNEL_REMEDY), ("shape", "state_dict"), path, KERNEL_FILE, KERNEL_REMEDY
+    )
+    try:
+        layer = LayerKernels(**payload["shape"])
+        layer.load_state_dict({name: tensor.float() for name, tensor in payload["state_dict"].items()})
+    except (TypeError, RuntimeError, AttributeError, ValueError) as error:
+        raise damaged(path, KERNEL_FILE, KERNEL_REMEDY, error) from None
     layer.eval()
     return layer, {k: v for k, v in payload.items() if k != "state_dict"}
 

@@ -123,6 +123,7 @@ class PoDConfig(MethodConfig):
             check_int_range(self.block_size, "block_size", 1)
         if self.similarity is not None and shipped_path(str(self.similarity)) is None:
             check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
+            load_similarity(self.similarity)  # read now (once per file): a bad file is refused before a model loads
         if self.starts is not None:
             object.__setattr__(self, "starts", tuple(tuple(int(s) for s in row) for row in self.starts))
             check_starts(self.starts)

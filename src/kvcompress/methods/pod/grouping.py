@@ -16,19 +16,21 @@ for *any* of its query heads, which is how ``B`` is counted here.
 
 ``starts_from_similarity`` (at a ``delta`` or a target saving), ``blocks_from_starts`` with ``format_blocks``, and
 ``kv_saving`` give the blocks and savings of a calibration file (``python -m kvcompress.train.pod_blocks`` prints
-them). The PoD config resolves its blocks with this module, which imports nothing from kvcompress.
+them). The PoD config resolves its blocks with this module, which imports nothing from kvcompress but its file reader
+(``kvcompress.files``: tensors only, errors naming the file).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from kvcompress.files import damaged, load_json, load_tensors, require_keys
 
 Starts = tuple[tuple[int, ...], ...]  # [layer][head] -> lowest layer of the head's block
 
@@ -194,13 +196,30 @@ def load_similarity(path: str | os.PathLike[str]) -> dict:
     return _load_similarity(str(path), path.stat().st_mtime)
 
 
+SIMILARITY_FILE = "a PoD similarity file"
+SIMILARITY_REMEDY = "write one with `kvcompress train pod-calibrate --out FILE`"
+
+
 @functools.lru_cache(maxsize=8)
 def _load_similarity(path: str, mtime: float) -> dict:
     if path.endswith(".json"):
-        data = json.loads(Path(path).read_text())
-        data["sim"] = torch.tensor(data["sim"], dtype=torch.float64)
-        return data
-    return torch.load(path, map_location="cpu", weights_only=True)
+        data = require_keys(load_json(path, SIMILARITY_FILE, SIMILARITY_REMEDY), ("sim",), path, *_SIMILARITY)
+        try:
+            data["sim"] = torch.tensor(data["sim"], dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise damaged(Path(path), *_SIMILARITY, f"sim is not a [heads, layers, layers] array: {error}") from None
+    else:
+        data = require_keys(load_tensors(path, *_SIMILARITY), ("sim",), path, *_SIMILARITY)
+    sim = torch.as_tensor(data["sim"])
+    if sim.dim() != 3 or sim.shape[1] != sim.shape[2] or sim.shape[0] == 0:
+        raise damaged(Path(path), *_SIMILARITY, f"sim has shape {list(sim.shape)}, not [heads, layers, layers]")
+    if not bool(torch.isfinite(sim).all()):
+        bad = int((~torch.isfinite(sim)).sum())
+        raise damaged(Path(path), *_SIMILARITY, f"{bad} of {sim.numel()} similarities are NaN or infinite")
+    return data
+
+
+_SIMILARITY = (SIMILARITY_FILE, SIMILARITY_REMEDY)
 
 
 def starts_from_similarity(
