@@ -38,7 +38,9 @@ class CompressedCache(Cache):
     def __init__(self, model: nn.Module, config: MethodConfig) -> None:
         spec = ModelSpec.of(model)
         policies = [config.policy(i) for i in range(spec.layers)]
-        needs_rope = any(policy.position_mode == "cache" for policy in policies)
+        for policy in policies:
+            policy.layer_count = spec.layers
+        needs_rope = any(policy.position_mode == "cache" or policy.needs_rope for policy in policies)
         inv_freqs = layer_inv_freqs(model) if needs_rope else [None] * spec.layers
         layers = []
         for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):
