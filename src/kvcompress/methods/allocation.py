@@ -98,17 +98,21 @@ def heads_share(
     each head's ``floor`` ``[B]`` best tokens are kept first; ties evict the older token, then the lower head."""
     ranked = ranked_scores(Keep(scores, 0, protected), layer)
     batch, heads, width = ranked.shape
-    positions = torch.arange(width, device=ranked.device)
     if floor is not None and bool((floor > 0).any()):
         order = lowest_victims(ranked, layer.token_idx, width, layer.ordered)
-        place = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
+        place = places(order)
         best = (place >= width - floor[:, None, None]) & layer.valid
         ranked = ranked.masked_fill(best, torch.inf)
     # token-major flattening: a stable sort then evicts the older token first among equal scores, then the lower head
     # (a one-shot layer compresses while dense: its slots are in stream order)
     flat = ranked.transpose(1, 2).reshape(batch, width * heads)
     order = flat.argsort(dim=-1, stable=True)
-    place = torch.empty_like(order).scatter_(-1, order, torch.arange(width * heads, device=order.device).expand_as(order))
+    place = places(order)
     dropped = place < (width * heads - total)[:, None]
     return KeepMask(~dropped.reshape(batch, width, heads).transpose(1, 2))
 
+
+def places(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order`` along its last dimension: each position's place in the order."""
+    steps = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, steps)

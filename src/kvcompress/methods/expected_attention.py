@@ -29,6 +29,7 @@ Choices where the source leaves room:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,9 +117,10 @@ class ExpectedAttentionPolicy(Policy):
         grouped = keys.repeat_interleave(groups, dim=1)  # [B, H_q, W, d]
         logits = (grouped @ mean[..., None]).squeeze(-1) / math.sqrt(dim)
         if config.use_covariance:
-            covariance = stats.moment / stats.count[..., None].clamp(min=1)
-            covariance = averaged_rotation(covariance, n_real, config.n_future_positions, layer.inv_freq)
-            covariance = averaged_rotation(covariance.transpose(-1, -2), n_real, config.n_future_positions, layer.inv_freq)
+            turn = functools.partial(
+                averaged_rotation, start=n_real, steps=config.n_future_positions, inv_freq=layer.inv_freq
+            )
+            covariance = turn(turn(stats.moment / stats.count[..., None].clamp(min=1)).transpose(-1, -2))
             logits = logits + ((grouped @ covariance) * grouped).sum(-1) / dim / 2
         scored = valid & ~sinks
         logits = logits.masked_fill(~scored.repeat_interleave(groups, dim=1), -torch.inf)

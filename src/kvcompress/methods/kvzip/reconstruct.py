@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from kvcompress.core.contract import KeepMask
 from kvcompress.core.selection import keep_top
-from kvcompress.methods.allocation import heads_share
+from kvcompress.methods.allocation import heads_share, places
 from kvcompress.methods.oneshot import kept_per_sequence
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -71,9 +71,9 @@ def score_chunk(policy, query: torch.Tensor, key: torch.Tensor, scaling: float |
     batch, query_heads, count, dim = query.shape
     heads = key.shape[1]
     groups = query_heads // heads
-    columns = torch.cat(
-        [torch.arange(sinks), torch.arange(start, end), torch.arange(length, length + count)]
-    ).to(key.device)
+    columns = torch.cat([torch.arange(sinks), torch.arange(start, end), torch.arange(length, length + count)]).to(
+        key.device
+    )
     keys = key.index_select(2, columns).float()  # [B, H, S, d]
     scale = dim**-0.5 if scaling is None else scaling
     own = end - start
@@ -174,6 +174,5 @@ def global_masks(scores: list[torch.Tensor], keep: int) -> list[KeepMask]:
     batch, count, heads, length = stacked.shape
     flat = stacked.transpose(2, 3).reshape(batch, -1)
     order = flat.argsort(dim=-1, stable=True)
-    place = torch.empty_like(order).scatter_(-1, order, torch.arange(flat.shape[-1], device=order.device).expand_as(order))
-    kept = (place >= flat.shape[-1] - keep).view(batch, count, length, heads).transpose(2, 3)
+    kept = (places(order) >= flat.shape[-1] - keep).view(batch, count, length, heads).transpose(2, 3)
     return [KeepMask(kept[:, i]) for i in range(count)]
