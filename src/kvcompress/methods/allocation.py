@@ -52,15 +52,17 @@ def check_allocation(config) -> None:
 def pyramid_count(n: int, average: float, window: int, beta: int, layer: int, layers: int) -> int:
     """Tokens layer ``layer`` of ``layers`` keeps of ``n`` under PyramidKV's schedule (see the module docstring),
     ``average`` the uniform share ``ratio * n`` (unfloored) or ``min(budget, n)``; at least 1, at most ``n``."""
-    low = average / beta
-    high = 2 * average - low
+    share = (window + average) - window  # kvpress's arithmetic, step by step (the roundings then agree)
+    low = share / beta
+    high = share * 2 - low
     if high >= n - window:
         high = n - window
-        low = 2 * average - high
+        low = share * 2 - high
     if layers < 2 or not n >= high >= low >= window:
         count = round(average)
     else:
-        count = round(high - layer * (high - low) / (layers - 1))
+        steps = (high - low) / (layers - 1)
+        count = round(high - layer * steps)
     return max(1, min(n, count))
 
 
