@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.generation import prefill
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.allocation import heads_share, pyramid_count
 from kvcompress.methods.keydiff import KeyDiffConfig
 from tests.helpers import filled_layer
@@ -64,5 +64,5 @@ def test_uneven_heads_store_the_fullest_head_and_decode(tiny_llama):
     assert cache.nbytes() == held
     assert cache.tokens_stored() == [max(heads) for heads in per_head]
     next_ids = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(5))
-    logits = tiny_llama(next_ids, past_key_values=cache, use_cache=True).logits
+    logits = tiny_llama(next_ids, **cache_argument(tiny_llama, cache), use_cache=True).logits
     assert torch.isfinite(logits).all()
