@@ -4,8 +4,8 @@
 (chunked, optionally with left padding) and then decodes fixed tokens one forward at a time (as ``generate`` does:
 growing 2D mask, positions from the mask). Forward hooks on the model's own modules record, per forward and layer,
 
-- the pre-RoPE queries and keys (outputs of ``q_proj`` / ``k_proj``) and the values (``v_proj``), from which the reference computes attention
-  itself (NumPy, its own RoPE, its own causal mask over the tokens *it* kept), and
+- the pre-RoPE queries and keys (outputs of ``q_proj`` / ``k_proj``) and the values (``v_proj``), from which the
+  reference computes attention itself (NumPy, its own RoPE, its own causal mask over the tokens *it* kept), and
 - the kept token set right after that layer's attention: stream indices per sequence and KV head, read from the
   contract views ``layer.token_idx`` where ``layer.valid`` (sorted, so no storage order is assumed).
 

@@ -113,7 +113,7 @@ class Policy:
     # count, so a cache may run them once for all its layers stacked (``kvcompress.core.layer_batch``)
     batchable: bool = False
     # True: the layer needs the model's RoPE frequencies (``layer.inv_freq``) whatever its ``position_mode``
-    # (expected attention turns the prompt's queries back to their un-rotated form)
+    # (expected attention turns the prompt's queries back to their un-rotated form); None on a model without RoPE
     needs_rope: bool = False
 
     def __init__(self, config: MethodConfig, layer_idx: int) -> None:

@@ -14,7 +14,8 @@ Choices where the source leaves room:
 - kvpress recomputes the pre-RoPE queries from the layer's input; here the model's own (rotated) queries are turned
   back by their RoPE position (exact up to float rounding; the model's ``attention_scaling`` factor, 1 for plain
   RoPE, then sits in ``mu`` and ``S`` once, as kvpress's rotation matrix carries it once). Partial rotary models
-  rotate only their rotary dimensions (kvpress assumes full rotary).
+  rotate only their rotary dimensions (kvpress assumes full rotary); a model without RoPE (GPT-2) takes its
+  queries as they are and turns nothing.
 - Statistics are accumulated in float32 over every forward of the prompt (a chunked prefill gives the same mean and
   covariance as one pass: chunks are merged exactly, Chan et al.'s pairwise update); left padding is left out.
   The covariance divides by the query count (kvpress's population covariance).
@@ -72,15 +73,18 @@ class QueryStatistics:
         self.count = total
 
 
-def averaged_rotation(x: torch.Tensor, start: torch.Tensor, steps: int, inv_freq: torch.Tensor) -> torch.Tensor:
+def averaged_rotation(x: torch.Tensor, start: torch.Tensor, steps: int, inv_freq: torch.Tensor | None) -> torch.Tensor:
     """``x`` ``[B, H, d]`` (or ``[B, H, d, e]`` along ``d``) turned by the RoPE rotation averaged over positions
-    ``start .. start + steps - 1`` (``start`` ``[B]``); dimensions past the rotary ones pass unchanged."""
+    ``start .. start + steps - 1`` (``start`` ``[B]``); dimensions past the rotary ones pass unchanged (all of them
+    without RoPE: ``inv_freq`` None)."""
+    if inv_freq is None:
+        return x
     positions = start.to(torch.float64)[:, None] + torch.arange(steps, device=start.device, dtype=torch.float64)
     angles = positions[..., None] * inv_freq.to(start.device, torch.float64)  # [B, steps, d_rot / 2]
     cos, sin = angles.cos().mean(1), angles.sin().mean(1)  # [B, d_rot / 2]
     rotary = 2 * inv_freq.shape[-1]
-    cos = torch.cat([cos, cos, torch.ones_like(cos[:, :0]).expand(-1, x.shape[2] - rotary)], -1)
-    sin = torch.cat([sin, sin, torch.zeros_like(sin[:, :0]).expand(-1, x.shape[2] - rotary)], -1)
+    cos = torch.cat([cos, cos, cos.new_ones(cos.shape[0], x.shape[2] - rotary)], -1)
+    sin = torch.cat([sin, sin, sin.new_zeros(sin.shape[0], x.shape[2] - rotary)], -1)
     shape = (x.shape[0], 1, x.shape[2]) + (1,) * (x.dim() - 3)
     cos, sin = cos.to(x.dtype).view(shape), sin.to(x.dtype).view(shape)
     moved = x.movedim(2, -1)
@@ -101,7 +105,7 @@ class ExpectedAttentionPolicy(Policy):
             new = layer.new_index()[:, :1]  # [B, 1, q]
             positions = layer.rope_pos.gather(-1, new)
             counted = layer.valid.gather(-1, new) & (layer.rank.gather(-1, new) >= self.config.n_sink)
-            plain = rotate_by(query, -positions, layer.inv_freq)
+            plain = query if layer.inv_freq is None else rotate_by(query, -positions, layer.inv_freq)
             self.queries.add(plain, counted[:, 0], self.config.use_covariance)
         return None
 
@@ -111,15 +115,15 @@ class ExpectedAttentionPolicy(Policy):
         keys, values, valid = layer.keys.float(), layer.values.float(), layer.valid
         sinks = sink_mask(layer, config.n_sink) & valid
         n_real = layer.valid[:, 0].sum(-1)
-        mean = averaged_rotation(stats.mean, n_real, config.n_future_positions, layer.inv_freq)
+        turn = functools.partial(
+            averaged_rotation, start=n_real, steps=config.n_future_positions, inv_freq=layer.inv_freq
+        )
+        mean = turn(stats.mean)
         heads, dim = keys.shape[1], keys.shape[-1]
         groups = mean.shape[1] // heads
         grouped = keys.repeat_interleave(groups, dim=1)  # [B, H_q, W, d]
         logits = (grouped @ mean[..., None]).squeeze(-1) / math.sqrt(dim)
         if config.use_covariance:
-            turn = functools.partial(
-                averaged_rotation, start=n_real, steps=config.n_future_positions, inv_freq=layer.inv_freq
-            )
             covariance = turn(turn(stats.moment / stats.count[..., None].clamp(min=1)).transpose(-1, -2))
             logits = logits + ((grouped @ covariance) * grouped).sum(-1) / dim / 2
         scored = valid & ~sinks
