@@ -8,7 +8,7 @@ import torch
 import kvcompress
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.snapkv import SnapKVConfig
-from tests.helpers import cache_logits
+from tests.helpers import cache_logits, tiny_tokenizer_dir
 
 EVICTING = {
     "window": {"budget": 12},
@@ -39,6 +39,12 @@ EVICTING = {
     "expected_attention": {"budget": 12},
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
+}
+# methods that compress in ``prefill`` (KVzip reruns the model over the prompt's ids): checked through
+# ``cache_logits``, which prefills them, where a test feeds a whole generation
+PREFILLED = {
+    "kvzip": {"ratio": 0.5, "tokenizer": tiny_tokenizer_dir()},
+    "kvzip-layer": {"ratio": 0.5, "allocation": "layer", "chunk_size": 5, "tokenizer": tiny_tokenizer_dir()},
 }
 # budgets shared unevenly (methods/allocation.py): a layer's heads (adakv) or the layers (pyramid) keep the budget
 # on average, one head or layer more than another

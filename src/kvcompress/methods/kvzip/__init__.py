@@ -37,7 +37,8 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   buffer as wide as the layer's fullest head (the shorter heads' extra slots are invalid), so ``nbytes()`` is the
   bytes held, heads x the fullest head per layer, not the sum of the heads' counts (see
   ``kvcompress.methods.allocation``).
-- Batches: sequences of one length (no padding); each sequence is ranked on its own.
+- Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
+  layers (Mistral's, Gemma-3's) are refused when the cache is built.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ class KVzipConfig(MethodConfig):
         check_int_range(self.chunk_size, "chunk_size", 1)
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
+
+    def connect(self, layers) -> None:
+        if any(layer.sliding_window is not None for layer in layers):
+            raise ValueError(
+                "kvzip does not support models with sliding-window layers (the reconstruction would push the context "
+                "out of the window; kvpress refuses Gemma-3 too): use another method"
+            )
 
     def after_prefill(self, model, cache, input_ids, attention_mask) -> None:
         compress_by_reconstruction(self, model, cache, input_ids, attention_mask)

@@ -71,8 +71,13 @@ def score_chunk(policy, query: torch.Tensor, key: torch.Tensor, scaling: float |
     batch, query_heads, count, dim = query.shape
     heads = key.shape[1]
     groups = query_heads // heads
-    columns = torch.cat([torch.arange(sinks), torch.arange(start, end), torch.arange(length, length + count)]).to(
-        key.device
+    device = key.device
+    columns = torch.cat(
+        [
+            torch.arange(sinks, device=device),
+            torch.arange(start, end, device=device),
+            torch.arange(length, length + count, device=device),
+        ]
     )
     keys = key.index_select(2, columns).float()  # [B, H, S, d]
     scale = dim**-0.5 if scaling is None else scaling
@@ -115,8 +120,6 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
             "kvzip compresses a context prefilled alone into an empty cache, without padding: call "
             "prefill(model, context_ids, cache) once on a fresh cache, with sequences of one length"
         )
-    if any(layer.sliding_window is not None for layer in layers):
-        raise ValueError("kvzip does not support models with sliding-window layers (kvpress refuses them too)")
     path = config.tokenizer or getattr(model.config, "name_or_path", "") or ""
     tokenizer = load_tokenizer(path)
     for policy, layer in zip(policies, layers, strict=True):
