@@ -56,7 +56,11 @@ ALLOCATIONS = ("global", "layer", "uniform")
 
 
 class KVzipPolicy(Policy):
-    """Scores while the reconstruction forwards run (``scoring`` set by ``compress_by_reconstruction``)."""
+    """Scores while the reconstruction forwards run (``scoring`` set by ``compress_by_reconstruction``). One-shot:
+    the layer's own compression after the prompt selects nothing (``select`` keeps all); the eviction is decided
+    for all layers together once the reconstruction ran (``KVzipConfig.after_prefill``)."""
+
+    one_shot = True
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
