@@ -31,22 +31,23 @@ def tokenizer_dir(tmp_path_factory):
     return str(path)
 
 
-def reference_prompts(tokenizer, context: list[int], chunk: int) -> list[tuple[int, int, list[int]]]:
+def reference_prompts(tokenizer, context: list[int], chunk: int, prefix: int = 0) -> list[tuple[int, int, list[int]]]:
     first = tokenizer.encode("\n\nRepeat the previous context exactly.", add_special_tokens=False)
     later = tokenizer.encode(
         "\n\nRepeat the part of the previous context exactly, starting with", add_special_tokens=False
     )
     newline = tokenizer.encode("\n", add_special_tokens=False)  # no chat template: a newline
     out = []
-    for start in range(0, len(context), chunk):
-        end = min(len(context), start + chunk)
-        lead = first if start == 0 else later + context[max(0, start - 8) : start]
+    spans = [(start, min(len(context), start + chunk)) for start in range(prefix, len(context), chunk)]
+    for index, (start, end) in enumerate(spans):
+        previous = context[spans[index - 1][0] : spans[index - 1][1]] if index else []
+        lead = later + previous[-8:] if index else first
         out.append((start, end, lead + newline + context[start:end]))
     return out
 
 
 @torch.no_grad()
-def reference_scores(context: list[int], chunk: int) -> list[list[list[float]]]:
+def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[list[list[float]]]:
     """``[layer][KV head][token]`` reconstruction scores of one sequence."""
     model = tiny_model("llama")
     model.set_attn_implementation("eager")
@@ -57,7 +58,7 @@ def reference_scores(context: list[int], chunk: int) -> list[list[list[float]]]:
     for layer in scores:
         for head in layer:
             head[:N_SINK] = [1.0] * N_SINK
-    for start, end, prompt in reference_prompts(tiny_tokenizer(), context, chunk):
+    for start, end, prompt in reference_prompts(tiny_tokenizer(), context, chunk, prefix):
         ids = torch.tensor([context + prompt])
         attentions = model(ids, output_attentions=True).attentions
         sinks = min(N_SINK, start)
@@ -96,6 +97,7 @@ CASES = {
     "layer": ({"ratio": 0.5, "allocation": "layer"}, 64),
     "layer-chunked": ({"ratio": 0.3, "allocation": "layer", "chunk_size": 11}, 11),
     "uniform": ({"ratio": 0.5, "allocation": "uniform", "chunk_size": 16}, 16),
+    "global-small-chunks-prefix": ({"ratio": 0.5, "chunk_size": 5, "prefix": 6}, 5),
 }
 
 
@@ -109,7 +111,7 @@ def test_kvzip_keeps_the_reference_pairs(case, batch, tiny_llama, tokenizer_dir)
     got = [kept_sets(layer) for layer in cache.compressed_layers]  # [layer][sequence][head]
     assert cache.get_seq_length() == 30  # the reconstruction tokens are gone
     for b in range(batch):
-        scores = reference_scores(ids[b].tolist(), chunk)
+        scores = reference_scores(ids[b].tolist(), chunk, params.get("prefix", 0))
         want = reference_kept(scores, params.get("allocation", "global"), params["ratio"])
         assert [layer[b] for layer in got] == want, f"sequence {b}"
 

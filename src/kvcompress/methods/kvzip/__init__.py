@@ -20,13 +20,15 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   tokens; then the chat template's assistant header (the text ``apply_chat_template`` adds after a user turn; a
   newline for a tokenizer without a template), then the chunk of ``chunk_size`` context tokens (default 2048).
   The tokenizer is the model's own (read from ``model.config.name_or_path``, a local folder for kvcompress's
-  registry models) unless ``tokenizer`` names a folder. kvpress also skips a chat-template prefix it finds before
-  the context; here every context token is reconstructed (the ids ``prefill`` gets are the context).
-- Score: for the queries of one chunk's reconstruction, the softmax is over the first ``min(n_sink, start)``
-  cached tokens, that chunk's own context tokens and the reconstruction tokens (causal), as kvpress subsamples it
-  (with one chunk: the whole cache, i.e. the model's own attention). The logit scale is the model's attention
-  scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in float32 in blocks of 256 queries, so the
-  peak is a block's logits, not the chunk's. The first ``n_sink`` tokens score 1, the largest attention possible.
+  registry models) unless ``tokenizer`` names a folder. kvpress skips the chat template's header it finds before
+  the context (its tokens score 0 but for the sinks); here ``prefix`` says how many leading tokens to skip (0 by
+  default: the ids ``prefill`` gets are the context).
+- Score: for the queries of one chunk's reconstruction (the chunk starting at token ``start``), the softmax is over
+  the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
+  (causal), as kvpress subsamples it (with one chunk and no prefix: the whole cache, the model's own attention).
+  The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
+  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's. The first ``n_sink`` tokens
+  score 1, the largest attention possible.
 - Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
   layer's every head, ``floor(N * (1 - ratio))`` of the ``N = layers x heads x n`` pairs evicted per sequence;
   ``layer`` (kvpress ``layerwise=True``): each layer evicts ``floor(H * n * (1 - ratio))`` over its ``H`` heads;
@@ -88,6 +90,7 @@ class KVzipConfig(MethodConfig):
     allocation: str = "global"  # global (all layers and heads), layer (heads of a layer) or uniform
     n_sink: int = 4  # first tokens always kept (score 1)
     chunk_size: int = 2048  # context tokens reconstructed per forward
+    prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
     tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)
 
     name = "kvzip"
@@ -99,6 +102,7 @@ class KVzipConfig(MethodConfig):
         check_choice(self.allocation, "allocation", ALLOCATIONS)
         check_int_range(self.n_sink, "n_sink", 0)
         check_int_range(self.chunk_size, "chunk_size", 1)
+        check_int_range(self.prefix, "prefix", 0)
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
 

@@ -48,17 +48,20 @@ def prompt_ids(tokenizer) -> tuple[list[int], list[int], list[int]]:
     return encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(suffix)
 
 
-def reconstruction_chunks(context: torch.Tensor, tokenizer, chunk_size: int) -> list[tuple[int, int, torch.Tensor]]:
-    """``(start, end, ids)`` per chunk: the context span ``[start, end)`` and the reconstruction ids ``[B, q]``."""
+def reconstruction_chunks(
+    context: torch.Tensor, tokenizer, chunk_size: int, prefix: int = 0
+) -> list[tuple[int, int, torch.Tensor]]:
+    """``(start, end, ids)`` per chunk of ``context[:, prefix:]``: the context span ``[start, end)`` and the
+    reconstruction ids ``[B, q]``."""
     first, later, suffix = prompt_ids(tokenizer)
     chunks, length = [], context.shape[1]
-    for start in range(0, length, chunk_size):
+    for start in range(prefix, length, chunk_size):
         end = min(length, start + chunk_size)
-        prompt = first if start == 0 else later
+        prompt = first if start == prefix else later
         lead = torch.tensor(prompt, dtype=context.dtype, device=context.device).expand(context.shape[0], -1)
         parts = [lead]
-        if start:
-            parts.append(context[:, max(0, start - OVERLAP) : start])
+        if start > prefix:  # the previous chunk's last tokens
+            parts.append(context[:, start - min(OVERLAP, chunk_size) : start])
         parts += [torch.tensor(suffix, dtype=context.dtype, device=context.device).expand(context.shape[0], -1)]
         chunks.append((start, end, torch.cat([*parts, context[:, start:end]], dim=1)))
     return chunks
@@ -115,6 +118,8 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     if policies[0].done:
         return
     length = layers[0].seen
+    if config.prefix >= length:
+        raise ValueError(f"prefix must be below the context's {length} tokens, got {config.prefix}")
     if length != input_ids.shape[1] or (attention_mask is not None and not bool(attention_mask.bool().all())):
         raise ValueError(
             "kvzip compresses a context prefilled alone into an empty cache, without padding: call "
@@ -129,7 +134,7 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     # (the keyword the installed transformers takes a cache by: ``kvcompress.generation.cache_argument``'s rule)
     keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     try:
-        for start, end, ids in reconstruction_chunks(input_ids, tokenizer, config.chunk_size):
+        for start, end, ids in reconstruction_chunks(input_ids, tokenizer, config.chunk_size, config.prefix):
             for policy in policies:
                 policy.scoring = (length, start, end, min(config.n_sink, start))
             count = ids.shape[1]
