@@ -53,7 +53,7 @@ class Allocated(OneShot):
         if self.allocation != "adakv":
             self.kept = [top_keep(tokens, scores[h], keep, protected) for h in range(heads)]
             return
-        safe = math.floor(keep * self.alpha)
+        safe = max(1, math.floor(keep * self.alpha)) if self.alpha > 0 else 0  # kvpress 0.5.5's floor
         first = [set(top_keep(tokens, scores[h], safe, protected)) if safe else set() for h in range(heads)]
         pairs = [(t, h) for t in tokens for h in range(heads)]
 

@@ -55,9 +55,6 @@ def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[li
     heads, groups = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
     length = len(context)
     scores = [[[0.0] * length for _ in range(heads)] for _ in range(config.num_hidden_layers)]
-    for layer in scores:
-        for head in layer:
-            head[:N_SINK] = [1.0] * N_SINK
     for start, end, prompt in reference_prompts(tiny_tokenizer(), context, chunk, prefix):
         ids = torch.tensor([context + prompt])
         attentions = model(ids, output_attentions=True).attentions
@@ -71,6 +68,9 @@ def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[li
             for h in range(heads):
                 best = own[h * groups : (h + 1) * groups].amax(dim=(0, 1))
                 scores[index][h][start:end] = best.tolist()
+    for layer in scores:  # sinks: never evicted
+        for head in layer:
+            head[:N_SINK] = [math.inf] * N_SINK
     return scores
 
 

@@ -15,7 +15,8 @@ KV head; its ``allocation`` parameter says how many of them each layer and head 
   kvpress. A one-layer model keeps ``round(a)``.
 - ``adakv`` (AdaKV, Feng et al., 2024, arXiv:2407.11550; kvpress ``AdaKVPress``): a layer keeps ``H * k`` tokens
   (``k`` the uniform count, ``H`` its KV heads), chosen by one top-k over the scores of all its heads, after each
-  head's ``floor(alpha_safeguard * k)`` best tokens are set aside as kept (kvpress's safeguard, default 0.20).
+  head's ``floor(alpha_safeguard * k)`` best tokens (at least one when ``alpha_safeguard > 0``, as kvpress 0.5.5)
+  are set aside as kept (kvpress's safeguard, default 0.20).
   Heads then keep different counts.
 
 Ties: among equal scores the older token goes first (then the lower head, for ``adakv``), as everywhere in
@@ -86,7 +87,10 @@ def allocated_keep(
     if config.allocation != "adakv":
         return keep_top(layer, scores, keep, protected)
     heads = layer.slots.token_idx.shape[1]
-    return heads_share(layer, scores, protected, heads * keep, (keep * config.alpha_safeguard).floor().long())
+    floor = (keep * config.alpha_safeguard).floor().long()
+    if config.alpha_safeguard > 0:  # kvpress 0.5.5: at least one token per head
+        floor = floor.clamp(min=1)
+    return heads_share(layer, scores, protected, heads * keep, floor)
 
 
 def heads_share(

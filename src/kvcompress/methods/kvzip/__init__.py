@@ -27,8 +27,8 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
   (causal), as kvpress subsamples it (with one chunk and no prefix: the whole cache, the model's own attention).
   The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
-  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's. The first ``n_sink`` tokens
-  score 1, the largest attention possible.
+  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's. Once every chunk ran, the
+  first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score plus one): never evicted.
 - Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
   layer's every head, ``floor(N * (1 - ratio))`` of the ``N = layers x heads x n`` pairs evicted per sequence;
   ``layer`` (kvpress ``layerwise=True``): each layer evicts ``floor(H * n * (1 - ratio))`` over its ``H`` heads;
@@ -88,7 +88,7 @@ class KVzipConfig(MethodConfig):
     ratio: float | None = None  # kept fraction of the context, in (0, 1] (give this or budget)
     budget: int | None = None  # or: tokens kept per layer and KV head (on average under global/layer)
     allocation: str = "global"  # global (all layers and heads), layer (heads of a layer) or uniform
-    n_sink: int = 4  # first tokens always kept (score 1)
+    n_sink: int = 4  # first tokens always kept
     chunk_size: int = 2048  # context tokens reconstructed per forward
     prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
     tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)

@@ -129,7 +129,6 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     tokenizer = load_tokenizer(path)
     for policy, layer in zip(policies, layers, strict=True):
         policy.scores = torch.zeros(*layer.slots.token_idx.shape[:2], length, device=layer.device)
-        policy.scores[..., : config.n_sink] = 1.0
     max_chunks = [layer.max_chunk for layer in layers]
     # (the keyword the installed transformers takes a cache by: ``kvcompress.generation.cache_argument``'s rule)
     keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
@@ -145,6 +144,8 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     finally:
         for policy in policies:
             policy.scoring = None
+    for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
+        policy.scores[..., : config.n_sink] = 2.0
     evict(config, layers)
     for policy in policies:
         policy.done, policy.scores = True, None
