@@ -31,16 +31,33 @@ not the sum of the heads' counts; storage holding only that sum is left to a rag
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvcompress.core.checks import check_choice, check_int_range, check_number
-from kvcompress.core.contract import Keep, KeepMask
+from kvcompress.core.contract import Keep, KeepMask, MethodConfig
 from kvcompress.core.eviction import lowest_victims, ranked_scores
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.selection import keep_top
-from kvcompress.methods.oneshot import kept_per_sequence
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 
 ALLOCATIONS = ("uniform", "pyramid", "adakv")
+
+
+@dataclass(frozen=True)
+class ScorerConfig(MethodConfig):
+    """The budget fields of a one-shot scorer (its own fields follow them)."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer and KV head (on average under pyramid or adakv)
+    allocation: str = "uniform"  # uniform, pyramid (per layer) or adakv (per head), see methods/allocation.py
+    beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
+    alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
+        check_allocation(self)
 
 
 def check_allocation(config) -> None:

@@ -37,11 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.checks import check_bool, check_int_range, check_number
-from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.contract import Policy
 from kvcompress.core.rope import rotate_by, rotate_half
 from kvcompress.core.selection import sink_mask
-from kvcompress.methods.allocation import allocated_keep, check_allocation
-from kvcompress.methods.oneshot import check_ratio_or_budget
+from kvcompress.methods.allocation import ScorerConfig, allocated_keep
 
 
 class QueryStatistics:
@@ -136,29 +135,23 @@ class ExpectedAttentionPolicy(Policy):
 
 
 @dataclass(frozen=True)
-class ExpectedAttentionConfig(MethodConfig):
+class ExpectedAttentionConfig(ScorerConfig):
     """Keys scored by the attention future queries are expected to pay them, times the value norm; once."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head
     n_future_positions: int = 512  # future positions the query statistics are rotated to (averaged)
     n_sink: int = 4  # first tokens always kept, their queries and keys left out of the statistics
     use_covariance: bool = True  # the queries' covariance term (False: the mean alone)
     use_vnorm: bool = True  # multiply by the value's L2 norm
     epsilon: float = 0.0  # added to the expected attention before the value norm
-    allocation: str = "uniform"  # uniform, pyramid (per layer) or adakv (per head), see methods/allocation.py
-    beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
-    alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
 
     name = "expected_attention"
     paper = "https://arxiv.org/abs/2510.00636"
     policy_class = ExpectedAttentionPolicy
 
     def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)
+        super().validate()
         check_int_range(self.n_future_positions, "n_future_positions", 1)
         check_int_range(self.n_sink, "n_sink", 0)
         check_bool(self.use_covariance, "use_covariance")
         check_bool(self.use_vnorm, "use_vnorm")
         check_number(self.epsilon, "epsilon", 0, 1e6)
-        check_allocation(self)

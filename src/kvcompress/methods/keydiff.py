@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.methods.allocation import allocated_keep, check_allocation
-from kvcompress.methods.oneshot import check_ratio_or_budget
+from kvcompress.core.contract import Policy
+from kvcompress.methods.allocation import ScorerConfig, allocated_keep
 
 
 def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -47,19 +46,9 @@ class KeyDiffPolicy(Policy):
 
 
 @dataclass(frozen=True)
-class KeyDiffConfig(MethodConfig):
+class KeyDiffConfig(ScorerConfig):
     """Keep the keys least similar to the mean key, once after the prompt."""
-
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head
-    allocation: str = "uniform"  # uniform, pyramid (per layer) or adakv (per head), see methods/allocation.py
-    beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
-    alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
 
     name = "keydiff"
     paper = "https://arxiv.org/abs/2504.15364"
     policy_class = KeyDiffPolicy
-
-    def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)
-        check_allocation(self)
