@@ -74,6 +74,8 @@ def run_frontier(out: str | Path, threads: int = 1) -> str:
         "| Jaccard, mean | (layer, head) pairs identical |",
         "|---|---|---|---|---|",
     ]
+    samples = len({row["sample"] for row in rows})
+    lines.insert(0, f"{samples} sample(s), {len(rows)} (sample, press) rows\n")
     for press, entry in results.items():
         shares, jaccards = entry["shares"], entry["jaccards"]
         settings = ", ".join(f"{k}={v!r}" for k, v in entry["params"].items() if k != "prefix")
