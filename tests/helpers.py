@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvcompress.core.contract import AttentionStats
+from kvcompress.core.contract import AttentionStats, MethodConfig
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.generation import cache_argument
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.models.testing import tiny_tokenizer
 
 # The offline corpora of the development environment, beside the repository (never committed).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -21,6 +24,14 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
+@functools.cache
+def tiny_tokenizer_dir() -> str:
+    """A folder holding ``tiny_tokenizer`` (KVzip writes its reconstruction prompt with the model's tokenizer)."""
+    path = tempfile.mkdtemp(prefix="kvcompress-tiny-tokenizer-")
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):
     """Greedy generation with the model's own SDPA attention and DynamicCache: the reference."""
     model.set_attn_implementation("sdpa")
@@ -28,7 +39,12 @@ def own_logits(model, input_ids, attention_mask=None, new_tokens=6):
 
 
 def cache_logits(model, input_ids, cache, attention_mask=None, new_tokens=6):
-    """Greedy generation through ``cache`` (a kvcompress cache after ``cache_for``; ``None``: the model's own)."""
+    """Greedy generation through ``cache`` (a kvcompress cache after ``cache_for``; ``None``: the model's own).
+
+    A method that compresses in ``prefill`` (KVzip: it reruns the model over the prompt's ids) gets all but the
+    prompt's last token through ``prefill`` first, as its users do; ``generate`` continues from there."""
+    if cache is not None and type(cache.config).after_prefill is not MethodConfig.after_prefill:
+        prefill(model, input_ids[:, :-1], cache, None if attention_mask is None else attention_mask[:, :-1])
     out = model.generate(
         input_ids,
         attention_mask=attention_mask,

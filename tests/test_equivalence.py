@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcompress
-from tests.helpers import cache_logits, needs_smollm2, own_logits
+from tests.helpers import cache_logits, needs_smollm2, own_logits, tiny_tokenizer_dir
 
 NO_EVICTION = {
     "full": {},
@@ -27,6 +27,9 @@ NO_EVICTION = {
     "scissorhands_oneshot": {"ratio": 1.0},
     "streaming_oneshot": {"ratio": 1.0},
     "pod": {"block_size": 2, "n_recent": 512},
+    "keydiff": {"ratio": 1.0},
+    "expected_attention": {"ratio": 1.0},
+    "kvzip": {"ratio": 1.0, "tokenizer": tiny_tokenizer_dir()},  # (the reconstruction runs and leaves no trace)
 }
 
 
@@ -40,6 +43,27 @@ def test_budget_above_length_reproduces_model_logits(method, model_fixture, requ
     model = request.getfixturevalue(model_fixture)
     ids = torch.randint(1, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
     assert_reproduces_model_logits(model, method, ids)
+
+
+@pytest.mark.parametrize("allocation", ["pyramid", "adakv"])
+@pytest.mark.parametrize("method", ["snapkv", "keydiff", "expected_attention"])
+def test_uneven_budgets_with_nothing_to_evict_reproduce_model_logits(method, allocation, tiny_qwen2):
+    ids = torch.randint(1, tiny_qwen2.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
+    reference, ref_sequences = own_logits(tiny_qwen2, ids)
+    cache = kvcompress.cache_for(tiny_qwen2, method, ratio=1.0, allocation=allocation)
+    logits, sequences = cache_logits(tiny_qwen2, ids, cache)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sequences, ref_sequences)
+
+
+@pytest.mark.parametrize("allocation", ["global", "layer"])
+def test_kvzip_head_budgets_with_nothing_to_evict_reproduce_model_logits(allocation, tiny_llama):
+    ids = torch.randint(1, tiny_llama.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    reference, ref_sequences = own_logits(tiny_llama, ids)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", ratio=1.0, allocation=allocation, tokenizer=tiny_tokenizer_dir())
+    logits, sequences = cache_logits(tiny_llama, ids, cache)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sequences, ref_sequences)
 
 
 def assert_reproduces_model_logits(model, method: str, ids: torch.Tensor) -> None:

@@ -1,10 +1,12 @@
-"""``python -m experiments.compare {samples,ours,report}``: the kvcompress side of docs/vs-kvpress.md."""
+"""``python -m experiments.compare {samples,ours,report,frontier}``: the kvcompress side of docs/vs-kvpress.md and of
+docs/results/frontier.md (kept sets of the one-shot scorers and budget allocations)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from experiments.compare.frontier import run_frontier
 from experiments.compare.ours import run_ours
 from experiments.compare.samples import write_samples
 from experiments.compare.table import write_report
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="score both sides, compare kept sets, write the tables")
     report.add_argument("--out", required=True)
     report.add_argument("--doc-data", default=None, help="also write the rows without kept sets and the summary here")
+    frontier = sub.add_parser("frontier", help="kept sets vs <out>/kvpress-kept.jsonl (scripts/vs_kvpress_kept.py)")
+    frontier.add_argument("--out", required=True)
+    frontier.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "samples":
         if args.samples < 1:
@@ -41,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ours":
         methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
         print(run_ours(args.out, methods, args.threads, args.samples))
+    elif args.command == "frontier":
+        print(run_frontier(args.out, args.threads))
     else:
         print(write_report(args.out, args.doc_data))
     return 0

@@ -79,6 +79,7 @@ def prefill(
     keys never sit in every layer at once. The remainder goes in
     the first chunk, so the last chunk is always full and an observation window of up to ``chunk_size`` prompt
     tokens lies inside it. The cache may already hold earlier tokens (then ``attention_mask`` covers them too).
+    A method that compresses with more passes of the model over the prompt (KVzip) runs them before returning.
     """
     _check_chunk_size(chunk_size)
     check_input_ids(input_ids)
@@ -105,6 +106,8 @@ def prefill(
                     logits_to_keep=1,
                 )
             logits = out.logits[:, -1]
+    if isinstance(cache, CompressedCache):  # a method compressing with more passes over the prompt (KVzip)
+        cache.config.after_prefill(model, cache, input_ids, attention_mask)
     return logits
 
 

@@ -12,7 +12,14 @@ StreamingLLMPress   ``streaming_oneshot``                       ``position_mode=
 SnapKVPress         ``snapkv``                                  ``window=64, kernel=5, pooling="avg"``
 TOVAPress           ``tova_oneshot``                            nothing (the defaults are kvpress's)
 KnormPress          ``knorm``                                   ``one_shot=True, recent=0`` (norm only, prompt once)
+KeyDiffPress        ``keydiff``                                 nothing (the defaults are kvpress's)
+ExpectedAttention…  ``expected_attention``                      nothing (the defaults are kvpress's)
+KVzipPress          ``kvzip``                                   nothing (``allocation="global"``: kvpress's default)
 ==================  ==========================================  =====================================================
+
+kvpress's wrappers are parameters here: ``PyramidKVPress`` is ``snapkv`` with the preset and
+``allocation="pyramid"`` (``beta=20``), ``AdaKVPress(press)`` is the press's method with ``allocation="adakv"``
+(``alpha_safeguard=0.2``), ``KVzipPress(layerwise=True)`` is ``kvzip`` with ``allocation="layer"``.
 
 kvpress's ``compression_ratio=c`` is the share *removed*: pass ``ratio=1 - c`` (kvcompress keeps
 ``max(1, floor(ratio * n))`` of ``n`` prompt tokens, kvpress ``int(n * (1 - c))``) or a token ``budget``.
@@ -27,6 +34,9 @@ PRESETS: dict[str, dict[str, dict[str, object]]] = {
         "snapkv": {"window": 64, "kernel": 5, "pooling": "avg"},
         "tova_oneshot": {},
         "knorm": {"one_shot": True, "recent": 0},
+        "keydiff": {},
+        "expected_attention": {},
+        "kvzip": {},
     },
 }
 

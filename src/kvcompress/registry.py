@@ -34,6 +34,9 @@ _LOCATIONS: dict[str, str] = {
     "buzz": "kvcompress.methods.buzz:BuzzConfig",
     "less": "kvcompress.methods.less:LessConfig",
     "pod": "kvcompress.methods.pod:PoDConfig",
+    "keydiff": "kvcompress.methods.keydiff:KeyDiffConfig",
+    "expected_attention": "kvcompress.methods.expected_attention:ExpectedAttentionConfig",
+    "kvzip": "kvcompress.methods.kvzip:KVzipConfig",
 }
 
 

@@ -4,8 +4,8 @@
 (chunked, optionally with left padding) and then decodes fixed tokens one forward at a time (as ``generate`` does:
 growing 2D mask, positions from the mask). Forward hooks on the model's own modules record, per forward and layer,
 
-- the pre-RoPE queries and keys (outputs of ``q_proj`` / ``k_proj``), from which the reference computes attention
-  itself (NumPy, its own RoPE, its own causal mask over the tokens *it* kept), and
+- the pre-RoPE queries and keys (outputs of ``q_proj`` / ``k_proj``) and the values (``v_proj``), from which the
+  reference computes attention itself (NumPy, its own RoPE, its own causal mask over the tokens *it* kept), and
 - the kept token set right after that layer's attention: stream indices per sequence and KV head, read from the
   contract views ``layer.token_idx`` where ``layer.valid`` (sorted, so no storage order is assumed).
 
@@ -43,6 +43,7 @@ class Forward:
     phase: str  # "prefill" or "decode"
     queries: list[np.ndarray] = field(default_factory=list)  # per layer [B, q, H_q, d] float64, before RoPE
     keys: list[np.ndarray] = field(default_factory=list)  # per layer [B, q, H_kv, d] float64, before RoPE
+    values: list[np.ndarray] = field(default_factory=list)  # per layer [B, q, H_kv, d] float64
     kept: list[Kept] = field(default_factory=list)  # per layer, right after that layer's attention
 
     @property
@@ -72,6 +73,7 @@ class Recorder:
             attention = block.self_attn
             self.handles.append(attention.q_proj.register_forward_hook(self._projection(index, "queries")))
             self.handles.append(attention.k_proj.register_forward_hook(self._projection(index, "keys")))
+            self.handles.append(attention.v_proj.register_forward_hook(self._projection(index, "values")))
             self.handles.append(attention.register_forward_hook(self._snapshot(index)))
 
     def expect(self, start: int, real: torch.Tensor, phase: str) -> None:

@@ -30,6 +30,7 @@ class Context:
         self.layer, self.kv_heads, self.groups, self.scale, self.inv_freq = layer, kv_heads, groups, scale, inv_freq
         self.queries: dict[int, np.ndarray] = {}  # stream index -> [H_q, d]
         self.keys: dict[int, np.ndarray] = {}  # stream index -> [H_kv, d]
+        self.values: dict[int, np.ndarray] = {}  # stream index -> [H_kv, d]
         self.position: dict[int, int] = {}  # stream index -> RoPE position (rank among real tokens)
         self.peers = peers  # the rules of every layer of this sequence
 
@@ -116,6 +117,7 @@ def simulate(run: Run, model, make_rule) -> tuple[list[list[Kept]], list[Kept]]:
                     if forward.real[b, i]:
                         ctx.queries[forward.start + i] = forward.queries[layer][b, i]
                         ctx.keys[forward.start + i] = forward.keys[layer][b, i]
+                        ctx.values[forward.start + i] = forward.values[layer][b, i]
                 rules[b][layer].forward(news[b])
             expected.append([[sorted(h) for h in rules[b][layer].kept] for b in range(batch)])
         per_forward.append(expected)

@@ -324,7 +324,7 @@ class SnapKV(OneShot):
         super().__init__(ctx, ratio, budget)
         self.window, self.kernel, self.pooling = window, kernel, pooling
 
-    def select(self, h, tokens, keep):
+    def pooled(self, h, tokens):
         voters = self.last_new[-self.window :]
         votes = self.ctx.attention(h, voters, tokens).sum(1).mean(0)
         prefix, r = max(0, len(tokens) - self.window), self.kernel // 2
@@ -333,7 +333,10 @@ class SnapKV(OneShot):
             around = list(votes[max(0, i - r) : min(prefix, i + r + 1)])
             around += [0.0] * (self.kernel - len(around))  # the zero border beyond the prefix's ends
             pooled[t] = max(around) if self.pooling == "max" else sum(around) / self.kernel
-        return top_keep(tokens, pooled, keep, tokens[prefix:])
+        return pooled
+
+    def select(self, h, tokens, keep):
+        return top_keep(tokens, self.pooled(h, tokens), keep, tokens[max(0, len(tokens) - self.window) :])
 
 
 class OneShotKnorm(OneShot):

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 import kvcompress
 from kvcompress import params as text_params
-from kvcompress.generation import cache_argument
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import tiny_model
 from kvcompress.registry import METHODS, method_defaults
+from tests.helpers import tiny_tokenizer_dir
 
 # parameters a method needs before anything runs, and groups of which at most one may be given
 BASE: dict[str, dict[str, object]] = {
@@ -32,6 +33,9 @@ BASE: dict[str, dict[str, object]] = {
     "scissorhands_oneshot": {"budget": 8},
     "streaming_oneshot": {"budget": 8},
     "pod": {"block_size": 1},
+    "keydiff": {"budget": 8},
+    "expected_attention": {"budget": 8},
+    "kvzip": {"budget": 8, "tokenizer": tiny_tokenizer_dir()},
 }
 EXCLUSIVE = ({"budget", "ratio"}, {"similarity", "starts", "block_size"})
 PROMPT = torch.arange(3, 23)[None]  # 20 tokens of the tiny vocabulary
@@ -158,6 +162,8 @@ def model():
 def run_generate(config: kvcompress.MethodConfig) -> torch.Tensor:
     lm = model()
     cache = kvcompress.cache_for(lm, config)
+    if type(config).after_prefill is not kvcompress.MethodConfig.after_prefill:  # KVzip compresses in prefill
+        prefill(lm, PROMPT[:, :-1], cache)
     return lm.generate(
         PROMPT,
         attention_mask=torch.ones_like(PROMPT),

@@ -14,7 +14,7 @@ from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.layer_batch import LayerBatch
 from kvcompress.core.model_spec import ModelCheck, ModelSpec
-from kvcompress.core.rope import layer_inv_freqs
+from kvcompress.core.rope import has_rotary, layer_inv_freqs
 
 
 def layer_class_for(config: MethodConfig, window: int | None) -> type[CompressedLayer]:
@@ -82,7 +82,10 @@ class CompressedCache(Cache):
     def __init__(self, model: nn.Module, config: MethodConfig) -> None:
         spec = ModelSpec.of(model)
         policies = [config.policy(i) for i in range(spec.layers)]
+        for policy in policies:
+            policy.layer_count = spec.layers
         needs_rope = any(policy.position_mode == "cache" for policy in policies)
+        needs_rope = needs_rope or (any(policy.needs_rope for policy in policies) and has_rotary(model))
         inv_freqs = layer_inv_freqs(model) if needs_rope else [None] * spec.layers
         layers = []
         for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):

@@ -112,10 +112,14 @@ class Policy:
     # ``state``, ``token_idx`` and scalar bookkeeping only, and ``select`` returns ``None`` or a ``Keep`` with an int
     # count, so a cache may run them once for all its layers stacked (``kvcompress.core.layer_batch``)
     batchable: bool = False
+    # True: the layer needs the model's RoPE frequencies (``layer.inv_freq``) whatever its ``position_mode``
+    # (expected attention turns the prompt's queries back to their un-rotated form); None on a model without RoPE
+    needs_rope: bool = False
 
     def __init__(self, config: MethodConfig, layer_idx: int) -> None:
         self.config = config
         self.layer_idx = layer_idx
+        self.layer_count: int | None = None  # the cache's decoder layers (set by the cache: per-layer budgets)
 
     def wants_stats(self, layer: CompressedLayer) -> bool:
         """Whether this forward's attention computes ``stats`` (and ``observe`` runs): not once a one-shot method
@@ -175,6 +179,10 @@ class MethodConfig:
 
     def connect(self, layers: list[CompressedLayer]) -> None:
         """Called once with all the cache's layers, for methods whose layers read each other (PoD)."""
+
+    def after_prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Called by ``kvcompress.generation.prefill`` once the prompt ``input_ids`` is in ``cache``: a method that
+        compresses with more passes of the model over the prompt's tokens (KVzip's reconstruction) does so here."""
 
 
 def check_field_types(config: MethodConfig) -> None:

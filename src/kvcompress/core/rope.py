@@ -74,6 +74,11 @@ def layer_inv_freqs(model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
+def has_rotary(model: nn.Module) -> bool:
+    """Whether ``model`` has rotary position embeddings (a ``rotary_emb`` buffer)."""
+    return any(".rotary_emb." in f".{name}" for name, _ in model.named_buffers())
+
+
 def find_inv_freq(model: nn.Module, layer_idx: int = 0) -> torch.Tensor:
     """The inverse frequencies layer ``layer_idx`` rotates with (see ``layer_inv_freqs``)."""
     return layer_inv_freqs(model)[layer_idx]

@@ -9,6 +9,10 @@ once, after the prompt; decoding then appends without eviction. The budget is in
 Pooling covers the prefix only (the tokens before the window), zero-padded at its edges, as the authors' code and
 kvpress do: the window's own (large) votes never leak onto the last ``kernel // 2`` prefix tokens. The paper's text
 does not say; pooling the whole row would keep those edge tokens whatever they received.
+
+``allocation`` shares the budget among layers (``pyramid``: PyramidKV, whose schedule counts the window in every
+layer's budget, kvpress's ``PyramidKVPress``) or among a layer's heads (``adakv``), see
+``kvcompress.methods.allocation``; the window stays protected in both.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top, ratio_budget, recent_mask
+from kvcompress.methods.allocation import allocated_keep, check_allocation
 
 
 class SnapKVPolicy(Policy):
@@ -49,10 +54,13 @@ class SnapKVPolicy(Policy):
     def select(self, layer, keep: int | torch.Tensor | None = None):
         """Keep the top-voted tokens plus the window: ``keep`` tokens (an int or ``[B]`` counts; a composing method
         such as PoD passes its own), else the config's budget or ratio."""
+        window = recent_mask(layer, self.config.window)
+        if keep is None and self.config.allocation != "uniform":
+            return allocated_keep(self, layer, layer.state["vote"], window, self.config.window)
         if keep is None:
             n_valid = layer.valid.sum(-1).amax(1)
             keep = self.config.budget if self.config.ratio is None else ratio_budget(n_valid, self.config.ratio)
-        return keep_top(layer, layer.state["vote"], keep, recent_mask(layer, self.config.window))
+        return keep_top(layer, layer.state["vote"], keep, window)
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,9 @@ class SnapKVConfig(MethodConfig):
     window: int = 32  # observation window: last prompt tokens that vote, always kept
     kernel: int = 7  # pooling width (odd)
     pooling: str = "max"  # "max" or "avg"
+    allocation: str = "uniform"  # uniform, pyramid (PyramidKV, per layer) or adakv (per head), methods/allocation.py
+    beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
+    alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
 
     name = "snapkv"
     paper = "https://arxiv.org/abs/2404.14469"
@@ -82,3 +93,4 @@ class SnapKVConfig(MethodConfig):
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel}")
         check_choice(self.pooling, "pooling", ("max", "avg"))
+        check_allocation(self)

@@ -1,0 +1,117 @@
+"""KVzip (Kim et al., 2025, arXiv:2505.23416; kvpress 0.5.5's ``KVzipPress``): query-agnostic compression by
+context reconstruction.
+
+After the context is prefilled, the model is run over a reconstruction prompt, "Repeat the previous context
+exactly." followed by the context itself, in chunks; each cached key-value pair is scored by the largest attention
+any reconstruction query of its KV head's group pays it (max over the query heads of the group and over the
+queries), and the lowest-scoring pairs are evicted. The reconstruction tokens never stay in the cache: after each
+chunk's forward every layer drops them again. The score does not depend on any question, so one compressed context
+serves every question asked after it.
+
+Use it through ``kvcompress.generation.prefill(model, context_ids, cache)`` (the reconstruction needs the
+context's token ids, which ``prefill`` has and a cache does not): the context is compressed before ``prefill``
+returns; ``model.generate`` then continues from the compressed cache. A cache fed by ``model.generate`` alone
+refuses its second forward (one clear error) rather than silently keeping everything.
+
+Choices, each kvpress's where kvpress decides (the paper's official code is the source kvpress follows):
+
+- Prompts: the first chunk is ``"\\n\\nRepeat the previous context exactly."``, every later one
+  ``"\\n\\nRepeat the part of the previous context exactly, starting with"`` and the previous chunk's last 8
+  tokens; then the chat template's assistant header (the text ``apply_chat_template`` adds after a user turn; a
+  newline for a tokenizer without a template), then the chunk of ``chunk_size`` context tokens (default 2048).
+  The tokenizer is the model's own (read from ``model.config.name_or_path``, a local folder for kvcompress's
+  registry models) unless ``tokenizer`` names a folder. kvpress skips the chat template's header it finds before
+  the context (its tokens score 0 but for the sinks); here ``prefix`` says how many leading tokens to skip (0 by
+  default: the ids ``prefill`` gets are the context).
+- Score: for the queries of one chunk's reconstruction (the chunk starting at token ``start``), the softmax is over
+  the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
+  (causal), as kvpress subsamples it (with one chunk and no prefix: the whole cache, the model's own attention).
+  The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
+  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's. Once every chunk ran, the
+  first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score plus one): never evicted.
+- Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
+  layer's every head, ``floor(N * (1 - ratio))`` of the ``N = layers x heads x n`` pairs evicted per sequence;
+  ``layer`` (kvpress ``layerwise=True``): each layer evicts ``floor(H * n * (1 - ratio))`` over its ``H`` heads;
+  ``uniform``: every layer and head keeps ``max(1, floor(ratio * n))``. A token ``budget`` instead of ``ratio``
+  keeps ``min(budget, n)`` per head on average. Ties evict the lower layer, then the older token, then the lower
+  head first. kvpress's KVzip+ normalisation (off by default there) is not implemented.
+- Memory: kvpress only masks evicted pairs; here they are freed. Heads keeping different counts share one slot
+  buffer as wide as the layer's fullest head (the shorter heads' extra slots are invalid), so ``nbytes()`` is the
+  bytes held, heads x the fullest head per layer, not the sum of the heads' counts (see
+  ``kvcompress.methods.allocation``).
+- Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
+  layers (Mistral's, Gemma-3's) are refused when the cache is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.core.checks import check_choice, check_int_range
+from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.methods.kvzip.reconstruct import compress_by_reconstruction, score_chunk
+from kvcompress.methods.oneshot import check_ratio_or_budget
+
+ALLOCATIONS = ("global", "layer", "uniform")
+
+
+class KVzipPolicy(Policy):
+    """Scores while the reconstruction forwards run (``scoring`` set by ``compress_by_reconstruction``). One-shot:
+    the layer's own compression after the prompt selects nothing (``select`` keeps all); the eviction is decided
+    for all layers together once the reconstruction ran (``KVzipConfig.after_prefill``)."""
+
+    one_shot = True
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.done = False
+        self.scoring: tuple[int, int, int, int] | None = None  # (context length, start, end, sinks) of a chunk
+        self.scores: torch.Tensor | None = None  # [B, H_kv, context] float32
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        if self.scoring is not None:
+            score_chunk(self, query, key, scaling)
+        elif not self.done and layer.seen > layer.new_tokens and not layer.defer_compression:
+            raise ValueError(
+                "kvzip compresses the context in kvcompress.generation.prefill(model, context_ids, cache): it needs "
+                "the context's token ids to reconstruct it; prefill the context first, then generate"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class KVzipConfig(MethodConfig):
+    """Pairs scored by the attention the model pays them while it reconstructs the context; once, query-agnostic."""
+
+    ratio: float | None = None  # kept fraction of the context, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer and KV head (on average under global/layer)
+    allocation: str = "global"  # global (all layers and heads), layer (heads of a layer) or uniform
+    n_sink: int = 4  # first tokens always kept
+    chunk_size: int = 2048  # context tokens reconstructed per forward
+    prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
+    tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)
+
+    name = "kvzip"
+    paper = "https://arxiv.org/abs/2505.23416"
+    policy_class = KVzipPolicy
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
+        check_choice(self.allocation, "allocation", ALLOCATIONS)
+        check_int_range(self.n_sink, "n_sink", 0)
+        check_int_range(self.chunk_size, "chunk_size", 1)
+        check_int_range(self.prefix, "prefix", 0)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
+
+    def connect(self, layers) -> None:
+        if any(layer.sliding_window is not None for layer in layers):
+            raise ValueError(
+                "kvzip does not support models with sliding-window layers (the reconstruction would push the context "
+                "out of the window; kvpress refuses Gemma-3 too): use another method"
+            )
+
+    def after_prefill(self, model, cache, input_ids, attention_mask) -> None:
+        compress_by_reconstruction(self, model, cache, input_ids, attention_mask)

@@ -1,0 +1,187 @@
+"""KVzip's reconstruction passes, their scores, and the eviction they decide (see ``kvcompress.methods.kvzip``)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers import AutoTokenizer
+
+from kvcompress.core.contract import KeepMask
+from kvcompress.core.selection import keep_top
+from kvcompress.methods.allocation import heads_share, places
+from kvcompress.methods.oneshot import kept_per_sequence
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP = 8  # tokens of the previous chunk repeated after a later chunk's prompt
+QUERY_BLOCK = 256  # reconstruction queries whose logits are computed at once
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str):
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"kvzip needs the model's tokenizer to write its reconstruction prompt and found none at {path!r}; "
+            "pass tokenizer=<folder of the tokenizer>"
+        ) from error
+
+
+def prompt_ids(tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the first chunk's prompt, a later chunk's prompt, and the assistant header after them."""
+    if tokenizer.chat_template is None:
+        suffix = "\n"
+    else:  # the text the template puts after a user turn, found around a marker as kvpress does
+        marker = "dummy context"
+        separator = "\n" + "#" * len(marker)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker + separator}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
+        )
+        suffix = text.split(separator)[1]
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    return encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(suffix)
+
+
+def reconstruction_chunks(
+    context: torch.Tensor, tokenizer, chunk_size: int, prefix: int = 0
+) -> list[tuple[int, int, torch.Tensor]]:
+    """``(start, end, ids)`` per chunk of ``context[:, prefix:]``: the context span ``[start, end)`` and the
+    reconstruction ids ``[B, q]``."""
+    first, later, suffix = prompt_ids(tokenizer)
+    chunks, length = [], context.shape[1]
+    for start in range(prefix, length, chunk_size):
+        end = min(length, start + chunk_size)
+        prompt = first if start == prefix else later
+        lead = torch.tensor(prompt, dtype=context.dtype, device=context.device).expand(context.shape[0], -1)
+        parts = [lead]
+        if start > prefix:  # the previous chunk's last tokens
+            parts.append(context[:, start - min(OVERLAP, chunk_size) : start])
+        parts += [torch.tensor(suffix, dtype=context.dtype, device=context.device).expand(context.shape[0], -1)]
+        chunks.append((start, end, torch.cat([*parts, context[:, start:end]], dim=1)))
+    return chunks
+
+
+def score_chunk(policy, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+    """Fold one reconstruction forward's attention into ``policy.scores``: per context token of the chunk, the
+    largest probability any query of its KV head's group gives it (softmax over sinks, chunk, reconstruction)."""
+    length, start, end, sinks = policy.scoring
+    batch, query_heads, count, dim = query.shape
+    heads = key.shape[1]
+    groups = query_heads // heads
+    device = key.device
+    columns = torch.cat(
+        [
+            torch.arange(sinks, device=device),
+            torch.arange(start, end, device=device),
+            torch.arange(length, length + count, device=device),
+        ]
+    )
+    keys = key.index_select(2, columns).float()  # [B, H, S, d]
+    scale = dim**-0.5 if scaling is None else scaling
+    own = end - start
+    best = None
+    for row in range(0, count, QUERY_BLOCK):
+        rows = query[:, :, row : row + QUERY_BLOCK].float().view(batch, heads, groups, -1, dim)
+        logits = (rows @ keys[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, S]
+        index = torch.arange(row, row + rows.shape[3], device=key.device)
+        hidden = torch.arange(count, device=key.device)[None, :] > index[:, None]  # the reconstruction's future
+        logits[..., sinks + own :] = logits[..., sinks + own :].masked_fill(hidden, -torch.inf)
+        peak = logits.softmax(-1)[..., sinks : sinks + own].amax(dim=(2, 3))
+        best = peak if best is None else torch.maximum(best, peak)
+    policy.scores[:, :, start:end] = best
+
+
+def drop_newest(layer, count: int, max_chunk: int) -> None:
+    """Remove the ``count`` newest tokens of a dense layer (the reconstruction's) as if never seen."""
+    slots, occupied = layer.slots, layer.occupied
+    for name in ("token_idx", "rank"):
+        slots.tensors[name][:, :, occupied - count : occupied] = -1
+    slots.valid[:, :, occupied - count : occupied] = False
+    slots.real_seen = slots.real_seen - count
+    layer.occupied -= count
+    layer.seen -= count
+    layer.new_tokens = 0
+    layer.max_chunk = max_chunk
+
+
+@torch.no_grad()
+def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, attention_mask) -> None:
+    """Score every layer by reconstructing ``input_ids`` (the context in ``cache``), then evict (once)."""
+    layers = cache.compressed_layers
+    policies = [layer.policy for layer in layers]
+    if policies[0].done:
+        return
+    length = layers[0].seen
+    if config.prefix >= length:
+        raise ValueError(f"prefix must be below the context's {length} tokens, got {config.prefix}")
+    if length != input_ids.shape[1] or (attention_mask is not None and not bool(attention_mask.bool().all())):
+        raise ValueError(
+            "kvzip compresses a context prefilled alone into an empty cache, without padding: call "
+            "prefill(model, context_ids, cache) once on a fresh cache, with sequences of one length"
+        )
+    path = config.tokenizer or getattr(model.config, "name_or_path", "") or ""
+    tokenizer = load_tokenizer(path)
+    for policy, layer in zip(policies, layers, strict=True):
+        policy.scores = torch.zeros(*layer.slots.token_idx.shape[:2], length, device=layer.device)
+    max_chunks = [layer.max_chunk for layer in layers]
+    # (the keyword the installed transformers takes a cache by: ``kvcompress.generation.cache_argument``'s rule)
+    keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    try:
+        for start, end, ids in reconstruction_chunks(input_ids, tokenizer, config.chunk_size, config.prefix):
+            for policy in policies:
+                policy.scoring = (length, start, end, min(config.n_sink, start))
+            count = ids.shape[1]
+            positions = torch.arange(length, length + count, device=ids.device)[None].expand(ids.shape[0], -1)
+            model(input_ids=ids, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
+            for layer, max_chunk in zip(layers, max_chunks, strict=True):
+                drop_newest(layer, count, max_chunk)
+    finally:
+        for policy in policies:
+            policy.scoring = None
+    for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
+        policy.scores[..., : config.n_sink] = 2.0
+    evict(config, layers)
+    for policy in policies:
+        policy.done, policy.scores = True, None
+
+
+def evict(config, layers) -> None:
+    """Evict by the reconstruction scores under ``config.allocation`` (see the package docstring)."""
+    scores = [layer.policy.scores for layer in layers]
+    batch, heads, length = scores[0].shape
+    n = torch.full((batch,), length, device=scores[0].device)
+    if config.ratio is not None:
+        removed = 1 - config.ratio
+        per_layer = heads * length - int(heads * length * removed)
+        overall = len(layers) * heads * length - int(len(layers) * heads * length * removed)
+    else:
+        per_layer = heads * min(config.budget, length)
+        overall = len(layers) * per_layer
+    if config.allocation == "uniform":
+        keep = kept_per_sequence(n, config.ratio, config.budget)
+        rules = [keep_top(layer, score, keep) for layer, score in zip(layers, scores, strict=True)]
+    elif config.allocation == "layer":
+        total = torch.full((batch,), per_layer, device=n.device)
+        rules = [heads_share(layer, score, None, total) for layer, score in zip(layers, scores, strict=True)]
+    else:
+        rules = global_masks(scores, overall)
+    for layer, rule in zip(layers, rules, strict=True):
+        layer.apply(rule)
+        layer.compact(shrink=True)
+
+
+def global_masks(scores: list[torch.Tensor], keep: int) -> list[KeepMask]:
+    """Per layer, what one ranking over every layer and head keeps (``keep`` pairs per sequence): layer-major,
+    then token-major flattening, so a stable sort evicts the lower layer, the older token, the lower head first."""
+    stacked = torch.stack(scores, 1)  # [B, layers, H, L]
+    batch, count, heads, length = stacked.shape
+    flat = stacked.transpose(2, 3).reshape(batch, -1)
+    order = flat.argsort(dim=-1, stable=True)
+    kept = (places(order) >= flat.shape[-1] - keep).view(batch, count, length, heads).transpose(2, 3)
+    return [KeepMask(kept[:, i]) for i in range(count)]

@@ -1,0 +1,139 @@
+"""KVzip against an independent reference: the model's own eager attention over context + reconstruction prompt.
+
+The reference writes the reconstruction prompts from the documented text (package docstring of
+``kvcompress.methods.kvzip``), runs a fresh copy of the tiny model (its own eager attention, no kvcompress) over
+the context followed by each chunk's prompt, reads the attention probabilities the prompt's queries pay, restricts
+them to the documented key subset (sinks, the chunk, the prompt) and renormalises (a softmax restricted to a
+subset is the full softmax renormalised on it), takes the maximum over each KV head's query group and queries, and
+evicts by the documented ranking. The library is read only through ``cache_for``, ``prefill`` and
+``layer.token_idx``/``valid``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.models.testing import tiny_model, tiny_tokenizer
+from tests.references.driver import kept_sets, token_ids
+
+N_SINK = 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def reference_prompts(tokenizer, context: list[int], chunk: int, prefix: int = 0) -> list[tuple[int, int, list[int]]]:
+    first = tokenizer.encode("\n\nRepeat the previous context exactly.", add_special_tokens=False)
+    later = tokenizer.encode(
+        "\n\nRepeat the part of the previous context exactly, starting with", add_special_tokens=False
+    )
+    newline = tokenizer.encode("\n", add_special_tokens=False)  # no chat template: a newline
+    out = []
+    spans = [(start, min(len(context), start + chunk)) for start in range(prefix, len(context), chunk)]
+    for index, (start, end) in enumerate(spans):
+        previous = context[spans[index - 1][0] : spans[index - 1][1]] if index else []
+        lead = later + previous[-8:] if index else first
+        out.append((start, end, lead + newline + context[start:end]))
+    return out
+
+
+@torch.no_grad()
+def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[list[list[float]]]:
+    """``[layer][KV head][token]`` reconstruction scores of one sequence."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")
+    config = model.config
+    heads, groups = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    length = len(context)
+    scores = [[[0.0] * length for _ in range(heads)] for _ in range(config.num_hidden_layers)]
+    for start, end, prompt in reference_prompts(tiny_tokenizer(), context, chunk, prefix):
+        ids = torch.tensor([context + prompt])
+        attentions = model(ids, output_attentions=True).attentions
+        sinks = min(N_SINK, start)
+        columns = list(range(sinks)) + list(range(start, end)) + list(range(length, length + len(prompt)))
+        for index, probs in enumerate(attentions):
+            rows = probs[0, :, length:, :].double()  # [H_q, prompt, T]
+            subset = rows[:, :, columns]
+            subset = subset / subset.sum(-1, keepdim=True)
+            own = subset[:, :, sinks : sinks + end - start]  # [H_q, prompt, chunk]
+            for h in range(heads):
+                best = own[h * groups : (h + 1) * groups].amax(dim=(0, 1))
+                scores[index][h][start:end] = best.tolist()
+    for layer in scores:  # sinks: never evicted
+        for head in layer:
+            head[:N_SINK] = [math.inf] * N_SINK
+    return scores
+
+
+def reference_kept(scores, allocation: str, ratio: float) -> list[list[list[int]]]:
+    layers, heads, length = len(scores), len(scores[0]), len(scores[0][0])
+    if allocation == "uniform":
+        keep = max(1, math.floor(ratio * length))
+        return [[sorted(sorted(range(length), key=lambda t: (-s[t], -t))[:keep]) for s in layer] for layer in scores]
+    groups = [[(i, t, h) for t in range(length) for h in range(heads)] for i in range(layers)]
+    if allocation == "global":
+        groups = [[item for group in groups for item in group]]
+    kept = [[[] for _ in range(heads)] for _ in range(layers)]
+    for group in groups:
+        removed = int(len(group) * (1 - ratio))  # kvpress: int(count * compression_ratio)
+        ranked = sorted(group, key=lambda item: (scores[item[0]][item[2]][item[1]], item))
+        for i, t, h in ranked[removed:]:
+            kept[i][h].append(t)
+    return [[sorted(h) for h in layer] for layer in kept]
+
+
+CASES = {
+    "global": ({"ratio": 0.5}, 64),
+    "global-chunked": ({"ratio": 0.4, "chunk_size": 9}, 9),
+    "layer": ({"ratio": 0.5, "allocation": "layer"}, 64),
+    "layer-chunked": ({"ratio": 0.3, "allocation": "layer", "chunk_size": 11}, 11),
+    "uniform": ({"ratio": 0.5, "allocation": "uniform", "chunk_size": 16}, 16),
+    "global-small-chunks-prefix": ({"ratio": 0.5, "chunk_size": 5, "prefix": 6}, 5),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kvzip_keeps_the_reference_pairs(case, batch, tiny_llama, tokenizer_dir):
+    params, chunk = CASES[case]
+    ids = token_ids(batch, 30, seed=7)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, **params)
+    prefill(tiny_llama, ids, cache, chunk_size=12)
+    got = [kept_sets(layer) for layer in cache.compressed_layers]  # [layer][sequence][head]
+    assert cache.get_seq_length() == 30  # the reconstruction tokens are gone
+    for b in range(batch):
+        scores = reference_scores(ids[b].tolist(), chunk, params.get("prefix", 0))
+        want = reference_kept(scores, params.get("allocation", "global"), params["ratio"])
+        assert [layer[b] for layer in got] == want, f"sequence {b}"
+
+
+def test_kvzip_then_generate_appends_to_the_compressed_context(tiny_llama, tokenizer_dir):
+    ids = token_ids(1, 34, seed=8)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, ratio=0.5)
+    prefill(tiny_llama, ids[:, :30], cache)
+    stored = [sum(map(len, kept_sets(layer)[0])) for layer in cache.compressed_layers]
+    out = tiny_llama.generate(ids, **cache_argument(tiny_llama, cache), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == 37 and cache.get_seq_length() == 36
+    after = [sum(map(len, kept_sets(layer)[0])) for layer in cache.compressed_layers]
+    assert [a - s for a, s in zip(after, stored, strict=True)] == [2 * 6, 2 * 6]  # 4 question + 2 decoded, 2 heads
+
+
+def test_kvzip_refuses_a_cache_fed_by_generate_alone(tiny_llama, tokenizer_dir):
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, ratio=0.5)
+    with pytest.raises(ValueError, match="prefill"):
+        tiny_llama.generate(token_ids(1, 20, 0), **cache_argument(tiny_llama, cache), max_new_tokens=2)
+
+
+def test_kvzip_without_a_tokenizer_says_what_to_pass(tiny_llama):
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", ratio=0.5)
+    with pytest.raises(ValueError, match="tokenizer="):
+        prefill(tiny_llama, token_ids(1, 20, 0), cache)
