@@ -9,15 +9,15 @@
 #     (kvpress's protocol), every method at kept ratios 0.75, 0.5 and 0.25 of the context: one table (score ±
 #     standard error, n, KV bytes × full, prefill + compression seconds, answer tokens/s) and one plot.
 #  3. The same leaderboard for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`).
-# DEMO_SAMPLES (default 8: two per task) and DEMO_METHODS change part 2. Results are resumable JSON lines under
+# DEMO_SAMPLES (default 4: one per task) and DEMO_METHODS change part 2. Results are resumable JSON lines under
 # runs/demo/ (a rerun only adds what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== [1/4] setting up .venv (scripts/setup.sh; the first run installs torch and the default model) =="
 bash scripts/setup.sh
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 THREADS="$OMP_NUM_THREADS"
-SAMPLES="${DEMO_SAMPLES:-8}"
+SAMPLES="${DEMO_SAMPLES:-4}"
 METHODS="${DEMO_METHODS:-full,kvzip,keydiff,snapkv,streaming}"
 TASKS="niah_single_1+niah_single_2+niah_multikey_1+niah_multivalue"
 
