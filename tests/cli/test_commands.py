@@ -56,7 +56,8 @@ def table_cells(output: str) -> list[list[str]]:
 
 
 def generate_numbers(output: str) -> dict[str, int]:
-    return {row[0]: int(row[1].split(" ")[0].replace(",", "")) for row in table_cells(output) if row[0] != "saved"}
+    counts = [row for row in table_cells(output) if row[0] != "saved" and not row[0].startswith("wall time")]
+    return {row[0]: int(row[1].split(" ")[0].replace(",", "")) for row in counts}
 
 
 # --------------------------------------------------------------------------------------------------- generate
@@ -72,6 +73,8 @@ def test_generate_with_the_full_cache_prints_the_model_own_greedy_text(model_dir
     assert output.startswith(text + "\n")
     numbers = generate_numbers(output)
     assert numbers["prompt tokens"] == 44
+    [wall] = [row[1] for row in table_cells(output) if row[0].startswith("wall time")]
+    assert wall.endswith("s for 6 new tokens")
     assert numbers["tokens seen (logical)"] == 44 + 5  # the last token generated is never fed
     assert numbers["tokens stored per layer (physical)"] == 49
     assert numbers["KV bytes stored"] == numbers["KV bytes, full cache"] == 49 * BYTES_PER_TOKEN
