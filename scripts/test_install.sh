@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install kvcompress as a wheel (not editable) into a fresh virtual environment and run the CLI from a folder outside
-# the repository: `generate` (default method), `generate` with the LESS kernels shipped in the wheel, `eval --data`
-# and `report` (issue 17). Each command must exit 0 and print what it promises.
+# the repository: `generate` (default method), `generate` with the LESS kernels shipped in the wheel, `eval ruler` on
+# the books shipped in the wheel, `eval --data` and `report`. Each command must exit 0 and print what it promises.
 #
 # Environment: PYTHON (default python3) makes the venv; KVCOMPRESS_DATA (default ../shared/data, as the tests use)
 # is the data folder, passed to `eval` with --data only; KVCOMPRESS_CACHE (default ~/.cache/kvcompress/models) holds
@@ -69,6 +69,10 @@ PROMPT="Tell me about the sea, the sky and the hills: what lives in each, how th
 PROMPT="$PROMPT painters and poets keep coming back to them, from the old masters to the present day."
 run_check "tokens stored per layer \(physical\) +│ 50 " "$KVC" generate "$PROMPT" --max-new-tokens 8 \
   --method less --budget 50 -p base=h2o -p kernels=smollm2-135m-h2o-50of512
+step "eval ruler on the books shipped in the wheel (no data folder)"
+run_check . "$KVC" eval ruler --samples 1 --methods full --param length=512 --param tasks=niah_single_2 \
+  --out "$WORK/run/ruler"
+grep -q '"method": "full"' "$WORK/run/ruler/ruler.jsonl" || { echo "FAILED: eval ruler wrote no result row" >&2; exit 1; }
 if [ -d "$DATA" ]; then
   step "eval ppl --data $DATA"
   run_check . "$KVC" eval ppl --samples 1 --methods full,streaming --budgets 64 --param length=256 \
