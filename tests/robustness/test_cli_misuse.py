@@ -28,7 +28,6 @@ def misuses(tmp: str) -> list[tuple[list[str], str]]:
         (["eval", "passkey", "--methods", ""], "--methods '' names nothing to run"),
         (["eval", "passkey", "--methods", " , "], "--methods ' , ' names nothing to run"),
         (["eval", "passkey", "--budgets", ","], "--budgets ',' names nothing to run"),
-        (["eval", "passkey", "--methods", "h2o", "--budgets", "0.5"], "give no evaluation"),
         ([*gen, "-m", "less", "-p", "base=full"], "base full keeps every token"),
         ([*gen, "-m", "knorm", "--budget", "8", "-p", "recent=9"], "recent must be an integer in [0, budget = 8]"),
         ([*gen, "-m", "pod", "-p", f"similarity={tmp}/nan.pt"], "similarities are NaN"),
