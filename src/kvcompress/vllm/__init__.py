@@ -27,8 +27,11 @@ as it builds the model).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from typing import Any
+
+from kvcompress.vllm.config import CONFIG_KEY, ENV_VAR, check_engine, check_platform, parse_policy
 
 
 def LLM(model: str, policy: str | dict[str, Any], **kwargs: Any):  # noqa: N802 (named after the class it builds)
@@ -38,8 +41,6 @@ def LLM(model: str, policy: str | dict[str, Any], **kwargs: Any):  # noqa: N802 
     ``block_size`` (vLLM's CPU default 128 if not given), ``enable_prefix_caching=True``, or a platform or
     ``attention_backend`` other than vLLM's CPU attention. Prefix caching is turned off unless given.
     """
-    from kvcompress.vllm.config import CONFIG_KEY, check_engine, parse_policy
-
     config = parse_policy(policy)
     kwargs.setdefault("enable_prefix_caching", False)
     check_engine(config, kwargs.get("block_size"), kwargs["enable_prefix_caching"], kwargs.get("attention_backend"))
@@ -55,13 +56,10 @@ def register() -> None:
     vLLM calls it in every process (API server, engine core, workers), possibly more than once; both
     registrations are idempotent.
     """
-    import os
-
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from kvcompress.vllm.config import ENV_VAR, check_platform, parse_policy
     from kvcompress.vllm.manager import BlockEvictionManager
     from kvcompress.vllm.spec import KVCompressSpec
 

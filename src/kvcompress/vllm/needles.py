@@ -15,6 +15,7 @@ import json
 import os
 
 import torch
+from transformers import AutoTokenizer
 
 from kvcompress.eval.tasks.niah import NiahTask, string_match_all
 from kvcompress.vllm.bench import DEFAULT_POLICIES, close_engine, policy_label
@@ -24,8 +25,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def niah_samples(model: str, data: str, count: int, length: int):
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model)
     return NiahTask(None, tokenizer, seed=0, length=length, modes=("aware",), data=data).build_samples(count)
 
