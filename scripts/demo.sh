@@ -6,7 +6,8 @@
 #     keeping 256 tokens answer it (the answer, tokens stored, MiB).
 #  2. The leaderboard: RULER's needle tasks that this model answers with the full cache (niah_single_1,
 #     niah_single_2, niah_multikey_1, niah_multivalue) at 1,024 tokens, the context compressed before the question
-#     (kvpress's protocol), every method at kept ratios 0.75, 0.5 and 0.25 of the context: one table (score ±
+#     (kvpress's protocol), KVzip, KeyDiff, SnapKV and StreamingLLM at kept ratios 0.75, 0.5 and 0.25 of the context
+#     beside the full cache: one table (score ±
 #     standard error, n, KV bytes × full, prefill + compression seconds, answer tokens/s) and one plot.
 #  3. The same leaderboard for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`).
 # DEMO_SAMPLES (default 4: one per task) and DEMO_METHODS change part 2. Results are resumable JSON lines under
