@@ -6,9 +6,10 @@
 #     keeping 256 tokens answer it (the answer, tokens stored, MiB).
 #  2. The leaderboard: RULER's needle tasks that this model answers with the full cache (niah_single_1,
 #     niah_single_2, niah_multikey_1, niah_multivalue) at 1,024 tokens, the context compressed before the question
-#     (kvpress's protocol), KVzip, KeyDiff, SnapKV and StreamingLLM at kept ratios 0.75, 0.5 and 0.25 of the context
-#     beside the full cache: one table (score ±
-#     standard error, n, KV bytes × full, prefill + compression seconds, answer tokens/s) and one plot.
+#     (kvpress's protocol), KVzip, SnapKV, StreamingLLM and random eviction (the floor) at kept ratios 0.75, 0.5 and
+#     0.25 of the context beside the full cache: one table (score ± standard error, n, KV bytes × full, prefill +
+#     compression seconds, answer tokens/s) and one plot; a line per evaluation while it runs.
+#  Cost, measured (docs/results/ruler.md): parts 2 and 3 take about 8 minutes of CPU time with one torch thread.
 #  3. The same leaderboard for qwen2.5-coder-0.5b when its wheels are installed (`kvcompress models`).
 # DEMO_SAMPLES (default 4: one per task) and DEMO_METHODS change part 2. Results are resumable JSON lines under
 # runs/demo/ (a rerun only adds what is missing).
@@ -19,7 +20,7 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 THREADS="$OMP_NUM_THREADS"
 SAMPLES="${DEMO_SAMPLES:-4}"
-METHODS="${DEMO_METHODS:-full,kvzip,keydiff,snapkv,streaming}"
+METHODS="${DEMO_METHODS:-full,kvzip,snapkv,streaming,random}"
 TASKS="niah_single_1+niah_single_2+niah_multikey_1+niah_multivalue"
 
 echo "== [2/4] one question, three caches (smollm2-135m) =="

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from kvcompress.cli import main
-from kvcompress.eval.leaderboard import leaderboard_rows, leaderboard_table, parse_kept, write_leaderboard
+from kvcompress.eval.configs import expand_configs
+from kvcompress.eval.leaderboard import asked_for, leaderboard_rows, leaderboard_table, parse_kept, write_leaderboard
 from kvcompress.eval.runner import run_eval
 
 
@@ -55,6 +56,28 @@ def test_leaderboard_of_a_tiny_model_is_written_with_its_plot(tmp_path, tiny):
     report, text = write_leaderboard(path, "tiny")
     assert report == tmp_path / "leaderboard.md" and (tmp_path / "leaderboard.png").stat().st_size > 0
     assert text.count("| 0.5 |") == 2 and "| 1 | full |" in text and "niah_single_1" in text
+
+
+def test_a_leaderboard_shows_only_the_rows_it_was_asked_for():
+    rows = [
+        {**_row("full", None, "a", 1.0, 1000), "params": {}, "seed": 0, "task_params": {"length": 1024}},
+        {**_row("knorm", 0.5, "a", 1.0, 500), "params": {}, "seed": 0, "task_params": {"length": 1024}},
+        {**_row("knorm", 0.25, "a", 1.0, 500), "params": {}, "seed": 0, "task_params": {"length": 1024}},
+        {**_row("snapkv", 0.5, "a", 1.0, 500), "params": {}, "seed": 0, "task_params": {"length": 1024}},
+        {**_row("knorm", 0.5, "b", 0.0, 500), "params": {}, "seed": 0, "task_params": {"length": 2048}},
+        {**_row("knorm", 0.5, "c", 0.0, 500), "params": {}, "seed": 1, "task_params": {"length": 1024}},
+    ]
+    select = asked_for(expand_configs(["full", "knorm"], [0.5]), seed=0, task_params={"length": 1024})
+    assert [(r["method"], r["budget"], r["sample"]) for r in rows if select(r)] == [
+        ("full", None, "a"), ("knorm", 0.5, "a"),
+    ]  # fmt: skip
+
+
+def test_a_run_logged_to_a_file_reports_each_evaluation_on_its_own_line(tmp_path, tiny, capsys):
+    run_eval("passkey", tiny, ["full", "window"], [32], samples=2, out_dir=tmp_path, length=300)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("passkey ")]
+    assert [line.split(":")[0] for line in lines] == [f"passkey {i}/4" for i in range(1, 5)]
+    assert "passkey-001 window budget 32 accuracy" in lines[-1] and lines[-1].endswith("~0 s left)")
 
 
 @pytest.mark.parametrize(

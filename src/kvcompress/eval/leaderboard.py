@@ -24,15 +24,17 @@ per-task table follows for tasks with subtasks (RULER's).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvcompress.eval.configs import EvalConfig, expand_configs
 from kvcompress.eval.report import load_results, mean_se, subtask_table
 from kvcompress.eval.runner import parse_task_params, run_eval
 from kvcompress.eval.tasks import TASKS
@@ -163,9 +165,34 @@ def plot_leaderboard(entries: list[dict[str, Any]], path: Path, title: str) -> P
     return path
 
 
-def write_leaderboard(jsonl: Path, title: str, plot: bool = True) -> tuple[Path, str]:
-    """Write ``leaderboard.md`` (and ``leaderboard.png``) beside ``jsonl``; return the markdown path and text."""
+def asked_for(
+    configs: Sequence[EvalConfig], seed: int, task_params: dict[str, Any]
+) -> Callable[[dict[str, Any]], bool]:
+    """Which rows of a results file a leaderboard shows: the methods and kept ratios asked for, at the seed and task
+    parameters given (a parameter left at its default matches any row), so that earlier runs with other lengths,
+    tasks or methods in the same folder stay out of the table."""
+    keys = {config.key() for config in configs}
+    given = json.loads(json.dumps(task_params))  # tuples as lists, as the rows hold them
+
+    def wanted(row: dict[str, Any]) -> bool:
+        key = json.dumps([row["method"], row.get("params", {}), row["budget"]], sort_keys=True)
+        recorded = row.get("task_params", {})
+        params = all(k not in recorded or recorded[k] == v for k, v in given.items())
+        return key in keys and row.get("seed", seed) == seed and params
+
+    return wanted
+
+
+def write_leaderboard(
+    jsonl: Path, title: str, plot: bool = True, select: Callable[[dict[str, Any]], bool] | None = None
+) -> tuple[Path, str]:
+    """Write ``leaderboard.md`` (and ``leaderboard.png``) beside ``jsonl``; return the markdown path and text.
+    ``select`` keeps only some rows (``asked_for``); by default every row of the file is shown."""
     results, _ = load_results(jsonl)
+    if select is not None:
+        results = [row for row in results if select(row)]
+    if not results:
+        raise ValueError(f"{jsonl} holds no results for the methods, kept ratios and task parameters asked for")
     metric = next(iter(results[0]["scores"]))
     entries = leaderboard_rows(results, metric)
     text = f"# {title}\n\n{leaderboard_table(entries)}\n"
@@ -206,10 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError("--methods needs at least one method")
     out = Path(args.out) / args.model.replace("/", "_")
     path = run_eval(args.task, args.model, methods, kept, args.samples, args.seed, out, **params)
+    select = asked_for(expand_configs(methods, kept), args.seed, params)
     title = (
         f"{args.task} on {args.model}: score against kept ratio ({', '.join(f'{k}={v}' for k, v in params.items())})"
     )
-    report, text = write_leaderboard(path, title, plot=not args.no_plot)
+    report, text = write_leaderboard(path, title, plot=not args.no_plot, select=select)
     print(text)
     print(report)
     return 0

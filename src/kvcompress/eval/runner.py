@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,20 @@ def run_eval(
     if already < total:
         results.append(environment())
     rows = run_task(evaluation, configs, items, skip=is_done)
-    if progress:
+    if progress and not sys.stderr.isatty():  # a log or CI: one plain line per evaluation, not a redrawn bar
+        start = time.monotonic()
+        for done, row in enumerate(rows, start=already + 1):
+            results.append({"kind": "result", **common, **row})
+            elapsed = time.monotonic() - start
+            left = elapsed / (done - already) * (total - done)
+            scores = " ".join(f"{k} {v:.2f}" for k, v in row["scores"].items())
+            print(
+                f"{task} {done}/{total}: {row['sample']} {row['label']} budget {row['budget']} {scores} "
+                f"({elapsed:.0f} s, ~{left:.0f} s left)",
+                file=sys.stderr,
+                flush=True,
+            )
+    elif progress:
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),
