@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "kvcompress"
 # Optional dependencies may be imported where they are used, so the package works without them (nltk comes with
 # rouge-score, in the eval extra).
-OPTIONAL = {"matplotlib", "rouge_score", "nltk", "tqdm", "vllm", "lm_eval", "hypothesis"}
+OPTIONAL = {"matplotlib", "rouge_score", "nltk", "tqdm", "vllm", "lm_eval", "hypothesis", "kvpress"}
 MAX_LINES = 400
 
 

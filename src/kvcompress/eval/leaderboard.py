@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
+from kvcompress.eval import kvpress_columns
 from kvcompress.eval.configs import EvalConfig, expand_configs
 from kvcompress.eval.report import load_results, mean_se, subtask_table
 from kvcompress.eval.runner import parse_task_params, run_eval
-from kvcompress.eval.tasks import TASKS
+from kvcompress.eval.tasks import TASKS, make_task
 from kvcompress.eval.tasks.qa import QATask
+from kvcompress.models import load_model
 
 DEFAULT_METHODS = (
     "full",
@@ -184,13 +186,19 @@ def asked_for(
 
 
 def write_leaderboard(
-    jsonl: Path, title: str, plot: bool = True, select: Callable[[dict[str, Any]], bool] | None = None
+    jsonl: Path,
+    title: str,
+    plot: bool = True,
+    select: Callable[[dict[str, Any]], bool] | None = None,
+    extra: Sequence[dict[str, Any]] = (),
 ) -> tuple[Path, str]:
     """Write ``leaderboard.md`` (and ``leaderboard.png``) beside ``jsonl``; return the markdown path and text.
-    ``select`` keeps only some rows (``asked_for``); by default every row of the file is shown."""
+    ``select`` keeps only some rows (``asked_for``); by default every row of the file is shown. ``extra`` rows
+    (kvpress's, ``kvpress_columns``) join the table."""
     results, _ = load_results(jsonl)
     if select is not None:
         results = [row for row in results if select(row)]
+    results += list(extra)
     if not results:
         raise ValueError(f"{jsonl} holds no results for the methods, kept ratios and task parameters asked for")
     metric = next(iter(results[0]["scores"]))
@@ -208,6 +216,22 @@ def write_leaderboard(
     return out, text
 
 
+def kvpress_side_rows(args: argparse.Namespace, kept: list[float], params: dict[str, Any], out: Path):
+    """Run ``--presses`` in kvpress's environment on this leaderboard's samples; their rows, scored here."""
+    presses = [p.strip() for p in args.presses.split(",") if p.strip()]
+    model, tokenizer = load_model(args.model)
+    task = make_task(args.task, model, tokenizer, seed=args.seed, **params)
+    kvpress_columns.check_kvpress(args.kvpress, presses, task)
+    samples = task.build_samples(args.samples)
+    spec = out / "kvpress-samples.json"
+    kvpress_columns.write_samples(spec, args.model, model, samples, kept, presses)
+    side = out / "kvpress.jsonl"
+    kvpress_columns.run_side(args.kvpress, spec, side, args.threads)
+    wanted = {(p, k) for p in presses for k in kept}
+    rows = kvpress_columns.leaderboard_rows(task, samples, side)
+    return [r for r in rows if (r["method"].removeprefix(kvpress_columns.PREFIX), r["budget"]) in wanted]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcompress leaderboard", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="registry name, local path or Hub id")
@@ -220,6 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--param", action="append", default=[], help="task parameter key=value (repeatable)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--kvpress", metavar="PYTHON", help="kvpress's environment's python: add kvpress columns on the same ids"
+    )
+    parser.add_argument(
+        "--presses",
+        default="KVzipPress,KeyDiffPress,SnapKVPress,AdaKVPress(ExpectedAttentionPress)",
+        help="with --kvpress: kvpress press classes, comma-separated (Wrapper(Inner) allowed)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -232,12 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not methods:
         raise ValueError("--methods needs at least one method")
     out = Path(args.out) / args.model.replace("/", "_")
+    side_rows: list[dict[str, Any]] = []
+    if args.kvpress:
+        side_rows = kvpress_side_rows(args, kept, params, out)
     path = run_eval(args.task, args.model, methods, kept, args.samples, args.seed, out, **params)
     select = asked_for(expand_configs(methods, kept), args.seed, params)
     title = (
         f"{args.task} on {args.model}: score against kept ratio ({', '.join(f'{k}={v}' for k, v in params.items())})"
     )
-    report, text = write_leaderboard(path, title, plot=not args.no_plot, select=select)
+    report, text = write_leaderboard(path, title, plot=not args.no_plot, select=select, extra=side_rows)
     print(text)
     print(report)
     return 0

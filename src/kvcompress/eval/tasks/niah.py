@@ -209,4 +209,7 @@ class NiahTask(QATask):
 
     def evaluate(self, sample, config, cache, mode):
         text = self.generate(sample, cache, mode, sample.inputs["max_new_tokens"], sample.inputs["answers"])
-        return Result(scores={"score": string_match_all(text, sample.inputs["answers"])}, extra={"prediction": text})
+        return Result(scores=self.score_text(sample, text), extra={"prediction": text})
+
+    def score_text(self, sample, text):
+        return {"score": string_match_all(text, sample.inputs["answers"])}

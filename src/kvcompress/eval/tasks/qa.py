@@ -58,6 +58,11 @@ class QATask(Task):
         self.timings["new_tokens"] = cache.get_seq_length() - prompt.shape[1] + 1
         return text
 
+    def score_text(self, sample: Sample, text: str) -> dict[str, float]:
+        """The scores of an answer given as text (another library's answer on the same ids); tasks whose metric
+        reads only the answer text define it."""
+        raise NotImplementedError(f"task {self.name!r} does not score answer text")
+
     def _prefill(self, sample: Sample, cache: CompressedCache, mode: str):
         inputs, start = sample.inputs, time.perf_counter()
         prompt = prefill_prompt(
