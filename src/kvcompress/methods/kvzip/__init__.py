@@ -27,8 +27,10 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
   (causal), as kvpress subsamples it (with one chunk and no prefix: the whole cache, the model's own attention).
   The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
-  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's. Once every chunk ran, the
-  first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score plus one): never evicted.
+  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's; the reconstruction's own
+  attention output comes from the same logits (one attention pass per layer, not two: ``score_chunk``). Once
+  every chunk ran, the first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score
+  plus one): never evicted.
 - Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
   layer's every head, ``floor(N * (1 - ratio))`` of the ``N = layers x heads x n`` pairs evicted per sequence;
   ``layer`` (kvpress ``layerwise=True``): each layer evicts ``floor(H * n * (1 - ratio))`` over its ``H`` heads;
@@ -72,8 +74,8 @@ class KVzipPolicy(Policy):
 
     def attend(self, layer, query, key, value, mask, scaling):
         if self.scoring is not None:
-            score_chunk(self, query, key, scaling)
-        elif not self.done and layer.seen > layer.new_tokens and not layer.defer_compression:
+            return score_chunk(self, query, key, value, mask, scaling), None
+        if not self.done and layer.seen > layer.new_tokens and not layer.defer_compression:
             raise ValueError(
                 "kvzip compresses the context in kvcompress.generation.prefill(model, context_ids, cache): it needs "
                 "the context's token ids to reconstruct it; prefill the context first, then generate"

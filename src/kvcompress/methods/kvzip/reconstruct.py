@@ -67,34 +67,61 @@ def reconstruction_chunks(
     return chunks
 
 
-def score_chunk(policy, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
-    """Fold one reconstruction forward's attention into ``policy.scores``: per context token of the chunk, the
-    largest probability any query of its KV head's group gives it (softmax over sinks, chunk, reconstruction)."""
+def score_chunk(
+    policy,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One reconstruction forward's attention, and its scores folded into ``policy.scores``; ``[B, H_q, q, d]``.
+
+    The attention itself (every stored key the layer's ``mask`` shows, causal when ``None``) and the scores come
+    from one set of logits: per context token of the chunk, the largest probability any query of its KV head's
+    group gives it, under a softmax over the first ``sinks`` cached tokens, the chunk's own context tokens and the
+    reconstruction tokens (kvpress's subsample). When those are every stored key (one chunk covering the context,
+    no prefix) that softmax is the attention's own; otherwise its normaliser is a log-sum-exp over those columns
+    of the same logits. So the reconstruction costs one attention per layer, not an attention and a scoring pass."""
     length, start, end, sinks = policy.scoring
     batch, query_heads, count, dim = query.shape
     heads = key.shape[1]
     groups = query_heads // heads
     device = key.device
-    columns = torch.cat(
-        [
-            torch.arange(sinks, device=device),
-            torch.arange(start, end, device=device),
-            torch.arange(length, length + count, device=device),
-        ]
-    )
-    keys = key.index_select(2, columns).float()  # [B, H, S, d]
     scale = dim**-0.5 if scaling is None else scaling
-    own = end - start
+    stored = key.shape[2] - count  # the context's keys (``length``), then this forward's reconstruction keys
+    whole = sinks == 0 and start == 0 and end == length == stored
+    if not whole:
+        columns = torch.cat(
+            [
+                torch.arange(sinks, device=device),
+                torch.arange(start, end, device=device),
+                torch.arange(stored, stored + count, device=device),
+            ]
+        )
+    keys = key.float()[:, :, None].transpose(-1, -2)  # [B, H, 1, d, L]
+    values = value.float()[:, :, None]  # [B, H, 1, L, d]
+    output = query.new_empty(batch, heads, groups, count, dim)
     best = None
     for row in range(0, count, QUERY_BLOCK):
         rows = query[:, :, row : row + QUERY_BLOCK].float().view(batch, heads, groups, -1, dim)
-        logits = (rows @ keys[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, S]
-        index = torch.arange(row, row + rows.shape[3], device=key.device)
-        hidden = torch.arange(count, device=key.device)[None, :] > index[:, None]  # the reconstruction's future
-        logits[..., sinks + own :] = logits[..., sinks + own :].masked_fill(hidden, -torch.inf)
-        peak = logits.softmax(-1)[..., sinks : sinks + own].amax(dim=(2, 3))
+        logits = (rows @ keys) * scale  # [B, H, G, r, L]
+        if mask is None:  # plain causal: the reconstruction's future is hidden
+            index = torch.arange(row, row + rows.shape[3], device=device)
+            hidden = torch.arange(count, device=device)[None, :] > index[:, None]
+            logits[..., stored:] = logits[..., stored:].masked_fill(hidden, -torch.inf)
+        else:  # the layer's own mask ([B, H_kv or 1, q, L], True where visible)
+            logits = logits.masked_fill(~mask[:, :, None, row : row + rows.shape[3]], -torch.inf)
+        probs = logits.softmax(-1)
+        output[:, :, :, row : row + rows.shape[3]] = (probs @ values).to(output.dtype)
+        if whole:
+            peak = probs[..., start:end].amax(dim=(2, 3))
+        else:
+            normaliser = logits.index_select(-1, columns).logsumexp(-1, keepdim=True)
+            peak = (logits[..., start:end] - normaliser).exp().amax(dim=(2, 3))
         best = peak if best is None else torch.maximum(best, peak)
     policy.scores[:, :, start:end] = best
+    return output.view(batch, query_heads, count, dim)
 
 
 def drop_newest(layer, count: int, max_chunk: int) -> None:
