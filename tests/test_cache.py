@@ -37,6 +37,8 @@ EVICTING = {
     "keydiff": {"budget": 12},
     "keydiff-adakv": {"budget": 12, "allocation": "adakv"},
     "expected_attention": {"budget": 12},
+    "compactor": {"budget": 12, "chunk_size": 8, "sink_size_start": 2},
+    "compactor-adakv": {"budget": 12, "allocation": "adakv", "chunk_size": 8},
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
 }

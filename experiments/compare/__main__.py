@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     frontier = sub.add_parser("frontier", help="kept sets vs <out>/kvpress-kept.jsonl (scripts/vs_kvpress_kept.py)")
     frontier.add_argument("--out", required=True)
     frontier.add_argument("--threads", type=int, default=1)
+    frontier.add_argument("--kept", default="kvpress-kept.jsonl", help="kvpress's rows, a file in --out")
     args = parser.parse_args(argv)
     if args.command == "samples":
         if args.samples < 1:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
         print(run_ours(args.out, methods, args.threads, args.samples))
     elif args.command == "frontier":
-        print(run_frontier(args.out, args.threads))
+        print(run_frontier(args.out, args.threads, args.kept))
     else:
         print(write_report(args.out, args.doc_data))
     return 0
