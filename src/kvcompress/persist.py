@@ -203,16 +203,18 @@ def load_cache(
             raise ValueError(f"{path} is {description['format']!r}, this kvcompress reads {FORMAT!r}; {REMEDY}")
     except (KeyError, TypeError, json.JSONDecodeError):
         raise damaged(path, WHAT, REMEDY, "no kvcompress description in its metadata") from None
-    _check_model(path, description, model)
-    reader = _Reader(path, description["objects"], storages, device)
-    config = reader.config(description["method"])
-    if method is not None:
-        expected = make_config(method, **params)
-        if expected != config:
+    expected = None if method is None else make_config(method, **params)
+    try:
+        _check_model(path, description, model)
+        reader = _Reader(path, description["objects"], storages, device)
+        config = reader.config(description["method"])
+        if expected is not None and expected != config:
             raise ValueError(f"{path} was saved by {_describe(config)}, not {_describe(expected)}")
-    cache = CompressedCache(prepare_model(model), config)
-    reader.fresh = cache
-    reader.restore(description["root"], cache)
+        cache = CompressedCache(prepare_model(model), config)
+        reader.fresh = cache
+        reader.restore(description["root"], cache)
+    except (KeyError, TypeError, IndexError, AttributeError) as error:  # a description not written by save_cache
+        raise damaged(path, WHAT, REMEDY, f"malformed description ({type(error).__name__}: {error})") from None
     return cache
 
 
@@ -252,8 +254,10 @@ class _Reader:
             raise self.refuse(f"object {index} is no method config")
         if index not in self.built:
             params = {name: self.value(item) for name, item in entry["params"].items()}
-            params = {name: list(item) if isinstance(item, tuple) else item for name, item in params.items()}
-            self.built[index] = make_config(entry["config"], **params)
+            try:
+                self.built[index] = make_config(entry["config"], **params)
+            except ValueError as error:
+                raise ValueError(f"{self.path} holds a method config kvcompress refuses: {error}") from None
         return self.built[index]
 
     def value(self, encoded: Any) -> Any:
