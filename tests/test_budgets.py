@@ -1,6 +1,7 @@
 """Every method holds its budget (issue 20): tokens stored per layer and KV head never exceed the budget (or the
 method's documented peak) after the prefill and after every later forward, for budgets from 1 to twice the
-context; decode-time methods never evict the tokens of the forward being processed when they fit in the budget."""
+context; decode-time methods never evict the tokens of the forward being processed when they fit in the budget (but
+``periodic``, which ranks the step's own token at its compression steps as kvpress's ``DecodingPress`` does)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,20 @@ def params_for(method: str, budget: int) -> dict[str, object]:
         return {"budget": budget, "window": min(4, budget)}
     if method == "pod":
         return {"budget": budget, "block_size": 2}
+    if method == "periodic":  # every 2 decoding steps back to the budget (see periodic_cap)
+        return {"budget": budget, "interval": PERIODIC_INTERVAL}
     if method == "kvzip":  # (uniform: its head-level budgets hold on average, tests/references/test_kvzip.py)
         return {"budget": budget, "allocation": "uniform", "tokenizer": tiny_tokenizer_dir()}
     return {"budget": budget}
+
+
+PERIODIC_INTERVAL = 2
+
+
+def periodic_cap(budget: int, fed: int, steps: int) -> int:
+    """What ``periodic`` holds after ``fed`` tokens of which ``steps`` were decoding steps: everything until its first
+    compression, then the budget plus the steps since the last one (its documented peak)."""
+    return fed if steps < PERIODIC_INTERVAL else min(fed, budget) + steps % PERIODIC_INTERVAL
 
 
 def bound(cache) -> int:
@@ -90,9 +102,11 @@ def test_stored_tokens_never_exceed_the_budget_and_the_forward_fed_is_kept(metho
             else:
                 tiny_llama(ids[:, fed : fed + count], **cache_argument(tiny_llama, cache))
             appended = fed + count - CONTEXT if one_shot else 0  # one-shot: the budget bounds the prompt
+            if method == "periodic":
+                limit = periodic_cap(budget, fed + count, max(0, fed + count - CONTEXT - QUESTION))
             assert max(stored(cache)) <= limit + appended, (fed, count)
             fits = count <= room_for_a_forward(cache, limit)
-            if not one_shot and fed and fits:
+            if not one_shot and fed and fits and method != "periodic":  # (it ranks the step's token, as kvpress)
                 assert forward_kept(cache, fed, count), (fed, count)
             fed += count
 

@@ -30,6 +30,7 @@ NO_EVICTION = {
     "keydiff": {"ratio": 1.0},
     "expected_attention": {"ratio": 1.0},
     "compactor": {"ratio": 1.0},
+    "periodic": {"budget": 512, "interval": 3},
     "kvzip": {"ratio": 1.0, "tokenizer": tiny_tokenizer_dir()},  # (the reconstruction runs and leaves no trace)
 }
 

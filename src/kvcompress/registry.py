@@ -38,6 +38,7 @@ _LOCATIONS: dict[str, str] = {
     "expected_attention": "kvcompress.methods.expected_attention:ExpectedAttentionConfig",
     "kvzip": "kvcompress.methods.kvzip:KVzipConfig",
     "compactor": "kvcompress.methods.compactor:CompactorConfig",
+    "periodic": "kvcompress.methods.periodic:PeriodicConfig",
 }
 
 

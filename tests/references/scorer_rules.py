@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from tests.references.reference import rope, top_keep
+from tests.references.reference import Rule, rope, top_keep
 from tests.references.rules import OneShot, SnapKV, kept_count
 
 
@@ -228,3 +228,31 @@ class Compactor(Allocated):
 def zscore(x: np.ndarray) -> np.ndarray:
     spread = max(x.std(ddof=1), 1e-6) if x.size > 1 else 1.0
     return (x - x.mean()) / spread
+
+
+class Periodic(Rule):
+    """kvpress DecodingPress: after the prompt, each forward of one token is a step; after every ``interval``-th
+    step each KV head keeps its ``budget`` best stored tokens, by KeyDiff over the head's stored rotated keys
+    (``keydiff``) or by the lowest key norm (``knorm``). Forwards of several tokens only append."""
+
+    def __init__(self, ctx, budget=2048, interval=512, scorer="keydiff"):
+        super().__init__(ctx)
+        self.budget, self.interval, self.scorer = budget, interval, scorer
+        self.steps = 0
+
+    def forward(self, new):
+        super().forward(new)
+        if self.prompt or len(new) != 1:
+            return
+        self.steps += 1
+        if self.steps < self.interval:
+            return
+        self.steps = 0
+        self.kept = [top_keep(tokens, self.score(h, tokens), self.budget) for h, tokens in enumerate(self.kept)]
+
+    def score(self, h, tokens):
+        if self.scorer == "knorm":
+            return {t: -float(np.linalg.norm(self.ctx.keys[t][h])) for t in tokens}
+        return KeyDiff.score(self, h, tokens)
+
+    rotated_keys = KeyDiff.rotated_keys

@@ -175,6 +175,12 @@ CASES = {
             sink_size_end=0,
         ),
     ),
+    "periodic": ("periodic", {"budget": 10, "interval": 4}, partial(scorer_rules.Periodic, budget=10, interval=4)),
+    "periodic-knorm": (
+        "periodic",
+        {"budget": 12, "interval": 3, "scorer": "knorm"},
+        partial(scorer_rules.Periodic, budget=12, interval=3, scorer="knorm"),
+    ),
     "expected_attention": (
         "expected_attention",
         {"ratio": 0.5, "n_sink": 2},
