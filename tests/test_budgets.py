@@ -17,6 +17,7 @@ from tests.helpers import needs_smollm2, tiny_tokenizer_dir
 
 CONTEXT, QUESTION, STEPS = 24, 4, 3
 BUDGETS = (1, 2, 3, 5, 8, 12, 17, 24, 36, 48)
+FORWARDS = (CONTEXT, QUESTION, *[1] * STEPS)  # tokens of each forward
 
 
 def params_for(method: str, budget: int) -> dict[str, object]:
@@ -37,10 +38,19 @@ def params_for(method: str, budget: int) -> dict[str, object]:
 PERIODIC_INTERVAL = 2
 
 
-def periodic_cap(budget: int, fed: int, steps: int) -> int:
-    """What ``periodic`` holds after ``fed`` tokens of which ``steps`` were decoding steps: everything until its first
-    compression, then the budget plus the steps since the last one (its documented peak)."""
-    return fed if steps < PERIODIC_INTERVAL else min(fed, budget) + steps % PERIODIC_INTERVAL
+def periodic_caps(budget: int, counts: tuple[int, ...]) -> list[int]:
+    """What ``periodic`` holds after each forward of ``counts`` tokens: the first (the prompt) whole; every later
+    one is a step, and after every ``PERIODIC_INTERVAL``-th step (or a forward of at least ``budget`` tokens) the
+    cache is back to ``budget`` (its documented peak: the budget plus the tokens since the last compression)."""
+    held, since, caps = 0, 0, []
+    for index, count in enumerate(counts):
+        held += count
+        if index:
+            since += 1
+            if since >= PERIODIC_INTERVAL or count >= budget:
+                held, since = min(held, budget), 0
+        caps.append(held)
+    return caps
 
 
 def bound(cache) -> int:
@@ -96,14 +106,14 @@ def test_stored_tokens_never_exceed_the_budget_and_the_forward_fed_is_kept(metho
     ids = torch.randint(1, 128, (1, CONTEXT + QUESTION + STEPS), generator=torch.Generator().manual_seed(budget))
     fed = 0
     with torch.no_grad():
-        for count in (CONTEXT, QUESTION, *[1] * STEPS):
+        for steps, count in enumerate(FORWARDS):
             if method == "kvzip" and not fed:  # it compresses the context in prefill (it reruns the model on its ids)
                 prefill(tiny_llama, ids[:, :count], cache)
             else:
                 tiny_llama(ids[:, fed : fed + count], **cache_argument(tiny_llama, cache))
             appended = fed + count - CONTEXT if one_shot else 0  # one-shot: the budget bounds the prompt
             if method == "periodic":
-                limit = periodic_cap(budget, fed + count, max(0, fed + count - CONTEXT - QUESTION))
+                limit = periodic_caps(budget, FORWARDS)[steps]
             assert max(stored(cache)) <= limit + appended, (fed, count)
             fits = count <= room_for_a_forward(cache, limit)
             if not one_shot and fed and fits and method != "periodic":  # (it ranks the step's token, as kvpress)

@@ -231,9 +231,9 @@ def zscore(x: np.ndarray) -> np.ndarray:
 
 
 class Periodic(Rule):
-    """kvpress DecodingPress: after the prompt, each forward of one token is a step; after every ``interval``-th
-    step each KV head keeps its ``budget`` best stored tokens, by KeyDiff over the head's stored rotated keys
-    (``keydiff``) or by the lowest key norm (``knorm``). Forwards of several tokens only append."""
+    """kvpress DecodingPress: after the prompt, each forward is a step; after every ``interval``-th step (or a
+    forward of at least ``budget`` tokens) each KV head keeps its ``budget`` best stored tokens, by KeyDiff over the
+    head's stored rotated keys (``keydiff``) or by the lowest key norm (``knorm``)."""
 
     def __init__(self, ctx, budget=2048, interval=512, scorer="keydiff"):
         super().__init__(ctx)
@@ -242,10 +242,10 @@ class Periodic(Rule):
 
     def forward(self, new):
         super().forward(new)
-        if self.prompt or len(new) != 1:
+        if self.prompt:
             return
         self.steps += 1
-        if self.steps < self.interval:
+        if self.steps < self.interval and len(new) < self.budget:
             return
         self.steps = 0
         self.kept = [top_keep(tokens, self.score(h, tokens), self.budget) for h, tokens in enumerate(self.kept)]

@@ -2,8 +2,9 @@
 key scorer compresses the whole cache back to ``budget`` tokens per layer and KV head.
 
 For long generations (reasoning models) whose prompt is short: the prompt is stored whole, then the cache grows by
-one token per decoding step, and after each ``interval``-th decoding step (counted per layer since the last
-compression) the layer keeps its ``budget`` highest-scoring tokens, the step's own token among the candidates.
+one token per decoding step, and after each ``interval``-th step (every forward after the prompt counts as one,
+counted per layer since the last compression; a forward of at least ``budget`` tokens compresses at once) the layer
+keeps its ``budget`` highest-scoring tokens, the step's own tokens among the candidates.
 Between compressions a step does no eviction work at all; the compression step ranks every stored token once.
 Memory thus stays between ``budget`` and ``budget + interval`` tokens per layer and head once the cache reaches it.
 
@@ -14,10 +15,10 @@ or ``knorm`` (``KnormPress``: ``-|k|``). Defaults are kvpress's ``DecodingPress`
 
 Choices where the source leaves room:
 
-- A forward of more than one token (the prompt, or a question fed after some decoding) adds its tokens without
-  compressing and does not count as a step, as kvpress treats every forward but single-token ones as a prefill.
-  To compress the prompt too, use a one-shot scorer for the prompt (kvpress's ``PrefillDecodingPress``): not
-  combined here.
+- The prompt is the first forward into the empty cache (kvpress's ``is_prefilling``), or every chunk of a prompt
+  ``kvcompress.generation.prefill`` feeds in chunks; it is stored whole and is no step. A later forward of several
+  tokens (a question after a compressed context) is one step, as in kvpress. To compress the prompt too, use a
+  one-shot scorer for the prompt (kvpress's ``PrefillDecodingPress``): not combined here.
 - Scorers that need the decoding queries (expected attention, SnapKV, Compactor: kvpress buffers the last
   decoding steps' hidden states for them, and Compactor refuses decoding) are not offered; budgets are uniform
   (kvpress also accepts an ``AdaKVPress`` there).
@@ -53,12 +54,13 @@ class PeriodicPolicy(Policy):
         self.steps = 0  # decoding steps since the last compression (a Python counter: no device work per step)
 
     def select(self, layer):
-        if layer.seen == layer.new_tokens:  # the first forward (of a new or reset cache) is a prompt: no step
+        if layer.seen == layer.new_tokens:  # the first forward (of a new or reset cache): the prompt, no step
             self.steps = 0
-        if layer.new_tokens != 1 or layer.seen == 1:
+            return None
+        if layer.defer_compression:  # a chunk of a prompt that ``prefill`` feeds in chunks
             return None
         self.steps += 1
-        if self.steps < self.config.interval:
+        if self.steps < self.config.interval and layer.new_tokens < self.config.budget:
             return None
         self.steps = 0
         scores = SCORERS[self.config.scorer](layer.keys, layer.valid)
