@@ -1,11 +1,13 @@
-"""``python -m experiments.compare {samples,ours,report,frontier}``: the kvcompress side of docs/vs-kvpress.md and of
-docs/results/frontier.md (kept sets of the one-shot scorers and budget allocations)."""
+"""``python -m experiments.compare {samples,ours,report,frontier,decoding}``: the kvcompress side of
+docs/vs-kvpress.md and of docs/results/frontier.md (kept sets of the one-shot scorers and budget allocations, and of
+the periodic re-compression while decoding)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from experiments.compare.decoding import run_decoding
 from experiments.compare.frontier import run_frontier
 from experiments.compare.ours import run_ours
 from experiments.compare.samples import write_samples
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     frontier.add_argument("--out", required=True)
     frontier.add_argument("--threads", type=int, default=1)
     frontier.add_argument("--kept", default="kvpress-kept.jsonl", help="kvpress's rows, a file in --out")
+    decoding = sub.add_parser("decoding", help="periodic vs <out>/kvpress-decoding.jsonl (vs_kvpress_decoding.py)")
+    decoding.add_argument("--out", required=True)
+    decoding.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "samples":
         if args.samples < 1:
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ours":
         methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
         print(run_ours(args.out, methods, args.threads, args.samples))
+    elif args.command == "decoding":
+        print(run_decoding(args.out, args.threads))
     elif args.command == "frontier":
         print(run_frontier(args.out, args.threads, args.kept))
     else:
