@@ -141,6 +141,8 @@ class CompactorPolicy(Policy):
         self.sketch: torch.Tensor | None = None
 
     def attend(self, layer, query, key, value, mask, scaling):
+        if layer.seen == layer.new_tokens:  # the first forward of a new or reset cache
+            self.queries = []
         if not layer.compressed:
             self.queries.append(query.detach())
         return None
