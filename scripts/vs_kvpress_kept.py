@@ -9,7 +9,8 @@ kvpress's pipeline does (``model.model(input_ids=context_ids, past_key_values=ca
 reconstruction when the block ends) at ``compression_ratio`` 0.5, and writes the kept context indices of every layer
 and KV head: for presses that gather (scorers, PyramidKV) by matching the cache's keys to a full prefill's keys (a
 gather copies them exactly); for presses that only mask (AdaKV, KVzip) from the indices they mask
-(``module.masked_key_indices``). One JSON row per (sample, press). It never imports kvcompress.
+(``module.masked_key_indices``). CompactorPress's random sketch is made the one kvcompress draws by seeding PyTorch's
+generator before each layer (``seed_layers``). One JSON row per (sample, press). It never imports kvcompress.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,7 +39,24 @@ def presses(kvpress):
         "PyramidKVPress": lambda: kvpress.PyramidKVPress(compression_ratio=RATIO),
         "KVzipPress": lambda: kvpress.KVzipPress(compression_ratio=RATIO),
         "KVzipPress(layerwise=True)": lambda: kvpress.KVzipPress(compression_ratio=RATIO, layerwise=True),
+        "CompactorPress": lambda: kvpress.CompactorPress(compression_ratio=RATIO),
+        "AdaKVPress(CompactorPress)": lambda: kvpress.AdaKVPress(kvpress.CompactorPress(compression_ratio=RATIO)),
     }
+
+
+def seed_layers(model, seed: int) -> list:
+    """Forward pre-hooks seeding PyTorch's global generator with ``seed + i`` before layer ``i``'s attention, so
+    CompactorPress's Gaussian sketch (drawn from it in the press's hook) is the one kvcompress's ``compactor`` draws
+    for layer ``i`` (``torch.randn(H_kv, d, k)`` from a generator seeded ``seed + i``); nothing else in a forward
+    draws random numbers."""
+    handles = []
+    for index, layer in enumerate(model.model.layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(partial(reseed, seed + index)))
+    return handles
+
+
+def reseed(seed: int, *_) -> None:
+    torch.manual_seed(seed)  # (a pre-hook returning something would replace the module's inputs)
 
 
 def kept_by_keys(cache, full: list[torch.Tensor]) -> list[list[list[int]]]:
@@ -73,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("samples", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--presses", default=None, help="comma-separated press names (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="CompactorPress's sketch seed (see seed_layers)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -90,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         [{"role": "user", "content": marker + separator}], add_generation_prompt=True, tokenize=False
     )
     prefix = len(tokenizer.encode(text.split(separator)[0].split(marker)[0], add_special_tokens=False))
+    wanted = None if args.presses is None else set(args.presses.split(","))
     env = {"kvpress": "0.5.5", "transformers": transformers.__version__, "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as handle, torch.no_grad():
@@ -99,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             model.model(input_ids=context, past_key_values=full)
             full_keys = [layer.keys.clone() for layer in full.layers]
             for name, make in presses(kvpress).items():
+                if wanted is not None and name not in wanted:
+                    continue
                 cache = DynamicCache()
+                handles = seed_layers(model, args.seed) if "Compactor" in name else []
                 with make()(model):
                     model.model(input_ids=context, past_key_values=cache)
+                for hook in handles:
+                    hook.remove()
                 masking = name.startswith(("AdaKV", "KVzip"))
                 kept = kept_by_masks(model, context.shape[1]) if masking else kept_by_keys(cache, full_keys)
                 row = {"sample": sample["id"], "press": name, "ratio": RATIO, "context_tokens": context.shape[1]}

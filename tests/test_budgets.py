@@ -1,6 +1,7 @@
 """Every method holds its budget (issue 20): tokens stored per layer and KV head never exceed the budget (or the
 method's documented peak) after the prefill and after every later forward, for budgets from 1 to twice the
-context; decode-time methods never evict the tokens of the forward being processed when they fit in the budget."""
+context; decode-time methods never evict the tokens of the forward being processed when they fit in the budget (but
+``periodic``, which ranks the step's own token at its compression steps as kvpress's ``DecodingPress`` does)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.helpers import needs_smollm2, tiny_tokenizer_dir
 
 CONTEXT, QUESTION, STEPS = 24, 4, 3
 BUDGETS = (1, 2, 3, 5, 8, 12, 17, 24, 36, 48)
+FORWARDS = (CONTEXT, QUESTION, *[1] * STEPS)  # tokens of each forward
 
 
 def params_for(method: str, budget: int) -> dict[str, object]:
@@ -26,9 +28,29 @@ def params_for(method: str, budget: int) -> dict[str, object]:
         return {"budget": budget, "window": min(4, budget)}
     if method == "pod":
         return {"budget": budget, "block_size": 2}
+    if method == "periodic":  # every 2 decoding steps back to the budget (see periodic_cap)
+        return {"budget": budget, "interval": PERIODIC_INTERVAL}
     if method == "kvzip":  # (uniform: its head-level budgets hold on average, tests/references/test_kvzip.py)
         return {"budget": budget, "allocation": "uniform", "tokenizer": tiny_tokenizer_dir()}
     return {"budget": budget}
+
+
+PERIODIC_INTERVAL = 2
+
+
+def periodic_caps(budget: int, counts: tuple[int, ...]) -> list[int]:
+    """What ``periodic`` holds after each forward of ``counts`` tokens: the first (the prompt) whole; every later
+    one is a step, and after every ``PERIODIC_INTERVAL``-th step (or a forward of at least ``budget`` tokens) the
+    cache is back to ``budget`` (its documented peak: the budget plus the tokens since the last compression)."""
+    held, since, caps = 0, 0, []
+    for index, count in enumerate(counts):
+        held += count
+        if index:
+            since += 1
+            if since >= PERIODIC_INTERVAL or count >= budget:
+                held, since = min(held, budget), 0
+        caps.append(held)
+    return caps
 
 
 def bound(cache) -> int:
@@ -84,15 +106,17 @@ def test_stored_tokens_never_exceed_the_budget_and_the_forward_fed_is_kept(metho
     ids = torch.randint(1, 128, (1, CONTEXT + QUESTION + STEPS), generator=torch.Generator().manual_seed(budget))
     fed = 0
     with torch.no_grad():
-        for count in (CONTEXT, QUESTION, *[1] * STEPS):
+        for steps, count in enumerate(FORWARDS):
             if method == "kvzip" and not fed:  # it compresses the context in prefill (it reruns the model on its ids)
                 prefill(tiny_llama, ids[:, :count], cache)
             else:
                 tiny_llama(ids[:, fed : fed + count], **cache_argument(tiny_llama, cache))
             appended = fed + count - CONTEXT if one_shot else 0  # one-shot: the budget bounds the prompt
+            if method == "periodic":
+                limit = periodic_caps(budget, FORWARDS)[steps]
             assert max(stored(cache)) <= limit + appended, (fed, count)
             fits = count <= room_for_a_forward(cache, limit)
-            if not one_shot and fed and fits:
+            if not one_shot and fed and fits and method != "periodic":  # (it ranks the step's token, as kvpress)
                 assert forward_kept(cache, fed, count), (fed, count)
             fed += count
 

@@ -29,6 +29,8 @@ NO_EVICTION = {
     "pod": {"block_size": 2, "n_recent": 512},
     "keydiff": {"ratio": 1.0},
     "expected_attention": {"ratio": 1.0},
+    "compactor": {"ratio": 1.0},
+    "periodic": {"budget": 512, "interval": 3},
     "kvzip": {"ratio": 1.0, "tokenizer": tiny_tokenizer_dir()},  # (the reconstruction runs and leaves no trace)
 }
 
@@ -46,7 +48,7 @@ def test_budget_above_length_reproduces_model_logits(method, model_fixture, requ
 
 
 @pytest.mark.parametrize("allocation", ["pyramid", "adakv"])
-@pytest.mark.parametrize("method", ["snapkv", "keydiff", "expected_attention"])
+@pytest.mark.parametrize("method", ["snapkv", "keydiff", "expected_attention", "compactor"])
 def test_uneven_budgets_with_nothing_to_evict_reproduce_model_logits(method, allocation, tiny_qwen2):
     ids = torch.randint(1, tiny_qwen2.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
     reference, ref_sequences = own_logits(tiny_qwen2, ids)

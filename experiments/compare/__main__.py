@@ -1,11 +1,13 @@
-"""``python -m experiments.compare {samples,ours,report,frontier}``: the kvcompress side of docs/vs-kvpress.md and of
-docs/results/frontier.md (kept sets of the one-shot scorers and budget allocations)."""
+"""``python -m experiments.compare {samples,ours,report,frontier,decoding}``: the kvcompress side of
+docs/vs-kvpress.md and of docs/results/frontier.md (kept sets of the one-shot scorers and budget allocations, and of
+the periodic re-compression while decoding)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from experiments.compare.decoding import run_decoding
 from experiments.compare.frontier import run_frontier
 from experiments.compare.ours import run_ours
 from experiments.compare.samples import write_samples
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     frontier = sub.add_parser("frontier", help="kept sets vs <out>/kvpress-kept.jsonl (scripts/vs_kvpress_kept.py)")
     frontier.add_argument("--out", required=True)
     frontier.add_argument("--threads", type=int, default=1)
+    frontier.add_argument("--kept", default="kvpress-kept.jsonl", help="kvpress's rows, a file in --out")
+    decoding = sub.add_parser("decoding", help="periodic vs <out>/kvpress-decoding.jsonl (vs_kvpress_decoding.py)")
+    decoding.add_argument("--out", required=True)
+    decoding.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "samples":
         if args.samples < 1:
@@ -46,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ours":
         methods = None if args.methods is None else [m for m in args.methods.split(",") if m]
         print(run_ours(args.out, methods, args.threads, args.samples))
+    elif args.command == "decoding":
+        print(run_decoding(args.out, args.threads))
     elif args.command == "frontier":
-        print(run_frontier(args.out, args.threads))
+        print(run_frontier(args.out, args.threads, args.kept))
     else:
         print(write_report(args.out, args.doc_data))
     return 0

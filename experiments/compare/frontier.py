@@ -1,11 +1,12 @@
 """Kept sets of the one-shot scorers and budget allocations against kvpress's presses (docs/results/frontier.md).
 
 Reads ``<out>/samples.json`` (``python -m experiments.compare samples``) and ``<out>/kvpress-kept.jsonl``
-(``scripts/vs_kvpress_kept.py`` in the kvpress environment), prefills each context into the kvcompress method that
-corresponds to each press (at ratio 0.5, the press's settings), and prints per press the share of kvpress's kept
-tokens kvcompress keeps too, per layer and KV head (mean and minimum over layers, heads and samples), with the
-Jaccard index, the (layer, head) pairs kept identically, the share of the context's pairs kept and the bytes
-kvcompress's cache holds (``nbytes()``) over the full context's; writes the rows to ``<out>/frontier.json``.
+(``scripts/vs_kvpress_kept.py`` in the kvpress environment; or another file of its rows, ``kept``), prefills each
+context into the kvcompress method that corresponds to each press (at ratio 0.5, the press's settings), and prints
+per press the share of kvpress's kept tokens kvcompress keeps too, per layer and KV head (mean and minimum over
+layers, heads and samples), with the Jaccard index, the (layer, head) pairs kept identically, the share of the
+context's pairs kept and the bytes kvcompress's cache holds (``nbytes()``) over the full context's; writes the rows
+to ``<out>/frontier.json`` (``<out>/<stem of kept>.frontier.json`` for another ``kept``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ COUNTERPARTS = {
     "PyramidKVPress": ("snapkv", {**SNAPKV, "allocation": "pyramid"}),
     "KVzipPress": ("kvzip", {}),
     "KVzipPress(layerwise=True)": ("kvzip", {"allocation": "layer"}),
+    "CompactorPress": ("compactor", {}),
+    "AdaKVPress(CompactorPress)": ("compactor", {"allocation": "adakv"}),
 }
 
 
@@ -47,11 +50,11 @@ def our_kept(model, method: str, params: dict, context: list[int]) -> tuple[list
     return kept, cache.nbytes() / full
 
 
-def run_frontier(out: str | Path, threads: int = 1) -> str:
+def run_frontier(out: str | Path, threads: int = 1, kept: str = "kvpress-kept.jsonl") -> str:
     torch.set_num_threads(threads)
     out = Path(out)
     spec = json.loads((out / "samples.json").read_text())
-    rows = [json.loads(line) for line in (out / "kvpress-kept.jsonl").read_text().splitlines() if line]
+    rows = [json.loads(line) for line in (out / kept).read_text().splitlines() if line]
     model, _ = load_model(spec["model"])
     contexts = {s["id"]: s["context_ids"] for s in spec["samples"]}
     results = {}
@@ -79,7 +82,8 @@ def run_frontier(out: str | Path, threads: int = 1) -> str:
         entry.setdefault("exact", 0)
         entry["exact"] += agreement.exact
         entry["pairs"] = entry.get("pairs", 0) + agreement.pairs
-    (out / "frontier.json").write_text(json.dumps(results))
+    name = "frontier.json" if kept == "kvpress-kept.jsonl" else f"{Path(kept).stem}.frontier.json"
+    (out / name).write_text(json.dumps(results))
     lines = [
         "| kvpress press | kvcompress | kvpress's kept tokens kept too, mean (min) per layer and head "
         "| Jaccard, mean | (layer, head) pairs identical | pairs kept | bytes held (`nbytes()`) |",

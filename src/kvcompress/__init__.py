@@ -12,6 +12,7 @@ from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.machine import VERSION
+from kvcompress.persist import load_cache, save_cache
 from kvcompress.registry import METHODS, MethodConfig, make_config
 
 __version__ = VERSION
@@ -39,6 +40,8 @@ __all__ = [
     "CompressedLayer",
     "MethodConfig",
     "cache_for",
+    "load_cache",
     "make_config",
     "prepare_model",
+    "save_cache",
 ]

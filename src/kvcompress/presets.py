@@ -14,6 +14,7 @@ TOVAPress           ``tova_oneshot``                            nothing (the def
 KnormPress          ``knorm``                                   ``one_shot=True, recent=0`` (norm only, prompt once)
 KeyDiffPress        ``keydiff``                                 nothing (the defaults are kvpress's)
 ExpectedAttention…  ``expected_attention``                      nothing (the defaults are kvpress's)
+CompactorPress      ``compactor``                               nothing (the defaults are kvpress's; a fixed sketch)
 KVzipPress          ``kvzip``                                   nothing (``allocation="global"``: kvpress's default)
 ==================  ==========================================  =====================================================
 
@@ -36,6 +37,7 @@ PRESETS: dict[str, dict[str, dict[str, object]]] = {
         "knorm": {"one_shot": True, "recent": 0},
         "keydiff": {},
         "expected_attention": {},
+        "compactor": {},
         "kvzip": {},
     },
 }

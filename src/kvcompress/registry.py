@@ -37,6 +37,8 @@ _LOCATIONS: dict[str, str] = {
     "keydiff": "kvcompress.methods.keydiff:KeyDiffConfig",
     "expected_attention": "kvcompress.methods.expected_attention:ExpectedAttentionConfig",
     "kvzip": "kvcompress.methods.kvzip:KVzipConfig",
+    "compactor": "kvcompress.methods.compactor:CompactorConfig",
+    "periodic": "kvcompress.methods.periodic:PeriodicConfig",
 }
 
 

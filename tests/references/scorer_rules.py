@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
-from tests.references.reference import rope, top_keep
+from tests.references.reference import Rule, rope, top_keep
 from tests.references.rules import OneShot, SnapKV, kept_count
 
 
@@ -147,3 +148,111 @@ class AllocatedSnapKV(Allocated):
 
     def score(self, h, tokens):
         return self.snap.pooled(h, tokens)
+
+
+class Compactor(Allocated):
+    """kvpress CompactorPress, from the documented rule: the prompt's first ``sink_size_start`` and last
+    ``sink_size_end`` tokens kept and left out; between them, per layer, ``blending * z(leverage) + z(attention)``
+    with z over all KV heads and tokens (unbiased deviation). Leverage: pre-RoPE keys centred, times the documented
+    sketch (``torch.randn(H_kv, d, k)`` from a generator seeded ``seed + layer``, over ``sqrt(k)``), ``x^T (X^T X +
+    0.01 I)^-1 x``. Attention: chunks of ``chunk_size`` (the last zero-padded: padding keys logit 0, padding
+    queries uniform over the chunk), unscaled softmax of rotated ``q . k`` within a chunk summed over its queries,
+    group mean, times ``|v|``, width-3 average with zero borders. Float64 NumPy."""
+
+    def __init__(
+        self, ctx, sink_size_start=8, sink_size_end=4, chunk_size=256, sketch_dimension=48, blending=None, seed=0, **kw
+    ):
+        super().__init__(ctx, **kw)
+        self.start, self.end, self.chunk = sink_size_start, sink_size_end, chunk_size
+        self.sketch_dimension, self.blending, self.seed = sketch_dimension, blending, seed
+        self.table = None
+
+    def protected(self, tokens):
+        n = len(tokens)
+        left = min(self.start, n)
+        right = min(self.end, n - left)
+        return tokens[:left] + tokens[n - right :]
+
+    def score(self, h, tokens):
+        if self.table is None:
+            self.table = self.all_scores(tokens)
+        return self.table[h]
+
+    def all_scores(self, tokens):
+        ctx, heads = self.ctx, self.ctx.kv_heads
+        sinks = set(self.protected(tokens))
+        middle = [t for t in tokens if t not in sinks]
+        zeros = {t: 0.0 for t in sinks}
+        if not middle:
+            return [dict(zeros) for _ in range(heads)]
+        positions = [ctx.position[t] for t in middle]
+        dim = ctx.keys[middle[0]].shape[-1]
+        generator = torch.Generator().manual_seed(self.seed + ctx.layer)
+        sketch = torch.randn(heads, dim, self.sketch_dimension, generator=generator).double().numpy()
+        sketch = sketch / math.sqrt(self.sketch_dimension)
+        leverage, attention = [], []
+        for h in range(heads):
+            keys = np.stack([ctx.keys[t][h] for t in middle])  # pre-RoPE
+            x = (keys - keys.mean(0)) @ sketch[h]
+            gram = x.T @ x + 0.01 * np.eye(x.shape[1])
+            leverage.append(np.maximum(np.einsum("ni,ni->n", x, np.linalg.solve(gram, x.T).T), 0))
+            rotated = rope(keys, positions, ctx.inv_freq)
+            values = np.linalg.norm(np.stack([ctx.values[t][h] for t in middle]), axis=-1)
+            received = np.mean([self.chunked(g, middle, positions, rotated) for g in self.group(h)], axis=0)
+            scored = received * values
+            padded = np.concatenate([[0.0], scored, [0.0]])
+            attention.append((padded[:-2] + padded[1:-1] + padded[2:]) / 3)
+        n = len(tokens)
+        blending = self.blending
+        if blending is None:
+            blending = 1 - self.ratio if self.ratio is not None else 1 - min(self.budget, n) / n
+        total = blending * zscore(np.array(leverage)) + zscore(np.array(attention))
+        return [{**dict(zip(middle, total[h], strict=True)), **zeros} for h in range(heads)]
+
+    def group(self, h):
+        return range(h * self.ctx.groups, (h + 1) * self.ctx.groups)
+
+    def chunked(self, g, middle, positions, keys):
+        queries = rope(np.stack([self.ctx.queries[t][g] for t in middle]), positions, self.ctx.inv_freq)
+        received = np.zeros(len(middle))
+        for start in range(0, len(middle), self.chunk):
+            q, k = queries[start : start + self.chunk], keys[start : start + self.chunk]
+            pad = self.chunk - len(k)
+            logits = np.concatenate([q @ k.T, np.zeros((len(q), pad))], 1)  # padding keys: logit 0
+            probs = np.exp(logits - logits.max(1, keepdims=True))
+            probs /= probs.sum(1, keepdims=True)
+            received[start : start + len(k)] += probs[:, : len(k)].sum(0) + pad / self.chunk  # padding queries
+        return received
+
+
+def zscore(x: np.ndarray) -> np.ndarray:
+    spread = max(x.std(ddof=1), 1e-6) if x.size > 1 else 1.0
+    return (x - x.mean()) / spread
+
+
+class Periodic(Rule):
+    """kvpress DecodingPress: after the prompt, each forward is a step; after every ``interval``-th step (or a
+    forward of at least ``budget`` tokens) each KV head keeps its ``budget`` best stored tokens, by KeyDiff over the
+    head's stored rotated keys (``keydiff``) or by the lowest key norm (``knorm``)."""
+
+    def __init__(self, ctx, budget=2048, interval=512, scorer="keydiff"):
+        super().__init__(ctx)
+        self.budget, self.interval, self.scorer = budget, interval, scorer
+        self.steps = 0
+
+    def forward(self, new):
+        super().forward(new)
+        if self.prompt:
+            return
+        self.steps += 1
+        if self.steps < self.interval and len(new) < self.budget:
+            return
+        self.steps = 0
+        self.kept = [top_keep(tokens, self.score(h, tokens), self.budget) for h, tokens in enumerate(self.kept)]
+
+    def score(self, h, tokens):
+        if self.scorer == "knorm":
+            return {t: -float(np.linalg.norm(self.ctx.keys[t][h])) for t in tokens}
+        return KeyDiff.score(self, h, tokens)
+
+    rotated_keys = KeyDiff.rotated_keys

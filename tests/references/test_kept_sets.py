@@ -131,6 +131,56 @@ CASES = {
         {"budget": 7, "allocation": "pyramid", "beta": 3},
         partial(scorer_rules.KeyDiff, budget=7, allocation="pyramid", beta=3),
     ),
+    "compactor": (
+        "compactor",
+        {"ratio": 0.5, "sink_size_start": 2, "sink_size_end": 1, "chunk_size": 5, "sketch_dimension": 6},
+        partial(
+            scorer_rules.Compactor, ratio=0.5, sink_size_start=2, sink_size_end=1, chunk_size=5, sketch_dimension=6
+        ),
+    ),
+    "compactor-adakv": (
+        "compactor",
+        {
+            "budget": 8,
+            "allocation": "adakv",
+            "chunk_size": 4,
+            "sketch_dimension": 3,
+            "blending": 0.3,
+            "seed": 2,
+            "sink_size_start": 1,
+            "sink_size_end": 2,
+        },
+        partial(
+            scorer_rules.Compactor,
+            budget=8,
+            allocation="adakv",
+            chunk_size=4,
+            sketch_dimension=3,
+            blending=0.3,
+            seed=2,
+            sink_size_start=1,
+            sink_size_end=2,
+        ),
+    ),
+    "compactor-pyramid": (
+        "compactor",
+        {"budget": 7, "allocation": "pyramid", "beta": 3, "chunk_size": 3, "sink_size_start": 3, "sink_size_end": 0},
+        partial(
+            scorer_rules.Compactor,
+            budget=7,
+            allocation="pyramid",
+            beta=3,
+            chunk_size=3,
+            sink_size_start=3,
+            sink_size_end=0,
+        ),
+    ),
+    "periodic": ("periodic", {"budget": 10, "interval": 4}, partial(scorer_rules.Periodic, budget=10, interval=4)),
+    "periodic-knorm": (
+        "periodic",
+        {"budget": 12, "interval": 3, "scorer": "knorm"},
+        partial(scorer_rules.Periodic, budget=12, interval=3, scorer="knorm"),
+    ),
     "expected_attention": (
         "expected_attention",
         {"ratio": 0.5, "n_sink": 2},

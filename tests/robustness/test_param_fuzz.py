@@ -35,6 +35,7 @@ BASE: dict[str, dict[str, object]] = {
     "pod": {"block_size": 1},
     "keydiff": {"budget": 8},
     "expected_attention": {"budget": 8},
+    "compactor": {"budget": 8},
     "kvzip": {"budget": 8, "tokenizer": tiny_tokenizer_dir()},
 }
 EXCLUSIVE = ({"budget", "ratio"}, {"similarity", "starts", "block_size"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -196,3 +197,14 @@ class CompressedCache(Cache):
         finally:
             for layer in self.compressed_layers:
                 layer.more_prompt = False
+
+    def fork(self) -> CompressedCache:
+        """An independent copy of this cache, to continue on its own: a context compressed once, then one fork per
+        question. The fork holds copies of every tensor (its memory is the original's: ``nbytes()`` and the
+        buffers' capacity), shares only the method config and the model's config (both read-only), and starts
+        with no observers; what one evicts or appends afterwards never reaches the other. Fork outside autograd
+        (a tensor that requires gradients cannot be copied) and outside a captured decoding graph."""
+        memo: dict[int, object] = {id(self.config): self.config, id(self.model_check.config): self.model_check.config}
+        for layer in self.compressed_layers:
+            memo[id(layer.observers)] = []
+        return copy.deepcopy(self, memo)

@@ -1,0 +1,213 @@
+"""Compactor (Chari & Van Durme, 2025, arXiv:2507.08143; kvpress 0.5.5's ``CompactorPress``): approximate
+statistical leverage of the keys blended with non-causal chunked attention, once after the prompt.
+
+Each KV head scores its prompt tokens by two z-scored terms, ``blending * leverage + attention``:
+
+- **Leverage** (kvpress ``LeverageScorePress``): the head's un-rotated (pre-RoPE) keys ``K`` ``[S, d]`` are centred
+  over the tokens and sketched from the right by a Gaussian ``Phi`` ``[d, k]`` (entries ``N(0, 1/k)``,
+  ``k = sketch_dimension``), ``X = (K - mean K) Phi``; the score of token ``i`` is ``x_i^T (X^T X + j I)^-1 x_i``
+  (clamped at 0), through a Cholesky factor of the symmetrised Gram matrix with jitter ``j = 0.01`` (raised tenfold,
+  up to five tries, while the factorisation fails), as kvpress computes it. Outlying keys score high.
+- **Non-causal attention** (kvpress ``NonCausalAttnPress``): the prompt is cut into chunks of ``chunk_size`` tokens;
+  within a chunk every query attends to every key (future ones too), ``softmax(q . k)`` over the chunk's keys (the
+  logits unscaled, as kvpress writes them), rotated queries and keys; each key's attention is summed over the
+  chunk's queries, averaged over the query heads of its KV head, multiplied by its value's L2 norm and smoothed by a
+  width-3 average (``avg_pool1d``, zeros beyond the ends counted).
+
+Each term is z-scored over all KV heads and tokens of a layer (mean and unbiased standard deviation, the deviation
+at least ``1e-6``), as kvpress does. The first ``sink_size_start`` and last ``sink_size_end`` prompt tokens are left
+out of both terms (the centring, the Gram matrix, the chunks and the z-scores are over the tokens between them) and
+always kept. Defaults are kvpress's: ``sink_size_start=8, sink_size_end=4, chunk_size=256, sketch_dimension=48``,
+``blending`` = the removed fraction of the prompt.
+
+Choices where the sources leave room:
+
+- The sketch: kvpress draws a fresh ``Phi`` from PyTorch's global generator at every call (one per sequence of the
+  batch, in the key dtype), so its selection changes from run to run. Here layer ``i``'s sketch is fixed:
+  ``torch.randn(H_kv, d, k, generator=torch.Generator().manual_seed(seed + i)) * (1 / sqrt(k))`` drawn once on the
+  CPU in float32 (then moved to the model's device), the same for every sequence and every prompt; ``seed``
+  defaults to 0. kvpress run after ``torch.manual_seed(seed + i)`` before layer ``i``'s attention draws the same
+  matrix for a batch of one float32 sequence.
+- The keys: kvpress recomputes the pre-RoPE keys from the layer's input; here the stored keys are turned back by
+  their RoPE position (exact up to float rounding; a model without RoPE takes its keys as they are). The queries
+  are the model's own rotated queries of the prompt, which the layer holds from the prompt's forwards until it
+  compresses (a prompt prefilled in chunks thus holds ``H_q / H_kv`` times its keys' bytes of queries per layer
+  until then; a single prefill holds one layer's queries at a time). Leverage and attention run in float32.
+- The last chunk, shorter than ``chunk_size``, is padded with zero queries and keys, as kvpress pads it: its real
+  queries' softmax counts the padding keys with logit 0 (kvpress's ``-1e-9`` fill), and its padding queries, whose
+  logits are all 0, spread ``1 / chunk_size`` over every key of the chunk; both kept, as kvpress computes them.
+- ``blending`` left unset (None) is the removed fraction of the layer's uniform budget: ``1 - ratio``, or
+  ``1 - min(budget, n) / n`` for a token budget and a sequence of ``n`` prompt tokens (kvpress: its
+  ``compression_ratio``).
+- Batches: each sequence is scored on its own real tokens (left padding never enters a mean, a chunk or a
+  z-score), one pass per sequence once per prompt; a sequence whose prompt holds only sinks keeps them.
+- One-shot, like kvpress (which supports prefill only): the prompt is compressed once after its prefill and
+  decoding appends. Budget: ``ratio`` keeps ``max(1, floor(ratio * n))`` of a sequence's ``n`` prompt tokens per
+  layer and KV head, sinks included (or a token ``budget``); ``allocation`` shares it among layers (``pyramid``) or
+  heads (``adakv``), see ``kvcompress.methods.allocation``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcompress.core.checks import check_int_range, check_number, check_seed
+from kvcompress.core.contract import Policy
+from kvcompress.core.rope import rotate_by
+from kvcompress.methods.allocation import ScorerConfig, allocated_keep
+from kvcompress.methods.oneshot import kept_per_sequence
+
+JITTER = 1e-2  # the Gram matrix's first jitter (kvpress's)
+JITTER_TRIES = 5
+
+
+def sketch_matrix(seed: int, heads: int, dim: int, sketch: int) -> torch.Tensor:
+    """The fixed right sketch ``[heads, dim, sketch]`` (float32, CPU) of the layer whose seed is ``seed``."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # the same numbers whatever the model's device
+    return torch.randn(heads, dim, sketch, generator=generator, device="cpu") * (1 / math.sqrt(sketch))
+
+
+def cholesky_with_jitter(gram: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of ``gram + j I``, ``j`` from ``JITTER`` raised tenfold while the factorisation fails."""
+    identity = torch.eye(gram.shape[-1], device=gram.device, dtype=gram.dtype)
+    jitter = JITTER
+    for _ in range(JITTER_TRIES):
+        factor, info = torch.linalg.cholesky_ex(gram + jitter * identity, upper=False)
+        if bool((info == 0).all()):  # once per layer and prompt: a host read is fine here
+            return factor
+        jitter *= 10
+    raise RuntimeError(f"compactor: Cholesky factorisation of the sketched keys failed after {JITTER_TRIES} tries")
+
+
+def leverage_scores(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """``[H, S]`` approximate leverage of un-rotated keys ``[H, S, d]`` under the right sketch ``[H, d, k]``."""
+    centred = keys - keys.mean(dim=-2, keepdim=True)
+    sketched = (centred @ sketch).float()  # [H, S, k]
+    transposed = sketched.transpose(-2, -1)
+    gram = transposed @ sketched
+    factor = cholesky_with_jitter(0.5 * (gram + gram.transpose(-2, -1)))
+    solved = torch.cholesky_solve(transposed, factor, upper=False)  # (X^T X)^-1 X^T, [H, k, S]
+    return (sketched * solved.transpose(-2, -1)).sum(-1).clamp_min(0)
+
+
+def noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[H_q, S]``: per key, the attention it receives from its chunk's queries (``[H_q, S, d]``, keys repeated to the
+    query heads), every query seeing every key of its chunk; the last chunk zero-padded as kvpress pads it."""
+    heads, length, dim = keys.shape
+    padded = math.ceil(length / chunk) * chunk
+    pad = padded - length
+    if pad:
+        queries = torch.cat([queries, queries.new_zeros(heads, pad, dim)], dim=1)
+        keys = torch.cat([keys, keys.new_zeros(heads, pad, dim)], dim=1)
+    count = padded // chunk
+    dots = queries.view(heads, count, chunk, dim) @ keys.view(heads, count, chunk, dim).transpose(-2, -1)
+    if pad:
+        padding = torch.arange(chunk, device=dots.device) >= chunk - pad  # the last chunk's padding positions
+        dots[:, -1].masked_fill_(padding[:, None], 0)
+        dots[:, -1].masked_fill_(padding[None, :], -1e-9)
+    attention = torch.softmax(dots.float(), dim=-1)
+    return attention.sum(dim=-2).reshape(heads, padded)[:, :length]
+
+
+def z_scored(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` less their mean over the unbiased standard deviation (at least ``1e-6``; 1 for a single score)."""
+    spread = scores.std().clamp_min(1e-6) if scores.numel() > 1 else scores.new_ones(())
+    return (scores - scores.mean()) / spread
+
+
+def attention_scores(queries, keys, values, chunk: int) -> torch.Tensor:
+    """``[H, S]`` z-scored non-causal attention of the KV heads' ``keys``, ``values`` ``[H, S, d]``, queries
+    ``[H_q, S, d]``."""
+    heads = keys.shape[0]
+    groups = queries.shape[0] // heads
+    received = noncausal_attention(queries, keys.repeat_interleave(groups, dim=0), chunk)
+    received = received.view(heads, groups, -1).mean(dim=1)
+    scores = received * values.norm(dim=-1)
+    scores = F.avg_pool1d(scores[:, None], kernel_size=3, padding=1, stride=1)[:, 0]
+    return z_scored(scores)
+
+
+class CompactorPolicy(Policy):
+    one_shot = True
+    needs_rope = True
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.queries: list[torch.Tensor] = []  # the prompt's rotated queries, [B, H_q, q, d] per forward
+        self.sketch: torch.Tensor | None = None
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        if layer.seen == layer.new_tokens:  # the first forward of a new or reset cache
+            self.queries = []
+        if not layer.compressed:
+            self.queries.append(query.detach())
+        return None
+
+    def select(self, layer):
+        config = self.config
+        queries = torch.cat(self.queries, dim=2)  # stream order: position t holds token t's queries
+        self.queries = []
+        keys, valid = layer.keys, layer.valid
+        batch, heads, width, dim = keys.shape
+        if self.sketch is None or self.sketch.device != keys.device:
+            drawn = sketch_matrix(config.seed + self.layer_idx, heads, dim, config.sketch_dimension)
+            self.sketch = drawn.to(keys.device)
+        n_real = valid[:, 0].sum(-1)
+        kept = kept_per_sequence(n_real, config.ratio, config.budget)
+        scores = torch.zeros(batch, heads, width, dtype=torch.float32, device=keys.device)
+        protected = torch.zeros(batch, heads, width, dtype=torch.bool, device=keys.device)
+        for b, (n, keep) in enumerate(zip(n_real.tolist(), kept.tolist(), strict=True)):  # once per prompt
+            slots = valid[b, 0].nonzero().squeeze(-1)  # the real tokens, stream order (nothing evicted yet)
+            left = min(config.sink_size_start, n)
+            right = min(config.sink_size_end, n - left)
+            protected[b, :, slots[:left]] = True
+            protected[b, :, slots[n - right :]] = True
+            middle = slots[left : n - right]
+            if middle.numel() == 0:
+                continue
+            blending = config.blending
+            if blending is None:  # the removed fraction
+                blending = 1 - config.ratio if config.ratio is not None else 1 - keep / n
+            scores[b, :, middle] = self.sequence_scores(layer, queries[b], b, middle, blending)
+        return allocated_keep(self, layer, scores, protected)
+
+    def sequence_scores(self, layer, queries, b, middle, blending: float) -> torch.Tensor:
+        """``[H, S]`` blended scores of one sequence's tokens between the sinks (slots ``middle``)."""
+        keys, values = layer.keys[b][:, middle], layer.values[b][:, middle]
+        plain = keys
+        if layer.inv_freq is not None:
+            plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
+        leverage = z_scored(leverage_scores(plain.float(), self.sketch))
+        tokens = layer.token_idx[b, 0, middle]
+        attention = attention_scores(queries[:, tokens], keys, values, self.config.chunk_size)
+        return blending * leverage + attention
+
+
+@dataclass(frozen=True)
+class CompactorConfig(ScorerConfig):
+    """Keys scored by their approximate leverage blended with non-causal chunked attention, once."""
+
+    sink_size_start: int = 8  # first prompt tokens always kept, left out of the scores
+    sink_size_end: int = 4  # last prompt tokens always kept, left out of the scores
+    chunk_size: int = 256  # tokens per chunk of the non-causal attention
+    sketch_dimension: int = 48  # columns of the Gaussian sketch of the keys
+    blending: float | None = None  # weight of the leverage term (None: the removed fraction, kvpress's default)
+    seed: int = 0  # layer i's sketch is drawn from a generator seeded with seed + i
+
+    name = "compactor"
+    paper = "https://arxiv.org/abs/2507.08143"
+    policy_class = CompactorPolicy
+
+    def validate(self) -> None:
+        super().validate()
+        check_int_range(self.sink_size_start, "sink_size_start", 0)
+        check_int_range(self.sink_size_end, "sink_size_end", 0)
+        check_int_range(self.chunk_size, "chunk_size", 1)
+        check_int_range(self.sketch_dimension, "sketch_dimension", 1, 4096)
+        if self.blending is not None:
+            check_number(self.blending, "blending", 0, 1e6)
+        check_seed(self.seed)

@@ -1,0 +1,170 @@
+"""Contexts compressed once and reused: ``cache.fork()`` and ``save_cache`` / ``load_cache``.
+
+A fork and a cache loaded from its file give the next-token logits of the original, step after step (bit for bit:
+the same operations on the same numbers), forks continue independently of each other and of the original, and a
+file made for another model, method or dtype, a damaged file or one naming a class outside kvcompress is refused
+with one ``ValueError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import safe_open, save_file
+
+import kvcompress
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.methods.snapkv import SnapKVConfig
+from tests.helpers import tiny_tokenizer_dir
+
+# one-shot scorers (uniform and per-head budgets), KVzip, decode-time methods (H2O evicts all layers together at a
+# decoding step: views of one stacked buffer), the cascade's rings, PoD's shared layers
+METHODS = {
+    "compactor": {"ratio": 0.5, "chunk_size": 8},
+    "keydiff-adakv": {"ratio": 0.5, "allocation": "adakv"},
+    "kvzip": {"ratio": 0.5},
+    "h2o": {"budget": 12},
+    "tova": {"budget": 10},
+    "cascade": {"budget": 12},
+    "nacl": {"budget": 12},
+    "expected_attention": {"ratio": 0.5},
+    "pod": {"block_size": 2, "n_recent": 4, "n_sink": 2, "base": SnapKVConfig(budget=12, window=4)},
+}
+CONTEXT = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+QUESTIONS = torch.randint(3, 128, (2, 2, 5), generator=torch.Generator().manual_seed(1))  # [question, batch, tokens]
+
+
+def compressed(model, key: str):
+    name = key.split("-")[0]
+    params = dict(METHODS[key])
+    if name == "kvzip":
+        params["tokenizer"] = tiny_tokenizer_dir()
+    cache = kvcompress.cache_for(model, name, **params)
+    with torch.no_grad():
+        prefill(model, CONTEXT, cache)
+    return cache
+
+
+@torch.no_grad()
+def continued(model, cache, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Next-token logits after a 3-token forward, then after each of the remaining tokens alone (decoding)."""
+    logits = [model(input_ids=tokens[:, :3], **cache_argument(model, cache), use_cache=True).logits[:, -1]]
+    for step in range(3, tokens.shape[1]):
+        forward = model(input_ids=tokens[:, step : step + 1], **cache_argument(model, cache), use_cache=True)
+        logits.append(forward.logits[:, -1])
+    return logits
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("key", sorted(METHODS))
+def test_forks_continue_as_the_original_and_independently(key, tiny_llama):
+    cache = compressed(tiny_llama, key)
+    first, second = cache.fork(), cache.fork()
+    assert first.nbytes() == cache.nbytes() and first.tokens_stored() == cache.tokens_stored()
+    allocated = sum(layer.allocated_nbytes() for layer in first.compressed_layers)
+    assert allocated == sum(layer.allocated_nbytes() for layer in cache.compressed_layers)
+    # each fork answers its own question as a cache compressed for that question alone would
+    got_second = continued(tiny_llama, second, QUESTIONS[1])
+    got_first = continued(tiny_llama, first, QUESTIONS[0])
+    assert_same(got_first, continued(tiny_llama, compressed(tiny_llama, key), QUESTIONS[0]))
+    assert_same(got_second, continued(tiny_llama, compressed(tiny_llama, key), QUESTIONS[1]))
+    # the original has not moved: it still answers the first question as the first fork did
+    assert first.tokens_seen() == cache.tokens_seen() + QUESTIONS.shape[-1]
+    assert_same(continued(tiny_llama, cache, QUESTIONS[0]), got_first)
+
+
+@pytest.mark.parametrize("key", sorted(METHODS))
+def test_a_saved_cache_loads_back_and_continues_as_the_original(key, tiny_llama, tmp_path):
+    cache = compressed(tiny_llama, key)
+    with torch.no_grad():
+        tiny_llama(input_ids=QUESTIONS[1][:, :2], **cache_argument(tiny_llama, cache), use_cache=True)  # mid-way too
+    path = kvcompress.save_cache(cache, tmp_path / "context.safetensors")
+    loaded = kvcompress.load_cache(path, tiny_llama)
+    assert loaded.nbytes() == cache.nbytes() and loaded.tokens_seen() == cache.tokens_seen()
+    assert_same(continued(tiny_llama, loaded, QUESTIONS[0]), continued(tiny_llama, cache, QUESTIONS[0]))
+
+
+def storage_groups(cache) -> list[list[str]]:
+    """The paths of the tensors in ``cache``'s layers, grouped by the memory they share (the partition only)."""
+    groups: dict[int, list[str]] = {}
+    seen: set[int] = set()
+
+    def walk(obj, path: str) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            groups.setdefault(obj.untyped_storage().data_ptr(), []).append(path)
+        elif isinstance(obj, (list, tuple)):
+            for index, item in enumerate(obj):
+                walk(item, f"{path}[{index}]")
+        elif isinstance(obj, dict):
+            for name, item in obj.items():
+                walk(item, f"{path}[{name!r}]")
+        elif type(obj).__module__.startswith("kvcompress"):
+            for name, item in vars(obj).items():
+                walk(item, f"{path}.{name}")
+
+    walk(cache.layers, "layers")
+    return sorted(sorted(paths) for paths in groups.values())
+
+
+@pytest.mark.parametrize("key", ["h2o", "cascade"])
+def test_tensors_sharing_memory_share_it_again_once_loaded(key, tiny_llama, tmp_path):
+    cache = compressed(tiny_llama, key)  # H2O's layers evict together: their statistics are views of one buffer
+    with torch.no_grad():
+        tiny_llama(input_ids=QUESTIONS[0][:, :1], **cache_argument(tiny_llama, cache), use_cache=True)
+    loaded = kvcompress.load_cache(kvcompress.save_cache(cache, tmp_path / "c.safetensors"), tiny_llama)
+    groups = storage_groups(cache)
+    assert any(len(paths) > 1 for paths in groups)
+    assert storage_groups(loaded) == groups
+
+
+def test_loading_for_another_model_method_or_dtype_is_refused(tiny_llama, tiny_qwen2, tmp_path):
+    path = kvcompress.save_cache(compressed(tiny_llama, "keydiff-adakv"), tmp_path / "keydiff.safetensors")
+    with pytest.raises(ValueError, match=r"keydiff\.safetensors was saved for LlamaForCausalLM .* not Qwen2"):
+        kvcompress.load_cache(path, tiny_qwen2)
+    with pytest.raises(ValueError, match=r"keydiff\.safetensors was saved by keydiff\(.*\), not h2o\(budget=12"):
+        kvcompress.load_cache(path, tiny_llama, "h2o", budget=12)
+    with pytest.raises(ValueError, match=r"was saved by keydiff\(ratio=0\.5.*allocation='adakv'.*not keydiff\("):
+        kvcompress.load_cache(path, tiny_llama, "keydiff", ratio=0.5)
+    assert kvcompress.load_cache(path, tiny_llama, "keydiff", ratio=0.5, allocation="adakv").nbytes() > 0
+    half = kvcompress.models.tiny_model("llama", seed=0).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"holds float32 keys and values, the model runs in torch\.bfloat16"):
+        kvcompress.load_cache(path, half)
+
+
+def test_damaged_files_and_foreign_classes_are_refused_without_running_them(tiny_llama, tmp_path):
+    path = kvcompress.save_cache(compressed(tiny_llama, "h2o"), tmp_path / "h2o.safetensors")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"broken\.safetensors \(a kvcompress cache file\) is damaged"):
+        kvcompress.load_cache(broken, tiny_llama)
+    with pytest.raises(ValueError, match=r"missing\.safetensors \(a kvcompress cache file\) does not exist"):
+        kvcompress.load_cache(tmp_path / "missing.safetensors", tiny_llama)
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+        description = json.loads(handle.metadata()["kvcompress"])
+    for entry in description["objects"]:
+        if "class" in entry and entry["class"].endswith(":SlotBuffers"):
+            entry["class"] = "os:system"  # a file naming a callable outside kvcompress
+    crafted = tmp_path / "crafted.safetensors"
+    save_file(tensors, str(crafted), metadata={"kvcompress": json.dumps(description)})
+    with pytest.raises(ValueError, match=r"crafted\.safetensors .* names 'os:system', not a kvcompress class"):
+        kvcompress.load_cache(crafted, tiny_llama)
+
+
+def test_caches_holding_modules_are_refused_at_save(tiny_llama, tmp_path):
+    cache = kvcompress.cache_for(tiny_llama, "less", budget=12)
+    with torch.no_grad():
+        prefill(tiny_llama, CONTEXT, cache)
+    with pytest.raises(ValueError, match=r"cannot save a 'less' cache: cache\.layers\[0\]\.policy\.kernels holds"):
+        kvcompress.save_cache(cache, tmp_path / "less.safetensors")
+    fork = cache.fork()  # a fork copies them
+    assert_same(continued(tiny_llama, fork, QUESTIONS[0]), continued(tiny_llama, cache, QUESTIONS[0]))
