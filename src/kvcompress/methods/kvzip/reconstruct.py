@@ -104,14 +104,14 @@ def score_chunk(
     output = query.new_empty(batch, heads, groups, count, dim)
     best = None
     for row in range(0, count, QUERY_BLOCK):
-        rows = query[:, :, row : row + QUERY_BLOCK].float().view(batch, heads, groups, -1, dim)
-        logits = (rows @ keys) * scale  # [B, H, G, r, L]
-        if mask is None:  # plain causal: the reconstruction's future is hidden
+        rows = (query[:, :, row : row + QUERY_BLOCK].float() * scale).view(batch, heads, groups, -1, dim)
+        logits = rows @ keys  # [B, H, G, r, L], scaled through the queries (a pass over the logits fewer)
+        if mask is None:  # plain causal: the reconstruction's future is hidden, in place
             index = torch.arange(row, row + rows.shape[3], device=device)
-            hidden = torch.arange(count, device=device)[None, :] > index[:, None]
-            logits[..., stored:] = logits[..., stored:].masked_fill(hidden, -torch.inf)
+            future = torch.arange(count, device=device)[None, :] > index[:, None]
+            logits[..., stored:].masked_fill_(future, -torch.inf)
         else:  # the layer's own mask ([B, H_kv or 1, q, L], True where visible)
-            logits = logits.masked_fill(~mask[:, :, None, row : row + rows.shape[3]], -torch.inf)
+            logits.masked_fill_(~mask[:, :, None, row : row + rows.shape[3]], -torch.inf)
         probs = logits.softmax(-1)
         output[:, :, :, row : row + rows.shape[3]] = (probs @ values).to(output.dtype)
         if whole:
