@@ -33,6 +33,7 @@ class BlockPolicy:
     """Keeps everything (``full``). Subclasses evict one range of blocks per request."""
 
     one_shot = False  # True: the range is decided once, after the prompt, by attention scores in the worker
+    scored = False  # True: the worker accumulates attention per block and refills the kept blocks (``h2o``)
 
     def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
         self.config = config
@@ -170,13 +171,51 @@ class SnapKVBlocks(BlockPolicy):
         return (context >= next_start - self.config.window) & (context >= prompt_len)
 
 
+class H2OBlocks(StreamingBlocks):
+    """H2O (heavy hitters + recent tokens, accumulated attention) at block granularity.
+
+    A request's blocks are, in order: ``sink_blocks`` sinks (never evicted), ``heavy_blocks`` heavy-hitter slots,
+    evicted blocks, and the ``recent_blocks`` most recent blocks (the block being written included; by default half
+    of the blocks after the sinks, rounded up: H2O's even split). The scheduler's arithmetic is ``streaming``'s with
+    the sinks and heavy slots as the kept front, so a request holds exactly ``budget_blocks`` once it is longer.
+
+    Each layer accumulates, for every block it keeps and per KV head, the attention mass the block's tokens received
+    (softmax probabilities of every query since the block was written, the prompt's queries included, summed over
+    the block's tokens and over the query heads sharing the KV head: kvcompress's ``h2o`` summed per block). When a
+    step moves blocks out of the recent window, each layer and KV head keeps, in the heavy slots, its
+    ``heavy_blocks`` highest-scored blocks among the slots' current blocks and the ones leaving; the winners are
+    copied into the slots of the losers (keys, values and score; ``kvcompress.vllm.scores``), and the rest is freed.
+    So the lowest-scored block is evicted, per layer and KV head, whenever a request passes its budget, never a
+    sink or a recent block. A prompt prefilled in one step is scored over all its queries, then cut to the budget
+    at its end (H2O's prompt step); a prompt prefilled in chunks is cut after each chunk, so a request holds at
+    most its budget plus one chunk.
+    """
+
+    scored = True
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        sinks = config.sink_blocks
+        after_sinks = self.budget_blocks - sinks
+        self.recent_blocks = config.recent_blocks or -(-after_sinks // 2)
+        self.heavy_blocks = after_sinks - self.recent_blocks
+        self.first_sink_blocks = sinks
+        self.sink_blocks = sinks + self.heavy_blocks  # the kept front of streaming's arithmetic: sinks + heavy slots
+
+
 def _compressed(count, prompt_len, strict: bool):
     if isinstance(count, torch.Tensor):
         return (count > prompt_len if strict else count >= prompt_len) & (prompt_len > 0)
     return prompt_len > 0 and (count > prompt_len if strict else count >= prompt_len)
 
 
-POLICIES = {"full": BlockPolicy, "streaming": StreamingBlocks, "window": WindowBlocks, "snapkv": SnapKVBlocks}
+POLICIES = {
+    "full": BlockPolicy,
+    "streaming": StreamingBlocks,
+    "window": WindowBlocks,
+    "snapkv": SnapKVBlocks,
+    "h2o": H2OBlocks,
+}
 
 
 def make_policy(config: BlockPolicyConfig, block_size: int) -> BlockPolicy:
