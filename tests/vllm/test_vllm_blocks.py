@@ -36,6 +36,9 @@ REUSE_CASES = {
     "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 14, 60),
     # Selecting again at every generated block: each request passes three re-selections.
     "snapkv-reselect": ({"method": "snapkv", "budget": 3 * BLOCK, "reselect_blocks": 1}, 16, 400),
+    # One sink, one heavy slot, one recent block: every block boundary refills the slot by accumulated attention,
+    # scores kept by physical block id (reset when a freed block is handed out again).
+    "h2o": ({"method": "h2o", "budget": 3 * BLOCK}, 12, 300),
 }
 
 
@@ -59,6 +62,9 @@ def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, sho
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs
     assert reused.logprobs == kept.logprobs
+    if policy["method"] == "h2o":
+        for live in reused.live_blocks.values():
+            assert max(live[1:]) == 3  # the budget, from the first decode step on
     if policy.get("reselect_blocks"):  # generation bounded: budget + R blocks, + 1 in a selecting step
         for live in reused.live_blocks.values():
             assert max(live[-2 * BLOCK :]) == 3 + 1 + 1

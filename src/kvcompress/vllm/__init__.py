@@ -51,7 +51,8 @@ def LLM(model: str, policy: str | dict[str, Any], **kwargs: Any):  # noqa: N802 
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the spec, its manager and the attention backend.
+    """The ``vllm.general_plugins`` entry point: register the spec, its manager, the attention backend, and the
+    refusal of every other attention backend (``kvcompress.vllm.refusal``).
 
     vLLM calls it in every process (API server, engine core, workers), possibly more than once; both
     registrations are idempotent.
@@ -61,6 +62,7 @@ def register() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from kvcompress.vllm.manager import BlockEvictionManager
+    from kvcompress.vllm.refusal import register_refusals
     from kvcompress.vllm.spec import KVCompressSpec
 
     check_platform(parse_policy(os.environ.get(ENV_VAR)))  # a policy from the environment, on a GPU: refuse now
@@ -69,3 +71,4 @@ def register() -> None:
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(KVCompressSpec, BlockEvictionManager, uniform_type_base_spec=FullAttentionSpec)
     register_backend(AttentionBackendEnum.CPU_ATTN, "kvcompress.vllm.backend.KVCompressCPUBackend")
+    register_refusals()  # every other attention backend refuses a configured policy, naming itself
