@@ -30,8 +30,7 @@ def _paged(isa: str, head_size: int, requests: dict[str, tuple[list[int], torch.
 
 def _reference_mass(queries, keys, scale):
     """Plain attention: probabilities of ``queries`` ``[q, H, D]`` (the last q positions) over ``keys``
-    ``[T, H_kv, D]``,
-    causal, summed over the queries and the query heads of each KV head: ``[H_kv, T]``."""
+    ``[T, H_kv, D]``, causal, summed over the queries and the query heads of each KV head: ``[H_kv, T]``."""
     num_tokens, group = len(keys), HEADS // KV_HEADS
     expanded = keys.repeat_interleave(group, dim=1)  # [T, H, D]
     logits = torch.einsum("qhd,thd->hqt", queries, expanded) * scale
