@@ -97,10 +97,10 @@ def test_a_step_that_selects_votes_with_the_window_before_it_and_opens_the_next(
     monkeypatch.setattr(snapkv, "select_blocks", lambda policy, layout, row, queries, *args: used.append(queries))
     stash = snapkv.ObservationStash(128)
     for position in range(128):  # the window's decode steps, one query each (value = its position)
-        step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1000 + position)], [])
+        step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1000 + position)], [], [])
         snapkv.run_step(step, stash, torch.full((1, 1, 1), float(position)), None, 1.0)
-    select = snapkv.SelectRow(7, 1128, 2, 8, 9, torch.arange(9))
-    step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1128)], [select])
+    select = snapkv.SelectRow(7, 1128, 2, 8, 9, torch.arange(9), 2)
+    step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1128)], [select], [])
     snapkv.run_step(step, stash, torch.full((1, 1, 1), 128.0), None, 1.0)
     assert used[0].flatten().tolist() == list(range(128))
     assert stash.queries[7].flatten().tolist() == [128.0]

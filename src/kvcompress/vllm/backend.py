@@ -50,7 +50,7 @@ from kvcompress.vllm.config import BlockPolicyConfig, check_engine, policy_from_
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import make_policy
 from kvcompress.vllm.scores import BlockScores, RefillRow, ScoredStep
-from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_step
+from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_prefill_step, run_step
 from kvcompress.vllm.snapkv_state import SnapKVTracker
 from kvcompress.vllm.spec import KVCompressSpec
 
@@ -151,6 +151,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
             run_step(step, self.stash, queries, kv_cache, self.scale)
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if step is not None and step.prefill_select:
+            run_prefill_step(step, self.stash, kv_cache, self.scale)
         scored = getattr(attn_metadata, "scored", None)
         if scored is not None:
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
