@@ -112,3 +112,26 @@ def test_snapkv_survives_preemption_in_a_tiny_pool_holding_only_what_it_reads(sh
     assert all(len(out) == 300 for out in trace.outputs.values()) and len(trace.outputs) == 3
     for live in trace.live_blocks.values():
         assert max(live[-BLOCK:]) <= 3 + -(-300 // BLOCK) + 1  # the budget + what was generated since selecting
+
+
+# Prompts of 8+ blocks prefilled 256 tokens (2 blocks) a step; the bound each policy states for a step of 2 blocks.
+CHUNKED_PEAKS = {
+    "h2o": ({"method": "h2o", "budget": 3 * BLOCK}, 3 + 2 + 1),
+    "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 3 + 2 + 2),
+}
+
+
+@pytest.mark.parametrize("method", sorted(CHUNKED_PEAKS))
+def test_a_chunked_prefill_holds_the_budget_plus_one_step_not_the_prompt(method, short_model_dir):
+    policy, bound = CHUNKED_PEAKS[method]
+    llm = make_llm(short_model_dir, policy, max_model_len=1280, max_num_batched_tokens=256)
+    try:
+        trace = trace_blocks(llm, [prompt(800, seed=s) for s in (21, 22)], max_tokens=16)
+    finally:
+        close(llm)
+    assert all(len(out) == 16 for out in trace.outputs.values()) and len(trace.outputs) == 2
+    for request_id, live in trace.live_blocks.items():
+        assert trace.logical_blocks[request_id] >= 8  # the prompts really are 8+ blocks
+        assert 3 < max(live) <= bound, (request_id, live)
+        # the budget (snapkv appends its 16 generated tokens, which may open one more block)
+        assert live[-1] == 3 if method == "h2o" else live[-1] in (3, 4)
