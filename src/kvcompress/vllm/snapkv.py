@@ -12,7 +12,12 @@ During the prompt's prefill steps each attention layer keeps the last ``window``
    ``[block, head]`` slabs of keys and values, so the kernel's layout does not matter for the copy).
 
 The metadata builder then drops the blocks between the selected ones and the observation window from what the
-kernel reads, and the scheduler frees them (``SnapKVBlocks``). A re-selection (``reselect_blocks``) is the same
+kernel reads, and the scheduler frees them (``SnapKVBlocks``). During a prompt prefilled in several steps the same
+work runs at the end of each step, after its attention (``run_prefill_step``): the last ``window`` queries so far
+vote, each KV head keeps ``budget_blocks - 1`` blocks at the front, and the blocks holding the last ``window``
+tokens stay; the prompt's selection then starts from what is kept, by the scores of the prompt's last step when it
+selected (so a prompt prefilled in one step keeps exactly the blocks of one selection over the whole prompt).
+A re-selection (``reselect_blocks``) is the same
 work at a block boundary during decoding, over the kept tokens (the selected blocks, then the blocks written
 since): the window is the last generated queries, kept from the decode steps just before the boundary. Max
 pooling runs over the kept tokens in order, so it may pool across the gap left by evicted blocks. Keys were

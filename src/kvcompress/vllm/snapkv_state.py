@@ -18,7 +18,8 @@ from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
 
 
 class SnapKVTracker:
-    """Which rows stash queries and which compress their prompt in a step, and every row's compressed prompt length."""
+    """Which rows stash queries, which compress their prompt (or squeeze it, at the end of a prefill step) in a step,
+    and every row's compressed prompt length."""
 
     def __init__(self, policy: SnapKVBlocks, layout: KeyLayout) -> None:
         self.policy = policy
