@@ -139,3 +139,24 @@ def test_a_prompt_prefilled_in_one_step_keeps_the_papers_blocks_through_the_pref
     snapkv.select_blocks(policy, layout, final, None, kv_cache, 0.125, prior=scores)
     assert torch.equal(kv_cache[blocks[:lo]], paper[blocks[:lo]])  # the selected blocks, in order
     assert torch.equal(kv_cache[blocks[first_hi:]], paper[blocks[first_hi:]])  # the window's blocks
+
+
+def test_a_prompt_within_the_budget_is_left_in_place_by_the_prompts_selection():
+    """Prompts of 1 to 10 blocks under a 10-block budget: the prompt's selection (as the tracker builds it) moves
+    nothing, whether the observation window straddles a block boundary or not."""
+    from kvcompress.vllm import snapkv
+    from kvcompress.vllm.config import BlockPolicyConfig
+    from kvcompress.vllm.policies import make_policy
+
+    heads, head_size, block = 2, 64, 128
+    policy = make_policy(BlockPolicyConfig("snapkv", 10 * block), block)
+    layout = KeyLayout("vec", torch.float32, heads, block, head_size)
+    kv_cache = torch.randn(12, heads, block, 2 * head_size)
+    before_cache = kv_cache.clone()
+    for prompt_len in list(range(1, 10 * block + 1, 7)) + [129, 1153, 1200, 1232, 1280]:
+        lo, after = policy.worker_range(prompt_len, prompt_len)
+        blocks = torch.arange(11, 11 - -(-prompt_len // block), -1)
+        row = snapkv.SelectRow(0, prompt_len, int(lo), int(policy.prefill_hi(prompt_len)), int(after), blocks, 9)
+        assert lo == after, prompt_len
+        assert snapkv.select_blocks(policy, layout, row, torch.randn(32, 6, head_size), kv_cache, 0.125) is None
+    assert torch.equal(kv_cache, before_cache)

@@ -135,7 +135,7 @@ def select_blocks(
     if there is nothing to choose).
     """
     lo, front, before, after = row.lo, row.front, row.hi_before, row.hi_after
-    candidates = front + max(after - before, 0)
+    candidates = min(front, after) + max(after - before, 0)  # the kept blocks before ``hi_after``
     if candidates <= lo:
         return None
     kept = torch.cat([row.blocks[:front], row.blocks[before:]])  # the tokens attended to so far, in order
