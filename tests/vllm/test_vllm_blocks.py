@@ -36,6 +36,9 @@ REUSE_CASES = {
     "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 14, 60),
     # Selecting again at every generated block: each request passes three re-selections.
     "snapkv-reselect": ({"method": "snapkv", "budget": 3 * BLOCK, "reselect_blocks": 1}, 16, 400),
+    # One sink, one heavy slot, one recent block: every block boundary refills the slot by accumulated attention,
+    # scores kept by physical block id (reset when a freed block is handed out again).
+    "h2o": ({"method": "h2o", "budget": 3 * BLOCK}, 12, 300),
 }
 
 
@@ -59,6 +62,9 @@ def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, sho
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs
     assert reused.logprobs == kept.logprobs
+    if policy["method"] == "h2o":
+        for live in reused.live_blocks.values():
+            assert max(live[1:]) == 3  # the budget, from the first decode step on
     if policy.get("reselect_blocks"):  # generation bounded: budget + R blocks, + 1 in a selecting step
         for live in reused.live_blocks.values():
             assert max(live[-2 * BLOCK :]) == 3 + 1 + 1
@@ -106,3 +112,26 @@ def test_snapkv_survives_preemption_in_a_tiny_pool_holding_only_what_it_reads(sh
     assert all(len(out) == 300 for out in trace.outputs.values()) and len(trace.outputs) == 3
     for live in trace.live_blocks.values():
         assert max(live[-BLOCK:]) <= 3 + -(-300 // BLOCK) + 1  # the budget + what was generated since selecting
+
+
+# Prompts of 8+ blocks prefilled 256 tokens (2 blocks) a step; the bound each policy states for a step of 2 blocks.
+CHUNKED_PEAKS = {
+    "h2o": ({"method": "h2o", "budget": 3 * BLOCK}, 3 + 2 + 1),
+    "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 3 + 2 + 2),
+}
+
+
+@pytest.mark.parametrize("method", sorted(CHUNKED_PEAKS))
+def test_a_chunked_prefill_holds_the_budget_plus_one_step_not_the_prompt(method, short_model_dir):
+    policy, bound = CHUNKED_PEAKS[method]
+    llm = make_llm(short_model_dir, policy, max_model_len=1280, max_num_batched_tokens=256)
+    try:
+        trace = trace_blocks(llm, [prompt(800, seed=s) for s in (21, 22)], max_tokens=16)
+    finally:
+        close(llm)
+    assert all(len(out) == 16 for out in trace.outputs.values()) and len(trace.outputs) == 2
+    for request_id, live in trace.live_blocks.items():
+        assert trace.logical_blocks[request_id] >= 8  # the prompts really are 8+ blocks
+        assert 3 < max(live) <= bound, (request_id, live)
+        # the budget (snapkv appends its 16 generated tokens, which may open one more block)
+        assert live[-1] == 3 if method == "h2o" else live[-1] in (3, 4)

@@ -24,6 +24,7 @@ POLICIES = [
     {"method": "streaming", "budget": BUDGET},
     {"method": "window", "budget": BUDGET},
     {"method": "snapkv", "budget": BUDGET},
+    {"method": "h2o", "budget": BUDGET},
 ]
 
 

@@ -25,7 +25,7 @@ BLOCK = 128
         ({"method": "snapkv", "budget": "512"}, "budget must be an integer (tokens or blocks), got '512'"),
         ({"method": "streaming", "budget": True}, "budget must be an integer"),
         ({"method": "streaming", "budget": 512, "window": 2.5}, "window must be an integer"),
-        ({"method": "h2o", "budget": 512}, "unknown method 'h2o'"),
+        ({"method": "tova", "budget": 512}, "unknown method 'tova'"),
         ({"method": "snapkv", "budget": 512, "kernel": 4}, "kernel must be an odd integer"),
         ({"method": "snapkv", "budget": 512, "ratio": 2}, "unknown policy parameter(s) ['ratio']"),
     ],
@@ -123,7 +123,8 @@ def test_snapkv_reselection_bounds_generation_and_scheduler_follows_worker(resel
         for context in range(prompt_len, prompt_len + 12 * BLOCK):  # the decode steps
             lo, worker_hi = policy.worker_range(context, prompt_len)
             freed_lo, freed_hi = policy.scheduler_range(context, prompt_len)
-            assert freed_lo == lo and freed_hi <= worker_hi  # never frees a block this step reads
+            # never frees a block this step reads (at the prompt's end: the prefill's range, inside the worker's)
+            assert freed_hi <= freed_lo or (lo <= freed_lo and freed_hi <= worker_hi)
             assert policy.scheduler_range(context + 1, prompt_len) == (lo, worker_hi)  # frees it after the step
             held.append(-(-(context + 1) // BLOCK) - (freed_hi - freed_lo))
             c, p = torch.tensor([context]), torch.tensor([prompt_len])
@@ -143,6 +144,36 @@ def test_snapkv_reselection_bounds_generation_and_scheduler_follows_worker(resel
         for at in selections[:-1]:
             assert held[at - prompt_len] == budget_blocks + reselect + 1
             assert held[at + 1 - prompt_len] == budget_blocks + 1
+
+
+@pytest.mark.parametrize("window", [32, 128])
+@pytest.mark.parametrize("chunk", [64, 256, 300, 512])
+def test_snapkv_prefill_in_steps_holds_the_budget_plus_one_step_and_keeps_the_window(chunk, window):
+    """A prompt prefilled ``chunk`` tokens a step: after each step the worker evicts down to ``budget - 1`` front
+    blocks + the blocks of the last ``window`` tokens; the scheduler frees what the worker stopped reading, the
+    prompt's final range contains the prefill's, and the observation window is never evicted."""
+    budget_blocks = 4
+    policy = make_policy(BlockPolicyConfig("snapkv", budget_blocks * BLOCK, window=window), BLOCK)
+    for prompt_len in (700, 1000, 1153, 2000):
+        starts = list(range(0, prompt_len, chunk))
+        peak = 0
+        for start in starts:
+            end = min(start + chunk, prompt_len)
+            lo, hi = policy.worker_range(start, 0)  # the kernel of the step starting at `start` (not compressed)
+            freed = policy.scheduler_range(start, prompt_len if start >= prompt_len else 0)
+            assert freed == (lo, hi)  # the scheduler freed exactly what the worker stopped reading
+            peak = max(peak, -(-end // BLOCK) - (hi - lo))  # blocks held while the step writes
+            assert lo == budget_blocks - 1
+        assert peak <= budget_blocks + -(-chunk // BLOCK) + 2
+        if prompt_len == 2000:
+            assert peak < -(-prompt_len // BLOCK)  # not the prompt
+        prefill = policy.worker_range(prompt_len, 0)  # what the prompt's last step left
+        assert prefill[1] <= policy.window_start_block(prompt_len) or prefill[1] == prefill[0]  # the window stays
+        final = policy.worker_range(prompt_len, prompt_len)
+        assert final[0] <= prefill[0] and (prefill[1] <= final[1] or prefill[1] == prefill[0])
+        assert policy.scheduler_range(prompt_len, prompt_len) == prefill  # freed once the prompt's selection ran:
+        assert policy.scheduler_range(prompt_len + 1, prompt_len) == final
+        assert -(-prompt_len // BLOCK) - (final[1] - final[0]) == budget_blocks  # exactly the budget after it
 
 
 def _manager(policy: dict):

@@ -97,10 +97,66 @@ def test_a_step_that_selects_votes_with_the_window_before_it_and_opens_the_next(
     monkeypatch.setattr(snapkv, "select_blocks", lambda policy, layout, row, queries, *args: used.append(queries))
     stash = snapkv.ObservationStash(128)
     for position in range(128):  # the window's decode steps, one query each (value = its position)
-        step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1000 + position)], [])
+        step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1000 + position)], [], [])
         snapkv.run_step(step, stash, torch.full((1, 1, 1), float(position)), None, 1.0)
-    select = snapkv.SelectRow(7, 1128, 2, 8, 9, torch.arange(9))
-    step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1128)], [select])
+    select = snapkv.SelectRow(7, 1128, 2, 8, 9, torch.arange(9), 2)
+    step = snapkv.SnapKVStep(policy, None, [snapkv.StashRow(7, 0, 1, 1128)], [select], [])
     snapkv.run_step(step, stash, torch.full((1, 1, 1), 128.0), None, 1.0)
     assert used[0].flatten().tolist() == list(range(128))
     assert stash.queries[7].flatten().tolist() == [128.0]
+
+
+@pytest.mark.parametrize("prompt_len", [1040, 1100, 1000])  # the window straddling a block boundary, or not
+def test_a_prompt_prefilled_in_one_step_keeps_the_papers_blocks_through_the_prefill_selection(prompt_len):
+    """The prefill selection at the end of the prompt's step, then the prompt's selection from its scores, keep the
+    same blocks, per KV head and in the same order, as SnapKV's one selection over the whole prompt."""
+    from kvcompress.vllm import snapkv
+    from kvcompress.vllm.config import BlockPolicyConfig
+    from kvcompress.vllm.policies import make_policy
+
+    torch.manual_seed(3)
+    heads, head_size, block = 2, 64, 128
+    policy = make_policy(BlockPolicyConfig("snapkv", 4 * block), block)
+    blocks = torch.tensor([9, 3, 7, 1, 4, 8, 2, 6, 5])[: -(-prompt_len // block)]
+    kv_cache = torch.zeros(10, heads, block, 2 * head_size)
+    key_cache, value_cache = kv_cache.view(10, heads, 2 * block, head_size).chunk(2, dim=2)
+    keys = torch.randn(prompt_len, heads, head_size) * 2
+    slots = blocks.repeat_interleave(block)[:prompt_len] * block + torch.arange(prompt_len) % block
+    ops.cpu_attn_reshape_and_cache(keys, torch.randn_like(keys), key_cache, value_cache, slots, "vec")
+    layout = KeyLayout("vec", torch.float32, heads, block, head_size)
+    queries = torch.randn(32, 3 * heads, head_size)
+    lo, first_hi = policy.worker_range(prompt_len, prompt_len)
+    front, prefill_hi = policy.prefill_front, int(policy.prefill_hi(prompt_len))
+
+    paper = kv_cache.clone()  # one selection over the whole prompt
+    snapkv.select_blocks(
+        policy, layout, snapkv.SelectRow(0, prompt_len, lo, lo, first_hi, blocks, lo), queries, paper, 0.125
+    )
+    row = snapkv.SelectRow(0, prompt_len, front, front, prefill_hi, blocks, front)
+    scores = snapkv.select_blocks(policy, layout, row, queries, kv_cache, 0.125)
+    assert scores is not None and prefill_hi == first_hi
+    final = snapkv.SelectRow(0, prompt_len, lo, prefill_hi, first_hi, blocks, front)
+    snapkv.select_blocks(policy, layout, final, None, kv_cache, 0.125, prior=scores)
+    assert torch.equal(kv_cache[blocks[:lo]], paper[blocks[:lo]])  # the selected blocks, in order
+    assert torch.equal(kv_cache[blocks[first_hi:]], paper[blocks[first_hi:]])  # the window's blocks
+
+
+def test_a_prompt_within_the_budget_is_left_in_place_by_the_prompts_selection():
+    """Prompts of 1 to 10 blocks under a 10-block budget: the prompt's selection (as the tracker builds it) moves
+    nothing, whether the observation window straddles a block boundary or not."""
+    from kvcompress.vllm import snapkv
+    from kvcompress.vllm.config import BlockPolicyConfig
+    from kvcompress.vllm.policies import make_policy
+
+    heads, head_size, block = 2, 64, 128
+    policy = make_policy(BlockPolicyConfig("snapkv", 10 * block), block)
+    layout = KeyLayout("vec", torch.float32, heads, block, head_size)
+    kv_cache = torch.randn(12, heads, block, 2 * head_size)
+    before_cache = kv_cache.clone()
+    for prompt_len in list(range(1, 10 * block + 1, 7)) + [129, 1153, 1200, 1232, 1280]:
+        lo, after = policy.worker_range(prompt_len, prompt_len)
+        blocks = torch.arange(11, 11 - -(-prompt_len // block), -1)
+        row = snapkv.SelectRow(0, prompt_len, int(lo), int(policy.prefill_hi(prompt_len)), int(after), blocks, 9)
+        assert lo == after, prompt_len
+        assert snapkv.select_blocks(policy, layout, row, torch.randn(32, 6, head_size), kv_cache, 0.125) is None
+    assert torch.equal(kv_cache, before_cache)

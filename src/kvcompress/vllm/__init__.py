@@ -10,13 +10,15 @@ How it fits together (one module each):
 
 * ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``, and the checks
   made before an engine starts (``check_engine``);
-* ``policies``: ``streaming``, ``window`` and ``snapkv`` at block granularity, each a contiguous range of
-  logical blocks evicted per request, computed alike by the scheduler and the worker;
+* ``policies``: ``streaming``, ``window``, ``snapkv`` and ``h2o`` at block granularity, each a contiguous range
+  of logical blocks evicted per request, computed alike by the scheduler and the worker;
 * ``spec`` / ``manager``: the layers' KV cache spec and the scheduler's manager that frees evicted blocks;
 * ``backend``: the attention backend whose metadata builder cuts evicted blocks out of what the kernel reads;
 * ``snapkv`` / ``snapkv_state``: the block SnapKV selection inside attention, in the worker (after the prompt,
-  and again every ``reselect_blocks`` generated blocks if asked); ``layout``: vLLM's CPU KV layout, learnt from
-  its cache writer, to read keys back;
+  and again every ``reselect_blocks`` generated blocks if asked; during a chunked prefill, after each step);
+  ``scores``: block H2O's attention mass per block and the refill of its heavy-hitter blocks; ``layout``: vLLM's
+  CPU KV layout, learnt from its cache writer, to read keys back;
+* ``refusal``: every attention backend but ``CPU_ATTN`` refuses a configured policy, naming itself;
 * ``serve``: the OpenAI-compatible server with the plugin; ``bench``: the fixed-pool benchmark; ``needles``:
   needle accuracy through vLLM.
 
@@ -51,7 +53,8 @@ def LLM(model: str, policy: str | dict[str, Any], **kwargs: Any):  # noqa: N802 
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the spec, its manager and the attention backend.
+    """The ``vllm.general_plugins`` entry point: register the spec, its manager, the attention backend, and the
+    refusal of every other attention backend (``kvcompress.vllm.refusal``).
 
     vLLM calls it in every process (API server, engine core, workers), possibly more than once; both
     registrations are idempotent.
@@ -61,6 +64,7 @@ def register() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from kvcompress.vllm.manager import BlockEvictionManager
+    from kvcompress.vllm.refusal import register_refusals
     from kvcompress.vllm.spec import KVCompressSpec
 
     check_platform(parse_policy(os.environ.get(ENV_VAR)))  # a policy from the environment, on a GPU: refuse now
@@ -69,3 +73,4 @@ def register() -> None:
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(KVCompressSpec, BlockEvictionManager, uniform_type_base_spec=FullAttentionSpec)
     register_backend(AttentionBackendEnum.CPU_ATTN, "kvcompress.vllm.backend.KVCompressCPUBackend")
+    register_refusals()  # every other attention backend refuses a configured policy, naming itself

@@ -49,7 +49,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from kvcompress.vllm.config import BlockPolicyConfig, check_engine, policy_from_vllm_config
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import make_policy
-from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_step
+from kvcompress.vllm.scores import BlockScores, RefillRow, ScoredStep
+from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_prefill_step, run_step
 from kvcompress.vllm.snapkv_state import SnapKVTracker
 from kvcompress.vllm.spec import KVCompressSpec
 
@@ -57,6 +58,7 @@ from kvcompress.vllm.spec import KVCompressSpec
 @dataclass
 class KVCompressCPUMetadata(CPUAttentionMetadata):
     snapkv: SnapKVStep | None = None  # block SnapKV work of this step, if any
+    scored: ScoredStep | None = None  # block H2O work of this step, if any
 
 
 def compact_block_table(common: CommonAttentionMetadata, lo, hi, block_size: int) -> CommonAttentionMetadata:
@@ -78,13 +80,15 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.policy = None
         self.snapkv = None
+        self.layout = None
         if isinstance(kv_cache_spec, KVCompressSpec):
             self.policy = make_policy(kv_cache_spec.policy, kv_cache_spec.block_size)
-            if self.policy.one_shot:  # learn the key layout now: an unreadable one is refused at start-up
-                layout = KeyLayout(
+            if self.policy.one_shot or self.policy.scored:  # learn the key layout now (an unreadable one: refused)
+                self.layout = KeyLayout(
                     self.isa, kv_cache_spec.dtype, self.num_kv_heads, self.block_size, kv_cache_spec.head_size
                 )
-                self.snapkv = SnapKVTracker(self.policy, layout)
+            if self.policy.one_shot:
+                self.snapkv = SnapKVTracker(self.policy, self.layout)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build=False):
         if self.policy is None:
@@ -98,8 +102,20 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         if self.snapkv is not None:
             step, prompt_len = self.snapkv.track(common, context)
         lo, hi = self.policy.worker_range(context, prompt_len)
+        scored = self._scored_step(common, context, query_lens[:num_reqs].long(), hi) if self.policy.scored else None
         metadata = super().build(common_prefix_len, compact_block_table(common, lo, hi, self.block_size), fast_build)
-        return KVCompressCPUMetadata(**{f.name: getattr(metadata, f.name) for f in fields(metadata)}, snapkv=step)
+        fields_ = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
+        return KVCompressCPUMetadata(**fields_, snapkv=step, scored=scored)
+
+    def _scored_step(self, common, context, query_lens, hi) -> ScoredStep:
+        """Block H2O: which requests move blocks out of their window at the end of this step (``H2OBlocks``)."""
+        policy = self.policy
+        _, hi_after = policy.worker_range(context + query_lens, torch.zeros_like(context))
+        refill = []
+        for i in (hi_after > hi).nonzero().flatten().tolist():  # requests passing a block boundary over the budget
+            blocks = common.block_table_tensor[i].long()
+            refill.append(RefillRow(blocks[policy.first_sink_blocks : policy.sink_blocks], blocks[hi[i] : hi_after[i]]))
+        return ScoredStep(policy, self.layout, common.num_reqs, refill)
 
 
 # The policy of the model this worker builds. ``customize_spec`` runs where no vLLM config is current, so the
@@ -109,7 +125,7 @@ _worker_in_flight_tokens = 0
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
-    """CPU attention that first does the layer's block SnapKV work of the step, if any."""
+    """CPU attention with the layer's block SnapKV work before vLLM's kernel and block H2O's after it, if any."""
 
     def __init__(self, *args, **kwargs) -> None:
         global _worker_policy, _worker_in_flight_tokens
@@ -118,7 +134,14 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         _worker_policy = policy_from_vllm_config(config)  # checked as the model is built, before its weights load
         _worker_in_flight_tokens = config.max_in_flight_tokens
         check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
+        unscored = self.logits_soft_cap or self.alibi_slopes is not None or self.sinks is not None
+        if _worker_policy.method == "h2o" and unscored:
+            raise ValueError(
+                "kvcompress: the h2o policy recomputes attention probabilities without logit soft-capping, ALiBi or "
+                "attention-sink logits, which this model uses; choose streaming, window or snapkv"
+            )
         self.stash: ObservationStash | None = None
+        self.block_scores = BlockScores()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         step = getattr(attn_metadata, "snapkv", None)
@@ -127,7 +150,14 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 self.stash = ObservationStash(step.policy.config.window)
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
             run_step(step, self.stash, queries, kv_cache, self.scale)
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if step is not None and step.prefill_select:
+            run_prefill_step(step, self.stash, kv_cache, self.scale)
+        scored = getattr(attn_metadata, "scored", None)
+        if scored is not None:
+            queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
+            self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale)
+        return output
 
 
 class KVCompressCPUBackend(CPUAttentionBackend):

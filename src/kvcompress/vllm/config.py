@@ -20,22 +20,25 @@ from typing import Any
 
 ENV_VAR = "KVCOMPRESS_VLLM"
 CONFIG_KEY = "kvcompress"
-METHODS = ("full", "streaming", "window", "snapkv")
+METHODS = ("full", "streaming", "window", "snapkv", "h2o")
 
 
 @dataclass(frozen=True)
 class BlockPolicyConfig:
     """A block-granular eviction policy and its parameters (all counts in tokens unless named ``*_blocks``).
 
-    method: ``full`` (no eviction), ``streaming``, ``window`` or ``snapkv`` (see ``kvcompress.vllm.policies``).
+    method: ``full`` (no eviction), ``streaming``, ``window``, ``snapkv`` or ``h2o`` (see
+        ``kvcompress.vllm.policies``).
     budget: KV tokens kept per request and layer, rounded down to whole KV blocks (vLLM's ``block_size``);
         for ``snapkv`` the budget of the compressed prompt (generated tokens are appended after it).
-    sink_blocks: ``streaming`` only: leading blocks always kept (the attention sinks live in the first block).
+    sink_blocks: ``streaming`` and ``h2o``: leading blocks always kept (the attention sinks live in the first block).
     window: ``snapkv`` only: observation window, the last prompt tokens whose queries vote (at most one block).
     kernel: ``snapkv`` only: width of the max pooling applied to the token votes before blocks are scored (odd).
     reselect_blocks: ``snapkv`` only: select again each time generated tokens fill this many more blocks, so a
         request holds at most its budget plus ``reselect_blocks + 1`` blocks; 0 (default): the prompt only, as in
         the paper.
+    recent_blocks: ``h2o`` only: the most recent blocks always kept, the block being written included; 0 (default):
+        half of the blocks after the sinks, rounded up (H2O's even split between heavy hitters and recent tokens).
     """
 
     method: str = "full"
@@ -44,11 +47,12 @@ class BlockPolicyConfig:
     window: int = 32
     kernel: int = 7
     reselect_blocks: int = 0
+    recent_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"kvcompress: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks"):
+        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks", "recent_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"kvcompress: {name} must be an integer (tokens or blocks), got {value!r}")
@@ -58,6 +62,8 @@ class BlockPolicyConfig:
             raise ValueError(f"kvcompress: sink_blocks must be >= 0, got {self.sink_blocks}")
         if self.reselect_blocks < 0:
             raise ValueError(f"kvcompress: reselect_blocks must be >= 0 (0: select once), got {self.reselect_blocks}")
+        if self.recent_blocks < 0:
+            raise ValueError(f"kvcompress: recent_blocks must be >= 0 (0: half the budget), got {self.recent_blocks}")
         if self.window < 1:
             raise ValueError(f"kvcompress: window must be >= 1 token, got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
@@ -72,7 +78,13 @@ class BlockPolicyConfig:
         blocks = self.budget // block_size
         # snapkv: its observation window (at most one block) spans one or two blocks, kept whole, and at least
         # one selected block (the request's first block, which names the request in the worker, is never freed).
-        needed = {"streaming": self.sink_blocks + 1, "window": 1, "snapkv": 3}.get(self.method, 0)
+        # h2o: its sinks, the recent blocks (at least the one being written) and at least one heavy-hitter block.
+        needed = {
+            "streaming": self.sink_blocks + 1,
+            "window": 1,
+            "snapkv": 3,
+            "h2o": self.sink_blocks + max(self.recent_blocks, 1) + 1,
+        }.get(self.method, 0)
         if blocks < needed:
             raise ValueError(
                 f"kvcompress: budget {self.budget} is {blocks} block(s) of {block_size} tokens; "

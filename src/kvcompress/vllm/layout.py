@@ -97,7 +97,15 @@ class KeyLayout:
 
     def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``[num_kv_heads, num_tokens, head_size]`` float32 keys of the first ``num_tokens`` tokens of ``blocks``."""
+        return self.read_blocks(kv_cache, blocks)[:, :num_tokens]
+
+    def read_blocks(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """float32 keys of ``blocks`` (``[..., n]`` block ids): ``[..., num_kv_heads, n * block_size, head_size]``.
+
+        Only the key elements are gathered (one indexed read of the cache), not the blocks' values.
+        """
         heads, block_size, head_size = self.shape
         offsets = self.offsets.to(kv_cache.device)
-        keys = kv_cache[blocks].flatten(1)[:, offsets].view(len(blocks), heads, block_size, head_size)
-        return keys.transpose(0, 1).reshape(heads, -1, head_size)[:, :num_tokens].float()
+        keys = kv_cache.view(kv_cache.shape[0], -1)[blocks.unsqueeze(-1), offsets]  # [..., n, heads*block*dim]
+        keys = keys.view(*blocks.shape, heads, block_size, head_size).transpose(-4, -3)
+        return keys.reshape(*blocks.shape[:-1], heads, -1, head_size).float()

@@ -44,7 +44,9 @@ class BlockEvictionManager(FullAttentionManager):
         if self.policy.one_shot and prompt_len:
             prompt_len = self._selection_start(request_id, processed_computed_tokens, prompt_len)
         first, end = self.policy.scheduler_range(processed_computed_tokens, prompt_len)
-        self._remove_blocks_in_range(request_id, first, end)
+        self._remove_blocks_in_range(request_id, first, end)  # walks back from ``end`` to the first freed block
+        if self.policy.one_shot:  # SnapKV's range may also grow downwards, once: from the prefill's front to ``lo``
+            self._remove_blocks_in_range(request_id, first, min(end, self.policy.prefill_front))
 
     def _selection_start(self, request_id: str, processed: int, prompt_len: int) -> int:
         """The context at which the worker selected (0: not yet), for ``SnapKVBlocks`` in place of the prompt length.

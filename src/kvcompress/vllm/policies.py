@@ -33,6 +33,7 @@ class BlockPolicy:
     """Keeps everything (``full``). Subclasses evict one range of blocks per request."""
 
     one_shot = False  # True: the range is decided once, after the prompt, by attention scores in the worker
+    scored = False  # True: the worker accumulates attention per block and refills the kept blocks (``h2o``)
 
     def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
         self.config = config
@@ -107,9 +108,22 @@ class SnapKVBlocks(BlockPolicy):
     and ``budget_blocks + R`` blocks however long it generates (``budget_blocks + R + 1`` during the step that
     selects, which starts a block before the selection frees any).
 
+    Bounded prefill (not in the paper, which holds the whole prompt): at the end of every prefill step that leaves
+    more than ``budget_blocks - 1`` blocks before the blocks holding the last ``window`` cached tokens, the same
+    selection runs with the step's last ``window`` queries as a provisional observation window (the queries so
+    far, across steps, when the step is shorter): each KV head keeps its ``budget_blocks - 1`` best blocks among
+    those, copied to the front, and the blocks holding the last ``window`` tokens stay. A request prefilled in
+    steps of ``q`` tokens thus holds at most ``budget_blocks + ceil(q / block_size) + 2`` blocks, not its prompt.
+    At the prompt's end the paper's selection keeps ``selected_blocks(prompt_len)`` (``budget_blocks - 1`` or
+    ``- 2``) of the kept blocks; when the prompt's last
+    step selected (always, for a prompt longer than the budget prefilled in one step), that choice is made by the
+    scores of that step's selection, so a prompt prefilled in one step keeps exactly the paper's blocks (the top
+    blocks by the window's votes over the whole prompt). With a chunked prefill, blocks evicted after an earlier
+    step were voted out by that step's queries, not by the prompt's final window: that is the approximation.
+
     The evicted blocks are always one contiguous range ``[lo, hi)``: ``lo`` (the selected blocks) is fixed by the
     prompt, ``hi`` moves ``R`` blocks on at each selection, so the scheduler and the worker derive it from token
-    counts alone.
+    counts alone (during the prefill, ``[budget_blocks - 1, prefill_hi(tokens))``, which the final range contains).
     """
 
     one_shot = True
@@ -138,18 +152,36 @@ class SnapKVBlocks(BlockPolicy):
         done = _maximum(count // self.block_size - base, 0) // self.reselect
         return done, first_hi + done * self.reselect
 
-    def _range(self, count, prompt_len, compressed):
+    @property
+    def prefill_front(self) -> int:
+        """Blocks each KV head keeps at the front while the prompt is prefilled (``budget_blocks - 1``)."""
+        return self.budget_blocks - 1
+
+    def prefill_hi(self, count):
+        """End of the range evicted during the prefill once ``count`` tokens are cached: the blocks holding the last
+        ``window`` of them stay (so does the prompt's observation window, at the prompt's end)."""
+        return _maximum((count - self.config.window) // self.block_size, self.prefill_front)
+
+    def _range(self, count, prompt_len, compressed, prefilled):
         lo = self.selected_blocks(prompt_len)
-        return lo, _where(compressed, self._selections(count, prompt_len)[1], lo)
+        hi = self._selections(count, prompt_len)[1]
+        return _where(compressed, lo, self.prefill_front), _where(compressed, hi, self.prefill_hi(prefilled))
 
     def worker_range(self, context, prompt_len):
         # The worker selects at the start of a step (the first decode step, then block boundaries), before its
-        # attention.
-        return self._range(context, prompt_len, _compressed(context, prompt_len, strict=False))
+        # attention; during the prefill, at the end of each step (``prefill_hi`` of the tokens cached then).
+        return self._range(context, prompt_len, _compressed(context, prompt_len, strict=False), context)
 
     def scheduler_range(self, processed, prompt_len):
         # Blocks are freed only once the step that selected has run (its copies are done).
-        return self._range(processed - 1, prompt_len, _compressed(processed, prompt_len, strict=True))
+        compressed = _compressed(processed, prompt_len, strict=True)
+        return self._range(processed - 1, prompt_len, compressed, processed)
+
+    def peak_blocks(self, step_tokens: int) -> int | None:
+        if not self.reselect:
+            return None  # generated tokens are appended without bound (the paper's behaviour)
+        prefill = self.budget_blocks + 1 + -(-step_tokens // self.block_size) + 1
+        return max(prefill, self.budget_blocks + self.reselect + 1)
 
     def reselects(self, context: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
         """Rows (already compressed, decoding) whose step starting at ``context`` selects again."""
@@ -170,13 +202,51 @@ class SnapKVBlocks(BlockPolicy):
         return (context >= next_start - self.config.window) & (context >= prompt_len)
 
 
+class H2OBlocks(StreamingBlocks):
+    """H2O (heavy hitters + recent tokens, accumulated attention) at block granularity.
+
+    A request's blocks are, in order: ``sink_blocks`` sinks (never evicted), ``heavy_blocks`` heavy-hitter slots,
+    evicted blocks, and the ``recent_blocks`` most recent blocks (the block being written included; by default half
+    of the blocks after the sinks, rounded up: H2O's even split). The scheduler's arithmetic is ``streaming``'s with
+    the sinks and heavy slots as the kept front, so a request holds exactly ``budget_blocks`` once it is longer.
+
+    Each layer accumulates, for every block it keeps and per KV head, the attention mass the block's tokens received
+    (softmax probabilities of every query since the block was written, the prompt's queries included, summed over
+    the block's tokens and over the query heads sharing the KV head: kvcompress's ``h2o`` summed per block). When a
+    step moves blocks out of the recent window, each layer and KV head keeps, in the heavy slots, its
+    ``heavy_blocks`` highest-scored blocks among the slots' current blocks and the ones leaving; the winners are
+    copied into the slots of the losers (keys, values and score; ``kvcompress.vllm.scores``), and the rest is freed.
+    So the lowest-scored block is evicted, per layer and KV head, whenever a request passes its budget, never a
+    sink or a recent block. A prompt prefilled in one step is scored over all its queries, then cut to the budget
+    at its end (H2O's prompt step); a prompt prefilled in chunks is cut after each chunk, so a request holds at
+    most its budget plus one chunk.
+    """
+
+    scored = True
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        sinks = config.sink_blocks
+        after_sinks = self.budget_blocks - sinks
+        self.recent_blocks = config.recent_blocks or -(-after_sinks // 2)
+        self.heavy_blocks = after_sinks - self.recent_blocks
+        self.first_sink_blocks = sinks
+        self.sink_blocks = sinks + self.heavy_blocks  # the kept front of streaming's arithmetic: sinks + heavy slots
+
+
 def _compressed(count, prompt_len, strict: bool):
     if isinstance(count, torch.Tensor):
         return (count > prompt_len if strict else count >= prompt_len) & (prompt_len > 0)
     return prompt_len > 0 and (count > prompt_len if strict else count >= prompt_len)
 
 
-POLICIES = {"full": BlockPolicy, "streaming": StreamingBlocks, "window": WindowBlocks, "snapkv": SnapKVBlocks}
+POLICIES = {
+    "full": BlockPolicy,
+    "streaming": StreamingBlocks,
+    "window": WindowBlocks,
+    "snapkv": SnapKVBlocks,
+    "h2o": H2OBlocks,
+}
 
 
 def make_policy(config: BlockPolicyConfig, block_size: int) -> BlockPolicy:

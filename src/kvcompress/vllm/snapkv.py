@@ -12,7 +12,12 @@ During the prompt's prefill steps each attention layer keeps the last ``window``
    ``[block, head]`` slabs of keys and values, so the kernel's layout does not matter for the copy).
 
 The metadata builder then drops the blocks between the selected ones and the observation window from what the
-kernel reads, and the scheduler frees them (``SnapKVBlocks``). A re-selection (``reselect_blocks``) is the same
+kernel reads, and the scheduler frees them (``SnapKVBlocks``). During a prompt prefilled in several steps the same
+work runs at the end of each step, after its attention (``run_prefill_step``): the last ``window`` queries so far
+vote, each KV head keeps ``budget_blocks - 1`` blocks at the front, and the blocks holding the last ``window``
+tokens stay; the prompt's selection then starts from what is kept, by the scores of the prompt's last step when it
+selected (so a prompt prefilled in one step keeps exactly the blocks of one selection over the whole prompt).
+A re-selection (``reselect_blocks``) is the same
 work at a block boundary during decoding, over the kept tokens (the selected blocks, then the blocks written
 since): the window is the last generated queries, kept from the decode steps just before the boundary. Max
 pooling runs over the kept tokens in order, so it may pool across the gap left by evicted blocks. Keys were
@@ -46,8 +51,8 @@ class StashRow:
 class SelectRow:
     """A request selecting in this step: its key block id, cached tokens, evicted range before and after.
 
-    ``blocks`` are the ids of its logical blocks ``[0, ceil(context / block_size))``; blocks ``[lo, hi_before)``
-    are evicted already, ``[lo, hi_after)`` will be.
+    ``blocks`` are the ids of its logical blocks ``[0, ceil(context / block_size))``; blocks ``[front, hi_before)``
+    are evicted already, ``[lo, hi_after)`` will be (``lo <= front``: the front blocks each KV head keeps).
     """
 
     key: int
@@ -56,6 +61,7 @@ class SelectRow:
     hi_before: int
     hi_after: int
     blocks: torch.Tensor
+    front: int
 
 
 @dataclass
@@ -66,6 +72,7 @@ class SnapKVStep:
     layout: KeyLayout
     stash: list[StashRow]
     select: list[SelectRow]
+    prefill_select: list[SelectRow]  # selections at the end of a prefill step (after the kernel)
 
 
 class ObservationStash:
@@ -74,9 +81,13 @@ class ObservationStash:
     def __init__(self, window: int) -> None:
         self.window = window
         self.queries: dict[int, torch.Tensor] = {}
+        # By request: (tokens cached, [H_kv, front] scores of the front blocks) of its last prefill selection.
+        self.front_scores: dict[int, tuple[int, torch.Tensor]] = {}
 
     def add(self, row: StashRow, query: torch.Tensor) -> None:
         chunk = query[max(row.start, row.end - self.window) : row.end]
+        if row.context == 0:
+            self.front_scores.pop(row.key, None)
         previous = self.queries.get(row.key) if row.context > 0 else None
         if previous is not None:
             chunk = torch.cat([previous, chunk])[-self.window :]
@@ -87,32 +98,59 @@ class ObservationStash:
 
 
 def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float) -> None:
-    """One layer's share of ``step``: select in the requests that reached a selection, then stash window queries.
+    """One layer's share of ``step`` before its attention: select in the requests that reached a selection, then
+    stash window queries.
 
     Selecting first: a step's own query may open the next observation window, never the one being used.
     """
     for row in step.select:
         window_queries = stash.pop(row.key)
+        front = stash.front_scores.pop(row.key, None)
+        prior = front[1] if front is not None and front[0] == row.context else None
         if window_queries is not None:
-            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale)
+            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale, prior)
     for row in step.stash:
         stash.add(row, query)
 
 
-def select_blocks(policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float) -> None:
-    """Move each KV head's best candidate blocks to the front of the request's blocks (see the module docstring)."""
-    lo, before, after = row.lo, row.hi_before, row.hi_after
-    if after <= before:
-        return
-    kept = torch.cat([row.blocks[:lo], row.blocks[before:]])  # the tokens attended to so far, in order
-    keys = layout.read(kv_cache, kept, row.context - (before - lo) * policy.block_size)
-    votes = _votes(queries, keys, scale, policy.config.kernel)
-    scores = _block_scores(votes, policy.block_size)[:, : lo + after - before]  # the candidates
+def run_prefill_step(step: SnapKVStep, stash: ObservationStash, kv_cache, scale: float) -> None:
+    """One layer's share of ``step`` after its attention: the prefill selections (``SnapKVBlocks``), voted by the
+    last ``window`` queries stashed so far (kept for the prompt's final selection)."""
+    for row in step.prefill_select:
+        window_queries = stash.queries.get(row.key)
+        if window_queries is not None:
+            scores = select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale)
+            if scores is not None:
+                stash.front_scores[row.key] = (row.context, scores)
+
+
+def select_blocks(
+    policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float, prior=None
+) -> torch.Tensor | None:
+    """Move each KV head's best candidate blocks to the front of the request's blocks (see the module docstring).
+
+    The candidates are the kept blocks before ``hi_after``; ``prior`` (``[H_kv, front]``), the scores the front
+    blocks got in the prefill selection that ended where this one starts (same window): then only the front
+    blocks compete, by those scores. Returns the chosen blocks' scores ``[H_kv, lo]``, in block order (``None``
+    if there is nothing to choose).
+    """
+    lo, front, before, after = row.lo, row.front, row.hi_before, row.hi_after
+    candidates = min(front, after) + max(after - before, 0)  # the kept blocks before ``hi_after``
+    if candidates <= lo:
+        return None
+    kept = torch.cat([row.blocks[:front], row.blocks[before:]])  # the tokens attended to so far, in order
+    if prior is not None:
+        scores = prior
+    else:
+        keys = layout.read(kv_cache, kept, row.context - (before - front) * policy.block_size)
+        votes = _votes(queries, keys, scale, policy.config.kernel)
+        scores = _block_scores(votes, policy.block_size)[:, :candidates]
     chosen = scores.topk(lo, dim=1).indices.sort(dim=1).values  # [H_kv, lo]
     heads = torch.arange(kv_cache.shape[1]).unsqueeze(1)
     sources = kept[chosen]
     targets = row.blocks[:lo].unsqueeze(0).expand_as(sources)
     kv_cache[targets, heads] = kv_cache[sources, heads]
+    return scores.gather(1, chosen)
 
 
 def _votes(queries: torch.Tensor, keys: torch.Tensor, scale: float, kernel: int) -> torch.Tensor:

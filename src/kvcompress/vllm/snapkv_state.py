@@ -18,7 +18,8 @@ from kvcompress.vllm.snapkv import SelectRow, SnapKVStep, StashRow
 
 
 class SnapKVTracker:
-    """Which rows stash queries and which compress their prompt in a step, and every row's compressed prompt length."""
+    """Which rows stash queries, which compress their prompt (or squeeze it, at the end of a prefill step) in a step,
+    and every row's compressed prompt length."""
 
     def __init__(self, policy: SnapKVBlocks, layout: KeyLayout) -> None:
         self.policy = policy
@@ -49,13 +50,17 @@ class SnapKVTracker:
         decoding = ~prefilling & live & (prompt_len > 0)
         reselecting = decoding & self.policy.reselects(context, prompt_len)
         stashing = prefilling | (decoding & self.policy.stashes(context, prompt_len))
+        # Prefill selections at the end of this step: rows whose step moves blocks past the prefill range's end.
+        ends = context + (common.query_start_loc[1 : num_reqs + 1] - common.query_start_loc[:num_reqs]).long()
+        squeezing = prefilling & (self.policy.prefill_hi(ends) > self.policy.prefill_hi(context))
         step = None
-        if stashing.any() or selecting.any() or reselecting.any():
+        if stashing.any() or selecting.any() or reselecting.any() or squeezing.any():
             step = SnapKVStep(
                 self.policy,
                 self.layout,
                 self._stash_rows(common, keys, context, stashing),
                 self._select_rows(table, keys, context, prompt_len, selecting | reselecting, selecting),
+                self._prefill_rows(table, keys, context, ends, squeezing),
             )
         return step, prompt_len
 
@@ -68,11 +73,23 @@ class SnapKVTracker:
         ]
 
     def _select_rows(self, table, keys, context, prompt_len, selecting, first) -> list[SelectRow]:
-        rows = []
+        rows, policy = [], self.policy
         for i in selecting.nonzero().flatten().tolist():
             tokens, length = int(context[i]), int(prompt_len[i])
-            lo, after = self.policy.worker_range(tokens, length)
-            before = lo if first[i] else self.policy.worker_range(tokens - 1, length)[1]
-            blocks = table[i, : -(-tokens // self.policy.block_size)].long().clone()
-            rows.append(SelectRow(int(keys[i]), tokens, int(lo), int(before), int(after), blocks))
+            lo, after = policy.worker_range(tokens, length)
+            if first[i]:  # the prompt's selection: what the prefill kept is the front + the blocks from prefill_hi
+                front, before = policy.prefill_front, int(policy.prefill_hi(tokens))
+            else:
+                front, before = int(lo), int(policy.worker_range(tokens - 1, length)[1])
+            blocks = table[i, : -(-tokens // policy.block_size)].long().clone()
+            rows.append(SelectRow(int(keys[i]), tokens, int(lo), before, int(after), blocks, front))
+        return rows
+
+    def _prefill_rows(self, table, keys, context, ends, squeezing) -> list[SelectRow]:
+        rows, policy = [], self.policy
+        for i in squeezing.nonzero().flatten().tolist():
+            tokens, front = int(ends[i]), policy.prefill_front
+            before, after = int(policy.prefill_hi(context[i])), int(policy.prefill_hi(ends[i]))
+            blocks = table[i, : -(-tokens // policy.block_size)].long().clone()
+            rows.append(SelectRow(int(keys[i]), tokens, front, before, after, blocks, front))
         return rows

@@ -1,0 +1,147 @@
+"""Worker side of block H2O: attention mass accumulated per KV block, and the heavy slots refilled from it.
+
+Each attention layer keeps one float32 score per KV block of the pool and KV head (``[num_blocks, num_kv_heads]``,
+indexed by the physical block id, so no per-request state and a few bytes per block of the cache). In every step,
+after vLLM's kernel has run:
+
+1. the score of a block whose first token is written in this step is reset (the block is new to its request: a
+   freed block handed out again starts from zero);
+2. the step's queries attend again, in torch, to the keys the kernel attended to (the compacted block table and
+   sequence lengths of the step's metadata, keys read back through ``kvcompress.vllm.layout.KeyLayout``):
+   softmax over the kept keys, causal inside a prefill chunk, the probabilities summed over the block's tokens,
+   the step's queries and the query heads sharing each KV head, and added to the blocks' scores;
+3. in each request whose step moves blocks out of the recent window (``H2OBlocks``), per KV head, the
+   ``heavy_blocks`` best-scored blocks among the heavy slots and the leaving blocks stay: each leaving winner is
+   copied over a losing slot (its keys, values and score: whole ``[block, head]`` slabs, so the kernel's layout
+   does not matter), and the leaving blocks are then dropped by the metadata builder and freed by the scheduler.
+
+vLLM's CPU kernel (``cpu_attention_with_kv_cache``) returns the attention output only, neither probabilities nor
+log-sum-exps, so step 2 is a second pass of the query-key products over the kept keys: per decode step and
+layer, ``num_heads x kept_tokens x head_size`` multiply-adds (the kernel's own QK half; the kept tokens are at
+most the budget plus one step), plus a gather of the kept keys; for a prefill chunk of ``q`` tokens,
+``num_heads x q x kept_tokens x head_size``, computed in query slices of ``QUERY_SLICE`` to bound memory. The
+scores are exact H2O sums (up to float32 rounding, the kernel's arithmetic being different): what is
+approximated is the unit, a whole block kept or evicted per KV head instead of single tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.vllm.layout import KeyLayout
+from kvcompress.vllm.policies import H2OBlocks
+
+QUERY_SLICE = 256  # prefill queries scored at once: bounds the probabilities held to heads x 256 x kept tokens
+
+
+@dataclass
+class RefillRow:
+    """A request whose step moves ``leaving`` blocks (ids) out of the window; ``slots`` are its heavy slots (ids)."""
+
+    slots: torch.Tensor
+    leaving: torch.Tensor
+
+
+@dataclass
+class ScoredStep:
+    """The block H2O work of one step, shared by all layers (built once by the metadata builder)."""
+
+    policy: H2OBlocks
+    layout: KeyLayout
+    num_reqs: int
+    refill: list[RefillRow]
+
+
+class BlockScores:
+    """One layer's accumulated attention mass per KV block and KV head (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.scores: torch.Tensor | None = None
+
+    def step(self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float) -> None:
+        """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``."""
+        if self.scores is None:
+            self.scores = torch.zeros(kv_cache.shape[0], kv_cache.shape[1], device=kv_cache.device)
+        block_size = step.policy.block_size
+        slots = metadata.slot_mapping[: metadata.num_actual_tokens]
+        self.scores[slots[(slots >= 0) & (slots % block_size == 0)] // block_size] = 0
+        num_reqs = step.num_reqs
+        starts = metadata.query_start_loc[: num_reqs + 1]
+        seq_lens, table = metadata.seq_lens[:num_reqs], metadata.block_table[:num_reqs]
+        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale)
+        for row in step.refill:
+            refill(self.scores, kv_cache, row)
+
+
+def add_attention_mass(scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale) -> None:
+    """Add to ``scores[block, kv_head]`` the attention mass the queries of each request give each kept block.
+
+    ``starts`` (``[num_reqs + 1]``) splits ``query`` by request; request ``r`` attends to the first ``seq_lens[r]``
+    tokens of the blocks ``block_table[r]``, its last query to all of them, causally before.
+    """
+    query_lens = starts[1:] - starts[:-1]
+    decoding = query_lens == 1
+    rows = decoding.nonzero().flatten()
+    if len(rows):
+        _decode_mass(scores, layout, kv_cache, query[starts[rows]], seq_lens[rows], block_table[rows], scale)
+    for r in (~decoding & (query_lens > 0)).nonzero().flatten().tolist():
+        queries = query[int(starts[r]) : int(starts[r + 1])]
+        _prefill_mass(scores, layout, kv_cache, queries, int(seq_lens[r]), block_table[r], scale)
+
+
+def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale) -> None:
+    """One query per request, all requests at once (padded to the longest; padding gets probability 0)."""
+    block_size = layout.shape[1]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    blocks = block_table[:, :num_blocks].long()
+    keys = layout.read_blocks(kv_cache, blocks)  # [R, H_kv, T, D]
+    num_reqs, num_kv_heads, tokens, head_size = keys.shape
+    grouped = query.float().view(num_reqs, num_kv_heads, -1, head_size)
+    logits = torch.einsum("rkgd,rktd->rkgt", grouped, keys) * scale
+    logits.masked_fill_(torch.arange(tokens, device=keys.device) >= seq_lens.view(-1, 1, 1, 1), float("-inf"))
+    mass = logits.softmax(dim=-1).sum(dim=2).view(num_reqs, num_kv_heads, num_blocks, block_size).sum(dim=3)
+    heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
+    scores.index_put_((blocks.unsqueeze(1).expand_as(mass), heads.expand_as(mass)), mass, accumulate=True)
+
+
+def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, scale) -> None:
+    """A prefill chunk of one request: its queries are the last ``len(query)`` of its ``seq_len`` tokens."""
+    block_size = layout.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    keys = layout.read_blocks(kv_cache, blocks)[:, :seq_len]  # [H_kv, T, D]
+    num_kv_heads, _, head_size = keys.shape
+    first = seq_len - len(query)
+    mass = torch.zeros(num_kv_heads, num_blocks * block_size, device=keys.device)
+    for start in range(0, len(query), QUERY_SLICE):  # slices of queries, not single tokens
+        part = query[start : start + QUERY_SLICE].float()
+        grouped = part.view(len(part), num_kv_heads, -1, head_size).permute(1, 2, 0, 3)  # [H_kv, G, q, D]
+        logits = torch.einsum("kgqd,ktd->kgqt", grouped, keys) * scale
+        positions = torch.arange(first + start, first + start + len(part), device=keys.device).view(-1, 1)
+        logits.masked_fill_(torch.arange(seq_len, device=keys.device) > positions, float("-inf"))
+        mass[:, :seq_len] += logits.softmax(dim=-1).sum(dim=(1, 2))
+    scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
+
+
+def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow) -> None:
+    """Per KV head, keep the best-scored of ``row.slots`` and ``row.leaving`` in the slots (see the module docstring).
+
+    A slot that stays keeps its place; each leaving winner overwrites one losing slot, the first losing slot
+    receiving the first winner in block order. Ties go to the lower candidate (``topk``'s order on CPU).
+    """
+    candidates = torch.cat([row.slots, row.leaving])
+    heavy = len(row.slots)
+    chosen = torch.zeros(len(candidates), scores.shape[1], dtype=torch.bool, device=scores.device)
+    chosen.scatter_(0, scores[candidates].topk(heavy, dim=0).indices, True)  # [candidates, H_kv]
+    losers = (chosen[:heavy].int()).argsort(dim=0, stable=True)  # per head, losing slots first
+    winners = (~chosen[heavy:]).int().argsort(dim=0, stable=True)  # per head, winning leaving blocks first
+    pairs = min(heavy, len(row.leaving))
+    replaced = (~chosen[:heavy]).sum(dim=0)  # per head: as many losing slots as leaving winners
+    valid = torch.arange(pairs, device=scores.device).unsqueeze(1) < replaced.unsqueeze(0)  # [pairs, H_kv]
+    j, heads = valid.nonzero(as_tuple=True)
+    targets = row.slots[losers[j, heads]]
+    sources = row.leaving[winners[j, heads]]
+    kv_cache[targets, heads] = kv_cache[sources, heads]
+    scores[targets, heads] = scores[sources, heads]
