@@ -163,6 +163,15 @@ class CompressedCache(Cache):
         """Bytes of positions and method statistics stored beside the keys and values."""
         return sum(layer.metadata_nbytes() for layer in self.compressed_layers)
 
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated for keys and values, all layers together: ``nbytes()`` plus the room the layers keep
+        for coming tokens, after every forward at most one chunk per layer (``kvcompress.core.capacity``)."""
+        return sum(layer.allocated_nbytes() for layer in self.compressed_layers)
+
+    def allocated_metadata_nbytes(self) -> int:
+        """Bytes allocated for positions and method statistics: ``metadata_nbytes()`` plus the same room."""
+        return sum(layer.allocated_metadata_nbytes() for layer in self.compressed_layers)
+
     def tokens_seen(self) -> int:
         return self.compressed_layers[0].seen
 

@@ -88,6 +88,9 @@ class GatherLayer(CacheLayerMixin):
         if padding is not None:
             self.valid[..., -count:] = padding[:, -count:].to(self.device, torch.bool)[:, None, :]
 
+    def end_forward(self) -> None:
+        """This layer's part of the forward is done (nothing per-forward is kept here; see ``CompressedLayer``)."""
+
     # --- the views the policies read ------------------------------------------------------------------------
     @property
     def occupied(self) -> int:
@@ -268,6 +271,10 @@ class GatherLayer(CacheLayerMixin):
             return 0
         tensors = [self.token_idx, self.rope_pos, self.valid, *self.state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def allocated_metadata_nbytes(self) -> int:
+        """The bookkeeping is held as stored (concatenated, no room)."""
+        return self.metadata_nbytes()
 
 
 def keep_selection(layer: GatherLayer, rule: Keep, protect_new: bool = False) -> Selection | None:

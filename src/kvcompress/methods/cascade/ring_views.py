@@ -156,6 +156,10 @@ class RingViews:
         names = ("_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
 
+    def allocated_metadata_nbytes(self) -> int:
+        """The bookkeeping is held whole, as ``metadata_nbytes`` counts it."""
+        return self.metadata_nbytes()
+
     def kept(self) -> StreamView:
         """The stored tokens in stream order (the views above already are)."""
         valid = self.valid
