@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import LayerView, MethodConfig
 from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.layer_batch import LayerBatch
@@ -152,8 +152,10 @@ class CompressedCache(Cache):
         self._warn_after = self.model_spec.max_positions if self._keeps_original_positions else None
 
     @property
-    def compressed_layers(self) -> list[CompressedLayer]:
-        return [layer for layer in self.layers if hasattr(layer, "policy")]
+    def compressed_layers(self) -> list[LayerView]:
+        """The layers, one per decoder layer, each built by this cache from its method's layer class (a
+        ``LayerView``: ``tests/test_layer_view.py``)."""
+        return list(self.layers)
 
     def nbytes(self) -> int:
         """Bytes of keys and values really stored, all layers together."""

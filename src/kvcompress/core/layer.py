@@ -105,10 +105,11 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
     rope_pos = property(lambda self: self._view(self.slots.rope_pos))
     valid = property(lambda self: self._view(self.slots.valid))
     rank = property(lambda self: self._view(self.slots.rank))
+    rows = property(lambda self: tuple(self.slots.token_idx.shape[:2]))  # (B, H_kv)
 
     @property
     def state(self) -> StateView:
-        return StateView(self)
+        return StateView(self.slots.state, self._view)
 
     def real_count(self) -> torch.Tensor:
         """``[B, 1]`` real tokens seen per sequence."""

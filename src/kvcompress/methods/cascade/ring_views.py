@@ -15,6 +15,21 @@ class RingViews:
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
 
+    @property
+    def rank(self) -> torch.Tensor:
+        """Each real token's rank among the stored real tokens of its sequence (``-1``: no token)."""
+        valid = self.valid
+        return torch.where(valid, valid.cumsum(-1) - 1, -1)
+
+    @property
+    def view_width(self) -> int:
+        """Every slot of the sinks and rings (the views hold the free ones too, ``token_idx`` -1)."""
+        return self._tok.shape[1]
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self._tok.shape[0], self._kv.shape[1]
+
     def _view(self, slot_values: torch.Tensor) -> torch.Tensor:
         """A per-slot ``[B, S + |C|]`` tensor in stream order, expanded to ``[B, H_kv, S + |C|]``."""
         ordered = slot_values.gather(1, self._order())
@@ -162,6 +177,4 @@ class RingViews:
 
     def kept(self) -> StreamView:
         """The stored tokens in stream order (the views above already are)."""
-        valid = self.valid
-        rank = torch.where(valid, valid.cumsum(-1) - 1, -1)
-        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, valid, rank, self.state)
+        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
