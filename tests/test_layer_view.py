@@ -34,6 +34,7 @@ def test_every_layer_is_a_layer_view(method, tiny_llama):
         assert isinstance(layer, LayerView)
         assert tuple(layer.rows) == tuple(layer.token_idx.shape[:2])
         assert layer.token_idx.shape[-1] == layer.view_width
+        assert layer.occupied == layer.stored_length() == int((layer.token_idx >= 0).sum(-1).max())
 
 
 def test_the_stacked_view_has_what_a_batchable_policy_reads(tiny_llama):

@@ -22,9 +22,22 @@ class RingViews:
         return torch.where(valid, valid.cumsum(-1) - 1, -1)
 
     @property
+    def occupied(self) -> int:
+        """Slots holding a token, the most of any row (``stored_length``: a host read; the rings count their tokens
+        themselves and never read it)."""
+        return self.stored_length()
+
+    @occupied.setter
+    def occupied(self, value: int) -> None:
+        """(The generic layer's initialisation and reset write 0 here: nothing to keep.)"""
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
+
+    @property
     def view_width(self) -> int:
         """Every slot of the sinks and rings (the views hold the free ones too, ``token_idx`` -1)."""
-        return self._tok.shape[1]
+        return self._tok.shape[1] if self.is_initialized else 0
 
     @property
     def rows(self) -> tuple[int, int]:
