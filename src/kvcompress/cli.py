@@ -134,6 +134,8 @@ def generate(
     table.add_row("tokens seen (logical)", str(cache.tokens_seen()))
     table.add_row("tokens stored per layer (physical)", str(max(cache.tokens_stored())))
     table.add_row("KV bytes stored", f"{cache.nbytes():,} ({human_bytes(cache.nbytes())})")
+    allocated = cache.allocated_nbytes()  # stored plus the room kept for coming tokens (kvcompress.core.capacity)
+    table.add_row("KV bytes allocated", f"{allocated:,} ({human_bytes(allocated)})")
     table.add_row("KV bytes, full cache", f"{full_bytes:,} ({human_bytes(full_bytes)})")
     table.add_row("saved", f"{1 - cache.nbytes() / full_bytes:.1%}")
     table.add_row("wall time, prefill and generation", f"{seconds:.1f} s for {len(new_tokens)} new tokens")

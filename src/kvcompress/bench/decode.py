@@ -97,6 +97,8 @@ def _bench_method(
         def kv_bytes() -> int:
             return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
+        kv_allocated = kv_bytes  # (concatenated: allocated as stored)
+
         def stored() -> int:
             return cache.get_seq_length()
 
@@ -114,6 +116,9 @@ def _bench_method(
 
         def kv_bytes() -> int:
             return cache.nbytes()
+
+        def kv_allocated() -> int:
+            return cache.allocated_nbytes()
 
         def stored() -> int:
             return cache.tokens_stored()[0]
@@ -147,6 +152,7 @@ def _bench_method(
                 "steps": timing.count,
                 "stored_tokens": stored(),
                 "kv_mib": kv_bytes() / MIB,
+                "kv_allocated_mib": kv_allocated() / MIB,
                 "rss_mib": current_rss() / MIB,
                 "peak_rss_mib": peak_rss() / MIB,
                 "prefill_s": prefill_s,
@@ -181,7 +187,8 @@ def run_decode(
     called with each row as it is measured (to save partial results of a long run).
 
     Row keys: ``method``, ``budget``, ``context``, ``step_ms``, ``p10_ms``, ``p90_ms``, ``tokens_per_s``, ``steps``,
-    ``stored_tokens`` (layer 0, per head), ``kv_mib`` (stored keys + values, all layers), ``rss_mib``,
+    ``stored_tokens`` (layer 0, per head), ``kv_mib`` (stored keys + values, all layers), ``kv_allocated_mib`` (the
+    same as allocated: stored plus the room kept, ``kvcompress.core.capacity``), ``rss_mib``,
     ``peak_rss_mib`` (high-water mark since this method's cache was created), ``prefill_s`` (time to extend the
     prompt to this context), ``cpu_ms`` (median process CPU time per step: robust to other processes' load), and,
     added at the end, ``vs_first`` / ``cpu_vs_first`` (over this method's own step at its second context, 2K by
@@ -197,7 +204,7 @@ def run_decode(
     names = list(methods) + ([DYNAMIC] if dynamic else [])
     ids = random_prompt(model, contexts[-1] + warmup_steps + steps, seed)
     rows: list[Row] = []
-    with torch.inference_mode():
+    with torch.no_grad():  # the mode generate runs in (inference_mode spares small ops more)
         for method in names:
             rows += _bench_method(model, method, budget, ids, contexts, steps, warmup_steps, chunk_size, on_row)
             gc.collect()  # the method's cache is gone with _bench_method's frame
@@ -236,6 +243,7 @@ DECODE_COLUMNS: tuple[Column, ...] = (
     ("cpu_vs_full", "CPU × full", ".2f"),
     ("stored_tokens", "stored tokens / layer", "d"),
     ("kv_mib", "stored KV (MiB)", ".1f"),
+    ("kv_allocated_mib", "allocated KV (MiB)", ".1f"),
     ("peak_rss_mib", "peak RSS (MiB)", ".0f"),
 )
 

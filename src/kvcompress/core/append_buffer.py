@@ -3,12 +3,14 @@
 ``torch.cat`` of a store and one new token copies the whole store (what transformers' ``DynamicCache`` does every
 decoding step). ``AppendBuffer`` keeps the store as a view of the first slots of a larger buffer, so an append
 writes only the new tokens; the buffer is reallocated (one copy) when it is full, with room grown geometrically
-and never more than one forward ahead, as the slot layer's buffers grow (``kvcompress.core.layer``).
+and never more than one forward ahead, as the slot layer's buffers grow (``kvcompress.core.capacity``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvcompress.core.capacity import headroom
 
 
 class AppendBuffer:
@@ -29,7 +31,7 @@ class AppendBuffer:
         length, count = store.shape[2], new.shape[2]
         buffer = self._buffer
         if buffer is None or not self.holds(store) or length + count > buffer.shape[2]:
-            room = min(max(length // 4, 16), most_ahead)
+            room = min(headroom(length), most_ahead)
             buffer = store.new_empty(*store.shape[:2], length + count + room, *store.shape[3:])
             buffer.narrow(2, 0, length).copy_(store)
             self._buffer = buffer

@@ -97,6 +97,7 @@ def attend_layer(
     layer.expire_window()
     for observer in layer.observers:
         observer(layer)
+    layer.end_forward()
     return output
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import LayerView, MethodConfig
 from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.layer_batch import LayerBatch
@@ -152,8 +152,10 @@ class CompressedCache(Cache):
         self._warn_after = self.model_spec.max_positions if self._keeps_original_positions else None
 
     @property
-    def compressed_layers(self) -> list[CompressedLayer]:
-        return [layer for layer in self.layers if hasattr(layer, "policy")]
+    def compressed_layers(self) -> list[LayerView]:
+        """The layers, one per decoder layer, each built by this cache from its method's layer class (a
+        ``LayerView``: ``tests/test_layer_view.py``)."""
+        return list(self.layers)
 
     def nbytes(self) -> int:
         """Bytes of keys and values really stored, all layers together."""
@@ -162,6 +164,15 @@ class CompressedCache(Cache):
     def metadata_nbytes(self) -> int:
         """Bytes of positions and method statistics stored beside the keys and values."""
         return sum(layer.metadata_nbytes() for layer in self.compressed_layers)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated for keys and values, all layers together: ``nbytes()`` plus the room the layers keep
+        for coming tokens, after every forward at most one chunk per layer (``kvcompress.core.capacity``)."""
+        return sum(layer.allocated_nbytes() for layer in self.compressed_layers)
+
+    def allocated_metadata_nbytes(self) -> int:
+        """Bytes allocated for positions and method statistics: ``metadata_nbytes()`` plus the same room."""
+        return sum(layer.allocated_metadata_nbytes() for layer in self.compressed_layers)
 
     def tokens_seen(self) -> int:
         return self.compressed_layers[0].seen

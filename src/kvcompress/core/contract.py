@@ -2,7 +2,8 @@
 
 A policy decides what one cache layer keeps. It never stores keys itself: the layer (``kvcompress.core.layer``)
 owns keys, values, positions and the per-token state the policy asks for, and gathers them all when the
-policy returns a ``Selection``. Attention statistics come from ``kvcompress.core.attention`` as ``AttentionStats``.
+policy returns a ``Selection``. What a policy may read and call on its layer is ``LayerView``, whatever the layer's
+storage. Attention statistics come from ``kvcompress.core.attention`` as ``AttentionStats``.
 
 This module imports nothing else of kvcompress: every method depends on it, and it depends on no method.
 """
@@ -17,12 +18,9 @@ import reprlib
 import types
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
-
-if TYPE_CHECKING:  # annotations only: the layer module imports this one
-    from kvcompress.core.layer import CompressedLayer
 
 
 @dataclass(frozen=True)
@@ -98,6 +96,73 @@ class Selection:
         return torch.zeros(shape, dtype=torch.bool, device=self.indices.device).scatter_(2, self.indices, kept)
 
 
+@runtime_checkable
+class LayerView(Protocol):
+    """What a policy may read and call on the layer it decides for, whatever the layer's storage: every cache layer
+    kind implements it (the slot layer ``CompressedLayer`` and its subclasses: LESS's, the cascade's rings; PoD's
+    ``GatherLayer``). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
+    ``values`` ``[B, H_kv, W, d]``); ``state`` maps the names ``Policy.init_state`` returned to such views (written
+    in place). At a decoding step a ``Policy.batchable`` policy reads, through ``core.layer_batch.StackedLayer``,
+    only ``policy``, ``device``, ``seen``, ``seen_tensor``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
+    ``ordered``, ``all_valid``, ``rows``, ``token_idx``, ``state``, ``new_index()`` and ``real_count()``.
+
+    A layer kind adds what only its own method reads (PoD's block peers, LESS's state): a policy reading those
+    names its layer class."""
+
+    policy: Policy
+    device: torch.device
+    inv_freq: torch.Tensor | None  # the model's RoPE frequencies for this layer (None: not needed, or no RoPE)
+    sliding_window: int | None  # the model's window on this layer (None: a global layer)
+    seen: int  # tokens seen so far, padding included (the stream index of the next token)
+    seen_tensor: torch.Tensor | None  # ``seen`` as a device scalar while a captured decoding step replays
+    new_tokens: int  # tokens of this forward
+    occupied: int  # slots holding a token, the most of any row
+    compressed: bool  # a one-shot method has compressed this layer
+    more_prompt: bool  # this forward is a prompt chunk that more chunks follow (``CompressedCache.more_prompt``)
+    all_valid: bool  # no padding stored: every slot in the view holds a real token
+    ordered: bool  # the view is in stream order
+    dense: bool  # the view is the occupied slots only, in stream order, the forward's tokens last
+
+    @property
+    def view_width(self) -> int:
+        """``W``: the slots attention sees (the views' last dimension)."""
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """``(B, H_kv)``: sequences and KV heads (the views' first two dimensions)."""
+
+    @property
+    def token_idx(self) -> torch.Tensor:
+        """Each slot's token's stream index (``-1``: a free slot)."""
+
+    @property
+    def rope_pos(self) -> torch.Tensor:
+        """Each slot's RoPE position (the model's ``position_ids`` its key was rotated with)."""
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """Whether each slot holds a real token (``False``: padding or free)."""
+
+    @property
+    def rank(self) -> torch.Tensor:
+        """Each real token's rank among its sequence's real tokens (``-1``: padding or free)."""
+
+    @property
+    def keys(self) -> torch.Tensor: ...
+
+    @property
+    def values(self) -> torch.Tensor: ...
+
+    @property
+    def state(self): ...
+
+    def new_index(self) -> torch.Tensor:
+        """``[B, H_kv, q]`` positions of this forward's tokens in the views."""
+
+    def real_count(self) -> torch.Tensor:
+        """Real tokens per sequence (``[B, 1]``) or per row (``[B, H_kv]``): broadcast against ``[B, H_kv]``."""
+
+
 class Policy:
     """Per-layer eviction rule. Subclasses override the hooks they need."""
 
@@ -121,27 +186,27 @@ class Policy:
         self.layer_idx = layer_idx
         self.layer_count: int | None = None  # the cache's decoder layers (set by the cache: per-layer budgets)
 
-    def wants_stats(self, layer: CompressedLayer) -> bool:
+    def wants_stats(self, layer: LayerView) -> bool:
         """Whether this forward's attention computes ``stats`` (and ``observe`` runs): not once a one-shot method
         compressed, nor for a prompt chunk that more chunks follow when only the latest forward's count."""
         if not self.one_shot:
             return True
         return not (layer.compressed or (self.latest_stats_only and layer.more_prompt))
 
-    def init_state(self, layer: CompressedLayer, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+    def init_state(self, layer: LayerView, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token state for the new tokens (each ``[B, H_kv, q, ...]``), stored and gathered with them."""
         return {}
 
-    def observe(self, layer: CompressedLayer, stats: AttentionStats | None) -> None:
+    def observe(self, layer: LayerView, stats: AttentionStats | None) -> None:
         """Fold this forward's attention statistics into the per-token state."""
 
-    def select(self, layer: CompressedLayer) -> Keep | KeepMask | Selection | None:
+    def select(self, layer: LayerView) -> Keep | KeepMask | Selection | None:
         """Return what to keep (usually a ``Keep`` rule: the layer picks the victims), or ``None`` for everything."""
         return None
 
     def attend(
         self,
-        layer: CompressedLayer,
+        layer: LayerView,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -162,7 +227,7 @@ class MethodConfig:
     paper: ClassVar[str] = ""
     policy_class: ClassVar[type[Policy]] = Policy
 
-    def layer_class(self) -> type[CompressedLayer] | None:
+    def layer_class(self) -> type[LayerView] | None:
         """The cache layer type this method stores tokens in, or ``None`` for the standard ``CompressedLayer``
         (methods with their own storage layout return a subclass)."""
         return None
@@ -177,7 +242,7 @@ class MethodConfig:
     def policy(self, layer_idx: int) -> Policy:
         return self.policy_class(self, layer_idx)
 
-    def connect(self, layers: list[CompressedLayer]) -> None:
+    def connect(self, layers: list[LayerView]) -> None:
         """Called once with all the cache's layers, for methods whose layers read each other (PoD)."""
 
     def after_prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

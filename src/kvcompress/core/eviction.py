@@ -9,14 +9,10 @@ equal scores evict the older token first. One victim per row (a decoding step) i
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvcompress.core.contract import Keep, Policy
-
-if TYPE_CHECKING:  # annotations only: the layer module imports this one
-    from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.contract import Keep, LayerView, Policy
 
 _LAST = torch.iinfo(torch.long).max
 
@@ -33,10 +29,10 @@ def protects_forward(policy: Policy, rule: Keep, new_tokens: int) -> bool:
     return rule.newest_kept < new_tokens <= rule.count
 
 
-def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False) -> torch.Tensor:
+def ranked_scores(rule: Keep, layer: LayerView, protect_new: bool = False) -> torch.Tensor:
     """``[B, H, W]`` scores of the rule with padding at ``-inf`` and protected real tokens at ``+inf``; with
     ``protect_new`` this forward's real tokens at the largest finite value (above every score, below protected)."""
-    if layer.all_valid:  # no padding stored and no free slot in the view (see ``CompressedLayer.all_valid``)
+    if layer.all_valid:  # no padding stored and no free slot in the view (see ``LayerView.all_valid``)
         return _ranked_all_real(rule.scores, rule.protected, layer, protect_new)
     scores = rule.scores if rule.scores.is_floating_point() else rule.scores.double()
     valid = layer.valid
@@ -51,11 +47,11 @@ def ranked_scores(rule: Keep, layer: CompressedLayer, protect_new: bool = False)
 
 
 def _ranked_all_real(
-    scores: torch.Tensor, protected: torch.Tensor | None, layer: CompressedLayer, protect_new: bool
+    scores: torch.Tensor, protected: torch.Tensor | None, layer: LayerView, protect_new: bool
 ) -> torch.Tensor:
     """``ranked_scores`` when every slot in the view holds a real token: two ops at most, integer scores kept as
     integers (their largest values standing for ``+inf``)."""
-    shape = layer.slots.token_idx.shape[:2] + scores.shape[-1:]
+    shape = (*layer.rows, scores.shape[-1])
     ranked = scores.expand(shape)
     floating = ranked.is_floating_point()
     last = math.inf if floating else torch.iinfo(ranked.dtype).max
@@ -87,7 +83,7 @@ def lowest_victims(
 
 
 def victims_of_rule(
-    rule: Keep, layer: CompressedLayer, protect_new: bool = False
+    rule: Keep, layer: LayerView, protect_new: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The victims of ``rule`` (``None``: nothing to evict; ``protect_new``: see ``ranked_scores``) and, for
     per-sequence counts, the tokens that stay in their slots but no longer count as kept (a sequence keeping fewer

@@ -28,6 +28,8 @@ class GatherLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     all_valid = False  # selection helpers take their padding-free shortcuts only on the slot layer
+    dense = True  # (``LayerView``) stored in stream order, the forward's tokens last
+    seen_tensor = None  # (``LayerView``) never replayed by ``decode_graph``
     new_positions = None  # shared per-forward positions: a slot-layer shortcut (``CompressedLayer.new_positions``)
     is_croppable = False
     sliding_window: int | None = None  # the model's window on this layer (set by the cache; None: global layer)
@@ -88,6 +90,9 @@ class GatherLayer(CacheLayerMixin):
         if padding is not None:
             self.valid[..., -count:] = padding[:, -count:].to(self.device, torch.bool)[:, None, :]
 
+    def end_forward(self) -> None:
+        """This layer's part of the forward is done (nothing per-forward is kept here; see ``CompressedLayer``)."""
+
     # --- the views the policies read ------------------------------------------------------------------------
     @property
     def occupied(self) -> int:
@@ -101,6 +106,19 @@ class GatherLayer(CacheLayerMixin):
     def kept(self) -> StreamView:
         """The stored tokens in stream order (as they are stored)."""
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
+
+    @property
+    def view_width(self) -> int:
+        return self.token_idx.shape[-1]
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return tuple(self.token_idx.shape[:2])
+
+    def new_index(self) -> torch.Tensor:
+        """``[B, H, q]`` positions of this forward's tokens in the views (the last ``q``)."""
+        width = self.view_width
+        return torch.arange(width - self.new_tokens, width, device=self.device).expand(*self.rows, -1)
 
     def real_count(self) -> torch.Tensor:
         """``[B, H]`` real tokens stored per row."""
@@ -268,6 +286,10 @@ class GatherLayer(CacheLayerMixin):
             return 0
         tensors = [self.token_idx, self.rope_pos, self.valid, *self.state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def allocated_metadata_nbytes(self) -> int:
+        """The bookkeeping is held as stored (concatenated, no room)."""
+        return self.metadata_nbytes()
 
 
 def keep_selection(layer: GatherLayer, rule: Keep, protect_new: bool = False) -> Selection | None:

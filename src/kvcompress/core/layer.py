@@ -1,8 +1,8 @@
 """The compressed cache layer: slots written in place, eviction by victims, no copy of the cache per step.
 
-Each ``CompressedLayer`` owns, per sequence and KV head, buffers of ``capacity`` slots allocated once per capacity
-(grown geometrically while the cache fills, never beyond the tokens seen plus one forward, nor beyond the budget
-plus one forward): keys and values ``[B, H_kv, C, d]`` and, slot by slot (``[B, H_kv, C]``):
+Each ``CompressedLayer`` owns, per sequence and KV head, buffers of ``capacity`` slots (grown while the cache fills,
+given back after a forward that evicted: ``core.capacity``): keys and values ``[B, H_kv, C, d]`` and, per slot
+(``[B, H_kv, C]``):
 
 - ``token_idx``: the token's index in the stream (tokens seen so far, padding included), ``-1`` for a free slot;
 - ``rope_pos``: the RoPE position the key was rotated with (the model's ``position_ids``);
@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvcompress.core.capacity import grown_capacity
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward, victims_of_rule
 from kvcompress.core.forward_cache import forward_cached
@@ -104,10 +105,11 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
     rope_pos = property(lambda self: self._view(self.slots.rope_pos))
     valid = property(lambda self: self._view(self.slots.valid))
     rank = property(lambda self: self._view(self.slots.rank))
+    rows = property(lambda self: tuple(self.slots.token_idx.shape[:2]))  # (B, H_kv)
 
     @property
     def state(self) -> StateView:
-        return StateView(self)
+        return StateView(self.slots.state, self._view)
 
     def real_count(self) -> torch.Tensor:
         """``[B, 1]`` real tokens seen per sequence."""
@@ -164,15 +166,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return keys, values
 
     def _grown_capacity(self, needed: int) -> int:
-        """Geometric growth, at most the tokens seen plus one forward and the budget plus one forward."""
-        capacity = self.slots.capacity
-        if capacity == 0:
-            return needed
-        grown = max(needed, min(capacity + max(capacity // 4, 16), needed + self.max_chunk))
         budget = getattr(self.policy.config, "budget", None)
-        if isinstance(budget, int) and not isinstance(budget, bool):
-            grown = min(grown, max(needed, budget + self.max_chunk))
-        return grown
+        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+        return grown_capacity(self.slots.capacity, needed, self.max_chunk, budget)
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         """Record the RoPE positions (``[B, q]``) and validity (``[B, q]``, True = real) of the new tokens."""
@@ -238,8 +234,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         """Free the slots ``victims`` ``[B, H, e]`` (positions in the views), the same count in every row.
 
         Decoding one token at a time at the budget, the freed slot takes the next token (no copy); otherwise the
-        layer is compacted (after a prompt chunk, or to return capacity the decoding layer no longer needs).
-        """
+        layer is compacted and gives back the capacity it no longer needs (``core.capacity``)."""
         self.before_eviction(victims, None)
         width = self.view_width
         self.occupied -= victims.shape[-1]
@@ -251,14 +246,14 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             return
         self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
-        self.compact(shrink=self.new_tokens == 1)
+        self.compact(shrink=not self.more_prompt)
 
     def evict_mask(self, dropped: torch.Tensor) -> None:
         """Free the slots where ``dropped`` ``[B, H, W]`` is True (counts may differ between rows)."""
         self.before_eviction(None, dropped)
         self.slots.free_mask(dropped, self.view_width)
         self.ordered, self.dense = self.ordered and self.dense, False
-        self.compact()
+        self.compact(shrink=not self.more_prompt)
 
     def expire_window(self) -> None:
         """On a sliding-window layer, free the tokens no later query can see (all but the last ``window - 1``, as
@@ -268,7 +263,11 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             return
         self.slots.free_mask((self.token_idx >= 0) & (self.token_idx <= self.seen - window), self.view_width)
         self.ordered, self.dense = self.ordered and self.dense, False
-        self.compact()
+        self.compact(shrink=not self.more_prompt)
+
+    def end_forward(self) -> None:
+        """Let go of the forward's ``position_ids`` (and what ``forward_cache`` keeps on it): none outlives it."""
+        self.new_positions = None
 
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Hook for layers that keep something of what they evict (LESS folds it into its low-rank state)."""
@@ -367,8 +366,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self._free = self._new = self.new_positions = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self.batch_select_indices(beam_idx)
+        self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
@@ -381,10 +379,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             self._free = None if self._free is None else self._free.repeat_interleave(repeats, dim=0)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "a compressed cache cannot be cropped: evicted tokens are gone (assisted decoding and "
-            "contrastive search need a DynamicCache)"
-        )
+        gone = "a compressed cache cannot be cropped: evicted tokens are gone"
+        raise NotImplementedError(f"{gone} (assisted decoding and contrastive search need a DynamicCache)")
 
     # --- accounting ----------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:
@@ -392,8 +388,12 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return 0 if self.slots is None else self.occupied * self.slots.kv_bytes_per_slot()
 
     def allocated_nbytes(self) -> int:
-        """Bytes of the key and value buffers as allocated (``capacity`` slots, at most one forward more)."""
+        """Bytes of the key and value buffers as allocated (``capacity`` slots: ``core.capacity``)."""
         return 0 if self.slots is None else self.slots.capacity * self.slots.kv_bytes_per_slot()
+
+    def allocated_metadata_nbytes(self) -> int:
+        """Bytes of the bookkeeping and method state as allocated (``capacity`` slots)."""
+        return 0 if self.slots is None else self.slots.capacity * self.slots.metadata_bytes_per_slot()
 
     def metadata_nbytes(self) -> int:
         """Bytes of the bookkeeping stored beside the keys (positions, validity, method statistics)."""

@@ -126,7 +126,7 @@ class StackedLayer:
         self.seen, self.seen_tensor, self.new_tokens = first.seen, first.seen_tensor, first.new_tokens
         self.occupied, self.view_width = first.occupied, first.view_width
         self.dense, self.ordered, self.all_valid = first.dense, first.ordered, first.all_valid
-        self.slots = _Slots(buffers["token_idx"])
+        self.rows = tuple(buffers["token_idx"].shape[:2])
         width = self.view_width
         self.token_idx = buffers["token_idx"][:, :, :width]
         self.state = {name[6:]: tensor[:, :, :width] for name, tensor in buffers.items() if name.startswith("state.")}
@@ -136,11 +136,6 @@ class StackedLayer:
 
     def real_count(self) -> torch.Tensor:
         return torch.cat([layer.real_count() for layer in self.layers])
-
-
-class _Slots:
-    def __init__(self, token_idx: torch.Tensor) -> None:
-        self.token_idx = token_idx
 
 
 def _same_method(policy, first) -> bool:

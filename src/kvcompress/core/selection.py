@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.contract import Keep
-from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.contract import Keep, LayerView
 
 
 def ratio_budget(n_tokens: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -14,7 +13,7 @@ def ratio_budget(n_tokens: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def keep_top(
-    layer: CompressedLayer,
+    layer: LayerView,
     scores: torch.Tensor,
     keep: torch.Tensor | int,
     protected: torch.Tensor | None = None,
@@ -34,14 +33,14 @@ def keep_top(
     return Keep(scores, keep, protected, newest_kept, distinct)
 
 
-def sink_mask(layer: CompressedLayer, sinks: int) -> torch.Tensor:
+def sink_mask(layer: LayerView, sinks: int) -> torch.Tensor:
     """Boolean ``[B, H_kv, W]``: the first ``sinks`` real tokens of each sequence."""
     if layer.all_valid:  # no padding: a token's rank among real tokens is its stream index
         return layer.token_idx < sinks
     return layer.valid & (layer.rank < sinks)
 
 
-def recent_mask(layer: CompressedLayer, recent: int | torch.Tensor) -> torch.Tensor:
+def recent_mask(layer: LayerView, recent: int | torch.Tensor) -> torch.Tensor:
     """Boolean ``[B, H_kv, W]``: the last ``recent`` real tokens of each sequence (an int, or ``[B]`` counts).
 
     These are the newest real tokens seen; a method that protects them keeps them all stored."""

@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from kvcompress.core.layer import CompressedLayer
-
 
 class StateView:
-    """``layer.state``: the method's per-token tensors as views over the slots attention sees."""
+    """``layer.state``: the method's per-token tensors (``buffers``, every slot) as views over the slots attention
+    sees (``view``: the layer's)."""
 
-    def __init__(self, layer: CompressedLayer) -> None:
-        self.layer = layer
+    def __init__(self, buffers: dict[str, torch.Tensor], view: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.buffers, self.view = buffers, view
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.layer._view(self.layer.slots.state[name])
+        return self.view(self.buffers[name])
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         self[name].copy_(value)  # broadcast over heads where ``value`` has one
 
     def __contains__(self, name: object) -> bool:
-        return name in self.layer.slots.state
+        return name in self.buffers
 
     def keys(self):
-        return self.layer.slots.state.keys()
+        return self.buffers.keys()
 
     def items(self):
-        return [(name, self[name]) for name in self.layer.slots.state]
+        return [(name, self[name]) for name in self.buffers]
 
     def values(self):
-        return [self[name] for name in self.layer.slots.state]
+        return [self[name] for name in self.buffers]

@@ -35,7 +35,8 @@ class TOVAPolicy(Policy):
         self.current = stats.last[:, :, :, -1].mean(dim=(1, 2))[:, None]
 
     def select(self, layer):
-        return keep_top(layer, self.current, self.config.budget)
+        current, self.current = self.current, None  # (a prompt's scores are not kept past the forward)
+        return keep_top(layer, current, self.config.budget)
 
 
 @dataclass(frozen=True)

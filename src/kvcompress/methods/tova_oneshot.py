@@ -28,7 +28,7 @@ class OneShotTOVAPolicy(TOVAPolicy):
 
     def observe(self, layer, stats):
         super().observe(layer, stats)
-        layer.state["attention"] = self.current
+        layer.state["attention"], self.current = self.current, None
 
     def select(self, layer):
         keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)

@@ -183,6 +183,7 @@ def run_task(
                     "tokens_seen": cache.tokens_seen() if cache.compressed_layers[0].is_initialized else 0,
                     "tokens_stored": cache.tokens_stored(),
                     "kv_bytes": cache.nbytes(),
+                    "kv_bytes_allocated": cache.allocated_nbytes(),
                     "time_s": round(elapsed, 4),
                     "cpu_s": round(cpu, 4),
                     **{name: round(value, 4) for name, value in task.timings.items()},

@@ -15,6 +15,34 @@ class RingViews:
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
 
+    @property
+    def rank(self) -> torch.Tensor:
+        """Each real token's rank among the stored real tokens of its sequence (``-1``: no token)."""
+        valid = self.valid
+        return torch.where(valid, valid.cumsum(-1) - 1, -1)
+
+    @property
+    def occupied(self) -> int:
+        """Slots holding a token, the most of any row (``stored_length``: a host read; the rings count their tokens
+        themselves and never read it)."""
+        return self.stored_length()
+
+    @occupied.setter
+    def occupied(self, value: int) -> None:
+        """(The generic layer's initialisation and reset write 0 here: nothing to keep.)"""
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
+
+    @property
+    def view_width(self) -> int:
+        """Every slot of the sinks and rings (the views hold the free ones too, ``token_idx`` -1)."""
+        return self._tok.shape[1] if self.is_initialized else 0
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self._tok.shape[0], self._kv.shape[1]
+
     def _view(self, slot_values: torch.Tensor) -> torch.Tensor:
         """A per-slot ``[B, S + |C|]`` tensor in stream order, expanded to ``[B, H_kv, S + |C|]``."""
         ordered = slot_values.gather(1, self._order())
@@ -156,8 +184,10 @@ class RingViews:
         names = ("_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
 
+    def allocated_metadata_nbytes(self) -> int:
+        """The bookkeeping is held whole, as ``metadata_nbytes`` counts it."""
+        return self.metadata_nbytes()
+
     def kept(self) -> StreamView:
         """The stored tokens in stream order (the views above already are)."""
-        valid = self.valid
-        rank = torch.where(valid, valid.cumsum(-1) - 1, -1)
-        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, valid, rank, self.state)
+        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)

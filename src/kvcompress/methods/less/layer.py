@@ -149,3 +149,10 @@ class LessLayer(CompressedLayer):
         if not self.is_initialized:
             return 0
         return super().metadata_nbytes() + self._low_rank[..., -1].numel() * self._low_rank.element_size()
+
+    def allocated_nbytes(self) -> int:
+        """The key and value buffers as allocated plus the state ``H`` (held whole, as stored)."""
+        return super().allocated_nbytes() + self.kv_nbytes() - super().kv_nbytes()
+
+    def allocated_metadata_nbytes(self) -> int:
+        return super().allocated_metadata_nbytes() + self.metadata_nbytes() - super().metadata_nbytes()

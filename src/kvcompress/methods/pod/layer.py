@@ -124,6 +124,14 @@ class PoDLayer(RingSteps, GatherLayer):
         if self._ring_key is not None:
             self._write_ring(position_ids)
 
+    def end_forward(self) -> None:
+        """After the forward's last layer: every layer lets go of what it shared with the later layers of its
+        blocks during the forward (its query and the forward's ``position_ids``, prompt-sized after a prefill)."""
+        if self.peers and self is self.peers[-1]:
+            for layer in self.peers:
+                layer.step, layer.forward_positions = None, None
+            self.peers[0]._new_index_tables = None
+
     def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
         """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
 
