@@ -39,6 +39,7 @@ from kvcompress.core.checks import check_choice, check_int_range, check_number
 from kvcompress.core.contract import Keep, KeepMask, MethodConfig
 from kvcompress.core.eviction import lowest_victims, ranked_scores
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 
@@ -54,10 +55,14 @@ class ScorerConfig(MethodConfig):
     allocation: str = "uniform"  # uniform, pyramid (per layer) or adakv (per head), see methods/allocation.py
     beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
     alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
+    ragged: bool = True  # adakv: heads store their own counts (False: one slot buffer as wide as the fullest head)
 
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
         check_allocation(self)
+
+    def layer_class(self):
+        return allocated_layer_class(self)
 
 
 def check_allocation(config) -> None:
@@ -65,6 +70,11 @@ def check_allocation(config) -> None:
     check_choice(config.allocation, "allocation", ALLOCATIONS)
     check_int_range(config.beta, "beta", 1, 10_000)
     check_number(config.alpha_safeguard, "alpha_safeguard", 0, 1)
+
+
+def allocated_layer_class(config) -> type[CompressedLayer] | None:
+    """The layer of a scorer config: ragged storage under ``adakv`` (unless ``ragged=False``), else the standard."""
+    return RaggedLayer if config.allocation == "adakv" and config.ragged else None
 
 
 def pyramid_count(n: int, average: float, window: int, beta: int, layer: int, layers: int) -> int:

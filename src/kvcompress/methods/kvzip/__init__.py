@@ -51,6 +51,7 @@ import torch
 
 from kvcompress.core.checks import check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.methods.kvzip.reconstruct import compress_by_reconstruction, score_chunk
 from kvcompress.methods.oneshot import check_ratio_or_budget
 
@@ -92,6 +93,7 @@ class KVzipConfig(MethodConfig):
     chunk_size: int = 2048  # context tokens reconstructed per forward
     prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
     tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)
+    ragged: bool = True  # global/layer: heads store their own counts (False: one slot buffer as wide as the fullest)
 
     name = "kvzip"
     paper = "https://arxiv.org/abs/2505.23416"
@@ -105,6 +107,9 @@ class KVzipConfig(MethodConfig):
         check_int_range(self.prefix, "prefix", 0)
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
+
+    def layer_class(self):
+        return RaggedLayer if self.allocation != "uniform" and self.ragged else None
 
     def connect(self, layers) -> None:
         if any(layer.sliding_window is not None for layer in layers):
