@@ -37,7 +37,18 @@ import torch
 
 from kvcompress.core.softmax import CHUNK_ELEMENTS
 
-BLOCK = 32  # tokens per block: the slack is at most BLOCK - 1 per row (SmolLM2 at 2K, ratio 0.5: ~1.5 % on average)
+SMALLEST_BLOCK, LARGEST_BLOCK = 16, 256
+SLACK_SHARE = 32  # a block is at most 1/32 of a row's mean count (so the mean slack, half a block, is <= ~1.6 %)
+
+
+def block_size(counts: np.ndarray) -> int:
+    """Tokens per block for rows holding ``counts`` tokens: the largest power of two from 16 to 256 that is at most
+    ``mean / 32`` (larger blocks make fewer, larger products; the slack is at most a block per row)."""
+    mean = float(counts.mean()) if counts.size else 0.0
+    block = SMALLEST_BLOCK
+    while block * 2 <= mean / SLACK_SHARE and block < LARGEST_BLOCK:
+        block *= 2
+    return block
 EMPTY = -1
 
 
@@ -48,8 +59,9 @@ class RaggedPool:
         self, batch: int, heads: int, head_dim: int, value_dim: int, counts: np.ndarray, like: torch.Tensor
     ) -> None:
         self.batch, self.heads, self.rows = batch, heads, batch * heads
-        self.counts = counts.astype(np.int64)  # [R] tokens per row (host)
-        blocks = -(-self.counts // BLOCK)  # ceil
+        self.counts = counts.astype(np.int64)  # [R] tokens per row (host; plus ``_lag`` single-token steps)
+        self.block = block_size(self.counts)
+        blocks = -(-self.counts // self.block)  # ceil
         self.row_blocks = blocks.copy()  # [R] blocks owned per row (host)
         self.used = int(blocks.sum())
         width = max(1, int(blocks.max()) if self.rows else 1)
@@ -59,13 +71,15 @@ class RaggedPool:
             self.table[:, column] = starts + column
         capacity = self.used + max(self.rows, self.used // 4)
         self.device, self.dtype = like.device, like.dtype
-        self.keys = like.new_zeros(capacity, BLOCK, head_dim)
-        self.values = like.new_zeros(capacity, BLOCK, value_dim)
+        self.keys = like.new_zeros(capacity, self.block, head_dim)
+        self.values = like.new_zeros(capacity, self.block, value_dim)
         self.owner = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self.owner[: self.used] = torch.from_numpy(np.repeat(np.arange(self.rows), blocks)).to(self.device)
-        self.bias = like.new_full((capacity, 1, BLOCK), float("-inf"))
-        self.meta = torch.full((capacity, BLOCK, 3), EMPTY, dtype=torch.long, device=self.device)
+        self.bias = like.new_full((capacity, 1, self.block), float("-inf"))
+        self.meta = torch.full((capacity, self.block, 3), EMPTY, dtype=torch.long, device=self.device)
         self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._lag = 0  # single-token forwards since ``counts`` was last written
+        self._follow(self.counts)
 
     @property
     def capacity(self) -> int:
@@ -94,10 +108,10 @@ class RaggedPool:
         order = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)
         owner = pool.owner[: pool.used]
         first = torch.from_numpy(pool.table[:, 0]).to(pool.device)
-        within = (torch.arange(pool.used, device=pool.device) - first[owner])[:, None] * BLOCK
-        position = within + torch.arange(BLOCK, device=pool.device)  # [used, BLOCK]: a slot's place in its row
+        within = (torch.arange(pool.used, device=pool.device) - first[owner])[:, None] * pool.block
+        position = within + torch.arange(pool.block, device=pool.device)  # [used, pool.block]: a slot's place in its row
         filled = position < counts.to(pool.device)[owner][:, None]
-        source = order[owner[:, None], position.clamp(max=max(width - 1, 0))]  # [used, BLOCK] slot in the row
+        source = order[owner[:, None], position.clamp(max=max(width - 1, 0))]  # [used, pool.block] slot in the row
 
         def take(tensor: torch.Tensor) -> torch.Tensor:
             flat = tensor.reshape(rows, width, *tensor.shape[3:])
@@ -115,23 +129,50 @@ class RaggedPool:
     # --- appending -----------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Write ``q`` new tokens per row (``[B, H, q, d]``) after each row's last token; returns their flat slot
-        indices ``[R * q]`` (row-major). Real until ``register`` says otherwise."""
+        indices ``[R * q]`` (row-major). Real until ``register`` says otherwise.
+
+        While every row's last block has room for them (``room``: the least room of any row, known on the host), the
+        slots are the previous forward's plus ``q`` (one device add); otherwise the host places them."""
         count = keys.shape[2]
-        before = self.counts
+        if count == 1 and self._room >= 1:
+            flat = self._next
+            self._next = flat + 1
+            self._room -= 1
+            self._lag += 1
+        else:
+            flat = self._place(count)
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
+        self.bias.view(-1).index_fill_(0, flat, 0.0)
+        return flat
+
+    def _place(self, count: int) -> torch.Tensor:
+        """The slots of ``count`` new tokens per row, blocks taken where rows need them (host bookkeeping)."""
+        before = self.counts + self._lag
+        self._lag = 0
         after = before + count
-        needed = -(-after // BLOCK) - self.row_blocks
+        needed = -(-after // self.block) - self.row_blocks
         total = int(needed.sum())
         if total:
             self._take_blocks(needed, total)
         self.counts = after
         place = before[:, None] + np.arange(count)  # [R, q] a token's place in its row
-        block = np.take_along_axis(self.table, place // BLOCK, axis=1)
-        flat = torch.from_numpy((block * BLOCK + place % BLOCK).reshape(-1))
-        flat = flat.to(self.device, non_blocking=True)
-        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
-        self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
-        self.bias.view(-1).index_fill_(0, flat, 0.0)
+        block = np.take_along_axis(self.table, place // self.block, axis=1)
+        flat = torch.from_numpy((block * self.block + place % self.block).reshape(-1)).to(self.device, non_blocking=True)
+        self._follow(after)
         return flat
+
+    def _follow(self, counts: np.ndarray) -> None:
+        """Set the next single token's slots (``_next``) and the room every row has left in its last block."""
+        within = counts % self.block
+        last = np.take_along_axis(self.table, np.maximum(self.row_blocks - 1, 0)[:, None], axis=1)[:, 0]
+        has_room = (within > 0) & (self.row_blocks > 0)
+        self._room = int((self.block - within).min()) if bool(has_room.all()) else 0
+        self._next = torch.from_numpy(last * self.block + within).to(self.device, non_blocking=True)
+
+    def row_counts(self) -> np.ndarray:
+        """``[R]`` tokens per row (host)."""
+        return self.counts + self._lag
 
     def _take_blocks(self, needed: np.ndarray, total: int) -> None:
         """Give each row ``needed[r]`` new blocks (``total`` in all) from the top of the pool, growing it first."""
@@ -168,18 +209,23 @@ class RaggedPool:
         """Record the new tokens' stream indices (``first ..``), RoPE positions ``[B, q]`` (``None``: their stream
         indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned."""
         count = flat.shape[0] // self.rows
-        index = torch.arange(first, first + count, device=self.device)
-        stream = index.expand(self.batch, count)
-        positions = stream if positions is None else positions.expand(self.batch, count)
-        if real is None:
-            rank = self.real_seen[:, None] + torch.arange(count, device=self.device)
-            self.real_seen = self.real_seen + count
+        if count == 1 and real is None:  # a decoding step: the fewest ops
+            rank = self.real_seen[:, None]
+            stream = rank.new_full((self.batch, 1), first)
+            positions = stream if positions is None else positions.expand(self.batch, 1)
+            self.real_seen = self.real_seen + 1
         else:
-            rank = torch.where(real, self.real_seen[:, None] + real.long().cumsum(-1) - 1, EMPTY)
-            self.real_seen = self.real_seen + real.long().sum(-1)
-            hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device).masked_fill_(~real, float("-inf"))
-            per_row = hidden[:, None].expand(self.batch, self.heads, count).reshape(-1)
-            self.bias.view(-1).index_copy_(0, flat, per_row)
+            stream = torch.arange(first, first + count, device=self.device).expand(self.batch, count)
+            positions = stream if positions is None else positions.expand(self.batch, count)
+            if real is None:
+                rank = self.real_seen[:, None] + torch.arange(count, device=self.device)
+                self.real_seen = self.real_seen + count
+            else:
+                rank = torch.where(real, self.real_seen[:, None] + real.long().cumsum(-1) - 1, EMPTY)
+                self.real_seen = self.real_seen + real.long().sum(-1)
+                hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device)
+                hidden.masked_fill_(~real, float("-inf"))
+                self.bias.view(-1).index_copy_(0, flat, hidden[:, None].expand(-1, self.heads, -1).reshape(-1))
         meta = torch.stack([stream, positions.to(torch.long), rank], dim=-1)  # [B, q, 3]
         per_row = meta[:, None].expand(self.batch, self.heads, count, 3).reshape(-1, 3)
         self.meta.view(-1, 3).index_copy_(0, flat, per_row)
@@ -195,7 +241,7 @@ class RaggedPool:
         groups = q_heads // self.heads
         rows = query.reshape(batch, self.heads, groups, count, dim).transpose(2, 3)  # [B, H, q, G, d]
         outputs = []
-        step = max(1, CHUNK_ELEMENTS // max(1, self.used * BLOCK * groups))
+        step = max(1, CHUNK_ELEMENTS // max(1, self.used * self.block * groups))
         for start in range(0, count, step):  # query chunks bound the logits (one chunk while decoding)
             stop = min(count, start + step)
             part = rows[:, :, start:stop].reshape(self.rows, (stop - start) * groups, dim)
@@ -215,10 +261,10 @@ class RaggedPool:
             logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
         else:
             logits = torch.bmm(block_rows, keys_t).mul_(scale)
-            token = self.meta[:used, :, 0]  # [n, BLOCK]
+            token = self.meta[:used, :, 0]  # [n, self.block]
             queries = torch.arange(first, first + count, device=self.device)[None, :, None]
             seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
-            seen = seen[:, :, None].expand(used, count, groups, BLOCK).reshape(used, count * groups, BLOCK)
+            seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
             logits.masked_fill_(~seen, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -227,7 +273,8 @@ class RaggedPool:
         segment = torch.full((self.rows, width), float("-inf"), device=self.device)
         segment.scatter_reduce_(0, owner[:, None].expand(used, width), top, "amax")
         shift = segment.index_select(0, owner)
-        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
+        if not plain:  # (a decoding step's rows each see their new token: every segment's maximum is finite)
+            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
         weights = logits.sub_(shift[..., None]).exp_()
         norm = torch.zeros(self.rows, width, device=self.device).index_add_(0, owner, weights.sum(dim=-1))
         parts = torch.bmm(weights.to(self.values.dtype), self.values[:used])  # [n, q G, d_v]
@@ -239,12 +286,13 @@ class RaggedPool:
     def dense(self) -> tuple[torch.Tensor, ...]:
         """Keys, values, token_idx, rope_pos, rank, valid as ``[B, H, W, ...]`` (``W`` the fullest row), each row in
         stream order and padded with empty slots: for inspection (a copy of the pool, never used by a step)."""
-        width = int(self.counts.max()) if self.rows else 0
+        counts = self.row_counts()
+        width = int(counts.max()) if self.rows else 0
         place = torch.arange(width, device=self.device)
         table = torch.from_numpy(self.table).to(self.device)
-        column = (place // BLOCK).clamp(max=table.shape[1] - 1)
-        flat = table[:, column] * BLOCK + place % BLOCK  # [R, W]
-        filled = place[None] < torch.from_numpy(self.counts).to(self.device)[:, None]
+        column = (place // self.block).clamp(max=table.shape[1] - 1)
+        flat = table[:, column] * self.block + place % self.block  # [R, W]
+        filled = place[None] < torch.from_numpy(counts).to(self.device)[:, None]
         flat = torch.where(filled, flat, 0)
 
         def take(tensor: torch.Tensor, fill: float) -> torch.Tensor:
@@ -253,7 +301,7 @@ class RaggedPool:
             return slots.masked_fill(~mask, fill).view(self.batch, self.heads, width, *tensor.shape[2:])
 
         meta = take(self.meta, EMPTY)
-        valid = take(self.bias.view(-1, BLOCK), float("-inf")) == 0
+        valid = take(self.bias.view(-1, self.block), float("-inf")) == 0
         return take(self.keys, 0), take(self.values, 0), meta[..., 0], meta[..., 1], meta[..., 2], valid
 
     def token_bytes(self) -> int:
@@ -262,10 +310,10 @@ class RaggedPool:
 
     def held_slots(self) -> int:
         """Slots in owned blocks: the stored tokens plus each row's unfilled part of its last block."""
-        return self.used * BLOCK
+        return self.used * self.block
 
     def stored_tokens(self) -> int:
-        return int(self.counts.sum())
+        return int(self.row_counts().sum())
 
     def metadata_bytes_per_slot(self) -> int:
-        return self.bias.element_size() + 3 * self.meta.element_size() + math.ceil(self.owner.element_size() / BLOCK)
+        return self.bias.element_size() + 3 * self.meta.element_size() + math.ceil(self.owner.element_size() / self.block)

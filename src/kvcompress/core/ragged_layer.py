@@ -21,7 +21,7 @@ import torch
 
 from kvcompress.core.contract import AttentionStats, KeepMask
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
-from kvcompress.core.ragged import BLOCK, RaggedPool
+from kvcompress.core.ragged import RaggedPool
 from kvcompress.core.slots import StreamView
 
 
@@ -61,7 +61,7 @@ class RaggedLayer(CompressedLayer):
             slots.real_seen,
         )
         self.slots = None
-        self.occupied = int(self.pool.counts.max()) if self.pool.rows else 0
+        self.occupied = int(self.pool.row_counts().max()) if self.pool.rows else 0
         self.dense, self.ordered, self._free, self._new = True, True, None, None
 
     def compact(self, shrink: bool = False) -> None:
@@ -77,7 +77,7 @@ class RaggedLayer(CompressedLayer):
         self._flat = self.pool.append(key_states, value_states)
         self.seen += count
         self.new_tokens = count
-        self.occupied = int(self.pool.counts.max())
+        self.occupied += count
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, value_states
 
@@ -159,7 +159,7 @@ class RaggedLayer(CompressedLayer):
 
     def allocated_nbytes(self) -> int:
         """Bytes of the key and value blocks as allocated (the pool's capacity)."""
-        return self.pool.capacity * BLOCK * self.pool.token_bytes() if self.ragged else super().allocated_nbytes()
+        return self.pool.capacity * self.pool.block * self.pool.token_bytes() if self.ragged else super().allocated_nbytes()
 
     def metadata_nbytes(self) -> int:
         if not self.ragged:
