@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress
+import kvcompress.core.ragged as ragged_storage
 from kvcompress.bench.pairs import timed_pairs, use_attention
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import cache_argument, prefill
@@ -138,7 +139,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=32)
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--slots", action="store_true", help="memory-one: the slot layout (ragged=False)")
+    parser.add_argument("--block", type=int, help="decode: force this block size (default: the pool's rule)")
     args = parser.parse_args()
+    if args.block:
+        ragged_storage.block_size = lambda counts: args.block
     if args.command == "memory-one":
         print(json.dumps(memory_one(args.name, args.tokens, not args.slots)))
     elif args.command == "memory":

@@ -50,6 +50,7 @@ def block_size(counts: np.ndarray) -> int:
         block *= 2
     return block
 EMPTY = -1
+PENDING = 64  # decoding steps whose bookkeeping is written together
 
 
 class RaggedPool:
@@ -77,7 +78,10 @@ class RaggedPool:
         self.owner[: self.used] = torch.from_numpy(np.repeat(np.arange(self.rows), blocks)).to(self.device)
         self.bias = like.new_full((capacity, 1, self.block), float("-inf"))
         self.meta = torch.full((capacity, self.block, 3), EMPTY, dtype=torch.long, device=self.device)
-        self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        # decoding steps whose slots' bookkeeping (``meta``) is written later, together: (slots, stream index,
+        # positions); the tokens are real, so each adds one to ``real_seen``
+        self._pending: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
         self._lag = 0  # single-token forwards since ``counts`` was last written
         self._follow(self.counts)
 
@@ -109,9 +113,9 @@ class RaggedPool:
         owner = pool.owner[: pool.used]
         first = torch.from_numpy(pool.table[:, 0]).to(pool.device)
         within = (torch.arange(pool.used, device=pool.device) - first[owner])[:, None] * pool.block
-        position = within + torch.arange(pool.block, device=pool.device)  # [used, pool.block]: a slot's place in its row
+        position = within + torch.arange(pool.block, device=pool.device)  # [used, block]: a slot's place in its row
         filled = position < counts.to(pool.device)[owner][:, None]
-        source = order[owner[:, None], position.clamp(max=max(width - 1, 0))]  # [used, pool.block] slot in the row
+        source = order[owner[:, None], position.clamp(max=max(width - 1, 0))]  # [used, block] slot in the row
 
         def take(tensor: torch.Tensor) -> torch.Tensor:
             flat = tensor.reshape(rows, width, *tensor.shape[3:])
@@ -123,7 +127,7 @@ class RaggedPool:
             pool.bias[: pool.used, 0].masked_fill_(filled, 0.0)
             meta = torch.stack([take(token_idx), take(rope_pos), take(rank)], dim=-1)
             pool.meta[: pool.used] = meta.masked_fill(~filled[..., None], EMPTY)
-        pool.real_seen = real_seen.clone()
+        pool._real_seen = real_seen.clone()
         return pool
 
     # --- appending -----------------------------------------------------------------------------------------
@@ -158,7 +162,8 @@ class RaggedPool:
         self.counts = after
         place = before[:, None] + np.arange(count)  # [R, q] a token's place in its row
         block = np.take_along_axis(self.table, place // self.block, axis=1)
-        flat = torch.from_numpy((block * self.block + place % self.block).reshape(-1)).to(self.device, non_blocking=True)
+        flat = torch.from_numpy((block * self.block + place % self.block).reshape(-1))
+        flat = flat.to(self.device, non_blocking=True)
         self._follow(after)
         return flat
 
@@ -192,6 +197,7 @@ class RaggedPool:
 
     def _grow(self, capacity: int) -> None:
         """Reallocate every tensor with ``capacity`` blocks (copying the used ones; new blocks empty)."""
+        self._write_pending()
 
         def grown(tensor: torch.Tensor, fill: float) -> torch.Tensor:
             fresh = tensor.new_full((capacity, *tensor.shape[1:]), fill)
@@ -203,32 +209,72 @@ class RaggedPool:
         self.bias = grown(self.bias, float("-inf"))
         self.meta = grown(self.meta, EMPTY)
 
+    @property
+    def real_seen(self) -> torch.Tensor:
+        """``[B]`` real tokens seen per sequence."""
+        return self._real_seen + len(self._pending) if self._pending else self._real_seen
+
+    @real_seen.setter
+    def real_seen(self, value: torch.Tensor) -> None:
+        self._write_pending()
+        self._real_seen = value
+
     def register(
         self, flat: torch.Tensor, first: int, positions: torch.Tensor | None, real: torch.Tensor | None
     ) -> None:
         """Record the new tokens' stream indices (``first ..``), RoPE positions ``[B, q]`` (``None``: their stream
-        indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned."""
+        indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned.
+
+        A decoding step's (one real token per row) is only remembered: the pending steps are written together
+        (``_write_pending``) when something reads ``meta``, or after ``PENDING`` steps."""
         count = flat.shape[0] // self.rows
-        if count == 1 and real is None:  # a decoding step: the fewest ops
-            rank = self.real_seen[:, None]
-            stream = rank.new_full((self.batch, 1), first)
-            positions = stream if positions is None else positions.expand(self.batch, 1)
-            self.real_seen = self.real_seen + 1
+        if count == 1 and real is None:
+            self._pending.append((flat, first, positions))
+            if len(self._pending) >= PENDING:
+                self._write_pending()
+            return
+        self._write_pending()
+        stream = torch.arange(first, first + count, device=self.device).expand(self.batch, count)
+        positions = stream if positions is None else positions.expand(self.batch, count)
+        if real is None:
+            rank = self._real_seen[:, None] + torch.arange(count, device=self.device)
+            self._real_seen = self._real_seen + count
         else:
-            stream = torch.arange(first, first + count, device=self.device).expand(self.batch, count)
-            positions = stream if positions is None else positions.expand(self.batch, count)
-            if real is None:
-                rank = self.real_seen[:, None] + torch.arange(count, device=self.device)
-                self.real_seen = self.real_seen + count
-            else:
-                rank = torch.where(real, self.real_seen[:, None] + real.long().cumsum(-1) - 1, EMPTY)
-                self.real_seen = self.real_seen + real.long().sum(-1)
-                hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device)
-                hidden.masked_fill_(~real, float("-inf"))
-                self.bias.view(-1).index_copy_(0, flat, hidden[:, None].expand(-1, self.heads, -1).reshape(-1))
+            rank = torch.where(real, self._real_seen[:, None] + real.long().cumsum(-1) - 1, EMPTY)
+            self._real_seen = self._real_seen + real.long().sum(-1)
+            hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device)
+            hidden.masked_fill_(~real, float("-inf"))
+            self.bias.view(-1).index_copy_(0, flat, hidden[:, None].expand(-1, self.heads, -1).reshape(-1))
+        self._write_meta(flat, stream, positions, rank)
+
+    def _write_meta(self, flat: torch.Tensor, stream: torch.Tensor, positions: torch.Tensor, rank: torch.Tensor):
+        """Write ``[B, q]`` stream indices, positions and ranks to the slots ``flat`` (``[q, R]`` or ``[R, q]``
+        order, as ``flat`` is: ``[B, q]`` tensors are laid out to match)."""
         meta = torch.stack([stream, positions.to(torch.long), rank], dim=-1)  # [B, q, 3]
+        count = meta.shape[1]
         per_row = meta[:, None].expand(self.batch, self.heads, count, 3).reshape(-1, 3)
         self.meta.view(-1, 3).index_copy_(0, flat, per_row)
+
+    def _write_pending(self) -> None:
+        """Write the bookkeeping of the remembered decoding steps (one write for all of them)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        steps = len(pending)
+        flat = torch.stack([slots for slots, _, _ in pending], dim=1).view(-1)  # [R, steps]: row-major like [B, H, q]
+        first = torch.tensor([step for _, step, _ in pending], device=self.device)
+        stream = first.expand(self.batch, steps)
+        positions = torch.cat(
+            [stream[:, i : i + 1] if p is None else p.expand(self.batch, 1) for i, (_, _, p) in enumerate(pending)], 1
+        )
+        rank = self._real_seen[:, None] + torch.arange(steps, device=self.device)
+        self._real_seen = self._real_seen + steps
+        self._write_meta(flat, stream, positions, rank)
+
+    def read_meta(self) -> torch.Tensor:
+        """``meta`` with every step's bookkeeping written."""
+        self._write_pending()
+        return self.meta
 
     # --- attention -----------------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, scale: float, plain: bool, first: int) -> torch.Tensor:
@@ -261,7 +307,7 @@ class RaggedPool:
             logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
         else:
             logits = torch.bmm(block_rows, keys_t).mul_(scale)
-            token = self.meta[:used, :, 0]  # [n, self.block]
+            token = self.read_meta()[:used, :, 0]  # [n, block]
             queries = torch.arange(first, first + count, device=self.device)[None, :, None]
             seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
             seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
@@ -300,7 +346,7 @@ class RaggedPool:
             mask = filled.view(*filled.shape, *[1] * (slots.dim() - 2))
             return slots.masked_fill(~mask, fill).view(self.batch, self.heads, width, *tensor.shape[2:])
 
-        meta = take(self.meta, EMPTY)
+        meta = take(self.read_meta(), EMPTY)
         valid = take(self.bias.view(-1, self.block), float("-inf")) == 0
         return take(self.keys, 0), take(self.values, 0), meta[..., 0], meta[..., 1], meta[..., 2], valid
 
@@ -316,4 +362,5 @@ class RaggedPool:
         return int(self.row_counts().sum())
 
     def metadata_bytes_per_slot(self) -> int:
-        return self.bias.element_size() + 3 * self.meta.element_size() + math.ceil(self.owner.element_size() / self.block)
+        owner = math.ceil(self.owner.element_size() / self.block)
+        return self.bias.element_size() + 3 * self.meta.element_size() + owner

@@ -159,7 +159,9 @@ class RaggedLayer(CompressedLayer):
 
     def allocated_nbytes(self) -> int:
         """Bytes of the key and value blocks as allocated (the pool's capacity)."""
-        return self.pool.capacity * self.pool.block * self.pool.token_bytes() if self.ragged else super().allocated_nbytes()
+        if not self.ragged:
+            return super().allocated_nbytes()
+        return self.pool.capacity * self.pool.block * self.pool.token_bytes()
 
     def metadata_nbytes(self) -> int:
         if not self.ragged:

@@ -35,10 +35,10 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   ``uniform``: every layer and head keeps ``max(1, floor(ratio * n))``. A token ``budget`` instead of ``ratio``
   keeps ``min(budget, n)`` per head on average. Ties evict the lower layer, then the older token, then the lower
   head first. kvpress's KVzip+ normalisation (off by default there) is not implemented.
-- Memory: kvpress only masks evicted pairs; here they are freed. Heads keeping different counts share one slot
-  buffer as wide as the layer's fullest head (the shorter heads' extra slots are invalid), so ``nbytes()`` is the
-  bytes held, heads x the fullest head per layer, not the sum of the heads' counts (see
-  ``kvcompress.methods.allocation``).
+- Memory: kvpress only masks evicted pairs; here they are freed. Under ``global`` and ``layer`` the heads keep
+  different counts and each layer moves into ragged storage after the eviction: it holds the sum of its heads'
+  counts plus at most one block of slack per head, and ``nbytes()`` reports that (``ragged=False``: one slot buffer
+  as wide as the layer's fullest head; see ``kvcompress.methods.allocation``).
 - Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
   layers (Mistral's, Gemma-3's) are refused when the cache is built.
 """
