@@ -87,8 +87,19 @@ def memory_one(name: str, tokens: int, ragged: bool) -> dict:
             logits = model(input_ids=token, **cache_argument(model, cache), use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
     full = full_kv_bytes(model, tokens)
-    row.update(full_nbytes=full, ratio=row["nbytes"] / full, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row.update(full_nbytes=full, ratio=row["nbytes"] / full, peak_rss_mb=peak, rss_mb=current_rss_mb())
     return row
+
+
+def current_rss_mb() -> float | None:
+    """The process's resident memory now (Linux), after the decoding steps."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
 
 
 def memory(args) -> None:
@@ -99,6 +110,24 @@ def memory(args) -> None:
             command += [] if ragged else ["--slots"]
             result = subprocess.run(command, capture_output=True, text=True, check=True)
             print(result.stdout.strip().splitlines()[-1], flush=True)
+
+
+def steps(model, ids: torch.Tensor, start: int, cache, dynamic: DynamicCache, per_head: int):
+    """Our step, the DynamicCache's step, and the crop that keeps the DynamicCache at ``per_head`` tokens."""
+
+    def token(i: int) -> torch.Tensor:
+        return ids[:, start + i : start + i + 1]
+
+    def ours(i: int):
+        return model(input_ids=token(i), **cache_argument(model, cache), use_cache=True)
+
+    def theirs(i: int):
+        return model(input_ids=token(i), **cache_argument(model, dynamic), use_cache=True)
+
+    def crop() -> None:
+        dynamic.crop(per_head - dynamic.get_seq_length())
+
+    return ours, theirs, crop
 
 
 def decode(args) -> None:
@@ -117,17 +146,8 @@ def decode(args) -> None:
             use_attention(model, "sdpa")
             model(input_ids=ids[:, :per_head], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
 
-            def token(i: int) -> torch.Tensor:
-                return ids[:, args.tokens + i : args.tokens + i + 1]
-
-            result = timed_pairs(
-                model,
-                lambda i: model(input_ids=token(i), **cache_argument(model, cache), use_cache=True),
-                lambda i: model(input_ids=token(i), **cache_argument(model, dynamic), use_cache=True),
-                args.pairs,
-                warmup=2,
-                after_theirs=lambda: dynamic.crop(per_head - dynamic.get_seq_length()),
-            )
+            ours, theirs, crop = steps(model, ids, args.tokens, cache, dynamic, per_head)
+            result = timed_pairs(model, ours, theirs, args.pairs, warmup=2, after_theirs=crop)
             print(json.dumps({"method": name, "tokens": args.tokens, "dynamic_tokens_per_head": per_head, **result}))
 
 

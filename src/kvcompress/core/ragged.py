@@ -17,7 +17,8 @@ this storage evict once, then only append); new tokens go to each row's last blo
 when it is full. Where the blocks are is bookkeeping on the host (``numpy``): every row receives the same number of
 tokens per forward, so the host knows, without reading the device, which slot each new token takes and which rows
 need a new block; the slots are handed to the device as one index tensor per forward. The pool grows geometrically
-(by a quarter, at least one block per row), copying its blocks once per growth, never per step.
+(by an eighth, at least one block per row), copying its blocks once per growth, never per step; it starts with
+one spare block per row.
 
 Attention over the pool computes every head at once: each block takes its row's queries (``index_select`` by
 ``owner``; the query heads of a KV head share its blocks, GQA), one batched product gives a block's logits, and a
@@ -51,6 +52,7 @@ def block_size(counts: np.ndarray) -> int:
     return block
 EMPTY = -1
 PENDING = 64  # decoding steps whose bookkeeping is written together
+GROWTH = 8  # the pool grows by an eighth (at least a block per row): allocated <= 1.125 x held + a block per row
 
 
 class RaggedPool:
@@ -70,7 +72,7 @@ class RaggedPool:
         starts = np.cumsum(blocks) - blocks  # a row's blocks are side by side at first
         for column in range(width):  # (once, at conversion: a loop over block columns, not heads or tokens)
             self.table[:, column] = starts + column
-        capacity = self.used + max(self.rows, self.used // 4)
+        capacity = self.used + self.rows  # room for one more block per row before the first growth
         self.device, self.dtype = like.device, like.dtype
         self.keys = like.new_zeros(capacity, self.block, head_dim)
         self.values = like.new_zeros(capacity, self.block, value_dim)
@@ -182,7 +184,7 @@ class RaggedPool:
     def _take_blocks(self, needed: np.ndarray, total: int) -> None:
         """Give each row ``needed[r]`` new blocks (``total`` in all) from the top of the pool, growing it first."""
         if self.used + total > self.capacity:
-            self._grow(self.used + total + max(self.rows, self.capacity // 4))
+            self._grow(self.used + total + max(self.rows, self.capacity // GROWTH))
         rows = np.repeat(np.arange(self.rows), needed)
         ids = self.used + np.arange(total)
         column = self.row_blocks[rows] + (np.arange(total) - np.repeat(np.cumsum(needed) - needed, needed))
