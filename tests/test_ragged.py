@@ -16,6 +16,7 @@ import kvcompress
 from kvcompress.core.ragged import RaggedPool
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.generation import cache_argument, prefill
+from kvcompress.models import tiny_model
 from tests.helpers import kept_tokens, tiny_tokenizer_dir
 
 SCORERS = {
@@ -25,10 +26,10 @@ SCORERS = {
 }
 
 
-def run(model, cache, context, context_mask, question, steps):
-    """Prefill ``context``, one forward of ``question``, then ``steps`` greedy steps: the logits of each forward's
-    last position ``[B, steps + 1, V]``, and the tokens."""
-    prefill(model, context, cache, context_mask)
+def run(model, cache, context, context_mask, question, steps, chunk=None):
+    """Prefill ``context`` (in ``chunk``-token forwards), one forward of ``question``, then ``steps`` greedy steps:
+    the logits of each forward's last position ``[B, steps + 1, V]``, and the tokens."""
+    prefill(model, context, cache, context_mask, chunk_size=chunk)
     mask = None if context_mask is None else torch.cat([context_mask, torch.ones_like(question)], 1)
     logits = model(question, attention_mask=mask, **cache_argument(model, cache), use_cache=True).logits[:, -1]
     out, tokens = [logits], []
@@ -52,12 +53,12 @@ def inputs(model, padded: bool, length: int = 45):
     return context, mask, question
 
 
-def assert_same_as_slots(model, method, params, padded, steps=40):
+def assert_same_as_slots(model, method, params, padded, steps=40, chunk=None):
     context, mask, question = inputs(model, padded)
     ragged = kvcompress.cache_for(model, method, **params)
     slots = kvcompress.cache_for(model, method, ragged=False, **params)
-    ragged_logits, ragged_tokens = run(model, ragged, context, mask, question, steps)
-    slot_logits, slot_tokens = run(model, slots, context, mask, question, steps)
+    ragged_logits, ragged_tokens = run(model, ragged, context, mask, question, steps, chunk)
+    slot_logits, slot_tokens = run(model, slots, context, mask, question, steps, chunk)
     assert all(isinstance(layer, RaggedLayer) and layer.ragged for layer in ragged.compressed_layers)
     assert not any(isinstance(layer, RaggedLayer) for layer in slots.compressed_layers)
     uneven = [layer.pool.row_counts() for layer in ragged.compressed_layers]
@@ -76,6 +77,11 @@ def test_adakv_ragged_equals_slot_layout_with_padding(method, model_fixture, req
     cache = assert_same_as_slots(model, method, SCORERS[method], padded=True)
     # 40 steps past a 16-token block: every row took new blocks while decoding
     assert all(layer.pool.used > layer.pool.rows for layer in cache.compressed_layers)
+
+
+def test_chunked_prefill_compresses_once_then_moves(tiny_qwen2):
+    """A prompt prefilled in chunks compresses after the last one (``compress``): the move happens there too."""
+    assert_same_as_slots(tiny_qwen2, "keydiff", SCORERS["keydiff"], padded=True, steps=20, chunk=16)
 
 
 @pytest.mark.parametrize("allocation", ["global", "layer"])
@@ -151,3 +157,15 @@ def test_a_ragged_cache_refuses_to_reorder_the_batch(tiny_llama):
     prefill(tiny_llama, context, cache, mask)
     with pytest.raises(ValueError, match="ragged=False"):
         cache.reorder_cache(torch.tensor([1, 0]))
+
+
+def test_pool_follows_the_model_dtype():
+    """A bfloat16 model's pool holds bfloat16 keys, values and bias; the softmax runs in float32 and the logits
+    stay finite (not compared with the slot layout: the two sum bfloat16 products in different orders)."""
+    model = tiny_model("llama", seed=0).to(torch.bfloat16)
+    context, mask, question = inputs(model, padded=True)
+    ragged = kvcompress.cache_for(model, "keydiff", **SCORERS["keydiff"])
+    logits, _ = run(model, ragged, context, mask, question, 5)
+    pool = ragged.compressed_layers[0].pool
+    assert pool.keys.dtype == pool.values.dtype == pool.bias.dtype == torch.bfloat16
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
