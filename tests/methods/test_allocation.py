@@ -50,17 +50,25 @@ def test_adakv_ties_evict_the_older_token_then_the_lower_head():
     assert kept[0].tolist() == [[False, False, True], [False, True, True]]  # (t0,h0), (t0,h1), (t1,h0) go
 
 
-def test_uneven_heads_store_the_fullest_head_and_decode(tiny_llama):
-    """AdaKV heads keep different counts: each layer holds its fullest head's count per head (nbytes says so), and
-    the cache decodes on (the kept sets through decoding are checked in tests/references/test_kept_sets.py)."""
+@pytest.mark.parametrize("ragged", [True, False])
+def test_uneven_heads_store_their_counts_and_decode(tiny_llama, ragged):
+    """AdaKV heads keep different counts: ragged storage (the default) holds their sum plus at most one block of
+    slack per head; the slot layout (``ragged=False``) holds the fullest head's count per head. ``nbytes`` says
+    which, and the cache decodes on (the kept sets through decoding are checked in
+    tests/references/test_kept_sets.py)."""
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
-    cache = kvcompress.cache_for(tiny_llama, "expected_attention", ratio=0.5, allocation="adakv")
+    cache = kvcompress.cache_for(tiny_llama, "expected_attention", ratio=0.5, allocation="adakv", ragged=ragged)
     prefill(tiny_llama, ids, cache)
     per_head = [layer.valid.sum(-1)[0].tolist() for layer in cache.compressed_layers]
     assert all(sum(heads) == 2 * 20 for heads in per_head)
     assert any(len(set(heads)) > 1 for heads in per_head)  # uneven somewhere
-    head_dim, kv_heads = 16, 2
-    held = sum(max(heads) * kv_heads * head_dim * 2 * 4 for heads in per_head)  # keys + values, float32
+    kv_heads, token_bytes = 2, 16 * 2 * 4  # keys + values of head_dim 16, float32
+    if ragged:
+        blocks = [layer.pool.block for layer in cache.compressed_layers]
+        pairs = zip(per_head, blocks, strict=True)
+        held = sum(-(-n // block) * block * token_bytes for heads, block in pairs for n in heads)
+    else:
+        held = sum(max(heads) * kv_heads * token_bytes for heads in per_head)
     assert cache.nbytes() == held
     assert cache.tokens_stored() == [max(heads) for heads in per_head]
     next_ids = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(5))

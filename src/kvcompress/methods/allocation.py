@@ -23,10 +23,14 @@ Ties: among equal scores the older token goes first (then the lower head, for ``
 kvcompress; kvpress's ``topk`` leaves ties unspecified. Tokens a scorer protects (SnapKV's window, the sinks of
 expected attention) rank above every score in each allocation.
 
-Memory of uneven heads (``adakv``, and ``kvzip``'s head-level budgets): a layer stores its heads in one slot
-buffer as wide as its fullest head; a shorter head's extra slots are marked invalid (masked out of attention,
-never counted as kept). ``CompressedCache.nbytes()`` reports the bytes held, heads x the fullest head's count,
-not the sum of the heads' counts; storage holding only that sum is left to a ragged layout of the core.
+Memory of uneven heads (``adakv``, and ``kvzip``'s head-level budgets): once a layer has compressed, its kept real
+tokens move into ragged storage (``kvcompress.core.ragged``): blocks of 16-256 tokens, each owned by one sequence
+and KV head, so the layer holds the sum of its heads' counts plus at most one block of slack per head (the block is
+at most 1/32 of a head's mean count: ~1.6 % slack on average). ``CompressedCache.nbytes()`` reports the blocks held;
+the layer then only appends, and a decoding step attends over every head's blocks at once (batched products and a
+per-head segment softmax, no loop over heads). ``ragged=False`` keeps the slot layout instead: one buffer as wide
+as the layer's fullest head, the shorter heads' extra slots masked (the bytes of heads x the fullest head). A
+ragged cache cannot reorder or repeat its batch (beam search, ``num_return_sequences > 1``): ``ragged=False`` can.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kvcompress.core.checks import check_choice, check_int_range, check_number
 from kvcompress.core.contract import Keep, KeepMask, MethodConfig
 from kvcompress.core.eviction import lowest_victims, ranked_scores
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 
@@ -54,10 +59,14 @@ class ScorerConfig(MethodConfig):
     allocation: str = "uniform"  # uniform, pyramid (per layer) or adakv (per head), see methods/allocation.py
     beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
     alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
+    ragged: bool = True  # adakv: heads store their own counts (False: one slot buffer as wide as the fullest head)
 
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
         check_allocation(self)
+
+    def layer_class(self):
+        return allocated_layer_class(self)
 
 
 def check_allocation(config) -> None:
@@ -65,6 +74,11 @@ def check_allocation(config) -> None:
     check_choice(config.allocation, "allocation", ALLOCATIONS)
     check_int_range(config.beta, "beta", 1, 10_000)
     check_number(config.alpha_safeguard, "alpha_safeguard", 0, 1)
+
+
+def allocated_layer_class(config) -> type[CompressedLayer] | None:
+    """The layer of a scorer config: ragged storage under ``adakv`` (unless ``ragged=False``), else the standard."""
+    return RaggedLayer if config.allocation == "adakv" and config.ragged else None
 
 
 def pyramid_count(n: int, average: float, window: int, beta: int, layer: int, layers: int) -> int:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top, ratio_budget, recent_mask
-from kvcompress.methods.allocation import allocated_keep, check_allocation
+from kvcompress.methods.allocation import allocated_keep, allocated_layer_class, check_allocation
 
 
 class SnapKVPolicy(Policy):
@@ -75,6 +75,7 @@ class SnapKVConfig(MethodConfig):
     allocation: str = "uniform"  # uniform, pyramid (PyramidKV, per layer) or adakv (per head), methods/allocation.py
     beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
     alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
+    ragged: bool = True  # adakv: heads store their own counts (False: one slot buffer as wide as the fullest head)
 
     name = "snapkv"
     paper = "https://arxiv.org/abs/2404.14469"
@@ -94,3 +95,6 @@ class SnapKVConfig(MethodConfig):
             raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel}")
         check_choice(self.pooling, "pooling", ("max", "avg"))
         check_allocation(self)
+
+    def layer_class(self):
+        return allocated_layer_class(self)

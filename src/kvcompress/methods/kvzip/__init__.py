@@ -37,10 +37,10 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   ``uniform``: every layer and head keeps ``max(1, floor(ratio * n))``. A token ``budget`` instead of ``ratio``
   keeps ``min(budget, n)`` per head on average. Ties evict the lower layer, then the older token, then the lower
   head first. kvpress's KVzip+ normalisation (off by default there) is not implemented.
-- Memory: kvpress only masks evicted pairs; here they are freed. Heads keeping different counts share one slot
-  buffer as wide as the layer's fullest head (the shorter heads' extra slots are invalid), so ``nbytes()`` is the
-  bytes held, heads x the fullest head per layer, not the sum of the heads' counts (see
-  ``kvcompress.methods.allocation``).
+- Memory: kvpress only masks evicted pairs; here they are freed. Under ``global`` and ``layer`` the heads keep
+  different counts and each layer moves into ragged storage after the eviction: it holds the sum of its heads'
+  counts plus at most one block of slack per head, and ``nbytes()`` reports that (``ragged=False``: one slot buffer
+  as wide as the layer's fullest head; see ``kvcompress.methods.allocation``).
 - Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
   layers (Mistral's, Gemma-3's) are refused when the cache is built.
 """
@@ -53,6 +53,7 @@ import torch
 
 from kvcompress.core.checks import check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.methods.kvzip.reconstruct import compress_by_reconstruction, score_chunk
 from kvcompress.methods.oneshot import check_ratio_or_budget
 
@@ -94,6 +95,7 @@ class KVzipConfig(MethodConfig):
     chunk_size: int = 2048  # context tokens reconstructed per forward
     prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
     tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)
+    ragged: bool = True  # global/layer: heads store their own counts (False: one slot buffer as wide as the fullest)
 
     name = "kvzip"
     paper = "https://arxiv.org/abs/2505.23416"
@@ -107,6 +109,9 @@ class KVzipConfig(MethodConfig):
         check_int_range(self.prefix, "prefix", 0)
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
+
+    def layer_class(self):
+        return RaggedLayer if self.allocation != "uniform" and self.ragged else None
 
     def connect(self, layers) -> None:
         if any(layer.sliding_window is not None for layer in layers):

@@ -1,0 +1,175 @@
+"""Ragged storage of per-head budgets on SmolLM2 (``docs/results/frontier.md``, "Memory of per-head budgets"):
+bytes held against the full cache, the process's peak memory, and a decoding step against a ``DynamicCache``
+holding the same total tokens.
+
+    python -m experiments.ragged memory --tokens 2048
+    python -m experiments.ragged decode --tokens 2048 --pairs 32
+
+The prompt is the first ``--tokens`` tokens of the shipped books (``kvcompress.eval.data.gutenberg_books()``, in
+order, joined by blank lines), one sequence, float32, one torch thread, ``torch.no_grad``.
+
+``memory`` runs each method in a fresh process (so ``ru_maxrss`` is that method's peak): the model loaded, the
+prompt prefilled in one forward through ``kvcompress.generation.prefill`` at ratio 0.5, then 8 greedy decoding
+steps; it reports ``nbytes()`` over the full cache's key and value bytes (layers x KV heads x tokens x 2 x head dim
+x 4 bytes), the held slack, and the peak RSS beside the same run with the full cache (``full``).
+
+``decode`` prefills once per method, then times interleaved pairs of one decoding step: ours (its ragged layers),
+then a ``DynamicCache`` prefilled with as many tokens per head as our layers hold on average per head (cropped back
+after each step, as ``kvcompress.bench.speed`` does); medians of the per-pair CPU-time ratios with their 10th and
+90th percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+import torch
+from transformers import DynamicCache
+
+import kvcompress
+import kvcompress.core.ragged as ragged_storage
+from kvcompress.bench.pairs import timed_pairs, use_attention
+from kvcompress.eval.data import gutenberg_books
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.machine import machine_description
+from kvcompress.models import load_model
+
+METHODS = {
+    "snapkv-adakv": ("snapkv", {"ratio": 0.5, "allocation": "adakv"}),
+    "expected_attention-adakv": ("expected_attention", {"ratio": 0.5, "allocation": "adakv"}),
+    "kvzip": ("kvzip", {"ratio": 0.5}),
+    "kvzip-layer": ("kvzip", {"ratio": 0.5, "allocation": "layer"}),
+}
+
+
+def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
+    text = "\n\n".join(book.text for book in gutenberg_books())
+    ids = tokenizer(text[: tokens * 8], return_tensors="pt").input_ids[:, :tokens]
+    if ids.shape[1] < tokens:
+        raise ValueError(f"--tokens {tokens}: the books give only {ids.shape[1]} tokens")
+    return ids
+
+
+def full_kv_bytes(model, tokens: int) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * config.num_key_value_heads * tokens * 2 * head_dim * 4
+
+
+def compressed(model, ids: torch.Tensor, name: str, ragged: bool = True):
+    method, params = METHODS[name]
+    cache = kvcompress.cache_for(model, method, ragged=ragged, **params)
+    prefill(model, ids, cache)
+    return cache
+
+
+def memory_one(name: str, tokens: int, ragged: bool) -> dict:
+    """One method's bytes and peak RSS (this process: run it alone)."""
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = prompt_ids(tokenizer, tokens)
+    with torch.no_grad():
+        if name == "full":
+            cache = kvcompress.cache_for(model, "full")
+            prefill(model, ids, cache)
+        else:
+            cache = compressed(model, ids, name, ragged)
+        row = {"method": name, "ragged": ragged, "tokens": tokens, "nbytes": cache.nbytes()}
+        layers = cache.compressed_layers
+        row["kept_pairs"] = sum(int(layer.valid.sum()) for layer in layers)  # (layer, head, token) kept
+        row["allocated_nbytes"] = sum(layer.allocated_nbytes() for layer in layers)
+        token = ids[:, -1:]
+        for _ in range(8):
+            logits = model(input_ids=token, **cache_argument(model, cache), use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+    full = full_kv_bytes(model, tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row.update(full_nbytes=full, ratio=row["nbytes"] / full, peak_rss_mb=peak, rss_mb=current_rss_mb())
+    return row
+
+
+def current_rss_mb() -> float | None:
+    """The process's resident memory now (Linux), after the decoding steps."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
+
+
+def memory(args) -> None:
+    names = ["full", *METHODS]
+    for name in names:
+        for ragged in ([True] if name == "full" else [True, False]):
+            command = [sys.executable, "-m", "experiments.ragged", "memory-one", name, "--tokens", str(args.tokens)]
+            command += [] if ragged else ["--slots"]
+            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            print(result.stdout.strip().splitlines()[-1], flush=True)
+
+
+def steps(model, ids: torch.Tensor, start: int, cache, dynamic: DynamicCache, per_head: int):
+    """Our step, the DynamicCache's step, and the crop that keeps the DynamicCache at ``per_head`` tokens."""
+
+    def token(i: int) -> torch.Tensor:
+        return ids[:, start + i : start + i + 1]
+
+    def ours(i: int):
+        return model(input_ids=token(i), **cache_argument(model, cache), use_cache=True)
+
+    def theirs(i: int):
+        return model(input_ids=token(i), **cache_argument(model, dynamic), use_cache=True)
+
+    def crop() -> None:
+        dynamic.crop(per_head - dynamic.get_seq_length())
+
+    return ours, theirs, crop
+
+
+def decode(args) -> None:
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = prompt_ids(tokenizer, args.tokens + args.pairs + 4)
+    prompt = ids[:, : args.tokens]
+    print(json.dumps({"machine": machine_description(1)}))
+    with torch.no_grad():
+        for name in args.methods or list(METHODS):
+            cache = compressed(model, prompt, name)
+            layers = cache.compressed_layers
+            kept = sum(int(layer.valid.sum()) for layer in layers)
+            per_head = round(kept / (len(layers) * model.config.num_key_value_heads))
+            dynamic = DynamicCache(config=model.config)
+            use_attention(model, "sdpa")
+            model(input_ids=ids[:, :per_head], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
+
+            ours, theirs, crop = steps(model, ids, args.tokens, cache, dynamic, per_head)
+            result = timed_pairs(model, ours, theirs, args.pairs, warmup=2, after_theirs=crop)
+            print(json.dumps({"method": name, "tokens": args.tokens, "dynamic_tokens_per_head": per_head, **result}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["memory", "memory-one", "decode"])
+    parser.add_argument("name", nargs="?")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--pairs", type=int, default=32)
+    parser.add_argument("--methods", nargs="*")
+    parser.add_argument("--slots", action="store_true", help="memory-one: the slot layout (ragged=False)")
+    parser.add_argument("--block", type=int, help="decode: force this block size (default: the pool's rule)")
+    args = parser.parse_args()
+    if args.block:
+        ragged_storage.block_size = lambda counts: args.block
+    if args.command == "memory-one":
+        print(json.dumps(memory_one(args.name, args.tokens, not args.slots)))
+    elif args.command == "memory":
+        memory(args)
+    else:
+        decode(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Ragged storage: a layer whose KV heads keep different numbers of tokens holds their sum, in fixed-size blocks.
+
+After a one-shot compression with per-head budgets (AdaKV's allocation, KVzip's head-level budgets) the heads of a
+layer keep different counts. A slot buffer ``[B, H, C, d]`` holds ``C`` = the fullest head's count for every head;
+this pool holds, per layer, blocks of ``BLOCK`` tokens, each owned by one (sequence, KV head) row:
+
+- ``keys``, ``values`` ``[N, BLOCK, d]``: the blocks (``N``: the pool's capacity; the first ``used`` are owned);
+- ``owner`` ``[N]``: the row ``b * H + h`` a block belongs to;
+- ``bias`` ``[N, 1, BLOCK]`` (the model's dtype): 0 for a slot holding a real token, ``-inf`` for an empty one
+  (the additive mask of a decoding step, read by the logits' product itself);
+- ``meta`` ``[N, BLOCK, 3]`` long: each slot's token index in the stream, RoPE position and rank among its
+  sequence's real tokens (``-1`` for an empty slot), for multi-token masks and inspection.
+
+A row's tokens fill its blocks in stream order; only its last block may be partly filled, so the pool holds the sum
+of the rows' counts plus at most ``BLOCK - 1`` slots of slack per row. Blocks are never freed (the methods that use
+this storage evict once, then only append); new tokens go to each row's last block and a new block is taken only
+when it is full. Where the blocks are is bookkeeping on the host (``numpy``): every row receives the same number of
+tokens per forward, so the host knows, without reading the device, which slot each new token takes and which rows
+need a new block; the slots are handed to the device as one index tensor per forward. The pool grows geometrically
+(by an eighth, at least one block per row), copying its blocks once per growth, never per step; it starts with
+one spare block per row.
+
+Attention over the pool computes every head at once: each block takes its row's queries (``index_select`` by
+``owner``; the query heads of a KV head share its blocks, GQA), one batched product gives a block's logits, and a
+softmax per (sequence, query head) segment is assembled from per-block pieces: the row's maximum by
+``scatter_reduce``, the exponentials' sums and the value products by ``index_add``. It is the same softmax as over
+a row's tokens in one piece (exact up to float32 summation order). A forward of several tokens (a question after
+the compressed context) has written them to the pool before it attends: each query sees the slots whose token is
+not in its future (and itself, even as padding), so one pass covers the compressed context and the new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvcompress.core.softmax import CHUNK_ELEMENTS
+
+SMALLEST_BLOCK, LARGEST_BLOCK = 16, 256
+SLACK_SHARE = 32  # a block is at most 1/32 of a row's mean count (so the mean slack, half a block, is <= ~1.6 %)
+
+
+def block_size(counts: np.ndarray) -> int:
+    """Tokens per block for rows holding ``counts`` tokens: the largest power of two from 16 to 256 that is at most
+    ``mean / 32`` (larger blocks make fewer, larger products; the slack is at most a block per row)."""
+    mean = float(counts.mean()) if counts.size else 0.0
+    block = SMALLEST_BLOCK
+    while block * 2 <= mean / SLACK_SHARE and block < LARGEST_BLOCK:
+        block *= 2
+    return block
+EMPTY = -1
+PENDING = 64  # decoding steps whose bookkeeping is written together
+GROWTH = 8  # the pool grows by an eighth (at least a block per row): allocated <= 1.125 x held + a block per row
+
+
+class RaggedPool:
+    """The blocks of one layer (see the module docstring). Built from a dense slot layout by ``from_rows``."""
+
+    def __init__(
+        self, batch: int, heads: int, head_dim: int, value_dim: int, counts: np.ndarray, like: torch.Tensor
+    ) -> None:
+        self.batch, self.heads, self.rows = batch, heads, batch * heads
+        self.counts = counts.astype(np.int64)  # [R] tokens per row (host; plus ``_lag`` single-token steps)
+        self.block = block_size(self.counts)
+        blocks = -(-self.counts // self.block)  # ceil
+        self.row_blocks = blocks.copy()  # [R] blocks owned per row (host)
+        self.used = int(blocks.sum())
+        width = max(1, int(blocks.max()) if self.rows else 1)
+        self.table = np.zeros((self.rows, width), dtype=np.int64)  # [R, width] block ids of each row, in order
+        starts = np.cumsum(blocks) - blocks  # a row's blocks are side by side at first
+        for column in range(width):  # (once, at conversion: a loop over block columns, not heads or tokens)
+            self.table[:, column] = starts + column
+        capacity = self.used + self.rows  # room for one more block per row before the first growth
+        self.device, self.dtype = like.device, like.dtype
+        self.keys = like.new_zeros(capacity, self.block, head_dim)
+        self.values = like.new_zeros(capacity, self.block, value_dim)
+        self.owner = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.owner[: self.used] = torch.from_numpy(np.repeat(np.arange(self.rows), blocks)).to(self.device)
+        self.bias = like.new_full((capacity, 1, self.block), float("-inf"))
+        self.meta = torch.full((capacity, self.block, 3), EMPTY, dtype=torch.long, device=self.device)
+        self._real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        # decoding steps whose slots' bookkeeping (``meta``) is written later, together: (slots, stream index,
+        # positions); the tokens are real, so each adds one to ``real_seen``
+        self._pending: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+        self._lag = 0  # single-token forwards since ``counts`` was last written
+        self._follow(self.counts)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[0]
+
+    # --- conversion ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_rows(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        token_idx: torch.Tensor,
+        rope_pos: torch.Tensor,
+        rank: torch.Tensor,
+        valid: torch.Tensor,
+        real_seen: torch.Tensor,
+    ) -> RaggedPool:
+        """The pool holding the real tokens of a slot layout ``[B, H, W, ...]`` (``valid`` marks them; each row in
+        stream order, as a compacted slot layer stores them). Once per compression: one host read of the counts."""
+        batch, heads, width, head_dim = keys.shape
+        rows = batch * heads
+        valid = valid.reshape(rows, width)
+        counts = valid.sum(-1)
+        pool = cls(batch, heads, head_dim, values.shape[-1], counts.cpu().numpy(), keys)
+        # each row's real tokens first, in stream order (a stable sort of "not real")
+        order = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)
+        owner = pool.owner[: pool.used]
+        first = torch.from_numpy(pool.table[:, 0]).to(pool.device)
+        within = (torch.arange(pool.used, device=pool.device) - first[owner])[:, None] * pool.block
+        position = within + torch.arange(pool.block, device=pool.device)  # [used, block]: a slot's place in its row
+        filled = position < counts.to(pool.device)[owner][:, None]
+        source = order[owner[:, None], position.clamp(max=max(width - 1, 0))]  # [used, block] slot in the row
+
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            flat = tensor.reshape(rows, width, *tensor.shape[3:])
+            return flat[owner[:, None], source]
+
+        if pool.used:
+            pool.keys[: pool.used] = take(keys).masked_fill(~filled[..., None], 0)
+            pool.values[: pool.used] = take(values).masked_fill(~filled[..., None], 0)
+            pool.bias[: pool.used, 0].masked_fill_(filled, 0.0)
+            meta = torch.stack([take(token_idx), take(rope_pos), take(rank)], dim=-1)
+            pool.meta[: pool.used] = meta.masked_fill(~filled[..., None], EMPTY)
+        pool._real_seen = real_seen.clone()
+        return pool
+
+    # --- appending -----------------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write ``q`` new tokens per row (``[B, H, q, d]``) after each row's last token; returns their flat slot
+        indices ``[R * q]`` (row-major). Real until ``register`` says otherwise.
+
+        While every row's last block has room for them (``room``: the least room of any row, known on the host), the
+        slots are the previous forward's plus ``q`` (one device add); otherwise the host places them."""
+        count = keys.shape[2]
+        if count == 1 and self._room >= 1:
+            flat = self._next
+            self._next = flat + 1
+            self._room -= 1
+            self._lag += 1
+        else:
+            flat = self._place(count)
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
+        self.bias.view(-1).index_fill_(0, flat, 0.0)
+        return flat
+
+    def _place(self, count: int) -> torch.Tensor:
+        """The slots of ``count`` new tokens per row, blocks taken where rows need them (host bookkeeping)."""
+        before = self.counts + self._lag
+        self._lag = 0
+        after = before + count
+        needed = -(-after // self.block) - self.row_blocks
+        total = int(needed.sum())
+        if total:
+            self._take_blocks(needed, total)
+        self.counts = after
+        place = before[:, None] + np.arange(count)  # [R, q] a token's place in its row
+        block = np.take_along_axis(self.table, place // self.block, axis=1)
+        flat = torch.from_numpy((block * self.block + place % self.block).reshape(-1))
+        flat = flat.to(self.device, non_blocking=True)
+        self._follow(after)
+        return flat
+
+    def _follow(self, counts: np.ndarray) -> None:
+        """Set the next single token's slots (``_next``) and the room every row has left in its last block."""
+        within = counts % self.block
+        last = np.take_along_axis(self.table, np.maximum(self.row_blocks - 1, 0)[:, None], axis=1)[:, 0]
+        has_room = (within > 0) & (self.row_blocks > 0)
+        self._room = int((self.block - within).min()) if bool(has_room.all()) else 0
+        self._next = torch.from_numpy(last * self.block + within).to(self.device, non_blocking=True)
+
+    def row_counts(self) -> np.ndarray:
+        """``[R]`` tokens per row (host)."""
+        return self.counts + self._lag
+
+    def _take_blocks(self, needed: np.ndarray, total: int) -> None:
+        """Give each row ``needed[r]`` new blocks (``total`` in all) from the top of the pool, growing it first."""
+        if self.used + total > self.capacity:
+            self._grow(self.used + total + max(self.rows, self.capacity // GROWTH))
+        rows = np.repeat(np.arange(self.rows), needed)
+        ids = self.used + np.arange(total)
+        column = self.row_blocks[rows] + (np.arange(total) - np.repeat(np.cumsum(needed) - needed, needed))
+        width = int(column.max()) + 1
+        if width > self.table.shape[1]:
+            grown = max(width, self.table.shape[1] + max(1, self.table.shape[1] // 4))
+            self.table = np.pad(self.table, ((0, 0), (0, grown - self.table.shape[1])))
+        self.table[rows, column] = ids
+        self.owner[self.used : self.used + total] = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        self.row_blocks = self.row_blocks + needed
+        self.used += total
+
+    def _grow(self, capacity: int) -> None:
+        """Reallocate every tensor with ``capacity`` blocks (copying the used ones; new blocks empty)."""
+        self._write_pending()
+
+        def grown(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+            fresh = tensor.new_full((capacity, *tensor.shape[1:]), fill)
+            fresh[: self.used] = tensor[: self.used]
+            return fresh
+
+        self.keys, self.values = grown(self.keys, 0.0), grown(self.values, 0.0)
+        self.owner = grown(self.owner, 0)
+        self.bias = grown(self.bias, float("-inf"))
+        self.meta = grown(self.meta, EMPTY)
+
+    @property
+    def real_seen(self) -> torch.Tensor:
+        """``[B]`` real tokens seen per sequence."""
+        return self._real_seen + len(self._pending) if self._pending else self._real_seen
+
+    @real_seen.setter
+    def real_seen(self, value: torch.Tensor) -> None:
+        self._write_pending()
+        self._real_seen = value
+
+    def register(
+        self, flat: torch.Tensor, first: int, positions: torch.Tensor | None, real: torch.Tensor | None
+    ) -> None:
+        """Record the new tokens' stream indices (``first ..``), RoPE positions ``[B, q]`` (``None``: their stream
+        indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned.
+
+        A decoding step's (one real token per row) is only remembered: the pending steps are written together
+        (``_write_pending``) when something reads ``meta``, or after ``PENDING`` steps."""
+        count = flat.shape[0] // self.rows
+        if count == 1 and real is None:
+            self._pending.append((flat, first, positions))
+            if len(self._pending) >= PENDING:
+                self._write_pending()
+            return
+        self._write_pending()
+        stream = torch.arange(first, first + count, device=self.device).expand(self.batch, count)
+        positions = stream if positions is None else positions.expand(self.batch, count)
+        if real is None:
+            rank = self._real_seen[:, None] + torch.arange(count, device=self.device)
+            self._real_seen = self._real_seen + count
+        else:
+            rank = torch.where(real, self._real_seen[:, None] + real.long().cumsum(-1) - 1, EMPTY)
+            self._real_seen = self._real_seen + real.long().sum(-1)
+            hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device)
+            hidden.masked_fill_(~real, float("-inf"))
+            self.bias.view(-1).index_copy_(0, flat, hidden[:, None].expand(-1, self.heads, -1).reshape(-1))
+        self._write_meta(flat, stream, positions, rank)
+
+    def _write_meta(self, flat: torch.Tensor, stream: torch.Tensor, positions: torch.Tensor, rank: torch.Tensor):
+        """Write ``[B, q]`` stream indices, positions and ranks to the slots ``flat`` (``[q, R]`` or ``[R, q]``
+        order, as ``flat`` is: ``[B, q]`` tensors are laid out to match)."""
+        meta = torch.stack([stream, positions.to(torch.long), rank], dim=-1)  # [B, q, 3]
+        count = meta.shape[1]
+        per_row = meta[:, None].expand(self.batch, self.heads, count, 3).reshape(-1, 3)
+        self.meta.view(-1, 3).index_copy_(0, flat, per_row)
+
+    def _write_pending(self) -> None:
+        """Write the bookkeeping of the remembered decoding steps (one write for all of them)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        steps = len(pending)
+        flat = torch.stack([slots for slots, _, _ in pending], dim=1).view(-1)  # [R, steps]: row-major like [B, H, q]
+        first = torch.tensor([step for _, step, _ in pending], device=self.device)
+        stream = first.expand(self.batch, steps)
+        positions = torch.cat(
+            [stream[:, i : i + 1] if p is None else p.expand(self.batch, 1) for i, (_, _, p) in enumerate(pending)], 1
+        )
+        rank = self._real_seen[:, None] + torch.arange(steps, device=self.device)
+        self._real_seen = self._real_seen + steps
+        self._write_meta(flat, stream, positions, rank)
+
+    def read_meta(self) -> torch.Tensor:
+        """``meta`` with every step's bookkeeping written."""
+        self._write_pending()
+        return self.meta
+
+    # --- attention -----------------------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, scale: float, plain: bool, first: int) -> torch.Tensor:
+        """Attention of ``query`` ``[B, H_q, q, d]`` over the pool (the new tokens already in it), ``[B, H_q, q, d]``.
+
+        ``plain``: one query per row that sees every stored token (a decoding step without padding; the slots' bias
+        is the whole mask); otherwise query ``i`` (stream index ``first + i``) sees the real tokens up to itself,
+        and itself."""
+        batch, q_heads, count, dim = query.shape
+        groups = q_heads // self.heads
+        rows = query.reshape(batch, self.heads, groups, count, dim).transpose(2, 3)  # [B, H, q, G, d]
+        outputs = []
+        step = max(1, CHUNK_ELEMENTS // max(1, self.used * self.block * groups))
+        for start in range(0, count, step):  # query chunks bound the logits (one chunk while decoding)
+            stop = min(count, start + step)
+            part = rows[:, :, start:stop].reshape(self.rows, (stop - start) * groups, dim)
+            outputs.append(self._attend_rows(part, scale, plain, first + start, stop - start, groups))
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return output.view(batch, self.heads, count, groups, -1).transpose(2, 3).reshape(batch, q_heads, count, -1)
+
+    def _attend_rows(
+        self, rows: torch.Tensor, scale: float, plain: bool, first: int, count: int, groups: int
+    ) -> torch.Tensor:
+        """``rows`` ``[R, q * G, d]`` (queries of stream index ``first ..``, token-major) -> ``[R, q * G, d_v]``."""
+        used = self.used
+        owner = self.owner[:used]
+        block_rows = rows.index_select(0, owner)  # [n, q G, d]
+        keys_t = self.keys[:used].transpose(1, 2)
+        if plain:
+            logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
+        else:
+            logits = torch.bmm(block_rows, keys_t).mul_(scale)
+            token = self.read_meta()[:used, :, 0]  # [n, block]
+            queries = torch.arange(first, first + count, device=self.device)[None, :, None]
+            seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
+            seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
+            logits.masked_fill_(~seen, float("-inf"))
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        width = logits.shape[1]
+        top = logits.amax(dim=-1)  # [n, q G]
+        segment = torch.full((self.rows, width), float("-inf"), device=self.device)
+        segment.scatter_reduce_(0, owner[:, None].expand(used, width), top, "amax")
+        shift = segment.index_select(0, owner)
+        if not plain:  # (a decoding step's rows each see their new token: every segment's maximum is finite)
+            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
+        weights = logits.sub_(shift[..., None]).exp_()
+        norm = torch.zeros(self.rows, width, device=self.device).index_add_(0, owner, weights.sum(dim=-1))
+        parts = torch.bmm(weights.to(self.values.dtype), self.values[:used])  # [n, q G, d_v]
+        output = torch.zeros(self.rows, width, parts.shape[-1], dtype=parts.dtype, device=self.device)
+        output.index_add_(0, owner, parts)
+        return output.div_(norm[..., None].to(output.dtype))
+
+    # --- inspection and accounting -------------------------------------------------------------------------
+    def dense(self) -> tuple[torch.Tensor, ...]:
+        """Keys, values, token_idx, rope_pos, rank, valid as ``[B, H, W, ...]`` (``W`` the fullest row), each row in
+        stream order and padded with empty slots: for inspection (a copy of the pool, never used by a step)."""
+        counts = self.row_counts()
+        width = int(counts.max()) if self.rows else 0
+        place = torch.arange(width, device=self.device)
+        table = torch.from_numpy(self.table).to(self.device)
+        column = (place // self.block).clamp(max=table.shape[1] - 1)
+        flat = table[:, column] * self.block + place % self.block  # [R, W]
+        filled = place[None] < torch.from_numpy(counts).to(self.device)[:, None]
+        flat = torch.where(filled, flat, 0)
+
+        def take(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+            slots = tensor.reshape(-1, *tensor.shape[2:])[flat]
+            mask = filled.view(*filled.shape, *[1] * (slots.dim() - 2))
+            return slots.masked_fill(~mask, fill).view(self.batch, self.heads, width, *tensor.shape[2:])
+
+        meta = take(self.read_meta(), EMPTY)
+        valid = take(self.bias.view(-1, self.block), float("-inf")) == 0
+        return take(self.keys, 0), take(self.values, 0), meta[..., 0], meta[..., 1], meta[..., 2], valid
+
+    def token_bytes(self) -> int:
+        """Bytes of one slot's key and value."""
+        return (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+
+    def held_slots(self) -> int:
+        """Slots in owned blocks: the stored tokens plus each row's unfilled part of its last block."""
+        return self.used * self.block
+
+    def stored_tokens(self) -> int:
+        return int(self.row_counts().sum())
+
+    def metadata_bytes_per_slot(self) -> int:
+        owner = math.ceil(self.owner.element_size() / self.block)
+        return self.bias.element_size() + 3 * self.meta.element_size() + owner
