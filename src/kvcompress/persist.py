@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
@@ -99,6 +100,12 @@ class _Writer:
                 name: self.value(item, f"{where}.{name}") for name, item in vars(obj).items() if name != FORWARD_WORK
             }
             return {"tensor": self.tensor(obj, where), "attributes": attributes}
+        if isinstance(obj, np.ndarray):  # host-side bookkeeping (ragged storage's block placement)
+            if obj.dtype.kind not in "biuf" or obj.dtype.byteorder == ">":
+                self.refuse(obj, where)
+            copy = torch.from_numpy(np.ascontiguousarray(obj)).clone()
+            self.keep.append(copy)  # its storage's address stays its own while the file is written
+            return {"ndarray": self.tensor(copy, where)}
         if type(obj) is list:
             return {"list": [self.value(item, f"{where}[{i}]") for i, item in enumerate(obj)]}
         if type(obj) is set:
@@ -171,8 +178,11 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> Path:
 
 def _cache_dtype(cache: CompressedCache) -> str | None:
     for layer in cache.compressed_layers:
-        if getattr(layer, "slots", None) is not None:
-            return str(layer.slots.keys.dtype).removeprefix("torch.")
+        storage = getattr(layer, "slots", None)
+        if storage is None:
+            storage = getattr(layer, "pool", None)  # ragged storage (per-head budgets)
+        if storage is not None:
+            return str(storage.keys.dtype).removeprefix("torch.")
     return None
 
 
@@ -301,6 +311,9 @@ class _Reader:
             self.built[index] = made = self.tensor(entry["tensor"])
             for name, item in self.attributes(entry["attributes"]).items():
                 setattr(made, name, item)
+            return made
+        if "ndarray" in entry:
+            self.built[index] = made = self.tensor(entry["ndarray"]).cpu().numpy().copy()
             return made
         if "list" in entry:
             self.built[index] = made = []
