@@ -136,8 +136,8 @@ def plot_leaderboard(entries: list[dict[str, Any]], path: Path, title: str) -> P
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     methods = list(dict.fromkeys(e["method"] for e in entries if e["kept"] < 1))
+    fig, ax = plt.subplots(figsize=(9, max(5.0, 1.5 + 0.23 * len(methods))), dpi=120)  # room for every legend line
     cmap, markers = plt.get_cmap("tab10"), "osD^vP*Xhp"
     for e in entries:
         if e["kept"] == 1.0:
