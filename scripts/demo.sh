@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== [1/4] setting up .venv (scripts/setup.sh; the first run installs torch and the default model) =="
-bash scripts/setup.sh
+KVCOMPRESS_EXTRAS="${KVCOMPRESS_EXTRAS:-eval}" bash scripts/setup.sh  # the demo needs no test or lm-eval packages
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 THREADS="$OMP_NUM_THREADS"
 SAMPLES="${DEMO_SAMPLES:-4}"

