@@ -105,7 +105,7 @@ def current_rss_mb() -> float | None:
 def memory(args) -> None:
     names = ["full", *METHODS]
     for name in names:
-        for ragged in ([True] if name == "full" else [True, False]):
+        for ragged in [True] if name == "full" else [True, False]:
             command = [sys.executable, "-m", "experiments.ragged", "memory-one", name, "--tokens", str(args.tokens)]
             command += [] if ragged else ["--slots"]
             result = subprocess.run(command, capture_output=True, text=True, check=True)

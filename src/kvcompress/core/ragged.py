@@ -50,6 +50,8 @@ def block_size(counts: np.ndarray) -> int:
     while block * 2 <= mean / SLACK_SHARE and block < LARGEST_BLOCK:
         block *= 2
     return block
+
+
 EMPTY = -1
 PENDING = 64  # decoding steps whose bookkeeping is written together
 GROWTH = 8  # the pool grows by an eighth (at least a block per row): allocated <= 1.125 x held + a block per row
