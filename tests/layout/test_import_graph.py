@@ -13,7 +13,6 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "kvcompress"
 # Optional dependencies may be imported where they are used, so the package works without them (nltk comes with
 # rouge-score, in the eval extra).
 OPTIONAL = {"matplotlib", "rouge_score", "nltk", "tqdm", "vllm", "lm_eval", "hypothesis", "kvpress"}
-MAX_LINES = 400
 
 
 def _module_name(path: Path) -> str:
@@ -133,11 +132,6 @@ def test_core_imports_no_method_and_methods_import_no_consumer():
             assert not {d for d in deps if d.startswith(("kvcompress.methods", "kvcompress.registry"))}, name
         if name.startswith(("kvcompress.core", "kvcompress.methods", "kvcompress.models")):
             assert not {d for d in deps if d.startswith(consumers)}, name
-
-
-def test_no_module_is_longer_than_the_limit():
-    long = {path.name: n for path in PACKAGE.rglob("*.py") if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert long == {}
 
 
 def test_docstrings_and_docs_point_nowhere_outside_the_repository():
