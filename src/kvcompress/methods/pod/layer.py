@@ -52,29 +52,15 @@ class BlockEviction:
     invalid: torch.Tensor | None
 
 
-def _pod_view(name: str) -> property:
-    """The slots attention sees (the occupied ones: PoD's slots are always dense), without writing the ring steps'
-    bookkeeping (attention reads keys and values only); the same view object until the slots change."""
-
-    def get(self) -> torch.Tensor | None:
-        if self.slots is None:
-            return None
-        buffer = self.slots.tensors[name]
-        cached = self._views.get(name)
-        if cached is None or cached[0] is not buffer or cached[1] != self.occupied:
-            cached = self._views[name] = (buffer, self.occupied, buffer.narrow(2, 0, self.occupied))
-        return cached[2]
-
-    return property(get, CompressedLayer._only_none)
-
-
 class PoDLayer(RingSteps, CompressedLayer):
     """A slot layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
     every token (``keys``, ``[B, F, L, d]``); for the other KV heads the keys of proximal tokens only
     (``prox_keys``, ``[B, H - F, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
 
-    keys = _pod_view("keys")
-    values = _pod_view("values")
+    # the slots attention sees (the occupied ones: PoD's slots are always dense), kept as attributes set whenever
+    # the slots change (``_new_views``): reading them writes no deferred bookkeeping and runs no Python
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
@@ -94,7 +80,6 @@ class PoDLayer(RingSteps, CompressedLayer):
         self._pending = 0  # ring steps' tokens whose stream index, position and validity are not written yet
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
         self.prox_keys = self.prox_slot = None
-        self._views: dict[str, tuple] = {}  # name -> (buffer, occupied, view): ``keys`` and ``values``
 
     def connect_block(self, peers: list[PoDLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
@@ -124,6 +109,19 @@ class PoDLayer(RingSteps, CompressedLayer):
         self.prox_keys = self.heads_of(key_states, "prox")[:, :, :0].clone()
         self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
+        self._new_views()
+
+    def _new_views(self) -> None:
+        """``keys`` and ``values``: views of the occupied slots, made again whenever the slots change."""
+        if self.slots is not None:
+            self.keys = self.slots.tensors["keys"].narrow(2, 0, self.occupied)
+            self.values = self.slots.tensors["values"].narrow(2, 0, self.occupied)
+
+    def evict(self, victims: torch.Tensor) -> None:
+        """Free the slots ``victims`` ``[B, H, e]`` and compact at once: PoD's slots keep no holes."""
+        self.evict_mask(
+            torch.zeros(self.token_idx.shape, dtype=torch.bool, device=self.device).scatter_(-1, victims, True)
+        )
 
     def query_layout(self, q_heads: int) -> tuple[tuple[int, ...], list[int]]:
         """Each query head's block start and the query heads that share from another layer (computed once)."""
@@ -156,9 +154,8 @@ class PoDLayer(RingSteps, CompressedLayer):
             self.leave_ring()
         self.max_chunk = max(self.max_chunk, count)
         start, needed = self.occupied, self.occupied + count
-        if needed > self.slots.capacity:
+        if needed > self.slots.tensors["values"].shape[2]:
             self.slots.grow(self._grown_capacity(needed))
-            self._views.clear()
         compressed_once = self.policy.one_shot and self.compressed  # its base never reads statistics again
         state = {} if compressed_once else self.policy.init_state(self, key_states)
         full_keys = self.heads_of(key_states, "full")
@@ -167,13 +164,14 @@ class PoDLayer(RingSteps, CompressedLayer):
                 self._pending_position = self.ring.position + 1  # the ring takes one position per step
             self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
             self._stale = True
-            self.slots.keys.narrow(2, start, count).copy_(full_keys)
-            self.slots.values.narrow(2, start, count).copy_(value_states)
+            self.slots.tensors["keys"].narrow(2, start, count).copy_(full_keys)
+            self.slots.tensors["values"].narrow(2, start, count).copy_(value_states)
         else:
             if self._stale:
                 self._settle()
             self.slots.write_range(start, full_keys, value_states, self.seen, state, self.all_valid)
         self.occupied = needed
+        self._new_views()
         if ring_step:
             self._ring_key = self.heads_of(key_states, "prox")
         else:
@@ -328,7 +326,7 @@ class PoDLayer(RingSteps, CompressedLayer):
                 new_slot = moved.gather(-1, old.clamp(min=0)).masked_fill_(old < 0, -1)
                 self._pack_proximal(new_slot >= 0, new_slot)
         super().compact(shrink)
-        self._views.clear()  # (the views of a buffer compaction let go would keep it alive)
+        self._new_views()
 
     def planned_keep(self) -> dict[str, torch.Tensor]:
         """``{"keep": [B] counts}`` for a config given ``ratio``/``budget`` (``pod.budget``), else nothing."""
@@ -393,12 +391,12 @@ class PoDLayer(RingSteps, CompressedLayer):
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self._query_layout = None
         self._pending = 0
         self.step = self.last_eviction = None
-        self._views.clear()
+        self.keys = self.values = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.leave_ring()
         super().batch_select_indices(indices)
-        self._views.clear()
+        self._new_views()
         if self.is_initialized:
             indices = indices.to(self.device)
             self.prox_keys = self.prox_keys.index_select(0, indices)
@@ -407,7 +405,7 @@ class PoDLayer(RingSteps, CompressedLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.leave_ring()
         super().batch_repeat_interleave(repeats)
-        self._views.clear()
+        self._new_views()
         if self.is_initialized:
             self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
             self.prox_slot = self.prox_slot.repeat_interleave(repeats, dim=0)
