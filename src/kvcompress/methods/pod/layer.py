@@ -102,11 +102,12 @@ class PoDLayer(RingSteps, CompressedLayer):
         self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
         self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
-        slots = SlotBuffers.empty(value_states, value_states)
-        slots.tensors["keys"] = self.heads_of(key_states, "full")[:, :, :0].clone()
+        batch, dim = key_states.shape[0], key_states.shape[-1]
+        slots = SlotBuffers.empty(value_states, value_states)  # (bookkeeping for every KV head)
+        slots.tensors["keys"] = key_states.new_empty(batch, len(full), 0, dim)
         slots.key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
         self.slots = slots
-        self.prox_keys = self.heads_of(key_states, "prox")[:, :, :0].clone()
+        self.prox_keys = key_states.new_empty(batch, len(prox), 0, dim)
         self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
         self._new_views()
@@ -170,6 +171,8 @@ class PoDLayer(RingSteps, CompressedLayer):
             if self._stale:
                 self._settle()
             self.slots.write_range(start, full_keys, value_states, self.seen, state, self.all_valid)
+            if ring_step and self.ring is not None:  # (a base's state to write) the position the ring takes
+                self.slots.rope_pos[:, :, start].fill_(self.ring.position + 1)
         self.occupied = needed
         self._new_views()
         if ring_step:
