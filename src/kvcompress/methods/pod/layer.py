@@ -212,11 +212,12 @@ class PoDLayer(RingSteps, CompressedLayer):
 
     def end_forward(self) -> None:
         """After the forward's last layer: every layer lets go of what it shared with the later layers of its
-        blocks during the forward (its query and the forward's ``position_ids``, prompt-sized after a prefill)."""
+        blocks during the forward (its query, its eviction and the forward's ``position_ids``, prompt-sized after a
+        prefill)."""
         super().end_forward()
         if self.peers and self is self.peers[-1]:
             for layer in self.peers:
-                layer.step, layer.forward_positions = None, None
+                layer.step, layer.forward_positions, layer.last_eviction = None, None, None
 
     def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
         """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
