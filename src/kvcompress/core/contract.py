@@ -99,8 +99,8 @@ class Selection:
 @runtime_checkable
 class LayerView(Protocol):
     """What a policy may read and call on the layer it decides for, whatever the layer's storage: every cache layer
-    kind implements it (the slot layer ``CompressedLayer`` and its subclasses: LESS's, the cascade's rings; PoD's
-    ``GatherLayer``). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
+    kind implements it (the slot layer ``CompressedLayer`` and its subclasses: LESS's, the cascade's rings, PoD's
+    shared keys). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
     ``values`` ``[B, H_kv, W, d]``); ``state`` maps the names ``Policy.init_state`` returned to such views (written
     in place). At a decoding step a ``Policy.batchable`` policy reads, through ``core.layer_batch.StackedLayer``,
     only ``policy``, ``device``, ``seen``, ``seen_tensor``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
