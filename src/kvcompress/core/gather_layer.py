@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward
+from kvcompress.core.forward import ForwardPass
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import StreamView
@@ -44,6 +45,7 @@ class GatherLayer(CacheLayerMixin):
         self.defer_compression = self.more_prompt = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[GatherLayer], None]] = []
+        self.forward_pass = ForwardPass([self])  # the cache's forward, shared by its layers (``core.forward``)
         self.ordered = True
 
     # --- storage -------------------------------------------------------------------------------------------

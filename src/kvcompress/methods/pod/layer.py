@@ -14,7 +14,6 @@ import torch
 
 from kvcompress.core.append_buffer import AppendBuffer
 from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
-from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_forward
 from kvcompress.core.layer import LAYER_ATTRIBUTE
 from kvcompress.core.rope import counts_from
@@ -139,12 +138,11 @@ class PoDLayer(RingSteps, GatherLayer):
             positions = position_ids[..., -self.new_tokens :]
             return counts_from(positions[0] if positions.dim() == 3 else positions, first)
 
-        return forward_cached(position_ids, ("counts-from", first, self.new_tokens), check)
+        return self.forward_pass.cached(("counts-from", first, self.new_tokens), check)
 
-    @staticmethod
-    def _largest(position_ids: torch.Tensor) -> int:
+    def _largest(self, position_ids: torch.Tensor) -> int:
         """The forward's largest position (one host read per forward, shared by the layers)."""
-        return forward_cached(position_ids, "max-position", lambda: int(position_ids.max()))
+        return self.forward_pass.cached("max-position", lambda: int(position_ids.max()))
 
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
         if sliding_window is None and (self.on_stream or (query_count == 1 and self.all_real)):
