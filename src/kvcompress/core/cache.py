@@ -116,7 +116,8 @@ class CompressedCache(Cache):
         """Store a layer's new keys and values (``Cache.update``), refusing keys of another model."""
         if layer_idx == 0 or layer_idx >= self.model_spec.layers:
             self._check_forward(layer_idx, key_states)
-        self.forward_pass.begin(self.layers[layer_idx])
+        layer = self.layers[layer_idx]
+        layer.forward_pass.begin(layer)  # the first layer opens the forward (``core.forward``)
         if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
             with recorded_as_computed():
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
