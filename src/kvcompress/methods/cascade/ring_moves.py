@@ -109,10 +109,9 @@ def stack_rings(rings: list) -> None:
     per_layer = [_buffers(layer) for layer in rings]
     if not all(agree([buffers[i] for buffers in per_layer]) for i in range(len(STACKED))):
         return
-    for i, name in enumerate(STACKED):
-        _, views = forward.stacked(name, [buffers[i] for buffers in per_layer])
-        for layer, view in zip(rings, views, strict=True):
-            setattr(layer, ("_kv", "_meta", "_score")[i], view)
+    views = [forward.stacked(name, [buffers[i] for buffers in per_layer])[1] for i, name in enumerate(STACKED)]
+    for layer, kv, meta, score in zip(rings, *views, strict=True):
+        layer._kv, layer._meta, layer._score = kv, meta, score
 
 
 def _buffers(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
