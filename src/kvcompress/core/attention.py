@@ -65,8 +65,6 @@ def kvcompress_attention(
 def _all_real(layer: CompressedLayer, attention_mask: torch.Tensor, queries: int) -> bool:
     """Whether this forward's tokens are all real: checked once per forward (one host read for all layers, which
     get the same mask), not once per layer."""
-    if not layer.forward_pass.is_open:  # a layer driven on its own: its forward starts here
-        layer.forward_pass.begin(layer)
     key = ("all-real", queries, attention_mask.shape[-1])
     return layer.forward_pass.cached(key, lambda: bool(attention_mask[:, -queries:].all()))
 
