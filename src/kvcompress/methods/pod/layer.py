@@ -22,7 +22,6 @@ import torch
 from kvcompress.core.capacity import grown_capacity
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward, victims_of_rule
-from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import counts_from
 from kvcompress.core.slots import SlotBuffers
@@ -226,12 +225,11 @@ class PoDLayer(RingSteps, CompressedLayer):
             positions = position_ids[..., -self.new_tokens :]
             return counts_from(positions[0] if positions.dim() == 3 else positions, first)
 
-        return forward_cached(position_ids, ("counts-from", first, self.new_tokens), check)
+        return self.forward_pass.cached(("counts-from", first, self.new_tokens), check)
 
-    @staticmethod
-    def _largest(position_ids: torch.Tensor) -> int:
+    def _largest(self, position_ids: torch.Tensor) -> int:
         """The forward's largest position (one host read per forward, shared by the layers)."""
-        return forward_cached(position_ids, "max-position", lambda: int(position_ids.max()))
+        return self.forward_pass.cached("max-position", lambda: int(position_ids.max()))
 
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.forward_cache import forward_cached
 from kvcompress.methods.pod.ring import ProximalRing
 
 
@@ -50,8 +49,7 @@ class RingSteps:
         length = self.values.shape[2]
         self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
 
-    @staticmethod
-    def _decoding_position(position_ids: torch.Tensor) -> int | None:
+    def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
         """The new token's position if every row has the same (one host read per forward), else None."""
 
         def read() -> int | None:
@@ -60,7 +58,7 @@ class RingSteps:
             largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
             return largest if largest == smallest else None
 
-        return forward_cached(position_ids, "pod-decoding-position", read)
+        return self.forward_pass.cached("pod-decoding-position", read)
 
     def leave_ring(self) -> None:
         """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
