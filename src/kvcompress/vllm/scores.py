@@ -26,10 +26,11 @@ approximated is the unit, a whole block kept or evicted per KV head instead of s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvcompress.vllm.carry import CarryStep, LayerCarry
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import H2OBlocks
 
@@ -38,10 +39,34 @@ QUERY_SLICE = 256  # prefill queries scored at once: bounds the probabilities he
 
 @dataclass
 class RefillRow:
-    """A request whose step moves ``leaving`` blocks (ids) out of the window; ``slots`` are its heavy slots (ids)."""
+    """A request whose step moves ``leaving`` blocks (ids) out of the window; ``slots`` are its heavy slots (ids).
+
+    ``request``, ``first_slot`` and ``first_leaving`` (the logical indices of ``slots[0]`` and ``leaving[0]``) let
+    the layer record which logical block each slot holds (``kvcompress.vllm.carry``).
+    """
 
     slots: torch.Tensor
     leaving: torch.Tensor
+    request: str | None = None
+    first_slot: int = 0
+    first_leaving: int = 0
+
+
+@dataclass
+class H2OReplay:
+    """A request recomputed in this step after a preemption (``kvcompress.vllm.carry``): ``blocks``, the ids of its
+    recomputed logical blocks; ``kept``, the logical blocks it kept when its first run stopped, ``count`` tokens in;
+    ``queries`` (``[start, end)``), the recompute's query rows past ``count``, which attend to ``mass_blocks`` (the
+    kept blocks, then those written since: ``mass_tokens`` tokens); ``refill``, the boundary they cross, if any."""
+
+    request: str
+    row: int
+    blocks: torch.Tensor
+    kept: torch.Tensor
+    queries: tuple[int, int]
+    mass_blocks: torch.Tensor
+    mass_tokens: int
+    refill: RefillRow | None
 
 
 @dataclass
@@ -52,6 +77,9 @@ class ScoredStep:
     layout: KeyLayout
     num_reqs: int
     refill: list[RefillRow]
+    carry: CarryStep | None = None
+    replays: list[H2OReplay] = field(default_factory=list)
+    departures_kept: dict[str, torch.Tensor] = field(default_factory=dict)  # request -> ids of its kept blocks
 
 
 class BlockScores:
@@ -59,29 +87,75 @@ class BlockScores:
 
     def __init__(self) -> None:
         self.scores: torch.Tensor | None = None
+        self.carry = LayerCarry()
 
     def step(self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float) -> None:
-        """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``."""
+        """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``.
+
+        Before step 1, requests leaving the batch park their kept blocks' scores and slots' origin, and after step
+        2 recomputed requests get them back (``kvcompress.vllm.carry``).
+        """
         if self.scores is None:
             self.scores = torch.zeros(kv_cache.shape[0], kv_cache.shape[1], device=kv_cache.device)
+        if step.carry:
+            self._park(step)
         block_size = step.policy.block_size
         slots = metadata.slot_mapping[: metadata.num_actual_tokens]
         self.scores[slots[(slots >= 0) & (slots % block_size == 0)] // block_size] = 0
         num_reqs = step.num_reqs
         starts = metadata.query_start_loc[: num_reqs + 1]
         seq_lens, table = metadata.seq_lens[:num_reqs], metadata.block_table[:num_reqs]
-        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale)
+        skip = {replay.row for replay in step.replays}
+        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip)
+        for replay in step.replays:
+            self._replay(step, replay, query, kv_cache, scale)
         for row in step.refill:
-            refill(self.scores, kv_cache, row)
+            refill(self.scores, kv_cache, row, self.carry)
+
+    def _park(self, step: ScoredStep) -> None:
+        carry = self.carry
+        for departure in step.carry.departures:
+            kept = step.departures_kept[departure.request]
+            carry.parked[departure.request] = {
+                "origin": carry.origin.pop(departure.request, None),
+                "scores": self.scores[kept].clone(),  # [kept blocks, H_kv], before this step can reset them
+            }
+        for request, _ in step.carry.returned:
+            parked = carry.parked.pop(request, None)
+            if parked is not None and parked["origin"] is not None:
+                carry.origin[request] = parked["origin"]
+        carry.drop(step.carry)
+
+    def _replay(self, step: ScoredStep, replay: H2OReplay, query, kv_cache, scale: float) -> None:
+        """The first run's heavy slots and scores back, then the recompute's tokens past it as its next step."""
+        parked = self.carry.parked.pop(replay.request, None)
+        if parked is None:
+            return
+        if parked["origin"] is not None:
+            self.carry.restore_front(kv_cache, parked["origin"], replay.blocks, 0)
+            self.carry.origin[replay.request] = parked["origin"]
+        self.scores[replay.blocks[replay.kept]] = parked["scores"]
+        start, end = replay.queries
+        _prefill_mass(
+            self.scores, step.layout, kv_cache, query[start:end], replay.mass_tokens, replay.mass_blocks, scale
+        )
+        if replay.refill is not None:
+            refill(self.scores, kv_cache, replay.refill, self.carry)
 
 
-def add_attention_mass(scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale) -> None:
+def add_attention_mass(
+    scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale, skip=frozenset()
+) -> None:
     """Add to ``scores[block, kv_head]`` the attention mass the queries of each request give each kept block.
 
     ``starts`` (``[num_reqs + 1]``) splits ``query`` by request; request ``r`` attends to the first ``seq_lens[r]``
-    tokens of the blocks ``block_table[r]``, its last query to all of them, causally before.
+    tokens of the blocks ``block_table[r]``, its last query to all of them, causally before. Rows in ``skip``
+    (recomputed requests, scored by their replay) add nothing.
     """
     query_lens = starts[1:] - starts[:-1]
+    if skip:
+        query_lens = query_lens.clone()
+        query_lens[list(skip)] = 0
     decoding = query_lens == 1
     rows = decoding.nonzero().flatten()
     if len(rows):
@@ -125,11 +199,12 @@ def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, sc
     scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
 
 
-def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow) -> None:
+def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, carry: LayerCarry | None = None) -> None:
     """Per KV head, keep the best-scored of ``row.slots`` and ``row.leaving`` in the slots (see the module docstring).
 
     A slot that stays keeps its place; each leaving winner overwrites one losing slot, the first losing slot
-    receiving the first winner in block order. Ties go to the lower candidate (``topk``'s order on CPU).
+    receiving the first winner in block order. Ties go to the lower candidate (``topk``'s order on CPU). With
+    ``carry``, the logical block each slot now holds is recorded under ``row.request``.
     """
     candidates = torch.cat([row.slots, row.leaving])
     heavy = len(row.slots)
@@ -145,3 +220,8 @@ def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow) -> None
     sources = row.leaving[winners[j, heads]]
     kv_cache[targets, heads] = kv_cache[sources, heads]
     scores[targets, heads] = scores[sources, heads]
+    if carry is not None and row.request is not None:
+        front = row.first_slot + heavy
+        origin = carry.origin_of(row.request, scores.shape[1], front, scores.device).clone()
+        origin[heads, row.first_slot + losers[j, heads]] = row.first_leaving + winners[j, heads]
+        carry.origin[row.request] = origin
