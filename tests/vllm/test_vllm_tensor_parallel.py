@@ -33,6 +33,7 @@ POLICIES = {
     "snapkv": {"method": "snapkv", "budget": BUDGET},
     "snapkv-reselect": {"method": "snapkv", "budget": BUDGET, "reselect_blocks": 1},
     "h2o": {"method": "h2o", "budget": BUDGET},
+    "cascade": {"method": "cascade", "budget": BUDGET},  # 1 sink + 2 cascades of 1 block
 }
 
 

@@ -201,10 +201,11 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         _worker_in_flight_tokens = config.max_in_flight_tokens
         check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         unscored = self.logits_soft_cap or self.alibi_slopes is not None or self.sinks is not None
-        if _worker_policy.method == "h2o" and unscored:
+        if _worker_policy.method in ("h2o", "cascade") and unscored:
             raise ValueError(
-                "kvcompress: the h2o policy recomputes attention probabilities without logit soft-capping, ALiBi or "
-                "attention-sink logits, which this model uses; choose streaming, window or snapkv"
+                f"kvcompress: the {_worker_policy.method} policy recomputes attention probabilities without logit "
+                "soft-capping, ALiBi or attention-sink logits, which this model uses; choose streaming, window or "
+                "snapkv"
             )
         self.stash: ObservationStash | None = None
         self.carry = LayerCarry()  # block SnapKV's front slots by request, carried over preemptions
