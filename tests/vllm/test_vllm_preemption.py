@@ -39,11 +39,13 @@ POLICIES = {
 }
 
 
-def _kept_keys(layout, kv_cache, blocks: torch.Tensor, logical: torch.Tensor, count: int) -> torch.Tensor:
-    """``[H_kv, kept tokens, D]``: keys of the logical blocks ``logical`` (ids ``blocks``), first ``count`` tokens."""
+def _kept_keys(layout, kv_cache, blocks: torch.Tensor, logical: torch.Tensor, count: int):
+    """``[H_kv, kept tokens, D]``: keys of the logical blocks ``logical`` (ids ``blocks``), first ``count`` tokens,
+    and the cache slot of each of those tokens."""
     keys = layout.read_blocks(kv_cache, blocks[logical])  # [H_kv, len(logical) * BLOCK, D]
     tokens = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in logical.tolist()])
-    return keys[:, tokens < count]
+    slots = (blocks[logical].unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten()
+    return keys[:, tokens < count], slots[tokens < count]
 
 
 def _kept_logical(policy, count: int, prompt_len: int) -> torch.Tensor:
@@ -67,17 +69,21 @@ def test_a_recomputed_request_keeps_the_blocks_of_its_first_run(name, short_mode
         step = getattr(metadata, "scored", None) or getattr(metadata, "snapkv", None)
         carry = step.carry if watching and step is not None else None
         if carry is not None:
+            # vLLM writes the step's new keys before the layer's attention: a freed block handed to another request in
+            # this step already holds that request's keys in its written slots, which the comparison leaves out.
+            written = metadata.slot_mapping[: metadata.num_actual_tokens]
             for departure in carry.departures:
                 logical = _kept_logical(step.policy, departure.count, _prompt_len(departure.request))
-                first[departure.request] = _kept_keys(step.layout, kv_cache, departure.blocks, logical, departure.count)
+                keys, slots = _kept_keys(step.layout, kv_cache, departure.blocks, logical, departure.count)
+                first[departure.request] = (keys, ~torch.isin(slots, written))
         output = original(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
         if carry is not None:
             due = {r.request for r in getattr(step, "replays", []) if getattr(r, "select", None) is not None}
             for replay in carry.replays:
                 if replay.request not in due:  # (a re-selection due where the first run stopped changes the blocks)
                     logical = _kept_logical(step.policy, replay.count, _prompt_len(replay.request))
-                    keys = _kept_keys(step.layout, kv_cache, replay.blocks, logical, replay.count)
-                    again[replay.request].append((first.get(replay.request), keys))
+                    keys, _ = _kept_keys(step.layout, kv_cache, replay.blocks, logical, replay.count)
+                    again[replay.request].append((first.get(replay.request), keys, replay.count, logical.tolist()))
         return output
 
     def _prompt_len(request: str) -> int:
@@ -96,6 +102,8 @@ def test_a_recomputed_request_keeps_the_blocks_of_its_first_run(name, short_mode
     assert all(len(out) == GENERATED for out in trace.outputs.values()) and len(trace.outputs) == 3
     replays = [pair for pairs in again.values() for pair in pairs]
     assert replays, "no request was recomputed in one step after a preemption"
-    for before, after in replays:
-        assert before is not None and before.shape == after.shape
-        torch.testing.assert_close(after, before, rtol=0, atol=0)
+    for (before, unwritten), after, count, logical in replays:
+        assert before.shape == after.shape and unwritten.float().mean() > 0.9
+        differ = ((after != before).any(dim=2).any(dim=0) & unwritten).nonzero().flatten().tolist()
+        positions = [b * BLOCK + t for b in logical for t in range(BLOCK) if b * BLOCK + t < count]
+        assert not differ, f"{count} tokens, kept blocks {logical}: keys differ at {[positions[i] for i in differ]}"
