@@ -93,7 +93,7 @@ class CarryBook:
         ``starts`` (query row offsets, ``num_reqs + 1``), ``table`` (block ids). ``alive(request)``: not finished;
         ``replayable(request, key)``: whether a departing request's state is worth parking (SnapKV: it selected)."""
         out = CarryStep()
-        present = {request: i for i, request in enumerate(requests)}
+        present = {request: i for i, request in enumerate(requests) if request is not None}
         context_list, ends_list, starts = context.tolist(), ends.tolist(), starts.tolist()
         for request, (count, blocks, key) in self.last.items():
             i = present.get(request)
@@ -122,7 +122,7 @@ class CarryBook:
         self.last = {
             request: (ends_list[i], rows[i, : -(-ends_list[i] // self.block_size)], int(rows[i, 0]))
             for i, request in enumerate(requests)
-            if ends_list[i] > 0
+            if request is not None and ends_list[i] > 0
         }
         return out
 

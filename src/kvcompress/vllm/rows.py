@@ -49,9 +49,11 @@ class RequestRows:
             self._runner = weakref.ref(runner)
         return runner
 
-    def ids(self, num_reqs: int) -> list[str]:
-        """Request ids of rows ``0 .. num_reqs - 1`` of this step."""
-        return list(self.runner.input_batch.req_ids[:num_reqs])
+    def ids(self, num_reqs: int) -> list[str | None]:
+        """Request ids of rows ``0 .. num_reqs - 1`` of this step (``None`` for a row the runner's batch does not
+        hold: vLLM's dummy steps at start-up)."""
+        ids = list(self.runner.input_batch.req_ids[:num_reqs])
+        return ids + [None] * (num_reqs - len(ids))
 
     def prompt_lens(self, num_reqs: int) -> np.ndarray:
         """Prompt lengths of rows ``0 .. num_reqs - 1`` of this step (int64)."""
