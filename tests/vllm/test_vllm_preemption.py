@@ -102,6 +102,7 @@ def test_a_recomputed_request_keeps_the_blocks_of_its_first_run(name, short_mode
     assert all(len(out) == GENERATED for out in trace.outputs.values()) and len(trace.outputs) == 3
     replays = [pair for pairs in again.values() for pair in pairs]
     assert replays, "no request was recomputed in one step after a preemption"
+    print(f"{name}: {trace.preemptions} preemption(s); replayed after {[count for _, _, count, _ in replays]} tokens")
     for (before, unwritten), after, count, logical in replays:
         assert before.shape == after.shape and unwritten.float().mean() > 0.9
         differ = ((after != before).any(dim=2).any(dim=0) & unwritten).nonzero().flatten().tolist()
