@@ -25,11 +25,11 @@ from kvcompress.vllm import backend  # noqa: E402
 from tests.vllm.engine import close, make_llm, manager, prompt, trace_blocks  # noqa: E402
 
 BLOCK = 128
-# Prompts of 2, 3 and 3 blocks, all admitted (8 of 9 blocks). Requests 1 and 2 decode at their 3-block budget (a
+# Prompts of 2, 3 and 4 blocks, all admitted (9 of 9 blocks). Requests 1 and 2 decode at their 3-block budget (a
 # policy bounds them: a pool is outgrown only by what it does not bound), while the test holds back the blocks
 # request 0 frees, as full attention would: request 0 grows a block every 128 tokens, and vLLM preempts the others
 # (after their first eviction decisions), then recomputes them in one step when request 0 has finished.
-PROMPTS = [(0, 130), (200, 380), (600, 300)]
+PROMPTS = [(0, 130), (200, 380), (600, 500)]
 GENERATED = 400
 POLICIES = {
     "h2o": {"method": "h2o", "budget": 3 * BLOCK},
