@@ -32,6 +32,18 @@ def tiny_tokenizer_dir() -> str:
     return path
 
 
+@functools.cache
+def duo_pattern_file(layers: int = 2, kv_heads: int = 2, sink_size: int = 2, recent_size: int = 4) -> str:
+    """A DuoAttention head pattern for a tiny model (``pattern=``): scores spread so that at the default
+    ``head_compression_ratio`` (0.5) every layer has streaming and retrieval heads where it has two or more."""
+    from kvcompress.methods.duo.patterns import DuoPattern, write_pattern
+
+    scores = torch.arange(layers * kv_heads, dtype=torch.float64).view(layers, kv_heads)
+    scores = (scores * 7 % (layers * kv_heads)).numpy()  # a permutation: no ties, uneven per layer
+    path = Path(tempfile.mkdtemp(prefix="kvcompress-duo-pattern-")) / "pattern.json"
+    return str(write_pattern(DuoPattern(scores, sink_size, recent_size, {"model": "tiny"}), path))
+
+
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):
     """Greedy generation with the model's own SDPA attention and DynamicCache: the reference."""
     model.set_attn_implementation("sdpa")
