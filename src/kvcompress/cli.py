@@ -283,7 +283,9 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="cache-op
 
 
 @app.command(context_settings=PASS_THROUGH)
-def train(ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate")]) -> None:
+def train(
+    ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate")]
+) -> None:
     """Training steps: LESS kernels, PoD calibration and adaptation, DuoAttention head scores."""
     delegate(choose("trainer", name, TRAINERS, ctx), ctx.args, f"kvcompress train {name}")
 

@@ -70,8 +70,8 @@ class DuoPolicy(Policy):
         if self.streaming is None or len(self.streaming) != heads:
             found = "none" if self.streaming is None else f"{len(self.streaming)} KV heads"
             raise ValueError(
-                f"duo's head pattern {self.pattern_file or '(none)'} gives layer {self.layer_idx} {found}, but the model "
-                f"has {heads}: it was calibrated for another model; calibrate this one with `{CALIBRATE}`"
+                f"duo's head pattern {self.pattern_file or '(none)'} gives layer {self.layer_idx} {found}, but the "
+                f"model has {heads}: it was calibrated for another model; calibrate this one with `{CALIBRATE}`"
             )
         if self._mask is None or self._mask.device != layer.token_idx.device:
             self._mask = torch.from_numpy(self.streaming).to(layer.token_idx.device)
@@ -130,7 +130,11 @@ class DuoConfig(MethodConfig):
                 f"calibrated for another model; calibrate this one with `{CALIBRATE}`"
             )
         threshold = self.threshold
-        return pattern, streaming_heads(pattern.scores, None if threshold is not None else self.ratio, threshold), str(path)
+        return (
+            pattern,
+            streaming_heads(pattern.scores, None if threshold is not None else self.ratio, threshold),
+            str(path),
+        )
 
     def connect(self, layers) -> None:
         pattern, streaming, path = self.resolve(len(layers))

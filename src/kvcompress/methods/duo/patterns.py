@@ -156,7 +156,9 @@ def resolve_path(pattern: str | None, layers: int) -> Path:
         return shipped_path(str(pattern)) or Path(pattern).expanduser()
     matches = [name for name, meta in _shipped().items() if meta.get("layers") == layers]
     if len(matches) != 1:
-        shipped = ", ".join(f"{n} ({m.get('layers')} layers x {m.get('kv_heads')} KV heads)" for n, m in _shipped().items())
+        shipped = ", ".join(
+            f"{n} ({m.get('layers')} layers x {m.get('kv_heads')} KV heads)" for n, m in _shipped().items()
+        )
         raise ValueError(
             f"duo has no shipped head pattern for a {layers}-layer model (shipped: {shipped or 'none'}); calibrate "
             f"one with `{CALIBRATE}` and pass pattern=<file.json>"
