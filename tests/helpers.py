@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,20 @@ def duo_pattern_file(layers: int = 2, kv_heads: int = 2, sink_size: int = 2, rec
     scores = (scores * 7 % (layers * kv_heads)).numpy()  # a permutation: no ties, uneven per layer
     path = Path(tempfile.mkdtemp(prefix="kvcompress-duo-pattern-")) / "pattern.json"
     return str(write_pattern(DuoPattern(scores, sink_size, recent_size, {"model": "tiny"}), path))
+
+
+def duo_params_for(model, method: str, params: dict) -> dict:
+    """``params`` with duo's tiny ``pattern`` replaced by one of ``model``'s layers and KV heads (other methods:
+    unchanged)."""
+    if method != "duo" or "pattern" not in params:
+        return params
+    from kvcompress.core.model_spec import ModelSpec
+
+    spec = ModelSpec.of(model)
+    with open(params["pattern"], encoding="utf-8") as file:
+        data = json.load(file)
+    pattern = duo_pattern_file(spec.layers, spec.kv_heads, data["sink_size"], data["recent_size"])
+    return {**params, "pattern": pattern}
 
 
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):
