@@ -16,7 +16,8 @@ Choices where the sources differ or are silent:
 - When it compresses: once after the prompt (kvpress). The paper's streaming heads also attend with a sink+window
   mask during the prefill and keep a constant window while decoding; here, as in kvpress, the prompt is prefilled
   with full attention in every head, and the tokens decoded after the compression are all kept (by every head).
-  The prompt's keys are therefore all held until the compression: the peak memory of a prefill is the full cache's.
+  A prompt prefilled in one forward compresses each layer right after that layer's attention (only one layer
+  holds its whole prompt at a time); a prompt prefilled in chunks is held whole until its last chunk.
 - The head scores (``pattern``): by default the pattern shipped for the model (``kvcompress/data/duo``; SmolLM2-135M:
   ``smollm2-135m``), else a file given as ``pattern`` from ``kvcompress train duo-calibrate`` or the authors'
   ``full_attention_heads.tsv``. A model with no shipped pattern and no ``pattern`` is refused with the calibration
