@@ -4,6 +4,7 @@ holding the same total tokens.
 
     python -m experiments.ragged memory --tokens 2048
     python -m experiments.ragged decode --tokens 2048 --pairs 32
+    python -m experiments.ragged memory --tokens 16384 --methods none full snapkv-adakv duo kvzip --no-slots
 
 The prompt is the first ``--tokens`` tokens of the shipped books (``kvcompress.eval.data.gutenberg_books()``, in
 order, joined by blank lines), one sequence, float32, one torch thread, ``torch.no_grad``.
@@ -12,6 +13,15 @@ order, joined by blank lines), one sequence, float32, one torch thread, ``torch.
 prompt prefilled in one forward through ``kvcompress.generation.prefill`` at ratio 0.5, then 8 greedy decoding
 steps; it reports ``nbytes()`` over the full cache's key and value bytes (layers x KV heads x tokens x 2 x head dim
 x 4 bytes), the held slack, and the peak RSS beside the same run with the full cache (``full``).
+
+At 16K tokens (``--tokens 16384``) the process's memory is read from ``/proc/self/status`` as well, in a process per
+method run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every buffer of 64 KiB or more on its own and
+unmaps it when freed, so the resident memory follows the live tensors): ``base`` the resident memory once the
+model is loaded and has run a 16-token forward; ``peak`` ``VmHWM`` (the high-water mark of the resident memory)
+over the prefill, the compression and 8 decoding steps; ``held`` the resident memory after them. ``none`` runs the
+same one-forward prompt with no cache at all (``use_cache=False``, ``logits_to_keep=1``): its ``peak - base`` is
+the forward's own activations, so a method's peak attributable to its cache is ``(peak - base) - (peak - base of
+none)``, reported over the full cache's bytes.
 
 ``decode`` prefills once per method, then times interleaved pairs of one decoding step: ours (its ragged layers),
 then a ``DynamicCache`` prefilled with as many tokens per head as our layers hold on average per head (cropped back
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -36,6 +47,7 @@ from kvcompress.bench.pairs import timed_pairs, use_attention
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.machine import machine_description
+from kvcompress.methods.duo.patterns import ratio_for
 from kvcompress.models import load_model
 
 METHODS = {
@@ -43,7 +55,11 @@ METHODS = {
     "expected_attention-adakv": ("expected_attention", {"ratio": 0.5, "allocation": "adakv"}),
     "kvzip": ("kvzip", {"ratio": 0.5}),
     "kvzip-layer": ("kvzip", {"ratio": 0.5, "allocation": "layer"}),
+    # DuoAttention at ratio 0.5: the fewest streaming heads (kvpress's head_compression_ratio) that keep at most
+    # half of the prompt's pairs, with the shipped pattern's sizes (128 sinks, 256 recent); set per prompt length
+    "duo": ("duo", {}),
 }
+DUO_WINDOW = 128 + 256
 
 
 def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
@@ -60,24 +76,57 @@ def full_kv_bytes(model, tokens: int) -> int:
     return config.num_hidden_layers * config.num_key_value_heads * tokens * 2 * head_dim * 4
 
 
-def compressed(model, ids: torch.Tensor, name: str, ragged: bool = True):
+def compressed(model, ids: torch.Tensor, name: str, ragged: bool = True, chunk: int | None = None):
     method, params = METHODS[name]
+    if method == "duo":
+        pairs = model.config.num_hidden_layers * model.config.num_key_value_heads
+        share = ratio_for(0.5, ids.shape[1], 128, 256, pairs)
+        params = {**params, "head_compression_ratio": share}
     cache = kvcompress.cache_for(model, method, ragged=ragged, **params)
-    prefill(model, ids, cache)
+    prefill(model, ids, cache, chunk_size=chunk)
     return cache
 
 
-def memory_one(name: str, tokens: int, ragged: bool) -> dict:
+def status_mb(field: str) -> float | None:
+    """A field of ``/proc/self/status`` in MB (Linux): ``VmRSS`` now, ``VmHWM`` its high-water mark."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak() -> None:
+    """Reset ``VmHWM`` to the current resident memory (Linux ``clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -> dict:
     """One method's bytes and peak RSS (this process: run it alone)."""
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2-135m")
     ids = prompt_ids(tokenizer, tokens)
     with torch.no_grad():
+        model(input_ids=ids[:, :16], use_cache=False, logits_to_keep=1)  # warm-up: kernels and allocator
+        base = status_mb("VmRSS")
+        reset_peak()
+        if name == "none":  # the forward alone: no cache
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            peak = status_mb("VmHWM")
+            return {
+                "method": name,
+                "tokens": tokens,
+                "base_mb": base,
+                "peak_mb": peak,
+                "peak_above_base_mb": peak - base,
+            }
         if name == "full":
             cache = kvcompress.cache_for(model, "full")
-            prefill(model, ids, cache)
+            prefill(model, ids, cache, chunk_size=chunk)
         else:
-            cache = compressed(model, ids, name, ragged)
+            cache = compressed(model, ids, name, ragged, chunk)
         row = {"method": name, "ragged": ragged, "tokens": tokens, "nbytes": cache.nbytes()}
         layers = cache.compressed_layers
         row["kept_pairs"] = sum(int(layer.valid.sum()) for layer in layers)  # (layer, head, token) kept
@@ -89,6 +138,12 @@ def memory_one(name: str, tokens: int, ragged: bool) -> dict:
     full = full_kv_bytes(model, tokens)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     row.update(full_nbytes=full, ratio=row["nbytes"] / full, peak_rss_mb=peak, rss_mb=current_rss_mb())
+    high, held = status_mb("VmHWM"), status_mb("VmRSS")
+    row.update(base_mb=base, peak_mb=high, peak_above_base_mb=high - base, held_above_base_mb=held - base, chunk=chunk)
+    if name == "duo":
+        layers = cache.compressed_layers
+        row["streaming_heads"] = int(sum(layer.policy.streaming.sum() for layer in layers))
+        row["kept_pairs_share"] = row["kept_pairs"] / (len(layers) * model.config.num_key_value_heads * tokens)
     return row
 
 
@@ -103,13 +158,25 @@ def current_rss_mb() -> float | None:
 
 
 def memory(args) -> None:
-    names = ["full", *METHODS]
+    names = args.methods or ["full", *METHODS]
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    activations = None
+    print(json.dumps({"machine": machine_description(1)}), flush=True)
     for name in names:
-        for ragged in [True] if name == "full" else [True, False]:
+        layouts = [True] if name in ("full", "none") or args.no_slots else [True, False]
+        for ragged in layouts:
             command = [sys.executable, "-m", "experiments.ragged", "memory-one", name, "--tokens", str(args.tokens)]
             command += [] if ragged else ["--slots"]
-            result = subprocess.run(command, capture_output=True, text=True, check=True)
-            print(result.stdout.strip().splitlines()[-1], flush=True)
+            command += ["--chunk", str(args.chunk)] if args.chunk else []
+            result = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
+            row = json.loads(result.stdout.strip().splitlines()[-1])
+            if name == "none":
+                activations = row["peak_above_base_mb"]
+            elif activations is not None:  # the peak attributable to the cache, over the full cache's bytes
+                cache_peak = row["peak_above_base_mb"] - activations
+                row.update(cache_peak_mb=cache_peak, cache_peak_ratio=cache_peak * 2**20 / row["full_nbytes"])
+                row["held_ratio"] = row["held_above_base_mb"] * 2**20 / row["full_nbytes"]
+            print(json.dumps(row), flush=True)
 
 
 def steps(model, ids: torch.Tensor, start: int, cache, dynamic: DynamicCache, per_head: int):
@@ -159,12 +226,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=32)
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--slots", action="store_true", help="memory-one: the slot layout (ragged=False)")
+    parser.add_argument("--no-slots", action="store_true", help="memory: the ragged layout only")
+    parser.add_argument("--chunk", type=int, help="memory: prefill in chunks of this many tokens (default: one)")
     parser.add_argument("--block", type=int, help="decode: force this block size (default: the pool's rule)")
     args = parser.parse_args()
     if args.block:
         ragged_storage.block_size = lambda counts: args.block
     if args.command == "memory-one":
-        print(json.dumps(memory_one(args.name, args.tokens, not args.slots)))
+        print(json.dumps(memory_one(args.name, args.tokens, not args.slots, args.chunk)))
     elif args.command == "memory":
         memory(args)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import tempfile
 from pathlib import Path
 
@@ -30,6 +31,32 @@ def tiny_tokenizer_dir() -> str:
     path = tempfile.mkdtemp(prefix="kvcompress-tiny-tokenizer-")
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@functools.cache
+def duo_pattern_file(layers: int = 2, kv_heads: int = 2, sink_size: int = 2, recent_size: int = 4) -> str:
+    """A DuoAttention head pattern for a tiny model (``pattern=``): scores spread so that at the default
+    ``head_compression_ratio`` (0.5) every layer has streaming and retrieval heads where it has two or more."""
+    from kvcompress.methods.duo.patterns import DuoPattern, write_pattern
+
+    scores = torch.arange(layers * kv_heads, dtype=torch.float64).view(layers, kv_heads)
+    scores = (scores * 7 % (layers * kv_heads)).numpy()  # a permutation: no ties, uneven per layer
+    path = Path(tempfile.mkdtemp(prefix="kvcompress-duo-pattern-")) / "pattern.json"
+    return str(write_pattern(DuoPattern(scores, sink_size, recent_size, {"model": "tiny"}), path))
+
+
+def duo_params_for(model, method: str, params: dict) -> dict:
+    """``params`` with duo's tiny ``pattern`` replaced by one of ``model``'s layers and KV heads (other methods:
+    unchanged)."""
+    if method != "duo" or "pattern" not in params:
+        return params
+    from kvcompress.core.model_spec import ModelSpec
+
+    spec = ModelSpec.of(model)
+    with open(params["pattern"], encoding="utf-8") as file:
+        data = json.load(file)
+    pattern = duo_pattern_file(spec.layers, spec.kv_heads, data["sink_size"], data["recent_size"])
+    return {**params, "pattern": pattern}
 
 
 def own_logits(model, input_ids, attention_mask=None, new_tokens=6):

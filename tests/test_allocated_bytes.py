@@ -20,7 +20,7 @@ import kvcompress
 from kvcompress.core.capacity import headroom
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.registry import METHODS
-from tests.helpers import tiny_tokenizer_dir
+from tests.helpers import duo_pattern_file, tiny_tokenizer_dir
 
 BUDGET, STEPS = 32, 4
 
@@ -34,6 +34,8 @@ def params_for(method: str) -> dict[str, object]:
         return {"block_size": 2, "n_recent": 8}
     if method == "kvzip":
         return {"budget": BUDGET, "allocation": "uniform", "tokenizer": tiny_tokenizer_dir()}
+    if method == "duo":  # streaming heads keep BUDGET tokens, retrieval heads everything
+        return {"pattern": duo_pattern_file(), "sink_size": 4, "recent_size": BUDGET - 4}
     return {"budget": BUDGET}
 
 

@@ -8,7 +8,7 @@ import torch
 import kvcompress
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.snapkv import SnapKVConfig
-from tests.helpers import cache_logits, tiny_tokenizer_dir
+from tests.helpers import cache_logits, duo_pattern_file, tiny_tokenizer_dir
 
 EVICTING = {
     "window": {"budget": 12},
@@ -50,6 +50,9 @@ PREFILLED = {
     "kvzip": {"ratio": 0.5, "tokenizer": tiny_tokenizer_dir()},
     "kvzip-layer": {"ratio": 0.5, "allocation": "layer", "chunk_size": 5, "tokenizer": tiny_tokenizer_dir()},
 }
+# methods whose heads keep different counts by a calibrated split, not a budget (DuoAttention's retrieval heads keep
+# everything): checked where a test runs every method without a budget bound (devices, architectures, CUDA)
+HEAD_SPLIT = {"duo": {"pattern": duo_pattern_file(), "sink_size": 4, "recent_size": 8}}
 # budgets shared unevenly (methods/allocation.py): a layer's heads (adakv) or the layers (pyramid) keep the budget
 # on average, one head or layer more than another
 UNEVEN = {key for key, params in EVICTING.items() if params.get("allocation", "uniform") != "uniform"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcompress
-from tests.helpers import cache_logits, needs_smollm2, own_logits, tiny_tokenizer_dir
+from tests.helpers import cache_logits, duo_pattern_file, needs_smollm2, own_logits, tiny_tokenizer_dir
 
 NO_EVICTION = {
     "full": {},
@@ -32,6 +32,7 @@ NO_EVICTION = {
     "compactor": {"ratio": 1.0},
     "periodic": {"budget": 512, "interval": 3},
     "kvzip": {"ratio": 1.0, "tokenizer": tiny_tokenizer_dir()},  # (the reconstruction runs and leaves no trace)
+    "duo": {"pattern": duo_pattern_file(), "head_compression_ratio": 0.0},  # every head a retrieval head
 }
 
 
@@ -66,6 +67,20 @@ def test_kvzip_head_budgets_with_nothing_to_evict_reproduce_model_logits(allocat
     logits, sequences = cache_logits(tiny_llama, ids, cache)
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
     assert torch.equal(sequences, ref_sequences)
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_duo_streaming_heads_whose_window_holds_the_prompt_reproduce_model_logits(ragged, tiny_llama):
+    """Every head a streaming head, but sinks + window cover the 37-token prompt: nothing evicted, through the
+    ragged storage (or the slot layout), with a batch of 2."""
+    ids = torch.randint(1, tiny_llama.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    reference, ref_sequences = own_logits(tiny_llama, ids)
+    params = {"head_compression_ratio": 1.0, "sink_size": 4, "recent_size": 33, "ragged": ragged}
+    cache = kvcompress.cache_for(tiny_llama, "duo", pattern=duo_pattern_file(), **params)
+    logits, sequences = cache_logits(tiny_llama, ids, cache)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sequences, ref_sequences)
+    assert all(getattr(layer, "ragged", False) == ragged for layer in cache.compressed_layers)
 
 
 def assert_reproduces_model_logits(model, method: str, ids: torch.Tensor) -> None:
@@ -106,6 +121,8 @@ def test_smollm2_logits_match_for_every_method():
     ids = tokenizer(text, return_tensors="pt").input_ids
     reference, _ = own_logits(model, ids, new_tokens=4)
     for method, params in NO_EVICTION.items():
+        if method == "duo":  # the pattern shipped for SmolLM2, every head a retrieval head
+            params = {"head_compression_ratio": 0.0}
         cache = kvcompress.cache_for(model, method, **params)
         logits, _ = cache_logits(model, ids, cache, new_tokens=4)
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4, msg=method)

@@ -17,7 +17,7 @@ from safetensors.torch import safe_open, save_file
 import kvcompress
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.snapkv import SnapKVConfig
-from tests.helpers import tiny_tokenizer_dir
+from tests.helpers import duo_pattern_file, tiny_tokenizer_dir
 
 # one-shot scorers (uniform and per-head budgets), KVzip, decode-time methods (H2O evicts all layers together at a
 # decoding step: views of one stacked buffer), the cascade's rings, PoD's shared layers
@@ -31,6 +31,7 @@ METHODS = {
     "nacl": {"budget": 12},
     "expected_attention": {"ratio": 0.5},
     "pod": {"block_size": 2, "n_recent": 4, "n_sink": 2, "base": SnapKVConfig(budget=12, window=4)},
+    "duo": {"pattern": duo_pattern_file(), "sink_size": 2, "recent_size": 8},
 }
 CONTEXT = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
 QUESTIONS = torch.randint(3, 128, (2, 2, 5), generator=torch.Generator().manual_seed(1))  # [question, batch, tokens]

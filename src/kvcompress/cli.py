@@ -187,6 +187,7 @@ TRAINERS = {
     "less": "kvcompress.train.less",
     "pod-calibrate": "kvcompress.train.pod_calibrate",
     "pod-adapt": "kvcompress.train.pod_adapt",
+    "duo-calibrate": "kvcompress.train.duo_calibrate",
 }
 
 
@@ -282,8 +283,10 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="cache-op
 
 
 @app.command(context_settings=PASS_THROUGH)
-def train(ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt")]) -> None:
-    """Training steps: LESS kernels, PoD calibration and adaptation."""
+def train(
+    ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate")]
+) -> None:
+    """Training steps: LESS kernels, PoD calibration and adaptation, DuoAttention head scores."""
     delegate(choose("trainer", name, TRAINERS, ctx), ctx.args, f"kvcompress train {name}")
 
 

@@ -39,6 +39,7 @@ _LOCATIONS: dict[str, str] = {
     "kvzip": "kvcompress.methods.kvzip:KVzipConfig",
     "compactor": "kvcompress.methods.compactor:CompactorConfig",
     "periodic": "kvcompress.methods.periodic:PeriodicConfig",
+    "duo": "kvcompress.methods.duo:DuoConfig",
 }
 
 

@@ -139,7 +139,7 @@ def test_methods_lists_every_registered_method_with_its_defaults():
     output = invoke("methods")
     rows = [row for row in table_cells(output) if len(row) == 3]
     assert [row[0] for row in rows] == list(METHODS)
-    assert len(rows) == 23
+    assert len(rows) == 24
     for name, defaults, paper in rows:
         config = METHODS[name]
         fields = dataclasses.fields(config)

@@ -21,7 +21,7 @@ from kvcompress.generation import cache_argument
 from kvcompress.models import tiny_model
 from tests.helpers import cache_logits
 from tests.models.test_devices import DTYPES, DeviceCheck, _library_frame
-from tests.test_cache import EVICTING, PREFILLED, method_of
+from tests.test_cache import EVICTING, HEAD_SPLIT, PREFILLED, method_of
 from tests.test_equivalence import NO_EVICTION, assert_reproduces_model_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -69,10 +69,10 @@ BUILT_ON_THE_CPU = ("/kvcompress/methods/less/kernels.py", "/kvcompress/core/for
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("key", sorted(EVICTING | PREFILLED))
+@pytest.mark.parametrize("key", sorted(EVICTING | PREFILLED | HEAD_SPLIT))
 def test_every_op_runs_on_the_gpu_in_the_models_dtype(key, dtype, cuda_models):
     model = cuda_models[dtype]
-    cache = kvcompress.cache_for(model, method_of(key), **(EVICTING | PREFILLED)[key])
+    cache = kvcompress.cache_for(model, method_of(key), **(EVICTING | PREFILLED | HEAD_SPLIT)[key])
     check = GpuCheck(torch.device("cuda", torch.cuda.current_device()), cpu_only_allowed=False)
     with check:
         logits, _ = cache_logits(model, _ids(2, 16), cache, new_tokens=3)

@@ -15,9 +15,9 @@ import torch
 
 import kvcompress
 from kvcompress.core.model_spec import ModelSpec
-from tests.helpers import cache_logits, own_logits
+from tests.helpers import cache_logits, duo_params_for, own_logits
 from tests.models.zoo import ARCHITECTURES, zoo_model
-from tests.test_cache import EVICTING, PREFILLED, UNEVEN, method_of
+from tests.test_cache import EVICTING, HEAD_SPLIT, PREFILLED, UNEVEN, method_of
 from tests.test_equivalence import NO_EVICTION
 
 PROMPT = 24  # longer than the sliding window
@@ -55,16 +55,17 @@ def test_budget_above_length_gives_the_models_own_logits(kind, method, models, r
             kvcompress.cache_for(model, method, **NO_EVICTION[method])
         return
     reference, ref_sequences = references[kind]
-    cache = kvcompress.cache_for(model, method, **NO_EVICTION[method])
+    cache = kvcompress.cache_for(model, method, **duo_params_for(model, method, NO_EVICTION[method]))
     logits, sequences = cache_logits(model, ids, cache, new_tokens=NEW)
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     assert torch.equal(sequences, ref_sequences)
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
-@pytest.mark.parametrize("key", [*ONE_PER_METHOD, *sorted(PREFILLED)])
+@pytest.mark.parametrize("key", [*ONE_PER_METHOD, *sorted(PREFILLED), *sorted(HEAD_SPLIT)])
 def test_a_real_budget_runs_and_stores_what_the_method_promises(kind, key, models):
-    model, method, params = models[kind], method_of(key), (EVICTING | PREFILLED)[key]
+    model, method, params = models[kind], method_of(key), (EVICTING | PREFILLED | HEAD_SPLIT)[key]
+    params = duo_params_for(model, method, params)
     if method == "kvzip" and any(window is not None for window in ModelSpec.of(model).windows):
         pytest.skip("kvzip refuses sliding-window models (see the logits test)")
     if kind == "gpt2-no-rope" and method in CACHE_POSITIONS:

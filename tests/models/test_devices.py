@@ -26,7 +26,7 @@ import kvcompress.methods.pod.ring_attention as pod_ring_attention
 from kvcompress.methods.window import WindowConfig, WindowPolicy
 from kvcompress.models import tiny_model
 from tests.helpers import cache_logits
-from tests.test_cache import EVICTING, PREFILLED, method_of
+from tests.test_cache import EVICTING, HEAD_SPLIT, PREFILLED, method_of
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,11 +75,11 @@ def models():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("key", sorted(EVICTING | PREFILLED))
+@pytest.mark.parametrize("key", sorted(EVICTING | PREFILLED | HEAD_SPLIT))
 def test_every_step_stays_on_the_models_device_and_dtype(key, dtype, models):
     model = models[dtype]
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    cache = kvcompress.cache_for(model, method_of(key), **(EVICTING | PREFILLED)[key])
+    cache = kvcompress.cache_for(model, method_of(key), **(EVICTING | PREFILLED | HEAD_SPLIT)[key])
     check = DeviceCheck(torch.device("cpu"), cpu_only_allowed=True)
     with torch.device("meta"), check:
         logits, _ = cache_logits(model, ids, cache, new_tokens=3)

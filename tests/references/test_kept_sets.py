@@ -18,7 +18,8 @@ from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.snapkv import SnapKVConfig
 from kvcompress.registry import make_config
-from tests.references import rules, scorer_rules
+from tests.helpers import duo_pattern_file
+from tests.references import duo_rules, rules, scorer_rules
 from tests.references.driver import run_method
 from tests.references.reference import Rule, assert_same_kept
 
@@ -210,6 +211,17 @@ CASES = {
         "snapkv",
         {"ratio": 0.5, "window": 3, "kernel": 3, "allocation": "adakv"},
         partial(scorer_rules.AllocatedSnapKV, ratio=0.5, window=3, kernel=3, allocation="adakv"),
+    ),
+    "duo": ("duo", {"pattern": duo_pattern_file()}, partial(duo_rules.Duo, pattern=duo_pattern_file())),
+    "duo-threshold-sizes": (
+        "duo",
+        {"pattern": duo_pattern_file(), "threshold": 2.5, "sink_size": 1, "recent_size": 3},
+        partial(duo_rules.Duo, pattern=duo_pattern_file(), threshold=2.5, sink_size=1, recent_size=3),
+    ),
+    "duo-slots": (
+        "duo",
+        {"pattern": duo_pattern_file(), "head_compression_ratio": 0.25, "ragged": False},
+        partial(duo_rules.Duo, pattern=duo_pattern_file(), head_compression_ratio=0.25),
     ),
 }
 # methods whose reference runs apart (their compression drives the model itself, outside this driver's record)

@@ -13,7 +13,7 @@ from kvcompress.core.softmax import chunked_softmax
 from kvcompress.generation import cache_argument
 from kvcompress.models.testing import tiny_model
 from tests.test_cache import EVICTING as CACHE_TESTS
-from tests.test_cache import method_of
+from tests.test_cache import HEAD_SPLIT, method_of
 from tests.test_equivalence import NO_EVICTION
 
 # every method (several settings of some) evicting from a 24-token prompt and the 4 tokens decoded after it
@@ -22,7 +22,7 @@ from tests.test_equivalence import NO_EVICTION
 PREFILL_ONLY = {"kvzip"}
 EVICTING = {
     key: params
-    for key, params in {**CACHE_TESTS, "full": {}, "pod": {"block_size": 2, "n_recent": 4}}.items()
+    for key, params in {**CACHE_TESTS, **HEAD_SPLIT, "full": {}, "pod": {"block_size": 2, "n_recent": 4}}.items()
     if method_of(key) not in PREFILL_ONLY
 }
 PROMPT, STEPS = 24, 4

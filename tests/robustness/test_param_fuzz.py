@@ -22,7 +22,7 @@ from kvcompress import params as text_params
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import tiny_model
 from kvcompress.registry import METHODS, method_defaults
-from tests.helpers import tiny_tokenizer_dir
+from tests.helpers import duo_pattern_file, tiny_tokenizer_dir
 
 # parameters a method needs before anything runs, and groups of which at most one may be given
 BASE: dict[str, dict[str, object]] = {
@@ -37,8 +37,9 @@ BASE: dict[str, dict[str, object]] = {
     "expected_attention": {"budget": 8},
     "compactor": {"budget": 8},
     "kvzip": {"budget": 8, "tokenizer": tiny_tokenizer_dir()},
+    "duo": {"pattern": duo_pattern_file()},
 }
-EXCLUSIVE = ({"budget", "ratio"}, {"similarity", "starts", "block_size"})
+EXCLUSIVE = ({"budget", "ratio"}, {"similarity", "starts", "block_size"}, {"head_compression_ratio", "threshold"})
 PROMPT = torch.arange(3, 23)[None]  # 20 tokens of the tiny vocabulary
 NEW_TOKENS = 3
 INVALID_TEXT = {  # -p text every field of that type refuses

@@ -126,6 +126,10 @@ class RaggedLayer(CompressedLayer):
     rank = property(lambda self: self._dense(4) if self.ragged else CompressedLayer.rank.fget(self))
     valid = property(lambda self: self._dense(5) if self.ragged else CompressedLayer.valid.fget(self))
 
+    rows = property(lambda self: (self.pool.batch, self.pool.heads) if self.ragged else CompressedLayer.rows.fget(self))
+    # the methods stored ragged keep no per-token state once compressed
+    state = property(lambda self: {} if self.ragged else CompressedLayer.state.fget(self))
+
     def kept(self) -> StreamView:
         if not self.ragged:
             return super().kept()
@@ -162,6 +166,13 @@ class RaggedLayer(CompressedLayer):
         if not self.ragged:
             return super().allocated_nbytes()
         return self.pool.capacity * self.pool.block * self.pool.token_bytes()
+
+    def allocated_metadata_nbytes(self) -> int:
+        """Bytes of the blocks' bookkeeping as allocated (owner, bias and positions of the pool's capacity)."""
+        if not self.ragged:
+            return super().allocated_metadata_nbytes()
+        pool = self.pool
+        return pool.owner.nbytes + pool.bias.nbytes + pool.meta.nbytes
 
     def metadata_nbytes(self) -> int:
         if not self.ragged:
