@@ -1,0 +1,350 @@
+"""Slot buffers whose keys and values are stored quantized (KIVI, ``core.kivi``), written and evicted in place.
+
+Every slot keeps its token's codes and, for values (quantized per token, in groups of ``group`` channels), its own
+scales and minima, so the slot machinery (writes into victims' slots, compaction, growth, batch reordering) moves a
+quantized token like any other per-slot tensor. Keys are quantized per channel over groups of ``group`` tokens,
+which clashes with slots that are evicted and rewritten one at a time. The choice made here:
+
+- **Key groups are groups of ``group`` consecutive slots** (``capacity`` is kept a multiple of ``group``), with one
+  scale and minimum per channel and group (``key_scale``, ``key_min`` ``[B, H, C / group, d]``). Writing a token
+  into a slot re-quantizes that slot's group: its members are read back (exactly where they are still in the
+  residual window, dequantized otherwise), the new key put in, the range taken over the occupied slots only, and
+  the group quantized again. So a decoding step at the budget re-quantizes one group per row (``group`` keys, work
+  independent of the cache's size); members outside the residual window are rounded again only when the group's
+  range changes (a new token outside it, or an evicted extreme). Compaction (after a prompt chunk that evicted, a
+  one-shot compression) re-forms the groups in stream order and quantizes each from what attention saw (exact
+  values for the forward's own and the residual's tokens).
+- **Residual window**: the newest ``residual`` tokens of the stream (the forward's own tokens included) are also
+  kept in full precision in a ring indexed by stream index modulo ``residual`` (as KIVI and transformers'
+  ``QuantizedCache`` keep their newest tokens unquantized); what attention reads for a stored token in that window
+  is its exact key and value. Evicted tokens in the window stay in the ring until their entry is reused; nothing
+  reads them (a slot is looked up by the stream index it holds). Unlike KIVI, whose residual fills up to
+  ``residual`` tokens and is then quantized at once, the window here slides by one token per step, and the newest
+  tokens' codes are written at once (their group is re-quantized then, not when they leave the window): they
+  cost their codes besides their exact copy, which ``nbytes`` counts.
+- **The forward's own tokens are read exactly**: while a forward runs, its new keys and values are what attention
+  reads for them (transformers' ``QuantizedCache`` and KIVI attend to the prompt in full precision too), so a
+  prompt's attention and the statistics a method takes of it are those of the full cache; later forwards read the
+  stored (dequantized) tokens, and scores and statistics are computed on exactly what attention reads.
+
+With no eviction and ``residual >= group`` every key group is quantized for the last time when its last token
+arrives, from exact values: the stored codes are KIVI's for groups of ``group`` tokens in stream order
+(``tests/references/kivi.py``).
+
+What attention reads is a dequantized copy of the layer's slots, built once per forward (kept until
+``end_forward``): one layer's keys and values in the model's dtype exist at a time, beside the quantized cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcompress.core.kivi import dequantize_keys, dequantize_values, packed_width, quantize_keys, quantize_values
+from kvcompress.core.slots import SlotBuffers, StreamView
+
+
+class QuantizedSlotBuffers(SlotBuffers):
+    """``SlotBuffers`` holding packed codes: ``tensors["keys"]`` and ``tensors["values"]`` are ``uint8`` ``[B, H, C,
+    d * bits / 8]``; ``value_scale``/``value_min`` ``[B, H, C, d / group]`` per slot; ``key_scale``/``key_min``
+    ``[B, H, C / group, d]`` per group of slots; ``ring_keys``/``ring_values`` ``[B, H, residual, d]`` exact."""
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+        real_seen: torch.Tensor,
+        *,
+        bits: int,
+        group: int,
+        residual: int,
+        key_params: tuple[torch.Tensor, torch.Tensor],
+        ring: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        super().__init__(tensors, state, real_seen)
+        self.bits, self.group, self.residual = bits, group, residual
+        self.key_scale, self.key_min = key_params
+        self.ring = ring
+        self.stream_seen = 0  # stream index of the next token (the ring's clock)
+        # (keys, values, where) of the forward being run: ``where`` is the first slot of a range or [B, H, q] slots
+        self.fresh: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor] | None = None
+        self._view_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def empty_quantized(
+        cls, key_states: torch.Tensor, value_states: torch.Tensor, bits: int, group: int, residual: int
+    ) -> QuantizedSlotBuffers:
+        """Empty buffers for keys and values shaped like ``key_states`` and ``value_states`` ``[B, H, q, d]``."""
+        batch, heads, _, key_dim = key_states.shape
+        value_dim = value_states.shape[-1]
+        check_dims(key_dim, value_dim, bits, group)
+        device, dtype = key_states.device, key_states.dtype
+        long = {"dtype": torch.long, "device": device}
+        codes = {"dtype": torch.uint8, "device": device}
+        tensors = {
+            "keys": torch.empty(batch, heads, 0, packed_width(key_dim, bits), **codes),
+            "values": torch.empty(batch, heads, 0, packed_width(value_dim, bits), **codes),
+            "value_scale": value_states.new_empty(batch, heads, 0, value_dim // group),
+            "value_min": value_states.new_empty(batch, heads, 0, value_dim // group),
+            "token_idx": torch.empty(batch, heads, 0, **long),
+            "rope_pos": torch.empty(batch, heads, 0, **long),
+            "rank": torch.empty(batch, heads, 0, **long),
+            "valid": torch.empty(batch, heads, 0, dtype=torch.bool, device=device),
+        }
+        key_params = (key_states.new_zeros(batch, heads, 0, key_dim), key_states.new_zeros(batch, heads, 0, key_dim))
+        ring = None
+        if residual:
+            ring = (
+                torch.zeros(batch, heads, residual, key_dim, dtype=dtype, device=device),
+                value_states.new_zeros(batch, heads, residual, value_dim),
+            )
+        return cls(
+            tensors,
+            {},
+            torch.zeros(batch, **long),
+            bits=bits,
+            group=group,
+            residual=residual,
+            key_params=key_params,
+            ring=ring,
+        )
+
+    # --- capacity and batch ------------------------------------------------------------------------------------
+    def resize(self, capacity: int, keep: int) -> None:
+        """As ``SlotBuffers.resize``, the capacity rounded up to whole key groups."""
+        capacity = -(-capacity // self.group) * self.group
+        super().resize(capacity, keep)
+        groups, kept = capacity // self.group, min(-(-keep // self.group), capacity // self.group)
+        params = []
+        for tensor in (self.key_scale, self.key_min):
+            fresh = tensor.new_zeros(*tensor.shape[:2], groups, tensor.shape[-1])
+            fresh[:, :, :kept] = tensor[:, :, :kept]
+            params.append(fresh)
+        self.key_scale, self.key_min = params
+        self._view_cache = None
+
+    def map_batch(self, fn) -> None:
+        super().map_batch(fn)
+        self.key_scale, self.key_min = fn(self.key_scale), fn(self.key_min)
+        if self.ring is not None:
+            self.ring = (fn(self.ring[0]), fn(self.ring[1]))
+        self.fresh, self._view_cache = None, None
+
+    # --- writes ----------------------------------------------------------------------------------------------
+    def _stream_index(self, seen: int | torch.Tensor) -> int:
+        if not isinstance(seen, int):
+            raise NotImplementedError("quantized storage takes no device-side token count (no captured decoding)")
+        return seen
+
+    def _write_ring(self, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
+        """Put the forward's last ``min(q, residual)`` tokens in their ring entries (stream index mod residual)."""
+        if self.ring is None:
+            return
+        count = keys.shape[2]
+        kept = min(count, self.residual)
+        ring_keys, ring_values = self.ring
+        if kept == 1:
+            entry = (seen + count - 1) % self.residual
+            ring_keys[:, :, entry] = keys[:, :, -1]
+            ring_values[:, :, entry] = values[:, :, -1]
+            return
+        entries = torch.arange(seen + count - kept, seen + count, device=keys.device) % self.residual
+        ring_keys.index_copy_(2, entries, keys[:, :, -kept:])
+        ring_values.index_copy_(2, entries, values[:, :, -kept:])
+
+    def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
+        seen = self._stream_index(seen)
+        count = keys.shape[2]
+        value_codes, value_scale, value_min = quantize_values(values, self.bits, self.group)
+        key_codes = self.keys.new_zeros(*keys.shape[:3], self.keys.shape[-1])
+        super().write_range(start, key_codes, value_codes, seen, state, no_padding)
+        stop = start + count
+        self.tensors["value_scale"][:, :, start:stop] = value_scale
+        self.tensors["value_min"][:, :, start:stop] = value_min
+        self._write_ring(keys, values, seen)
+        self.stream_seen = seen + count
+        low, high = start // self.group * self.group, -(-stop // self.group) * self.group
+        exact = self._exact_keys(low, high)
+        exact[:, :, start - low : stop - low] = keys
+        self._quantize_key_slots(low, high, exact)
+        self.fresh, self._view_cache = (keys, values, start), None
+
+    def write_at(self, slots, keys, values, seen, state, reused_real=False) -> None:
+        seen = self._stream_index(seen)
+        count = keys.shape[2]
+        value_codes, value_scale, value_min = quantize_values(values, self.bits, self.group)
+        key_codes = self.keys.new_zeros(*keys.shape[:3], self.keys.shape[-1])
+        super().write_at(slots, key_codes, value_codes, seen, state, reused_real)
+        per_group = slots[..., None].expand_as(value_scale)
+        self.tensors["value_scale"].scatter_(2, per_group, value_scale)
+        self.tensors["value_min"].scatter_(2, per_group, value_min)
+        self._write_ring(keys, values, seen)
+        self.stream_seen = seen + count
+        if count == 1:
+            self._requantize_group_of(slots, keys)
+        else:  # a forward of several tokens into a holed layer: every group again (the forward is O(cache) anyway)
+            exact = self._exact_keys(0, self.capacity)
+            exact.scatter_(2, slots[..., None].expand_as(keys), keys)
+            self._quantize_key_slots(0, self.capacity, exact)
+        self.fresh, self._view_cache = (keys, values, slots), None
+
+    # --- keys: reading back, re-quantizing ---------------------------------------------------------------------
+    def _in_window(self, token_idx: torch.Tensor) -> torch.Tensor:
+        return token_idx >= max(self.stream_seen - self.residual, 0)
+
+    def _overlay_ring(self, tensor: torch.Tensor, token_idx: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """``tensor`` ``[B, H, n, d]`` with the rows whose token is in the residual window read from ``ring``."""
+        if self.ring is None:
+            return tensor
+        entry = token_idx.remainder(self.residual)[..., None].expand(*token_idx.shape, ring.shape[-1])
+        return torch.where(self._in_window(token_idx)[..., None], ring.gather(2, entry), tensor)
+
+    def _exact_keys(self, low: int, high: int) -> torch.Tensor:
+        """Keys of slots ``[low, high)`` (whole groups): exact in the residual window, dequantized elsewhere."""
+        first, last = low // self.group, high // self.group
+        codes = self.keys[:, :, low:high].unflatten(2, (last - first, self.group))
+        keys = dequantize_keys(codes, self.key_scale[:, :, first:last], self.key_min[:, :, first:last], self.bits)
+        keys = keys.flatten(2, 3)
+        return self._overlay_ring(keys, self.token_idx[:, :, low:high], self._ring(0, keys))
+
+    def _ring(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        return like if self.ring is None else self.ring[index]
+
+    def _quantize_key_slots(self, low: int, high: int, exact: torch.Tensor) -> None:
+        """Quantize ``exact`` ``[B, H, high - low, d]`` as the key groups of slots ``[low, high)``."""
+        groups = (high - low) // self.group
+        occupied = (self.token_idx[:, :, low:high] >= 0).unflatten(2, (groups, self.group))
+        codes, scale, minimum = quantize_keys(exact.unflatten(2, (groups, self.group)), self.bits, occupied)
+        self.keys[:, :, low:high] = codes.flatten(2, 3)
+        first = low // self.group
+        self.key_scale[:, :, first : first + groups] = scale
+        self.key_min[:, :, first : first + groups] = minimum
+
+    def _requantize_group_of(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Re-quantize, per row, the key group of the slot ``slots`` ``[B, H, 1]`` that ``keys`` was written to."""
+        group_index = slots // self.group  # [B, H, 1]
+        members = group_index * self.group + torch.arange(self.group, device=slots.device)  # [B, H, G]
+        width, dim = self.keys.shape[-1], keys.shape[-1]
+        codes = self.keys.gather(2, members[..., None].expand(*members.shape, width))
+        per_group = group_index[..., None].expand(*group_index.shape, dim)
+        scale, minimum = self.key_scale.gather(2, per_group), self.key_min.gather(2, per_group)
+        exact = dequantize_keys(codes[:, :, None], scale, minimum, self.bits)[:, :, 0]
+        token_idx = self.token_idx.gather(2, members)
+        exact = self._overlay_ring(exact, token_idx, self._ring(0, exact))
+        exact.scatter_(2, (slots % self.group)[..., None].expand_as(keys), keys)
+        codes, scale, minimum = quantize_keys(exact[:, :, None], self.bits, (token_idx >= 0)[:, :, None])
+        self.keys.scatter_(2, members[..., None].expand(*members.shape, width), codes[:, :, 0])
+        self.key_scale.scatter_(2, per_group, scale)
+        self.key_min.scatter_(2, per_group, minimum)
+
+    # --- what attention reads ----------------------------------------------------------------------------------
+    def view(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``[0, width)`` as attention reads them (``[B, H, width, d]``, the model's
+        dtype): dequantized, exact in the residual window and for the forward's own tokens. Built once per
+        forward and state of the slots."""
+        key = (width, self.stream_seen, id(self.fresh))
+        if self._view_cache is not None and self._view_cache[0] == key:
+            return self._view_cache[1]
+        span = -(-width // self.group) * self.group
+        groups = span // self.group
+        codes = self.keys[:, :, :span].unflatten(2, (groups, self.group))
+        keys = dequantize_keys(codes, self.key_scale[:, :, :groups], self.key_min[:, :, :groups], self.bits)
+        keys = keys.flatten(2, 3)[:, :, :width]
+        tensors = self.tensors
+        values = dequantize_values(
+            tensors["values"][:, :, :width], tensors["value_scale"][:, :, :width], tensors["value_min"][:, :, :width],
+            self.bits,
+        )
+        token_idx = self.token_idx[:, :, :width]
+        keys = self._overlay_ring(keys, token_idx, self._ring(0, keys))
+        values = self._overlay_ring(values, token_idx, self._ring(1, values))
+        if self.fresh is not None:
+            new_keys, new_values, where = self.fresh
+            if isinstance(where, int):
+                keys[:, :, where : where + new_keys.shape[2]] = new_keys
+                values[:, :, where : where + new_values.shape[2]] = new_values
+            else:
+                keys.scatter_(2, where[..., None].expand_as(new_keys), new_keys)
+                values.scatter_(2, where[..., None].expand_as(new_values), new_values)
+        self._view_cache = (key, (keys, values))
+        return keys, values
+
+    def end_forward(self) -> None:
+        """The forward is over: its tokens are read from storage from now on; the dequantized copy goes."""
+        self.fresh, self._view_cache = None, None
+
+    # --- compaction and inspection -----------------------------------------------------------------------------
+    def compact(self, width: int, ordered: bool, shrink: bool) -> tuple[int, bool]:
+        """As ``SlotBuffers.compact``; the key groups are then formed anew in stream order and quantized from what
+        attention read (exact for the forward's and the residual window's tokens)."""
+        self.tensors["keys_read"] = self.view(width)[0]
+        used, ragged = super().compact(width, ordered, False)
+        exact = self.tensors.pop("keys_read")[:, :, :used]
+        high = -(-used // self.group) * self.group
+        if high > used:
+            exact = torch.cat([exact, exact.new_zeros(*exact.shape[:2], high - used, exact.shape[-1])], dim=2)
+        self.fresh, self._view_cache = None, None
+        if high:
+            self._quantize_key_slots(0, high, exact)
+        if shrink:
+            self.shrink(used + 1)
+        return used, ragged
+
+    def free_at(self, slots: torch.Tensor) -> None:
+        super().free_at(slots)
+        self._view_cache = None
+
+    def free_mask(self, dropped: torch.Tensor, width: int) -> None:
+        super().free_mask(dropped, width)
+        self._view_cache = None
+
+    def stream_view(self, width: int) -> StreamView:
+        keys, values = self.view(width)
+        token_idx = self.token_idx[:, :, :width]
+        key = torch.where(token_idx >= 0, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
+        order = key.argsort(dim=-1)[..., : int((token_idx >= 0).sum(-1).max()) if width else 0]
+
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+            return tensor[:, :, :width].gather(2, index)
+
+        return StreamView(
+            keys=take(keys),
+            values=take(values),
+            token_idx=take(self.token_idx),
+            rope_pos=take(self.rope_pos),
+            valid=take(self.valid),
+            rank=take(self.rank),
+            state={name: take(value) for name, value in self.state.items()},
+        )
+
+    # --- accounting ------------------------------------------------------------------------------------------
+    def kv_bytes_per_slot(self) -> int:
+        """Codes of a slot's key and value, and its value's scales and minima."""
+        names = ("keys", "values", "value_scale", "value_min")
+        return sum(self._bytes_per_slot(self.tensors[name]) for name in names)
+
+    def key_params_nbytes(self, slots: int) -> int:
+        """Bytes of the key groups' scales and minima covering ``slots`` slots."""
+        per_group = 2 * self.key_scale[:, :, :1].numel() * self.key_scale.element_size()
+        return math.ceil(slots / self.group) * per_group
+
+    def ring_nbytes(self, allocated: bool) -> int:
+        """Bytes of the residual window's exact keys and values (held, or as allocated)."""
+        if self.ring is None:
+            return 0
+        entries = self.residual if allocated else min(self.stream_seen, self.residual)
+        return sum(entries * t[:, :, :1].numel() * t.element_size() for t in self.ring)
+
+
+def check_dims(key_dim: int, value_dim: int, bits: int, group: int) -> None:
+    """``ValueError`` unless values split into channel groups and both pack into whole bytes."""
+    if value_dim % group:
+        raise ValueError(
+            f"kv_group must divide the value head dimension ({value_dim}) for per-token value groups; got {group}"
+        )
+    per_byte = 8 // bits
+    if key_dim % per_byte or value_dim % per_byte:
+        raise ValueError(f"kv_bits={bits} packs {per_byte} codes per byte: head dimensions must be multiples of it")
+
