@@ -1,0 +1,220 @@
+"""Quantized storage (``kv_bits``, issue 49): KIVI's arithmetic, the reference without eviction, eviction in place,
+bytes, errors; and transformers' ``QuantizedCache`` (quanto backend) where optimum-quanto is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import kvcompress
+from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.quantized_layer import QuantizedLayer
+from kvcompress.generation import cache_argument
+from kvcompress.models.testing import tiny_model
+from tests.references.kivi import KiviReferenceCache, minmax_roundtrip
+
+
+def forced_logits(model, ids: torch.Tensor, cache, prompt: int) -> torch.Tensor:
+    """Logits of every position from ``prompt - 1`` on: the prompt in one forward, then one token per forward."""
+    with torch.no_grad():
+        out = [model(ids[:, :prompt], **cache_argument(model, cache), use_cache=True).logits[:, -1]]
+        for step in range(prompt, ids.shape[1]):
+            out.append(model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- arithmetic ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (3, 5, 16), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape[-1] == 16 * bits // 8 and packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantizers_match_the_reference_arithmetic(bits, dtype):
+    x = (torch.randn(2, 3, 4, 8, 16) * 3).to(dtype)  # [..., n groups, G tokens, d]
+    codes, scale, low = quantize_keys(x, bits)
+    keys = dequantize_keys(codes, scale, low, bits)
+    assert keys.dtype == dtype
+    expected = minmax_roundtrip(x, bits, dim=-2)
+    # the reference rounds ``code * scale`` and ``+ min`` apart, ``addcmul`` once: one unit in the dtype's last place
+    ulp = 2 * torch.finfo(dtype).eps * float(x.float().abs().max())
+    torch.testing.assert_close(keys, expected, rtol=0, atol=ulp)
+    assert float((keys.float() - x.float()).abs().max()) <= float(scale.float().max()) * 0.5 + ulp
+    values = x.flatten(-3, -2)  # [..., tokens, d]: per token, channel groups of 8
+    codes, scale, low = quantize_values(values, bits, 8)
+    read = dequantize_values(codes, scale, low, bits)
+    expected = minmax_roundtrip(values.unflatten(-1, (2, 8)), bits, dim=-1).flatten(-2)
+    torch.testing.assert_close(read, expected, rtol=0, atol=ulp)
+
+
+def test_constant_group_reads_back_exactly():
+    x = torch.full((1, 1, 1, 4, 8), 0.37)
+    codes, scale, low = quantize_keys(x, 4)
+    assert float(scale.abs().max()) == 0 and torch.equal(dequantize_keys(codes, scale, low, 4), x)
+
+
+# --- against the reference, no eviction ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("bits,group,residual", [(8, 8, 16), (4, 8, 16), (4, 16, 16), (2, 4, 8)])
+def test_full_quantized_equals_reference(kind, bits, group, residual):
+    """Prompt in one forward (its attention exact), then decoding: logits of every step match the independent
+    reference of KIVI's arithmetic (and differ from the full-precision cache's: quantization happened)."""
+    model = tiny_model(kind)
+    ids = token_ids(2, 70)
+    cache = kvcompress.cache_for(model, "full", kv_bits=bits, kv_group=group, kv_residual=residual)
+    ours = forced_logits(model, ids, cache, 37)
+    reference = forced_logits(model, ids, KiviReferenceCache(2, bits, group, residual), 37)
+    exact = forced_logits(model, ids, DynamicCache(config=model.config), 37)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ours[:, 0], exact[:, 0], rtol=1e-5, atol=1e-5)  # the prompt's own forward: exact
+    assert float((ours - exact).abs().max()) > 1e-3
+
+
+def test_chunked_prompt_equals_reference():
+    """A prompt in chunks: each chunk reads the earlier chunks as stored (quantized beyond the residual window)."""
+    model = tiny_model()
+    ids = token_ids(1, 60, seed=3)
+    cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=8, kv_residual=16)
+    reference = KiviReferenceCache(2, 4, 8, 16)
+    with torch.no_grad():
+        for start in (0, 24, 48):
+            ours = model(ids[:, start : start + 24], **cache_argument(model, cache), use_cache=True).logits
+            theirs = model(ids[:, start : start + 24], **cache_argument(model, reference), use_cache=True).logits
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+
+
+def test_kv_bits_16_is_the_full_precision_layer():
+    model = tiny_model()
+    ids = token_ids(2, 40)
+    cache = kvcompress.cache_for(model, "h2o", budget=24, kv_bits=16)
+    assert all(type(layer) is CompressedLayer for layer in cache.layers)
+    plain = forced_logits(model, ids, kvcompress.cache_for(model, "h2o", budget=24), 20)
+    assert torch.equal(forced_logits(model, ids, cache, 20), plain)
+
+
+# --- with eviction -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,params", [("h2o", {"budget": 24}), ("knorm", {"budget": 20}),
+                                           ("snapkv", {"ratio": 0.5}), ("tova", {"budget": 24})])
+def test_evicting_methods_store_quantized(method, params):
+    model = tiny_model()
+    ids = token_ids(2, 64)
+    cache = kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
+    logits = forced_logits(model, ids, cache, 30)
+    assert torch.isfinite(logits).all()
+    assert all(type(layer) is QuantizedLayer for layer in cache.layers)
+    full = kvcompress.cache_for(model, method, **params)
+    forced_logits(model, ids, full, 30)
+    assert cache.tokens_stored() == full.tokens_stored()
+    assert cache.nbytes() < full.nbytes()
+    assert cache.nbytes() <= cache.allocated_nbytes()
+
+
+def test_reads_in_the_residual_window_are_exact_and_groups_cover_the_occupied_slots():
+    """H2O at its budget rewrites victims' slots in place: the newest tokens read back exactly, every other stored
+    key within half a step of its group's grid, and each group's range spans only its occupied slots."""
+    model = tiny_model()
+    ids = token_ids(1, 80, seed=5)
+    cache = kvcompress.cache_for(model, "h2o", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
+    captured = []
+    model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.append(o))
+    forced_logits(model, ids, cache, 40)
+    layer = cache.layers[1]
+    slots = layer.slots
+    keys, _ = slots.view(slots.capacity)
+    newest = slots.token_idx >= layer.seen - 8
+    assert int(newest.sum()) > 0
+    groups = slots.key_scale.shape[2]
+    occupied = (slots.token_idx >= 0).unflatten(2, (groups, 8))
+    grouped = keys[:, :, : groups * 8].unflatten(2, (groups, 8)).float()
+    low = torch.where(occupied[..., None], grouped, torch.inf).amin(-2)
+    # a group's minimum is attained by one of its occupied members (read exactly or as code 0)
+    has = occupied.any(-1)
+    stored_min = slots.key_min.float()
+    assert bool(((low - stored_min).abs()[has] <= slots.key_scale.float()[has] * 0.5 + 1e-5).all())
+
+
+def test_bytes_are_codes_scales_and_the_residual():
+    model = tiny_model()  # 2 layers, 2 KV heads, head_dim 16
+    ids = token_ids(1, 40)
+    cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=8, kv_residual=16)
+    forced_logits(model, ids, cache, 40)
+    heads, dim, tokens = 2, 16, 40
+    codes = 2 * tokens * heads * dim // 2  # keys and values, two codes a byte
+    value_params = 2 * tokens * heads * (dim // 8) * 4  # scale and minimum per token and channel group, fp32
+    key_params = 2 * (tokens // 8) * heads * dim * 4  # scale and minimum per key group and channel
+    residual = 2 * 16 * heads * dim * 4  # exact keys and values of the newest 16 tokens
+    assert cache.nbytes() == 2 * (codes + value_params + key_params + residual)
+
+
+# --- errors --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"kv_bits": 3}, "kv_bits must be one of 16, 8, 4, 2, got 3"),
+        ({"kv_group": 0}, "kv_group must be at least 1"),
+        ({"kv_bits": 4, "kv_residual": 20, "kv_group": 8}, "kv_residual must be 0 or a multiple of kv_group (8)"),
+    ],
+)
+def test_parameters_are_checked(params, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        kvcompress.make_config("h2o", **params)
+
+
+def test_refused_where_the_storage_is_not_slots():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'cascade'"):
+        kvcompress.cache_for(model, "cascade", kv_bits=4)
+    with pytest.raises(ValueError, match="circular=false"):
+        kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
+    cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)
+    assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
+
+
+def test_group_must_divide_the_value_head_dimension():
+    model = tiny_model()  # head_dim 16
+    cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=32, kv_residual=32)
+    with pytest.raises(ValueError, match=r"kv_group must divide the value head dimension \(16\)"):
+        forced_logits(model, token_ids(1, 10), cache, 10)
+
+
+# --- transformers' QuantizedCache (optimum-quanto) ----------------------------------------------------------------
+needs_quanto = pytest.mark.skipif(
+    importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None,
+    reason="optimum-quanto not installed (transformers' QuantizedCache backend)",
+)
+
+
+@needs_quanto
+def test_within_quantization_noise_of_transformers_quantized_cache():
+    """Same bits, group and residual as transformers' ``QuantizedCache`` with KIVI's axes (keys per channel,
+    values per token) on the quanto backend: ours and theirs differ from the exact cache by the same order, and from
+    each other by no more than that. (They differ in when tokens leave the exact window: transformers quantizes the
+    whole prompt after its forward and re-quantizes everything each time its residual fills.)"""
+    from transformers.cache_utils import QuantizedCache
+
+    model = tiny_model()
+    ids = token_ids(2, 96)
+    bits, group, residual = 4, 16, 32
+    theirs_cache = QuantizedCache(
+        "quanto", model.config, nbits=bits, axis_key=-1, axis_value=0, q_group_size=group, residual_length=residual
+    )
+    ours_cache = kvcompress.cache_for(model, "full", kv_bits=bits, kv_group=group, kv_residual=residual)
+    exact = forced_logits(model, ids, DynamicCache(config=model.config), 64)
+    theirs = forced_logits(model, ids, theirs_cache, 64)
+    ours = forced_logits(model, ids, ours_cache, 64)
+    noise = float((theirs - exact).abs().max())
+    assert noise > 1e-3
+    assert float((ours - exact).abs().max()) <= 2 * noise
+    assert float((ours - theirs).abs().max()) <= 2 * noise
