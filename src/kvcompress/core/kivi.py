@@ -14,7 +14,7 @@ What forms a group differs, as in KIVI:
 Scales and minima are computed in float32, rounded to the storage dtype (the model's), and the codes are computed
 with those rounded parameters, so dequantizing with the stored parameters is what was meant. A group whose numbers
 are all equal gets a zero scale and codes 0 (it reads back exactly). Codes of ``bits < 8`` are packed into bytes
-along the last dimension, ``8 // bits`` codes per byte, the first code in the low bits (``pack``/``unpack``).
+along the last dimension, ``8 // bits`` codes per byte (``pack``/``unpack``: a byte holds channels ``w / k`` apart, so each shift of the packed bytes gives a contiguous run of channels to dequantize in one op).
 
 Choice: plain tensor ops rather than a library. optimum-quanto's and HQQ's quantized tensors (the backends of
 transformers' ``QuantizedCache``) quantize a whole tensor at once and are rebuilt to change one token, while a
@@ -36,24 +36,31 @@ def packed_width(width: int, bits: int) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``uint8`` codes ``[..., w]`` (each ``< 2**bits``) packed along the last dimension to ``[..., w * bits / 8]``."""
+    """``uint8`` codes ``[..., w]`` (each ``< 2**bits``) packed to ``[..., w * bits / 8]``: byte ``j`` holds codes
+    ``j, j + w/k, j + 2w/k, ...`` (``k = 8 // bits`` codes per byte, the first in the low bits), so unpacking gives
+    ``k`` contiguous runs of channels."""
     if bits == 8:
         return codes
-    per_byte = 8 // bits
-    parts = codes.view(*codes.shape[:-1], -1, per_byte)
-    packed = parts[..., 0].clone()
-    for index in range(1, per_byte):
-        packed |= parts[..., index] << (bits * index)
+    parts = codes.unflatten(-1, (8 // bits, -1))
+    packed = parts[..., 0, :].clone()
+    for index in range(1, 8 // bits):
+        packed |= parts[..., index, :] << (bits * index)
     return packed
+
+
+def unpacked_part(packed: torch.Tensor, bits: int, index: int) -> torch.Tensor:
+    """Codes of the ``index``-th run of channels held in ``packed`` (``uint8``)."""
+    if bits == 8:
+        return packed
+    shifted = packed >> (bits * index) if index else packed
+    return shifted & ((1 << bits) - 1) if index < 8 // bits - 1 else shifted
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of ``pack``: ``uint8`` codes ``[..., w]``."""
     if bits == 8:
         return packed
-    mask = (1 << bits) - 1
-    parts = [(packed >> (bits * index)) & mask for index in range(8 // bits)]
-    return torch.stack(parts, dim=-1).flatten(-2)
+    return torch.cat([unpacked_part(packed, bits, index) for index in range(8 // bits)], dim=-1)
 
 
 def _min_scale(
@@ -85,11 +92,23 @@ def dequantize_values(
     packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``[..., d]`` values back from ``quantize_values``' output (written into ``out`` when given)."""
-    codes = unpack(packed, bits).unflatten(-1, (scale.shape[-1], -1)).to(scale.dtype)
-    result = torch.addcmul(low[..., None], codes, scale[..., None]).flatten(-2)
+    groups = scale.shape[-1]
+    width = packed.shape[-1] * 8 // bits
     if out is None:
-        return result
-    return out.copy_(result)
+        out = scale.new_empty(*packed.shape[:-1], width)
+    runs = 8 // bits
+    run = width // runs
+    if run % (width // groups):  # a run of channels splits a value group: unpack whole
+        codes = unpack(packed, bits).unflatten(-1, (groups, -1))
+        torch.addcmul(low[..., None], codes.to(scale.dtype), scale[..., None], out=out.unflatten(-1, (groups, -1)))
+        return out
+    per_run = groups // runs
+    for index in range(runs):
+        codes = unpacked_part(packed, bits, index).to(scale.dtype).unflatten(-1, (per_run, -1))
+        part = slice(index * per_run, (index + 1) * per_run)
+        target = out[..., index * run : (index + 1) * run].unflatten(-1, (per_run, -1))
+        torch.addcmul(low[..., part, None], codes, scale[..., part, None], out=target)
+    return out
 
 
 def quantize_keys(
@@ -114,7 +133,17 @@ def quantize_keys(
     return pack(codes, bits), scale, low
 
 
-def dequantize_keys(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., n, G, d]`` keys back from ``quantize_keys``' output."""
-    codes = unpack(packed, bits).to(scale.dtype)
-    return torch.addcmul(low[..., None, :], codes, scale[..., None, :])
+def dequantize_keys(
+    packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[..., n, G, d]`` keys back from ``quantize_keys``' output (written into ``out`` when given)."""
+    width = scale.shape[-1]
+    if out is None:
+        out = scale.new_empty(*packed.shape[:-1], width)
+    runs = 8 // bits
+    run = width // runs
+    for index in range(runs):
+        channels = slice(index * run, (index + 1) * run)
+        codes = unpacked_part(packed, bits, index).to(scale.dtype)
+        torch.addcmul(low[..., None, channels], codes, scale[..., None, channels], out=out[..., channels])
+    return out

@@ -66,6 +66,8 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.bits, self.group, self.residual = bits, group, residual
         self.key_scale, self.key_min = key_params
         self.ring = ring
+        # the slot each ring entry's token was written to (checked against ``token_idx`` when read)
+        self.ring_slot = None if ring is None else torch.zeros(ring[0].shape[:3], dtype=torch.long, device=ring[0].device)
         self.stream_seen = 0  # stream index of the next token (the ring's clock)
         # (keys, values, where) of the forward being run: ``where`` is the first slot of a range or [B, H, q] slots
         self.fresh: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor] | None = None
@@ -129,6 +131,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.key_scale, self.key_min = fn(self.key_scale), fn(self.key_min)
         if self.ring is not None:
             self.ring = (fn(self.ring[0]), fn(self.ring[1]))
+            self.ring_slot = fn(self.ring_slot)
         self.fresh, self._view_cache = None, None
 
     # --- writes ----------------------------------------------------------------------------------------------
@@ -137,8 +140,9 @@ class QuantizedSlotBuffers(SlotBuffers):
             raise NotImplementedError("quantized storage takes no device-side token count (no captured decoding)")
         return seen
 
-    def _write_ring(self, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
-        """Put the forward's last ``min(q, residual)`` tokens in their ring entries (stream index mod residual)."""
+    def _write_ring(self, keys: torch.Tensor, values: torch.Tensor, seen: int, slots: int | torch.Tensor) -> None:
+        """Put the forward's last ``min(q, residual)`` tokens in their ring entries (stream index mod residual),
+        with the slots they were written to (``slots``: the first of a range, or ``[B, H, q]``)."""
         if self.ring is None:
             return
         count = keys.shape[2]
@@ -148,10 +152,29 @@ class QuantizedSlotBuffers(SlotBuffers):
             entry = (seen + count - 1) % self.residual
             ring_keys[:, :, entry] = keys[:, :, -1]
             ring_values[:, :, entry] = values[:, :, -1]
+            if isinstance(slots, int):
+                self.ring_slot[:, :, entry] = slots + count - 1
+            else:
+                self.ring_slot[:, :, entry] = slots[:, :, -1]
             return
         entries = torch.arange(seen + count - kept, seen + count, device=keys.device) % self.residual
         ring_keys.index_copy_(2, entries, keys[:, :, -kept:])
         ring_values.index_copy_(2, entries, values[:, :, -kept:])
+        if isinstance(slots, int):
+            written = torch.arange(slots + count - kept, slots + count, device=keys.device)
+            self.ring_slot.index_copy_(2, entries, written.expand(*self.ring_slot.shape[:2], -1))
+        else:
+            self.ring_slot.index_copy_(2, entries, slots[:, :, -kept:])
+
+    def _reindex_ring(self, width: int) -> None:
+        """After slots moved (compaction): each ring entry's slot found again from ``token_idx``."""
+        if self.ring is None:
+            return
+        token_idx = self.token_idx[:, :, :width]
+        entry = torch.where(self._in_window(token_idx), token_idx.remainder(self.residual), self.residual)
+        slot = torch.arange(width, device=token_idx.device).expand_as(token_idx)
+        found = self.ring_slot.new_zeros(*self.ring_slot.shape[:2], self.residual + 1).scatter_(2, entry, slot)
+        self.ring_slot = found[:, :, : self.residual].contiguous()
 
     def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
         seen = self._stream_index(seen)
@@ -162,7 +185,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         stop = start + count
         self.tensors["value_scale"][:, :, start:stop] = value_scale
         self.tensors["value_min"][:, :, start:stop] = value_min
-        self._write_ring(keys, values, seen)
+        self._write_ring(keys, values, seen, start)
         self.stream_seen = seen + count
         low, high = start // self.group * self.group, -(-stop // self.group) * self.group
         exact = self._exact_keys(low, high)
@@ -179,7 +202,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         per_group = slots[..., None].expand_as(value_scale)
         self.tensors["value_scale"].scatter_(2, per_group, value_scale)
         self.tensors["value_min"].scatter_(2, per_group, value_min)
-        self._write_ring(keys, values, seen)
+        self._write_ring(keys, values, seen, slots)
         self.stream_seen = seen + count
         if count == 1:
             self._requantize_group_of(slots, keys)
@@ -242,33 +265,65 @@ class QuantizedSlotBuffers(SlotBuffers):
     def view(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[0, width)`` as attention reads them (``[B, H, width, d]``, the model's
         dtype): dequantized, exact in the residual window and for the forward's own tokens. Built once per
-        forward and state of the slots."""
+        forward and state of the slots, into buffers one slot wider than read (exact copies of tokens no longer
+        stored land there, so every write is one ``index_copy_`` without a host read)."""
         key = (width, self.stream_seen, id(self.fresh))
         if self._view_cache is not None and self._view_cache[0] == key:
             return self._view_cache[1]
-        span = -(-width // self.group) * self.group
-        groups = span // self.group
-        codes = self.keys[:, :, :span].unflatten(2, (groups, self.group))
-        keys = dequantize_keys(codes, self.key_scale[:, :, :groups], self.key_min[:, :, :groups], self.bits)
-        keys = keys.flatten(2, 3)[:, :, :width]
-        tensors = self.tensors
-        values = dequantize_values(
-            tensors["values"][:, :, :width], tensors["value_scale"][:, :, :width], tensors["value_min"][:, :, :width],
+        tensors, group = self.tensors, self.group
+        batch, heads = self.token_idx.shape[:2]
+        rows = -(-(width + 1) // group) * group  # whole key groups, one slot more than read
+        quantized = min(rows, self.capacity) // group
+        keys = self.key_scale.new_empty(batch, heads, rows, self.key_scale.shape[-1])
+        codes = self.keys[:, :, : quantized * group].unflatten(2, (quantized, group))
+        scale, minimum = self.key_scale[:, :, :quantized], self.key_min[:, :, :quantized]
+        dequantize_keys(codes, scale, minimum, self.bits, out=keys[:, :, : quantized * group].unflatten(2, (-1, group)))
+        values = tensors["value_scale"].new_empty(batch, heads, width + 1, self.ring_values_dim())
+        dequantize_values(
+            tensors["values"][:, :, :width],
+            tensors["value_scale"][:, :, :width],
+            tensors["value_min"][:, :, :width],
             self.bits,
+            out=values[:, :, :width],
         )
-        token_idx = self.token_idx[:, :, :width]
-        keys = self._overlay_ring(keys, token_idx, self._ring(0, keys))
-        values = self._overlay_ring(values, token_idx, self._ring(1, values))
+        if self.ring is not None and self.stream_seen:
+            rows_of = self._row_offsets(rows)
+            read = self._ring_targets(width)
+            keys.view(-1, keys.shape[-1]).index_copy_(0, (rows_of + read).flatten(), self.ring[0].flatten(0, 2))
+            read = self._row_offsets(width + 1) + read
+            values.view(-1, values.shape[-1]).index_copy_(0, read.flatten(), self.ring[1].flatten(0, 2))
         if self.fresh is not None:
             new_keys, new_values, where = self.fresh
             if isinstance(where, int):
                 keys[:, :, where : where + new_keys.shape[2]] = new_keys
                 values[:, :, where : where + new_values.shape[2]] = new_values
             else:
-                keys.scatter_(2, where[..., None].expand_as(new_keys), new_keys)
-                values.scatter_(2, where[..., None].expand_as(new_values), new_values)
-        self._view_cache = (key, (keys, values))
-        return keys, values
+                keys.view(-1, keys.shape[-1]).index_copy_(0, (self._row_offsets(rows) + where).flatten(),
+                                                          new_keys.flatten(0, 2))
+                values.view(-1, values.shape[-1]).index_copy_(0, (self._row_offsets(width + 1) + where).flatten(),
+                                                              new_values.flatten(0, 2))
+        result = (keys[:, :, :width], values[:, :, :width])
+        self._view_cache = (key, result)
+        return result
+
+    def ring_values_dim(self) -> int:
+        return self.tensors["value_scale"].shape[-1] * self.group
+
+    def _row_offsets(self, rows: int) -> torch.Tensor:
+        """``[B, H, 1]`` offsets of each (sequence, head) row in a ``[B, H, rows, d]`` buffer seen as rows."""
+        batch, heads = self.token_idx.shape[:2]
+        return (torch.arange(batch * heads, device=self.token_idx.device) * rows).view(batch, heads, 1)
+
+    def _ring_targets(self, width: int) -> torch.Tensor:
+        """``[B, H, residual]``: the slot each ring entry's exact copy is read into; ``width`` (the spare slot) for
+        an entry whose token is no longer stored there or not written yet."""
+        seen, residual = self.stream_seen, self.residual
+        entry = torch.arange(residual, device=self.ring_slot.device)
+        newest = seen - 1 - (seen - 1 - entry).remainder(residual)  # the stream index each entry holds
+        newest = torch.where(newest >= 0, newest, -2)
+        slot = self.ring_slot.clamp(max=width - 1) if width else self.ring_slot.clamp(max=0)
+        holds = self.token_idx[:, :, : max(width, 1)].gather(2, slot) == newest
+        return torch.where(holds & (self.ring_slot < width), self.ring_slot, width)
 
     def end_forward(self) -> None:
         """The forward is over: its tokens are read from storage from now on; the dequantized copy goes."""
@@ -285,6 +340,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         if high > used:
             exact = torch.cat([exact, exact.new_zeros(*exact.shape[:2], high - used, exact.shape[-1])], dim=2)
         self.fresh, self._view_cache = None, None
+        self._reindex_ring(used)
         if high:
             self._quantize_key_slots(0, high, exact)
         if shrink:
