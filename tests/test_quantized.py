@@ -105,8 +105,10 @@ def test_kv_bits_16_is_the_full_precision_layer():
 
 
 # --- with eviction -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,params", [("h2o", {"budget": 24}), ("knorm", {"budget": 20}),
-                                           ("snapkv", {"ratio": 0.5}), ("tova", {"budget": 24})])
+@pytest.mark.parametrize(
+    "method,params",
+    [("h2o", {"budget": 24}), ("knorm", {"budget": 20}), ("snapkv", {"ratio": 0.5}), ("tova", {"budget": 24})],
+)
 def test_evicting_methods_store_quantized(method, params):
     model = tiny_model()
     ids = token_ids(2, 64)

@@ -4,8 +4,9 @@ It keeps every key and value exactly and, at each forward, returns them as KIVI'
 attention: keys quantized per channel over groups of ``group`` tokens in stream order, values per token over groups
 of ``group`` channels, min-max asymmetric with ``bits`` bits (``code = round((x - min) / scale)``, ``scale = (max -
 min) / (2**bits - 1)``, both parameters rounded to the model's dtype, read back as ``code * scale + min``), and the
-newest ``residual`` tokens and the forward's own tokens exact. Plain loops over groups and tokens, no packing, no
-slots: nothing of ``kvcompress.core.kivi`` or ``core.quantized_slots``.
+newest tokens exact: the forward's own, and those from the residual window's start on, which moves a whole group at
+a time (the first multiple of ``group`` at or after ``T - residual``, ``T`` the tokens seen). Plain loops over
+groups and tokens, no packing, no slots: nothing of ``kvcompress.core.kivi`` or ``core.quantized_slots``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def minmax_roundtrip(block: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def kivi_read(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, residual: int, fresh: int):
     """What attention reads of the exact ``keys``/``values`` ``[B, H, T, d]`` after a forward of ``fresh`` tokens."""
     total = keys.shape[2]
-    exact_from = max(min(total - fresh, total - residual), 0)
+    window = max(0, -(-(total - residual) // group) * group) if residual else total
+    exact_from = min(total - fresh, window)
     keys_read, values_read = keys.clone(), values.clone()
     for start in range(0, exact_from, group):
         stop = start + group

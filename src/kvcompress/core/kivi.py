@@ -14,7 +14,8 @@ What forms a group differs, as in KIVI:
 Scales and minima are computed in float32, rounded to the storage dtype (the model's), and the codes are computed
 with those rounded parameters, so dequantizing with the stored parameters is what was meant. A group whose numbers
 are all equal gets a zero scale and codes 0 (it reads back exactly). Codes of ``bits < 8`` are packed into bytes
-along the last dimension, ``8 // bits`` codes per byte (``pack``/``unpack``: a byte holds channels ``w / k`` apart, so each shift of the packed bytes gives a contiguous run of channels to dequantize in one op).
+along the last dimension, ``k = 8 // bits`` codes per byte (``pack``/``unpack``): a byte holds channels ``w / k``
+apart, so each shift of the packed bytes gives a contiguous run of channels, dequantized in one op.
 
 Choice: plain tensor ops rather than a library. optimum-quanto's and HQQ's quantized tensors (the backends of
 transformers' ``QuantizedCache``) quantize a whole tensor at once and are rebuilt to change one token, while a

@@ -44,12 +44,8 @@ class QuantizedLayer(CompressedLayer):
             self._settle()
         return self.slots.view(self.view_width)
 
-    keys = property(
-        lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none
-    )
-    values = property(
-        lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none
-    )
+    keys = property(lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none)
+    values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
 
     def end_forward(self) -> None:
         super().end_forward()
@@ -65,16 +61,20 @@ class QuantizedLayer(CompressedLayer):
         if self.slots is None:
             return 0
         slots = self.slots
-        return self.occupied * slots.kv_bytes_per_slot() + slots.key_params_nbytes(self.occupied) + slots.ring_nbytes(
-            False
+        return (
+            self.occupied * slots.kv_bytes_per_slot()
+            + slots.key_params_nbytes(self.occupied)
+            + slots.ring_nbytes(False)
         )
 
     def allocated_nbytes(self) -> int:
         if self.slots is None:
             return 0
         slots = self.slots
-        return slots.capacity * slots.kv_bytes_per_slot() + slots.key_params_nbytes(slots.capacity) + slots.ring_nbytes(
-            True
+        return (
+            slots.capacity * slots.kv_bytes_per_slot()
+            + slots.key_params_nbytes(slots.capacity)
+            + slots.ring_nbytes(True)
         )
 
 

@@ -67,8 +67,11 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.key_scale, self.key_min = key_params
         self.ring = ring
         # the slot each ring entry's token was written to (checked against ``token_idx`` when read)
-        self.ring_slot = None if ring is None else torch.zeros(ring[0].shape[:3], dtype=torch.long, device=ring[0].device)
+        self.ring_slot = (
+            None if ring is None else torch.zeros(ring[0].shape[:3], dtype=torch.long, device=ring[0].device)
+        )
         self.stream_seen = 0  # stream index of the next token (the ring's clock)
+        self.stream_order = True  # every token so far sits in the slot of its stream index (nothing moved)
         # (keys, values, where) of the forward being run: ``where`` is the first slot of a range or [B, H, q] slots
         self.fresh: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor] | None = None
         self._view_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -171,95 +174,120 @@ class QuantizedSlotBuffers(SlotBuffers):
         if self.ring is None:
             return
         token_idx = self.token_idx[:, :, :width]
-        entry = torch.where(self._in_window(token_idx), token_idx.remainder(self.residual), self.residual)
+        in_ring = token_idx >= max(self.stream_seen - self.residual, 0)
+        entry = torch.where(in_ring, token_idx.remainder(self.residual), self.residual)
         slot = torch.arange(width, device=token_idx.device).expand_as(token_idx)
         found = self.ring_slot.new_zeros(*self.ring_slot.shape[:2], self.residual + 1).scatter_(2, entry, slot)
         self.ring_slot = found[:, :, : self.residual].contiguous()
 
+    def window_start(self, seen: int) -> int:
+        """The first stream index read exactly after ``seen`` tokens: a multiple of ``group`` (tokens leave the
+        exact window a group at a time), so the window holds the newest ``residual - group + 1`` to ``residual``
+        tokens (all of them up to ``residual``); ``seen`` itself without a residual."""
+        if not self.residual:
+            return seen
+        return max(0, -(-(seen - self.residual) // self.group) * self.group)
+
     def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
         seen = self._stream_index(seen)
-        count = keys.shape[2]
-        value_codes, value_scale, value_min = quantize_values(values, self.bits, self.group)
-        key_codes = self.keys.new_zeros(*keys.shape[:3], self.keys.shape[-1])
-        super().write_range(start, key_codes, value_codes, seen, state, no_padding)
-        stop = start + count
-        self.tensors["value_scale"][:, :, start:stop] = value_scale
-        self.tensors["value_min"][:, :, start:stop] = value_min
-        self._write_ring(keys, values, seen, start)
-        self.stream_seen = seen + count
-        low, high = start // self.group * self.group, -(-stop // self.group) * self.group
-        exact = self._exact_keys(low, high)
-        exact[:, :, start - low : stop - low] = keys
-        self._quantize_key_slots(low, high, exact)
-        self.fresh, self._view_cache = (keys, values, start), None
+        codes = self._placeholders(keys, values)
+        super().write_range(start, *codes, seen, state, no_padding)
+        self._after_write(keys, values, seen, start)
 
     def write_at(self, slots, keys, values, seen, state, reused_real=False) -> None:
         seen = self._stream_index(seen)
+        codes = self._placeholders(keys, values)
+        super().write_at(slots, *codes, seen, state, reused_real)
+        self.stream_order = False
+        self._after_write(keys, values, seen, slots)
+
+    def _placeholders(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes written with the new tokens' bookkeeping: zeros, until the tokens are sealed (``_seal``)."""
+        shape = keys.shape[:3]
+        return self.keys.new_zeros(*shape, self.keys.shape[-1]), self.values.new_zeros(*shape, self.values.shape[-1])
+
+    def _after_write(self, keys: torch.Tensor, values: torch.Tensor, seen: int, where: int | torch.Tensor) -> None:
+        """Seal what leaves the exact window with this write (before the ring entries are reused), then put the
+        new tokens in the ring.
+
+        A decoding step (one token) seals only when the window moves: every ``group`` steps the key groups of the
+        tokens leaving it (one group while the slots are in stream order); without a residual, the new token's
+        group. A forward of several tokens seals every group (such a forward is O(cache) anyway)."""
         count = keys.shape[2]
-        value_codes, value_scale, value_min = quantize_values(values, self.bits, self.group)
-        key_codes = self.keys.new_zeros(*keys.shape[:3], self.keys.shape[-1])
-        super().write_at(slots, key_codes, value_codes, seen, state, reused_real)
-        per_group = slots[..., None].expand_as(value_scale)
-        self.tensors["value_scale"].scatter_(2, per_group, value_scale)
-        self.tensors["value_min"].scatter_(2, per_group, value_min)
-        self._write_ring(keys, values, seen, slots)
+        if isinstance(where, int) and where != seen:
+            self.stream_order = False
+        before, after = self.window_start(seen), self.window_start(seen + count)
         self.stream_seen = seen + count
-        if count == 1:
-            self._requantize_group_of(slots, keys)
-        else:  # a forward of several tokens into a holed layer: every group again (the forward is O(cache) anyway)
-            exact = self._exact_keys(0, self.capacity)
-            exact.scatter_(2, slots[..., None].expand_as(keys), keys)
-            self._quantize_key_slots(0, self.capacity, exact)
-        self.fresh, self._view_cache = (keys, values, slots), None
+        new = (keys, values, seen, before)
+        if count > 1:
+            self._seal(None, *new)
+        elif self.ring is None:
+            slot = where if isinstance(where, torch.Tensor) else self.token_idx.new_full((*keys.shape[:2], 1), where)
+            self._seal(slot // self.group, *new)
+        elif after > before:
+            if self.stream_order:  # the leaving tokens fill slots [before, after): whole groups
+                index = torch.arange(before // self.group, after // self.group, device=keys.device)
+                self._seal(index.expand(*keys.shape[:2], -1), *new)
+            else:
+                entries = torch.arange(before, after, device=keys.device) % self.residual
+                self._seal(self.ring_slot[:, :, entries] // self.group, *new)
+        self._write_ring(keys, values, seen, where)
+        self.fresh, self._view_cache = (keys, values, where), None
 
-    # --- keys: reading back, re-quantizing ---------------------------------------------------------------------
-    def _in_window(self, token_idx: torch.Tensor) -> torch.Tensor:
-        return token_idx >= max(self.stream_seen - self.residual, 0)
-
-    def _overlay_ring(self, tensor: torch.Tensor, token_idx: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-        """``tensor`` ``[B, H, n, d]`` with the rows whose token is in the residual window read from ``ring``."""
-        if self.ring is None:
-            return tensor
-        entry = token_idx.remainder(self.residual)[..., None].expand(*token_idx.shape, ring.shape[-1])
-        return torch.where(self._in_window(token_idx)[..., None], ring.gather(2, entry), tensor)
-
-    def _exact_keys(self, low: int, high: int) -> torch.Tensor:
-        """Keys of slots ``[low, high)`` (whole groups): exact in the residual window, dequantized elsewhere."""
-        first, last = low // self.group, high // self.group
-        codes = self.keys[:, :, low:high].unflatten(2, (last - first, self.group))
-        keys = dequantize_keys(codes, self.key_scale[:, :, first:last], self.key_min[:, :, first:last], self.bits)
-        keys = keys.flatten(2, 3)
-        return self._overlay_ring(keys, self.token_idx[:, :, low:high], self._ring(0, keys))
-
-    def _ring(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        return like if self.ring is None else self.ring[index]
-
-    def _quantize_key_slots(self, low: int, high: int, exact: torch.Tensor) -> None:
-        """Quantize ``exact`` ``[B, H, high - low, d]`` as the key groups of slots ``[low, high)``."""
-        groups = (high - low) // self.group
-        occupied = (self.token_idx[:, :, low:high] >= 0).unflatten(2, (groups, self.group))
-        codes, scale, minimum = quantize_keys(exact.unflatten(2, (groups, self.group)), self.bits, occupied)
-        self.keys[:, :, low:high] = codes.flatten(2, 3)
-        first = low // self.group
-        self.key_scale[:, :, first : first + groups] = scale
-        self.key_min[:, :, first : first + groups] = minimum
-
-    def _requantize_group_of(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Re-quantize, per row, the key group of the slot ``slots`` ``[B, H, 1]`` that ``keys`` was written to."""
-        group_index = slots // self.group  # [B, H, 1]
-        members = group_index * self.group + torch.arange(self.group, device=slots.device)  # [B, H, G]
-        width, dim = self.keys.shape[-1], keys.shape[-1]
-        codes = self.keys.gather(2, members[..., None].expand(*members.shape, width))
-        per_group = group_index[..., None].expand(*group_index.shape, dim)
-        scale, minimum = self.key_scale.gather(2, per_group), self.key_min.gather(2, per_group)
-        exact = dequantize_keys(codes[:, :, None], scale, minimum, self.bits)[:, :, 0]
-        token_idx = self.token_idx.gather(2, members)
-        exact = self._overlay_ring(exact, token_idx, self._ring(0, exact))
-        exact.scatter_(2, (slots % self.group)[..., None].expand_as(keys), keys)
-        codes, scale, minimum = quantize_keys(exact[:, :, None], self.bits, (token_idx >= 0)[:, :, None])
-        self.keys.scatter_(2, members[..., None].expand(*members.shape, width), codes[:, :, 0])
-        self.key_scale.scatter_(2, per_group, scale)
-        self.key_min.scatter_(2, per_group, minimum)
+    def _seal(
+        self,
+        groups: torch.Tensor | None,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        seen: int,
+        window: int,
+    ) -> None:
+        """Quantize again the key groups ``groups`` ``[B, H, n]`` (``None``: every group) from their members'
+        exact keys where known (the window before this write and the new tokens, stream indices from ``seen``)
+        and dequantized keys otherwise, the range over the occupied slots only; and quantize the values of the
+        members known exactly. Listing a group twice is harmless (the same result is written twice)."""
+        group = self.group
+        if groups is None:
+            count = self.capacity // group
+            members = None
+            token_idx = self.token_idx[:, :, : count * group]
+            key_codes = self.keys[:, :, : count * group]
+            scale, minimum = self.key_scale[:, :, :count], self.key_min[:, :, :count]
+            value_parts = [self.tensors[name][:, :, : count * group] for name in ("values", "value_scale", "value_min")]
+        else:
+            count = groups.shape[-1]
+            members = (groups[..., None] * group + torch.arange(group, device=groups.device)).flatten(2)
+            token_idx = self.token_idx.gather(2, members)
+            key_codes = _take(self.keys, members)
+            scale, minimum = _take(self.key_scale, groups), _take(self.key_min, groups)
+            value_parts = [_take(self.tensors[name], members) for name in ("values", "value_scale", "value_min")]
+        keys = dequantize_keys(key_codes.unflatten(2, (count, group)), scale, minimum, self.bits).flatten(2, 3)
+        is_new = token_idx >= seen
+        offset = (token_idx - seen).clamp(0, new_keys.shape[2] - 1)
+        exact_keys, exact_values = _take(new_keys, offset), _take(new_values, offset)
+        exact = is_new
+        if self.ring is not None:
+            in_ring = (token_idx >= window) & ~is_new
+            entry = token_idx.remainder(self.residual)
+            exact_keys = torch.where(in_ring[..., None], _take(self.ring[0], entry), exact_keys)
+            exact_values = torch.where(in_ring[..., None], _take(self.ring[1], entry), exact_values)
+            exact = exact | in_ring
+        keys = torch.where(exact[..., None], exact_keys, keys)
+        occupied = (token_idx >= 0).unflatten(2, (count, group))
+        codes, scale, minimum = quantize_keys(keys.unflatten(2, (count, group)), self.bits, occupied)
+        values = quantize_values(exact_values, self.bits, group)
+        values = [torch.where(exact[..., None], fresh, old) for fresh, old in zip(values, value_parts, strict=True)]
+        if members is None:
+            self.keys[:, :, : count * group] = codes.flatten(2, 3)
+            self.key_scale[:, :, :count], self.key_min[:, :, :count] = scale, minimum
+            for name, value in zip(("values", "value_scale", "value_min"), values, strict=True):
+                self.tensors[name][:, :, : count * group] = value
+            return
+        _put(self.keys, members, codes.flatten(2, 3))
+        _put(self.key_scale, groups, scale)
+        _put(self.key_min, groups, minimum)
+        for name, value in zip(("values", "value_scale", "value_min"), values, strict=True):
+            _put(self.tensors[name], members, value)
 
     # --- what attention reads ----------------------------------------------------------------------------------
     def view(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,10 +326,12 @@ class QuantizedSlotBuffers(SlotBuffers):
                 keys[:, :, where : where + new_keys.shape[2]] = new_keys
                 values[:, :, where : where + new_values.shape[2]] = new_values
             else:
-                keys.view(-1, keys.shape[-1]).index_copy_(0, (self._row_offsets(rows) + where).flatten(),
-                                                          new_keys.flatten(0, 2))
-                values.view(-1, values.shape[-1]).index_copy_(0, (self._row_offsets(width + 1) + where).flatten(),
-                                                              new_values.flatten(0, 2))
+                keys.view(-1, keys.shape[-1]).index_copy_(
+                    0, (self._row_offsets(rows) + where).flatten(), new_keys.flatten(0, 2)
+                )
+                values.view(-1, values.shape[-1]).index_copy_(
+                    0, (self._row_offsets(width + 1) + where).flatten(), new_values.flatten(0, 2)
+                )
         result = (keys[:, :, :width], values[:, :, :width])
         self._view_cache = (key, result)
         return result
@@ -320,7 +350,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         seen, residual = self.stream_seen, self.residual
         entry = torch.arange(residual, device=self.ring_slot.device)
         newest = seen - 1 - (seen - 1 - entry).remainder(residual)  # the stream index each entry holds
-        newest = torch.where(newest >= 0, newest, -2)
+        newest = torch.where(newest >= self.window_start(seen), newest, -2)
         slot = self.ring_slot.clamp(max=width - 1) if width else self.ring_slot.clamp(max=0)
         holds = self.token_idx[:, :, : max(width, 1)].gather(2, slot) == newest
         return torch.where(holds & (self.ring_slot < width), self.ring_slot, width)
@@ -335,14 +365,17 @@ class QuantizedSlotBuffers(SlotBuffers):
         attention read (exact for the forward's and the residual window's tokens)."""
         self.tensors["keys_read"] = self.view(width)[0]
         used, ragged = super().compact(width, ordered, False)
-        exact = self.tensors.pop("keys_read")[:, :, :used]
-        high = -(-used // self.group) * self.group
-        if high > used:
-            exact = torch.cat([exact, exact.new_zeros(*exact.shape[:2], high - used, exact.shape[-1])], dim=2)
-        self.fresh, self._view_cache = None, None
+        keys = self.tensors.pop("keys_read")[:, :, :used]
+        count = -(-used // self.group)
+        if count * self.group > used:
+            keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], count * self.group - used, keys.shape[-1])], dim=2)
+        self.fresh, self._view_cache, self.stream_order = None, None, False
         self._reindex_ring(used)
-        if high:
-            self._quantize_key_slots(0, high, exact)
+        if count:
+            occupied = (self.token_idx[:, :, : count * self.group] >= 0).unflatten(2, (count, self.group))
+            codes, scale, minimum = quantize_keys(keys.unflatten(2, (count, self.group)), self.bits, occupied)
+            self.keys[:, :, : count * self.group] = codes.flatten(2, 3)
+            self.key_scale[:, :, :count], self.key_min[:, :, :count] = scale, minimum
         if shrink:
             self.shrink(used + 1)
         return used, ragged
@@ -404,3 +437,12 @@ def check_dims(key_dim: int, value_dim: int, bits: int, group: int) -> None:
     if key_dim % per_byte or value_dim % per_byte:
         raise ValueError(f"kv_bits={bits} packs {per_byte} codes per byte: head dimensions must be multiples of it")
 
+
+def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ``[B, H, C, ...]`` at ``index`` ``[B, H, n]`` along the slots."""
+    return tensor.gather(2, index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:]))
+
+
+def _put(tensor: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` ``[B, H, n, ...]`` into ``tensor`` at ``index`` ``[B, H, n]`` along the slots."""
+    tensor.scatter_(2, index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand_as(value), value)
