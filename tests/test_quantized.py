@@ -220,3 +220,19 @@ def test_within_quantization_noise_of_transformers_quantized_cache():
     assert noise > 1e-3
     assert float((ours - exact).abs().max()) <= 2 * noise
     assert float((ours - theirs).abs().max()) <= 2 * noise
+
+
+# --- reuse ---------------------------------------------------------------------------------------------------
+def test_fork_and_save_load_continue_alike(tmp_path):
+    model = tiny_model()
+    ids = token_ids(1, 50, seed=2)
+    cache = kvcompress.cache_for(model, "h2o", budget=24, kv_bits=4, kv_group=8, kv_residual=8)
+    with torch.no_grad():
+        model(ids[:, :40], **cache_argument(model, cache))
+        kvcompress.save_cache(cache, tmp_path / "quantized.safetensors")
+        loaded = kvcompress.load_cache(tmp_path / "quantized.safetensors", model)
+        fork = cache.fork()
+        expected = forced_logits(model, ids[:, 40:], cache, 1)
+        assert torch.equal(forced_logits(model, ids[:, 40:], fork, 1), expected)
+        assert torch.equal(forced_logits(model, ids[:, 40:], loaded, 1), expected)
+    assert loaded.nbytes() == cache.nbytes()

@@ -220,6 +220,13 @@ class Policy:
 
 
 KV_BITS = (16, 8, 4, 2)
+STORAGE_FIELDS = ("kv_bits", "kv_group", "kv_residual")  # every method's; listed after the method's own
+
+
+def method_fields(config_class: type) -> list[dataclasses.Field]:
+    """A config class's fields, its method's own first, then the storage fields every method takes."""
+    fields = dataclasses.fields(config_class)
+    return [f for f in fields if f.name not in STORAGE_FIELDS] + [f for f in fields if f.name in STORAGE_FIELDS]
 
 
 @dataclass(frozen=True)

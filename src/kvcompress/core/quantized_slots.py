@@ -272,7 +272,8 @@ class QuantizedSlotBuffers(SlotBuffers):
             exact_keys = torch.where(in_ring[..., None], _take(self.ring[0], entry), exact_keys)
             exact_values = torch.where(in_ring[..., None], _take(self.ring[1], entry), exact_values)
             exact = exact | in_ring
-        keys = torch.where(exact[..., None], exact_keys, keys)
+        keys = torch.where(exact[..., None], exact_keys, keys).detach()  # (the quantizer passes no gradient)
+        exact_values = exact_values.detach()
         occupied = (token_idx >= 0).unflatten(2, (count, group))
         codes, scale, minimum = quantize_keys(keys.unflatten(2, (count, group)), self.bits, occupied)
         values = quantize_values(exact_values, self.bits, group)
@@ -365,7 +366,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         attention read (exact for the forward's and the residual window's tokens)."""
         self.tensors["keys_read"] = self.view(width)[0]
         used, ragged = super().compact(width, ordered, False)
-        keys = self.tensors.pop("keys_read")[:, :, :used]
+        keys = self.tensors.pop("keys_read")[:, :, :used].detach()
         count = -(-used // self.group)
         if count * self.group > used:
             keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], count * self.group - used, keys.shape[-1])], dim=2)
