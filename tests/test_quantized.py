@@ -13,7 +13,7 @@ import kvcompress
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
-from kvcompress.generation import cache_argument
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.models.testing import tiny_model
 from tests.references.kivi import KiviReferenceCache, minmax_roundtrip
 
@@ -236,3 +236,25 @@ def test_fork_and_save_load_continue_alike(tmp_path):
         assert torch.equal(forced_logits(model, ids[:, 40:], fork, 1), expected)
         assert torch.equal(forced_logits(model, ids[:, 40:], loaded, 1), expected)
     assert loaded.nbytes() == cache.nbytes()
+
+
+def test_a_pass_taken_back_leaves_the_stored_tokens_intact():
+    """KVzip runs reconstruction passes through the cache and takes them back (rewinding the tokens seen): the
+    context's tokens read back as stored, within one quantization step of the exact cache's: rounded once when
+    stored, once more when the compression's compaction forms the key groups anew (``core.quantized_slots``)."""
+    from tests.helpers import tiny_tokenizer_dir
+
+    model = tiny_model()
+    ids = token_ids(1, 59, seed=1)
+    caches = {}
+    for bits in (16, 8):
+        params = {"ratio": 0.5, "tokenizer": tiny_tokenizer_dir(), "ragged": False}
+        caches[bits] = kvcompress.cache_for(model, "kvzip", kv_bits=bits, kv_group=8, kv_residual=16, **params)
+        with torch.no_grad():
+            prefill(model, ids, caches[bits])
+    for exact, quantized in zip(caches[16].layers, caches[8].layers, strict=True):
+        a, b = exact.kept(), quantized.kept()
+        assert torch.equal(a.token_idx, b.token_idx)
+        real = (a.token_idx >= 0)[..., None]
+        step = float(quantized.slots.key_scale.max())
+        assert float(((a.keys - b.keys).abs() * real).max()) <= step + 1e-5

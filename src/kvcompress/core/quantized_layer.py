@@ -42,10 +42,21 @@ class QuantizedLayer(CompressedLayer):
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._stale:
             self._settle()
+        self.slots.stream_seen = self.seen  # (a pass taken back, KVzip's reconstruction, rewinds ``seen``)
         return self.slots.view(self.view_width)
 
     keys = property(lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none)
     values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
+
+    def compact(self, shrink: bool = False) -> None:
+        if self.slots is not None:
+            self.slots.stream_seen = self.seen
+        super().compact(shrink)
+
+    def kept(self):
+        if self.slots is not None:
+            self.slots.stream_seen = self.seen
+        return super().kept()
 
     def end_forward(self) -> None:
         super().end_forward()

@@ -70,6 +70,9 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.ring_slot = (
             None if ring is None else torch.zeros(ring[0].shape[:3], dtype=torch.long, device=ring[0].device)
         )
+        # the stream index each entry holds (the same in every row; -1: none): a pass taken back (KVzip's
+        # reconstruction rewinds the tokens seen) leaves entries holding tokens no longer in the stream
+        self.ring_token = None if ring is None else torch.full(ring[0].shape[2:3], -1, device=ring[0].device)
         self.stream_seen = 0  # stream index of the next token (the ring's clock)
         self.stream_order = True  # every token so far sits in the slot of its stream index (nothing moved)
         # (keys, values, where) of the forward being run: ``where`` is the first slot of a range or [B, H, q] slots
@@ -159,8 +162,10 @@ class QuantizedSlotBuffers(SlotBuffers):
                 self.ring_slot[:, :, entry] = slots + count - 1
             else:
                 self.ring_slot[:, :, entry] = slots[:, :, -1]
+            self.ring_token[entry] = seen + count - 1
             return
         entries = torch.arange(seen + count - kept, seen + count, device=keys.device) % self.residual
+        self.ring_token.index_copy_(0, entries, torch.arange(seen + count - kept, seen + count, device=keys.device))
         ring_keys.index_copy_(2, entries, keys[:, :, -kept:])
         ring_values.index_copy_(2, entries, values[:, :, -kept:])
         if isinstance(slots, int):
@@ -174,11 +179,15 @@ class QuantizedSlotBuffers(SlotBuffers):
         if self.ring is None:
             return
         token_idx = self.token_idx[:, :, :width]
-        in_ring = token_idx >= max(self.stream_seen - self.residual, 0)
+        in_ring = self._holds(token_idx)
         entry = torch.where(in_ring, token_idx.remainder(self.residual), self.residual)
         slot = torch.arange(width, device=token_idx.device).expand_as(token_idx)
         found = self.ring_slot.new_zeros(*self.ring_slot.shape[:2], self.residual + 1).scatter_(2, entry, slot)
         self.ring_slot = found[:, :, : self.residual].contiguous()
+
+    def _holds(self, token_idx: torch.Tensor) -> torch.Tensor:
+        """Whether the ring holds the exact copy of each token ``token_idx`` (``-1``: none)."""
+        return (token_idx >= 0) & (self.ring_token[token_idx.remainder(self.residual)] == token_idx)
 
     def window_start(self, seen: int) -> int:
         """The first stream index read exactly after ``seen`` tokens: a multiple of ``group`` (tokens leave the
@@ -267,8 +276,12 @@ class QuantizedSlotBuffers(SlotBuffers):
         exact_keys, exact_values = _take(new_keys, offset), _take(new_values, offset)
         exact = is_new
         if self.ring is not None:
-            in_ring = (token_idx >= window) & ~is_new
             entry = token_idx.remainder(self.residual)
+            slots = torch.arange(token_idx.shape[-1], device=entry.device) if members is None else members
+            # in the window, and its ring entry still holds it (a pass that was taken back, KVzip's reconstruction,
+            # may have reused entries: those tokens were sealed then)
+            in_ring = (token_idx >= window) & ~is_new & (self.ring_slot.gather(2, entry) == slots)
+            in_ring &= self._holds(token_idx)
             exact_keys = torch.where(in_ring[..., None], _take(self.ring[0], entry), exact_keys)
             exact_values = torch.where(in_ring[..., None], _take(self.ring[1], entry), exact_values)
             exact = exact | in_ring
@@ -353,7 +366,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         newest = seen - 1 - (seen - 1 - entry).remainder(residual)  # the stream index each entry holds
         newest = torch.where(newest >= self.window_start(seen), newest, -2)
         slot = self.ring_slot.clamp(max=width - 1) if width else self.ring_slot.clamp(max=0)
-        holds = self.token_idx[:, :, : max(width, 1)].gather(2, slot) == newest
+        holds = (self.token_idx[:, :, : max(width, 1)].gather(2, slot) == newest) & (self.ring_token == newest)
         return torch.where(holds & (self.ring_slot < width), self.ring_slot, width)
 
     def end_forward(self) -> None:
