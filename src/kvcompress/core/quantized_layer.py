@@ -48,6 +48,11 @@ class QuantizedLayer(CompressedLayer):
     keys = property(lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none)
     values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
 
+    def _at_capacity(self, width: int) -> bool:
+        """Capacity is whole key groups: a layer is full when less than a group of room is left (else a decoding
+        step at the budget would compact and reallocate every time instead of reusing the victim's slot)."""
+        return width + self.slots.group > self.slots.capacity
+
     def compact(self, shrink: bool = False) -> None:
         if self.slots is not None:
             self.slots.stream_seen = self.seen
