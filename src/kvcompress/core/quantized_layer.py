@@ -48,9 +48,36 @@ class QuantizedLayer(CompressedLayer):
     keys = property(lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none)
     values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
 
+    _span = 0  # a holed layer's view: the slots it had when it stopped being dense (capacity may be wider)
+
+    @property
+    def view_width(self) -> int:
+        return self.occupied if self.dense else (self._span or self.slots.capacity)
+
+    def _keep_span(self) -> None:
+        if self.dense:
+            self._span = self.occupied
+
+    def evict(self, victims: torch.Tensor) -> None:
+        self._keep_span()
+        super().evict(victims)
+
+    def evict_mask(self, dropped: torch.Tensor) -> None:
+        self._keep_span()
+        super().evict_mask(dropped)
+
+    def expire_window(self) -> None:
+        self._keep_span()
+        super().expire_window()
+
+    def reset(self) -> None:
+        super().reset()
+        self._span = 0
+
     def _at_capacity(self, width: int) -> bool:
         """Capacity is whole key groups: a layer is full when less than a group of room is left (else a decoding
-        step at the budget would compact and reallocate every time instead of reusing the victim's slot)."""
+        step at the budget would compact and reallocate every time instead of reusing the victim's slot); the
+        holed layer's view stays the slots it had (``_span``), so every slot it shows holds a token."""
         return width + self.slots.group > self.slots.capacity
 
     def compact(self, shrink: bool = False) -> None:
