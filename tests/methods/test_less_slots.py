@@ -10,6 +10,7 @@ import kvcompress
 import kvcompress.methods.less.policy as less_policy
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import StatsRequest
+from kvcompress.core.forward import ForwardPass
 from kvcompress.generation import cache_argument
 from kvcompress.methods.less import LessConfig
 from kvcompress.methods.less.low_rank_slots import low_rank_slots_attention, state_ratio
@@ -104,7 +105,7 @@ def test_the_states_are_stacked_and_their_ratios_current_after_a_batch_reorder(t
     config = LessConfig(base="h2o", budget=10, kernels=strong_kernels(tiny_llama))
     stacked, alone = (kvcompress.cache_for(tiny_llama, config) for _ in range(2))
     for layer in alone.compressed_layers:
-        layer.folds = None  # each layer folds at once, into its own state
+        layer.forward_pass = ForwardPass([layer])  # each layer a forward of its own: it folds at once, into its state
 
     def storages() -> int:
         return len({layer.low_rank_state().untyped_storage().data_ptr() for layer in stacked.compressed_layers})

@@ -9,6 +9,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument, prefill
+from kvcompress.methods.knorm import KnormConfig
 from kvcompress.methods.snapkv import SnapKVConfig
 from tests.methods.test_pod import NR, NS, STARTS, ids_of, model  # noqa: F401  (the module's tiny model)
 
@@ -42,8 +43,9 @@ def decode(lm, cache, ids, ring: bool, offset: int = 0):
         ({"base": SnapKVConfig(budget=20, window=4)}, 0),
         ({"block_size": 2}, 0),
         ({}, 7),
+        ({"base": KnormConfig(budget=100, recent=2)}, 7),  # a base writing per-token state at every ring step
     ],
-    ids=["block-start-query", "own-query", "snapkv", "uniform-blocks", "positions-offset"],
+    ids=["block-start-query", "own-query", "snapkv", "uniform-blocks", "positions-offset", "state-base"],
 )
 def test_ring_decoding_equals_the_packed_proximal_keys(model, params, offset):  # noqa: F811
     ids = ids_of(70, seed=30, batch=2)

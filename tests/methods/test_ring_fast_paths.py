@@ -12,7 +12,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument
-from kvcompress.methods.cascade import ring_decode, ring_group
+from kvcompress.methods.cascade import ring_decode, ring_moves
 from kvcompress.models.testing import tiny_model
 
 CACHES = {
@@ -114,17 +114,27 @@ def test_a_full_cascade_decodes_in_one_frame_per_ring_and_reads_back_at_slot_ang
 
 @pytest.fixture
 def moved(monkeypatch) -> list[bool]:
-    """The group's decisions, one per in-step decoding step: did the first layer move every layer's tokens?"""
+    """The decisions, one per in-step decoding step: did the first layer move every layer's tokens?"""
     decisions = []
-    move_all = ring_group.RingGroup._move_all
-    monkeypatch.setattr(ring_group.RingGroup, "_move_all", lambda *a: decisions.append(move_all(*a)) or decisions[-1])
+    move_all = ring_moves._move_all
+    monkeypatch.setattr(ring_moves, "_move_all", lambda *a: decisions.append(move_all(*a)) or decisions[-1])
     return decisions
+
+
+def stacked(cache) -> bool:
+    """Whether the cascade layers' buffers are views of one buffer per tensor (``ring_moves``)."""
+    buffers = [(layer._kv, layer._meta, layer._score) for layer in cache.layers]
+    found = [
+        cache.forward_pass.stacked(name, [b[i] for b in buffers], make=False)
+        for i, name in enumerate(ring_moves.STACKED)
+    ]
+    return all(item is not None for item in found)
 
 
 def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(moved):
     """The cascade layers of one cache share a buffer and the first layer of a decoding step moves the old tokens of
-    all of them (``RingGroup``); reordering the batch (beam search) disbands the group and each layer moves its
-    own. Both keep what the per-sequence path keeps."""
+    all of them (``ring_moves``); reordering the batch (beam search) gives the shared buffer up and each layer moves
+    its own. Both keep what the per-sequence path keeps."""
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
     method, params = CACHES["cascade-3"]
@@ -144,18 +154,19 @@ def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(
             logits[reference] = model(input_ids=row, **cache_argument(model, cache), use_cache=True).logits
         torch.testing.assert_close(logits[False], logits[True], rtol=1e-4, atol=1e-4)
     # one decision per in-step decoding step, by the first layer; the first token finds the later layers not
-    # initialised yet, the third (every sink stored) the later layers still at slot angles (``RingAngles``);
-    # reordering leaves the in-step path (per-sequence counters) and the group
-    assert moved == [False, True, False] + [True] * 22
-    assert all(layer.group._joint is None for layer in caches[False].layers)
+    # initialised yet, the second their buffers apart (stacked when that forward closes), the third (every sink
+    # stored) the later layers still at slot angles (``RingAngles``); reordering leaves the in-step path
+    # (per-sequence counters) and the shared buffer
+    assert moved == [False, False, False] + [True] * 22
+    assert not stacked(caches[False]) and not caches[False].forward_pass._stacks
     for ours, theirs in zip(caches[False].layers, caches[True].layers, strict=True):
         assert torch.equal(ours._tok, theirs._tok)
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
 
 
 def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
-    """After ``reset`` the layers join a new joint buffer at their next initialisation and decode as before; a
-    layer whose buffers cannot join (another shape) leaves every layer on its own."""
+    """After ``reset`` the layers share a buffer again from their first decoding steps and decode as before; layers
+    whose buffers cannot be stacked (another shape) each move their own tokens."""
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(6))
     method, params = CACHES["cascade-3"]
@@ -169,11 +180,16 @@ def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
         runs.append(torch.cat(logits, 1))
         cache.reset()
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
-    assert moved == ([False, True, False] + [True] * (ids.shape[1] - 3)) * 2  # as in the test above
-    group, cpu = cache.layers[0].group, torch.device("cpu")
-    assert group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is not None
-    assert group.buffers(cache.layers[1], (1, 1, 15, 8), torch.float32, cpu) is None  # another shape
-    assert group.broken and group.buffers(cache.layers[0], (1, 2, 15, 8), torch.float32, cpu) is None
+    assert moved == ([False, False, False] + [True] * (ids.shape[1] - 3)) * 2  # as in the test above
+    model(input_ids=ids[:, :1], **cache_argument(model, cache), use_cache=True)
+    assert not stacked(cache)
+    second = cache.layers[1]
+    second._kv = second._kv[:, :1].clone()  # another shape (one KV head)
+    ring_moves.stack_rings(cache.layers)
+    assert not stacked(cache)
+    second._kv = cache.layers[0]._kv.clone()
+    ring_moves.stack_rings(cache.layers)
+    assert stacked(cache)
 
 
 @pytest.mark.parametrize("tie", ["incoming", "resident"])

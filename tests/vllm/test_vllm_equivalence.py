@@ -25,6 +25,7 @@ POLICIES = [
     {"method": "window", "budget": BUDGET},
     {"method": "snapkv", "budget": BUDGET},
     {"method": "h2o", "budget": BUDGET},
+    {"method": "cascade", "budget": BUDGET, "cascades": 3},  # 1 sink + 3 cascades of 3 blocks: the 10 blocks
 ]
 
 

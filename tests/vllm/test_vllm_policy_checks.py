@@ -195,21 +195,23 @@ def _manager(policy: dict):
 @pytest.mark.parametrize("reselect", [0, 1])
 def test_after_a_preemption_the_scheduler_frees_what_the_worker_evicts(reselect):
     """vLLM recomputes a preempted request's prompt (1000 tokens) and 300 generated tokens in one step; the worker
-    then selects over all 1300 tokens, and the scheduler must free exactly the blocks the worker stops reading."""
+    selects at the prompt's end after that step's attention (``snapkv_state``: the selection point is the prompt's
+    end, as in the first run), and the scheduler must free exactly the blocks the worker stops reading."""
     policy = {"method": "snapkv", "budget": 4 * BLOCK, "reselect_blocks": reselect}
     manager, worker = _manager(policy), make_policy(parse_policy(policy), BLOCK)
     prompt_len, resumed = 1000, 1300
     manager.allocate_new_blocks("r", resumed, resumed)
-    manager.remove_skipped_blocks("r", 0, prompt_len)  # the recompute step, from scratch
+    manager.remove_skipped_blocks("r", 0, prompt_len)  # the recompute step, from scratch: nothing evicted
+    assert worker.worker_range(0, prompt_len) == (worker.prefill_front, worker.prefill_front)
     for context in range(resumed, resumed + 3 * BLOCK):  # decode steps after it
         manager.remove_skipped_blocks("r", context, prompt_len)
         manager.allocate_new_blocks("r", context + 1, context + 1)
-        lo, hi = worker.worker_range(context, resumed)  # what the worker reads this step: all but [lo, hi)
+        lo, hi = worker.worker_range(context, prompt_len)  # what the worker reads this step: all but [lo, hi)
         live = {i for i, block in enumerate(manager.req_to_blocks["r"]) if not block.is_null}
         blocks = -(-(context + 1) // BLOCK)
         assert live >= set(range(lo)) | set(range(hi, blocks))  # nothing this step reads is freed
-        if context > resumed:  # and what the worker stopped reading in the step before is freed
-            assert live == set(range(lo)) | set(range(worker.worker_range(context - 1, resumed)[1], blocks))
+        # what the worker stopped reading in the step before (the recompute's own selection, first) is freed
+        assert live == set(range(lo)) | set(range(worker.worker_range(context - 1, prompt_len)[1], blocks))
 
 
 @pytest.mark.parametrize("module", ["kvcompress.vllm.bench", "kvcompress.vllm.needles"])

@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kvcompress.core.cache import watch_inputs
 from kvcompress.core.contract import AttentionStats, StatsRequest
-from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.forward import ForwardPass
 from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.sdpa import scaled_dot_product_attention
@@ -51,7 +51,7 @@ def kvcompress_attention(
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
     queries = query.shape[2]
     padding = None
-    if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(attention_mask, queries):
+    if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(layer, attention_mask, queries):
         padding = attention_mask[:, -queries:]
     positions = kwargs.get("position_ids")
     if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
@@ -62,14 +62,11 @@ def kvcompress_attention(
     return output.transpose(1, 2).contiguous(), None
 
 
-def _all_real(attention_mask: torch.Tensor, queries: int) -> bool:
+def _all_real(layer: CompressedLayer, attention_mask: torch.Tensor, queries: int) -> bool:
     """Whether this forward's tokens are all real: checked once per forward (one host read for all layers, which
-    get the same mask object), not once per layer."""
-    known = getattr(attention_mask, "_kvcompress_all_real", None)
-    if known is None:
-        known = bool(attention_mask[:, -queries:].all())
-        attention_mask._kvcompress_all_real = known
-    return known
+    get the same mask), not once per layer."""
+    key = ("all-real", queries, attention_mask.shape[-1])
+    return layer.forward_pass.cached(key, lambda: bool(attention_mask[:, -queries:].all()))
 
 
 def attend_layer(
@@ -82,8 +79,12 @@ def attend_layer(
     scaling: float | None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``."""
+    """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``.
+    After the forward's last layer the forward closes (``core.forward``: its deferred work runs)."""
     queries = query.shape[2]
+    forward = layer.forward_pass
+    if not forward.is_open:  # a layer driven on its own (outside a cache's forward): its forward starts here
+        forward.begin(layer)
     layer.register_new_tokens(position_ids, padding)
     query, key = layer.positioned(query, key)
     mask = layer.attention_mask(queries, sliding_window)
@@ -92,12 +93,13 @@ def attend_layer(
     if custom is not None:
         output, stats = custom
     else:
-        output, stats = layer_attention(query, key, value, mask, scaling, request, position_ids)
+        output, stats = layer_attention(query, key, value, mask, scaling, request, position_ids, forward)
     layer.after_attention(stats)
     layer.expire_window()
     for observer in layer.observers:
         observer(layer)
     layer.end_forward()
+    forward.end(layer)
     return output
 
 
@@ -109,6 +111,7 @@ def layer_attention(
     scaling: float | None,
     request: StatsRequest,
     position_ids: torch.Tensor | None,
+    forward: ForwardPass | None = None,
 ) -> tuple[torch.Tensor, AttentionStats | None]:
     """A layer's attention under its own ``mask`` (``None``: plain causal): SDPA, or the explicit softmax beside it
     where statistics are asked for. The layer's masks leave every query its own key. A plain causal chunk after
@@ -116,14 +119,20 @@ def layer_attention(
     queries = query.shape[2]
     bias = None
     softmax_only = request.received or request.lse  # (the explicit softmax skips hidden keys without a mask)
-    if mask is None and position_ids is not None and 1 < queries < key.shape[2] and not softmax_only:
-        bias = causal_bias(queries, key.shape[2], query, position_ids)
+    if (
+        mask is None
+        and position_ids is not None
+        and forward is not None
+        and 1 < queries < key.shape[2]
+        and not softmax_only
+    ):
+        bias = causal_bias(queries, key.shape[2], query, forward)
     if request.any:
         return attention_with_stats(query, key, value, mask, scaling, request, True, bias)
     return sdpa(query, key, value, mask if bias is None else bias, scaling), None
 
 
-def causal_bias(queries: int, length: int, like: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def causal_bias(queries: int, length: int, like: torch.Tensor, forward: ForwardPass) -> torch.Tensor:
     """``[1, 1, q, L]`` additive mask (0 or -inf, ``like``'s dtype) of a plain causal chunk after ``L - q`` keys,
     built once per forward (SDPA would otherwise turn a boolean mask into this one in every layer)."""
 
@@ -131,7 +140,7 @@ def causal_bias(queries: int, length: int, like: torch.Tensor, position_ids: tor
         hidden = ~causal_mask(queries, length, like.device)
         return torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
 
-    return forward_cached(position_ids, ("causal_bias", queries, length, like.dtype), build)
+    return forward.cached(("causal_bias", queries, length, like.dtype, like.device), build)
 
 
 def sdpa(

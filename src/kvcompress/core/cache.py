@@ -11,9 +11,10 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from kvcompress.core.contract import LayerView, MethodConfig
+from kvcompress.core.forward import ForwardPass
 from kvcompress.core.grad_mode import recorded_as_computed
+from kvcompress.core.joint_eviction import connect as connect_joint_evictions
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.core.layer_batch import LayerBatch
 from kvcompress.core.model_spec import ModelCheck, ModelSpec
 from kvcompress.core.quantized_layer import quantized_layer_class
 from kvcompress.core.rope import has_rotary, layer_inv_freqs
@@ -102,8 +103,13 @@ class CompressedCache(Cache):
         # warn once past the trained length if some layer keeps original positions
         self._keeps_original_positions = any(p.position_mode == "original" for p in policies)
         self._warn_after = spec.max_positions if self._keeps_original_positions else None
+        # one forward at a time through every layer: opened at the first layer's update, closed after the last
+        # layer's attention, with the work the layers share (``core.forward``)
+        self.forward_pass = ForwardPass(layers)
+        for layer in layers:
+            layer.forward_pass = self.forward_pass
         config.connect(self.compressed_layers)
-        LayerBatch.connect(self.compressed_layers)
+        connect_joint_evictions(self.compressed_layers)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -111,6 +117,8 @@ class CompressedCache(Cache):
         """Store a layer's new keys and values (``Cache.update``), refusing keys of another model."""
         if layer_idx == 0 or layer_idx >= self.model_spec.layers:
             self._check_forward(layer_idx, key_states)
+        layer = self.layers[layer_idx]
+        layer.forward_pass.begin(layer)  # the first layer opens the forward (``core.forward``)
         if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
             with recorded_as_computed():
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -149,6 +157,7 @@ class CompressedCache(Cache):
     def reset(self) -> None:
         """Empty every layer (``Cache.reset``): the cache is as built, for a new generation."""
         super().reset()
+        self.forward_pass.reset()
         self._generated = False
         self._warn_after = self.model_spec.max_positions if self._keeps_original_positions else None
 

@@ -3,7 +3,7 @@
 A layer's buffers hold ``capacity`` slots per sequence and KV head, ``stored`` of them holding tokens; the rest is
 *room* for tokens still to come. Room exists so that a cache that is filling appends without copying itself at
 every step (a buffer grown one token at a time would be reallocated, and copied, at every decoding step). The rule,
-for every layer kind (the slot layer, the cascade's rings, PoD's append buffers):
+for every layer kind (the slot layer, PoD's included, and the cascade's rings):
 
 - **Filling** (tokens are added and nothing is evicted): the buffers grow geometrically, by a quarter of their size
   (``GROWTH_MIN`` slots at least), never beyond the tokens needed plus one forward, nor beyond the budget plus one

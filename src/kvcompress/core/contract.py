@@ -99,10 +99,10 @@ class Selection:
 @runtime_checkable
 class LayerView(Protocol):
     """What a policy may read and call on the layer it decides for, whatever the layer's storage: every cache layer
-    kind implements it (the slot layer ``CompressedLayer`` and its subclasses: LESS's, the cascade's rings; PoD's
-    ``GatherLayer``). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
+    kind implements it (the slot layer ``CompressedLayer`` and its subclasses: LESS's, the cascade's rings, PoD's
+    shared keys). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
     ``values`` ``[B, H_kv, W, d]``); ``state`` maps the names ``Policy.init_state`` returned to such views (written
-    in place). At a decoding step a ``Policy.batchable`` policy reads, through ``core.layer_batch.StackedLayer``,
+    in place). At a decoding step a ``Policy.batchable`` policy reads, through ``core.joint_eviction.StackedLayer``,
     only ``policy``, ``device``, ``seen``, ``seen_tensor``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
     ``ordered``, ``all_valid``, ``rows``, ``token_idx``, ``state``, ``new_index()`` and ``real_count()``.
 
@@ -175,7 +175,7 @@ class Policy:
     latest_stats_only: bool = False
     # True: at a decoding step ``observe`` and ``select`` work per row (sequence and KV head) on the layer's
     # ``state``, ``token_idx`` and scalar bookkeeping only, and ``select`` returns ``None`` or a ``Keep`` with an int
-    # count, so a cache may run them once for all its layers stacked (``kvcompress.core.layer_batch``)
+    # count, so a cache may run them once for all its layers stacked (``kvcompress.core.joint_eviction``)
     batchable: bool = False
     # True: the layer needs the model's RoPE frequencies (``layer.inv_freq``) whatever its ``position_mode``
     # (expected attention turns the prompt's queries back to their un-rotated form); None on a model without RoPE

@@ -33,7 +33,8 @@ from transformers.cache_utils import CacheLayerMixin
 from kvcompress.core.capacity import grown_capacity
 from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
 from kvcompress.core.eviction import protects_forward, victims_of_rule
-from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.forward import ForwardPass
+from kvcompress.core.joint_eviction import defer_eviction
 from kvcompress.core.replay import SlotReplay
 from kvcompress.core.rope import counts_from, rotate_by
 from kvcompress.core.slots import SlotBuffers, StreamView
@@ -58,7 +59,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.compressed = self.defer_compression = self.more_prompt = False
         # called with this layer after each forward's attention and eviction (inspection, experiments)
         self.observers: list[Callable[[CompressedLayer], None]] = []
-        self.batch = None  # the cache's ``LayerBatch`` when its layers may evict together at a decoding step
+        # the forward this layer runs in: the cache's, shared by its layers (``core.forward``), or its own
+        self.forward_pass = ForwardPass([self])
+        self.joint_eviction = False  # the cache's layers may evict together at a decoding step (``joint_eviction``)
         self.slots: SlotBuffers | None = None
         self.occupied = 0  # slots holding a token (real or padding), the same count in every row
         self.dense = True  # slots [0, occupied) hold tokens in stream order; the rest is free
@@ -72,7 +75,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self._stale = False
         self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
         # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
-        # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward_cache``)
+        # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward``)
         self.new_positions: torch.Tensor | None = None
         # set while a captured decoding step replays (``kvcompress.decode_graph``): the tokens seen as a device
         # scalar, and the buffer the victims are copied to (a replayed step reads what the last one wrote, in place)
@@ -194,7 +197,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         """Update the method's statistics and evict; at a decoding step maybe with every layer unless ``alone``."""
         if self.policy.one_shot and self.compressed:
             return  # compressed once: decoding appends (attention computed no statistics)
-        if not alone and self.batch is not None and self.batch.defer(self, stats):
+        if not alone and self.joint_eviction and defer_eviction(self, stats):
             return
         if self.policy.wants_stats(self):
             self.policy.observe(self, stats)
@@ -270,7 +273,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.compact(shrink=not self.more_prompt)
 
     def end_forward(self) -> None:
-        """Let go of the forward's ``position_ids`` (and what ``forward_cache`` keeps on it): none outlives it."""
+        """Let go of the forward's ``position_ids``: none outlives it (nor what its layers shared: ``core.forward``)."""
         self.new_positions = None
 
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
@@ -342,8 +345,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             return False
         positions, first = self.new_positions, self.seen - self.new_tokens
         key = ("stream-positions", first)
-        self.stream_positions = positions is not None and forward_cached(
-            positions, key, lambda: counts_from(positions, first)
+        self.stream_positions = positions is not None and self.forward_pass.cached(
+            key, lambda: counts_from(positions, first)
         )
         return self.stream_positions
 

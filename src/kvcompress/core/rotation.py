@@ -4,17 +4,17 @@ A layer that stores keys at one position and attends at another (the circular si
 from the position the model rotated it with (``position_ids``) to a target position. Every layer of a forward gets
 the same ``position_ids`` tensor and layers in the same state want the same targets, so the rotations are built
 once, as one matrix per set of targets (``turn`` gives ``x`` rotated to each of the ``k`` targets in one matmul),
-and kept on the ``position_ids`` tensor for the layers that follow.
-Nothing is read back to the host: the targets are Python integers and the positions stay on the device. (A
-``position_ids`` tensor is assumed not to be modified in place between forwards; transformers builds a new one for
-every forward.)
+and kept by the forward (``core.forward.ForwardPass.cached``) for the layers that follow.
+Nothing is read back to the host: the targets are Python integers and the positions stay on the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
-from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.forward import ForwardPass
 
 
 def rotation_to(
@@ -24,12 +24,17 @@ def rotation_to(
     dim: int,
     dtype: torch.dtype,
     scale: float = 1.0,
+    forward: ForwardPass | None = None,
+    tag: Hashable = None,
 ) -> torch.Tensor:
     """``[B, 1, d, k d]``: for ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_to(...))``
     holds ``x`` rotated to each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)``
-    dimensions rotate), times ``scale``. The angles are computed in float64 (see ``_rotation_to``)."""
-    key = ("rotation-to", targets, inv_freq.data_ptr(), dim, dtype, scale)
-    return forward_cached(position_ids, key, lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale))
+    dimensions rotate), times ``scale``. The angles are computed in float64 (see ``_rotation_to``). Built once per
+    ``forward`` (for the layers that follow) where it is given; ``tag`` tells apart position tensors of one forward
+    (one per token where a forward's tokens are stepped in turn)."""
+    key = ("rotation-to", tag, targets, inv_freq.data_ptr(), dim, dtype, scale)
+    build = lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale)  # noqa: E731
+    return build() if forward is None else forward.cached(key, build)
 
 
 def rotation_to_tensor(
@@ -105,18 +110,18 @@ def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, scale: float
 
 
 def frame_rotation(
-    position_ids: torch.Tensor | None, delta: int, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
+    forward: ForwardPass, delta: int, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``[d, d]``: ``x @ M`` rotates ``x`` further by ``delta`` positions, whatever its position (angles in float64,
-    so a large ``delta`` is as precise as a small one). Shared by the layers of a forward when ``position_ids`` is
-    given, built on the spot otherwise."""
+    so a large ``delta`` is as precise as a small one). Shared by the layers of a forward (built on the spot
+    outside one)."""
     key = ("frame", delta, inv_freq.data_ptr(), dim, dtype)
 
     def build() -> torch.Tensor:
         angles = delta * inv_freq.to(torch.float64)
         return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
 
-    return build() if position_ids is None else forward_cached(position_ids, key, build)
+    return forward.cached(key, build)
 
 
 def frame_rotation_at(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

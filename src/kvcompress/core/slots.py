@@ -7,6 +7,7 @@ of slots (a dense layer appends) or to given slots (a holed layer refills the vi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,12 +31,23 @@ class StreamView:
 
 class SlotBuffers:
     """Keys ``[B, H, C, d]``, values, and per slot ``token_idx``/``rope_pos``/``rank`` (long), ``valid`` (bool) and
-    the method's state tensors ``[B, H, C, ...]``; ``real_seen`` ``[B]`` counts each sequence's real tokens."""
+    the method's state tensors ``[B, H, C, ...]``; ``real_seen`` ``[B]`` counts each sequence's real tokens.
 
-    def __init__(self, tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], real_seen: torch.Tensor):
+    ``key_heads`` (``[K]``, long): the KV heads whose keys are stored, keys then ``[B, K, C, d]`` (PoD keeps the keys
+    of some heads only); ``None``: every head's. Such buffers are written by ranges and compacted, never refilled
+    slot by slot (``write_at``)."""
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+        real_seen: torch.Tensor,
+        key_heads: torch.Tensor | None = None,
+    ):
         self.tensors = tensors
         self.state = state
         self.real_seen = real_seen
+        self.key_heads = key_heads
         # writes a decoding step defers until something reads them (each would be one more op per layer and step):
         self._real_lag = 0  # real tokens written but not yet added to ``real_seen``
         self._default_rope: tuple[torch.Tensor, int] | None = None  # slots whose RoPE position is their stream index
@@ -249,8 +261,9 @@ class SlotBuffers:
         else:
             key = torch.where(occupied, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1, stable=True)[..., :used]
-        for tensor in self._all().values():
-            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+        for name, tensor in self._all().items():
+            index = self._rows_of(name, order)
+            index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
             tensor[:, :, :used] = tensor[:, :, :width].gather(2, index)
         self.token_idx[:, :, used:] = FREE
         self.rank[:, :, used:] = FREE
@@ -264,18 +277,22 @@ class SlotBuffers:
         key = torch.where(token_idx >= 0, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1)[..., : int((token_idx >= 0).sum(-1).max()) if width else 0]
 
-        def take(tensor: torch.Tensor) -> torch.Tensor:
-            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+        def take(tensor: torch.Tensor, name: str = "") -> torch.Tensor:
+            index = self._rows_of(name, order)
+            index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
             return tensor[:, :, :width].gather(2, index)
 
-        named = {name: take(tensor) for name, tensor in self._all().items() if not name.startswith("state.")}
+        named = {name: take(tensor, name) for name, tensor in self._all().items() if not name.startswith("state.")}
         return StreamView(**named, state={name: take(value) for name, value in self.state.items()})
+
+    def _rows_of(self, name: str, order: torch.Tensor) -> torch.Tensor:
+        """``order`` ``[B, H, n]`` for the buffer ``name``: the rows of the stored key heads for the keys."""
+        return order if name != "keys" or self.key_heads is None else order.index_select(1, self.key_heads)
 
     # --- accounting ----------------------------------------------------------------------------------------
     @staticmethod
     def _bytes_per_slot(tensor: torch.Tensor) -> int:
-        per_slot = tensor.shape[0] * tensor.shape[1] * tensor[0, 0, :0].new_empty(1, *tensor.shape[3:]).numel()
-        return per_slot * tensor.element_size()
+        return tensor.shape[0] * tensor.shape[1] * math.prod(tensor.shape[3:]) * tensor.element_size()
 
     def kv_bytes_per_slot(self) -> int:
         return self._bytes_per_slot(self.keys) + self._bytes_per_slot(self.values)

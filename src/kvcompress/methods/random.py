@@ -14,17 +14,19 @@ import torch
 
 from kvcompress.core.checks import check_budget, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.core.forward_cache import forward_cached
+from kvcompress.core.forward import ForwardPass
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
 
 LAYER_BLOCK = 64  # layers whose draws are computed together
 
 
-def layer_draws(positions: torch.Tensor, seed: int, layer: int, heads: int) -> torch.Tensor:
+def layer_draws(
+    positions: torch.Tensor, seed: int, layer: int, heads: int, forward: ForwardPass | None = None
+) -> torch.Tensor:
     """``[B or 1, heads, q]``: ``hash_uniform(seed, layer, head, position)`` for the RoPE positions ``[B or 1, q]``
     of a forward's tokens (the model's ``position_ids``). The hash takes some twenty small ops: they run once per
-    forward for a block of ``LAYER_BLOCK`` layers (``kvcompress.core.forward_cache``)."""
+    ``forward`` for a block of ``LAYER_BLOCK`` layers where it is given (``kvcompress.core.forward``)."""
     block = layer // LAYER_BLOCK
 
     def build() -> torch.Tensor:
@@ -32,7 +34,8 @@ def layer_draws(positions: torch.Tensor, seed: int, layer: int, heads: int) -> t
         head = torch.arange(heads, device=positions.device)[:, None]
         return hash_uniform(seed, layers[:, None, None, None], head, positions[None, :, None, :])
 
-    return forward_cached(positions, ("draws", seed, block, heads), build)[layer % LAYER_BLOCK]
+    draws = build() if forward is None else forward.cached(("draws", seed, block, heads, positions.device), build)
+    return draws[layer % LAYER_BLOCK]
 
 
 class RandomPolicy(Policy):
@@ -43,7 +46,7 @@ class RandomPolicy(Policy):
         new = layer.new_index()
         draw, seed = layer.state["draw"], self.config.seed
         if layer.new_positions is not None:  # the model's positions: draws computed once per forward for all layers
-            draws = layer_draws(layer.new_positions, seed, self.layer_idx, new.shape[1])
+            draws = layer_draws(layer.new_positions, seed, self.layer_idx, new.shape[1], layer.forward_pass)
             draw.scatter_(-1, new, draws.expand_as(new))
             return
         positions = layer.rope_pos.gather(-1, new)

@@ -46,10 +46,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvcompress.vllm.carry import CarryBook, CarryStep, LayerCarry
 from kvcompress.vllm.config import BlockPolicyConfig, check_engine, policy_from_vllm_config
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import make_policy
-from kvcompress.vllm.scores import BlockScores, RefillRow, ScoredStep
+from kvcompress.vllm.rows import RequestRows
+from kvcompress.vllm.scores import BlockScores, H2OReplay, RefillRow, ScoredStep
 from kvcompress.vllm.snapkv import ObservationStash, SnapKVStep, run_prefill_step, run_step
 from kvcompress.vllm.snapkv_state import SnapKVTracker
 from kvcompress.vllm.spec import KVCompressSpec
@@ -81,12 +83,16 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         self.policy = None
         self.snapkv = None
         self.layout = None
+        self.rows = None
+        self.carry = None
         if isinstance(kv_cache_spec, KVCompressSpec):
             self.policy = make_policy(kv_cache_spec.policy, kv_cache_spec.block_size)
             if self.policy.one_shot or self.policy.scored:  # learn the key layout now (an unreadable one: refused)
                 self.layout = KeyLayout(
                     self.isa, kv_cache_spec.dtype, self.num_kv_heads, self.block_size, kv_cache_spec.head_size
                 )
+                self.rows = RequestRows()  # request ids and prompt lengths, from vLLM's runner
+                self.carry = CarryBook(self.block_size)  # kept blocks carried over preemptions
             if self.policy.one_shot:
                 self.snapkv = SnapKVTracker(self.policy, self.layout)
 
@@ -99,23 +105,83 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         context = (common.seq_lens[:num_reqs] - query_lens[:num_reqs]).long()
         step = None
         prompt_len = torch.zeros_like(context)
+        requests, carry = None, None
+        if self.rows is not None:
+            requests = self.rows.ids(num_reqs)
+            ends = context + query_lens[:num_reqs].long()
+            starts = common.query_start_loc_cpu[: num_reqs + 1]
+            replayable = self.snapkv.compressed if self.snapkv is not None else (lambda key: True)
+            carry = self.carry.step(
+                requests,
+                context,
+                ends,
+                starts,
+                common.block_table_tensor,
+                self.rows.alive,
+                lambda request, key: replayable(key),
+            )
         if self.snapkv is not None:
-            step, prompt_len = self.snapkv.track(common, context)
+            prompt_lens = torch.from_numpy(self.rows.prompt_lens(num_reqs))
+            step, prompt_len = self.snapkv.track(common, context, prompt_lens, requests, carry)
         lo, hi = self.policy.worker_range(context, prompt_len)
-        scored = self._scored_step(common, context, query_lens[:num_reqs].long(), hi) if self.policy.scored else None
+        scored = None
+        if self.policy.scored:
+            scored = self._scored_step(common, context, query_lens[:num_reqs].long(), hi, requests, carry)
         metadata = super().build(common_prefix_len, compact_block_table(common, lo, hi, self.block_size), fast_build)
         fields_ = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return KVCompressCPUMetadata(**fields_, snapkv=step, scored=scored)
 
-    def _scored_step(self, common, context, query_lens, hi) -> ScoredStep:
-        """Block H2O: which requests move blocks out of their window at the end of this step (``H2OBlocks``)."""
+    def _scored_step(self, common, context, query_lens, hi, requests, carry: CarryStep) -> ScoredStep:
+        """Block H2O: which requests move blocks out of their window at the end of this step (``H2OBlocks``), and
+        the requests leaving the batch or recomputed after a preemption (``kvcompress.vllm.carry``)."""
         policy = self.policy
         _, hi_after = policy.worker_range(context + query_lens, torch.zeros_like(context))
-        refill = []
+        step = ScoredStep(policy, self.layout, common.num_reqs, [], carry)
+        replayed = {replay.row for replay in carry.replays}
         for i in (hi_after > hi).nonzero().flatten().tolist():  # requests passing a block boundary over the budget
+            if i in replayed:
+                continue
             blocks = common.block_table_tensor[i].long()
-            refill.append(RefillRow(blocks[policy.first_sink_blocks : policy.sink_blocks], blocks[hi[i] : hi_after[i]]))
-        return ScoredStep(policy, self.layout, common.num_reqs, refill)
+            step.refill.append(
+                RefillRow(
+                    blocks[policy.first_sink_blocks : policy.sink_blocks],
+                    blocks[hi[i] : hi_after[i]],
+                    requests[i],
+                    policy.first_sink_blocks,
+                    int(hi[i]),
+                )
+            )
+        for departure in carry.departures:
+            step.departures_kept[departure.request] = departure.blocks[self._kept(departure.count)]
+        for replay in carry.replays:
+            step.replays.append(self._h2o_replay(replay))
+        return step
+
+    def _kept(self, count: int) -> torch.Tensor:
+        """Block H2O: the logical blocks kept once ``count`` tokens are cached (sinks, heavy slots, recent)."""
+        lo, hi = (int(v) for v in self.policy.worker_range(count, 0))
+        return torch.cat([torch.arange(lo), torch.arange(hi, -(-count // self.block_size))])
+
+    def _h2o_replay(self, replay) -> H2OReplay:
+        """The recomputed tokens past the first run's ``count`` attend to the blocks kept at ``count`` and those
+        written since, as the first run's next step would have; a block boundary they cross refills by score."""
+        policy, count, length, blocks = self.policy, replay.count, replay.length, replay.blocks
+        lo, hi = (int(v) for v in policy.worker_range(count, 0))
+        hi_end = int(policy.worker_range(length, 0)[1])
+        refill = None
+        if hi_end > hi:
+            slots = blocks[policy.first_sink_blocks : policy.sink_blocks]
+            refill = RefillRow(slots, blocks[hi:hi_end], replay.request, policy.first_sink_blocks, hi)
+        return H2OReplay(
+            replay.request,
+            replay.row,
+            blocks,
+            self._kept(count),
+            (replay.start + count, replay.end),
+            torch.cat([blocks[:lo], blocks[hi:]]),
+            length - (hi - lo) * self.block_size,
+            refill,
+        )
 
 
 # The policy of the model this worker builds. ``customize_spec`` runs where no vLLM config is current, so the
@@ -135,12 +201,14 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         _worker_in_flight_tokens = config.max_in_flight_tokens
         check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         unscored = self.logits_soft_cap or self.alibi_slopes is not None or self.sinks is not None
-        if _worker_policy.method == "h2o" and unscored:
+        if _worker_policy.method in ("h2o", "cascade") and unscored:
             raise ValueError(
-                "kvcompress: the h2o policy recomputes attention probabilities without logit soft-capping, ALiBi or "
-                "attention-sink logits, which this model uses; choose streaming, window or snapkv"
+                f"kvcompress: the {_worker_policy.method} policy recomputes attention probabilities without logit "
+                "soft-capping, ALiBi or attention-sink logits, which this model uses; choose streaming, window or "
+                "snapkv"
             )
         self.stash: ObservationStash | None = None
+        self.carry = LayerCarry()  # block SnapKV's front slots by request, carried over preemptions
         self.block_scores = BlockScores()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
@@ -149,10 +217,10 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             if self.stash is None:
                 self.stash = ObservationStash(step.policy.config.window)
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            run_step(step, self.stash, queries, kv_cache, self.scale)
+            run_step(step, self.stash, queries, kv_cache, self.scale, self.carry)
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if step is not None and step.prefill_select:
-            run_prefill_step(step, self.stash, kv_cache, self.scale)
+        if step is not None and (step.prefill_select or step.cross or step.replays):
+            run_prefill_step(step, self.stash, queries, kv_cache, self.scale, self.carry)
         scored = getattr(attn_metadata, "scored", None)
         if scored is not None:
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)

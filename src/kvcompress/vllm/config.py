@@ -20,18 +20,19 @@ from typing import Any
 
 ENV_VAR = "KVCOMPRESS_VLLM"
 CONFIG_KEY = "kvcompress"
-METHODS = ("full", "streaming", "window", "snapkv", "h2o")
+METHODS = ("full", "streaming", "window", "snapkv", "h2o", "cascade")
 
 
 @dataclass(frozen=True)
 class BlockPolicyConfig:
     """A block-granular eviction policy and its parameters (all counts in tokens unless named ``*_blocks``).
 
-    method: ``full`` (no eviction), ``streaming``, ``window``, ``snapkv`` or ``h2o`` (see
+    method: ``full`` (no eviction), ``streaming``, ``window``, ``snapkv``, ``h2o`` or ``cascade`` (see
         ``kvcompress.vllm.policies``).
     budget: KV tokens kept per request and layer, rounded down to whole KV blocks (vLLM's ``block_size``);
         for ``snapkv`` the budget of the compressed prompt (generated tokens are appended after it).
-    sink_blocks: ``streaming`` and ``h2o``: leading blocks always kept (the attention sinks live in the first block).
+    sink_blocks: ``streaming``, ``h2o`` and ``cascade``: leading blocks always kept (the attention sinks live in the
+        first block).
     window: ``snapkv`` only: observation window, the last prompt tokens whose queries vote (at most one block).
     kernel: ``snapkv`` only: width of the max pooling applied to the token votes before blocks are scored (odd).
     reselect_blocks: ``snapkv`` only: select again each time generated tokens fill this many more blocks, so a
@@ -39,6 +40,9 @@ class BlockPolicyConfig:
         the paper.
     recent_blocks: ``h2o`` only: the most recent blocks always kept, the block being written included; 0 (default):
         half of the blocks after the sinks, rounded up (H2O's even split between heavy hitters and recent tokens).
+    cascades: ``cascade`` only: the number N of circular sub-caches the blocks after the sinks are split into (each
+        of ``(budget blocks - sink_blocks) // N`` blocks; blocks left over by the division are not used); 0
+        (default): min(4, the blocks after the sinks), the paper's 4 where the budget holds them.
     """
 
     method: str = "full"
@@ -48,11 +52,12 @@ class BlockPolicyConfig:
     kernel: int = 7
     reselect_blocks: int = 0
     recent_blocks: int = 0
+    cascades: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"kvcompress: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks", "recent_blocks"):
+        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks", "recent_blocks", "cascades"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"kvcompress: {name} must be an integer (tokens or blocks), got {value!r}")
@@ -62,6 +67,10 @@ class BlockPolicyConfig:
             raise ValueError(f"kvcompress: sink_blocks must be >= 0, got {self.sink_blocks}")
         if self.reselect_blocks < 0:
             raise ValueError(f"kvcompress: reselect_blocks must be >= 0 (0: select once), got {self.reselect_blocks}")
+        if self.cascades < 0 or self.cascades == 1:
+            raise ValueError(
+                f"kvcompress: cascades must be 0 (min(4, the blocks after the sinks)) or >= 2, got {self.cascades}"
+            )
         if self.recent_blocks < 0:
             raise ValueError(f"kvcompress: recent_blocks must be >= 0 (0: half the budget), got {self.recent_blocks}")
         if self.window < 1:
@@ -84,6 +93,8 @@ class BlockPolicyConfig:
             "window": 1,
             "snapkv": 3,
             "h2o": self.sink_blocks + max(self.recent_blocks, 1) + 1,
+            # cascade: its sinks and at least two sub-caches of one block (the recent one and one that selects).
+            "cascade": self.sink_blocks + max(self.cascades, 2),
         }.get(self.method, 0)
         if blocks < needed:
             raise ValueError(

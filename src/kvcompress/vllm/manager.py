@@ -26,7 +26,6 @@ class BlockEvictionManager(FullAttentionManager):
         if self.enable_caching:
             raise ValueError(PREFIX_CACHING_ERROR.format(method=kv_cache_spec.policy.method))
         self.policy = make_policy(kv_cache_spec.policy, self.block_size)
-        self.selection_start: dict[str, int] = {}  # one-shot policies: by request (see ``_selection_start``)
         # vLLM admits a waiting request if the pool holds what it can hold at once: with eviction during
         # prefill, its budget plus one step, not its whole prompt (vLLM's cap for sliding-window layers).
         self.max_admission_blocks_per_request = kv_cache_spec.admission_blocks()
@@ -40,30 +39,12 @@ class BlockEvictionManager(FullAttentionManager):
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
+        # SnapKV selects at the prompt's end, also in a recompute after a preemption (``kvcompress.vllm.snapkv_state``)
         prompt_len = num_prompt_tokens or 0
-        if self.policy.one_shot and prompt_len:
-            prompt_len = self._selection_start(request_id, processed_computed_tokens, prompt_len)
         first, end = self.policy.scheduler_range(processed_computed_tokens, prompt_len)
         self._remove_blocks_in_range(request_id, first, end)  # walks back from ``end`` to the first freed block
         if self.policy.one_shot:  # SnapKV's range may also grow downwards, once: from the prefill's front to ``lo``
             self._remove_blocks_in_range(request_id, first, min(end, self.policy.prefill_front))
-
-    def _selection_start(self, request_id: str, processed: int, prompt_len: int) -> int:
-        """The context at which the worker selected (0: not yet), for ``SnapKVBlocks`` in place of the prompt length.
-
-        The worker selects in the first step that starts at or past the prompt. That is the prompt's end, except
-        after a preemption: vLLM recomputes prompt and generated tokens, possibly in one step, and the worker then
-        selects over all of them. vLLM's CPU scheduler has no asynchronous scheduling, so it calls this with each
-        step's start, and the first call at or past the prompt is the worker's selection step.
-        """
-        start = self.selection_start.get(request_id)
-        if start is None and processed >= prompt_len:
-            start = self.selection_start[request_id] = processed
-        return start or 0
-
-    def free(self, request_id: str) -> None:
-        self.selection_start.pop(request_id, None)  # finished, or preempted: recomputed from scratch
-        super().free(request_id)
 
     def live_blocks(self, request_id: str) -> int:
         """Blocks of the pool the request holds now (its null entries are evicted blocks)."""

@@ -16,6 +16,8 @@ Functions take Python ints (scheduler) or int64 tensors (worker, one entry per r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcompress.vllm.config import BlockPolicyConfig
@@ -234,6 +236,85 @@ class H2OBlocks(StreamingBlocks):
         self.sink_blocks = sinks + self.heavy_blocks  # the kept front of streaming's arithmetic: sinks + heavy slots
 
 
+class CascadeBlocks(StreamingBlocks):
+    """Cascading KV Cache (Willette et al., 2024, arXiv:2406.17808; kvcompress's ``cascade``) at block granularity.
+
+    The blocks after the ``sink_blocks`` sinks are ``N`` circular sub-caches ("cascades") of ``W`` blocks each
+    (``config.cascades``; 0: min(4, blocks after the sinks)). Cascade 0 is the most recent ``W`` blocks, in place
+    (the block being written included), as in the paper where the first cascade takes every token. Cascades
+    ``1 .. N-1`` are fixed slots after the sinks (``W`` blocks each, in order), so the scheduler's arithmetic is
+    ``streaming``'s with the sinks and those slots as the kept front, and a request holds exactly
+    ``sink_blocks + N W`` blocks once longer (the budget, less the blocks ``N`` does not divide).
+
+    The token-acceptance rule, with the block as the unit: the ``c``-th block to leave cascade 0 (``c = 0, 1, ...``,
+    the paper's global clock in blocks) is offered to cascade 1; cascade ``i`` accepts only when ``c`` is a
+    multiple of ``2^i`` (``b = 2``): the block then overwrites the cascade's oldest slot and the block it displaces
+    is offered to cascade ``i + 1`` (beyond the last cascade it is dropped). When cascade ``i`` does not accept,
+    the incoming block and the cascade's newest block compete, and the one with the larger exponential moving
+    average (EMA) of the attention it received stays in the newest slot (ties go to the incoming block, the
+    authors' code); the other is dropped. Which slot is oldest or newest follows from ``c`` alone (cascade ``i``
+    has accepted ``floor(c / 2^i) + 1`` blocks by clock ``c``), so no per-request state is kept.
+
+    Scores (``kvcompress.vllm.scores``): per block and KV head, ``mu <- gamma mu + (1 - gamma) s`` at every token
+    step, ``s`` the attention mass the block's tokens received in that step, summed over the query heads of the
+    KV head; a new block starts at 0, and ``gamma = exp(-N ln(100) / (N W block_size))`` (the paper's Eq. 14 with
+    the cascades' size in tokens). The sum of the tokens' EMAs is the EMA of the block's sum, so the block score is
+    exactly the paper's token EMAs summed over the block.
+
+    Choices the block unit forces, or where this differs from the paper (kvcompress's per-token ``cascade``):
+
+    * the unit: a block of ``block_size`` tokens is accepted, compared and dropped whole, and the acceptance clock
+      counts blocks, not tokens;
+    * decisions per KV head (the KV head's own query heads' attention), where the paper decides once for all heads
+      (mean over all query heads): vLLM's one block table is shared by the heads anyway (the cascades' slots are
+      copied per ``[block, head]``), and under tensor parallelism each rank then decides for its own KV heads with
+      no exchange, so the outputs do not depend on the number of ranks;
+    * the cascades start full: their slots hold the request's first blocks after the sinks (the paper fills empty
+      cascades as tokens arrive); the clock starts with the first block to leave cascade 0;
+    * positions are the original ones (vLLM caches rotated keys), not re-indexed inside the cache;
+    * a prompt prefilled in one step is attended whole, then its blocks leave cascade 0 in order at its end (the
+      v1 paper runs the prompt token by token); its queries update the EMA in closed form (query ``m`` of ``q``
+      weighted ``(1 - gamma) gamma^(q-1-m)``, the later official strided variant).
+    """
+
+    scored = True
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        sinks = config.sink_blocks
+        after_sinks = self.budget_blocks - sinks
+        self.cascades = config.cascades or min(4, after_sinks)
+        self.ring_blocks = after_sinks // self.cascades  # W
+        self.recent_blocks = self.ring_blocks
+        self.first_sink_blocks = sinks
+        self.sink_blocks = sinks + (self.cascades - 1) * self.ring_blocks  # sinks + the slots of cascades 1 .. N-1
+        self.budget_blocks = sinks + self.cascades * self.ring_blocks
+        self.gamma = math.exp(-self.cascades * math.log(100) / (self.cascades * self.ring_blocks * block_size))
+
+    def ring_slots(self, ring: int) -> tuple[int, int]:
+        """The logical blocks ``[first, end)`` holding the slots of cascade ``ring`` (1 .. N-1)."""
+        first = self.first_sink_blocks + (ring - 1) * self.ring_blocks
+        return first, first + self.ring_blocks
+
+    def offers(self, leaving_block: int) -> list[tuple[int, bool, int]]:
+        """What happens to the block leaving cascade 0 at logical index ``leaving_block``, cascade by cascade:
+        ``(ring, accepts, slot)``, ``slot`` the logical block overwritten (the oldest if it accepts, else the
+        newest, which the incoming block competes with); the list stops at the first cascade that does not accept
+        (or after the last one)."""
+        clock = leaving_block - self.sink_blocks
+        steps = []
+        for ring in range(1, self.cascades):
+            period = 2**ring
+            accepted_before = clock // period + (clock % period != 0)  # acceptances at clocks 0 .. clock - 1
+            first, _ = self.ring_slots(ring)
+            if clock % period == 0:
+                steps.append((ring, True, first + accepted_before % self.ring_blocks))
+            else:
+                steps.append((ring, False, first + (accepted_before - 1) % self.ring_blocks))
+                break
+        return steps
+
+
 def _compressed(count, prompt_len, strict: bool):
     if isinstance(count, torch.Tensor):
         return (count > prompt_len if strict else count >= prompt_len) & (prompt_len > 0)
@@ -246,6 +327,7 @@ POLICIES = {
     "window": WindowBlocks,
     "snapkv": SnapKVBlocks,
     "h2o": H2OBlocks,
+    "cascade": CascadeBlocks,
 }
 
 

@@ -26,32 +26,60 @@ approximated is the unit, a whole block kept or evicted per KV head instead of s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvcompress.vllm.carry import CarryStep, LayerCarry
 from kvcompress.vllm.layout import KeyLayout
-from kvcompress.vllm.policies import H2OBlocks
+from kvcompress.vllm.policies import CascadeBlocks, H2OBlocks
 
 QUERY_SLICE = 256  # prefill queries scored at once: bounds the probabilities held to heads x 256 x kept tokens
 
 
 @dataclass
 class RefillRow:
-    """A request whose step moves ``leaving`` blocks (ids) out of the window; ``slots`` are its heavy slots (ids)."""
+    """A request whose step moves ``leaving`` blocks (ids) out of the window; ``slots`` are its heavy slots (ids).
+
+    ``request``, ``first_slot`` and ``first_leaving`` (the logical indices of ``slots[0]`` and ``leaving[0]``) let
+    the layer record which logical block each slot holds (``kvcompress.vllm.carry``).
+    """
 
     slots: torch.Tensor
     leaving: torch.Tensor
+    request: str | None = None
+    first_slot: int = 0
+    first_leaving: int = 0
+
+
+@dataclass
+class H2OReplay:
+    """A request recomputed in this step after a preemption (``kvcompress.vllm.carry``): ``blocks``, the ids of its
+    recomputed logical blocks; ``kept``, the logical blocks it kept when its first run stopped, ``count`` tokens in;
+    ``queries`` (``[start, end)``), the recompute's query rows past ``count``, which attend to ``mass_blocks`` (the
+    kept blocks, then those written since: ``mass_tokens`` tokens); ``refill``, the boundary they cross, if any."""
+
+    request: str
+    row: int
+    blocks: torch.Tensor
+    kept: torch.Tensor
+    queries: tuple[int, int]
+    mass_blocks: torch.Tensor
+    mass_tokens: int
+    refill: RefillRow | None
 
 
 @dataclass
 class ScoredStep:
     """The block H2O work of one step, shared by all layers (built once by the metadata builder)."""
 
-    policy: H2OBlocks
+    policy: H2OBlocks | CascadeBlocks
     layout: KeyLayout
     num_reqs: int
     refill: list[RefillRow]
+    carry: CarryStep | None = None
+    replays: list[H2OReplay] = field(default_factory=list)
+    departures_kept: dict[str, torch.Tensor] = field(default_factory=dict)  # request -> ids of its kept blocks
 
 
 class BlockScores:
@@ -59,39 +87,120 @@ class BlockScores:
 
     def __init__(self) -> None:
         self.scores: torch.Tensor | None = None
+        self.carry = LayerCarry()
 
     def step(self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float) -> None:
-        """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``."""
+        """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``.
+
+        Before step 1, requests leaving the batch park their kept blocks' scores and slots' origin, and after step
+        2 recomputed requests get them back (``kvcompress.vllm.carry``).
+        """
         if self.scores is None:
             self.scores = torch.zeros(kv_cache.shape[0], kv_cache.shape[1], device=kv_cache.device)
+        if step.carry:
+            self._park(step)
         block_size = step.policy.block_size
         slots = metadata.slot_mapping[: metadata.num_actual_tokens]
         self.scores[slots[(slots >= 0) & (slots % block_size == 0)] // block_size] = 0
         num_reqs = step.num_reqs
         starts = metadata.query_start_loc[: num_reqs + 1]
         seq_lens, table = metadata.seq_lens[:num_reqs], metadata.block_table[:num_reqs]
-        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale)
+        skip = {replay.row for replay in step.replays}
+        gamma = step.policy.gamma if isinstance(step.policy, CascadeBlocks) else None
+        if gamma is not None:
+            decay(self.scores, starts, seq_lens, table, gamma, block_size, skip)
+        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip, gamma)
+        for replay in step.replays:
+            self._replay(step, replay, query, kv_cache, scale)
         for row in step.refill:
-            refill(self.scores, kv_cache, row)
+            self._refill(step, kv_cache, row)
+
+    def _refill(self, step: ScoredStep, kv_cache: torch.Tensor, row: RefillRow) -> None:
+        if isinstance(step.policy, CascadeBlocks):
+            cascade_refill(self.scores, kv_cache, row, step.policy, self.carry)
+        else:
+            refill(self.scores, kv_cache, row, self.carry)
+
+    def _park(self, step: ScoredStep) -> None:
+        carry = self.carry
+        for departure in step.carry.departures:
+            kept = step.departures_kept[departure.request]
+            carry.parked[departure.request] = {
+                "origin": carry.origin.pop(departure.request, None),
+                "scores": self.scores[kept].clone(),  # [kept blocks, H_kv], before this step can reset them
+            }
+        for request, _ in step.carry.returned:
+            parked = carry.parked.pop(request, None)
+            if parked is not None and parked["origin"] is not None:
+                carry.origin[request] = parked["origin"]
+        carry.drop(step.carry)
+
+    def _replay(self, step: ScoredStep, replay: H2OReplay, query, kv_cache, scale: float) -> None:
+        """The first run's heavy slots and scores back, then the recompute's tokens past it as its next step."""
+        parked = self.carry.parked.pop(replay.request, None)
+        if parked is None:
+            return
+        if parked["origin"] is not None:
+            self.carry.restore_front(kv_cache, parked["origin"], replay.blocks, 0)
+            self.carry.origin[replay.request] = parked["origin"]
+        self.scores[replay.blocks[replay.kept]] = parked["scores"]
+        start, end = replay.queries
+        gamma = step.policy.gamma if isinstance(step.policy, CascadeBlocks) else None
+        if gamma is not None:  # the kept blocks' EMA decays over the replayed queries
+            kept = replay.mass_blocks[: -(-replay.mass_tokens // step.policy.block_size)]
+            self.scores[kept] = self.scores[kept] * gamma ** (end - start)
+        weights = _ema_weights(end - start, gamma, query.device) if gamma is not None else None
+        _prefill_mass(
+            self.scores, step.layout, kv_cache, query[start:end], replay.mass_tokens, replay.mass_blocks, scale, weights
+        )
+        if replay.refill is not None:
+            self._refill(step, kv_cache, replay.refill)
 
 
-def add_attention_mass(scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale) -> None:
+def decay(scores, starts, seq_lens, block_table, gamma: float, block_size: int, skip=frozenset()) -> None:
+    """Block cascade's EMA: multiply the scores of each request's kept blocks by ``gamma`` per query of its step."""
+    query_lens = (starts[1:] - starts[:-1]).to(scores.dtype)
+    if skip:
+        query_lens[list(skip)] = 0
+    num_blocks = -(-int(seq_lens.max()) // block_size) if len(seq_lens) else 0
+    blocks = block_table[:, :num_blocks].long()
+    valid = torch.arange(num_blocks, device=blocks.device) < (-(-seq_lens // block_size)).unsqueeze(1)
+    factor = (gamma**query_lens).unsqueeze(1).expand(-1, num_blocks)[valid]
+    ids = blocks[valid]
+    scores[ids] = scores[ids] * factor.unsqueeze(1)
+
+
+def _ema_weights(num_queries: int, gamma: float, device) -> torch.Tensor:
+    """Query ``m`` of ``q`` counts ``(1 - gamma) gamma^(q - 1 - m)`` in the EMA after the step (closed form)."""
+    return (1 - gamma) * gamma ** torch.arange(num_queries - 1, -1, -1, device=device, dtype=torch.float32)
+
+
+def add_attention_mass(
+    scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale, skip=frozenset(), gamma=None
+) -> None:
     """Add to ``scores[block, kv_head]`` the attention mass the queries of each request give each kept block.
 
     ``starts`` (``[num_reqs + 1]``) splits ``query`` by request; request ``r`` attends to the first ``seq_lens[r]``
-    tokens of the blocks ``block_table[r]``, its last query to all of them, causally before.
+    tokens of the blocks ``block_table[r]``, its last query to all of them, causally before. Rows in ``skip``
+    (recomputed requests, scored by their replay) add nothing. With ``gamma`` (block cascade's EMA, after
+    ``decay``), query ``m`` of a step of ``q`` weighs ``(1 - gamma) gamma^(q - 1 - m)``.
     """
     query_lens = starts[1:] - starts[:-1]
+    if skip:
+        query_lens = query_lens.clone()
+        query_lens[list(skip)] = 0
     decoding = query_lens == 1
     rows = decoding.nonzero().flatten()
     if len(rows):
-        _decode_mass(scores, layout, kv_cache, query[starts[rows]], seq_lens[rows], block_table[rows], scale)
+        weight = 1.0 if gamma is None else 1 - gamma
+        _decode_mass(scores, layout, kv_cache, query[starts[rows]], seq_lens[rows], block_table[rows], scale, weight)
     for r in (~decoding & (query_lens > 0)).nonzero().flatten().tolist():
         queries = query[int(starts[r]) : int(starts[r + 1])]
-        _prefill_mass(scores, layout, kv_cache, queries, int(seq_lens[r]), block_table[r], scale)
+        weights = None if gamma is None else _ema_weights(len(queries), gamma, queries.device)
+        _prefill_mass(scores, layout, kv_cache, queries, int(seq_lens[r]), block_table[r], scale, weights)
 
 
-def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale) -> None:
+def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale, weight: float = 1.0) -> None:
     """One query per request, all requests at once (padded to the longest; padding gets probability 0)."""
     block_size = layout.shape[1]
     num_blocks = -(-int(seq_lens.max()) // block_size)
@@ -102,12 +211,15 @@ def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale) 
     logits = torch.einsum("rkgd,rktd->rkgt", grouped, keys) * scale
     logits.masked_fill_(torch.arange(tokens, device=keys.device) >= seq_lens.view(-1, 1, 1, 1), float("-inf"))
     mass = logits.softmax(dim=-1).sum(dim=2).view(num_reqs, num_kv_heads, num_blocks, block_size).sum(dim=3)
+    if weight != 1.0:
+        mass = mass * weight
     heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
     scores.index_put_((blocks.unsqueeze(1).expand_as(mass), heads.expand_as(mass)), mass, accumulate=True)
 
 
-def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, scale) -> None:
-    """A prefill chunk of one request: its queries are the last ``len(query)`` of its ``seq_len`` tokens."""
+def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, scale, weights=None) -> None:
+    """A prefill chunk of one request: its queries are the last ``len(query)`` of its ``seq_len`` tokens (query ``m``
+    weighted ``weights[m]``, if given)."""
     block_size = layout.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
@@ -121,15 +233,19 @@ def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, sc
         logits = torch.einsum("kgqd,ktd->kgqt", grouped, keys) * scale
         positions = torch.arange(first + start, first + start + len(part), device=keys.device).view(-1, 1)
         logits.masked_fill_(torch.arange(seq_len, device=keys.device) > positions, float("-inf"))
-        mass[:, :seq_len] += logits.softmax(dim=-1).sum(dim=(1, 2))
+        probabilities = logits.softmax(dim=-1)
+        if weights is not None:
+            probabilities = probabilities * weights[start : start + len(part)].view(1, 1, -1, 1)
+        mass[:, :seq_len] += probabilities.sum(dim=(1, 2))
     scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
 
 
-def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow) -> None:
+def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, carry: LayerCarry | None = None) -> None:
     """Per KV head, keep the best-scored of ``row.slots`` and ``row.leaving`` in the slots (see the module docstring).
 
     A slot that stays keeps its place; each leaving winner overwrites one losing slot, the first losing slot
-    receiving the first winner in block order. Ties go to the lower candidate (``topk``'s order on CPU).
+    receiving the first winner in block order. Ties go to the lower candidate (``topk``'s order on CPU). With
+    ``carry``, the logical block each slot now holds is recorded under ``row.request``.
     """
     candidates = torch.cat([row.slots, row.leaving])
     heavy = len(row.slots)
@@ -145,3 +261,41 @@ def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow) -> None
     sources = row.leaving[winners[j, heads]]
     kv_cache[targets, heads] = kv_cache[sources, heads]
     scores[targets, heads] = scores[sources, heads]
+    if carry is not None and row.request is not None:
+        front = row.first_slot + heavy
+        origin = carry.origin_of(row.request, scores.shape[1], front, scores.device).clone()
+        origin[heads, row.first_slot + losers[j, heads]] = row.first_leaving + winners[j, heads]
+        carry.origin[row.request] = origin
+
+
+def cascade_refill(
+    scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, policy: CascadeBlocks, carry: LayerCarry | None
+) -> None:
+    """Block cascade: each block of ``row.leaving`` (in order) leaves cascade 0 and goes through the cascades'
+    acceptance rule (``CascadeBlocks``), per KV head: an accepting cascade takes it into its oldest slot and passes
+    the displaced block on; a cascade that does not accept keeps the larger-EMA of it and its newest block (ties:
+    the incoming block). ``row.slots``: the ids of the cascades' slots (logical ``row.first_slot`` on)."""
+    num_kv_heads = scores.shape[1]
+    origin = None
+    if carry is not None and row.request is not None:
+        origin = carry.origin_of(row.request, num_kv_heads, policy.sink_blocks, scores.device).clone()
+    for k, block in enumerate(row.leaving.tolist()):
+        logical = row.first_leaving + k
+        kv, score = kv_cache[block].clone(), scores[block].clone()  # [H_kv, block, 2 * head], [H_kv]
+        source = torch.full((num_kv_heads,), logical, device=scores.device)
+        for _, accepts, slot in policy.offers(logical):
+            target = int(row.slots[slot - row.first_slot])
+            if accepts:
+                displaced = kv_cache[target].clone(), scores[target].clone()
+                kv_cache[target], scores[target] = kv, score
+                if origin is not None:
+                    origin[:, slot], source = source, origin[:, slot].clone()
+                kv, score = displaced
+            else:
+                wins = score >= scores[target]  # [H_kv]
+                kv_cache[target] = torch.where(wins.view(-1, 1, 1), kv, kv_cache[target])
+                scores[target] = torch.where(wins, score, scores[target])
+                if origin is not None:
+                    origin[:, slot] = torch.where(wins, source, origin[:, slot])
+    if origin is not None:
+        carry.origin[row.request] = origin

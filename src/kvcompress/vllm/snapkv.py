@@ -28,11 +28,12 @@ every CPU layout is read exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvcompress.vllm.carry import CarryStep, LayerCarry
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import SnapKVBlocks
 
@@ -62,6 +63,20 @@ class SelectRow:
     hi_after: int
     blocks: torch.Tensor
     front: int
+    request: str | None = None  # its request id, under which the layer keeps the origin of its front slots
+
+
+@dataclass
+class SnapKVReplay:
+    """A request recomputed after a preemption whose first run had selected (``kvcompress.vllm.carry``): its key,
+    the ids of its recomputed blocks, the re-selection due where its first run stopped (if any) and the query rows
+    of the recompute that join the next observation window (if any)."""
+
+    request: str
+    key: int
+    blocks: torch.Tensor
+    select: SelectRow | None
+    stash: StashRow | None
 
 
 @dataclass
@@ -73,6 +88,12 @@ class SnapKVStep:
     stash: list[StashRow]
     select: list[SelectRow]
     prefill_select: list[SelectRow]  # selections at the end of a prefill step (after the kernel)
+    # A step that passes the prompt's end (a recompute after a preemption): the prompt's selection after the kernel,
+    # voted by the window queries up to the prompt's end (``cross_stash``), unless the request is replayed.
+    cross: list[SelectRow] = field(default_factory=list)
+    cross_stash: list[StashRow] = field(default_factory=list)
+    replays: list[SnapKVReplay] = field(default_factory=list)
+    carry: CarryStep | None = None
 
 
 class ObservationStash:
@@ -97,42 +118,102 @@ class ObservationStash:
         return self.queries.pop(key, None)
 
 
-def run_step(step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float) -> None:
-    """One layer's share of ``step`` before its attention: select in the requests that reached a selection, then
-    stash window queries.
+def run_step(
+    step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float, carry: LayerCarry | None = None
+) -> None:
+    """One layer's share of ``step`` before its attention: park the state of departing requests
+    (``kvcompress.vllm.carry``), select in the requests that reached a selection, then stash window queries.
 
     Selecting first: a step's own query may open the next observation window, never the one being used.
     """
+    if carry is not None and step.carry is not None:
+        _park(step, stash, carry)
     for row in step.select:
         window_queries = stash.pop(row.key)
         front = stash.front_scores.pop(row.key, None)
         prior = front[1] if front is not None and front[0] == row.context else None
         if window_queries is not None:
-            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale, prior)
+            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale, prior, carry)
     for row in step.stash:
         stash.add(row, query)
 
 
-def run_prefill_step(step: SnapKVStep, stash: ObservationStash, kv_cache, scale: float) -> None:
+def _park(step: SnapKVStep, stash: ObservationStash, carry: LayerCarry) -> None:
+    """Before this step can reuse their keys: park departing requests, give returning ones their state back."""
+    for departure in step.carry.departures:
+        carry.parked[departure.request] = {
+            "origin": carry.origin.pop(departure.request, None),
+            "queries": stash.queries.pop(departure.key, None),
+        }
+        stash.front_scores.pop(departure.key, None)
+    for request, key in step.carry.returned:
+        parked = carry.parked.pop(request, None)
+        if parked is not None:
+            if parked["origin"] is not None:
+                carry.origin[request] = parked["origin"]
+            if parked["queries"] is not None:
+                stash.queries[key] = parked["queries"]
+    carry.drop(step.carry)
+
+
+def run_prefill_step(
+    step: SnapKVStep, stash: ObservationStash, query, kv_cache, scale: float, carry: LayerCarry | None = None
+) -> None:
     """One layer's share of ``step`` after its attention: the prefill selections (``SnapKVBlocks``), voted by the
-    last ``window`` queries stashed so far (kept for the prompt's final selection)."""
+    last ``window`` queries stashed so far (kept for the prompt's final selection); the prompt's selection in a
+    step that passes the prompt's end; the replays of recomputed requests."""
     for row in step.prefill_select:
         window_queries = stash.queries.get(row.key)
         if window_queries is not None:
-            scores = select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale)
+            scores = select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale, None, carry)
             if scores is not None:
                 stash.front_scores[row.key] = (row.context, scores)
+    for row in step.cross_stash:
+        stash.add(row, query)
+    for row in step.cross:
+        window_queries = stash.pop(row.key)
+        if window_queries is not None:
+            select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale, None, carry)
+    for replay in step.replays:
+        _replay(step, replay, stash, query, kv_cache, scale, carry)
+
+
+def _replay(step: SnapKVStep, replay: SnapKVReplay, stash: ObservationStash, query, kv_cache, scale, carry) -> None:
+    """Give a recomputed request the front blocks and window queries its first run had (``kvcompress.vllm.carry``),
+    then what the first run's next step would have done: a re-selection due there, the query joining the window."""
+    parked = carry.parked.pop(replay.request, None) if carry is not None else None
+    if parked is None:
+        return
+    if parked["origin"] is not None:
+        carry.restore_front(kv_cache, parked["origin"], replay.blocks, 0)
+        carry.origin[replay.request] = parked["origin"]
+    if parked["queries"] is not None:
+        stash.queries[replay.key] = parked["queries"]
+    if replay.select is not None:
+        window_queries = stash.pop(replay.key)
+        if window_queries is not None:
+            select_blocks(step.policy, step.layout, replay.select, window_queries, kv_cache, scale, None, carry)
+    if replay.stash is not None:
+        stash.add(replay.stash, query)
 
 
 def select_blocks(
-    policy: SnapKVBlocks, layout: KeyLayout, row: SelectRow, queries, kv_cache, scale: float, prior=None
+    policy: SnapKVBlocks,
+    layout: KeyLayout,
+    row: SelectRow,
+    queries,
+    kv_cache,
+    scale: float,
+    prior=None,
+    carry: LayerCarry | None = None,
 ) -> torch.Tensor | None:
     """Move each KV head's best candidate blocks to the front of the request's blocks (see the module docstring).
 
     The candidates are the kept blocks before ``hi_after``; ``prior`` (``[H_kv, front]``), the scores the front
     blocks got in the prefill selection that ended where this one starts (same window): then only the front
     blocks compete, by those scores. Returns the chosen blocks' scores ``[H_kv, lo]``, in block order (``None``
-    if there is nothing to choose).
+    if there is nothing to choose). With ``carry``, the logical block each front slot now holds is recorded under
+    ``row.request`` (``kvcompress.vllm.carry``).
     """
     lo, front, before, after = row.lo, row.front, row.hi_before, row.hi_after
     candidates = min(front, after) + max(after - before, 0)  # the kept blocks before ``hi_after``
@@ -150,6 +231,16 @@ def select_blocks(
     sources = kept[chosen]
     targets = row.blocks[:lo].unsqueeze(0).expand_as(sources)
     kv_cache[targets, heads] = kv_cache[sources, heads]
+    if carry is not None and row.request is not None:  # logical blocks of the kept tokens, per head, then chosen
+        num_kv_heads = kv_cache.shape[1]
+        logical = torch.cat(
+            [
+                carry.origin_of(row.request, num_kv_heads, front, chosen.device),
+                torch.arange(before, len(row.blocks), device=chosen.device).expand(num_kv_heads, -1),
+            ],
+            dim=1,
+        )
+        carry.origin[row.request] = logical.gather(1, chosen)
     return scores.gather(1, chosen)
 
 

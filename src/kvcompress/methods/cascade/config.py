@@ -63,7 +63,6 @@ from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.policy import CascadePolicy
-from kvcompress.methods.cascade.ring_group import RingGroup
 
 REDUCTIONS: tuple[str, ...] = ("mean", "median", "max")
 TIES: tuple[str, ...] = ("incoming", "resident")
@@ -119,12 +118,11 @@ class CascadeConfig(MethodConfig):
 
     def connect(self, layers: list[CompressedLayer]) -> None:
         """The cascade layers (``N > 1``) share one buffer so that a decoding step moves the tokens of every layer at
-        once (``RingGroup``)."""
+        once (``ring_moves``)."""
         rings = [layer for layer in layers if isinstance(layer, CascadeLayer) and layer.cascades > 1]
         if len(rings) > 1:
-            group = RingGroup(rings)
             for layer in rings:
-                layer.group = group
+                layer.ring_layers = rings
 
     def sliding_layer_class(self, window: int) -> type[CompressedLayer]:
         """The layer class on a sliding-window layer of ``window`` tokens: the generic layer keeping the window when

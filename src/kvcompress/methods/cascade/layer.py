@@ -45,7 +45,6 @@ from kvcompress.methods.cascade.ring_capacity import RingCapacity
 from kvcompress.methods.cascade.ring_chunk_insert import RingChunkInsert
 from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_exact import RingExact
-from kvcompress.methods.cascade.ring_group import RingGroup
 from kvcompress.methods.cascade.ring_insert import RingInsert
 from kvcompress.methods.cascade.ring_views import RingViews
 
@@ -61,7 +60,7 @@ class _Pending:
     first: int  # stream index of the first token (padding included)
     pos: torch.Tensor | None = None  # [B, q] RoPE positions; None = the stream indices
     real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
-    source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (rotations are cached on it)
+    source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (None: not given as such)
 
     @property
     def tok(self) -> torch.Tensor:
@@ -87,7 +86,9 @@ class CascadeLayer(
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
-        self.group: RingGroup | None = None  # set by ``CascadeConfig.connect`` for the cascade layers of a cache
+        # the cascade layers of this layer's cache (``CascadeConfig.connect``), whose old tokens the first of a
+        # decoding step moves for all (``ring_moves``); None: this layer moves its own
+        self.ring_layers: list | None = None
         super().__init__(policy, inv_freq)
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
@@ -110,15 +111,11 @@ class CascadeLayer(
         # keys (rotated at their slot index) and values side by side; slot ``slots`` is scratch space; per slot: the
         # stream index of the token (-1 = empty) and the RoPE position the model gave it; the attention EMA (fp32)
         kv_shape = (batch, heads, slots + 1, key_dim + value_states.shape[-1])
-        joint = None if self.group is None else self.group.buffers(self, kv_shape, self.dtype, self.device)
-        if joint is not None:  # views of the buffer of every layer of the cache (``RingGroup``)
-            self._kv, self._meta, self._score = joint
-        else:
-            self._kv = key_states.new_zeros(kv_shape)
-            self._meta = torch.stack(
-                [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
-            )
-            self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
+        self._kv = key_states.new_zeros(kv_shape)
+        self._meta = torch.stack(
+            [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
+        )
+        self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
         # tensor path only (see _in_step below): sinks stored, real tokens seen (the acceptance clock), per cascade
         # the ring's start and count, and two flags: every sequence has all its sinks (then the sink column is
         # skipped), eager fill is over for every sequence
@@ -288,9 +285,9 @@ class CascadeLayer(
         """``F`` per sequence ``[B]``."""
         return (self._n_real - self.sinks).clamp(min=0) - self._count[:, 0]
 
-    def _sync_sinks(self, position_ids: torch.Tensor | None = None) -> None:
+    def _sync_sinks(self) -> None:
         """One ring: rewrite the sinks' keys at angle ``j + F`` from their copy at angle ``j`` (once per change of
-        ``F``; ``position_ids`` shares the rotation between the layers of a forward)."""
+        ``F``; the rotation shared by the layers of a forward)."""
         if self.cascades != 1 or not self.sinks or self.inv_freq is None:
             return
         sinks = self._kv[:, :, : self.sinks, : self._key_dim]
@@ -301,7 +298,8 @@ class CascadeLayer(
             if self._sink_frame == 0:  # until the ring first overwrites, the stored sinks are at angle j
                 self._sink_keys.copy_(sinks)
             self._sink_frame = frame
-            sinks.copy_(self._sink_keys @ frame_rotation(position_ids, frame, self.inv_freq, self._key_dim, self.dtype))
+            rotation = frame_rotation(self.forward_pass, frame, self.inv_freq, self._key_dim, self.dtype)
+            sinks.copy_(self._sink_keys @ rotation)
             return
         frame = self._frame()
         own = (self._sink_frame == 0)[:, None, None, None]  # these sequences' stored sinks are still at angle j
@@ -314,17 +312,15 @@ class CascadeLayer(
         if self.inv_freq is not None and delta != 0:
             turn_in_place(rows, self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity])
 
-    def _insert_in_step(
-        self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, position_ids=None, placed=False
-    ) -> None:
+    def _insert_in_step(self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, placed=False) -> None:
         """``_insert`` while every sequence is in step: Algorithm 1 on Python integers (the same schedule for
         the whole batch, ``_plan_in_step``), then the moves as slices of the buffer, every token read before its
         slot is overwritten. Only a selection (d) depends on the sequence: there the arriving token is written where
-        it wins. ``position_ids``: the forward's, to share the moves' tables; ``placed``: the new key is rotated at
+        it wins. ``placed``: the new key is rotated at
         its destination already (else, with several cascades, it arrives un-rotated)."""
         moves = self._plan_in_step()
         if len(moves) > 1:
-            self._move_together(moves, kv, meta, score, position_ids, placed)
+            self._move_together(moves, kv, meta, score, placed)
             return
         dest, select = moves[0]
         self._put(dest, None, kv, meta, score, select, placed)

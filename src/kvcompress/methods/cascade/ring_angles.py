@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-import torch
-
 from kvcompress.core.rotation import frame_rotation
 
 
@@ -46,30 +44,30 @@ class RingAngles:
         ring, offset = divmod(slot - self.sinks, self.width)
         return laps[ring] + (self.width if offset < starts[ring] else 0)
 
-    def to_ring_angles(self, position_ids: torch.Tensor | None = None) -> None:
+    def to_ring_angles(self) -> None:
         """Turn the stored rings from slot angles to ring angles (``laps`` = 0), if they are not there already."""
         if self._laps is not None or not self._uses_ring_angles() or not self._in_step or self._py_seen < self.sinks:
             return
-        self._turn_rings(1, position_ids)
+        self._turn_rings(1)
         self._laps = [0] * self.cascades
         self._sink_keys.copy_(self._kv[:, :, : self.sinks, : self._key_dim])
-        self.place_sinks(self.angle_shift(0, self._py_start, self._laps), position_ids)
+        self.place_sinks(self.angle_shift(0, self._py_start, self._laps))
 
     def to_slot_angles(self) -> None:
         """Turn the stored rings back to slot angles (before any path but the in-step decoding step reads them)."""
         if self._laps is None:
             return
-        self._turn_rings(-1, None)
+        self._turn_rings(-1)
         self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys
         self._laps = None
 
-    def place_sinks(self, shift: int, position_ids: torch.Tensor | None) -> None:
+    def place_sinks(self, shift: int) -> None:
         """Write the sinks' keys at angle j + ``shift`` from their copy at angle j."""
         if self.sinks:
-            rotation = frame_rotation(position_ids, shift, self.inv_freq, self._key_dim, self.dtype)
+            rotation = frame_rotation(self.forward_pass, shift, self.inv_freq, self._key_dim, self.dtype)
             self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys @ rotation
 
-    def _turn_rings(self, sign: int, position_ids: torch.Tensor | None) -> None:
+    def _turn_rings(self, sign: int) -> None:
         """Rotate each ring's occupied slots by ``sign`` times their ring-angle shift (for ``to_slot_angles``,
         ``_laps`` are the current ones; for ``to_ring_angles``, zeros)."""
         laps, starts = self._laps or [0] * self.cascades, self._py_start
@@ -80,7 +78,7 @@ class RingAngles:
             for lo, hi, shift in parts:
                 if hi > lo and shift:
                     keys = self._kv[:, :, first + lo : first + hi, : self._key_dim]
-                    rotation = frame_rotation(position_ids, sign * shift, self.inv_freq, self._key_dim, self.dtype)
+                    rotation = frame_rotation(self.forward_pass, sign * shift, self.inv_freq, self._key_dim, self.dtype)
                     keys.copy_(keys @ rotation)
 
     def _step_turns(self, moves: list[tuple[int, bool]], before: tuple, after: tuple) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.forward_cache import from_host
+from kvcompress.core.forward import from_host
 from kvcompress.core.rope import turn_in_place
 
 

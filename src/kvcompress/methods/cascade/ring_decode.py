@@ -9,7 +9,7 @@ the logits of every frame for every slot (one matmul and a gather; one matmul pe
 ``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order (empty slots at ``-inf``), one matmul
 with the values and one for the EMA. The Python side of a step (moves, counters, frames) is the same for every
 layer of a forward and planned once (``_plan_decode_step``), and the old tokens' moves of every layer are done at
-once by the first (``RingGroup``). One ring (the circular sink cache) is a single frame (``CascadeLayer``): its
+once by the first (``ring_moves``). One ring (the circular sink cache) is a single frame (``CascadeLayer``): its
 step is one SDPA.
 """
 
@@ -19,11 +19,11 @@ from itertools import pairwise
 
 import torch
 
-from kvcompress.core.forward_cache import forward_cached, from_host
+from kvcompress.core.forward import from_host
 from kvcompress.core.rotation import rotation_to, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import head_matmul
-from kvcompress.methods.cascade.ring_group import shift_chain
+from kvcompress.methods.cascade.ring_moves import moved_every_ring, shift_chain
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
 # frames x stored slots up to which the logits of every frame are computed for every slot by one matmul. On the CPU
@@ -53,38 +53,38 @@ class RingDecode:
 
     def _decode_step(self, query: torch.Tensor, pending, scale: float, grouped: bool = True) -> torch.Tensor:
         """Attend and insert one token (``[B, H, 1, d]`` in, the same out); ``grouped``: the first layer of the
-        forward may move the old tokens of every layer (``RingGroup``)."""
+        forward may move the old tokens of every layer (``ring_moves``)."""
         if self.attend_first:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
-        self.to_ring_angles(pending.source)
+        self.to_ring_angles()
         laps = None if self._laps is None else tuple(self._laps)
         before = (self._py_seen, tuple(self._py_count), tuple(self._py_start), laps)
-        plan = forward_cached(
-            pending.source, ("cascade-step", *before, self.capacity, id(self.rule.config)), self._plan_decode_step
+        plan = self.forward_pass.cached(
+            ("cascade-step", *before, self.capacity, id(self.rule.config)), self._plan_decode_step
         )
         moves, angle, turns, sinks_shift, seen, count, start, laps, targets, runs = plan
         item = self._new_item(pending, angle)
-        meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
+        meta = self._shared_meta(pending)
         dests = [dest for dest, _ in moves]
-        moved = grouped and self.group is not None
-        if moved and self.group.moved(self, before, dests, turns, moves[-1][1], meta, pending.source):
-            self._kv[:, :, dests[0] : dests[0] + 1] = item  # the group moved the old tokens of every layer
+        moved = grouped and self.ring_layers is not None
+        if moved and moved_every_ring(self, before, dests, turns, moves[-1][1], meta):
+            self._kv[:, :, dests[0] : dests[0] + 1] = item  # the first layer moved the old tokens of every layer
         elif len(moves) > 1:
-            self._move_together(moves, item, meta, None, pending.source, turns=turns)
+            self._move_together(moves, item, meta, None, turns=turns)
         else:
             self._put(moves[0][0], None, item, meta, None, moves[0][1], placed=True)
         self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
         self._laps = None if laps is None else list(laps)
         if sinks_shift is not None:  # the oldest ring's frame moved on (``RingAngles``)
-            self.place_sinks(sinks_shift, pending.source)
+            self.place_sinks(sinks_shift)
         self._all_real = True
-        self._sync_sinks(pending.source)
+        self._sync_sinks()
         probs = self._softmax(query, pending, targets, runs, scale)  # [B, H_kv, G, stored]
         stored = runs[-1][1]
         output = torch.bmm(probs.flatten(0, 1).to(self._kv.dtype), self._step_views(stored)[1])
         if self.rule.needs_scores:
-            self._fold_step(probs, pending.source)
+            self._fold_step(probs)
         return output.view(batch, q_heads, 1, -1)
 
     def _step_views(self, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,23 +96,24 @@ class RingDecode:
             views = self._views = (self._kv, stored, rows[..., :dim].transpose(1, 2), rows[..., dim:])
         return views[2], views[3]
 
-    def _fold_step(self, probs: torch.Tensor, source: torch.Tensor) -> None:
+    def _fold_step(self, probs: torch.Tensor) -> None:
         """``_fold_scores`` of one decoding token over the ``stored`` first slots (empty slots after them have no
         score to decay); with the mean over heads (the paper's), the heads' sum and the decay are one batched
-        matmul (``source``: the forward's ``position_ids``, to share the row of ones)."""
+        matmul (the row of ones shared by the forward's layers)."""
         if self.rule.config.reduction != "mean":
             pad = self.capacity - probs.shape[-1]
             self._fold_scores(torch.nn.functional.pad(probs, (0, pad)) if pad else probs, None)
             return
         batch, stored, gamma = probs.shape[0], probs.shape[-1], self.rule.gamma
         rows = probs.view(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
-        ones = forward_cached(source, ("ones", *rows.shape[:2]), lambda: rows.new_ones(batch, 1, rows.shape[1]))
+        key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
+        ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
         cascade = self._score[:, None, self.sinks : stored]
         cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
 
     def _plan_decode_step(self) -> tuple:
         """The Python side of a decoding step, the same for every layer of a forward in the same state (shared
-        through ``forward_cached``): the moves, the new key's angle (one ring: its real-token index; several: its
+        through ``ForwardPass.cached``): the moves, the new key's angle (one ring: its real-token index; several: its
         ring angle, so it is written as it comes), how far each moved key turns, the counters after the step and
         the attention frames."""
         angle = self._py_seen
@@ -142,24 +143,24 @@ class RingDecode:
         else:
             dest, spare = sinks + start, self.capacity
         dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
-        rotation = rotation_to(pending.source, (seen,), self.inv_freq, dim, pending.keys.dtype)
+        rotation = self._rotation(pending, (seen,), dim, pending.keys.dtype)
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)  # (no out=: compiled graphs refuse it)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
-        turned = turn(query, rotation_to(pending.source, (seen,), self.inv_freq, dim, query.dtype))
+        turned = turn(query, self._rotation(pending, (seen,), dim, query.dtype))
         stored = self._kv[:, :, : spare + 1]
         output = scaled_dot_product_attention(
             turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
         )
         if dest != spare:
             self._kv[:, :, dest] = self._kv[:, :, spare]
-        meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
+        meta = self._shared_meta(pending)
         self._meta[:, dest] = meta[:, 0]
         self._py_seen, self._py_tensors = seen + 1, None
         if seen >= sinks and count < width:
             self._py_count[0] = count + 1
         elif seen >= sinks:
             self._py_start[0] = (start + 1) % width
-        self._sync_sinks(pending.source)
+        self._sync_sinks()
         return output
 
     def _softmax(self, query: torch.Tensor, pending, targets: tuple[int, ...], runs: list[Run], scale: float):
@@ -170,7 +171,7 @@ class RingDecode:
         instead of four per run (each a dispatch, or a kernel launch on a GPU); with many, one matmul per run."""
         batch, q_heads, _, dim = query.shape
         kv_heads, frames, stored = self._kv.shape[1], len(targets), runs[-1][1]
-        rotations = rotation_to(pending.source, targets, self.inv_freq, dim, query.dtype, scale)
+        rotations = self._rotation(pending, targets, dim, query.dtype, scale)
         turned = turn(query, rotations).view(batch, kv_heads, -1, frames, dim)  # scaled (as SDPA scales q)
         if not self._dense_logits(frames, stored):
             logits = self._run_logits(turned, runs)
@@ -178,7 +179,7 @@ class RingDecode:
         groups = turned.shape[2]
         every = torch.bmm(turned.view(batch * kv_heads, groups * frames, dim), self._step_views(stored)[0])
         key = ("frame-of-slot", tuple(runs), self.device, batch, kv_heads, groups)
-        frame, empty = forward_cached(pending.source, key, lambda: self._slot_frames(runs, batch, kv_heads, groups))
+        frame, empty = self.forward_pass.cached(key, lambda: self._slot_frames(runs, batch, kv_heads, groups))
         logits = every.view(batch, kv_heads, groups, frames, stored).gather(3, frame)
         logits = logits.view(batch, kv_heads, groups, stored).float()
         if empty is not None:
@@ -242,25 +243,22 @@ class RingDecode:
             end = hi
         return logits
 
-    def _move_together(
-        self, moves: list[tuple[int, bool]], kv, meta, score, position_ids=None, placed=False, turns=None
-    ) -> None:
+    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, placed=False, turns=None) -> None:
         """The moves of one in-step insertion with one read and one write per tensor (``shift_chain``): column 0
         takes the new token (``placed``: its key is rotated at its destination already), column ``c`` the token
         of the slot column ``c - 1`` writes. ``turns``: how far each column's key turns (default: slot angles)."""
         dests = [dest for dest, _ in moves]
         if turns is None:
             turns = (0 if placed else dests[0], *(dest - source for source, dest in pairwise(dests)))
-        tables = self._shared_move_tables(dests, turns, position_ids)
+        tables = self._shared_move_tables(dests, turns)
         buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
         new = (kv, meta, self._new_score(score) if self.rule.needs_scores else None)
         shift_chain(buffers, dests, tables, moves[-1][1], self.rule.config.tie, new)
 
-    def _shared_move_tables(self, dests: list[int], turns: tuple[int, ...], position_ids) -> tuple:
-        """``_move_tables``, shared by the layers of a forward when ``position_ids`` is given."""
+    def _shared_move_tables(self, dests: list[int], turns: tuple[int, ...]) -> tuple:
+        """``_move_tables``, shared by the layers of a forward."""
         key = ("moves", tuple(dests), turns, self.capacity, self.device, self.dtype)
-        build = lambda: self._move_tables(dests, turns)  # noqa: E731
-        return build() if position_ids is None else forward_cached(position_ids, key, build)
+        return self.forward_pass.cached(key, lambda: self._move_tables(dests, turns))
 
     def _move_tables(self, dests: list[int], turns: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
         """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its
@@ -282,8 +280,27 @@ class RingDecode:
         """The new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key rotated from the model's position to
         ``angle``."""
         dtype = pending.keys.dtype
-        key = turn(pending.keys, rotation_to(pending.source, (angle,), self.inv_freq, self._key_dim, dtype))
+        key = turn(pending.keys, self._rotation(pending, (angle,), self._key_dim, dtype))
         return torch.cat([key, pending.values.to(key.dtype)], -1)
+
+    def _rotation(self, pending, targets: tuple[int, ...], dim: int, dtype: torch.dtype, scale: float = 1.0):
+        """``rotation_to`` from the pending tokens' positions to ``targets``, shared by the forward's layers (keyed
+        by the tokens' first stream index too: ``prefill="exact"`` steps each token of a forward in turn)."""
+        return rotation_to(
+            pending.source,
+            targets,
+            self.inv_freq,
+            dim,
+            dtype,
+            scale,
+            forward=self.forward_pass,
+            tag=(pending.first, pending.keys.shape[2]),
+        )
+
+    def _shared_meta(self, pending) -> torch.Tensor:
+        """``_new_meta``, shared by the layers of a forward."""
+        key = ("new-meta", pending.first, pending.keys.shape[2], self.device)
+        return self.forward_pass.cached(key, lambda: self._new_meta(pending))
 
     def _new_meta(self, pending) -> torch.Tensor:
         """``[B, 1, 2]``: the new token's stream index and RoPE position."""

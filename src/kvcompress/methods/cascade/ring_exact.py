@@ -6,7 +6,7 @@ what feeding the tokens one at a time does (v1 of the paper); the MLPs still run
 The schedule of the steps depends only on the token count, so every layer of a forward takes the same steps. In the
 steady state (the batch in step, the rings at ring angles, every token pushing older ones down the rings, scores
 kept with the paper's mean over heads) the Python side of every step of the forward is planned once, by the first
-layer, and shared (``forward_cached``); each layer then runs the steps as a short, fixed list of ops on views made
+layer, and shared (``ForwardPass.cached``); each layer then runs the steps as a short, fixed list of ops on views made
 once per forward (``_lean_tokens``):
 
 - once per forward: the new keys turned from the model's positions to their ring angles, and the queries to each
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.forward_cache import forward_cached, from_host
+from kvcompress.core.forward import from_host
 from kvcompress.core.rope import rotate_by, turn_in_place
 from kvcompress.core.rotation import frames_along, turn_along
 
@@ -69,7 +69,7 @@ class RingExact:
         takes the first)."""
         count = query.shape[2]
         split = lambda: pending.source[..., -count:].split(1, -1)  # noqa: E731 (the forward's last positions)
-        tokens = forward_cached(pending.source, ("token-sources", count), split)
+        tokens = self.forward_pass.cached(("token-sources", count, pending.source.device), split)
         plan = self._lean_plan(query, pending, tokens, scale)
         if plan is not None:
             return self._lean_tokens(query, pending, plan, tokens)
@@ -85,7 +85,7 @@ class RingExact:
     def _lean_plan(self, query: torch.Tensor, pending, tokens, scale: float) -> _Plan | None:
         """The steps of every token of the forward and the counters after them, or ``None`` when the lean path does
         not apply (then ``_decode_step`` takes each token)."""
-        self.to_ring_angles(tokens[0])
+        self.to_ring_angles()
         rows = pending.source.shape[0]
         if (
             self._laps is None
@@ -96,8 +96,8 @@ class RingExact:
             return None
         state = (self._py_seen, tuple(self._py_count), tuple(self._py_start), tuple(self._laps))
         shape = (*self._kv.shape[:2], query.shape[1], query.dtype, scale)
-        key = ("exact-plan", state, len(tokens), self.capacity, id(self.rule.config), shape)
-        return forward_cached(pending.source, key, lambda: self._plan_tokens(query, pending, tokens, scale))
+        key = ("exact-plan", state, len(tokens), self.capacity, id(self.rule.config), shape, self.device)
+        return self.forward_pass.cached(key, lambda: self._plan_tokens(query, pending, tokens, scale))
 
     def _plan_tokens(self, query: torch.Tensor, pending, tokens, scale: float) -> _Plan | None:
         """Plan each token's step from the counters as they will be (the layer's own counters are left as they
@@ -133,9 +133,10 @@ class RingExact:
         if len(moves) < 2:
             return None, angle, targets
         dests = [dest for dest, _ in moves]
-        read, written, cos, sin = self._shared_move_tables(dests, turns, source)
+        read, written, cos, sin = self._shared_move_tables(dests, turns)
         stored = runs[-1][1]
-        logit, empty = forward_cached(source, ("slot-logits", tuple(runs)), lambda: self._slot_logits(runs))
+        key = ("slot-logits", tuple(runs), self.device)
+        logit, empty = self.forward_pass.cached(key, lambda: self._slot_logits(runs))
         lost = from_host([*dests[:-1], self.capacity], self.device)
         select, last = moves[-1][1], dests[-1]
         step = _TokenStep(read, written, cos, sin, select, last, lost, sinks_shift, logit, empty, stored, tuple(runs))
@@ -155,7 +156,7 @@ class RingExact:
         kv_heads, rows = self._kv.shape[1], plan.frames[0].shape[0] // count
         keys = rotate_by(pending.keys, plan.shift[:, None], self.inv_freq, exact=True)
         arriving = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3).contiguous()
-        meta = forward_cached(pending.source, ("new-meta", self.seen), lambda: self._new_meta(pending))
+        meta = self._shared_meta(pending)
         columns = self._kv.permute(2, 0, 1, 3)  # [slots + 1, B, H_kv, dk + dv]
         zero = self._score.new_zeros(batch, 1)
         ones = self._score.new_ones(batch, 1, q_heads)
@@ -178,7 +179,7 @@ class RingExact:
                 self._meta.index_copy_(1, step.written, records)
                 self._score.index_copy_(1, step.written, scores)
             if step.sinks_shift is not None:
-                self.place_sinks(step.sinks_shift, tokens[m])
+                self.place_sinks(step.sinks_shift)
             if views is None or views[0] != step.stored:
                 stored = step.stored
                 views = (stored, *self._step_views(stored), self._score[:, None, self.sinks : stored])

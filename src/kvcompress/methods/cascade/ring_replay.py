@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.forward_cache import forward_cached
 from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
 
@@ -65,7 +64,7 @@ class CircularReplay:
         sinks, width, spare, dim = self.sinks, self.width, self.capacity, self._key_dim
         seen, source = self.seen_tensor, pending.source
         key = ("replay-rotation", self.inv_freq.data_ptr(), dim, pending.keys.dtype)
-        rotation = forward_cached(source, key, lambda: rotation_to_tensor(source, seen, self.inv_freq, dim, key[-1]))
+        rotation = self.forward_pass.cached(key, lambda: rotation_to_tensor(source, seen, self.inv_freq, dim, key[-1]))
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
         if query.dtype != pending.keys.dtype:
@@ -84,8 +83,7 @@ class CircularReplay:
         self._py_start[0] = (self._py_start[0] + 1) % width
         if sinks:  # the next frame: F = real tokens seen - sinks - width
             self._sink_frame += 1
-            frame = forward_cached(
-                source,
+            frame = self.forward_pass.cached(
                 ("replay-frame", self.inv_freq.data_ptr(), dim, self.dtype),
                 lambda: frame_rotation_at(seen - (sinks + width), self.inv_freq, dim, self.dtype),
             )

@@ -6,6 +6,7 @@ import torch
 
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import StreamView
+from kvcompress.methods.cascade.ring_moves import STACKED
 
 
 class RingViews:
@@ -160,10 +161,11 @@ class RingViews:
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
 
     def _leave_group(self) -> None:
-        """This layer's buffers are about to be replaced: no layer of the cache moves the others' tokens any more
-        (until they are initialised again, ``RingGroup``)."""
-        if self.group is not None:
-            self.group.disband()
+        """This layer's buffers are about to be replaced: the cache's cascade layers no longer share one buffer, and
+        the stacked buffer goes (``ring_moves``: stacked again at the next decoding step that finds them apart)."""
+        if self.ring_layers is not None:
+            for name in STACKED:
+                self.forward_pass.unstack(name)
 
     # --- accounting ------------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:

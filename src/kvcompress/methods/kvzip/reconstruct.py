@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvcompress.core.contract import KeepMask
+from kvcompress.core.sdpa import attention_with_lse
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.allocation import heads_share, places
 from kvcompress.methods.oneshot import kept_per_sequence
@@ -77,12 +78,15 @@ def score_chunk(
 ) -> torch.Tensor:
     """One reconstruction forward's attention, and its scores folded into ``policy.scores``; ``[B, H_q, q, d]``.
 
-    The attention itself (every stored key the layer's ``mask`` shows, causal when ``None``) and the scores come
-    from one set of logits: per context token of the chunk, the largest probability any query of its KV head's
-    group gives it, under a softmax over the first ``sinks`` cached tokens, the chunk's own context tokens and the
-    reconstruction tokens (kvpress's subsample). When those are every stored key (one chunk covering the context,
-    no prefix) that softmax is the attention's own; otherwise its normaliser is a log-sum-exp over those columns
-    of the same logits. So the reconstruction costs one attention per layer, not an attention and a scoring pass."""
+    The attention itself sees every stored key the layer's ``mask`` shows (causal when ``None``). The score of a
+    context token of the chunk is the largest probability any query of its KV head's group gives it under a
+    softmax over the first ``sinks`` cached tokens, the chunk's own context tokens and the reconstruction tokens
+    (kvpress's subsample). When those are every stored key (one chunk covering the context, no prefix) that
+    softmax is the attention's own, and its log-normaliser comes with the attention output from one fused pass
+    (``attention_with_lse``); the scores then need only the logits of the chunk's context columns. Otherwise the
+    log-normaliser is taken over the subsampled columns' logits. Since ``exp`` is increasing, the largest
+    probability is ``exp`` of the largest logit minus its row's log-normaliser: one ``exp`` per token, not per
+    logit. Logits in float32, ``QUERY_BLOCK`` queries at a time (the peak is a block's logits)."""
     length, start, end, sinks = policy.scoring
     batch, query_heads, count, dim = query.shape
     heads = key.shape[1]
@@ -91,37 +95,35 @@ def score_chunk(
     scale = dim**-0.5 if scaling is None else scaling
     stored = key.shape[2] - count  # the context's keys (``length``), then this forward's reconstruction keys
     whole = sinks == 0 and start == 0 and end == length == stored
-    if not whole:
+    output, lse = attention_with_lse(query, key, value, mask, scale)
+    columns = torch.arange(start, end, device=device)
+    if not whole:  # the subsample the softmax runs over; the chunk's context columns follow the sinks
         columns = torch.cat(
-            [
-                torch.arange(sinks, device=device),
-                torch.arange(start, end, device=device),
-                torch.arange(stored, stored + count, device=device),
-            ]
+            [torch.arange(sinks, device=device), columns, torch.arange(stored, stored + count, device=device)]
         )
-    keys = key.float()[:, :, None].transpose(-1, -2)  # [B, H, 1, d, L]
-    values = value.float()[:, :, None]  # [B, H, 1, L, d]
-    output = query.new_empty(batch, heads, groups, count, dim)
+    keys = key.index_select(2, columns).float()
+    if whole:  # one more channel: ones under the keys, the row's -lse beside the query, so the matmul subtracts it
+        keys = torch.cat([keys, keys.new_ones(*keys.shape[:-1], 1)], dim=-1)
+    keys = keys.transpose(-1, -2)  # [B, H, d (+1), c]
     best = None
     for row in range(0, count, QUERY_BLOCK):
-        rows = (query[:, :, row : row + QUERY_BLOCK].float() * scale).view(batch, heads, groups, -1, dim)
-        logits = rows @ keys  # [B, H, G, r, L], scaled through the queries (a pass over the logits fewer)
-        if mask is None:  # plain causal: the reconstruction's future is hidden, in place
-            index = torch.arange(row, row + rows.shape[3], device=device)
-            future = torch.arange(count, device=device)[None, :] > index[:, None]
-            logits[..., stored:].masked_fill_(future, -torch.inf)
-        else:  # the layer's own mask ([B, H_kv or 1, q, L], True where visible)
-            logits.masked_fill_(~mask[:, :, None, row : row + rows.shape[3]], -torch.inf)
-        probs = logits.softmax(-1)
-        output[:, :, :, row : row + rows.shape[3]] = (probs @ values).to(output.dtype)
-        if whole:
-            peak = probs[..., start:end].amax(dim=(2, 3))
+        stop = min(count, row + QUERY_BLOCK)
+        rows = (query[:, :, row:stop].float() * scale).reshape(batch, heads, groups * (stop - row), dim)
+        if whole:  # every context column is visible to every reconstruction query
+            rows = torch.cat([rows, -lse[:, :, row:stop].reshape(batch, heads, -1, 1)], dim=-1)
+            peak = (rows @ keys).view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
         else:
-            normaliser = logits.index_select(-1, columns).logsumexp(-1, keepdim=True)
-            peak = (logits[..., start:end] - normaliser).exp().amax(dim=(2, 3))
+            logits = (rows @ keys).view(batch, heads, groups, stop - row, -1)  # [B, H, G, r, c]
+            if mask is None:  # plain causal: reconstruction query i sees every column up to ``stored + i``
+                seen = columns[None, :] <= torch.arange(stored + row, stored + stop, device=device)[:, None]
+            else:
+                seen = mask[:, :, None, row:stop].index_select(-1, columns)  # [B, H or 1, 1, r, c]
+            logits.masked_fill_(~seen, -torch.inf)
+            normaliser = logits.logsumexp(-1, keepdim=True)
+            peak = (logits[..., sinks : sinks + end - start] - normaliser).amax(dim=(2, 3))
         best = peak if best is None else torch.maximum(best, peak)
-    policy.scores[:, :, start:end] = best
-    return output.view(batch, query_heads, count, dim)
+    policy.scores[:, :, start:end] = best.exp()
+    return output
 
 
 def drop_newest(layer, count: int, max_chunk: int) -> None:

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 
 from kvcompress.core.checks import check_choice, check_int_range, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.methods.less.folds import PendingFolds
 from kvcompress.methods.less.kernels import (
     LayerKernels,
     LessKernels,
@@ -179,10 +178,6 @@ class LessConfig(MethodConfig):
         budget = getattr(self.base_config, "budget", None)
         if trained_budget is not None and budget is not None and trained_budget != budget:
             logger.info("LESS kernels trained at budget %s used at budget %s", trained_budget, budget)
-        less_layers = [layer for layer in layers if isinstance(layer, LessLayer)]
-        folds = PendingFolds(less_layers)  # the layers' folds of one forward, done together
-        for layer in less_layers:
-            layer.folds = folds
         self.base_config.connect(layers)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.methods.less.folds import PendingFolds, outer_update
+from kvcompress.methods.less.folds import outer_update, settle, stage
 from kvcompress.methods.less.kernels import psi_features
 from kvcompress.methods.less.low_rank_slots import state_ratio
 
@@ -30,19 +30,18 @@ class LessLayer(CompressedLayer):
         self._z_of: torch.Tensor | None = None  # the state ``_z`` is a view of (``state_z``)
         self._z: torch.Tensor | None = None
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
-        self.folds: PendingFolds | None = None  # the cache's shared queue (``LessConfig.connect``); None: fold at once
+        self.staged = False  # evicted tokens wait to be folded at the end of the forward (``folds``)
 
     @property
     def low_rank(self) -> torch.Tensor | None:
         """``[H | z]`` ``[B, H_kv, R, D + 1]`` with every eviction so far folded in."""
-        if self.folds is not None:
-            self.folds.flush_for(self)
+        settle(self)
         return self._low_rank
 
     @property
     def ratio(self) -> torch.Tensor | None:
         """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``): each row of the state as one value vector
-        (``kvcompress.methods.less.low_rank_slots``). ``PendingFolds`` writes every layer's at once. A working copy
+        (``kvcompress.methods.less.low_rank_slots``). The forward's folds write every layer's at once. A working copy
         the size of ``H``, derived from it: not counted again in ``kv_nbytes``."""
         low_rank = self.low_rank
         if self._ratio is None and low_rank is not None:
@@ -93,10 +92,8 @@ class LessLayer(CompressedLayer):
         keys, values = self.keys.gather(2, index), self.values.gather(2, index)
         weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         self.folded = True
-        if self.folds is None:
+        if not stage(self, keys, values, weight):  # (else folded with the other layers' at the end of the forward)
             self.fold(keys, values, weight)
-        else:  # folded with the other layers' at the end of the forward (``PendingFolds``)
-            self.folds.stage(self, keys, values, weight)
 
     def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (weighted by ``weight``) to the state."""
@@ -107,22 +104,29 @@ class LessLayer(CompressedLayer):
         self._ratio = None
 
     def low_rank_state(self) -> torch.Tensor | None:
-        """``[H | z]`` as stored, without folding what is pending (``PendingFolds`` adds to it)."""
+        """``[H | z]`` as stored, without folding what is staged (``folds`` adds to it)."""
         return self._low_rank
 
     def add_to_state(self, update: torch.Tensor) -> None:
-        """Add a fold's ``update`` ``[B, H_kv, R, D + 1]`` to the stored state (``PendingFolds``)."""
+        """Add a fold's ``update`` ``[B, H_kv, R, D + 1]`` to the stored state (``folds``)."""
         self._low_rank.add_(update)
         self._ratio = None
 
-    def share_state(self, low_rank: torch.Tensor, ratio: torch.Tensor) -> None:
-        """Hold ``low_rank`` (equal to the state, a view of the cache's stacked states) and its ``ratio`` (kept
-        current by ``PendingFolds``) instead of the state's own tensors."""
-        self._low_rank, self._ratio = low_rank, ratio
+    def share_state(self, low_rank: torch.Tensor) -> None:
+        """Hold ``low_rank`` (equal to the state, a view of the cache's stacked states) instead of the state's own
+        tensor (``folds``)."""
+        self._low_rank = low_rank
+
+    def share_ratio(self, ratio: torch.Tensor) -> None:
+        """Hold ``ratio`` (the state's ``H / z``, a view of the cache's stacked ratios kept current by ``folds``)."""
+        self._ratio = ratio
+
+    def ratio_as_stored(self) -> torch.Tensor:
+        """``H / z`` of the state as stored, without folding what is staged."""
+        return self._ratio if self._ratio is not None else state_ratio(self._low_rank)
 
     def reset(self) -> None:
-        if self.folds is not None:
-            self.folds.flush()
+        settle(self)
         super().reset()
         self._low_rank = self._ratio = self._z_of = self._z = None
         self.folded = False

@@ -78,7 +78,8 @@ def pod_attention(
     # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
     # below also handle rows that have none)
     if not sharing or layer.max_position < config.n_sink + config.n_recent:
-        return layer_attention(query, layer.own_keys(), value, mask, scaling, request, layer.forward_positions)
+        positions = layer.forward_positions
+        return layer_attention(query, layer.own_keys(), value, mask, scaling, request, positions, layer.forward_pass)
 
     scale = dim**-0.5 if scaling is None else scaling
     share_idx = layer.head_index(sharing)

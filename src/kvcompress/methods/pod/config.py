@@ -28,10 +28,13 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
 - Composition with token selection (PoD + SnapKV as in the paper's Table 1; how is not stated): ``base`` is any method
   config; its policy scores and selects tokens at the block-start layer of each KV head and every other layer of
   the block keeps the same tokens, so a kept distant token has its key at the block start and its value
-  everywhere. The savings compose multiplicatively, as the paper's Table 4 does.
+  everywhere. The savings compose multiplicatively, as the paper's Table 4 does. The victims of the base's rule
+  are chosen as every method's are (the lowest scores, the older token first among equal scores, this forward's
+  tokens kept while the rule leaves room for them: ``kvcompress.core.eviction``).
 - Computation: distant logits at a non-start layer are recomputed from the block start's stashed query and keys
-  (references held for one forward, no copies), in query chunks with an explicit softmax; layers whose query heads
-  all start a block, and forwards with no distant token, run plain SDPA. Inference on the CPU with the default
+  (references held for one forward; copied only where the block start evicts in that forward), in query chunks
+  with an explicit softmax; layers whose query heads all start a block, and forwards with no distant token, run
+  plain SDPA. Inference on the CPU with the default
   ``combine`` and no ``tau`` joins two fused attention calls by Eq. 4 instead (equal to the one softmax); with
   per-KV-head grouping the sharing heads then attend over their stored proximal keys only, their query heads
   folded into query rows. While decoding one token per forward without padding (with the default ``combine``

@@ -150,7 +150,9 @@ def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, so
         return mixed
     full_values = layer.heads_of(layer.values, "full")
     positions = layer.forward_positions
-    out, _ = layer_attention(query[:, full_q], layer.keys, full_values, full_visible, scale, NO_STATS, positions)
+    out, _ = layer_attention(
+        query[:, full_q], layer.keys, full_values, full_visible, scale, NO_STATS, positions, layer.forward_pass
+    )
     return torch.empty_like(query).index_copy_(1, share_q, mixed).index_copy_(1, full_q, out)
 
 

@@ -1,9 +1,16 @@
 """PoD's cache layer (see ``kvcompress.methods.pod.config`` for the method and its choices).
 
-``PoDLayer`` stores values of every token in every layer, keys of every token only for the KV heads that start a
-block at this layer, and keys of proximal tokens (sinks + recent window) for the other KV heads. ``pod_attention``
-(``kvcompress.methods.pod.attention``) mixes this layer's logits on proximal tokens with the block-start layer's
-logits on distant tokens.
+``PoDLayer`` is a slot layer (``kvcompress.core.layer.CompressedLayer``) whose slots hold the values of every token
+for every KV head but keys only for the KV heads that start a block at this layer (``SlotBuffers.key_heads``); the
+other KV heads keep the keys of their proximal tokens (sinks + recent window) packed beside the slots
+(``prox_keys``, each entry's slot in ``prox_slot``), or in a ring while decoding (``kvcompress.methods.pod.ring``).
+``pod_attention`` (``kvcompress.methods.pod.attention``) mixes this layer's logits on proximal tokens with the
+block-start layer's logits on distant tokens.
+
+The slots stay dense (stream order, the forward's tokens last): an eviction (a base method's selection, a sliding
+window) compacts at once, and the packed proximal keys follow their tokens' new slots. Victims are chosen by the
+core's one path (``kvcompress.core.eviction.victims_of_rule``) at each KV head's block-start layer, and every layer
+of the block drops the same slots (``block_selection``).
 """
 
 from __future__ import annotations
@@ -12,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.append_buffer import AppendBuffer
-from kvcompress.core.contract import AttentionStats, Keep, Policy, Selection
-from kvcompress.core.forward_cache import forward_cached
-from kvcompress.core.gather_layer import GatherLayer, keep_selection, protects_forward
-from kvcompress.core.layer import LAYER_ATTRIBUTE
+from kvcompress.core.capacity import grown_capacity
+from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
+from kvcompress.core.eviction import protects_forward, victims_of_rule
+from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import counts_from
+from kvcompress.core.slots import SlotBuffers
 from kvcompress.methods.pod.budget import kept_for_request
 from kvcompress.methods.pod.ring import ProximalRing
 from kvcompress.methods.pod.ring_steps import RingSteps
@@ -34,20 +41,34 @@ class PoDStep:
     full_pos: list[int]
 
 
-class PoDLayer(RingSteps, GatherLayer):
-    """A cache layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
-    every token (``keys``, ``[B, S, L, d]``); for the other KV heads the keys of proximal tokens only
-    (``prox_keys``, ``[B, H - S, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
+@dataclass
+class BlockEviction:
+    """What the layers of a block drop, per KV head decided at its block-start layer: ``dropped`` ``[B, H_kv, W]``
+    slots are freed; ``invalid`` ones (per-sequence counts: a sequence keeping fewer than the longest) stay stored
+    but no longer count as kept, as ``CompressedLayer.apply`` treats a ``Keep`` rule."""
+
+    dropped: torch.Tensor | None
+    invalid: torch.Tensor | None
+
+
+class PoDLayer(RingSteps, CompressedLayer):
+    """A slot layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
+    every token (``keys``, ``[B, F, L, d]``); for the other KV heads the keys of proximal tokens only
+    (``prox_keys``, ``[B, H - F, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
+
+    # the slots attention sees (the occupied ones: PoD's slots are always dense), kept as attributes set whenever
+    # the slots change (``_new_views``): reading them writes no deferred bookkeeping and runs no Python
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
         self.index = policy.layer_idx
-        self.peers: list[GatherLayer] = []
+        self.peers: list[PoDLayer] = []
         self.head_starts: tuple[int, ...] = ()
         self.step: PoDStep | None = None
-        self.last_selection: Selection | None = None
+        self.last_eviction: BlockEviction | None = None
         self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
-        self.all_real = True  # no padding stored (known on the host: no mask is built for a decoding step)
         self.max_position = -1  # largest RoPE position given so far, read back only while below a full window
         self.on_stream = True  # every token stored at its stream index and position, no padding (``stream_masks``)
         self.forward_positions: torch.Tensor | None = None  # this forward's position_ids (shared by its layers)
@@ -55,17 +76,16 @@ class PoDLayer(RingSteps, GatherLayer):
         self.ring: ProximalRing | None = None  # the proximal keys while decoding (``ring.py``)
         self.ring_plan = None  # RingPlan if decoding may use the ring, False if not (set by the first attention)
         self._query_layout: tuple | None = None  # (query heads, block start per query head, sharing query heads)
-        self._pending = 0  # ring steps' tokens not yet in token_idx, rope_pos and valid
+        self._pending = 0  # ring steps' tokens whose stream index, position and validity are not written yet
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
-        self._room = {"keys": AppendBuffer(), "values": AppendBuffer()}  # appends write in place, not cat
-        self.max_chunk = 1  # the most tokens one forward brought (the room an append buffer may keep ahead)
+        self.prox_keys = self.prox_slot = None
 
-    def connect_block(self, peers: list[GatherLayer], index: int, head_starts: tuple[int, ...]) -> None:
+    def connect_block(self, peers: list[PoDLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
         kv_heads = key_states.shape[1]
         if len(self.head_starts) == 1:  # one partition for every head (block_size)
             self.head_starts = self.head_starts * kv_heads
@@ -80,15 +100,33 @@ class PoDLayer(RingSteps, GatherLayer):
         self.head_lists = {"full": full, "prox": prox}
         self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
-        self.keys = key_states[:, self.full_heads, :0]
-        self.prox_keys = key_states[:, self.prox_heads, :0]
-        self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
         self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
+        batch, dim = key_states.shape[0], key_states.shape[-1]
+        slots = SlotBuffers.empty(value_states, value_states)  # (bookkeeping for every KV head)
+        slots.tensors["keys"] = key_states.new_empty(batch, len(full), 0, dim)
+        slots.key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
+        self.slots = slots
+        self.prox_keys = key_states.new_empty(batch, len(prox), 0, dim)
+        self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+        self._new_views()
+
+    def _new_views(self) -> None:
+        """``keys`` and ``values``: views of the occupied slots, made again whenever the slots change."""
+        if self.slots is not None:
+            self.keys = self.slots.tensors["keys"].narrow(2, 0, self.occupied)
+            self.values = self.slots.tensors["values"].narrow(2, 0, self.occupied)
+
+    def evict(self, victims: torch.Tensor) -> None:
+        """Free the slots ``victims`` ``[B, H, e]`` and compact at once: PoD's slots keep no holes."""
+        self.evict_mask(
+            torch.zeros(self.token_idx.shape, dtype=torch.bool, device=self.device).scatter_(-1, victims, True)
+        )
 
     def query_layout(self, q_heads: int) -> tuple[tuple[int, ...], list[int]]:
         """Each query head's block start and the query heads that share from another layer (computed once)."""
         if self._query_layout is None or self._query_layout[0] != q_heads:
-            kv_heads, starts = self.values.shape[1], self.head_starts
+            kv_heads, starts = self.rows[1], self.head_starts
             if len(starts) == kv_heads:
                 starts = tuple(s for s in starts for _ in range(q_heads // kv_heads))
             elif len(starts) != q_heads:
@@ -104,81 +142,38 @@ class PoDLayer(RingSteps, GatherLayer):
             self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
         return self._head_index[key]
 
-    def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
-        if self._ring_key is not None and self.ring is not None and padding is None:
-            self.forward_positions = position_ids  # (the position was stored by update, from the ring's count)
-            self._write_ring(position_ids)
-            return
-        super().register_new_tokens(position_ids, padding)
-        self.all_real = self.all_real and padding is None  # padding is passed only when some new token is padding
-        config = self.policy.config
-        if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
-            newest = self.seen - 1 if position_ids is None else self._largest(position_ids)
-            self.max_position = max(self.max_position, newest)
-        self.forward_positions = position_ids
-        # a decoding step ends it without a read (its masks are small); one host read per chunk, shared by the layers
-        first = self.seen - self.new_tokens
-        dense = self.sliding_window is None and self.values.shape[2] == self.seen  # nothing expired or dropped
-        self.on_stream = self.on_stream and dense and self.all_real and self.new_tokens > 1
-        self.on_stream = self.on_stream and (position_ids is None or self._counts_from(position_ids, first))
-        if self._ring_key is not None:
-            self._write_ring(position_ids)
-
-    def end_forward(self) -> None:
-        """After the forward's last layer: every layer lets go of what it shared with the later layers of its
-        blocks during the forward (its query and the forward's ``position_ids``, prompt-sized after a prefill)."""
-        if self.peers and self is self.peers[-1]:
-            for layer in self.peers:
-                layer.step, layer.forward_positions = None, None
-            self.peers[0]._new_index_tables = None
-
-    def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
-        """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
-
-        def check() -> bool:
-            positions = position_ids[..., -self.new_tokens :]
-            return counts_from(positions[0] if positions.dim() == 3 else positions, first)
-
-        return forward_cached(position_ids, ("counts-from", first, self.new_tokens), check)
-
-    @staticmethod
-    def _largest(position_ids: torch.Tensor) -> int:
-        """The forward's largest position (one host read per forward, shared by the layers)."""
-        return forward_cached(position_ids, "max-position", lambda: int(position_ids.max()))
-
-    def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
-        if sliding_window is None and (self.on_stream or (query_count == 1 and self.all_real)):
-            return None  # plain causal: the stream as it came, or one query without padding (every stored token)
-        return super().attention_mask(query_count, sliding_window)
-
     def update(self, key_states, value_states, *args, **kwargs):
-        """Store values of the new tokens, their keys where this layer keeps them; return this step's keys (tagged
-        with the layer) and all values. PoD's attention (``pod_attention``) reads the layer's stores directly."""
+        """Write the new tokens' values, and their keys where this layer keeps them, into the slots (the proximal
+        keys beside them); return this step's keys (tagged with the layer) and all values. PoD's attention
+        (``pod_attention``) reads the layer's stores directly."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, heads, count, _ = key_states.shape
+        count = key_states.shape[2]
         ring_step = self._ring_step(count, key_states)
         if not ring_step:
             self.leave_ring()
         self.max_chunk = max(self.max_chunk, count)
-        self.values = self._room["values"].append(self.values, value_states, self.max_chunk)
-        if ring_step and self.ring is not None:
+        start, needed = self.occupied, self.occupied + count
+        if needed > self.slots.tensors["values"].shape[2]:
+            self.slots.grow(self._grown_capacity(needed))
+        compressed_once = self.policy.one_shot and self.compressed  # its base never reads statistics again
+        state = {} if compressed_once else self.policy.init_state(self, key_states)
+        full_keys = self.heads_of(key_states, "full")
+        if ring_step and self.ring is not None and not state:
             if not self._pending:
                 self._pending_position = self.ring.position + 1  # the ring takes one position per step
             self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
+            self._stale = True
+            self.slots.tensors["keys"].narrow(2, start, count).copy_(full_keys)
+            self.slots.tensors["values"].narrow(2, start, count).copy_(value_states)
         else:
-            self._settle()
-            new_idx, real = self._new_indices(batch, heads, count)
-            self.token_idx = torch.cat([self.token_idx, new_idx], dim=-1)
-            self.rope_pos = torch.cat([self.rope_pos, new_idx], dim=-1)  # the model's: ``register_new_tokens``
-            self.valid = torch.cat([self.valid, real], dim=-1)
-        if self.policy.one_shot and self.compressed:
-            self.state = {}  # a one-shot base that compressed never reads its statistics again
-        else:
-            for name, value in self.policy.init_state(self, key_states).items():
-                previous = self.state.get(name)
-                self.state[name] = value if previous is None else torch.cat([previous, value], dim=2)
-        self.keys = self._room["keys"].append(self.keys, self.heads_of(key_states, "full"), self.max_chunk)
+            if self._stale:
+                self._settle()
+            self.slots.write_range(start, full_keys, value_states, self.seen, state, self.all_valid)
+            if ring_step and self.ring is not None:  # (a base's state to write) the position the ring takes
+                self.slots.rope_pos[:, :, start].fill_(self.ring.position + 1)
+        self.occupied = needed
+        self._new_views()
         if ring_step:
             self._ring_key = self.heads_of(key_states, "prox")
         else:
@@ -189,22 +184,57 @@ class PoDLayer(RingSteps, GatherLayer):
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
 
-    def _new_indices(self, batch: int, heads: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new tokens' stream indices ``[B, H, q]`` and validity (all True), made by the forward's first layer
-        and read by the others (every layer of a forward stores the same tokens; nothing writes into them)."""
-        key = (self.seen, count, batch, heads, self.device)
-        owner = self.peers[0] if self.peers else self
-        tables = getattr(owner, "_new_index_tables", None)
-        if tables is None or tables[0] != key:
-            new_idx = torch.arange(self.seen, self.seen + count, device=self.device).expand(batch, heads, count)
-            tables = (key, new_idx, torch.ones_like(new_idx, dtype=torch.bool))
-            owner._new_index_tables = tables
-        return tables[1], tables[2]
+    def _grown_capacity(self, needed: int) -> int:
+        """PoD's ``budget`` counts KV bytes, not slots: the slots grow as the core's do without a budget's cap."""
+        return grown_capacity(self.slots.capacity, needed, self.max_chunk, None)
+
+    def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
+        if self._ring_key is not None and self.ring is not None and padding is None:
+            self.forward_positions = position_ids  # (the position was stored by update, from the ring's count)
+            self._write_ring(position_ids)
+            return
+        if self._stale:
+            self._settle()  # the ring steps' bookkeeping first: the model's positions and padding go over it
+        super().register_new_tokens(position_ids, padding)
+        config = self.policy.config
+        if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
+            newest = self.seen - 1 if position_ids is None else self._largest(position_ids)
+            self.max_position = max(self.max_position, newest)
+        self.forward_positions = position_ids
+        # a decoding step ends it without a read (its masks are small); one host read per chunk, shared by the layers
+        first = self.seen - self.new_tokens
+        dense = self.sliding_window is None and self.occupied == self.seen  # nothing expired or dropped
+        self.on_stream = self.on_stream and dense and self.all_valid and self.new_tokens > 1
+        self.on_stream = self.on_stream and (position_ids is None or self._counts_from(position_ids, first))
+        if self._ring_key is not None:
+            self._write_ring(position_ids)
+
+    def end_forward(self) -> None:
+        """After the forward's last layer: every layer lets go of what it shared with the later layers of its
+        blocks during the forward (its query, its eviction and the forward's ``position_ids``, prompt-sized after a
+        prefill)."""
+        super().end_forward()
+        if self.peers and self is self.peers[-1]:
+            for layer in self.peers:
+                layer.step, layer.forward_positions, layer.last_eviction = None, None, None
+
+    def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
+        """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
+
+        def check() -> bool:
+            positions = position_ids[..., -self.new_tokens :]
+            return counts_from(positions[0] if positions.dim() == 3 else positions, first)
+
+        return self.forward_pass.cached(("counts-from", first, self.new_tokens), check)
+
+    def _largest(self, position_ids: torch.Tensor) -> int:
+        """The forward's largest position (one host read per forward, shared by the layers)."""
+        return self.forward_pass.cached("max-position", lambda: int(position_ids.max()))
 
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
         batch, shared, count, _ = keys.shape
-        length = self.values.shape[2]
+        length = self.occupied
         slots = torch.arange(length - count, length, device=self.device).expand(batch, shared, count)
         self.prox_keys = torch.cat([self.prox_keys, keys], dim=-2)
         self.prox_slot = torch.cat([self.prox_slot, slots], dim=-1)
@@ -263,40 +293,42 @@ class PoDLayer(RingSteps, GatherLayer):
         keep = real & ((pos < config.n_sink) | (newest - pos < config.n_recent))
         self._pack_proximal(keep, slot)
 
-    def after_attention(self, stats: AttentionStats | None) -> None:
-        super().after_attention(stats)
+    def after_attention(self, stats: AttentionStats | None, alone: bool = False) -> None:
+        super().after_attention(stats, alone)
         self.trim_proximal()
 
-    def apply(self, selection: Selection) -> None:
+    def apply(self, rule: BlockEviction | Keep | KeepMask | Selection | None) -> None:
+        """Evict as the block decided (``block_selection``), or as any rule (``CompressedLayer.apply``)."""
+        if not isinstance(rule, BlockEviction):
+            super().apply(rule)
+            return
+        if rule.invalid is not None:
+            self.slots.valid[:, :, : self.view_width] &= ~rule.invalid
+            self.all_valid = False
+        if rule.dropped is not None:
+            self.evict_mask(rule.dropped)
+
+    def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         self.leave_ring()
-        self._release_room()
-        index = selection.indices
-        length = self.values.shape[2]
 
-        def take(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            shaped = rows.reshape(*rows.shape, *([1] * (tensor.dim() - 3)))
-            return tensor.gather(2, shaped.expand(*rows.shape, *tensor.shape[3:]))
-
-        prox_index = index[:, self.prox_heads]
-        self.on_stream = False
-        self.values = take(self.values, index)
-        self.token_idx, self.rope_pos, self.valid = (
-            take(self.token_idx, index),
-            take(self.rope_pos, index),
-            take(self.valid, index),
-        )
-        if selection.valid is not None:
-            self.valid = self.valid & selection.valid
-            self.all_real = self.all_real and bool(selection.valid.all())  # once per selection, not per step
-        self.state = {name: take(value, index) for name, value in self.state.items()}
-        self.keys = take(self.keys, index[:, self.full_heads])
-        if len(self.prox_heads):
-            inverse = torch.full((*prox_index.shape[:2], length + 1), -1, dtype=torch.long, device=self.device)
-            positions = torch.arange(prox_index.shape[-1], device=self.device).expand_as(prox_index)
-            inverse = inverse.scatter(2, prox_index, positions)
-            old = torch.where(self.prox_slot >= 0, self.prox_slot, length)
-            new_slot = inverse.gather(2, old)
-            self._pack_proximal(new_slot >= 0, new_slot)
+    def compact(self, shrink: bool = False) -> None:
+        """Gather the kept tokens to the front (``CompressedLayer.compact``); the packed proximal keys follow their
+        tokens to their new slots. PoD's slots are in stream order before every compaction (it keeps no holes), so
+        a kept token's new slot is the count of kept tokens before it. Compaction writes the slots in place: keys
+        this layer lends to later layers in the same forward (``step``) are copied first."""
+        if self.slots is not None and not self.dense:
+            self.leave_ring()
+            self.on_stream = False
+            if self.step is not None:  # the later layers of its blocks read its keys as attention saw them
+                self.step.keys = self.step.keys.clone()
+            if len(self.prox_heads):
+                kept = self.heads_of(self.slots.token_idx.narrow(2, 0, self.view_width), "prox") >= 0
+                moved = torch.where(kept, kept.cumsum(-1) - 1, -1)
+                old = self.prox_slot
+                new_slot = moved.gather(-1, old.clamp(min=0)).masked_fill_(old < 0, -1)
+                self._pack_proximal(new_slot >= 0, new_slot)
+        super().compact(shrink)
+        self._new_views()
 
     def planned_keep(self) -> dict[str, torch.Tensor]:
         """``{"keep": [B] counts}`` for a config given ``ratio``/``budget`` (``pod.budget``), else nothing."""
@@ -307,47 +339,66 @@ class PoDLayer(RingSteps, GatherLayer):
         target = n_real * config.ratio if config.ratio is not None else torch.full_like(n_real, config.budget)
         return {"keep": kept_for_request(target, n_real, self.key_share, config.n_sink + config.n_recent)}
 
-    def block_selection(self, base: Policy) -> Selection | None:
-        """The base method's selection, per KV head taken from the head's block-start layer (computed there in this
-        same step, earlier in the forward), so a block keeps one token set per KV head."""
-        kv_heads = self.values.shape[1]
+    def block_selection(self, base: Policy) -> BlockEviction | None:
+        """The base method's eviction, per KV head taken from the head's block-start layer (decided there in this
+        same step, earlier in the forward, by ``victims_of_rule``), so a block keeps one token set per KV head."""
+        kv_heads = self.rows[1]
         groups = len(self.head_starts) // kv_heads
         starts = [self.head_starts[g * groups] for g in range(kv_heads)]
-        own = base.select(self, **self.planned_keep()) if self.index in starts else None
-        if isinstance(own, Keep):
-            own = keep_selection(self, own, protects_forward(base, own, self.new_tokens))
-        rows = [own if start == self.index else self.peers[start].last_selection for start in starts]
+        own = self._own_eviction(base) if self.index in starts else None
+        rows = [own if start == self.index else self.peers[start].last_eviction for start in starts]
         if all(r is None for r in rows):
-            self.last_selection = None
+            self.last_eviction = None
             return None
-        if any(r is None for r in rows) or len({r.indices.shape[-1] for r in rows}) != 1:
+        if any(r is None for r in rows) or len({self._width(r) for r in rows}) != 1:
             raise RuntimeError("pod: the base method selected different token counts along a block")
-        indices = torch.stack([r.indices[:, g] for g, r in enumerate(rows)], dim=1)
-        valids = [
-            r.valid[:, g] if r.valid is not None else torch.ones_like(indices[:, g], dtype=torch.bool)
-            for g, r in enumerate(rows)
-        ]
-        self.last_selection = Selection(indices=indices, valid=torch.stack(valids, dim=1))
-        return self.last_selection
+
+        def per_head(name: str) -> torch.Tensor | None:
+            parts = [getattr(r, name) for r in rows]
+            if all(p is None for p in parts):
+                return None
+            width = self.view_width
+            none = torch.zeros(*self.rows[:1], width, dtype=torch.bool, device=self.device)
+            return torch.stack([none if p is None else p[:, g] for g, p in enumerate(parts)], dim=1)
+
+        self.last_eviction = BlockEviction(per_head("dropped"), per_head("invalid"))
+        return self.last_eviction
+
+    @staticmethod
+    def _width(eviction: BlockEviction) -> int:
+        return (eviction.dropped if eviction.dropped is not None else eviction.invalid).shape[-1]
+
+    def _own_eviction(self, base: Policy) -> BlockEviction | None:
+        """This block-start layer's eviction under ``base``: the victims of a ``Keep`` rule (the core's one victim
+        path), or the slots a ``KeepMask`` or ``Selection`` leaves out."""
+        rule = base.select(self, **self.planned_keep())
+        if rule is None:
+            return None
+        occupied = self.token_idx >= 0
+        if isinstance(rule, Keep):
+            victims, invalid = victims_of_rule(rule, self, protects_forward(base, rule, self.new_tokens))
+            if invalid is not None and not bool(invalid.any()):  # per-sequence counts: once per prompt
+                invalid = None
+            if victims is None and invalid is None:
+                return None
+            dropped = None if victims is None else torch.zeros_like(occupied).scatter_(-1, victims, True)
+            return BlockEviction(dropped, invalid)
+        keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
+        return BlockEviction(~keep & occupied, None)
 
     # --- transformers' layer API and accounting ------------------------------------------------------------
-    def _release_room(self) -> None:
-        """Let the append buffers go: the stores are about to be replaced (a gather, a batch reorder, a reset)."""
-        for room in self._room.values():
-            room.release()
-
     def reset(self) -> None:
-        self._release_room()
         super().reset()
-        self.all_real, self.max_position, self.on_stream, self.max_chunk = True, -1, True, 1
+        self.max_position, self.on_stream = -1, True
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self._query_layout = None
         self._pending = 0
-        self.step = self.last_selection = None
+        self.step = self.last_eviction = None
+        self.keys = self.values = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.leave_ring()
-        self._release_room()
         super().batch_select_indices(indices)
+        self._new_views()
         if self.is_initialized:
             indices = indices.to(self.device)
             self.prox_keys = self.prox_keys.index_select(0, indices)
@@ -355,30 +406,33 @@ class PoDLayer(RingSteps, GatherLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.leave_ring()
-        self._release_room()
         super().batch_repeat_interleave(repeats)
+        self._new_views()
         if self.is_initialized:
             self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
             self.prox_slot = self.prox_slot.repeat_interleave(repeats, dim=0)
 
+    def _proximal_nbytes(self) -> int:
+        return 0 if self.prox_keys is None else self.prox_keys.numel() * self.prox_keys.element_size()
+
     def kv_nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.prox_keys))
+        """The stored tokens' values and keys in the slots, with the packed proximal keys."""
+        return super().kv_nbytes() + self._proximal_nbytes()
 
     def allocated_nbytes(self) -> int:
-        """The stored keys and values with the room their append buffers keep (at most one forward more)."""
-        if not self.is_initialized:
-            return 0
-        allocated = self._room["keys"].nbytes(self.keys) + self._room["values"].nbytes(self.values)
-        return allocated + self.prox_keys.numel() * self.prox_keys.element_size()
+        """The slots as allocated (``core.capacity``) with the packed proximal keys."""
+        return super().allocated_nbytes() + self._proximal_nbytes()
+
+    def _proximal_metadata_nbytes(self) -> int:
+        if self.ring is not None:
+            return self.ring.metadata_nbytes()
+        return 0 if self.prox_slot is None else self.prox_slot.numel() * self.prox_slot.element_size()
 
     def metadata_nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        if self.ring is not None:
-            return super().metadata_nbytes() + self.ring.metadata_nbytes()
-        return super().metadata_nbytes() + self.prox_slot.numel() * self.prox_slot.element_size()
+        return super().metadata_nbytes() + self._proximal_metadata_nbytes()
+
+    def allocated_metadata_nbytes(self) -> int:
+        return super().allocated_metadata_nbytes() + self._proximal_metadata_nbytes()
 
 
 def _run(heads: list[int]) -> tuple[int, int] | None:

@@ -1,26 +1,13 @@
 """How a PoD layer decodes with its proximal keys in a ring (``kvcompress.methods.pod.ring``): when a step may use
 it, building it from the packed keys on the first such step (reading the position once), leaving it for anything
-else, and the stream indices, positions and validity of the ring steps, appended only when something reads them."""
+else, and the stream indices, positions and validity of the ring steps, written into the slots only when something
+reads them (the layer's deferred write, ``CompressedLayer._settle``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvcompress.core.forward_cache import forward_cached
 from kvcompress.methods.pod.ring import ProximalRing
-
-
-def _settled(name: str) -> property:
-    """A per-token store of the layer (kept as ``name``) that ring steps append to when it is next read."""
-
-    def get(self) -> torch.Tensor:
-        self._settle()
-        return getattr(self, name)
-
-    def put(self, value: torch.Tensor) -> None:
-        setattr(self, name, value)
-
-    return property(get, put)
 
 
 class RingSteps:
@@ -38,7 +25,7 @@ class RingSteps:
         return (
             count == 1
             and bool(self.ring_plan)
-            and self.all_real
+            and self.all_valid
             and self.sliding_window is None
             and not wants_stats
             and not key_states.requires_grad
@@ -47,7 +34,7 @@ class RingSteps:
 
     def _write_ring(self, position_ids: torch.Tensor | None) -> None:
         key, self._ring_key = self._ring_key, None
-        if not self.all_real:  # a padding token came: the packed keys, which the masks read
+        if not self.all_valid:  # a padding token came: the packed keys, which the masks read
             self.leave_ring()
             self._append_proximal(key)
             return
@@ -62,8 +49,7 @@ class RingSteps:
         length = self.values.shape[2]
         self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
 
-    @staticmethod
-    def _decoding_position(position_ids: torch.Tensor) -> int | None:
+    def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
         """The new token's position if every row has the same (one host read per forward), else None."""
 
         def read() -> int | None:
@@ -72,7 +58,7 @@ class RingSteps:
             largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
             return largest if largest == smallest else None
 
-        return forward_cached(position_ids, "pod-decoding-position", read)
+        return self.forward_pass.cached("pod-decoding-position", read)
 
     def leave_ring(self) -> None:
         """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
@@ -81,20 +67,19 @@ class RingSteps:
             self.prox_keys, self.prox_slot = self.ring.packed()
             self.ring = None
 
-    # a ring step appends to these when they are next read (three fewer copies a step)
-    token_idx = _settled("_token_idx")
-    rope_pos = _settled("_rope_pos")
-    valid = _settled("_valid")
-
     def _settle(self) -> None:
-        """Append the ring steps' tokens: the last ``_pending`` stream indices, at consecutive positions from the
-        first one's (as the ring takes them), all real."""
+        """Write the ring steps' bookkeeping into their slots (the last ``_pending`` ones): stream indices, positions
+        consecutive from the first one's (as the ring takes them), all real. (PoD never leaves an evicted token's
+        slot for the next one, the other deferred write of ``CompressedLayer``: it compacts at once.)"""
+        self._stale = False
         count, self._pending = self._pending, 0
         if not count:
             return
-        batch, heads = self._token_idx.shape[:2]
-        new_idx = torch.arange(self.seen - count, self.seen, device=self.device).expand(batch, heads, count)
-        self._token_idx = torch.cat([self._token_idx, new_idx], dim=-1)
-        positions = new_idx + (self._pending_position - (self.seen - count))
-        self._rope_pos = torch.cat([self._rope_pos, positions], dim=-1)
-        self._valid = torch.cat([self._valid, torch.ones_like(new_idx, dtype=torch.bool)], dim=-1)
+        slots, stop = self.slots, self.occupied
+        first = self.seen - count
+        index = torch.arange(first, self.seen, device=self.device)
+        slots.token_idx[:, :, stop - count : stop] = index
+        slots.rope_pos[:, :, stop - count : stop] = index + (self._pending_position - first)
+        slots.valid[:, :, stop - count : stop] = True
+        slots.rank[:, :, stop - count : stop] = index  # no padding stored: a real token's rank is its stream index
+        slots.real_seen += count

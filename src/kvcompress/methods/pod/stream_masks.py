@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.forward_cache import forward_cached
 from kvcompress.methods.pod.fused import GroupedBiases, additive
 
 
@@ -25,7 +24,7 @@ def stream_biases(layer, queries: int, groups: int, dtype: torch.dtype) -> Group
     config = layer.policy.config
     stored = layer.prox_slot.shape[-1]
     key = ("pod-stream-biases", layer.seen, queries, stored, groups, dtype, config.n_sink, config.n_recent)
-    return forward_cached(positions, key, lambda: _build(layer, queries, groups, dtype))
+    return layer.forward_pass.cached(key, lambda: _build(layer, queries, groups, dtype))
 
 
 def _build(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases:

@@ -1,0 +1,157 @@
+"""A decoding step's evictions, run for every layer of a cache at once when the forward closes.
+
+At a decoding step a layer's eviction (its policy's statistics update, its keep rule, the victims) reads and writes
+that layer's bookkeeping only, and nothing reads it again before the layer's next forward. Per layer it is a dozen
+small operations, each costing far more than its arithmetic. So when every layer of a cache runs the same policy
+on slots of the same shape (``connect``), each layer leaves its eviction to the end of the forward
+(``ForwardPass.at_end``) and the policy runs once over all of them: the layers' stream indices and method state are
+views of one buffer per name (``ForwardPass.stacked``: ``[layers · B, H_kv, C]``, each layer's view contiguous;
+stacked again with one copy when a layer replaces its buffers), so the policy's operations on those stacked rows
+replace the same operations once per layer. Every operation is per row (a layer's sequence and KV head), so the
+victims are those each layer would choose alone; the layers then free them one by one as before.
+
+Only policies that declare ``Policy.batchable`` take this path, at decoding steps of layers without padding,
+observers or a sliding window; anything else evicts right after its own attention. A forward in which not every
+layer deferred (or whose layers disagree in shape) evicts layer by layer at its end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.core.contract import AttentionStats, Keep, LayerView
+from kvcompress.core.eviction import protects_forward, victims_of_rule
+from kvcompress.core.forward import agree
+
+JOB = "joint-evictions"
+
+
+def connect(layers: list) -> None:
+    """Let ``layers`` (one cache's, in forward order) evict together when their policies allow it."""
+    first = layers[0].policy if layers else None
+    if len(layers) > 1 and all(_same_method(layer.policy, first) for layer in layers):
+        for layer in layers:
+            layer.joint_eviction = True
+
+
+def defer_eviction(layer, stats: AttentionStats | None) -> bool:
+    """Leave ``layer``'s eviction of this forward to its end (``True``), or to the layer (a step this path does not
+    cover, or a layer outside an open forward of several layers)."""
+    forward = layer.forward_pass
+    if not (forward.shared and forward.is_open and _covers(layer, stats)):
+        return False
+    forward.cached(JOB, list).append((layer, stats))
+    forward.at_end(JOB, lambda: evict_waiting(forward))
+    return True
+
+
+def _covers(layer, stats: AttentionStats | None) -> bool:
+    return (
+        layer.new_tokens == 1
+        and layer.all_valid
+        and not layer.observers
+        and layer.sliding_window is None
+        and stats is not None
+        and stats.last_visible is None
+        and layer.policy.wants_stats(layer)
+    )
+
+
+def evict_waiting(forward) -> None:
+    """Evict for every layer that deferred in ``forward``: together where their shapes agree, else one by one."""
+    waiting = forward.cached(JOB, list)
+    layers = [layer for layer, _ in waiting]
+    buffers = _stacked(forward, layers) if len(layers) == len(forward.layers) else None
+    if buffers is None:
+        for layer, stats in waiting:
+            layer.after_attention(stats, alone=True)
+        return
+    together = StackedLayer(layers, buffers)
+    policy = layers[0].policy
+    policy.observe(together, _stacked_stats([stats for _, stats in waiting]))
+    rule = policy.select(together)
+    if rule is None:
+        return
+    if not isinstance(rule, Keep) or isinstance(rule.count, torch.Tensor):
+        raise TypeError(f"{type(policy).__name__} is batchable but selected {rule!r} at a decoding step")
+    victims, _ = victims_of_rule(rule, together, protects_forward(policy, rule, 1))
+    if victims is not None:
+        batch = victims.shape[0] // len(layers)
+        for index, layer in enumerate(layers):
+            layer.evict(victims[index * batch : (index + 1) * batch])
+
+
+def _stacked(forward, layers: list) -> dict[str, torch.Tensor] | None:
+    """The layers' stream indices and method state as stacked buffers (the layers' own made views of them), or
+    ``None`` where the layers disagree in shape or bookkeeping."""
+    first = layers[0]
+    agreed = _bookkeeping(first)
+    if any(_bookkeeping(layer) != agreed for layer in layers):
+        return None
+    buffers = {}
+    for name in ["token_idx", *(f"state.{name}" for name in first.slots.state)]:
+        tensors = [_buffer(layer, name) for layer in layers]
+        buffers[name], views = forward.stacked(f"{JOB}.{name}", tensors) if agree(tensors) else (None, None)
+        if views is None:
+            return None
+        for layer, tensor, view in zip(layers, tensors, views, strict=True):
+            if tensor is not view:
+                _set_buffer(layer, name, view)
+    return buffers
+
+
+class StackedLayer:
+    """What a policy and the eviction read of a layer, for several layers stacked along the batch (a row of the
+    stacked tensors is a layer's sequence)."""
+
+    def __init__(self, layers: list[LayerView], buffers: dict[str, torch.Tensor]) -> None:
+        first = layers[0]
+        self.layers = layers
+        self.policy = first.policy
+        self.device = first.device
+        self.seen, self.seen_tensor, self.new_tokens = first.seen, first.seen_tensor, first.new_tokens
+        self.occupied, self.view_width = first.occupied, first.view_width
+        self.dense, self.ordered, self.all_valid = first.dense, first.ordered, first.all_valid
+        self.rows = tuple(buffers["token_idx"].shape[:2])
+        width = self.view_width
+        self.token_idx = buffers["token_idx"][:, :, :width]
+        self.state = {name[6:]: tensor[:, :, :width] for name, tensor in buffers.items() if name.startswith("state.")}
+
+    def new_index(self) -> torch.Tensor:
+        return torch.cat([layer.new_index() for layer in self.layers])
+
+    def real_count(self) -> torch.Tensor:
+        return torch.cat([layer.real_count() for layer in self.layers])
+
+
+def _same_method(policy, first) -> bool:
+    """Whether ``policy`` may run for ``first``'s layers too: batchable, of the same class and configuration, and
+    not one-shot (a one-shot policy selects once, over the prompt: it has no decoding-step evictions, and a prompt of
+    one token must not reach its selection as a decoding step)."""
+    return policy.batchable and not policy.one_shot and type(policy) is type(first) and policy.config == first.config
+
+
+def _bookkeeping(layer: LayerView) -> tuple:
+    """What the layers evicting together must agree on at this step."""
+    return layer.seen, layer.occupied, layer.view_width, layer.dense, layer.ordered, tuple(layer.slots.state)
+
+
+def _buffer(layer: LayerView, name: str) -> torch.Tensor:
+    return layer.slots.state[name[6:]] if name.startswith("state.") else layer.slots.tensors[name]
+
+
+def _set_buffer(layer: LayerView, name: str, tensor: torch.Tensor) -> None:
+    if name.startswith("state."):
+        layer.slots.state[name[6:]] = tensor
+    else:
+        layer.slots.tensors[name] = tensor
+
+
+def _stacked_stats(stats: list[AttentionStats]) -> AttentionStats:
+    """The layers' statistics of one query, stacked along the batch."""
+
+    def joined(name: str) -> torch.Tensor | None:
+        parts = [getattr(s, name) for s in stats]
+        return None if parts[0] is None else torch.cat(parts)
+
+    return AttentionStats(query_count=1, received=joined("received"), last=joined("last"), lse=joined("lse"))
