@@ -41,6 +41,10 @@ EVICTING = {
     "compactor-adakv": {"budget": 12, "allocation": "adakv", "chunk_size": 8},
     "periodic": {"budget": 12, "interval": 3},
     "periodic-knorm": {"budget": 12, "interval": 2, "scorer": "knorm"},
+    # quantized storage (issue 49): an evicting method at 4 bits, a one-shot one at 8 (keys per channel in groups of
+    # 8 slots, values per token; the newest 8 tokens exact)
+    "h2o-kv4": {"budget": 12, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},
+    "snapkv-kv8": {"budget": 12, "window": 4, "kv_bits": 8, "kv_group": 4, "kv_residual": 4},
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
 }
@@ -98,7 +102,12 @@ def test_budget_never_exceeded_and_order_kept_while_decoding(key, tiny_llama):
     assert cache.get_seq_length() == cache.tokens_seen() == 55
 
 
-@pytest.mark.parametrize("key", sorted(EVICTING))
+# quantized storage is left out: its key groups are groups of slots, and a padded row's slots sit a padding's width
+# off a single run's, so the rows quantize in other groups (as transformers' QuantizedCache groups padding too)
+QUANTIZED = {key for key, params in EVICTING.items() if params.get("kv_bits", 16) < 16}
+
+
+@pytest.mark.parametrize("key", sorted(set(EVICTING) - QUANTIZED))
 def test_padded_batch_equals_single_runs(key, tiny_llama):
     long, short = ids_of(1, 26, seed=3), ids_of(1, 19, seed=4)
     batch = torch.zeros(2, 26, dtype=torch.long)

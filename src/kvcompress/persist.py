@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import MethodConfig, method_fields
 from kvcompress.core.model_spec import ModelCheck, ModelSpec, architecture
 from kvcompress.files import damaged
 from kvcompress.registry import make_config
@@ -177,6 +177,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> Path:
 
 def _cache_dtype(cache: CompressedCache) -> str | None:
     for layer in cache.compressed_layers:
+        dtype = getattr(layer, "dtype", None)  # the model's (quantized storage holds uint8 codes)
+        if isinstance(dtype, torch.dtype):
+            return str(dtype).removeprefix("torch.")
         storage = getattr(layer, "slots", None)
         if storage is None:
             storage = getattr(layer, "pool", None)  # ragged storage (per-head budgets)
@@ -228,7 +231,7 @@ def load_cache(
 
 
 def _describe(config: MethodConfig) -> str:
-    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config) if f.compare]
+    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in method_fields(type(config)) if f.compare]
     return f"{config.name}({', '.join(changed)})"
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from collections.abc import Iterator, Mapping
 
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import MethodConfig, method_fields
 from kvcompress.presets import preset_params
 
 # name -> "module:ConfigClass", in the order ``kvcompress methods`` lists them
@@ -95,7 +95,7 @@ def method_defaults(method: str) -> dict[str, object]:
     """The documented default of every parameter of a method (``None`` where the user must choose)."""
     return {
         field.name: field.default if field.default is not dataclasses.MISSING else None
-        for field in dataclasses.fields(METHODS[method])
+        for field in method_fields(METHODS[method])
     }
 
 

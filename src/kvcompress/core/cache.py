@@ -16,6 +16,7 @@ from kvcompress.core.grad_mode import recorded_as_computed
 from kvcompress.core.joint_eviction import connect as connect_joint_evictions
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.model_spec import ModelCheck, ModelSpec
+from kvcompress.core.quantized_layer import quantized_layer_class
 from kvcompress.core.rope import has_rotary, layer_inv_freqs
 
 
@@ -26,10 +27,10 @@ def layer_class_for(config: MethodConfig, window: int | None) -> type[Compressed
     the cascade keeps the window itself when its budget holds it), else the layer class's (a class that cannot drop
     tokens by age names the one to use), else the method's usual class."""
     layer_class = config.layer_class() or CompressedLayer
-    if window is None:
-        return layer_class
-    by_config = getattr(config, "sliding_layer_class", None)
-    return by_config(window) if by_config is not None else getattr(layer_class, "sliding_layer_class", layer_class)
+    if window is not None:
+        by_config = getattr(config, "sliding_layer_class", None)
+        layer_class = by_config(window) if by_config else getattr(layer_class, "sliding_layer_class", layer_class)
+    return quantized_layer_class(config, layer_class)  # (the layer itself at kv_bits=16)
 
 
 HOOKED = "_kvcompress_input_check"

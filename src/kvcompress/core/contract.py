@@ -219,13 +219,32 @@ class Policy:
         return None
 
 
+KV_BITS = (16, 8, 4, 2)
+STORAGE_FIELDS = ("kv_bits", "kv_group", "kv_residual")  # every method's; listed after the method's own
+
+
+def method_fields(config_class: type) -> list[dataclasses.Field]:
+    """A config class's fields, its method's own first, then the storage fields every method takes."""
+    fields = dataclasses.fields(config_class)
+    return [f for f in fields if f.name not in STORAGE_FIELDS] + [f for f in fields if f.name in STORAGE_FIELDS]
+
+
 @dataclass(frozen=True)
 class MethodConfig:
-    """Base of every method config. ``name`` is the registry key, ``paper`` the reference."""
+    """Base of every method config. ``name`` is the registry key, ``paper`` the reference.
+
+    Every method also takes how its kept tokens are stored (keyword-only, after its own parameters): ``kv_bits``
+    (16: the model's dtype; 8, 4 or 2: keys quantized per channel and values per token as in KIVI, arXiv
+    2402.02750, ``kvcompress.core.quantized_slots``), ``kv_group`` (tokens per key group and channels per value
+    group) and ``kv_residual`` (the newest tokens also kept exact; 0 or a multiple of ``kv_group``)."""
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     policy_class: ClassVar[type[Policy]] = Policy
+
+    kv_bits: int = dataclasses.field(default=16, kw_only=True)  # 16: model dtype; 8, 4, 2: quantized (KIVI)
+    kv_group: int = dataclasses.field(default=32, kw_only=True)  # KIVI's group size G
+    kv_residual: int = dataclasses.field(default=128, kw_only=True)  # KIVI's residual length R (exact newest tokens)
 
     def layer_class(self) -> type[LayerView] | None:
         """The cache layer type this method stores tokens in, or ``None`` for the standard ``CompressedLayer``
@@ -234,6 +253,7 @@ class MethodConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        check_storage(self)
         self.validate()
 
     def validate(self) -> None:
@@ -248,6 +268,18 @@ class MethodConfig:
     def after_prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Called by ``kvcompress.generation.prefill`` once the prompt ``input_ids`` is in ``cache``: a method that
         compresses with more passes of the model over the prompt's tokens (KVzip's reconstruction) does so here."""
+
+
+def check_storage(config: MethodConfig) -> None:
+    """``ValueError`` naming ``kv_bits``, ``kv_group`` or ``kv_residual`` when out of range."""
+    if config.kv_bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {config.kv_bits!r}")
+    if config.kv_group < 1:
+        raise ValueError(f"kv_group must be at least 1, got {config.kv_group!r}")
+    if config.kv_residual < 0 or config.kv_residual % config.kv_group:
+        raise ValueError(
+            f"kv_residual must be 0 or a multiple of kv_group ({config.kv_group}), got {config.kv_residual!r}"
+        )
 
 
 def check_field_types(config: MethodConfig) -> None:

@@ -243,13 +243,17 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.occupied -= victims.shape[-1]
         decoding = self.new_tokens == 1 and victims.shape[-1] == 1 and self.policy.position_mode != "cache"
         was_dense, self.dense = self.dense, False
-        if decoding and (not was_dense or width == self.slots.capacity):
+        if decoding and (not was_dense or self._at_capacity(width)):
             self._free = victims if self.free_buffer is None else self.free_buffer.copy_(victims)
             self._stale = True  # the next token takes the slot: nothing to mark
             return
         self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
         self.compact(shrink=not self.more_prompt)
+
+    def _at_capacity(self, width: int) -> bool:
+        """Whether a dense layer of ``width`` slots has no room left (its next token then takes a victim's slot)."""
+        return width == self.slots.capacity
 
     def evict_mask(self, dropped: torch.Tensor) -> None:
         """Free the slots where ``dropped`` ``[B, H, W]`` is True (counts may differ between rows)."""

@@ -85,7 +85,7 @@ def _median(values: list[float]) -> float | None:
 def leaderboard_rows(results: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
     """One entry per (method label, kept ratio): score mean and standard error (×100), n, bytes × full on the same
     samples, median prefill seconds. ``full`` has kept ratio 1. Sorted by kept ratio (high first), then score."""
-    full_bytes = {row["sample"]: row["kv_bytes"] for row in results if row["method"] == "full"}
+    full_bytes = {row["sample"]: row["kv_bytes"] for row in results if row.get("label", row["method"]) == "full"}
     groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for row in results:
         kept = 1.0 if row["budget"] is None else row["budget"]

@@ -317,7 +317,7 @@ def summary_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
     for row in sorted(rows, key=lambda r: budget_sort_key(r["budget"])):
         groups[(row.get("label", row["method"]), row["budget"])].append(row)
-    full = [r for r in rows if r["method"] == "full"]
+    full = [r for r in rows if r.get("label", r["method"]) == "full"]  # (not ``full(kv_bits=4)``)
     full_kv = mean_se([r["kv_bytes"] for r in full])[0] if full else None
     full_time = _median([r["time_s"] for r in full]) if full else None
     names = [f"{m} ({'lower' if m in LOWER_IS_BETTER else 'higher'} is better)" for m in metrics]

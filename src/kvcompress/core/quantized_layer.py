@@ -1,0 +1,138 @@
+"""``QuantizedLayer``: the slot layer with its keys and values stored in 8, 4 or 2 bits (KIVI), for any method.
+
+Every method config takes ``kv_bits`` (16: the model's dtype, the default; 8, 4 or 2: quantized), ``kv_group``
+(tokens per key group, channels per value group; KIVI's 32) and ``kv_residual`` (the newest tokens also kept exact;
+KIVI's 128; 0 or a multiple of ``kv_group``). With ``kv_bits < 16`` a method whose layer is the standard
+``CompressedLayer`` stores its kept tokens in ``QuantizedSlotBuffers`` (``core.quantized_slots`` says how keys
+quantized per channel live in slots evicted one at a time); the method itself is unchanged: it selects on what
+attention reads (the dequantized keys and values), and evicts as it would in full precision.
+
+Methods with their own storage (the cascade's rings and streaming's circular ring, LESS's low-rank state, PoD's
+shared keys, ragged per-head storage) are refused with ``kv_bits < 16``: ``quantized_layer_class`` names the way
+out (``circular=false``, ``ragged=false``, ``allocation=uniform``) where there is one. A quantized layer does not
+replay as a captured CUDA graph (its step writes a ring entry and a key group chosen by Python numbers): it
+decodes eagerly through ``DecodeGraph``.
+
+``nbytes()`` counts what is held: the codes and per-token value parameters of the stored tokens, the key groups'
+parameters covering them, and the residual window's exact keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.core.contract import MethodConfig
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.quantized_slots import QuantizedSlotBuffers
+
+
+class QuantizedLayer(CompressedLayer):
+    """A ``CompressedLayer`` whose slots hold quantized keys and values (``QuantizedSlotBuffers``)."""
+
+    slots: QuantizedSlotBuffers | None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        config = self.policy.config
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.slots = QuantizedSlotBuffers.empty_quantized(
+            key_states, value_states, config.kv_bits, config.kv_group, config.kv_residual
+        )
+        self.is_initialized = True
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stale:
+            self._settle()
+        self.slots.stream_seen = self.seen  # (a pass taken back, KVzip's reconstruction, rewinds ``seen``)
+        return self.slots.view(self.view_width)
+
+    keys = property(lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none)
+    values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
+
+    _span = 0  # a holed layer's view: the slots it had when it stopped being dense (capacity may be wider)
+
+    @property
+    def view_width(self) -> int:
+        return self.occupied if self.dense else (self._span or self.slots.capacity)
+
+    def _keep_span(self) -> None:
+        if self.dense:
+            self._span = self.occupied
+
+    def evict(self, victims: torch.Tensor) -> None:
+        self._keep_span()
+        super().evict(victims)
+
+    def evict_mask(self, dropped: torch.Tensor) -> None:
+        self._keep_span()
+        super().evict_mask(dropped)
+
+    def expire_window(self) -> None:
+        self._keep_span()
+        super().expire_window()
+
+    def reset(self) -> None:
+        super().reset()
+        self._span = 0
+
+    def _at_capacity(self, width: int) -> bool:
+        """Capacity is whole key groups: a layer is full when less than a group of room is left (else a decoding
+        step at the budget would compact and reallocate every time instead of reusing the victim's slot); the
+        holed layer's view stays the slots it had (``_span``), so every slot it shows holds a token."""
+        return width + self.slots.group > self.slots.capacity
+
+    def compact(self, shrink: bool = False) -> None:
+        if self.slots is not None:
+            self.slots.stream_seen = self.seen
+        super().compact(shrink)
+
+    def kept(self):
+        if self.slots is not None:
+            self.slots.stream_seen = self.seen
+        return super().kept()
+
+    def end_forward(self) -> None:
+        super().end_forward()
+        if self.slots is not None:
+            self.slots.end_forward()
+
+    def replay_steady(self) -> bool:
+        return False
+
+    # --- accounting ----------------------------------------------------------------------------------------
+    def kv_nbytes(self) -> int:
+        """Codes, value parameters, key-group parameters of the stored tokens, and the exact residual window."""
+        if self.slots is None:
+            return 0
+        slots = self.slots
+        return (
+            self.occupied * slots.kv_bytes_per_slot()
+            + slots.key_params_nbytes(self.occupied)
+            + slots.ring_nbytes(False)
+        )
+
+    def allocated_nbytes(self) -> int:
+        if self.slots is None:
+            return 0
+        slots = self.slots
+        return (
+            slots.capacity * slots.kv_bytes_per_slot()
+            + slots.key_params_nbytes(slots.capacity)
+            + slots.ring_nbytes(True)
+        )
+
+
+def quantized_layer_class(config: MethodConfig, layer_class: type) -> type:
+    """The layer class storing ``config``'s method with ``config.kv_bits``: ``layer_class`` itself at 16 bits, the
+    quantized slot layer for the standard layer; ``ValueError`` naming the way out for any other storage."""
+    if config.kv_bits == 16:
+        return layer_class
+    if layer_class is CompressedLayer:
+        return QuantizedLayer
+    hints = {
+        "CircularSinkLayer": " (streaming: circular=false stores it in the standard layer)",
+        "RaggedLayer": " (ragged=false, or allocation=uniform, stores it in the standard layer)",
+    }
+    raise ValueError(
+        f"kv_bits={config.kv_bits} is not supported by method {config.name!r} with its storage "
+        f"{layer_class.__name__}{hints.get(layer_class.__name__, '')}; kv_bits=16 keeps the model's dtype"
+    )

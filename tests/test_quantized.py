@@ -1,0 +1,259 @@
+"""Quantized storage (``kv_bits``, issue 49): KIVI's arithmetic, the reference without eviction, eviction in place,
+bytes, errors; and transformers' ``QuantizedCache`` (quanto backend) where optimum-quanto is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import kvcompress
+from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.quantized_layer import QuantizedLayer
+from kvcompress.generation import cache_argument, prefill
+from kvcompress.models.testing import tiny_model
+from tests.references.kivi import KiviReferenceCache, minmax_roundtrip
+
+
+def forced_logits(model, ids: torch.Tensor, cache, prompt: int) -> torch.Tensor:
+    """Logits of every position from ``prompt - 1`` on: the prompt in one forward, then one token per forward."""
+    with torch.no_grad():
+        out = [model(ids[:, :prompt], **cache_argument(model, cache), use_cache=True).logits[:, -1]]
+        for step in range(prompt, ids.shape[1]):
+            out.append(model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- arithmetic ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (3, 5, 16), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape[-1] == 16 * bits // 8 and packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantizers_match_the_reference_arithmetic(bits, dtype):
+    x = (torch.randn(2, 3, 4, 8, 16) * 3).to(dtype)  # [..., n groups, G tokens, d]
+    codes, scale, low = quantize_keys(x, bits)
+    keys = dequantize_keys(codes, scale, low, bits)
+    assert keys.dtype == dtype
+    expected = minmax_roundtrip(x, bits, dim=-2)
+    # the reference rounds ``code * scale`` and ``+ min`` apart, ``addcmul`` once: one unit in the dtype's last place
+    ulp = 2 * torch.finfo(dtype).eps * float(x.float().abs().max())
+    torch.testing.assert_close(keys, expected, rtol=0, atol=ulp)
+    assert float((keys.float() - x.float()).abs().max()) <= float(scale.float().max()) * 0.5 + ulp
+    values = x.flatten(-3, -2)  # [..., tokens, d]: per token, channel groups of 8
+    codes, scale, low = quantize_values(values, bits, 8)
+    read = dequantize_values(codes, scale, low, bits)
+    expected = minmax_roundtrip(values.unflatten(-1, (2, 8)), bits, dim=-1).flatten(-2)
+    torch.testing.assert_close(read, expected, rtol=0, atol=ulp)
+
+
+def test_constant_group_reads_back_exactly():
+    x = torch.full((1, 1, 1, 4, 8), 0.37)
+    codes, scale, low = quantize_keys(x, 4)
+    assert float(scale.abs().max()) == 0 and torch.equal(dequantize_keys(codes, scale, low, 4), x)
+
+
+# --- against the reference, no eviction ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("bits,group,residual", [(8, 8, 16), (4, 8, 16), (4, 16, 16), (2, 4, 8)])
+def test_full_quantized_equals_reference(kind, bits, group, residual):
+    """Prompt in one forward (its attention exact), then decoding: logits of every step match the independent
+    reference of KIVI's arithmetic (and differ from the full-precision cache's: quantization happened)."""
+    model = tiny_model(kind)
+    ids = token_ids(2, 70)
+    cache = kvcompress.cache_for(model, "full", kv_bits=bits, kv_group=group, kv_residual=residual)
+    ours = forced_logits(model, ids, cache, 37)
+    reference = forced_logits(model, ids, KiviReferenceCache(2, bits, group, residual), 37)
+    exact = forced_logits(model, ids, DynamicCache(config=model.config), 37)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ours[:, 0], exact[:, 0], rtol=1e-5, atol=1e-5)  # the prompt's own forward: exact
+    assert float((ours - exact).abs().max()) > 1e-3
+
+
+def test_chunked_prompt_equals_reference():
+    """A prompt in chunks: each chunk reads the earlier chunks as stored (quantized beyond the residual window)."""
+    model = tiny_model()
+    ids = token_ids(1, 60, seed=3)
+    cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=8, kv_residual=16)
+    reference = KiviReferenceCache(2, 4, 8, 16)
+    with torch.no_grad():
+        for start in (0, 24, 48):
+            ours = model(ids[:, start : start + 24], **cache_argument(model, cache), use_cache=True).logits
+            theirs = model(ids[:, start : start + 24], **cache_argument(model, reference), use_cache=True).logits
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+
+
+def test_kv_bits_16_is_the_full_precision_layer():
+    model = tiny_model()
+    ids = token_ids(2, 40)
+    cache = kvcompress.cache_for(model, "h2o", budget=24, kv_bits=16)
+    assert all(type(layer) is CompressedLayer for layer in cache.layers)
+    plain = forced_logits(model, ids, kvcompress.cache_for(model, "h2o", budget=24), 20)
+    assert torch.equal(forced_logits(model, ids, cache, 20), plain)
+
+
+# --- with eviction -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "method,params",
+    [("h2o", {"budget": 24}), ("knorm", {"budget": 20}), ("snapkv", {"ratio": 0.5}), ("tova", {"budget": 24})],
+)
+def test_evicting_methods_store_quantized(method, params):
+    model = tiny_model()
+    ids = token_ids(2, 64)
+    cache = kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
+    logits = forced_logits(model, ids, cache, 30)
+    assert torch.isfinite(logits).all()
+    assert all(type(layer) is QuantizedLayer for layer in cache.layers)
+    full = kvcompress.cache_for(model, method, **params)
+    forced_logits(model, ids, full, 30)
+    assert cache.tokens_stored() == full.tokens_stored()
+    assert cache.nbytes() < full.nbytes()
+    assert cache.nbytes() <= cache.allocated_nbytes()
+
+
+def test_evicting_in_place_keeps_every_stored_key_on_its_groups_grid():
+    """H2O at its budget rewrites victims' slots in place and seals tokens as they leave the exact window: every
+    stored token outside the window reads back on its key group's grid (``min + q * scale``, ``q`` in 0..15) and its
+    value on its own, and the layer decodes in place (no compaction: its capacity does not move)."""
+    model = tiny_model()
+    ids = token_ids(1, 90, seed=5)
+    cache = kvcompress.cache_for(model, "h2o", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
+    forced_logits(model, ids, cache, 40)
+    layer = cache.layers[1]
+    slots = layer.slots
+    assert not layer.dense  # decoding at the budget: victims' slots reused
+    keys, _ = slots.view(slots.capacity)
+    sealed = (slots.token_idx >= 0) & (slots.token_idx < slots.window_start(layer.seen))
+    assert int(sealed.sum()) > 20
+    groups = slots.key_scale.shape[2]
+    scale = slots.key_scale.repeat_interleave(8, dim=2).float()
+    low = slots.key_min.repeat_interleave(8, dim=2).float()
+    codes = (keys.float() - low) / torch.where(scale > 0, scale, torch.ones_like(scale))
+    on_grid = ((codes - codes.round()).abs() < 1e-3) & (codes.round() >= 0) & (codes.round() <= 15)
+    assert bool(on_grid[sealed[..., None].expand_as(on_grid)].all())
+    assert groups * 8 == slots.capacity
+
+
+def test_bytes_are_codes_scales_and_the_residual():
+    model = tiny_model()  # 2 layers, 2 KV heads, head_dim 16
+    ids = token_ids(1, 40)
+    cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=8, kv_residual=16)
+    forced_logits(model, ids, cache, 40)
+    heads, dim, tokens = 2, 16, 40
+    codes = 2 * tokens * heads * dim // 2  # keys and values, two codes a byte
+    value_params = 2 * tokens * heads * (dim // 8) * 4  # scale and minimum per token and channel group, fp32
+    key_params = 2 * (tokens // 8) * heads * dim * 4  # scale and minimum per key group and channel
+    residual = 2 * 16 * heads * dim * 4  # exact keys and values of the newest 16 tokens
+    assert cache.nbytes() == 2 * (codes + value_params + key_params + residual)
+
+
+# --- errors --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"kv_bits": 3}, "kv_bits must be one of 16, 8, 4, 2, got 3"),
+        ({"kv_group": 0}, "kv_group must be at least 1"),
+        ({"kv_bits": 4, "kv_residual": 20, "kv_group": 8}, "kv_residual must be 0 or a multiple of kv_group (8)"),
+    ],
+)
+def test_parameters_are_checked(params, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        kvcompress.make_config("h2o", **params)
+
+
+def test_refused_where_the_storage_is_not_slots():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'cascade'"):
+        kvcompress.cache_for(model, "cascade", kv_bits=4)
+    with pytest.raises(ValueError, match="circular=false"):
+        kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
+    cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)
+    assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
+
+
+def test_group_must_divide_the_value_head_dimension():
+    model = tiny_model()  # head_dim 16
+    cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=32, kv_residual=32)
+    with pytest.raises(ValueError, match=r"kv_group must divide the value head dimension \(16\)"):
+        forced_logits(model, token_ids(1, 10), cache, 10)
+
+
+# --- transformers' QuantizedCache (optimum-quanto) ----------------------------------------------------------------
+needs_quanto = pytest.mark.skipif(
+    importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None,
+    reason="optimum-quanto not installed (transformers' QuantizedCache backend)",
+)
+
+
+@needs_quanto
+def test_within_quantization_noise_of_transformers_quantized_cache():
+    """Same bits, group and residual as transformers' ``QuantizedCache`` with KIVI's axes (keys per channel,
+    values per token) on the quanto backend: ours and theirs differ from the exact cache by the same order, and from
+    each other by no more than that. (They differ in when tokens leave the exact window: transformers quantizes the
+    whole prompt after its forward and re-quantizes everything each time its residual fills.)"""
+    from transformers.cache_utils import QuantizedCache
+
+    model = tiny_model()
+    ids = token_ids(2, 96)
+    bits, group, residual = 4, 16, 32
+    theirs_cache = QuantizedCache(
+        "quanto", model.config, nbits=bits, axis_key=-1, axis_value=0, q_group_size=group, residual_length=residual
+    )
+    ours_cache = kvcompress.cache_for(model, "full", kv_bits=bits, kv_group=group, kv_residual=residual)
+    exact = forced_logits(model, ids, DynamicCache(config=model.config), 64)
+    theirs = forced_logits(model, ids, theirs_cache, 64)
+    ours = forced_logits(model, ids, ours_cache, 64)
+    noise = float((theirs - exact).abs().max())
+    assert noise > 1e-3
+    assert float((ours - exact).abs().max()) <= 2 * noise
+    assert float((ours - theirs).abs().max()) <= 2 * noise
+
+
+# --- reuse ---------------------------------------------------------------------------------------------------
+def test_fork_and_save_load_continue_alike(tmp_path):
+    model = tiny_model()
+    ids = token_ids(1, 50, seed=2)
+    cache = kvcompress.cache_for(model, "h2o", budget=24, kv_bits=4, kv_group=8, kv_residual=8)
+    with torch.no_grad():
+        model(ids[:, :40], **cache_argument(model, cache))
+        kvcompress.save_cache(cache, tmp_path / "quantized.safetensors")
+        loaded = kvcompress.load_cache(tmp_path / "quantized.safetensors", model)
+        fork = cache.fork()
+        expected = forced_logits(model, ids[:, 40:], cache, 1)
+        assert torch.equal(forced_logits(model, ids[:, 40:], fork, 1), expected)
+        assert torch.equal(forced_logits(model, ids[:, 40:], loaded, 1), expected)
+    assert loaded.nbytes() == cache.nbytes()
+
+
+def test_a_pass_taken_back_leaves_the_stored_tokens_intact():
+    """KVzip runs reconstruction passes through the cache and takes them back (rewinding the tokens seen): the
+    context's tokens read back as stored, within one quantization step of the exact cache's: rounded once when
+    stored, once more when the compression's compaction forms the key groups anew (``core.quantized_slots``)."""
+    from tests.helpers import tiny_tokenizer_dir
+
+    model = tiny_model()
+    ids = token_ids(1, 59, seed=1)
+    caches = {}
+    for bits in (16, 8):
+        params = {"ratio": 0.5, "tokenizer": tiny_tokenizer_dir(), "ragged": False}
+        caches[bits] = kvcompress.cache_for(model, "kvzip", kv_bits=bits, kv_group=8, kv_residual=16, **params)
+        with torch.no_grad():
+            prefill(model, ids, caches[bits])
+    for exact, quantized in zip(caches[16].layers, caches[8].layers, strict=True):
+        a, b = exact.kept(), quantized.kept()
+        assert torch.equal(a.token_idx, b.token_idx)
+        real = (a.token_idx >= 0)[..., None]
+        step = float(quantized.slots.key_scale.max())
+        assert float(((a.keys - b.keys).abs() * real).max()) <= step + 1e-5
