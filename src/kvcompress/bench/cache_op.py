@@ -29,6 +29,11 @@ What one update is here:
   fixed-size caches store); ``buzz (average budget)`` is sized by its steady-state *average* (the paper's notion of
   cache budget), whose peak is about 1.4x that.
 
+Each ``N = 4`` cascade row is timed in alternation with its own ``N = 1`` row when both run (one update of each in
+turn, ``time_alternating``), and carries their ratio (``cpu_vs_own_n1``, median CPU time over median CPU time): on a
+shared machine the load drifts over the seconds one row takes, and two rows timed one after the other measure it
+as much as the caches (the same pair timed in turn gave 0.8x to 1.5x from run to run on a loaded 2-core VM).
+
 Bounded caches start full (``sinks + window`` tokens stored, written in one untimed update), so every timed update
 is an eviction step; unbounded ones (``full``, ``snapkv`` after its one-shot compression, ``DynamicCache``) start
 from the same tokens and grow. Budgets: ``sinks + window`` tokens per layer and head for every method (for
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 from collections.abc import Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -72,6 +78,24 @@ from kvcompress.bench.cache_op_steps import (
 from kvcompress.bench.common import Timing, check_methods, environment, set_threads, time_calls
 from kvcompress.bench.table import Column, markdown_table, save_outputs
 
+OWN_N1 = {"cascade": "cascade N=1", "cascade (decode step)": "cascade N=1 (decode step)"}  # timed in alternation
+
+
+def time_alternating(fns: Sequence[Callable[[int], object]], count: int, warmup: int = 0) -> list[Timing]:
+    """``time_calls`` of several functions, one call of each in turn (the same load for all); one summary each."""
+    for i in range(warmup):
+        for fn in fns:
+            fn(i)
+    samples: list[list[float]] = [[] for _ in fns]
+    cpu_samples: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup, warmup + count):
+        for fn, wall, cpu in zip(fns, samples, cpu_samples, strict=True):
+            cpu_start, start = time.process_time(), time.perf_counter()
+            fn(i)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
+    return [Timing.of(wall, cpu) for wall, cpu in zip(samples, cpu_samples, strict=True)]
+
 
 def run_cache_op(
     methods: Sequence[str] = CACHE_OP_METHODS,
@@ -96,60 +120,49 @@ def run_cache_op(
     rows add ``cpu_mean_us`` (mean CPU time per update: the amortised cost) and ``cpu_mean_vs_streaming``,
     ``evictions`` (timed updates after which the layer stored no more than before), ``avg_stored`` and
     ``peak_stored`` (over the timed updates). ``buzz`` is timed over whole eviction cycles (``time_whole_cycles``):
-    its ``steps`` is at least ``tokens``.
+    its ``steps`` is at least ``tokens``. An ``N = 4`` cascade row timed in alternation with its own ``N = 1`` row
+    adds ``cpu_vs_own_n1``.
     """
     set_threads(threads)
     setup = CacheOpSetup(batch, heads, head_dim, sinks, window, warmup, tokens)
     check_methods(sorted(set(methods)), CACHE_OP_METHODS)
-    plan: list[tuple[str, str, Callable]] = []
+    plan: list[tuple[str, str]] = []  # (row, kind)
     if references:
-        plan += [(name, "reference", reference_step) for name in (CONCAT_SINK, CIRCULAR_SINK)]
-        plan.append((DYNAMIC, "transformers", reference_step))
-    builders = {**dict.fromkeys(CASCADES, cascade_step), **dict.fromkeys(DECODE_STEPS, cascade_decode_step)}
-    plan += [(method, "kvcompress", builders.get(method, layer_step)) for method in methods]
+        plan += [(name, "reference") for name in (CONCAT_SINK, CIRCULAR_SINK)]
+        plan.append((DYNAMIC, "transformers"))
+    builders: dict[str, Callable] = {
+        **dict.fromkeys(CASCADES, cascade_step),
+        **dict.fromkeys(DECODE_STEPS, cascade_decode_step),
+        **dict.fromkeys((CONCAT_SINK, CIRCULAR_SINK, DYNAMIC), reference_step),
+    }
+    plan += [(method, "kvcompress") for method in methods]
     if "streaming" in methods:
-        plan.append((STREAMING_POSITIONED, "kvcompress", layer_step))
+        plan.append((STREAMING_POSITIONED, "kvcompress"))
     if "buzz" in methods:
-        plan.append((BUZZ_AVERAGE, "kvcompress", layer_step))
+        plan.append((BUZZ_AVERAGE, "kvcompress"))
 
-    rows = []
+    kinds = dict(plan)
+    pairs = {name: own for name, own in OWN_N1.items() if name in kinds and own in kinds}
+    rows_by_name: dict[str, dict[str, object]] = {}
     with torch.no_grad():  # the mode generate runs in (inference_mode spares small ops more)
-        for name, kind, build in plan:
-            generator = torch.Generator().manual_seed(seed)
-            if name == STREAMING_POSITIONED:
-                cache, step = build("streaming", setup, generator, positioned=True)
-            elif name == BUZZ_AVERAGE:
-                cache, step = build("buzz", setup, generator, budget_kind="average")
+        for name, _ in plan:
+            if name in rows_by_name:  # (an N = 1 row timed with its N = 4 row)
+                continue
+            names = [name, pairs[name]] if name in pairs else [name]
+            built = [_build(other, builders, setup, seed) for other in names]
+            if len(built) > 1:
+                timings = time_alternating([step for _, step in built], setup.tokens, setup.warmup)
+            elif evicts_in_bursts(built[0][0]):
+                timings = [time_whole_cycles(built[0][1], built[0][1].sizes, setup.tokens, setup.warmup)]
             else:
-                cache, step = build(name, setup, generator)
-            if evicts_in_bursts(cache):
-                timing: Timing = time_whole_cycles(step, step.sizes, setup.tokens, setup.warmup)
-            else:
-                timing = time_calls(step, setup.tokens, setup.warmup)
-            count = timing.count
-            stored = stored_tokens(cache)
-            row = {
-                "cache": name,
-                "kind": kind,
-                "bounded": stored <= setup.capacity,
-                "median_us": timing.median * 1e6,
-                "p10_us": timing.p10 * 1e6,
-                "p90_us": timing.p90 * 1e6,
-                "cpu_us": timing.cpu_median * 1e6,
-                "steps": timing.count,
-                "stored": stored,
-            }
-            sizes = getattr(step, "sizes", None)
-            if sizes is not None:
-                timed = sizes[-count - 1 :]  # the length before the first timed update, then after each
-                row["cpu_mean_us"] = timing.cpu_mean * 1e6
-                row["evictions"] = sum(after <= before for before, after in pairwise(timed))
-                row["avg_stored"] = sum(timed[1:]) / count
-                row["peak_stored"] = max(timed[1:])
-                row["bounded"] = row["peak_stored"] <= setup.capacity
-            rows.append(row)
-            del cache, step
+                timings = [time_calls(built[0][1], setup.tokens, setup.warmup)]
+            for other, (cache, step), timing in zip(names, built, timings, strict=True):
+                rows_by_name[other] = _row(other, kinds[other], cache, step, timing, setup)
+            if len(names) > 1:
+                rows_by_name[name]["cpu_vs_own_n1"] = timings[0].cpu_median / timings[1].cpu_median
+            del built
             gc.collect()
+    rows = [rows_by_name[name] for name, _ in plan]
     by_name = {row["cache"]: row["median_us"] for row in rows}
     by_cpu = {row["cache"]: row["cpu_us"] for row in rows}
     for row in rows:
@@ -164,6 +177,41 @@ def run_cache_op(
     return rows
 
 
+def _build(name: str, builders: dict[str, Callable], setup: CacheOpSetup, seed: int):
+    """The cache of the row ``name`` and its timed update (each row from the same seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    if name == STREAMING_POSITIONED:
+        return layer_step("streaming", setup, generator, positioned=True)
+    if name == BUZZ_AVERAGE:
+        return layer_step("buzz", setup, generator, budget_kind="average")
+    return builders.get(name, layer_step)(name, setup, generator)
+
+
+def _row(name: str, kind: str, cache, step, timing: Timing, setup: CacheOpSetup) -> dict[str, object]:
+    count = timing.count
+    stored = stored_tokens(cache)
+    row: dict[str, object] = {
+        "cache": name,
+        "kind": kind,
+        "bounded": stored <= setup.capacity,
+        "median_us": timing.median * 1e6,
+        "p10_us": timing.p10 * 1e6,
+        "p90_us": timing.p90 * 1e6,
+        "cpu_us": timing.cpu_median * 1e6,
+        "steps": timing.count,
+        "stored": stored,
+    }
+    sizes = getattr(step, "sizes", None)
+    if sizes is not None:
+        timed = sizes[-count - 1 :]  # the length before the first timed update, then after each
+        row["cpu_mean_us"] = timing.cpu_mean * 1e6
+        row["evictions"] = sum(after <= before for before, after in pairwise(timed))
+        row["avg_stored"] = sum(timed[1:]) / count
+        row["peak_stored"] = max(timed[1:])
+        row["bounded"] = row["peak_stored"] <= setup.capacity
+    return row
+
+
 CACHE_OP_COLUMNS: tuple[Column, ...] = (
     ("cache", "cache", ""),
     ("bounded", "bounded", ""),
@@ -175,6 +223,7 @@ CACHE_OP_COLUMNS: tuple[Column, ...] = (
     ("cpu_us", "median CPU µs", ".0f"),
     ("cpu_vs_concat_sink", "CPU × concat sink", ".3g"),
     ("cpu_vs_streaming", "CPU × our streaming", ".3g"),
+    ("cpu_vs_own_n1", "CPU × own N=1 (alternating)", ".3g"),
     ("cpu_mean_us", "mean CPU µs (amortised)", ".0f"),
     ("cpu_mean_vs_streaming", "mean CPU × our streaming", ".3g"),
     ("evictions", "evicting updates", "d"),

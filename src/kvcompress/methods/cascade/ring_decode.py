@@ -30,6 +30,12 @@ Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame 
 # (SmolLM2 shapes, budget 512, 9 frames) a decoding step takes the same time either way, so larger products take
 # one matmul per run (fewer multiply-adds); on a GPU each op is a kernel launch that costs more than the matmul
 DENSE_FRAME_SLOTS = {"cpu": 4_608, "cuda": 1 << 22}
+# and, on the CPU, multiply-adds of that one matmul (query rows x frames x stored slots x head dim) up to which it is
+# taken: it does ``frames`` times the work of the runs' matmuls, which a large batch or many heads pays for. Measured
+# with one thread (4 frames, logits and softmax): SmolLM2-135M at batch 1 and 512 slots (1.2M) 0.6x the per-run time;
+# 4.7M-9.4M (batch 4-8 or 2,048 slots) 0.95x; 8 KV heads x 4 queries of dim 128 at 512 slots (8.4M) 1.3x; the
+# Cascading KV paper's Table 4 shapes (batch 8, 32 heads, dim 128, 1,028 slots: 135M) 1.16x
+DENSE_MULTIPLY_ADDS = {"cpu": 1 << 22}
 
 
 class RingDecode:
@@ -173,22 +179,28 @@ class RingDecode:
         kv_heads, frames, stored = self._kv.shape[1], len(targets), runs[-1][1]
         rotations = self._rotation(pending, targets, dim, query.dtype, scale)
         turned = turn(query, rotations).view(batch, kv_heads, -1, frames, dim)  # scaled (as SDPA scales q)
-        if not self._dense_logits(frames, stored):
+        if not self._dense_logits(frames, stored, batch * q_heads):
             logits = self._run_logits(turned, runs)
             return (logits[0] if len(logits) == 1 else torch.cat(logits, -1)).float().softmax(-1)
         groups = turned.shape[2]
         every = torch.bmm(turned.view(batch * kv_heads, groups * frames, dim), self._step_views(stored)[0])
         key = ("frame-of-slot", tuple(runs), self.device, batch, kv_heads, groups)
         frame, empty = self.forward_pass.cached(key, lambda: self._slot_frames(runs, batch, kv_heads, groups))
-        logits = every.view(batch, kv_heads, groups, frames, stored).gather(3, frame)
-        logits = logits.view(batch, kv_heads, groups, stored).float()
+        if frames > 1:
+            every = every.view(batch, kv_heads, groups, frames, stored).gather(3, frame)
+        logits = every.view(batch, kv_heads, groups, stored).float()  # (one frame: each slot's logit is its own)
         if empty is not None:
             logits.masked_fill_(empty, float("-inf"))
         return logits.softmax(-1)
 
-    def _dense_logits(self, frames: int, stored: int) -> bool:
-        """Whether one matmul gives the logits of every frame for every slot (else one matmul per run)."""
-        return frames * stored <= DENSE_FRAME_SLOTS.get(self.device.type, DENSE_FRAME_SLOTS["cpu"])
+    def _dense_logits(self, frames: int, stored: int, rows: int) -> bool:
+        """Whether one matmul gives the logits of every frame for every slot (else one matmul per run); ``rows``:
+        query rows (batch x query heads)."""
+        device = self.device.type
+        if frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"]):
+            return False
+        limit = DENSE_MULTIPLY_ADDS.get(device)
+        return limit is None or rows * frames * stored * self._key_dim <= limit
 
     def _slot_frames(self, runs: list[Run], *shape: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[B, H_kv, G, 1, slots]`` (``shape`` = B, H_kv, G): the frame of each slot up to the last run's end, and

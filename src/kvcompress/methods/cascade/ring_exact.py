@@ -117,7 +117,7 @@ class RingExact:
         finally:
             self._py_seen, self._py_count, self._py_start, self._laps = saved
         frames = max(map(len, targets))
-        dense = self._dense_logits(frames, max(step.stored for step in steps))
+        dense = self._dense_logits(frames, max(step.stored for step in steps), query.shape[0] * query.shape[1])
         if not dense and any(step.empty is not None for step in steps):
             return None  # (one matmul per run leaves no empty slot between the runs)
         shift = from_host(angles, self.device)[None, :] - pending.pos
