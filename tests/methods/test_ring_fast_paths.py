@@ -211,7 +211,8 @@ def test_a_chunk_inserted_at_once_equals_one_by_one_insertions_with_tied_scores(
     meta = torch.stack([tok, tok], -1)
     scores = torch.randint(0, 3, (2, count), generator=generator).float() / 4  # few values: many ties
     for layer in layers:
-        layer._score[:, layer.sinks : layer.capacity] = torch.randint(0, 3, (2, layer.capacity - layer.sinks)) / 4
+        draw = torch.randint(0, 3, (2, layer.capacity - layer.sinks), generator=generator)
+        layer._score[:, layer.sinks : layer.capacity] = draw / 4  # seeded: a draw may leave the two rows alike
     layers[1]._score.copy_(layers[0]._score)
     layers[0]._insert_chunk(kv, meta, scores)
     for m in range(count):
