@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from vs_kvpress_kept import kept_by_masks  # this script's folder: run as python scripts/vs_kvpress_duo.py
 
 
 class WindowTokenizer:
@@ -46,22 +47,6 @@ class Chapters:
         import pandas
 
         return pandas.DataFrame({"chapter": [str(i) for i in range(self.count)]})
-
-
-def kept_by_masks(model, length: int) -> list[list[list[int]]]:
-    """``[layer][head]`` indices the press left unmasked (``module.masked_key_indices``)."""
-    kept = []
-    heads = model.config.num_key_value_heads
-    for layer in model.model.layers:
-        module = layer.self_attn
-        masked = getattr(module, "masked_key_indices", None)
-        hidden = [set() for _ in range(heads)]
-        if masked is not None:
-            for _, head, position in zip(*(t.tolist() for t in masked), strict=True):
-                hidden[head].add(position)
-            module.masked_key_indices = None
-        kept.append([[t for t in range(length) if t not in hidden[h]] for h in range(heads)])
-    return kept
 
 
 def main(argv: list[str] | None = None) -> int:
