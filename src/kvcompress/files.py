@@ -11,6 +11,8 @@ import json
 import os
 import pickle
 import zipfile
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +69,23 @@ def require_keys(data: Any, keys: tuple[str, ...], path: str | os.PathLike[str],
     if missing:
         raise damaged(Path(path), what, remedy, f"no {', '.join(missing)}")
     return data
+
+
+def shipped_folder(kind: str) -> Path:
+    """The folder of the files of one kind that come with the package (``kvcompress/data/<kind>``)."""
+    return Path(str(resources.files("kvcompress") / "data" / kind))
+
+
+@lru_cache(maxsize=8)
+def shipped_json_meta(kind: str) -> dict[str, dict]:
+    """Name -> ``meta`` entry of each JSON file shipped in ``data/<kind>`` (a calibration's model description)."""
+    folder = shipped_folder(kind)
+    if not folder.is_dir():
+        return {}
+    return {path.stem: json.loads(path.read_text())["meta"] for path in sorted(folder.glob("*.json"))}
+
+
+def shipped_json(kind: str, name: str) -> Path | None:
+    """The shipped JSON file ``data/<kind>/<name>.json`` (e.g. ``"smollm2-135m"``), or ``None``."""
+    path = shipped_folder(kind) / f"{name}.json"
+    return path if path.is_file() else None

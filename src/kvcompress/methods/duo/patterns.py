@@ -34,15 +34,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from kvcompress.files import damaged, load_json, require_keys
+from kvcompress.files import damaged, load_json, require_keys, shipped_folder, shipped_json, shipped_json_meta
 
 FORMAT = "kvcompress-duo-pattern"
-SHIPPED = Path(str(resources.files("kvcompress") / "data" / "duo"))  # patterns that come with the package
 CALIBRATE = "kvcompress train duo-calibrate --model <model> --out <file.json>"
 REMEDY = f"write one with `{CALIBRATE}`"
 
@@ -135,18 +133,9 @@ def load_pattern(path: str) -> DuoPattern:
     return DuoPattern(scores, _size(data, "sink_size", file, what), _size(data, "recent_size", file, what), meta)
 
 
-@lru_cache(maxsize=1)
-def _shipped() -> dict[str, dict]:
-    """Name -> ``meta`` of each shipped pattern."""
-    if not SHIPPED.is_dir():
-        return {}
-    return {path.stem: json.loads(path.read_text())["meta"] for path in sorted(SHIPPED.glob("*.json"))}
-
-
 def shipped_path(name: str) -> Path | None:
     """The file of a shipped pattern by name (e.g. ``"smollm2-135m"``), or ``None``."""
-    path = SHIPPED / f"{name}.json"
-    return path if path.is_file() else None
+    return shipped_json("duo", name)
 
 
 def resolve_path(pattern: str | None, layers: int) -> Path:
@@ -154,16 +143,15 @@ def resolve_path(pattern: str | None, layers: int) -> Path:
     ``layers`` decoder layers."""
     if pattern is not None:
         return shipped_path(str(pattern)) or Path(pattern).expanduser()
-    matches = [name for name, meta in _shipped().items() if meta.get("layers") == layers]
+    matches = [name for name, meta in shipped_json_meta("duo").items() if meta.get("layers") == layers]
     if len(matches) != 1:
-        shipped = ", ".join(
-            f"{n} ({m.get('layers')} layers x {m.get('kv_heads')} KV heads)" for n, m in _shipped().items()
-        )
+        described = shipped_json_meta("duo").items()
+        shipped = ", ".join(f"{n} ({m.get('layers')} layers x {m.get('kv_heads')} KV heads)" for n, m in described)
         raise ValueError(
             f"duo has no shipped head pattern for a {layers}-layer model (shipped: {shipped or 'none'}); calibrate "
             f"one with `{CALIBRATE}` and pass pattern=<file.json>"
         )
-    return SHIPPED / f"{matches[0]}.json"
+    return shipped_folder("duo") / f"{matches[0]}.json"
 
 
 def streaming_heads(scores: np.ndarray, head_compression_ratio: float | None, threshold: float | None) -> np.ndarray:

@@ -13,40 +13,28 @@ or recent), so the achieved bytes are at most the request.
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-SHIPPED = Path(str(resources.files("kvcompress") / "data" / "pod"))  # calibration files that come with the package
-
-
-@lru_cache(maxsize=1)
-def _shipped() -> dict[str, dict]:
-    """Name -> ``meta`` of each shipped calibration file (``pod-calibrate`` output: ``sim``, ``kv_heads``, ``meta``)."""
-    if not SHIPPED.is_dir():
-        return {}
-    return {path.stem: json.loads(path.read_text())["meta"] for path in sorted(SHIPPED.glob("*.json"))}
+from kvcompress.files import shipped_folder, shipped_json, shipped_json_meta
 
 
 def shipped_path(name: str) -> Path | None:
     """The file of a shipped grouping by name (e.g. ``"smollm2-135m"``), or ``None``."""
-    path = SHIPPED / f"{name}.json"
-    return path if path.is_file() else None
+    return shipped_json("pod", name)
 
 
 def default_similarity(layers: int) -> Path:
     """The shipped calibration file for a model with ``layers`` decoder layers (one must match, and only one)."""
-    matches = [name for name, meta in _shipped().items() if meta.get("layers") == layers]
+    matches = [name for name, meta in shipped_json_meta("pod").items() if meta.get("layers") == layers]
     if len(matches) != 1:
-        names = ", ".join(f"{n} ({m.get('layers')} layers)" for n, m in _shipped().items()) or "none"
+        names = ", ".join(f"{n} ({m.get('layers')} layers)" for n, m in shipped_json_meta("pod").items()) or "none"
         raise ValueError(
             f"pod has no shipped grouping for a {layers}-layer model (shipped: {names}); give "
             "similarity=<file from `python -m kvcompress.train.pod_calibrate`>, starts=[[...]] or block_size=k"
         )
-    return SHIPPED / f"{matches[0]}.json"
+    return shipped_folder("pod") / f"{matches[0]}.json"
 
 
 def kept_for_request(target: torch.Tensor, n_real: torch.Tensor, key_share: float, proximal: int) -> torch.Tensor:
