@@ -220,6 +220,7 @@ class Policy:
 
 
 KV_BITS = (16, 8, 4, 2)
+MAX_KV_TOKENS = 2**20  # kv_group and kv_residual count tokens: at most the longest context (core.checks.MAX_TOKENS)
 STORAGE_FIELDS = ("kv_bits", "kv_group", "kv_residual")  # every method's; listed after the method's own
 
 
@@ -274,11 +275,12 @@ def check_storage(config: MethodConfig) -> None:
     """``ValueError`` naming ``kv_bits``, ``kv_group`` or ``kv_residual`` when out of range."""
     if config.kv_bits not in KV_BITS:
         raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {config.kv_bits!r}")
-    if config.kv_group < 1:
-        raise ValueError(f"kv_group must be at least 1, got {config.kv_group!r}")
-    if config.kv_residual < 0 or config.kv_residual % config.kv_group:
+    if not 1 <= config.kv_group <= MAX_KV_TOKENS:
+        raise ValueError(f"kv_group must be at least 1 and at most {MAX_KV_TOKENS}, got {config.kv_group!r}")
+    if not 0 <= config.kv_residual <= MAX_KV_TOKENS or config.kv_residual % config.kv_group:
         raise ValueError(
-            f"kv_residual must be 0 or a multiple of kv_group ({config.kv_group}), got {config.kv_residual!r}"
+            f"kv_residual must be 0 or a multiple of kv_group ({config.kv_group}) up to {MAX_KV_TOKENS}, "
+            f"got {config.kv_residual!r}"
         )
 
 
