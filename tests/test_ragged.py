@@ -15,6 +15,7 @@ import torch
 import kvcompress
 from kvcompress.core.ragged import RaggedPool
 from kvcompress.core.ragged_layer import RaggedLayer
+from kvcompress.core.ragged_stream import StreamRecord
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import tiny_model
 from tests.helpers import kept_tokens, tiny_tokenizer_dir
@@ -65,6 +66,13 @@ def assert_same_as_slots(model, method, params, padded, steps=40, chunk=None):
     assert any(len(set(counts.tolist())) > 1 for counts in uneven)  # heads really keep different counts
     for a, b in zip(ragged.compressed_layers, slots.compressed_layers, strict=True):
         assert kept_tokens(a) == kept_tokens(b)  # the same tokens, now and after decoding
+        ours, theirs = a.kept(), b.kept()  # their positions and ranks (read from the cache's stream record)
+        assert torch.equal(ours.valid, theirs.valid)
+        assert torch.equal(ours.rope_pos[ours.valid], theirs.rope_pos[theirs.valid])
+        assert torch.equal(ours.rank[ours.valid], theirs.rank[theirs.valid])
+    records = {id(layer.pool.record) for layer in ragged.compressed_layers}
+    assert len(records) == 1  # one record of positions and ranks for the whole cache
+    assert sum(layer.pool.owns_record for layer in ragged.compressed_layers) == 1  # counted once
     torch.testing.assert_close(ragged_logits, slot_logits, rtol=1e-4, atol=1e-5)
     assert torch.equal(ragged_tokens, slot_tokens)
     return ragged
@@ -130,7 +138,8 @@ def test_pool_appends_without_regrowing_each_step():
     keys = torch.randn(batch, heads, width, dim)
     valid = torch.rand(batch, heads, width) < 0.6
     token_idx = torch.arange(width).expand(batch, heads, width).clone()
-    pool = RaggedPool.from_rows(keys, keys, token_idx, token_idx, token_idx, valid, torch.tensor([width, width]))
+    record = StreamRecord.from_slots(token_idx, token_idx, token_idx, torch.tensor([width, width]), width)
+    pool = RaggedPool.from_rows(keys, keys, token_idx, valid, record)
     counts = valid.flatten(0, 1).sum(-1)
     assert pool.stored_tokens() == int(counts.sum())
     capacities = {pool.capacity}
@@ -141,13 +150,14 @@ def test_pool_appends_without_regrowing_each_step():
         capacities.add(pool.capacity)
     grown = sorted(capacities)
     assert all(after >= 1.125 * before for before, after in zip(grown, grown[1:], strict=False))  # geometric growth
-    dense_keys, _, tokens, _, _, dense_valid = pool.dense()
+    dense_keys, _, tokens, positions, ranks, dense_valid = pool.dense()
     for row in range(batch * heads):
         b, h = divmod(row, heads)
         kept = keys[b, h][valid[b, h]]
         stored = dense_keys[b, h][dense_valid[b, h]]
         assert torch.equal(stored, torch.cat([kept, new[b, h]]))
         assert tokens[b, h][dense_valid[b, h]][-300:].tolist() == list(range(width, width + 300))
+        assert torch.equal(positions[b, h], tokens[b, h]) and torch.equal(ranks[b, h], tokens[b, h])
     assert pool.used * pool.block - pool.stored_tokens() < pool.rows * pool.block
 
 
@@ -169,3 +179,24 @@ def test_pool_follows_the_model_dtype():
     pool = ragged.compressed_layers[0].pool
     assert pool.keys.dtype == pool.values.dtype == pool.bias.dtype == torch.bfloat16
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_bookkeeping_per_stored_token_is_bounded(tiny_llama):
+    """Per stored slot the pool keeps its mask entry (the model's dtype: 4 bytes in float32) and its stream index
+    (int32: 4 bytes), plus its block's owner (int64) shared by the block's slots: at most 4 + 4 + ceil(8 / 16) = 9
+    bytes with the smallest block, 16 tokens. Positions and ranks are the cache's record: 8 bytes per sequence and
+    stream index, counted by one layer (not per layer and head). So the cache's bookkeeping is at most 9 bytes per
+    held slot plus 8 bytes per sequence and stream index, against 2 x head_dim x 4 = 128 bytes of key and value per
+    slot here (512 on SmolLM2)."""
+    context, mask, question = inputs(tiny_llama, padded=True, length=300)
+    cache = kvcompress.cache_for(tiny_llama, "keydiff", ratio=0.5, allocation="adakv")
+    run(tiny_llama, cache, context, mask, question, 20)
+    held = sum(layer.pool.held_slots() for layer in cache.compressed_layers)
+    stream = cache.compressed_layers[0].pool.record.length
+    assert stream == 300 + 6 + 20  # the prompt, the question and the decoding steps
+    for layer in cache.compressed_layers:
+        pool = layer.pool
+        assert pool.metadata_bytes_per_slot() <= 4 + 4 + 1
+        assert layer.metadata_nbytes() == pool.held_slots() * pool.metadata_bytes_per_slot() + pool.record_nbytes()
+    assert cache.metadata_nbytes() <= held * 9 + 2 * stream * 8
+    assert cache.metadata_nbytes() >= held * 8  # (the bound is not vacuous: every slot has its 8 bytes)

@@ -5,11 +5,17 @@ layer keep different counts. A slot buffer ``[B, H, C, d]`` holds ``C`` = the fu
 this pool holds, per layer, blocks of ``BLOCK`` tokens, each owned by one (sequence, KV head) row:
 
 - ``keys``, ``values`` ``[N, BLOCK, d]``: the blocks (``N``: the pool's capacity; the first ``used`` are owned);
-- ``owner`` ``[N]``: the row ``b * H + h`` a block belongs to;
+- ``owner`` ``[N]`` (int64, the index type of ``index_add``/``scatter_reduce``: int32 indices measured ~2x and
+  ~1.3x slower on torch 2.13 CPU): the row ``b * H + h`` a block belongs to;
 - ``bias`` ``[N, 1, BLOCK]`` (the model's dtype): 0 for a slot holding a real token, ``-inf`` for an empty one
   (the additive mask of a decoding step, read by the logits' product itself);
-- ``meta`` ``[N, BLOCK, 3]`` long: each slot's token index in the stream, RoPE position and rank among its
-  sequence's real tokens (``-1`` for an empty slot), for multi-token masks and inspection.
+- ``token`` ``[N, BLOCK]`` int32: each slot's stream index (``-1`` for an empty slot), for multi-token masks and
+  inspection. A token's RoPE position and rank among its sequence's real tokens depend on its sequence and stream
+  index only: they are read from the cache's one ``StreamRecord`` (``core.ragged_stream``), shared by its pools.
+
+So a stored slot's bookkeeping is its mask entry and its int32 stream index (8 bytes in float32, 6 in bfloat16),
+plus ``8 / BLOCK`` bytes of its block's owner; the record adds 8 bytes per sequence and stream index for the whole
+cache.
 
 A row's tokens fill its blocks in stream order; only its last block may be partly filled, so the pool holds the sum
 of the rows' counts plus at most ``BLOCK - 1`` slots of slack per row. Blocks are never freed (the methods that use
@@ -18,7 +24,9 @@ when it is full. Where the blocks are is bookkeeping on the host (``numpy``): ev
 tokens per forward, so the host knows, without reading the device, which slot each new token takes and which rows
 need a new block; the slots are handed to the device as one index tensor per forward. The pool grows geometrically
 (by an eighth, at least one block per row), copying its blocks once per growth, never per step; it starts with
-one spare block per row.
+one spare block per row. Spare blocks are allocated, not written (``torch.empty``): a block is cleared when a row
+takes it, so on the CPU the pages of blocks no row has taken yet are not resident (a large buffer's untouched pages
+are not), while the capacity (``allocated_nbytes``) counts them.
 
 Attention over the pool computes every head at once: each block takes its row's queries (``index_select`` by
 ``owner``; the query heads of a KV head share its blocks, GQA), one batched product gives a block's logits, and a
@@ -27,6 +35,10 @@ softmax per (sequence, query head) segment is assembled from per-block pieces: t
 a row's tokens in one piece (exact up to float32 summation order). A forward of several tokens (a question after
 the compressed context) has written them to the pool before it attends: each query sees the slots whose token is
 not in its future (and itself, even as padding), so one pass covers the compressed context and the new tokens.
+
+The move into the pool (``from_rows``) reads the slot layout in place (the kept tokens of each row, in stream
+order, need not be compacted first) and writes the blocks directly, in chunks of rows: its temporaries are one
+chunk's indices, never a copy of the layer's keys and values.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import math
 import numpy as np
 import torch
 
+from kvcompress.core.ragged_stream import INDEX, StreamRecord
 from kvcompress.core.softmax import CHUNK_ELEMENTS
 
 SMALLEST_BLOCK, LARGEST_BLOCK = 16, 256
@@ -55,13 +68,22 @@ def block_size(counts: np.ndarray) -> int:
 EMPTY = -1
 PENDING = 64  # decoding steps whose bookkeeping is written together
 GROWTH = 8  # the pool grows by an eighth (at least a block per row): allocated <= 1.125 x held + a block per row
+CONVERSION_ELEMENTS = 1 << 20  # slots of the slot layout whose indices one chunk of the move computes at once
 
 
 class RaggedPool:
-    """The blocks of one layer (see the module docstring). Built from a dense slot layout by ``from_rows``."""
+    """The blocks of one layer (see the module docstring). Built from a slot layout by ``from_rows``."""
 
     def __init__(
-        self, batch: int, heads: int, head_dim: int, value_dim: int, counts: np.ndarray, like: torch.Tensor
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        counts: np.ndarray,
+        like: torch.Tensor,
+        record: StreamRecord,
+        owns_record: bool = True,
     ) -> None:
         self.batch, self.heads, self.rows = batch, heads, batch * heads
         self.counts = counts.astype(np.int64)  # [R] tokens per row (host; plus ``_lag`` single-token steps)
@@ -76,16 +98,17 @@ class RaggedPool:
             self.table[:, column] = starts + column
         capacity = self.used + self.rows  # room for one more block per row before the first growth
         self.device, self.dtype = like.device, like.dtype
-        self.keys = like.new_zeros(capacity, self.block, head_dim)
-        self.values = like.new_zeros(capacity, self.block, value_dim)
-        self.owner = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        # allocated, not written: ``from_rows`` writes the owned blocks, ``_take_blocks`` clears a block taken
+        self.keys = like.new_empty(capacity, self.block, head_dim)
+        self.values = like.new_empty(capacity, self.block, value_dim)
+        self.owner = torch.empty(capacity, dtype=torch.long, device=self.device)
         self.owner[: self.used] = torch.from_numpy(np.repeat(np.arange(self.rows), blocks)).to(self.device)
-        self.bias = like.new_full((capacity, 1, self.block), float("-inf"))
-        self.meta = torch.full((capacity, self.block, 3), EMPTY, dtype=torch.long, device=self.device)
-        self._real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
-        # decoding steps whose slots' bookkeeping (``meta``) is written later, together: (slots, stream index,
-        # positions); the tokens are real, so each adds one to ``real_seen``
-        self._pending: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+        self.bias = like.new_empty(capacity, 1, self.block)
+        self.token = torch.empty(capacity, self.block, dtype=INDEX, device=self.device)
+        self.record = record  # positions and ranks by stream index (shared by the cache's pools)
+        self.owns_record = owns_record  # the pool whose accounting counts the record (one per record)
+        # decoding steps whose slots' stream indices (``token``) are written later, together: (slots, stream index)
+        self._pending: list[tuple[torch.Tensor, int]] = []
         self._lag = 0  # single-token forwards since ``counts`` was last written
         self._follow(self.counts)
 
@@ -100,38 +123,52 @@ class RaggedPool:
         keys: torch.Tensor,
         values: torch.Tensor,
         token_idx: torch.Tensor,
-        rope_pos: torch.Tensor,
-        rank: torch.Tensor,
         valid: torch.Tensor,
-        real_seen: torch.Tensor,
+        record: StreamRecord,
+        owns_record: bool = True,
     ) -> RaggedPool:
-        """The pool holding the real tokens of a slot layout ``[B, H, W, ...]`` (``valid`` marks them; each row in
-        stream order, as a compacted slot layer stores them). Once per compression: one host read of the counts."""
-        batch, heads, width, head_dim = keys.shape
-        rows = batch * heads
+        """The pool holding the tokens ``valid`` ``[B, H, W]`` marks in a slot layout (``keys``, ``values``,
+        ``token_idx`` ``[B, H, C, ...]``, ``C >= W`` slots per row; each row's tokens in stream order, as a slot
+        layer that has only appended stores them, compacted or not). Once per compression: one host read of the
+        counts; the blocks are written in chunks of rows (temporaries: one chunk's indices)."""
+        batch, heads, capacity, head_dim = keys.shape
+        rows, width = batch * heads, valid.shape[-1]
         valid = valid.reshape(rows, width)
         counts = valid.sum(-1)
-        pool = cls(batch, heads, head_dim, values.shape[-1], counts.cpu().numpy(), keys)
-        # each row's real tokens first, in stream order (a stable sort of "not real")
-        order = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)
-        owner = pool.owner[: pool.used]
-        first = torch.from_numpy(pool.table[:, 0]).to(pool.device)
-        within = (torch.arange(pool.used, device=pool.device) - first[owner])[:, None] * pool.block
-        position = within + torch.arange(pool.block, device=pool.device)  # [used, block]: a slot's place in its row
-        filled = position < counts.to(pool.device)[owner][:, None]
-        source = order[owner[:, None], position.clamp(max=max(width - 1, 0))]  # [used, block] slot in the row
-
-        def take(tensor: torch.Tensor) -> torch.Tensor:
-            flat = tensor.reshape(rows, width, *tensor.shape[3:])
-            return flat[owner[:, None], source]
-
-        if pool.used:
-            pool.keys[: pool.used] = take(keys).masked_fill(~filled[..., None], 0)
-            pool.values[: pool.used] = take(values).masked_fill(~filled[..., None], 0)
-            pool.bias[: pool.used, 0].masked_fill_(filled, 0.0)
-            meta = torch.stack([take(token_idx), take(rope_pos), take(rank)], dim=-1)
-            pool.meta[: pool.used] = meta.masked_fill(~filled[..., None], EMPTY)
-        pool._real_seen = real_seen.clone()
+        pool = cls(batch, heads, head_dim, values.shape[-1], counts.cpu().numpy(), keys, record, owns_record)
+        if not pool.used:
+            return pool
+        # the slot buffers as one row of slots each (views: a slot layer's buffers are contiguous)
+        flat_keys = keys.contiguous().view(rows * capacity, head_dim)
+        flat_values = values.contiguous().view(rows * capacity, values.shape[-1])
+        flat_token = token_idx.contiguous().view(rows * capacity)
+        counts = counts.to(pool.device)
+        ends = np.cumsum(pool.row_blocks)
+        first_block = torch.from_numpy(pool.table[:, 0]).to(pool.device)
+        slot = torch.arange(pool.block, device=pool.device)
+        step = max(1, CONVERSION_ELEMENTS // max(1, width))
+        for top in range(0, rows, step):  # (once per compression: chunks of rows bound the temporaries)
+            bottom = min(rows, top + step)
+            start, stop = int(ends[top] - pool.row_blocks[top]), int(ends[bottom - 1])
+            if start == stop:
+                continue
+            # each row's kept tokens first, in stream order (a stable sort of "not kept")
+            order = (~valid[top:bottom]).to(torch.uint8).argsort(dim=-1, stable=True)  # [rows of the chunk, W]
+            owner = pool.owner[start:stop]
+            place = (torch.arange(start, stop, device=pool.device) - first_block[owner])[:, None] * pool.block + slot
+            filled = place < counts[owner][:, None]  # [blocks, BLOCK]: a slot's place in its row holds a token
+            source = order[(owner - top)[:, None], place.clamp(max=width - 1)] + (owner * capacity)[:, None]
+            source = source.view(-1)
+            blocks = stop - start
+            torch.index_select(flat_keys, 0, source, out=pool.keys[start:stop].view(-1, head_dim))
+            torch.index_select(flat_values, 0, source, out=pool.values[start:stop].view(-1, values.shape[-1]))
+            pool.keys[start:stop].masked_fill_(~filled[..., None], 0)
+            pool.values[start:stop].masked_fill_(~filled[..., None], 0)
+            pool.bias[start:stop].zero_()
+            pool.bias[start:stop, 0].masked_fill_(~filled, float("-inf"))
+            pool.token[start:stop] = (
+                flat_token.index_select(0, source).view(blocks, pool.block).masked_fill(~filled, EMPTY)
+            )
         return pool
 
     # --- appending -----------------------------------------------------------------------------------------
@@ -184,7 +221,8 @@ class RaggedPool:
         return self.counts + self._lag
 
     def _take_blocks(self, needed: np.ndarray, total: int) -> None:
-        """Give each row ``needed[r]`` new blocks (``total`` in all) from the top of the pool, growing it first."""
+        """Give each row ``needed[r]`` new blocks (``total`` in all) from the top of the pool, growing it first;
+        the blocks taken are cleared (zero keys and values, empty slots)."""
         if self.used + total > self.capacity:
             self._grow(self.used + total + max(self.rows, self.capacity // GROWTH))
         rows = np.repeat(np.arange(self.rows), needed)
@@ -195,90 +233,70 @@ class RaggedPool:
             grown = max(width, self.table.shape[1] + max(1, self.table.shape[1] // 4))
             self.table = np.pad(self.table, ((0, 0), (0, grown - self.table.shape[1])))
         self.table[rows, column] = ids
-        self.owner[self.used : self.used + total] = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        taken = slice(self.used, self.used + total)
+        self.owner[taken] = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        self.keys[taken].zero_()
+        self.values[taken].zero_()
+        self.bias[taken].fill_(float("-inf"))
+        self.token[taken].fill_(EMPTY)
         self.row_blocks = self.row_blocks + needed
         self.used += total
 
     def _grow(self, capacity: int) -> None:
-        """Reallocate every tensor with ``capacity`` blocks (copying the used ones; new blocks empty)."""
+        """Reallocate every tensor with ``capacity`` blocks, copying the used ones (the new ones are written when
+        taken)."""
         self._write_pending()
 
-        def grown(tensor: torch.Tensor, fill: float) -> torch.Tensor:
-            fresh = tensor.new_full((capacity, *tensor.shape[1:]), fill)
+        def grown(tensor: torch.Tensor) -> torch.Tensor:
+            fresh = tensor.new_empty((capacity, *tensor.shape[1:]))
             fresh[: self.used] = tensor[: self.used]
             return fresh
 
-        self.keys, self.values = grown(self.keys, 0.0), grown(self.values, 0.0)
-        self.owner = grown(self.owner, 0)
-        self.bias = grown(self.bias, float("-inf"))
-        self.meta = grown(self.meta, EMPTY)
+        self.keys, self.values = grown(self.keys), grown(self.values)
+        self.owner, self.bias, self.token = grown(self.owner), grown(self.bias), grown(self.token)
 
     @property
     def real_seen(self) -> torch.Tensor:
         """``[B]`` real tokens seen per sequence."""
-        return self._real_seen + len(self._pending) if self._pending else self._real_seen
-
-    @real_seen.setter
-    def real_seen(self, value: torch.Tensor) -> None:
-        self._write_pending()
-        self._real_seen = value
+        return self.record.real_seen
 
     def register(
         self, flat: torch.Tensor, first: int, positions: torch.Tensor | None, real: torch.Tensor | None
     ) -> None:
         """Record the new tokens' stream indices (``first ..``), RoPE positions ``[B, q]`` (``None``: their stream
-        indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned.
+        indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned (the
+        positions and ranks in the cache's record, once for all its pools).
 
-        A decoding step's (one real token per row) is only remembered: the pending steps are written together
-        (``_write_pending``) when something reads ``meta``, or after ``PENDING`` steps."""
+        A decoding step's (one real token per row) stream indices are only remembered: the pending steps are
+        written together (``_write_pending``) when something reads ``token``, or after ``PENDING`` steps."""
         count = flat.shape[0] // self.rows
+        self.record.record(first, count, positions, real)
         if count == 1 and real is None:
-            self._pending.append((flat, first, positions))
+            self._pending.append((flat, first))
             if len(self._pending) >= PENDING:
                 self._write_pending()
             return
         self._write_pending()
-        stream = torch.arange(first, first + count, device=self.device).expand(self.batch, count)
-        positions = stream if positions is None else positions.expand(self.batch, count)
-        if real is None:
-            rank = self._real_seen[:, None] + torch.arange(count, device=self.device)
-            self._real_seen = self._real_seen + count
-        else:
-            rank = torch.where(real, self._real_seen[:, None] + real.long().cumsum(-1) - 1, EMPTY)
-            self._real_seen = self._real_seen + real.long().sum(-1)
+        if real is not None:
             hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device)
             hidden.masked_fill_(~real, float("-inf"))
             self.bias.view(-1).index_copy_(0, flat, hidden[:, None].expand(-1, self.heads, -1).reshape(-1))
-        self._write_meta(flat, stream, positions, rank)
-
-    def _write_meta(self, flat: torch.Tensor, stream: torch.Tensor, positions: torch.Tensor, rank: torch.Tensor):
-        """Write ``[B, q]`` stream indices, positions and ranks to the slots ``flat`` (``[q, R]`` or ``[R, q]``
-        order, as ``flat`` is: ``[B, q]`` tensors are laid out to match)."""
-        meta = torch.stack([stream, positions.to(torch.long), rank], dim=-1)  # [B, q, 3]
-        count = meta.shape[1]
-        per_row = meta[:, None].expand(self.batch, self.heads, count, 3).reshape(-1, 3)
-        self.meta.view(-1, 3).index_copy_(0, flat, per_row)
+        stream = torch.arange(first, first + count, dtype=INDEX, device=self.device)
+        self.token.view(-1).index_copy_(0, flat, stream.repeat(self.rows))  # ``flat`` is row-major [R, q]
 
     def _write_pending(self) -> None:
-        """Write the bookkeeping of the remembered decoding steps (one write for all of them)."""
+        """Write the stream indices of the remembered decoding steps (one write for all of them)."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        steps = len(pending)
-        flat = torch.stack([slots for slots, _, _ in pending], dim=1).view(-1)  # [R, steps]: row-major like [B, H, q]
-        first = torch.tensor([step for _, step, _ in pending], device=self.device)
-        stream = first.expand(self.batch, steps)
-        positions = torch.cat(
-            [stream[:, i : i + 1] if p is None else p.expand(self.batch, 1) for i, (_, _, p) in enumerate(pending)], 1
-        )
-        rank = self._real_seen[:, None] + torch.arange(steps, device=self.device)
-        self._real_seen = self._real_seen + steps
-        self._write_meta(flat, stream, positions, rank)
+        flat = torch.stack([slots for slots, _ in pending], dim=1).view(-1)  # [R, steps]: row-major like [B, H, q]
+        stream = torch.tensor([step for _, step in pending], dtype=INDEX, device=self.device)
+        self.token.view(-1).index_copy_(0, flat, stream.repeat(self.rows))
 
-    def read_meta(self) -> torch.Tensor:
-        """``meta`` with every step's bookkeeping written."""
+    def read_token(self) -> torch.Tensor:
+        """``token`` with every step's stream index written."""
         self._write_pending()
-        return self.meta
+        return self.token
 
     # --- attention -----------------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, scale: float, plain: bool, first: int) -> torch.Tensor:
@@ -311,7 +329,7 @@ class RaggedPool:
             logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
         else:
             logits = torch.bmm(block_rows, keys_t).mul_(scale)
-            token = self.read_meta()[:used, :, 0]  # [n, block]
+            token = self.read_token()[:used]  # [n, block]
             queries = torch.arange(first, first + count, device=self.device)[None, :, None]
             seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
             seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
@@ -350,9 +368,11 @@ class RaggedPool:
             mask = filled.view(*filled.shape, *[1] * (slots.dim() - 2))
             return slots.masked_fill(~mask, fill).view(self.batch, self.heads, width, *tensor.shape[2:])
 
-        meta = take(self.read_meta(), EMPTY)
+        token = take(self.read_token(), EMPTY).long()
+        sequence = torch.arange(self.batch, device=self.device)[:, None, None].expand_as(token)
+        rope_pos, rank = self.record.lookup(token, sequence)
         valid = take(self.bias.view(-1, self.block), float("-inf")) == 0
-        return take(self.keys, 0), take(self.values, 0), meta[..., 0], meta[..., 1], meta[..., 2], valid
+        return take(self.keys, 0), take(self.values, 0), token, rope_pos, rank, valid
 
     def token_bytes(self) -> int:
         """Bytes of one slot's key and value."""
@@ -366,5 +386,13 @@ class RaggedPool:
         return int(self.row_counts().sum())
 
     def metadata_bytes_per_slot(self) -> int:
+        """Bookkeeping bytes per slot: its mask entry, its stream index and a share of its block's owner (the
+        record's bytes are the record's, ``record_nbytes``)."""
         owner = math.ceil(self.owner.element_size() / self.block)
-        return self.bias.element_size() + 3 * self.meta.element_size() + owner
+        return self.bias.element_size() + self.token.element_size() + owner
+
+    def record_nbytes(self, allocated: bool = False) -> int:
+        """The record's bytes (recorded or allocated) where this pool counts them, else 0 (one pool per record)."""
+        if not self.owns_record:
+            return 0
+        return self.record.allocated_nbytes() if allocated else self.record.nbytes()

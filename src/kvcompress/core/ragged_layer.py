@@ -22,6 +22,7 @@ import torch
 from kvcompress.core.contract import AttentionStats, KeepMask
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.ragged import RaggedPool
+from kvcompress.core.ragged_stream import StreamRecord
 from kvcompress.core.slots import StreamView
 
 
@@ -42,27 +43,47 @@ class RaggedLayer(CompressedLayer):
 
     # --- the move ------------------------------------------------------------------------------------------
     def apply(self, rule) -> None:
-        super().apply(rule)
-        if isinstance(rule, KeepMask) and self.policy.one_shot and self.slots is not None:
-            self.to_ragged()
+        """A one-shot per-head compression (a ``KeepMask``) moves the kept real tokens straight into the pool: the
+        slot layout is read in place, not compacted first (no second copy of the layer while it moves)."""
+        if not (isinstance(rule, KeepMask) and self.policy.one_shot and self.slots is not None):
+            return super().apply(rule)
+        if self._stale:
+            self._settle()
+        if not (self.dense and self.ordered):  # (a one-shot layer has only appended: its slots are in stream order)
+            super().apply(rule)
+            return self.to_ragged()
+        occupied = self.token_idx >= 0
+        self.before_eviction(None, ~rule.keep & occupied)
+        self.to_ragged(rule.keep & self.valid)
 
-    def to_ragged(self) -> None:
-        """Move the stored real tokens into a ragged pool and drop the slot buffers (once, after compression)."""
+    def to_ragged(self, kept: torch.Tensor | None = None) -> None:
+        """Move the real tokens ``kept`` ``[B, H, W]`` marks (default: every real token stored) into a ragged pool
+        and drop the slot buffers (once, after compression)."""
         if self._stale:
             self._settle()
         slots, width = self.slots, self.view_width
-        self.pool = RaggedPool.from_rows(
-            slots.keys[:, :, :width],
-            slots.values[:, :, :width],
-            slots.token_idx[:, :, :width],
-            slots.rope_pos[:, :, :width],
-            slots.rank[:, :, :width],
-            slots.valid[:, :, :width],
-            slots.real_seen,
-        )
+        kept = slots.valid[:, :, :width] if kept is None else kept
+        record, owns = self._shared_record(slots.keys.shape[0])
+        if record is None:
+            token_idx = slots.token_idx[:, :, :width]
+            record = StreamRecord.from_slots(
+                token_idx, slots.rope_pos[:, :, :width], slots.rank[:, :, :width], slots.real_seen, self.seen
+            )
+        self.pool = RaggedPool.from_rows(slots.keys, slots.values, slots.token_idx, kept, record, owns)
         self.slots = None
         self.occupied = int(self.pool.row_counts().max()) if self.pool.rows else 0
         self.dense, self.ordered, self._free, self._new = True, True, None, None
+
+    def _shared_record(self, batch: int) -> tuple[StreamRecord | None, bool]:
+        """The cache's stream record, held by another layer's pool of the same stream (``None`` if none yet:
+        this layer's pool then makes it, and counts its bytes)."""
+        for layer in getattr(getattr(self, "forward_pass", None), "layers", ()):
+            pool = getattr(layer, "pool", None)
+            if layer is not self and pool is not None:
+                record = pool.record
+                if record.batch == batch and record.length == self.seen and record.device == self.device:
+                    return record, False
+        return None, True
 
     def compact(self, shrink: bool = False) -> None:
         if not self.ragged:
@@ -168,16 +189,17 @@ class RaggedLayer(CompressedLayer):
         return self.pool.capacity * self.pool.block * self.pool.token_bytes()
 
     def allocated_metadata_nbytes(self) -> int:
-        """Bytes of the blocks' bookkeeping as allocated (owner, bias and positions of the pool's capacity)."""
+        """Bytes of the blocks' bookkeeping as allocated (owner, bias and stream index of the pool's capacity; the
+        stream record where this layer counts it)."""
         if not self.ragged:
             return super().allocated_metadata_nbytes()
         pool = self.pool
-        return pool.owner.nbytes + pool.bias.nbytes + pool.meta.nbytes
+        return pool.owner.nbytes + pool.bias.nbytes + pool.token.nbytes + pool.record_nbytes(allocated=True)
 
     def metadata_nbytes(self) -> int:
         if not self.ragged:
             return super().metadata_nbytes()
-        return self.pool.held_slots() * self.pool.metadata_bytes_per_slot()
+        return self.pool.held_slots() * self.pool.metadata_bytes_per_slot() + self.pool.record_nbytes()
 
     def stored_tokens(self) -> int:
         """Real and padding tokens stored, all heads together (the sum of the heads' counts)."""
