@@ -14,9 +14,11 @@ prompt prefilled in one forward through ``kvcompress.generation.prefill`` at rat
 steps; it reports ``nbytes()`` over the full cache's key and value bytes (layers x KV heads x tokens x 2 x head dim
 x 4 bytes), the held slack, and the peak RSS beside the same run with the full cache (``full``).
 
-At 16K tokens (``--tokens 16384``) the process's memory is read from ``/proc/self/status`` as well, in a process per
-method run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every buffer of 64 KiB or more on its own and
-unmaps it when freed, so the resident memory follows the live tensors): ``base`` the resident memory once the
+The process's memory is read from ``/proc/self/status`` as well, in a process per method run with
+``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every buffer of 64 KiB or more on its own and unmaps it when
+freed, so the resident memory follows the live tensors) and with the pages mapped once the model is loaded locked
+in memory (``mlockall(MCL_CURRENT)``: the weights' and libraries' file-backed pages are then not dropped and read
+back under memory pressure, which would move the resident memory by up to the weights' size): ``base`` the resident memory once the
 model is loaded and has run a 16-token forward; ``peak`` ``VmHWM`` (the high-water mark of the resident memory)
 over the prefill, the compression and 8 decoding steps; ``held`` the resident memory after them. ``none`` runs the
 same one-forward prompt with no cache at all (``use_cache=False``, ``logits_to_keep=1``): its ``peak - base`` is
@@ -32,6 +34,7 @@ after each step, as ``kvcompress.bench.speed`` does); medians of the per-pair CP
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -97,6 +100,18 @@ def status_mb(field: str) -> float | None:
     return int(line.split()[1]) / 1024
 
 
+def lock_mapped_pages() -> bool:
+    """Lock the pages mapped now (the weights, the libraries' code) in memory (Linux ``mlockall(MCL_CURRENT)``):
+    under memory pressure the kernel would otherwise drop file-backed pages and read them back later, so the
+    resident memory would move by up to the weights' size whatever the cache holds. Buffers allocated later are not
+    locked (and, with no swap, not reclaimed). False where it is refused."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.mlockall(1) == 0  # MCL_CURRENT
+    except (OSError, AttributeError):
+        return False
+
+
 def reset_peak() -> None:
     """Reset ``VmHWM`` to the current resident memory (Linux ``clear_refs``)."""
     with open("/proc/self/clear_refs", "w") as refs:
@@ -110,6 +125,7 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
     ids = prompt_ids(tokenizer, tokens)
     with torch.no_grad():
         model(input_ids=ids[:, :16], use_cache=False, logits_to_keep=1)  # warm-up: kernels and allocator
+        locked = lock_mapped_pages()
         base = status_mb("VmRSS")
         reset_peak()
         if name == "none":  # the forward alone: no cache
@@ -118,6 +134,7 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
             return {
                 "method": name,
                 "tokens": tokens,
+                "locked": locked,
                 "base_mb": base,
                 "peak_mb": peak,
                 "peak_above_base_mb": peak - base,
@@ -140,6 +157,7 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
     row.update(full_nbytes=full, ratio=row["nbytes"] / full, peak_rss_mb=peak, rss_mb=current_rss_mb())
     high, held = status_mb("VmHWM"), status_mb("VmRSS")
     row.update(base_mb=base, peak_mb=high, peak_above_base_mb=high - base, held_above_base_mb=held - base, chunk=chunk)
+    row["locked"] = locked
     if name == "duo":
         layers = cache.compressed_layers
         row["streaming_heads"] = int(sum(layer.policy.streaming.sum() for layer in layers))

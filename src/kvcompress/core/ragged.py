@@ -24,9 +24,9 @@ when it is full. Where the blocks are is bookkeeping on the host (``numpy``): ev
 tokens per forward, so the host knows, without reading the device, which slot each new token takes and which rows
 need a new block; the slots are handed to the device as one index tensor per forward. The pool grows geometrically
 (by an eighth, at least one block per row), copying its blocks once per growth, never per step; it starts with
-one spare block per row. Spare blocks are allocated, not written (``torch.empty``): a block is cleared when a row
-takes it, so on the CPU the pages of blocks no row has taken yet are not resident (a large buffer's untouched pages
-are not), while the capacity (``allocated_nbytes``) counts them.
+one spare block per row. Spare blocks are allocated, not written (``torch.empty``); a block is cleared when a row
+takes it. On the CPU the pages of a large buffer that were never written are not resident, so the process holds
+the blocks in use; on an accelerator its allocator holds the whole capacity, which ``allocated_nbytes`` counts.
 
 Attention over the pool computes every head at once: each block takes its row's queries (``index_select`` by
 ``owner``; the query heads of a KV head share its blocks, GQA), one batched product gives a block's logits, and a
