@@ -16,14 +16,14 @@ x 4 bytes), the held slack, and the peak RSS beside the same run with the full c
 
 The process's memory is read from ``/proc/self/status`` as well, in a process per method run with
 ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every buffer of 64 KiB or more on its own and unmaps it when
-freed, so the resident memory follows the live tensors) and with the pages mapped once the model is loaded locked
-in memory (``mlockall(MCL_CURRENT)``: the weights' and libraries' file-backed pages are then not dropped and read
-back under memory pressure, which would move the resident memory by up to the weights' size): ``base`` the resident memory once the
-model is loaded and has run a 16-token forward; ``peak`` ``VmHWM`` (the high-water mark of the resident memory)
-over the prefill, the compression and 8 decoding steps; ``held`` the resident memory after them. ``none`` runs the
-same one-forward prompt with no cache at all (``use_cache=False``, ``logits_to_keep=1``): its ``peak - base`` is
-the forward's own activations, so a method's peak attributable to its cache is ``(peak - base) - (peak - base of
-none)``, reported over the full cache's bytes.
+freed, so the resident memory follows the live tensors) and with the pages mapped once the model is loaded locked in
+memory (``mlockall(MCL_CURRENT)``: the weights' and libraries' file-backed pages are then not dropped and read back
+under memory pressure, which would move the resident memory by up to the weights' size): ``base`` the resident
+memory once the model is loaded and has run a 16-token forward; ``peak`` ``VmHWM`` (the high-water mark of the
+resident memory) over the prefill, the compression and 8 decoding steps; ``held`` the resident memory after them.
+``none`` runs the same one-forward prompt with no cache at all (``use_cache=False``, ``logits_to_keep=1``): its
+``peak - base`` is the forward's own activations, so a method's peak attributable to its cache is ``(peak - base) -
+(peak - base of none)``, reported over the full cache's bytes.
 
 ``decode`` prefills once per method, then times interleaved pairs of one decoding step: ours (its ragged layers),
 then a ``DynamicCache`` prefilled with as many tokens per head as our layers hold on average per head (cropped back
