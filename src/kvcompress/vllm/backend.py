@@ -126,16 +126,16 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         lo, hi = self.policy.worker_range(context, prompt_len)
         scored = None
         if self.policy.scored:
-            scored = self._scored_step(common, context, query_lens[:num_reqs].long(), hi, requests, carry)
+            scored = self._scored_step(common, context, query_lens[:num_reqs].long(), requests, carry)
         metadata = super().build(common_prefix_len, compact_block_table(common, lo, hi, self.block_size), fast_build)
         fields_ = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return KVCompressCPUMetadata(**fields_, snapkv=step, scored=scored)
 
-    def _scored_step(self, common, context, query_lens, hi, requests, carry: CarryStep) -> ScoredStep:
+    def _scored_step(self, common, context, query_lens, requests, carry: CarryStep) -> ScoredStep:
         """Block H2O: which requests move blocks out of their window at the end of this step (``H2OBlocks``), and
         the requests leaving the batch or recomputed after a preemption (``kvcompress.vllm.carry``)."""
         policy = self.policy
-        _, hi_after = policy.worker_range(context + query_lens, torch.zeros_like(context))
+        hi, hi_after = policy.leaving_hi(context), policy.leaving_hi(context + query_lens)
         step = ScoredStep(policy, self.layout, common.num_reqs, [], carry)
         replayed = {replay.row for replay in carry.replays}
         for i in (hi_after > hi).nonzero().flatten().tolist():  # requests passing a block boundary over the budget
@@ -167,11 +167,11 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         written since, as the first run's next step would have; a block boundary they cross refills by score."""
         policy, count, length, blocks = self.policy, replay.count, replay.length, replay.blocks
         lo, hi = (int(v) for v in policy.worker_range(count, 0))
-        hi_end = int(policy.worker_range(length, 0)[1])
+        leaving, leaving_end = int(policy.leaving_hi(count)), int(policy.leaving_hi(length))
         refill = None
-        if hi_end > hi:
+        if leaving_end > leaving:
             slots = blocks[policy.first_sink_blocks : policy.sink_blocks]
-            refill = RefillRow(slots, blocks[hi:hi_end], replay.request, policy.first_sink_blocks, hi)
+            refill = RefillRow(slots, blocks[leaving:leaving_end], replay.request, policy.first_sink_blocks, leaving)
         return H2OReplay(
             replay.request,
             replay.row,
@@ -201,7 +201,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         _worker_in_flight_tokens = config.max_in_flight_tokens
         check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         unscored = self.logits_soft_cap or self.alibi_slopes is not None or self.sinks is not None
-        if _worker_policy.method in ("h2o", "cascade") and unscored:
+        if _worker_policy.method in ("h2o", "cascade", "buzz") and unscored:
             raise ValueError(
                 f"kvcompress: the {_worker_policy.method} policy recomputes attention probabilities without logit "
                 "soft-capping, ALiBi or attention-sink logits, which this model uses; choose streaming, window or "

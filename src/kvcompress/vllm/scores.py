@@ -32,7 +32,7 @@ import torch
 
 from kvcompress.vllm.carry import CarryStep, LayerCarry
 from kvcompress.vllm.layout import KeyLayout
-from kvcompress.vllm.policies import CascadeBlocks, H2OBlocks
+from kvcompress.vllm.policies import BuzzBlocks, CascadeBlocks, H2OBlocks
 
 QUERY_SLICE = 256  # prefill queries scored at once: bounds the probabilities held to heads x 256 x kept tokens
 
@@ -73,7 +73,7 @@ class H2OReplay:
 class ScoredStep:
     """The block H2O work of one step, shared by all layers (built once by the metadata builder)."""
 
-    policy: H2OBlocks | CascadeBlocks
+    policy: H2OBlocks | CascadeBlocks | BuzzBlocks
     layout: KeyLayout
     num_reqs: int
     refill: list[RefillRow]
@@ -118,6 +118,8 @@ class BlockScores:
     def _refill(self, step: ScoredStep, kv_cache: torch.Tensor, row: RefillRow) -> None:
         if isinstance(step.policy, CascadeBlocks):
             cascade_refill(self.scores, kv_cache, row, step.policy, self.carry)
+        elif isinstance(step.policy, BuzzBlocks):
+            buzz_refill(self.scores, kv_cache, row, step.policy, self.carry)
         else:
             refill(self.scores, kv_cache, row, self.carry)
 
@@ -297,5 +299,58 @@ def cascade_refill(
                 scores[target] = torch.where(wins, score, scores[target])
                 if origin is not None:
                     origin[:, slot] = torch.where(wins, source, origin[:, slot])
+    if origin is not None:
+        carry.origin[row.request] = origin
+
+
+def buzz_survivors(scores: torch.Tensor, old: int, stride: int, old_stride: int, every: int) -> torch.Tensor:
+    """BUZZ's eviction over the middle's candidates (``scores``: ``[old + new, H_kv]``, old blocks first): per KV
+    head, the candidate indices that survive (``[kept, H_kv]``, old survivors then new, in order): old blocks
+    0, ``old_stride``, ...; the earliest highest-scored block of each hive of ``stride`` new blocks; then every
+    ``every``-th survivor."""
+    num_kv_heads = scores.shape[1]
+    new = len(scores) - old
+    hives = -(-new // stride)
+    padded = torch.full((hives * stride, num_kv_heads), float("-inf"), dtype=scores.dtype, device=scores.device)
+    padded[:new] = scores[old:]
+    best = padded.view(hives, stride, num_kv_heads).argmax(dim=1)  # the first maximum: ties to the earliest
+    best = best + old + torch.arange(hives, device=scores.device).unsqueeze(1) * stride
+    old_kept = torch.arange(0, old, old_stride, device=scores.device).unsqueeze(1).expand(-1, num_kv_heads)
+    return torch.cat([old_kept, best])[::every]
+
+
+def buzz_refill(
+    scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, policy: BuzzBlocks, carry: LayerCarry | None
+) -> None:
+    """Block BUZZ: each block of ``row.leaving`` (in order) leaves the window into the middle (``BuzzBlocks``): into
+    the next free slot (all KV heads), or, when the middle is full, BUZZ's eviction over the middle and it, whose
+    survivors are copied per KV head into the first slots (keys, values and scores). ``row.slots``: the ids of the
+    middle's slots (logical ``row.first_slot`` on)."""
+    num_kv_heads = scores.shape[1]
+    heads = torch.arange(num_kv_heads, device=scores.device)
+    origin = None
+    if carry is not None and row.request is not None:
+        origin = carry.origin_of(row.request, num_kv_heads, policy.sink_blocks, scores.device).clone()
+    first = row.first_slot
+    for k, block in enumerate(row.leaving.tolist()):
+        logical = row.first_leaving + k
+        old, new = policy.state(logical - policy.first_sink_blocks)
+        if old + new < policy.threshold:  # a free slot: the block joins the new buffer there
+            kv_cache[row.slots[old + new]] = kv_cache[block]
+            scores[row.slots[old + new]] = scores[block]
+            if origin is not None:
+                origin[:, first + old + new] = logical
+            continue
+        candidates = torch.cat([row.slots[: old + new], row.leaving[k : k + 1]])
+        every = policy.thinned(old, new + 1)[1]
+        chosen = buzz_survivors(scores[candidates], old, policy.stride, policy.old_stride, every)  # [kept, H_kv]
+        sources = candidates[chosen]  # [kept, H_kv] block ids
+        kept = len(chosen)
+        targets = row.slots[:kept].unsqueeze(1).expand_as(sources)
+        kv_cache[targets, heads] = kv_cache[sources, heads]  # the right side is gathered before any write
+        scores[targets, heads] = scores[sources, heads]
+        if origin is not None:
+            labels = torch.cat([origin[:, first : first + old + new].T, torch.full((1, num_kv_heads), logical)])
+            origin[:, first : first + kept] = labels.to(origin.device)[chosen, heads].T
     if origin is not None:
         carry.origin[row.request] = origin
