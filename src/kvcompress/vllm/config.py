@@ -31,8 +31,8 @@ class BlockPolicyConfig:
         ``kvcompress.vllm.policies``).
     budget: KV tokens kept per request and layer, rounded down to whole KV blocks (vLLM's ``block_size``);
         for ``snapkv`` the budget of the compressed prompt (generated tokens are appended after it).
-    sink_blocks: ``streaming``, ``h2o``, ``cascade`` and ``buzz``: leading blocks always kept (the attention sinks live in the
-        first block).
+    sink_blocks: ``streaming``, ``h2o``, ``cascade`` and ``buzz``: leading blocks always kept (the attention sinks
+        live in the first block).
     window: ``snapkv`` only: observation window, the last prompt tokens whose queries vote (at most one block).
     kernel: ``snapkv`` only: width of the max pooling applied to the token votes before blocks are scored (odd).
     reselect_blocks: ``snapkv`` only: select again each time generated tokens fill this many more blocks, so a
@@ -62,8 +62,16 @@ class BlockPolicyConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"kvcompress: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks", "recent_blocks", "cascades",
-                     "stride"):
+        for name in (
+            "budget",
+            "sink_blocks",
+            "window",
+            "kernel",
+            "reselect_blocks",
+            "recent_blocks",
+            "cascades",
+            "stride",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"kvcompress: {name} must be an integer (tokens or blocks), got {value!r}")
@@ -78,7 +86,7 @@ class BlockPolicyConfig:
                 f"kvcompress: cascades must be 0 (min(4, the blocks after the sinks)) or >= 2, got {self.cascades}"
             )
         if self.stride < 3:
-            raise ValueError(f"kvcompress: stride must be >= 3 blocks (s <= 2 never thins the hives), got {self.stride}")
+            raise ValueError(f"kvcompress: stride must be >= 3 blocks (s <= 2 never shrinks), got {self.stride}")
         if self.recent_blocks < 0:
             raise ValueError(f"kvcompress: recent_blocks must be >= 0 (0: half the budget), got {self.recent_blocks}")
         if self.window < 1:
