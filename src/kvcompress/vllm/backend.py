@@ -136,7 +136,7 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         the requests leaving the batch or recomputed after a preemption (``kvcompress.vllm.carry``)."""
         policy = self.policy
         hi, hi_after = policy.leaving_hi(context), policy.leaving_hi(context + query_lens)
-        step = ScoredStep(policy, self.layout, common.num_reqs, [], carry)
+        step = ScoredStep(policy, self.layout, common.num_reqs, [], carry, policy.config.scoring == "one_pass")
         replayed = {replay.row for replay in carry.replays}
         for i in (hi_after > hi).nonzero().flatten().tolist():  # requests passing a block boundary over the budget
             if i in replayed:
@@ -191,7 +191,8 @@ _worker_in_flight_tokens = 0
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
-    """CPU attention with the layer's block SnapKV work before vLLM's kernel and block H2O's after it, if any."""
+    """CPU attention with the layer's block SnapKV work before vLLM's kernel, and the scored policies' attention (one
+    torch pass for output and scores, or vLLM's kernel and a second pass), if any."""
 
     def __init__(self, *args, **kwargs) -> None:
         global _worker_policy, _worker_in_flight_tokens
@@ -212,6 +213,11 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         self.block_scores = BlockScores()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        scored = getattr(attn_metadata, "scored", None)
+        if scored is not None:
+            return self._scored_forward(
+                scored, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
         step = getattr(attn_metadata, "snapkv", None)
         if step is not None:
             if self.stash is None:
@@ -221,10 +227,20 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if step is not None and (step.prefill_select or step.cross or step.replays):
             run_prefill_step(step, self.stash, queries, kv_cache, self.scale, self.carry)
-        scored = getattr(attn_metadata, "scored", None)
-        if scored is not None:
-            queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale)
+        return output
+
+    def _scored_forward(self, scored, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        """Block H2O, cascade and BUZZ: the attention output and the attention mass per block in one torch pass
+        (``one_pass``), or vLLM's kernel then a second pass for the mass (``kvcompress.vllm.scores``)."""
+        tokens = attn_metadata.num_actual_tokens
+        queries = query[:tokens].view(-1, self.num_heads, self.head_size)
+        one_pass = scored.one_pass and attn_metadata.causal is True and attn_metadata.dynamic_causal is None
+        if one_pass:
+            target = output[:tokens].view(-1, self.num_heads, self.head_size)
+            self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale, target)
+            return output
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale)
         return output
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 ENV_VAR = "KVCOMPRESS_VLLM"
 CONFIG_KEY = "kvcompress"
+SCORING = ("one_pass", "second_pass")
 METHODS = ("full", "streaming", "window", "snapkv", "h2o", "cascade", "buzz")
 
 
@@ -47,6 +48,10 @@ class BlockPolicyConfig:
         (default): min(4, the blocks after the sinks), the paper's 4 where the budget holds them.
     stride: ``buzz`` only: the hive size s, in blocks: each hive of s blocks that left the window keeps its
         heaviest block; older survivors are thinned by every ``(s + 1) // 2``-th (the paper's and its code's 5).
+    scoring: ``h2o``, ``cascade`` and ``buzz``: how the attention mass per block is collected. ``"one_pass"``
+        (default): the backend computes each step's attention in torch, output and mass from the same
+        probabilities, instead of calling vLLM's CPU kernel; ``"second_pass"``: vLLM's kernel computes the output,
+        then a second torch pass recomputes the probabilities over the same keys for the mass.
     """
 
     method: str = "full"
@@ -58,6 +63,7 @@ class BlockPolicyConfig:
     recent_blocks: int = 0
     cascades: int = 0
     stride: int = 5
+    scoring: str = "one_pass"
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
@@ -85,6 +91,8 @@ class BlockPolicyConfig:
             raise ValueError(
                 f"kvcompress: cascades must be 0 (min(4, the blocks after the sinks)) or >= 2, got {self.cascades}"
             )
+        if self.scoring not in SCORING:
+            raise ValueError(f"kvcompress: scoring must be one of {', '.join(SCORING)}, got {self.scoring!r}")
         if self.stride < 3:
             raise ValueError(f"kvcompress: stride must be >= 3 blocks (s <= 2 never shrinks), got {self.stride}")
         if self.recent_blocks < 0:

@@ -78,6 +78,7 @@ class ScoredStep:
     num_reqs: int
     refill: list[RefillRow]
     carry: CarryStep | None = None
+    one_pass: bool = False  # the attention output is computed by the scoring pass (vLLM's kernel is skipped)
     replays: list[H2OReplay] = field(default_factory=list)
     departures_kept: dict[str, torch.Tensor] = field(default_factory=dict)  # request -> ids of its kept blocks
 
@@ -89,11 +90,15 @@ class BlockScores:
         self.scores: torch.Tensor | None = None
         self.carry = LayerCarry()
 
-    def step(self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float) -> None:
+    def step(
+        self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float, output=None
+    ) -> None:
         """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``.
 
         Before step 1, requests leaving the batch park their kept blocks' scores and slots' origin, and after step
-        2 recomputed requests get them back (``kvcompress.vllm.carry``).
+        2 recomputed requests get them back (``kvcompress.vllm.carry``). With ``output`` (``[tokens, num_heads,
+        head_size]``, the one-pass mode: vLLM's kernel did not run), step 2 also writes the attention output there,
+        before any block of this step is moved.
         """
         if self.scores is None:
             self.scores = torch.zeros(kv_cache.shape[0], kv_cache.shape[1], device=kv_cache.device)
@@ -109,7 +114,9 @@ class BlockScores:
         gamma = step.policy.gamma if isinstance(step.policy, CascadeBlocks) else None
         if gamma is not None:
             decay(self.scores, starts, seq_lens, table, gamma, block_size, skip)
-        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip, gamma)
+        add_attention_mass(
+            self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip, gamma, output
+        )
         for replay in step.replays:
             self._replay(step, replay, query, kv_cache, scale)
         for row in step.refill:
@@ -178,7 +185,17 @@ def _ema_weights(num_queries: int, gamma: float, device) -> torch.Tensor:
 
 
 def add_attention_mass(
-    scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale, skip=frozenset(), gamma=None
+    scores,
+    layout: KeyLayout,
+    kv_cache,
+    query,
+    starts,
+    seq_lens,
+    block_table,
+    scale,
+    skip=frozenset(),
+    gamma=None,
+    output: torch.Tensor | None = None,
 ) -> None:
     """Add to ``scores[block, kv_head]`` the attention mass the queries of each request give each kept block.
 
@@ -186,24 +203,60 @@ def add_attention_mass(
     tokens of the blocks ``block_table[r]``, its last query to all of them, causally before. Rows in ``skip``
     (recomputed requests, scored by their replay) add nothing. With ``gamma`` (block cascade's EMA, after
     ``decay``), query ``m`` of a step of ``q`` weighs ``(1 - gamma) gamma^(q - 1 - m)``.
+
+    With ``output`` (``[tokens, num_heads, head_size]``), the same pass also writes the attention output of every
+    query there (rows in ``skip`` included): the probabilities that give the mass are multiplied by the kept
+    values, so one pass replaces vLLM's kernel and the second pass (the one-pass mode of the scored policies).
     """
     query_lens = starts[1:] - starts[:-1]
+    counted = torch.ones(len(query_lens), device=query.device)
     if skip:
-        query_lens = query_lens.clone()
-        query_lens[list(skip)] = 0
+        counted[list(skip)] = 0
     decoding = query_lens == 1
     rows = decoding.nonzero().flatten()
+    if output is None:
+        rows = rows[counted[rows] > 0]
     if len(rows):
-        weight = 1.0 if gamma is None else 1 - gamma
-        _decode_mass(scores, layout, kv_cache, query[starts[rows]], seq_lens[rows], block_table[rows], scale, weight)
+        weight = counted[rows] * (1.0 if gamma is None else 1 - gamma)
+        out = _decode_mass(
+            scores,
+            layout,
+            kv_cache,
+            query[starts[rows]],
+            seq_lens[rows],
+            block_table[rows],
+            scale,
+            weight,
+            output is not None,
+        )
+        if out is not None:
+            output[starts[rows]] = out.to(output.dtype)
     for r in (~decoding & (query_lens > 0)).nonzero().flatten().tolist():
-        queries = query[int(starts[r]) : int(starts[r + 1])]
-        weights = None if gamma is None else _ema_weights(len(queries), gamma, queries.device)
-        _prefill_mass(scores, layout, kv_cache, queries, int(seq_lens[r]), block_table[r], scale, weights)
+        if output is None and not counted[r]:
+            continue
+        start, end = int(starts[r]), int(starts[r + 1])
+        weights = None if gamma is None else _ema_weights(end - start, gamma, query.device)
+        target = None if output is None else output[start:end]
+        _prefill_mass(
+            scores,
+            layout,
+            kv_cache,
+            query[start:end],
+            int(seq_lens[r]),
+            block_table[r],
+            scale,
+            weights,
+            target,
+            bool(counted[r]),
+        )
 
 
-def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale, weight: float = 1.0) -> None:
-    """One query per request, all requests at once (padded to the longest; padding gets probability 0)."""
+def _decode_mass(
+    scores, layout, kv_cache, query, seq_lens, block_table, scale, weight, with_output: bool = False
+) -> torch.Tensor | None:
+    """One query per request, all requests at once (padded to the longest; padding gets probability 0); request
+    ``r``'s mass weighted ``weight[r]`` (a float or ``[R]``). With ``with_output``, also the attention output
+    ``[R, num_heads, head_size]`` (float32) from the same probabilities."""
     block_size = layout.shape[1]
     num_blocks = -(-int(seq_lens.max()) // block_size)
     blocks = block_table[:, :num_blocks].long()
@@ -212,20 +265,29 @@ def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale, 
     grouped = query.float().view(num_reqs, num_kv_heads, -1, head_size)
     logits = torch.einsum("rkgd,rktd->rkgt", grouped, keys) * scale
     logits.masked_fill_(torch.arange(tokens, device=keys.device) >= seq_lens.view(-1, 1, 1, 1), float("-inf"))
-    mass = logits.softmax(dim=-1).sum(dim=2).view(num_reqs, num_kv_heads, num_blocks, block_size).sum(dim=3)
-    if weight != 1.0:
-        mass = mass * weight
+    probabilities = logits.softmax(dim=-1)
+    mass = probabilities.sum(dim=2).view(num_reqs, num_kv_heads, num_blocks, block_size).sum(dim=3)
+    weight = torch.as_tensor(weight, dtype=mass.dtype, device=mass.device)
+    mass = mass * weight.view(-1, 1, 1) if weight.dim() else mass * weight
     heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
     scores.index_put_((blocks.unsqueeze(1).expand_as(mass), heads.expand_as(mass)), mass, accumulate=True)
+    if not with_output:
+        return None
+    values = layout.read_blocks(kv_cache, blocks, values=True)  # [R, H_kv, T, D]
+    return torch.einsum("rkgt,rktd->rkgd", probabilities, values).reshape(num_reqs, -1, head_size)
 
 
-def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, scale, weights=None) -> None:
+def _prefill_mass(
+    scores, layout, kv_cache, query, seq_len: int, block_table, scale, weights=None, output=None, counted=True
+) -> None:
     """A prefill chunk of one request: its queries are the last ``len(query)`` of its ``seq_len`` tokens (query ``m``
-    weighted ``weights[m]``, if given)."""
+    weighted ``weights[m]``, if given). With ``output`` (``[len(query), num_heads, head_size]``), also the attention
+    output of each query, from the same probabilities; ``counted=False``: the output only, no mass."""
     block_size = layout.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     keys = layout.read_blocks(kv_cache, blocks)[:, :seq_len]  # [H_kv, T, D]
+    values = None if output is None else layout.read_blocks(kv_cache, blocks, values=True)[:, :seq_len]
     num_kv_heads, _, head_size = keys.shape
     first = seq_len - len(query)
     mass = torch.zeros(num_kv_heads, num_blocks * block_size, device=keys.device)
@@ -236,10 +298,14 @@ def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, sc
         positions = torch.arange(first + start, first + start + len(part), device=keys.device).view(-1, 1)
         logits.masked_fill_(torch.arange(seq_len, device=keys.device) > positions, float("-inf"))
         probabilities = logits.softmax(dim=-1)
+        if values is not None:
+            out = torch.einsum("kgqt,ktd->qkgd", probabilities, values).reshape(len(part), -1, head_size)
+            output[start : start + len(part)] = out.to(output.dtype)
         if weights is not None:
             probabilities = probabilities * weights[start : start + len(part)].view(1, 1, -1, 1)
         mass[:, :seq_len] += probabilities.sum(dim=(1, 2))
-    scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
+    if counted:
+        scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
 
 
 def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, carry: LayerCarry | None = None) -> None:
