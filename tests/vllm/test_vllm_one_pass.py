@@ -81,3 +81,26 @@ def test_value_layout_reads_back_what_vllms_writer_wrote():
         blocks = torch.tensor([0, 1])
         assert torch.equal(layout.read_blocks(kv_cache, blocks)[:, :200], keys.transpose(0, 1))
         assert torch.equal(layout.read_blocks(kv_cache, blocks, values=True)[:, :200], values.transpose(0, 1))
+
+
+@pytest.mark.parametrize("method", ["h2o", "cascade", "buzz"])
+def test_one_pass_engine_keeps_the_second_pass_blocks_and_tokens(method, short_model_dir):
+    """A real engine (SmolLM2 cut to 2 layers) evicting at every block boundary: the one-pass attention and vLLM's
+    kernel + the second pass generate the same greedy tokens and hold the same blocks at every step; their
+    log-probabilities differ by float32 rounding only."""
+    from tests.vllm.engine import close, make_llm, prompt, trace_blocks
+
+    budget = {"h2o": 3, "cascade": 3, "buzz": 5}[method] * BLOCK
+    prompts = [prompt(300, seed=7), prompt(380, seed=8), prompt(340, seed=9)]
+    traces = {}
+    for scoring in ("one_pass", "second_pass"):
+        llm = make_llm(short_model_dir, {"method": method, "budget": budget, "scoring": scoring})
+        try:
+            traces[scoring] = trace_blocks(llm, prompts, max_tokens=400)
+        finally:
+            close(llm)
+    one, second = traces["one_pass"], traces["second_pass"]
+    assert one.outputs == second.outputs
+    assert one.live_blocks == second.live_blocks
+    for request_id, logprobs in one.logprobs.items():
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(second.logprobs[request_id]), rtol=0, atol=1e-4)

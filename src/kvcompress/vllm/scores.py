@@ -1,27 +1,35 @@
-"""Worker side of block H2O: attention mass accumulated per KV block, and the heavy slots refilled from it.
+"""Worker side of the scored block policies (H2O, cascade, BUZZ): attention mass per KV block, and the kept slots
+refilled from it.
 
 Each attention layer keeps one float32 score per KV block of the pool and KV head (``[num_blocks, num_kv_heads]``,
-indexed by the physical block id, so no per-request state and a few bytes per block of the cache). In every step,
-after vLLM's kernel has run:
+indexed by the physical block id, so no per-request state and a few bytes per block of the cache). In every step:
 
 1. the score of a block whose first token is written in this step is reset (the block is new to its request: a
    freed block handed out again starts from zero);
-2. the step's queries attend again, in torch, to the keys the kernel attended to (the compacted block table and
-   sequence lengths of the step's metadata, keys read back through ``kvcompress.vllm.layout.KeyLayout``):
+2. the step's queries attend to the keys the kernel would attend to (the compacted block table and sequence
+   lengths of the step's metadata, keys and values read back through ``kvcompress.vllm.layout.KeyLayout``):
    softmax over the kept keys, causal inside a prefill chunk, the probabilities summed over the block's tokens,
-   the step's queries and the query heads sharing each KV head, and added to the blocks' scores;
-3. in each request whose step moves blocks out of the recent window (``H2OBlocks``), per KV head, the
-   ``heavy_blocks`` best-scored blocks among the heavy slots and the leaving blocks stay: each leaving winner is
-   copied over a losing slot (its keys, values and score: whole ``[block, head]`` slabs, so the kernel's layout
-   does not matter), and the leaving blocks are then dropped by the metadata builder and freed by the scheduler.
+   the step's queries and the query heads sharing each KV head, and added to the blocks' scores (cascade: an EMA);
+3. in each request whose step moves blocks out of the recent window, per KV head, the policy's rule decides which
+   blocks the front slots hold (H2O: the best-scored; cascade: the acceptance rule; BUZZ: the middle's buffer and
+   segmented heavy hitters): winners are copied over the slots they take (keys, values and score: whole
+   ``[block, head]`` slabs, so the kernel's layout does not matter), and the leaving blocks are then dropped by the
+   metadata builder and freed by the scheduler.
 
 vLLM's CPU kernel (``cpu_attention_with_kv_cache``) returns the attention output only, neither probabilities nor
-log-sum-exps, so step 2 is a second pass of the query-key products over the kept keys: per decode step and
-layer, ``num_heads x kept_tokens x head_size`` multiply-adds (the kernel's own QK half; the kept tokens are at
-most the budget plus one step), plus a gather of the kept keys; for a prefill chunk of ``q`` tokens,
-``num_heads x q x kept_tokens x head_size``, computed in query slices of ``QUERY_SLICE`` to bound memory. The
-scores are exact H2O sums (up to float32 rounding, the kernel's arithmetic being different): what is
-approximated is the unit, a whole block kept or evicted per KV head instead of single tokens.
+log-sum-exps. Two ways to get both, chosen by the policy's ``scoring``:
+
+* ``one_pass`` (default): vLLM's kernel does not run; step 2 also multiplies the same probabilities by the kept
+  values and writes the attention output, so each step's query-key products are computed once (in torch:
+  ``num_heads x kept_tokens x head_size`` multiply-adds per decode query and layer for each of QK and PV, plus a
+  gather of the kept keys and values; prefill chunks in query slices of ``QUERY_SLICE``). The output equals the
+  kernel's up to float32 rounding (tested against vLLM's kernel), the scores are those of the second pass, bit for
+  bit.
+* ``second_pass``: vLLM's kernel computes the output, then step 2 recomputes the query-key products and softmax
+  over the same keys for the mass (the kernel's QK half again, plus the key gather).
+
+The scores are exact H2O sums (up to float32 rounding): what is approximated is the unit, a whole block kept or
+evicted per KV head instead of single tokens.
 """
 
 from __future__ import annotations
