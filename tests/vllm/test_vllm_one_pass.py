@@ -84,21 +84,28 @@ def test_value_layout_reads_back_what_vllms_writer_wrote():
 
 
 @pytest.mark.parametrize("method", ["h2o", "cascade", "buzz"])
-def test_one_pass_engine_keeps_the_second_pass_blocks_and_tokens(method, short_model_dir):
-    """A real engine (SmolLM2 cut to 2 layers) evicting at every block boundary: the one-pass attention and vLLM's
-    kernel + the second pass generate the same greedy tokens and hold the same blocks at every step; their
-    log-probabilities differ by float32 rounding only."""
+def test_one_pass_engine_keeps_the_second_pass_blocks_and_tokens(method, short_model_dir, monkeypatch):
+    """A real engine (SmolLM2 cut to 2 layers) evicting at every block boundary: the one-pass attention (vLLM's
+    kernel never called) and vLLM's kernel + the second pass generate the same greedy tokens and hold the same
+    blocks at every step; their log-probabilities differ by float32 rounding only."""
     from tests.vllm.engine import close, make_llm, prompt, trace_blocks
+
+    kernel_calls = []
+    kernel = ops.cpu_attention_with_kv_cache
+    monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
 
     budget = {"h2o": 3, "cascade": 3, "buzz": 5}[method] * BLOCK
     prompts = [prompt(300, seed=7), prompt(380, seed=8), prompt(340, seed=9)]
-    traces = {}
+    traces, calls = {}, {}
     for scoring in ("one_pass", "second_pass"):
         llm = make_llm(short_model_dir, {"method": method, "budget": budget, "scoring": scoring})
+        kernel_calls.clear()
         try:
             traces[scoring] = trace_blocks(llm, prompts, max_tokens=400)
         finally:
             close(llm)
+        calls[scoring] = len(kernel_calls)
+    assert calls["one_pass"] == 0 and calls["second_pass"] > 0  # the engine runs in this process
     one, second = traces["one_pass"], traces["second_pass"]
     assert one.outputs == second.outputs
     assert one.live_blocks == second.live_blocks
