@@ -35,6 +35,21 @@ class KeyLayout:
         self.shape = (num_kv_heads, block_size, head_size)
         self.offsets = self._learn("key", dtype)  # offset in the block of key element (head, token, dim), row-major
         self.value_offsets = self._learn("value", dtype)  # the same for the values
+        self.strides = {False: self._affine(self.offsets), True: self._affine(self.value_offsets)}
+
+    def _affine(self, offsets: torch.Tensor) -> tuple[int, int, int, int] | None:
+        """``(base, head, token, dim)`` strides when ``offsets`` are ``base + head * h + token * t + dim * d`` (a
+        strided view of the cache reads them without an index per element: ``vec`` and ``vec16`` are), else None."""
+        heads, block_size, head_size = self.shape
+        grid = offsets.view(self.shape)
+        base = int(grid[0, 0, 0])
+        strides = [int(grid[1, 0, 0]) - base if heads > 1 else 0]
+        strides.append(int(grid[0, 1, 0]) - base if block_size > 1 else 0)
+        strides.append(int(grid[0, 0, 1]) - base if head_size > 1 else 0)
+        h, t, d = torch.meshgrid(*(torch.arange(n) for n in self.shape), indexing="ij")
+        if torch.equal(grid, base + h * strides[0] + t * strides[1] + d * strides[2]) and min(strides) >= 0:
+            return base, strides[0], strides[1], strides[2]
+        return None
 
     def _learn(self, part: str, dtype: torch.dtype) -> torch.Tensor:
         """Where vLLM's writer puts each ``part`` (``"key"`` or ``"value"``) element of a block, probed digit by digit;
@@ -109,6 +124,17 @@ class KeyLayout:
         Only the key (or value) elements are gathered (one indexed read of the cache), not the other half.
         """
         heads, block_size, head_size = self.shape
+        affine = self.strides[values]
+        if affine is not None and kv_cache.is_contiguous():  # a strided view, then whole [head, token, dim] slabs
+            base, head_stride, token_stride, dim_stride = affine
+            per_block = kv_cache[0].numel()
+            view = kv_cache.as_strided(
+                (kv_cache.shape[0], heads, block_size, head_size),
+                (per_block, head_stride, token_stride, dim_stride),
+                kv_cache.storage_offset() + base,
+            )
+            keys = view[blocks].transpose(-4, -3)  # [..., heads, n, block, dim]
+            return keys.reshape(*blocks.shape[:-1], heads, -1, head_size).float()
         offsets = (self.value_offsets if values else self.offsets).to(kv_cache.device)
         keys = kv_cache.view(kv_cache.shape[0], -1)[blocks.unsqueeze(-1), offsets]  # [..., n, heads*block*dim]
         keys = keys.view(*blocks.shape, heads, block_size, head_size).transpose(-4, -3)
