@@ -51,7 +51,9 @@ class BlockPolicyConfig:
     scoring: ``h2o``, ``cascade`` and ``buzz``: how the attention mass per block is collected. ``"one_pass"``
         (default): the backend computes each step's attention in torch, output and mass from the same
         probabilities, instead of calling vLLM's CPU kernel; ``"second_pass"``: vLLM's kernel computes the output,
-        then a second torch pass recomputes the probabilities over the same keys for the mass.
+        then a second torch pass recomputes the probabilities over the same keys for the mass. Both give the same
+        scores and outputs equal up to float32 rounding; on CPU the second pass is the faster (vLLM's C++ kernel
+        outruns torch's attention by more than the second pass costs).
     """
 
     method: str = "full"
