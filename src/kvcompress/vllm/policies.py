@@ -350,7 +350,7 @@ class BuzzBlocks(StreamingBlocks):
     Parameters: the budget in blocks is ``sink_blocks + w + T``. With ``recent_blocks=0``, ``w`` is the largest
     window whose Theorem 3.1 threshold fits, ``sink_blocks + w + round(r w) <= budget`` with ``r = (s² + 1) / (s +
     1)`` (odd ``s``) or ``s - 1`` (even), as kvcompress's ``budget_kind="peak"``; where no window fits (fewer than
-    ``sink_blocks + 1 + round(r)`` blocks: 7 for ``s = 5`` and one sink block), ``w = 1``. ``T`` is the rest of the
+    ``sink_blocks + 1 + round(r)`` blocks: 6 for ``s = 5`` and one sink block), ``w = 1``. ``T`` is the rest of the
     budget (at least ``round(r w)``), since the slots are held anyway.
 
     Choices the block unit forces, or where this differs from the paper:
