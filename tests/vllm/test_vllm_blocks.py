@@ -44,8 +44,8 @@ REUSE_CASES = {
     # One sink, a middle of three slots, a window of one block: blocks leaving the window fill the slots, then
     # BUZZ's eviction (hive maxima, old blocks thinned) runs at every boundary that overfills the middle.
     "buzz": ({"method": "buzz", "budget": 5 * BLOCK}, 16, 600),
-    # The same h2o through vLLM's kernel and the second scoring pass.
-    "h2o-second-pass": ({"method": "h2o", "budget": 3 * BLOCK, "scoring": "second_pass"}, 12, 300),
+    # The same h2o in one torch pass (vLLM's kernel not called).
+    "h2o-one-pass": ({"method": "h2o", "budget": 3 * BLOCK, "scoring": "one_pass"}, 12, 300),
 }
 
 

@@ -27,7 +27,7 @@ POLICIES = [
     {"method": "h2o", "budget": BUDGET},
     {"method": "cascade", "budget": BUDGET, "cascades": 3},  # 1 sink + 3 cascades of 3 blocks: the 10 blocks
     {"method": "buzz", "budget": BUDGET},  # 1 sink + a middle of 8 blocks + a window of 1
-    {"method": "h2o", "budget": BUDGET, "scoring": "second_pass"},
+    {"method": "h2o", "budget": BUDGET, "scoring": "one_pass"},
 ]
 
 

@@ -48,12 +48,12 @@ class BlockPolicyConfig:
         (default): min(4, the blocks after the sinks), the paper's 4 where the budget holds them.
     stride: ``buzz`` only: the hive size s, in blocks: each hive of s blocks that left the window keeps its
         heaviest block; older survivors are thinned by every ``(s + 1) // 2``-th (the paper's and its code's 5).
-    scoring: ``h2o``, ``cascade`` and ``buzz``: how the attention mass per block is collected. ``"one_pass"``
-        (default): the backend computes each step's attention in torch, output and mass from the same
-        probabilities, instead of calling vLLM's CPU kernel; ``"second_pass"``: vLLM's kernel computes the output,
-        then a second torch pass recomputes the probabilities over the same keys for the mass. Both give the same
-        scores and outputs equal up to float32 rounding; on CPU the second pass is the faster (vLLM's C++ kernel
-        outruns torch's attention by more than the second pass costs).
+    scoring: ``h2o``, ``cascade`` and ``buzz``: how the attention mass per block is collected. ``"second_pass"``
+        (default): vLLM's kernel computes the output, then a second torch pass recomputes the probabilities over
+        the same keys for the mass; ``"one_pass"``: the backend computes each step's attention in torch, output and
+        mass from the same probabilities, instead of calling vLLM's CPU kernel. Both give the same scores and
+        outputs equal up to float32 rounding; the default is the faster on CPU (vLLM's C++ kernel outruns torch's
+        attention by more than the second pass costs).
     """
 
     method: str = "full"
@@ -65,7 +65,7 @@ class BlockPolicyConfig:
     recent_blocks: int = 0
     cascades: int = 0
     stride: int = 5
-    scoring: str = "one_pass"
+    scoring: str = "second_pass"
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:

@@ -19,13 +19,13 @@ indexed by the physical block id, so no per-request state and a few bytes per bl
 vLLM's CPU kernel (``cpu_attention_with_kv_cache``) returns the attention output only, neither probabilities nor
 log-sum-exps. Two ways to get both, chosen by the policy's ``scoring``:
 
-* ``one_pass`` (default): vLLM's kernel does not run; step 2 also multiplies the same probabilities by the kept
+* ``one_pass``: vLLM's kernel does not run; step 2 also multiplies the same probabilities by the kept
   values and writes the attention output, so each step's query-key products are computed once (in torch:
   ``num_heads x kept_tokens x head_size`` multiply-adds per decode query and layer for each of QK and PV, plus a
   gather of the kept keys and values; prefill chunks in query slices of ``QUERY_SLICE``). The output equals the
   kernel's up to float32 rounding (tested against vLLM's kernel), the scores are those of the second pass, bit for
   bit.
-* ``second_pass``: vLLM's kernel computes the output, then step 2 recomputes the query-key products and softmax
+* ``second_pass`` (default, the faster on CPU): vLLM's kernel computes the output, then step 2 recomputes the query-key products and softmax
   over the same keys for the mass (the kernel's QK half again, plus the key gather).
 
 The scores are exact H2O sums (up to float32 rounding): what is approximated is the unit, a whole block kept or
