@@ -41,6 +41,11 @@ REUSE_CASES = {
     "h2o": ({"method": "h2o", "budget": 3 * BLOCK}, 12, 300),
     # One sink, two sub-caches of one block: every block boundary runs the acceptance rule on EMA scores.
     "cascade": ({"method": "cascade", "budget": 3 * BLOCK}, 12, 300),
+    # One sink, a middle of three slots, a window of one block: blocks leaving the window fill the slots, then
+    # BUZZ's eviction (hive maxima, old blocks thinned) runs at every boundary that overfills the middle.
+    "buzz": ({"method": "buzz", "budget": 5 * BLOCK}, 16, 600),
+    # The same h2o in one torch pass (vLLM's kernel not called).
+    "h2o-one-pass": ({"method": "h2o", "budget": 3 * BLOCK, "scoring": "one_pass"}, 12, 300),
 }
 
 
@@ -64,9 +69,10 @@ def test_outputs_do_not_change_when_a_small_pool_reuses_freed_blocks(method, sho
     assert kept.preemptions == reused.preemptions == 0  # a recomputed request would change its output
     assert reused.outputs == kept.outputs
     assert reused.logprobs == kept.logprobs
-    if policy["method"] in ("h2o", "cascade"):
+    if policy["method"] in ("h2o", "cascade", "buzz"):
+        budget_blocks = policy["budget"] // BLOCK
         for live in reused.live_blocks.values():
-            assert max(live[1:]) == 3  # the budget, from the first decode step on
+            assert max(live[1:]) == budget_blocks  # the budget, from the first decode step on
     if policy.get("reselect_blocks"):  # generation bounded: budget + R blocks, + 1 in a selecting step
         for live in reused.live_blocks.values():
             assert max(live[-2 * BLOCK :]) == 3 + 1 + 1
@@ -120,6 +126,7 @@ def test_snapkv_survives_preemption_in_a_tiny_pool_holding_only_what_it_reads(sh
 CHUNKED_PEAKS = {
     "h2o": ({"method": "h2o", "budget": 3 * BLOCK}, 3 + 2 + 1),
     "cascade": ({"method": "cascade", "budget": 3 * BLOCK}, 3 + 2 + 1),
+    "buzz": ({"method": "buzz", "budget": 3 * BLOCK}, 3 + 2 + 1),
     "snapkv": ({"method": "snapkv", "budget": 3 * BLOCK}, 3 + 2 + 2),
 }
 

@@ -26,6 +26,8 @@ POLICIES = [
     {"method": "snapkv", "budget": BUDGET},
     {"method": "h2o", "budget": BUDGET},
     {"method": "cascade", "budget": BUDGET, "cascades": 3},  # 1 sink + 3 cascades of 3 blocks: the 10 blocks
+    {"method": "buzz", "budget": BUDGET},  # 1 sink + a middle of 8 blocks + a window of 1
+    {"method": "h2o", "budget": BUDGET, "scoring": "one_pass"},
 ]
 
 
@@ -41,7 +43,7 @@ def reference(model_dir, prompts, tmp_path_factory):
     return reference_outputs(model_dir, [prompts], MAX_TOKENS, tmp_path_factory.mktemp("reference"), 1536)[0]
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["method"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=["-".join(map(str, p.values())) for p in POLICIES])
 def test_budget_covering_the_request_gives_vllms_own_greedy_output(policy, model_dir, prompts, reference):
     llm = make_llm(model_dir, policy, max_model_len=1536)
     assert type(manager(llm)).__name__ == "BlockEvictionManager"  # the policy is really in place

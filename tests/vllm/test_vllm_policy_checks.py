@@ -28,6 +28,11 @@ BLOCK = 128
         ({"method": "tova", "budget": 512}, "unknown method 'tova'"),
         ({"method": "snapkv", "budget": 512, "kernel": 4}, "kernel must be an odd integer"),
         ({"method": "snapkv", "budget": 512, "ratio": 2}, "unknown policy parameter(s) ['ratio']"),
+        ({"method": "buzz", "budget": 640, "stride": 2}, "stride must be >= 3 blocks"),
+        (
+            {"method": "h2o", "budget": 512, "scoring": "fast"},
+            "scoring must be one of one_pass, second_pass, got 'fast'",
+        ),
     ],
 )
 def test_a_malformed_policy_is_one_line_naming_what_is_wrong(policy, message):

@@ -34,6 +34,9 @@ GENERATED = 400
 POLICIES = {
     "h2o": {"method": "h2o", "budget": 3 * BLOCK},
     "cascade": {"method": "cascade", "budget": 3 * BLOCK},
+    # One sink, a middle of one slot, a window of one block: the slot holds the heavier of blocks 1 and 2 per KV
+    # head (BUZZ's first eviction; with T = 1 its later evictions keep that old block).
+    "buzz": {"method": "buzz", "budget": 3 * BLOCK},
     # Re-selecting at every generated block: the kept blocks depend on the decode steps' own queries.
     "snapkv-reselect": {"method": "snapkv", "budget": 3 * BLOCK, "reselect_blocks": 1},
 }

@@ -10,14 +10,15 @@ How it fits together (one module each):
 
 * ``config``: the policy of an engine, from ``--additional-config`` or ``$KVCOMPRESS_VLLM``, and the checks
   made before an engine starts (``check_engine``);
-* ``policies``: ``streaming``, ``window``, ``snapkv``, ``h2o`` and ``cascade`` at block granularity, each a
+* ``policies``: ``streaming``, ``window``, ``snapkv``, ``h2o``, ``cascade`` and ``buzz`` at block granularity, each a
   contiguous range of logical blocks evicted per request, computed alike by the scheduler and the worker;
 * ``spec`` / ``manager``: the layers' KV cache spec and the scheduler's manager that frees evicted blocks;
 * ``backend``: the attention backend whose metadata builder cuts evicted blocks out of what the kernel reads;
 * ``snapkv`` / ``snapkv_state``: the block SnapKV selection inside attention, in the worker (after the prompt,
   and again every ``reselect_blocks`` generated blocks if asked; during a chunked prefill, after each step);
-  ``scores``: block H2O's attention mass and block cascade's attention EMA per block, and the refill of their
-  slots; ``layout``: vLLM's CPU KV layout, learnt from its cache writer, to read keys back;
+  ``scores``: block H2O's (and BUZZ's) attention mass and block cascade's attention EMA per block, computed with
+  the attention output in one torch pass (or after vLLM's kernel), and the refill of their slots; ``layout``:
+  vLLM's CPU KV layout, learnt from its cache writer, to read keys and values back;
 * ``carry``: a preempted request's kept blocks given back after vLLM's recompute; ``rows``: the request id and
   prompt length of each row of a step, from vLLM's model runner;
 * ``refusal``: every attention backend but ``CPU_ATTN`` refuses a configured policy, naming itself;

@@ -126,17 +126,17 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         lo, hi = self.policy.worker_range(context, prompt_len)
         scored = None
         if self.policy.scored:
-            scored = self._scored_step(common, context, query_lens[:num_reqs].long(), hi, requests, carry)
+            scored = self._scored_step(common, context, query_lens[:num_reqs].long(), requests, carry)
         metadata = super().build(common_prefix_len, compact_block_table(common, lo, hi, self.block_size), fast_build)
         fields_ = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return KVCompressCPUMetadata(**fields_, snapkv=step, scored=scored)
 
-    def _scored_step(self, common, context, query_lens, hi, requests, carry: CarryStep) -> ScoredStep:
+    def _scored_step(self, common, context, query_lens, requests, carry: CarryStep) -> ScoredStep:
         """Block H2O: which requests move blocks out of their window at the end of this step (``H2OBlocks``), and
         the requests leaving the batch or recomputed after a preemption (``kvcompress.vllm.carry``)."""
         policy = self.policy
-        _, hi_after = policy.worker_range(context + query_lens, torch.zeros_like(context))
-        step = ScoredStep(policy, self.layout, common.num_reqs, [], carry)
+        hi, hi_after = policy.leaving_hi(context), policy.leaving_hi(context + query_lens)
+        step = ScoredStep(policy, self.layout, common.num_reqs, [], carry, policy.config.scoring == "one_pass")
         replayed = {replay.row for replay in carry.replays}
         for i in (hi_after > hi).nonzero().flatten().tolist():  # requests passing a block boundary over the budget
             if i in replayed:
@@ -167,11 +167,11 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         written since, as the first run's next step would have; a block boundary they cross refills by score."""
         policy, count, length, blocks = self.policy, replay.count, replay.length, replay.blocks
         lo, hi = (int(v) for v in policy.worker_range(count, 0))
-        hi_end = int(policy.worker_range(length, 0)[1])
+        leaving, leaving_end = int(policy.leaving_hi(count)), int(policy.leaving_hi(length))
         refill = None
-        if hi_end > hi:
+        if leaving_end > leaving:
             slots = blocks[policy.first_sink_blocks : policy.sink_blocks]
-            refill = RefillRow(slots, blocks[hi:hi_end], replay.request, policy.first_sink_blocks, hi)
+            refill = RefillRow(slots, blocks[leaving:leaving_end], replay.request, policy.first_sink_blocks, leaving)
         return H2OReplay(
             replay.request,
             replay.row,
@@ -191,7 +191,8 @@ _worker_in_flight_tokens = 0
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
-    """CPU attention with the layer's block SnapKV work before vLLM's kernel and block H2O's after it, if any."""
+    """CPU attention with the layer's block SnapKV work before vLLM's kernel, and the scored policies' attention (one
+    torch pass for output and scores, or vLLM's kernel and a second pass), if any."""
 
     def __init__(self, *args, **kwargs) -> None:
         global _worker_policy, _worker_in_flight_tokens
@@ -201,7 +202,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         _worker_in_flight_tokens = config.max_in_flight_tokens
         check_engine(_worker_policy, config.cache_config.block_size, config.cache_config.enable_prefix_caching)
         unscored = self.logits_soft_cap or self.alibi_slopes is not None or self.sinks is not None
-        if _worker_policy.method in ("h2o", "cascade") and unscored:
+        if _worker_policy.method in ("h2o", "cascade", "buzz") and unscored:
             raise ValueError(
                 f"kvcompress: the {_worker_policy.method} policy recomputes attention probabilities without logit "
                 "soft-capping, ALiBi or attention-sink logits, which this model uses; choose streaming, window or "
@@ -212,6 +213,11 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         self.block_scores = BlockScores()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        scored = getattr(attn_metadata, "scored", None)
+        if scored is not None:
+            return self._scored_forward(
+                scored, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
         step = getattr(attn_metadata, "snapkv", None)
         if step is not None:
             if self.stash is None:
@@ -221,10 +227,20 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if step is not None and (step.prefill_select or step.cross or step.replays):
             run_prefill_step(step, self.stash, queries, kv_cache, self.scale, self.carry)
-        scored = getattr(attn_metadata, "scored", None)
-        if scored is not None:
-            queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale)
+        return output
+
+    def _scored_forward(self, scored, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        """Block H2O, cascade and BUZZ: the attention output and the attention mass per block in one torch pass
+        (``one_pass``), or vLLM's kernel then a second pass for the mass (``kvcompress.vllm.scores``)."""
+        tokens = attn_metadata.num_actual_tokens
+        queries = query[:tokens].view(-1, self.num_heads, self.head_size)
+        one_pass = scored.one_pass and attn_metadata.causal is True and attn_metadata.dynamic_causal is None
+        if one_pass:
+            target = output[:tokens].view(-1, self.num_heads, self.head_size)
+            self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale, target)
+            return output
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        self.block_scores.step(scored, queries, kv_cache, attn_metadata, self.scale)
         return output
 
 

@@ -20,29 +20,40 @@ from typing import Any
 
 ENV_VAR = "KVCOMPRESS_VLLM"
 CONFIG_KEY = "kvcompress"
-METHODS = ("full", "streaming", "window", "snapkv", "h2o", "cascade")
+SCORING = ("one_pass", "second_pass")
+METHODS = ("full", "streaming", "window", "snapkv", "h2o", "cascade", "buzz")
 
 
 @dataclass(frozen=True)
 class BlockPolicyConfig:
     """A block-granular eviction policy and its parameters (all counts in tokens unless named ``*_blocks``).
 
-    method: ``full`` (no eviction), ``streaming``, ``window``, ``snapkv``, ``h2o`` or ``cascade`` (see
+    method: ``full`` (no eviction), ``streaming``, ``window``, ``snapkv``, ``h2o``, ``cascade`` or ``buzz`` (see
         ``kvcompress.vllm.policies``).
     budget: KV tokens kept per request and layer, rounded down to whole KV blocks (vLLM's ``block_size``);
         for ``snapkv`` the budget of the compressed prompt (generated tokens are appended after it).
-    sink_blocks: ``streaming``, ``h2o`` and ``cascade``: leading blocks always kept (the attention sinks live in the
-        first block).
+    sink_blocks: ``streaming``, ``h2o``, ``cascade`` and ``buzz``: leading blocks always kept (the attention sinks
+        live in the first block).
     window: ``snapkv`` only: observation window, the last prompt tokens whose queries vote (at most one block).
     kernel: ``snapkv`` only: width of the max pooling applied to the token votes before blocks are scored (odd).
     reselect_blocks: ``snapkv`` only: select again each time generated tokens fill this many more blocks, so a
         request holds at most its budget plus ``reselect_blocks + 1`` blocks; 0 (default): the prompt only, as in
         the paper.
-    recent_blocks: ``h2o`` only: the most recent blocks always kept, the block being written included; 0 (default):
-        half of the blocks after the sinks, rounded up (H2O's even split between heavy hitters and recent tokens).
+    recent_blocks: ``h2o`` and ``buzz``: the most recent blocks always kept, the block being written included; 0
+        (default): for ``h2o`` half of the blocks after the sinks, rounded up (H2O's even split between heavy hitters
+        and recent tokens); for ``buzz`` the sliding window that Theorem 3.1 of BUZZ fits in the budget (see
+        ``kvcompress.vllm.policies.BuzzBlocks``).
     cascades: ``cascade`` only: the number N of circular sub-caches the blocks after the sinks are split into (each
         of ``(budget blocks - sink_blocks) // N`` blocks; blocks left over by the division are not used); 0
         (default): min(4, the blocks after the sinks), the paper's 4 where the budget holds them.
+    stride: ``buzz`` only: the hive size s, in blocks: each hive of s blocks that left the window keeps its
+        heaviest block; older survivors are thinned by every ``(s + 1) // 2``-th (the paper's and its code's 5).
+    scoring: ``h2o``, ``cascade`` and ``buzz``: how the attention mass per block is collected. ``"second_pass"``
+        (default): vLLM's kernel computes the output, then a second torch pass recomputes the probabilities over
+        the same keys for the mass; ``"one_pass"``: the backend computes each step's attention in torch, output and
+        mass from the same probabilities, instead of calling vLLM's CPU kernel. Both give the same scores and
+        outputs equal up to float32 rounding; the default is the faster on CPU (vLLM's C++ kernel outruns torch's
+        attention by more than the second pass costs).
     """
 
     method: str = "full"
@@ -53,11 +64,22 @@ class BlockPolicyConfig:
     reselect_blocks: int = 0
     recent_blocks: int = 0
     cascades: int = 0
+    stride: int = 5
+    scoring: str = "second_pass"
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"kvcompress: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        for name in ("budget", "sink_blocks", "window", "kernel", "reselect_blocks", "recent_blocks", "cascades"):
+        for name in (
+            "budget",
+            "sink_blocks",
+            "window",
+            "kernel",
+            "reselect_blocks",
+            "recent_blocks",
+            "cascades",
+            "stride",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"kvcompress: {name} must be an integer (tokens or blocks), got {value!r}")
@@ -71,6 +93,10 @@ class BlockPolicyConfig:
             raise ValueError(
                 f"kvcompress: cascades must be 0 (min(4, the blocks after the sinks)) or >= 2, got {self.cascades}"
             )
+        if self.scoring not in SCORING:
+            raise ValueError(f"kvcompress: scoring must be one of {', '.join(SCORING)}, got {self.scoring!r}")
+        if self.stride < 3:
+            raise ValueError(f"kvcompress: stride must be >= 3 blocks (s <= 2 never shrinks), got {self.stride}")
         if self.recent_blocks < 0:
             raise ValueError(f"kvcompress: recent_blocks must be >= 0 (0: half the budget), got {self.recent_blocks}")
         if self.window < 1:
@@ -95,6 +121,8 @@ class BlockPolicyConfig:
             "h2o": self.sink_blocks + max(self.recent_blocks, 1) + 1,
             # cascade: its sinks and at least two sub-caches of one block (the recent one and one that selects).
             "cascade": self.sink_blocks + max(self.cascades, 2),
+            # buzz: its sinks, the sliding window (at least the block being written) and a middle of one block.
+            "buzz": self.sink_blocks + max(self.recent_blocks, 1) + 1,
         }.get(self.method, 0)
         if blocks < needed:
             raise ValueError(

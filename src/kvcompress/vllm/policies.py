@@ -77,6 +77,10 @@ class StreamingBlocks(BlockPolicy):
         writing_block = context // self.block_size  # the block the next token goes into
         return self.sink_blocks, _maximum(writing_block - self.recent_blocks + 1, self.sink_blocks)
 
+    def leaving_hi(self, context):
+        """Scored policies: the end of the blocks that have left the recent window (and were refilled from)."""
+        return self.worker_range(context, 0)[1]
+
     def peak_blocks(self, step_tokens: int) -> int | None:
         # Freed down to the budget before each step (prefill chunk or decode token), then the step's blocks.
         return self.budget_blocks + -(-step_tokens // self.block_size) + 1
@@ -315,6 +319,129 @@ class CascadeBlocks(StreamingBlocks):
         return steps
 
 
+class BuzzBlocks(StreamingBlocks):
+    """BUZZ (Zhao et al., 2024, arXiv:2410.23079; kvcompress's ``buzz``) at block granularity: sinks + a sliding
+    window + a middle of segmented heavy hitters.
+
+    A request's blocks are ``sink_blocks`` sinks, a middle of ``T`` slots, and the sliding window of the ``w`` most
+    recent blocks (``recent_blocks``, the block being written included). Blocks that leave the window gather in the
+    middle (the new buffer); nothing is dropped until the middle would hold more than ``T`` blocks. Then, per layer
+    and KV head, the new blocks are cut into consecutive hives of ``s`` blocks (``stride``; aligned at the oldest new
+    block, the last one may be short) and each hive keeps its block with the highest accumulated attention (the
+    paper's local max, ties to the earliest), while the old blocks (survivors of earlier evictions) are thinned by
+    interval sampling with ``ŝ = (s + 1) // 2``, keeping the old blocks 0, ŝ, 2ŝ, ... (the first always). The
+    survivors, old then new in order, become the old blocks and the buffer empties; where they still exceed ``T``
+    (small ``T``), every ``ŝ``-th survivor is kept again until they fit (kvcompress's ``prefill_mode="loop"``).
+
+    How many blocks the middle holds after ``c`` blocks have left the window is a function of ``c`` alone (the
+    count of survivors does not depend on the scores), eventually periodic, so the scheduler and the worker agree
+    on it from token counts: the middle lives in ``T`` fixed slots right after the sinks, in order (old, then new),
+    and the worker hides the unused slots and the blocks that left the window (``[sink_blocks + middle, window)``,
+    one range), while the scheduler frees the blocks after the slots (streaming's arithmetic with the sinks and the
+    slots as the kept front), so a decoding request holds exactly ``sink_blocks + T + w`` blocks, the budget. Until
+    ``T`` blocks have left the window, the slots are the request's own blocks, in place; after that, a block leaving
+    the window is copied into the next free slot (all KV heads), or, when the middle is full, triggers the eviction
+    above, whose survivors are copied per KV head into the slots (keys, values and score:
+    ``kvcompress.vllm.scores.buzz_refill``).
+
+    Scores are block H2O's: the attention mass every query since the block was written gave its tokens, summed over
+    the query heads of the KV head (the paper's accumulated attention, kvcompress's ``group_reduce="sum"``).
+
+    Parameters: the budget in blocks is ``sink_blocks + w + T``. With ``recent_blocks=0``, ``w`` is the largest
+    window whose Theorem 3.1 threshold fits, ``sink_blocks + w + round(r w) <= budget`` with ``r = (s² + 1) / (s +
+    1)`` (odd ``s``) or ``s - 1`` (even), as kvcompress's ``budget_kind="peak"``; where no window fits (fewer than
+    ``sink_blocks + 1 + round(r)`` blocks: 6 for ``s = 5`` and one sink block), ``w = 1``. ``T`` is the rest of the
+    budget (at least ``round(r w)``), since the slots are held anyway.
+
+    Choices the block unit forces, or where this differs from the paper:
+
+    * the unit: a block of ``block_size`` tokens enters the middle, competes in its hive and is dropped whole; the
+      window, the threshold and the hives count blocks, not tokens (with one sink block, the sinks are the first
+      ``block_size`` tokens, not 4);
+    * decisions per KV head (as kvcompress's ``buzz``); the number of survivors is the same for every head;
+    * positions are the original ones (vLLM caches rotated keys; kvcompress's ``position_mode="original"``);
+    * a prompt prefilled in one step is attended whole (every prompt query adds to the scores), then its blocks
+      leave the window one by one at its end, each going through the rule above (as if decoded, with the whole
+      prompt's scores); a chunked prefill does the same after each step. log-n scaling and the ablations
+      (``local_max=False``, ``swap_strides``) are not offered.
+    """
+
+    scored = True
+
+    def __init__(self, config: BlockPolicyConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        sinks, stride = config.sink_blocks, config.stride
+        self.stride, self.old_stride = stride, (stride + 1) // 2
+        after_sinks = self.budget_blocks - sinks
+        ratio = (stride * stride + 1) / (stride + 1) if stride % 2 else float(stride - 1)
+        window = config.recent_blocks
+        if not window:
+            fits = [w for w in range(1, after_sinks) if w + max(1, round(ratio * w)) <= after_sinks]
+            window = max(fits, default=1)
+        self.recent_blocks = window
+        self.threshold = after_sinks - window  # T, at least 1 (``BlockPolicyConfig.budget_blocks``)
+        self.first_sink_blocks = sinks
+        self.sink_blocks = sinks + self.threshold  # the kept front of streaming's arithmetic: sinks + the slots
+        self._states, self._start, self._period = self._middle_cycle()
+        self._middle = torch.tensor([old + new for old, new in self._states])
+
+    def thinned(self, old: int, new: int) -> tuple[int, int]:
+        """The eviction when the middle holds ``old`` old and ``new`` new blocks: ``(survivors, every)``, the number
+        kept and the extra thinning of the survivor list (every ``every``-th survivor; 1: none)."""
+        kept = -(-old // self.old_stride) + -(-new // self.stride)
+        every = 1
+        while kept > self.threshold:
+            kept, every = -(-kept // self.old_stride), every * self.old_stride
+        return kept, every
+
+    def _cycle_index(self, left):
+        start, period = self._start, self._period
+        if isinstance(left, torch.Tensor):
+            return torch.where(left < start + period, left, start + (left - start) % period)
+        return left if left < start + period else start + (left - start) % period
+
+    def state(self, left: int) -> tuple[int, int]:
+        """``(old, new)`` blocks in the middle once ``left`` blocks have left the window (before any eviction that
+        the next leaving block triggers)."""
+        return self._states[self._cycle_index(left)]
+
+    def _middle_cycle(self) -> tuple[list[tuple[int, int]], int, int]:
+        """The middle's ``(old, new)`` after ``c = 0, 1, ...`` blocks left the window, until it repeats: ``(states,
+        start, period)``; state(c) = states[c] for c < start + period, else states[start + (c - start) % period]."""
+        seen: dict[tuple[int, int], int] = {}
+        old, new, states = 0, 0, []
+        while (old, new) not in seen:
+            seen[(old, new)] = len(states)
+            states.append((old, new))
+            new += 1
+            if old + new > self.threshold:
+                old, new = self.thinned(old, new)[0], 0
+        start = seen[(old, new)]
+        return states, start, len(states) - start
+
+    def middle_blocks(self, left):
+        """The middle's size once ``left`` blocks have left the window (int or int64 tensor)."""
+        if isinstance(left, torch.Tensor):
+            return self._middle.to(left.device)[self._cycle_index(left)]
+        return int(self._middle[self._cycle_index(left)])
+
+    def left_blocks(self, context):
+        """How many blocks have left the window once ``context`` tokens are cached."""
+        return _maximum(context // self.block_size - self.recent_blocks + 1 - self.first_sink_blocks, 0)
+
+    def worker_range(self, context, prompt_len):
+        left = self.left_blocks(context)
+        sinks = self.first_sink_blocks
+        return sinks + self.middle_blocks(left), sinks + left
+
+    def scheduler_range(self, processed, prompt_len):
+        return super().worker_range(processed, prompt_len)  # the slots stay allocated, hidden or not
+
+    def leaving_hi(self, context):
+        """The first block after the slots still in the window: blocks before it left and were refilled."""
+        return super().worker_range(context, 0)[1]
+
+
 def _compressed(count, prompt_len, strict: bool):
     if isinstance(count, torch.Tensor):
         return (count > prompt_len if strict else count >= prompt_len) & (prompt_len > 0)
@@ -328,6 +455,7 @@ POLICIES = {
     "snapkv": SnapKVBlocks,
     "h2o": H2OBlocks,
     "cascade": CascadeBlocks,
+    "buzz": BuzzBlocks,
 }
 
 

@@ -1,27 +1,35 @@
-"""Worker side of block H2O: attention mass accumulated per KV block, and the heavy slots refilled from it.
+"""Worker side of the scored block policies (H2O, cascade, BUZZ): attention mass per KV block, and the kept slots
+refilled from it.
 
 Each attention layer keeps one float32 score per KV block of the pool and KV head (``[num_blocks, num_kv_heads]``,
-indexed by the physical block id, so no per-request state and a few bytes per block of the cache). In every step,
-after vLLM's kernel has run:
+indexed by the physical block id, so no per-request state and a few bytes per block of the cache). In every step:
 
 1. the score of a block whose first token is written in this step is reset (the block is new to its request: a
    freed block handed out again starts from zero);
-2. the step's queries attend again, in torch, to the keys the kernel attended to (the compacted block table and
-   sequence lengths of the step's metadata, keys read back through ``kvcompress.vllm.layout.KeyLayout``):
+2. the step's queries attend to the keys the kernel would attend to (the compacted block table and sequence
+   lengths of the step's metadata, keys and values read back through ``kvcompress.vllm.layout.KeyLayout``):
    softmax over the kept keys, causal inside a prefill chunk, the probabilities summed over the block's tokens,
-   the step's queries and the query heads sharing each KV head, and added to the blocks' scores;
-3. in each request whose step moves blocks out of the recent window (``H2OBlocks``), per KV head, the
-   ``heavy_blocks`` best-scored blocks among the heavy slots and the leaving blocks stay: each leaving winner is
-   copied over a losing slot (its keys, values and score: whole ``[block, head]`` slabs, so the kernel's layout
-   does not matter), and the leaving blocks are then dropped by the metadata builder and freed by the scheduler.
+   the step's queries and the query heads sharing each KV head, and added to the blocks' scores (cascade: an EMA);
+3. in each request whose step moves blocks out of the recent window, per KV head, the policy's rule decides which
+   blocks the front slots hold (H2O: the best-scored; cascade: the acceptance rule; BUZZ: the middle's buffer and
+   segmented heavy hitters): winners are copied over the slots they take (keys, values and score: whole
+   ``[block, head]`` slabs, so the kernel's layout does not matter), and the leaving blocks are then dropped by the
+   metadata builder and freed by the scheduler.
 
 vLLM's CPU kernel (``cpu_attention_with_kv_cache``) returns the attention output only, neither probabilities nor
-log-sum-exps, so step 2 is a second pass of the query-key products over the kept keys: per decode step and
-layer, ``num_heads x kept_tokens x head_size`` multiply-adds (the kernel's own QK half; the kept tokens are at
-most the budget plus one step), plus a gather of the kept keys; for a prefill chunk of ``q`` tokens,
-``num_heads x q x kept_tokens x head_size``, computed in query slices of ``QUERY_SLICE`` to bound memory. The
-scores are exact H2O sums (up to float32 rounding, the kernel's arithmetic being different): what is
-approximated is the unit, a whole block kept or evicted per KV head instead of single tokens.
+log-sum-exps. Two ways to get both, chosen by the policy's ``scoring``:
+
+* ``one_pass``: vLLM's kernel does not run; step 2 also multiplies the same probabilities by the kept
+  values and writes the attention output, so each step's query-key products are computed once (in torch:
+  ``num_heads x kept_tokens x head_size`` multiply-adds per decode query and layer for each of QK and PV, plus a
+  gather of the kept keys and values; prefill chunks in query slices of ``QUERY_SLICE``). The output equals the
+  kernel's up to float32 rounding (tested against vLLM's kernel), the scores are those of the second pass, bit for
+  bit.
+* ``second_pass`` (default, the faster on CPU): vLLM's kernel computes the output, then step 2 recomputes the query-key products and softmax
+  over the same keys for the mass (the kernel's QK half again, plus the key gather).
+
+The scores are exact H2O sums (up to float32 rounding): what is approximated is the unit, a whole block kept or
+evicted per KV head instead of single tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch
 
 from kvcompress.vllm.carry import CarryStep, LayerCarry
 from kvcompress.vllm.layout import KeyLayout
-from kvcompress.vllm.policies import CascadeBlocks, H2OBlocks
+from kvcompress.vllm.policies import BuzzBlocks, CascadeBlocks, H2OBlocks
 
 QUERY_SLICE = 256  # prefill queries scored at once: bounds the probabilities held to heads x 256 x kept tokens
 
@@ -73,11 +81,12 @@ class H2OReplay:
 class ScoredStep:
     """The block H2O work of one step, shared by all layers (built once by the metadata builder)."""
 
-    policy: H2OBlocks | CascadeBlocks
+    policy: H2OBlocks | CascadeBlocks | BuzzBlocks
     layout: KeyLayout
     num_reqs: int
     refill: list[RefillRow]
     carry: CarryStep | None = None
+    one_pass: bool = False  # the attention output is computed by the scoring pass (vLLM's kernel is skipped)
     replays: list[H2OReplay] = field(default_factory=list)
     departures_kept: dict[str, torch.Tensor] = field(default_factory=dict)  # request -> ids of its kept blocks
 
@@ -89,11 +98,15 @@ class BlockScores:
         self.scores: torch.Tensor | None = None
         self.carry = LayerCarry()
 
-    def step(self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float) -> None:
+    def step(
+        self, step: ScoredStep, query: torch.Tensor, kv_cache: torch.Tensor, metadata, scale: float, output=None
+    ) -> None:
         """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``.
 
         Before step 1, requests leaving the batch park their kept blocks' scores and slots' origin, and after step
-        2 recomputed requests get them back (``kvcompress.vllm.carry``).
+        2 recomputed requests get them back (``kvcompress.vllm.carry``). With ``output`` (``[tokens, num_heads,
+        head_size]``, the one-pass mode: vLLM's kernel did not run), step 2 also writes the attention output there,
+        before any block of this step is moved.
         """
         if self.scores is None:
             self.scores = torch.zeros(kv_cache.shape[0], kv_cache.shape[1], device=kv_cache.device)
@@ -109,7 +122,9 @@ class BlockScores:
         gamma = step.policy.gamma if isinstance(step.policy, CascadeBlocks) else None
         if gamma is not None:
             decay(self.scores, starts, seq_lens, table, gamma, block_size, skip)
-        add_attention_mass(self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip, gamma)
+        add_attention_mass(
+            self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip, gamma, output
+        )
         for replay in step.replays:
             self._replay(step, replay, query, kv_cache, scale)
         for row in step.refill:
@@ -118,6 +133,8 @@ class BlockScores:
     def _refill(self, step: ScoredStep, kv_cache: torch.Tensor, row: RefillRow) -> None:
         if isinstance(step.policy, CascadeBlocks):
             cascade_refill(self.scores, kv_cache, row, step.policy, self.carry)
+        elif isinstance(step.policy, BuzzBlocks):
+            buzz_refill(self.scores, kv_cache, row, step.policy, self.carry)
         else:
             refill(self.scores, kv_cache, row, self.carry)
 
@@ -176,7 +193,17 @@ def _ema_weights(num_queries: int, gamma: float, device) -> torch.Tensor:
 
 
 def add_attention_mass(
-    scores, layout: KeyLayout, kv_cache, query, starts, seq_lens, block_table, scale, skip=frozenset(), gamma=None
+    scores,
+    layout: KeyLayout,
+    kv_cache,
+    query,
+    starts,
+    seq_lens,
+    block_table,
+    scale,
+    skip=frozenset(),
+    gamma=None,
+    output: torch.Tensor | None = None,
 ) -> None:
     """Add to ``scores[block, kv_head]`` the attention mass the queries of each request give each kept block.
 
@@ -184,24 +211,60 @@ def add_attention_mass(
     tokens of the blocks ``block_table[r]``, its last query to all of them, causally before. Rows in ``skip``
     (recomputed requests, scored by their replay) add nothing. With ``gamma`` (block cascade's EMA, after
     ``decay``), query ``m`` of a step of ``q`` weighs ``(1 - gamma) gamma^(q - 1 - m)``.
+
+    With ``output`` (``[tokens, num_heads, head_size]``), the same pass also writes the attention output of every
+    query there (rows in ``skip`` included): the probabilities that give the mass are multiplied by the kept
+    values, so one pass replaces vLLM's kernel and the second pass (the one-pass mode of the scored policies).
     """
     query_lens = starts[1:] - starts[:-1]
+    counted = torch.ones(len(query_lens), device=query.device)
     if skip:
-        query_lens = query_lens.clone()
-        query_lens[list(skip)] = 0
+        counted[list(skip)] = 0
     decoding = query_lens == 1
     rows = decoding.nonzero().flatten()
+    if output is None:
+        rows = rows[counted[rows] > 0]
     if len(rows):
-        weight = 1.0 if gamma is None else 1 - gamma
-        _decode_mass(scores, layout, kv_cache, query[starts[rows]], seq_lens[rows], block_table[rows], scale, weight)
+        weight = counted[rows] * (1.0 if gamma is None else 1 - gamma)
+        out = _decode_mass(
+            scores,
+            layout,
+            kv_cache,
+            query[starts[rows]],
+            seq_lens[rows],
+            block_table[rows],
+            scale,
+            weight,
+            output is not None,
+        )
+        if out is not None:
+            output[starts[rows]] = out.to(output.dtype)
     for r in (~decoding & (query_lens > 0)).nonzero().flatten().tolist():
-        queries = query[int(starts[r]) : int(starts[r + 1])]
-        weights = None if gamma is None else _ema_weights(len(queries), gamma, queries.device)
-        _prefill_mass(scores, layout, kv_cache, queries, int(seq_lens[r]), block_table[r], scale, weights)
+        if output is None and not counted[r]:
+            continue
+        start, end = int(starts[r]), int(starts[r + 1])
+        weights = None if gamma is None else _ema_weights(end - start, gamma, query.device)
+        target = None if output is None else output[start:end]
+        _prefill_mass(
+            scores,
+            layout,
+            kv_cache,
+            query[start:end],
+            int(seq_lens[r]),
+            block_table[r],
+            scale,
+            weights,
+            target,
+            bool(counted[r]),
+        )
 
 
-def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale, weight: float = 1.0) -> None:
-    """One query per request, all requests at once (padded to the longest; padding gets probability 0)."""
+def _decode_mass(
+    scores, layout, kv_cache, query, seq_lens, block_table, scale, weight, with_output: bool = False
+) -> torch.Tensor | None:
+    """One query per request, all requests at once (padded to the longest; padding gets probability 0); request
+    ``r``'s mass weighted ``weight[r]`` (a float or ``[R]``). With ``with_output``, also the attention output
+    ``[R, num_heads, head_size]`` (float32) from the same probabilities."""
     block_size = layout.shape[1]
     num_blocks = -(-int(seq_lens.max()) // block_size)
     blocks = block_table[:, :num_blocks].long()
@@ -210,20 +273,29 @@ def _decode_mass(scores, layout, kv_cache, query, seq_lens, block_table, scale, 
     grouped = query.float().view(num_reqs, num_kv_heads, -1, head_size)
     logits = torch.einsum("rkgd,rktd->rkgt", grouped, keys) * scale
     logits.masked_fill_(torch.arange(tokens, device=keys.device) >= seq_lens.view(-1, 1, 1, 1), float("-inf"))
-    mass = logits.softmax(dim=-1).sum(dim=2).view(num_reqs, num_kv_heads, num_blocks, block_size).sum(dim=3)
-    if weight != 1.0:
-        mass = mass * weight
+    probabilities = logits.softmax(dim=-1)
+    mass = probabilities.sum(dim=2).view(num_reqs, num_kv_heads, num_blocks, block_size).sum(dim=3)
+    weight = torch.as_tensor(weight, dtype=mass.dtype, device=mass.device)
+    mass = mass * weight.view(-1, 1, 1) if weight.dim() else mass * weight
     heads = torch.arange(num_kv_heads, device=keys.device).view(1, -1, 1)
     scores.index_put_((blocks.unsqueeze(1).expand_as(mass), heads.expand_as(mass)), mass, accumulate=True)
+    if not with_output:
+        return None
+    values = layout.read_blocks(kv_cache, blocks, values=True)  # [R, H_kv, T, D]
+    return torch.einsum("rkgt,rktd->rkgd", probabilities, values).reshape(num_reqs, -1, head_size)
 
 
-def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, scale, weights=None) -> None:
+def _prefill_mass(
+    scores, layout, kv_cache, query, seq_len: int, block_table, scale, weights=None, output=None, counted=True
+) -> None:
     """A prefill chunk of one request: its queries are the last ``len(query)`` of its ``seq_len`` tokens (query ``m``
-    weighted ``weights[m]``, if given)."""
+    weighted ``weights[m]``, if given). With ``output`` (``[len(query), num_heads, head_size]``), also the attention
+    output of each query, from the same probabilities; ``counted=False``: the output only, no mass."""
     block_size = layout.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     keys = layout.read_blocks(kv_cache, blocks)[:, :seq_len]  # [H_kv, T, D]
+    values = None if output is None else layout.read_blocks(kv_cache, blocks, values=True)[:, :seq_len]
     num_kv_heads, _, head_size = keys.shape
     first = seq_len - len(query)
     mass = torch.zeros(num_kv_heads, num_blocks * block_size, device=keys.device)
@@ -234,10 +306,14 @@ def _prefill_mass(scores, layout, kv_cache, query, seq_len: int, block_table, sc
         positions = torch.arange(first + start, first + start + len(part), device=keys.device).view(-1, 1)
         logits.masked_fill_(torch.arange(seq_len, device=keys.device) > positions, float("-inf"))
         probabilities = logits.softmax(dim=-1)
+        if values is not None:
+            out = torch.einsum("kgqt,ktd->qkgd", probabilities, values).reshape(len(part), -1, head_size)
+            output[start : start + len(part)] = out.to(output.dtype)
         if weights is not None:
             probabilities = probabilities * weights[start : start + len(part)].view(1, 1, -1, 1)
         mass[:, :seq_len] += probabilities.sum(dim=(1, 2))
-    scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
+    if counted:
+        scores[blocks] += mass.view(num_kv_heads, num_blocks, block_size).sum(dim=2).T
 
 
 def refill(scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, carry: LayerCarry | None = None) -> None:
@@ -297,5 +373,58 @@ def cascade_refill(
                 scores[target] = torch.where(wins, score, scores[target])
                 if origin is not None:
                     origin[:, slot] = torch.where(wins, source, origin[:, slot])
+    if origin is not None:
+        carry.origin[row.request] = origin
+
+
+def buzz_survivors(scores: torch.Tensor, old: int, stride: int, old_stride: int, every: int) -> torch.Tensor:
+    """BUZZ's eviction over the middle's candidates (``scores``: ``[old + new, H_kv]``, old blocks first): per KV
+    head, the candidate indices that survive (``[kept, H_kv]``, old survivors then new, in order): old blocks
+    0, ``old_stride``, ...; the earliest highest-scored block of each hive of ``stride`` new blocks; then every
+    ``every``-th survivor."""
+    num_kv_heads = scores.shape[1]
+    new = len(scores) - old
+    hives = -(-new // stride)
+    padded = torch.full((hives * stride, num_kv_heads), float("-inf"), dtype=scores.dtype, device=scores.device)
+    padded[:new] = scores[old:]
+    best = padded.view(hives, stride, num_kv_heads).argmax(dim=1)  # the first maximum: ties to the earliest
+    best = best + old + torch.arange(hives, device=scores.device).unsqueeze(1) * stride
+    old_kept = torch.arange(0, old, old_stride, device=scores.device).unsqueeze(1).expand(-1, num_kv_heads)
+    return torch.cat([old_kept, best])[::every]
+
+
+def buzz_refill(
+    scores: torch.Tensor, kv_cache: torch.Tensor, row: RefillRow, policy: BuzzBlocks, carry: LayerCarry | None
+) -> None:
+    """Block BUZZ: each block of ``row.leaving`` (in order) leaves the window into the middle (``BuzzBlocks``): into
+    the next free slot (all KV heads), or, when the middle is full, BUZZ's eviction over the middle and it, whose
+    survivors are copied per KV head into the first slots (keys, values and scores). ``row.slots``: the ids of the
+    middle's slots (logical ``row.first_slot`` on)."""
+    num_kv_heads = scores.shape[1]
+    heads = torch.arange(num_kv_heads, device=scores.device)
+    origin = None
+    if carry is not None and row.request is not None:
+        origin = carry.origin_of(row.request, num_kv_heads, policy.sink_blocks, scores.device).clone()
+    first = row.first_slot
+    for k, block in enumerate(row.leaving.tolist()):
+        logical = row.first_leaving + k
+        old, new = policy.state(logical - policy.first_sink_blocks)
+        if old + new < policy.threshold:  # a free slot: the block joins the new buffer there
+            kv_cache[row.slots[old + new]] = kv_cache[block]
+            scores[row.slots[old + new]] = scores[block]
+            if origin is not None:
+                origin[:, first + old + new] = logical
+            continue
+        candidates = torch.cat([row.slots[: old + new], row.leaving[k : k + 1]])
+        every = policy.thinned(old, new + 1)[1]
+        chosen = buzz_survivors(scores[candidates], old, policy.stride, policy.old_stride, every)  # [kept, H_kv]
+        sources = candidates[chosen]  # [kept, H_kv] block ids
+        kept = len(chosen)
+        targets = row.slots[:kept].unsqueeze(1).expand_as(sources)
+        kv_cache[targets, heads] = kv_cache[sources, heads]  # the right side is gathered before any write
+        scores[targets, heads] = scores[sources, heads]
+        if origin is not None:
+            labels = torch.cat([origin[:, first : first + old + new].T, torch.full((1, num_kv_heads), logical)])
+            origin[:, first : first + kept] = labels.to(origin.device)[chosen, heads].T
     if origin is not None:
         carry.origin[row.request] = origin
