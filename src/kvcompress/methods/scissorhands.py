@@ -45,9 +45,9 @@ class ScissorhandsPolicy(Policy):
         }
 
     def observe(self, layer, stats):
-        """The history window is a ring of ``history`` columns; the query of stream index ``t`` writes column
-        ``t % history``, so the window holds the last ``history`` queries' bits (a forward's queries are
-        consecutive stream indices ending at ``seen - 1``)."""
+        """The history window is a ring of ``history`` columns: the query of stream index ``t`` writes column
+        ``t % history`` (a forward's queries are the stream indices before ``seen``), so it holds the bits of the
+        last ``history`` queries and needs no counter of its own."""
         rows = stats.last.mean(dim=2)  # [B, H_kv, n, L]
         if stats.last_visible is None:  # one query that sees every key: the average is 1 / L
             low = (rows < 1.0 / rows.shape[-1]).transpose(-1, -2)  # [B, H_kv, L, n]
@@ -57,12 +57,12 @@ class ScissorhandsPolicy(Policy):
             low = (visible & (rows < average)).transpose(-1, -2)
         history, window = self.config.history, layer.state["low"]
         if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
-            column = (layer.seen_step - 1) % history
+            column = (layer.seen_step - 1) % history  # (an int, or a device scalar: ``core.replay``)
             score = layer.state["score"]
             score.add_(last_index(window, column), alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
             put_last_index(window, column, low[..., 0])
         else:
-            rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
+            rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` queries
             columns = torch.arange(layer.seen - rows_kept, layer.seen, device=low.device) % history
             window.index_copy_(-1, columns, low[..., -rows_kept:])
             layer.state["score"] = layer.token_idx.double() - LOW_WEIGHT * window.sum(dim=-1).double()
