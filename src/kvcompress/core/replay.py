@@ -159,7 +159,6 @@ class SlotReplay:
         return (self.slots.keys, self.occupied, self._free is self.free_buffer)
 
 
-
 def last_index(tensor: torch.Tensor, index: int | torch.Tensor) -> torch.Tensor:
     """``tensor[..., index]`` for an index computed from ``seen_step``: a view for an int, a gather for a device
     scalar (indexing with a 0-dim tensor would read it back to the host)."""
