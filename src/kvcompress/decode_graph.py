@@ -14,7 +14,9 @@ it changes in tensors (a replay runs no Python):
 - no host synchronisation (the core has none in a decoding step; CUDA refuses to capture one).
 
 Once the cache is steady the layers are bound and one step runs in Python in that form; the next steady step is
-captured (it also runs) and later ones replay. ``tests/test_decode_graph.py`` checks for every supported method that
+captured (it also runs) and later ones replay. Reading the cache's counters between replays (``get_seq_length()``,
+a layer's ``seen``) waits for the device once to bring them up to date: a decoding loop counts its positions itself
+(as ``greedy_decode`` does). ``tests/test_decode_graph.py`` checks for every supported method that
 two consecutive bound steps trace to the same operations and leave the Python state as it was (counters aside),
 then replays a traced step against eager decoding.
 
