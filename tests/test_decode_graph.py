@@ -4,7 +4,9 @@ On the CPU the capture is ``make_fx``'s trace: the step as a fixed graph of ATen
 baked in and every tensor the step reads at the address it had when traced, which is the contract of a CUDA graph
 (``tests/gpu`` replays real CUDA graphs). Two checks per supported method: two consecutive steady steps trace to the
 same operations (no stream position or slot index baked in as a number), and replaying the traced step for many
-tokens reproduces eager decoding exactly (logits every step, kept tokens at the end).
+tokens reproduces eager decoding exactly (logits every step, kept tokens at the end, and once the graph is left
+every Python number of the cache, its layers, slots and policies: a replay runs no Python, so what a step changes
+must live in the layers' device counters, ``core.replay``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import kvcompress
-from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, bind_step_buffers, greedy_decode
+from kvcompress.core.replay import ReplayBinding
+from kvcompress.decode_graph import GRAPHED_METHODS, DecodeGraph, greedy_decode
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import tiny_model
 
@@ -52,9 +55,11 @@ def test_two_steady_steps_trace_to_the_same_operations(model, method, bound):
     with torch.no_grad():
         for step in range(3):  # reach the budget: every layer reuses its victim's slot
             _step(model, cache)(token, _positions(step))
+        binding = ReplayBinding(cache.compressed_layers)
         if bound:
-            bind_step_buffers(cache.compressed_layers)
-        codes = [make_fx(_step(model, cache))(token, _positions(step)).code for step in (3, 4)]
+            binding.bind()
+        with binding.own_step():  # (a forward outside the graph's own steps would unbind the layers)
+            codes = [make_fx(_step(model, cache))(token, _positions(step)).code for step in (3, 4)]
     # without the device counters the step bakes in the stream index it writes: a number that changes every step
     assert (codes[0] == codes[1]) == bound
 
@@ -72,9 +77,37 @@ def test_replaying_a_traced_step_reproduces_eager_decoding(model, method):
     assert graphed.replays >= 18  # captured once the cache reached its budget and its step repeated
     assert eager.replay is None and eager.replays == 0
     for ours, theirs in zip(graphed.layers, eager.layers, strict=True):
-        assert ours.seen == theirs.seen and ours.get_seq_length() == PROMPT + 24
+        assert ours.seen == theirs.seen and ours.get_seq_length() == PROMPT + 24  # (read: one sync, still bound)
         assert int(ours.seen_tensor) == ours.seen
         assert torch.equal(ours.kept().token_idx, theirs.kept().token_idx)
+    graphed.close()
+    assert _python_state(graphed.cache) == _python_state(eager.cache)
+    assert all(layer.seen_tensor is None for layer in graphed.layers)
+
+
+def _python_state(cache) -> list[dict]:
+    """Every number (and tuple or list of numbers) of the cache, its layers, their slots and policies, the bound form's
+    own attributes aside; the slots' real-token count as its value (how much of it lags in Python differs between a
+    replayed and an eager step)."""
+    owners = [cache]
+    for layer in cache.compressed_layers:
+        owners += [layer, layer.slots, layer.policy]
+    numbers = (int, float, bool, str, type(None))
+    state = []
+    for owner in owners:
+        fields = {
+            name: tuple(value) if isinstance(value, list | tuple) else value
+            for name, value in getattr(owner, "__dict__", {}).items()
+            if name not in ("_real_lag", "replay_binding", "seen_tensor", "free_buffer", "start_tensor")
+            and (
+                isinstance(value, numbers)
+                or (isinstance(value, list | tuple) and all(isinstance(item, numbers) for item in value))
+            )
+        }
+        if hasattr(owner, "real_seen"):
+            fields["real_seen"] = owner.real_seen.tolist()
+        state.append(fields)
+    return state
 
 
 def test_other_methods_decode_eagerly(model):

@@ -18,7 +18,7 @@ MEMBERS = set(LayerView.__annotations__) | {
     for name, value in vars(LayerView).items()
     if not name.startswith("_") and isinstance(value, property | type(len) | type(lambda: 0))
 }
-BATCHED = ("policy", "device", "seen", "seen_tensor", "new_tokens", "occupied", "view_width", "dense", "ordered")
+BATCHED = ("policy", "device", "seen", "seen_step", "new_tokens", "occupied", "view_width", "dense", "ordered")
 BATCHED += ("all_valid", "rows", "token_idx", "state", "new_index", "real_count")
 
 

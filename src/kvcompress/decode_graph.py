@@ -3,34 +3,38 @@
 A decoding step of a small model on a GPU is launch-bound: every operation is a kernel launch of ~10 µs whatever its
 size, so the few operations per layer a compressed cache adds (write the token, score, pick the victim) cost more
 than the attention they save. A CUDA graph replays the whole step (the model's layers and the cache's bookkeeping)
-as one launch. That needs a step whose operations, shapes and addresses are the same every time:
+as one launch. That needs a step whose operations, shapes and addresses are the same every time, and that keeps all
+it changes in tensors (a replay runs no Python):
 
 - the cache is at its budget and decodes one token per sequence: each layer reuses its victim's slot, so no buffer
   grows and no shape changes (``steady``);
-- no value that changes from step to step is baked into the step as a Python number: while a graph is in use each
-  layer counts the tokens it has seen on the device too (``CompressedLayer.seen_tensor``) and copies its victims to
-  one buffer (``free_buffer``) that the next step reads;
+- the layers are bound to the graph (``core.replay.ReplayBinding``): their per-step numbers are device scalars the
+  step advances in place, their victims go to one buffer the next step reads, and their Python integers are set from
+  those scalars, with one host read, only when something outside the graph reads them or runs a forward;
 - no host synchronisation (the core has none in a decoding step; CUDA refuses to capture one).
 
-The Python side of a step (the layers' counters) is not replayed by the GPU: ``DecodeGraph`` records how the
-capture changed the cache's Python state (whole numbers only; anything else must be unchanged, or the graph is
-dropped after that step and decoding goes on eagerly) and applies the same change after every replay.
+Once the cache is steady the layers are bound and one step runs in Python in that form; the next steady step is
+captured (it also runs) and later ones replay. Reading the cache's counters between replays (``get_seq_length()``,
+a layer's ``seen``) waits for the device once to bring them up to date: a decoding loop counts its positions itself
+(as ``greedy_decode`` does). ``tests/test_decode_graph.py`` checks for every supported method that
+two consecutive bound steps trace to the same operations and leave the Python state as it was (counters aside),
+then replays a traced step against eager decoding.
 
-Supported methods (``GRAPHED_METHODS``): those whose steady decoding step has been checked to be the same
-operations every step (``tests/test_decode_graph.py`` traces two consecutive steps and compares them, then replays
-a traced step against eager decoding). Other methods, a cache not yet at its budget, padding (an attention mask with
-zeros) or a sliding-window model decode eagerly through the same object. A forward that changes the cache between
-calls (more prompt, a reordered batch) or another batch shape drops the graph; decoding goes on eagerly and is
-captured again once steady.
+Supported methods (``GRAPHED_METHODS``): those whose steady decoding step has been checked that way. Other methods, a
+cache not yet at its budget, padding (an attention mask with zeros) or a sliding-window model decode eagerly through
+the same object. A forward that is not the graph's (more prompt), a reordered batch or another batch shape drops
+the graph (the layers leave their bound form); decoding goes on eagerly and is captured again once steady.
 
     graph = DecodeGraph(model, cache)
     logits = graph(input_ids, position_ids)   # [B, 1] each; logits [B, 1, vocab], valid until the next call
+    graph.close()                              # optional: leave the bound form (the cache works either way)
 
     tokens = greedy_decode(model, cache, prompt_ids, max_new_tokens=64, chunk_size=512)   # prefill + decode
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,33 +42,15 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.replay import ReplayBinding
 from kvcompress.generation import cache_argument, prefill
 
 GRAPHED_METHODS = frozenset({"window", "h2o", "tova", "knorm", "random", "scissorhands", "less", "streaming"})
-_NUMBERS = (int, float, bool, str, type(None))
 
 
 def steady(layers: list[CompressedLayer]) -> bool:
     """Whether every layer's next decoding step runs the same operations as its last (``replay_steady``)."""
     return all(layer.replay_steady() for layer in layers)
-
-
-def bind_step_buffers(layers: list[CompressedLayer]) -> None:
-    """Give each (steady) layer the device counters and buffers a replayed step reads (``bind_replay_buffers``)."""
-    for layer in layers:
-        layer.bind_replay_buffers()
-
-
-def _same(captured: tuple, now: tuple) -> bool:
-    return all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(captured, now, strict=True))
-
-
-def _numbers(attributes: dict[str, object]):
-    for name, value in attributes.items():
-        if isinstance(value, _NUMBERS):
-            yield name, value
-        elif isinstance(value, list | tuple) and all(isinstance(item, _NUMBERS) for item in value):
-            yield name, tuple(value)
 
 
 class DecodeGraph:
@@ -84,71 +70,70 @@ class DecodeGraph:
         if capture == "auto":
             capture = "cuda" if model.device.type == "cuda" else None
         self.capture = capture if cache.config.name in GRAPHED_METHODS else None
+        self.binding = ReplayBinding(self.layers)
         self.replay: Any = None
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.buffers: list[tuple] = []  # each layer's ``replay_state`` when captured
         self.logits: torch.Tensor | None = None
-        self.delta: list[tuple[int, str, int]] | None = None  # the last step's changes of the Python state
-        self.ready = False
         self.replays = 0
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.replay is not None and self._still_captured(input_ids, position_ids):
             return self._replayed(input_ids, position_ids)
-        if self.replay is not None:  # something else changed the cache (a forward, a reorder) or the batch
-            self.replay, self.ready, self.delta = None, False, None  # eager again until the step repeats
-        if self.capture is None:
+        if self.replay is not None or (self.binding.bound and not self.binding.holds()):
+            self.close()  # something else changed the cache (a forward, a reorder) or the batch: eager again
+        if self.capture is None or not steady(self.layers):
+            self.close()
             return self._eager(input_ids, position_ids)
-        if self.ready and steady(self.layers):
-            return self._captured(input_ids, position_ids)
-        before = self._python_state()
-        if self.capture == "cuda":  # eager steps before the capture run on its side stream (CUDA's advice)
-            logits = self._on_side_stream(input_ids, position_ids)
-        else:
-            logits = self._eager(input_ids, position_ids)
-        delta = self._delta(before, self._python_state())
-        # ready: this step changed the Python state as the previous one did (counters only), and nothing grows next
-        self.ready = delta is not None and delta == self.delta and steady(self.layers)
-        self.delta = delta
-        return logits
+        if not self.binding.bound:  # the first step in the bound form runs in Python (on CUDA, on a side stream)
+            self.binding.bind()
+            return self._step(input_ids, position_ids, side_stream=self.capture == "cuda")
+        return self._captured(input_ids, position_ids)
+
+    def close(self) -> None:
+        """Drop the captured step and let the layers leave their bound form (their Python integers brought up to date
+        with one host read); the cache then decodes eagerly, and a later steady step is captured again."""
+        self.replay = None
+        self.binding.unbind()
 
     def _eager(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         kwargs = cache_argument(self.model, self.cache)
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **kwargs).logits
 
-    def _on_side_stream(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(stream):
+    def _step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, side_stream: bool = False) -> torch.Tensor:
+        """The graph's own step run in Python (the bound layers keep their form through it)."""
+        stream = torch.cuda.Stream(self.model.device) if side_stream else None
+        if stream is not None:  # eager steps before a capture run on its side stream (CUDA's advice)
+            stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with self.binding.own_step(), torch.cuda.stream(stream) if stream is not None else nullcontext():
             logits = self._eager(input_ids, position_ids)
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        if stream is not None:
+            torch.cuda.current_stream(self.model.device).wait_stream(stream)
         return logits
 
     def _captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Capture this step (it also runs it); check that it changed the Python state as the step before."""
-        bind_step_buffers(self.layers)
+        """Capture this step (which also runs it)."""
         self.inputs = (input_ids.clone(), position_ids.clone())
         self.buffers = [layer.replay_state() for layer in self.layers]
-        before = self._python_state()
         if self.capture == "cuda":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.logits = self._eager(*self.inputs)
+                self.logits = self._step(*self.inputs)
             graph.replay()  # capturing queued nothing: this runs the step
             self.replay = graph.replay
         else:
             ran: list[torch.Tensor] = []
-            traced = make_fx(lambda ids, positions: ran.append(self._eager(ids, positions)) or ran[-1])(*self.inputs)
+            traced = make_fx(lambda ids, positions: ran.append(self._step(ids, positions)) or ran[-1])(*self.inputs)
             self.logits = ran[0]  # tracing runs the step; a replay returns new logits
             self.replay = lambda: traced(*self.inputs)
-        if self._delta(before, self._python_state()) != self.delta:  # not the step seen before: decode eagerly
-            self.replay, self.capture = None, None
         return self.logits
 
     def _still_captured(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> bool:
-        """Whether the captured step still applies: the same batch shape, and every layer still reuses its victim's
-        slot in the buffers the graph was captured with (a forward of another size would have compacted them)."""
+        """Whether the captured step still applies: the same batch shape, the layers still bound (no other forward
+        ran), and every layer still reuses its victim's slot in the buffers the graph was captured with."""
         if input_ids.shape != self.inputs[0].shape or position_ids.shape != self.inputs[1].shape:
+            return False
+        if not self.binding.holds():
             return False
         return all(_same(state, layer.replay_state()) for layer, state in zip(self.layers, self.buffers, strict=True))
 
@@ -156,44 +141,13 @@ class DecodeGraph:
         self.inputs[0].copy_(input_ids)
         self.inputs[1].copy_(position_ids)
         logits = self.replay()
-        owners = self._owners()
-        for owner, name, change in self.delta:
-            setattr(owners[owner], name, getattr(owners[owner], name) + change)
-        for layer in self.layers:
-            layer.replayed_python_step()
+        self.binding.replayed()
         self.replays += 1
         return self.logits if logits is None else logits
 
-    def _owners(self) -> list[object]:
-        owners: list[object] = [self.cache]
-        for layer in self.layers:
-            owners += [layer, layer.slots, layer.policy]
-        return owners
 
-    def _python_state(self) -> list[dict[str, object]]:
-        """Per owner, its attributes that are numbers (or lists and tuples of numbers, as tuples)."""
-        skips: list[tuple[str, ...]] = [()]  # per owner (see ``_owners``): what ``replayed_python_step`` advances
-        for layer in self.layers:
-            skips += [layer.replay_managed, (), ()]
-        return [
-            {k: v for k, v in _numbers(getattr(o, "__dict__", {})) if k not in skip}
-            for o, skip in zip(self._owners(), skips, strict=True)
-        ]
-
-    def _delta(self, before: list[dict], after: list[dict]) -> list[tuple[int, str, int]] | None:
-        """The whole-number changes of one step (owner's index, name, change), or ``None`` if it changed anything
-        else."""
-        delta = []
-        for owner, (old, new) in enumerate(zip(before, after, strict=True)):
-            if old.keys() != new.keys():
-                return None
-            for name, value in new.items():
-                if type(value) is int and type(old[name]) is int:
-                    if value != old[name]:
-                        delta.append((owner, name, value - old[name]))
-                elif value != old[name]:
-                    return None
-        return delta
+def _same(captured: tuple, now: tuple) -> bool:
+    return all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(captured, now, strict=True))
 
 
 @torch.no_grad()
@@ -216,4 +170,5 @@ def greedy_decode(
     for _ in range(max_new_tokens - 1):
         tokens.append(graph(tokens[-1], position)[:, -1].argmax(-1, keepdim=True))
         position = position + 1
+    graph.close()
     return torch.cat(tokens, dim=1)

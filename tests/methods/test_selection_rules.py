@@ -82,6 +82,7 @@ def test_scissorhands_history_window_forgets_old_queries():
     config = make_config("scissorhands", budget=30, history=2)
     layer = filled_layer(config, random_keys())
     for seed in range(3):
+        layer.seen += 1  # each observation is of the next query (the window's ring is indexed by stream index)
         layer.after_attention(stats_from_rows(random_rows(queries=1, seed=seed)))
     latest = torch.cat([random_rows(1, seed=s) for s in (1, 2)], dim=3).mean(dim=2) < 1.0 / L
     assert torch.equal(layer.state["low"].sum(-1), latest.sum(dim=2))

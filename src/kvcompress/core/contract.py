@@ -103,7 +103,7 @@ class LayerView(Protocol):
     shared keys). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
     ``values`` ``[B, H_kv, W, d]``); ``state`` maps the names ``Policy.init_state`` returned to such views (written
     in place). At a decoding step a ``Policy.batchable`` policy reads, through ``core.joint_eviction.StackedLayer``,
-    only ``policy``, ``device``, ``seen``, ``seen_tensor``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
+    only ``policy``, ``device``, ``seen``, ``seen_step``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
     ``ordered``, ``all_valid``, ``rows``, ``token_idx``, ``state``, ``new_index()`` and ``real_count()``.
 
     A layer kind adds what only its own method reads (PoD's block peers, LESS's state): a policy reading those
@@ -114,7 +114,10 @@ class LayerView(Protocol):
     inv_freq: torch.Tensor | None  # the model's RoPE frequencies for this layer (None: not needed, or no RoPE)
     sliding_window: int | None  # the model's window on this layer (None: a global layer)
     seen: int  # tokens seen so far, padding included (the stream index of the next token)
-    seen_tensor: torch.Tensor | None  # ``seen`` as a device scalar while a captured decoding step replays
+    # ``seen`` as a step computes with it: the int, or a device scalar the step advances in place while the layer is
+    # bound to a captured decoding step (``core.replay``); arithmetic serves both (``torch.arange`` does not: use
+    # ``core.slots.stream_range``), so a method never branches on replay
+    seen_step: int | torch.Tensor
     new_tokens: int  # tokens of this forward
     occupied: int  # slots holding a token, the most of any row
     compressed: bool  # a one-shot method has compressed this layer

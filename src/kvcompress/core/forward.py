@@ -41,6 +41,9 @@ class ForwardPass:
         self._tables: dict[Hashable, object] = {}  # this forward's shared work (``cached``)
         self._jobs: dict[Hashable, Callable[[], None]] = {}  # work for the end of this forward (``at_end``)
         self._stacks: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # name: (buffer, its slices)
+        # called as each forward opens, before any layer stores a token (a graph's binding watches for forwards
+        # that are not its own: ``core.replay``)
+        self.on_open: Callable[[], None] | None = None
 
     @property
     def shared(self) -> bool:
@@ -54,6 +57,8 @@ class ForwardPass:
         if layer is self.layers[0] or not self.is_open:
             if self.is_open:
                 self.close()
+            if self.on_open is not None:
+                self.on_open()
             self.is_open = True
 
     def end(self, layer: object) -> None:

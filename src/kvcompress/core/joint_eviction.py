@@ -109,7 +109,7 @@ class StackedLayer:
         self.layers = layers
         self.policy = first.policy
         self.device = first.device
-        self.seen, self.seen_tensor, self.new_tokens = first.seen, first.seen_tensor, first.new_tokens
+        self.seen, self.seen_step, self.new_tokens = first.seen, first.seen_step, first.new_tokens
         self.occupied, self.view_width = first.occupied, first.view_width
         self.dense, self.ordered, self.all_valid = first.dense, first.ordered, first.all_valid
         self.rows = tuple(buffers["token_idx"].shape[:2])

@@ -77,10 +77,6 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
         # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward``)
         self.new_positions: torch.Tensor | None = None
-        # set while a captured decoding step replays (``kvcompress.decode_graph``): the tokens seen as a device
-        # scalar, and the buffer the victims are copied to (a replayed step reads what the last one wrote, in place)
-        self.seen_tensor: torch.Tensor | None = None
-        self.free_buffer: torch.Tensor | None = None
 
     # --- views of the slots attention sees ---------------------------------------------------------------------
     @property
@@ -151,7 +147,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         if needed > self.slots.capacity:
             self.slots.grow(self._grown_capacity(needed))
         state = self.policy.init_state(self, key_states)
-        seen = self.seen if self.seen_tensor is None else self.seen_tensor.add_(count) - count
+        seen = self.seen_step  # (bound to a captured step: a device scalar, advanced in place; ``core.replay``)
+        if self.seen_tensor is not None:
+            seen = seen.add_(count) - count
         if self.dense:
             self._new = None
             self.slots.write_range(self.occupied, key_states, value_states, seen, state, self.all_valid)
@@ -371,6 +369,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.compressed = self._stale = False
         self.dense = self.ordered = self.all_valid = self.stream_positions = True
         self._free = self._new = self.new_positions = None
+        self.replay_binding = self.seen_tensor = self.free_buffer = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)

@@ -1,21 +1,106 @@
-"""What a layer tells ``kvcompress.decode_graph`` about replaying its decoding step (a CUDA graph runs fixed
-kernels on fixed addresses with every Python number baked in).
+"""Static decoding steps: what lets ``kvcompress.decode_graph`` capture a layer's decoding step once and replay it.
 
-``SlotReplay`` is the slot layer's (``CompressedLayer``): a steady step reuses the victim's slot; bound to a graph
-the layer counts its tokens on the device (``seen_tensor``) and copies its victims to one buffer
-(``free_buffer``) the next step reads. Layers with another storage override these methods (the circular sink
-cache: ``methods.cascade.ring_replay``).
+A captured step (a CUDA graph, or ``make_fx``'s trace on the CPU) runs fixed kernels on fixed addresses with every
+Python number baked in, and runs no Python: whatever the step changes must live in tensors the step updates in place.
+A layer *bound* to a captured step (``ReplayBinding.bind``) is in its static form:
+
+- its capacity is fixed: a steady step (``replay_steady``) writes its token into the slot its victim left, so no
+  buffer grows and no shape changes;
+- its per-step numbers are device scalars the step advances in place (``replay_counters``: the slot layer's
+  ``seen_tensor``, the stream index of the next token; the circular ring's index and start), written once from the
+  Python integers when it is bound; its victims go to one buffer (``free_buffer``) the next step reads;
+- a method computes with ``layer.seen_step``: ``seen`` itself while the layer runs eagerly, ``seen_tensor`` while it is
+  bound; the same arithmetic serves both, so no method branches on replay.
+
+The Python integers of a bound layer (``seen``, the slots' lagging real-token count, the ring's counters) fall behind
+while the graph replays: the binding is then ``stale``, and the first read of a layer's ``seen`` (or a forward that
+is not the graph's, which also unbinds) reads every bound layer's counters with one host read and sets the integers
+from them (``sync_replayed``): one synchronisation when the user leaves the graph, none per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
-class SlotReplay:
-    """Mixin of ``CompressedLayer``."""
+class ReplayBinding:
+    """The layers of one cache bound to a captured decoding step, and whether their Python integers are behind."""
 
-    replay_managed: tuple[str, ...] = ()  # Python attributes ``replayed_python_step`` advances (not a fixed delta)
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+        self.bound = False
+        self.stale = False  # a replay advanced the device counters since the Python integers were last set
+        self.stepping = False  # the graph's own step runs in Python (its first static step, the capture)
+        self._forward = layers[0].forward_pass if layers else None
+
+    def bind(self) -> None:
+        """Put every layer in its static form (device counters written from the Python integers)."""
+        for layer in self.layers:
+            layer.bind_replay_buffers(self)
+        self.bound = True
+        if self._forward is not None:
+            self._forward.on_open = self._forward_opens
+
+    @contextmanager
+    def own_step(self) -> Iterator[None]:
+        """A step of the graph's own run in Python within this block (its first bound step, the capture): the
+        forward it opens keeps the layers bound."""
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
+
+    def replayed(self) -> None:
+        """A replay ran: the device counters moved on, the Python integers did not."""
+        self.stale = True
+
+    def sync(self) -> None:
+        """Set the layers' Python integers from their device counters (one host read for all layers)."""
+        if not self.stale:
+            return
+        self.stale = False
+        layers = self._own()
+        counters = [layer.replay_counters() for layer in layers]
+        values = torch.stack([c.reshape(()) for layer_counters in counters for c in layer_counters]).tolist()
+        start = 0
+        for layer, layer_counters in zip(layers, counters, strict=True):
+            layer.sync_replayed(values[start : start + len(layer_counters)])
+            start += len(layer_counters)
+
+    def unbind(self) -> None:
+        """Back to the eager form: the Python integers brought up to date, the device counters dropped."""
+        if not self.bound:
+            return
+        self.sync()
+        for layer in self._own():
+            layer.unbind_replay_buffers()
+        self.bound = False
+        if self._forward is not None and self._forward.on_open == self._forward_opens:
+            self._forward.on_open = None
+
+    def holds(self) -> bool:
+        """Whether every layer is still bound here (a reset layer has left)."""
+        return self.bound and all(layer.replay_binding is self for layer in self.layers)
+
+    def _own(self) -> list:
+        return [layer for layer in self.layers if layer.replay_binding is self]
+
+    def _forward_opens(self) -> None:
+        """A forward opens on the cache: the graph's own steps keep the binding, any other leaves the graph."""
+        if not self.stepping:
+            self.unbind()
+
+
+class SlotReplay:
+    """Mixin of ``CompressedLayer``: its static form (``seen_tensor``, ``free_buffer``)."""
+
+    replay_binding: ReplayBinding | None = None  # set while bound to a captured step
+    seen_tensor: torch.Tensor | None = None  # ``seen`` as a device scalar while bound
+    free_buffer: torch.Tensor | None = None  # the buffer the victims' slots are copied to while bound
 
     def replay_steady(self) -> bool:
         """Whether the next decoding step runs the same operations as the last: one token per sequence into the
@@ -30,17 +115,61 @@ class SlotReplay:
             and self.occupied < self.slots.capacity
         )
 
-    def bind_replay_buffers(self) -> None:
-        """Keep the per-step numbers on the device from now on (the tokens seen; the victims' buffer)."""
+    @property
+    def seen(self) -> int:
+        """Tokens seen so far, padding included (the stream index of the next token)."""
+        binding = self.replay_binding
+        if binding is not None and binding.stale:
+            binding.sync()
+        return self._seen
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self._seen = value
+
+    @property
+    def seen_step(self) -> int | torch.Tensor:
+        """``seen`` as a step computes with it: the integer, or while bound to a captured step its device scalar."""
+        return self.seen if self.seen_tensor is None else self.seen_tensor
+
+    def bind_replay_buffers(self, binding: ReplayBinding) -> None:
+        """The static form: the tokens seen as a device scalar, the victims' slots in one buffer."""
+        self.replay_binding = binding
         if self.seen_tensor is None:
             self.seen_tensor = torch.tensor(self.seen, device=self.device)
             self.free_buffer = self._free.clone()
         if self._free is not self.free_buffer:
             self._free = self.free_buffer.copy_(self._free)
 
+    def replay_counters(self) -> list[torch.Tensor]:
+        """The device scalars a static step advances in place."""
+        return [self.seen_tensor]
+
+    def sync_replayed(self, values: list[int]) -> None:
+        """The Python integers from ``replay_counters``' values: each replayed step stored one real token."""
+        replayed = values[0] - self._seen
+        self._seen = values[0]
+        self.slots.add_real(replayed)
+
+    def unbind_replay_buffers(self) -> None:
+        self.replay_binding = self.seen_tensor = self.free_buffer = None
+
     def replay_state(self) -> tuple:
         """What must not change for a captured step to apply again (tensors compared by identity)."""
         return (self.slots.keys, self.occupied, self._free is self.free_buffer)
 
-    def replayed_python_step(self) -> None:
-        """The Python side of a replayed step that is not a fixed change of whole numbers (none here)."""
+
+def last_index(tensor: torch.Tensor, index: int | torch.Tensor) -> torch.Tensor:
+    """``tensor[..., index]`` for an index computed from ``seen_step``: a view for an int, a gather for a device
+    scalar (indexing with a 0-dim tensor would read it back to the host)."""
+    if isinstance(index, int):
+        return tensor[..., index]
+    return tensor.index_select(-1, index.view(1))[..., 0]
+
+
+def put_last_index(tensor: torch.Tensor, index: int | torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor[..., index] = value`` for an index computed from ``seen_step`` (see ``last_index``)."""
+    if isinstance(index, int):
+        tensor[..., index] = value
+    else:
+        tensor.index_copy_(-1, index.view(1), value[..., None])

@@ -47,5 +47,5 @@ def recent_mask(layer: LayerView, recent: int | torch.Tensor) -> torch.Tensor:
     if isinstance(recent, torch.Tensor):
         recent = recent[:, None, None]
     elif layer.all_valid:  # no padding: ranks are stream indices and every token seen is real
-        return layer.token_idx >= (layer.seen if layer.seen_tensor is None else layer.seen_tensor) - recent
+        return layer.token_idx >= layer.seen_step - recent
     return layer.valid & (layer.rank >= layer.real_count()[..., None] - recent)

@@ -64,6 +64,10 @@ class SlotBuffers:
     def real_seen(self, value: torch.Tensor) -> None:
         self._real_seen, self._real_lag = value, 0
 
+    def add_real(self, count: int) -> None:
+        """``count`` more real tokens than ``real_seen`` holds (steps replayed from a captured graph wrote them)."""
+        self._real_lag += count
+
     @property
     def rope_pos(self) -> torch.Tensor:
         self._write_default_rope()
@@ -173,7 +177,7 @@ class SlotBuffers:
             self.valid[:, :, start].fill_(True)
             self._rank_is_token = True
         else:
-            index = _stream_range(seen, count, keys.device)
+            index = stream_range(seen, count, keys.device)
             self.token_idx[:, :, start:stop] = index
             self.rope_pos[:, :, start:stop] = index
             self.valid[:, :, start:stop] = True
@@ -205,7 +209,7 @@ class SlotBuffers:
             self._default_rope = (slots, seen)  # ``register`` writes the model's position instead
             self._rank_is_token = True
         else:
-            index = _stream_range(seen, count, keys.device).expand_as(slots)
+            index = stream_range(seen, count, keys.device).expand_as(slots)
             self.token_idx.scatter_(2, slots, index)
             self.rope_pos.scatter_(2, slots, index)
             self.valid.scatter_(2, slots, True)
@@ -303,12 +307,14 @@ class SlotBuffers:
 
 
 def _per_slot(seen: int | torch.Tensor, slots: torch.Tensor) -> int | torch.Tensor:
-    """A stream index (an int, or a device scalar while a captured step replays) to scatter into ``slots``."""
+    """A stream index (an int, or a device scalar: a layer bound to a captured step) to scatter into ``slots``."""
     return seen if isinstance(seen, int) else seen.expand_as(slots)
 
 
-def _stream_range(seen: int | torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
-    """Stream indices ``seen .. seen + count`` (``seen``: an int, or a device scalar)."""
+def stream_range(
+    seen: int | torch.Tensor, count: int, device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """Stream indices ``seen .. seen + count`` (``seen``: an int, or a device scalar: ``layer.seen_step``)."""
     if isinstance(seen, int):
-        return torch.arange(seen, seen + count, device=device)
-    return seen + torch.arange(count, device=device)
+        return torch.arange(seen, seen + count, dtype=dtype, device=device)
+    return (seen + torch.arange(count, device=device)).to(dtype)

@@ -20,7 +20,9 @@ import torch
 
 from kvcompress.core.checks import check_budget, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
+from kvcompress.core.replay import last_index, put_last_index
 from kvcompress.core.selection import keep_top, recent_mask
+from kvcompress.core.slots import stream_range
 
 MAX_HISTORY = 8192  # each stored token keeps one bit per query of the history window, per KV head
 LOW_WEIGHT = float(2**32)  # one low bit outweighs any stream index (< 2^32); counts * weight stay exact in float64
@@ -30,17 +32,12 @@ class ScissorhandsPolicy(Policy):
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.stats = StatsRequest(last_queries=config.history)
-        self.observed = 0  # observation rows so far; the history window is a ring over them
 
     def init_state(self, layer, keys):
         batch, heads, count = keys.shape[:3]
-        history = self.config.history
-        if layer.seen_tensor is None:
-            new = torch.arange(layer.seen, layer.seen + count, dtype=torch.float64, device=keys.device)
-        else:  # a replayed step (``kvcompress.decode_graph``): the stream index from the device
-            new = (layer.seen_tensor + torch.arange(count, device=keys.device)).double()
+        new = stream_range(layer.seen_step, count, keys.device, torch.float64)  # the new tokens' stream indices
         return {
-            "low": torch.zeros(batch, heads, count, history, dtype=torch.bool, device=keys.device),
+            "low": torch.zeros(batch, heads, count, self.config.history, dtype=torch.bool, device=keys.device),
             # the eviction score, kept up to date: the token's stream index minus LOW_WEIGHT times its low bits
             # summed over the window. Fewer low counts rank higher, and among equal counts the newer token (the
             # index breaks ties, so every score is distinct); exact in float64
@@ -48,6 +45,9 @@ class ScissorhandsPolicy(Policy):
         }
 
     def observe(self, layer, stats):
+        """The history window is a ring of ``history`` columns: the query of stream index ``t`` writes column
+        ``t % history`` (a forward's queries are the stream indices before ``seen``), so it holds the bits of the
+        last ``history`` queries and needs no counter of its own."""
         rows = stats.last.mean(dim=2)  # [B, H_kv, n, L]
         if stats.last_visible is None:  # one query that sees every key: the average is 1 / L
             low = (rows < 1.0 / rows.shape[-1]).transpose(-1, -2)  # [B, H_kv, L, n]
@@ -56,28 +56,16 @@ class ScissorhandsPolicy(Policy):
             average = 1.0 / visible.sum(dim=-1, keepdim=True).clamp(min=1)
             low = (visible & (rows < average)).transpose(-1, -2)
         history, window = self.config.history, layer.state["low"]
-        if low.shape[-1] == 1 and layer.seen_tensor is not None:
-            self._observe_replayed(layer, low)
-        elif low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
-            column = window[..., self.observed % history]
+        if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
+            column = (layer.seen_step - 1) % history  # (an int, or a device scalar: ``core.replay``)
             score = layer.state["score"]
-            score.add_(column, alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
-            column.copy_(low[..., 0])
+            score.add_(last_index(window, column), alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
+            put_last_index(window, column, low[..., 0])
         else:
-            rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` observations
-            columns = torch.arange(self.observed, self.observed + rows_kept, device=low.device) % history
+            rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` queries
+            columns = torch.arange(layer.seen - rows_kept, layer.seen, device=low.device) % history
             window.index_copy_(-1, columns, low[..., -rows_kept:])
             layer.state["score"] = layer.token_idx.double() - LOW_WEIGHT * window.sum(dim=-1).double()
-        self.observed += low.shape[-1]
-
-    def _observe_replayed(self, layer, low):
-        """The one-query update of a replayed step: the window's column from the device token count (stream index
-        minus observations is fixed while decoding), not from a Python number baked into the step."""
-        window = layer.state["low"]
-        column = ((layer.seen_tensor - (layer.seen - self.observed)) % self.config.history).view(1)
-        score = layer.state["score"]
-        score.add_(window.index_select(-1, column)[..., 0], alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
-        window.index_copy_(-1, column, low)
 
     def select(self, layer):
         recent = self.recent

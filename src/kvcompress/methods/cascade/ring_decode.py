@@ -141,7 +141,7 @@ class RingDecode:
         once attended, it is copied over the oldest ring token. One ring is one frame (``CascadeLayer``): the new
         key, at its real-token index ``p``, and the query, at rank + ``F`` = ``p``, are rotated by the same factors, and
         the query attends to the occupied slots with one SDPA (no mask: they are a prefix of the buffer)."""
-        if self.seen_tensor is not None and self._replay_bound():  # bound to a replayed step (``ring_replay``)
+        if self.seen_tensor is not None:  # bound to a captured step (``ring_replay``)
             return self._decode_circular_replayable(query, pending, scale)
         sinks, width, seen, count, start = self.sinks, self.width, self._py_seen, self._py_count[0], self._py_start[0]
         if count < width:  # the ring fills from its first slot: the new token's own slot

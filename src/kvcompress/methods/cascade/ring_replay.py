@@ -4,10 +4,9 @@ A replayed step (a CUDA graph) runs fixed kernels with every Python number baked
 one ring (``RingDecode._decode_circular``) takes three numbers that change every step from Python integers: the
 new token's real-token index (its key's angle and the query's), the slot it overwrites (sinks + the ring's start)
 and the sinks' frame ``F``. Once the ring is full and has overwritten a token, every step is the same operations
-with those three numbers; bound to a graph (``bind_replay_buffers``) the layer keeps the index and the start on the
-device too and this step reads them there. The Python integers advance as in the eager step, and after each replay
-``DecodeGraph`` advances them (whole-number changes, and the ring's start, which wraps, by
-``replayed_python_step``).
+with those three numbers; bound to a graph (``core.replay.ReplayBinding``) the layer keeps the index and the start
+on the device (its ``replay_counters``) and this step reads and advances them there; the Python integers are set
+from them when the graph is left (``sync_replayed``).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from kvcompress.core.sdpa import scaled_dot_product_attention
 class CircularReplay:
     """Mixin of ``CircularSinkLayer`` (before ``CascadeLayer``): its ``SlotReplay`` methods."""
 
-    replay_managed = ("_py_start", "_replay_seen")  # advanced by ``replayed_python_step``
+    start_tensor: torch.Tensor | None = None  # the ring's start on the device while bound
 
     def replay_steady(self) -> bool:
         return (
@@ -37,26 +36,28 @@ class CircularReplay:
             and (self._sink_frame >= 1 or not self.sinks)
         )
 
-    def bind_replay_buffers(self) -> None:
-        if not self._replay_bound():
+    def bind_replay_buffers(self, binding) -> None:
+        self.replay_binding = binding
+        if self.seen_tensor is None:
             self.seen_tensor = torch.tensor(self._py_seen, device=self.device)  # the next token's real-token index
             self.start_tensor = torch.tensor(self._py_start[0], device=self.device)
-            self._replay_seen = self._py_seen
 
-    def _replay_bound(self) -> bool:
-        """Whether the device counters hold the ring's state: only the replayable step moved it since they were
-        made (any other path, a prompt chunk say, advances ``_py_seen`` alone; the counters are then dropped)."""
-        if self.seen_tensor is not None and self._replay_seen != self._py_seen:
-            self.seen_tensor = None
-        return self.seen_tensor is not None
+    def replay_counters(self) -> list[torch.Tensor]:
+        return [self.seen_tensor, self.start_tensor]
+
+    def sync_replayed(self, values: list[int]) -> None:
+        """Each replayed step took one real token: the index, the tokens seen and the sinks' frame advance by one."""
+        replayed = values[0] - self._py_seen
+        self._py_seen, self._py_start[0], self._py_tensors = values[0], values[1], None
+        self._seen += replayed
+        if self.sinks:
+            self._sink_frame += replayed
+
+    def unbind_replay_buffers(self) -> None:
+        self.replay_binding = self.seen_tensor = self.start_tensor = None
 
     def replay_state(self) -> tuple:
-        bound = self._replay_bound()  # False after another path moved the ring (the captured step is then stale)
-        return (self._kv, self.capacity, self._in_step, self._all_real, self._py_count[0], bound, self.seen_tensor)
-
-    def replayed_python_step(self) -> None:
-        self._py_start[0] = (self._py_start[0] + 1) % self.width
-        self._replay_seen += 1
+        return (self._kv, self.capacity, self._in_step, self._all_real, self._py_count[0])
 
     def _decode_circular_replayable(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """``_decode_circular`` of a full ring with the per-step numbers read on the device: attend with the new
@@ -79,7 +80,7 @@ class CircularReplay:
         self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
         self.start_tensor.add_(1).remainder_(width)
         seen.add_(1)
-        self._py_seen, self._replay_seen, self._py_tensors = self._py_seen + 1, self._replay_seen + 1, None
+        self._py_seen, self._py_tensors = self._py_seen + 1, None
         self._py_start[0] = (self._py_start[0] + 1) % width
         if sinks:  # the next frame: F = real tokens seen - sinks - width
             self._sink_frame += 1
