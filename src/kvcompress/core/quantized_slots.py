@@ -330,7 +330,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         )
         if self.ring is not None and self.stream_seen:
             rows_of = self._row_offsets(rows)
-            read = self._ring_targets(width)
+            read = self.ring_targets(width)
             keys.view(-1, keys.shape[-1]).index_copy_(0, (rows_of + read).flatten(), self.ring[0].flatten(0, 2))
             read = self._row_offsets(width + 1) + read
             values.view(-1, values.shape[-1]).index_copy_(0, read.flatten(), self.ring[1].flatten(0, 2))
@@ -358,7 +358,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         batch, heads = self.token_idx.shape[:2]
         return (torch.arange(batch * heads, device=self.token_idx.device) * rows).view(batch, heads, 1)
 
-    def _ring_targets(self, width: int) -> torch.Tensor:
+    def ring_targets(self, width: int) -> torch.Tensor:
         """``[B, H, residual]``: the slot each ring entry's exact copy is read into; ``width`` (the spare slot) for
         an entry whose token is no longer stored there or not written yet."""
         seen, residual = self.stream_seen, self.residual
