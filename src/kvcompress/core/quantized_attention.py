@@ -9,12 +9,12 @@ groups of channels reads back as ``v = scale_t * code + min_t``, so the output i
 Σ_t p_t min_t``: the probabilities are multiplied by each token's scales (one weight row per channel group) and
 one product with the codes gives every channel group's sums, of which each channel keeps its own group's.
 
-The codes take part as they are packed (``core.kivi.pack``: a byte holds codes of channels ``w / k`` apart, the first
-in the low bits). Each byte is read as ``k`` numbers ``s_i = byte >> (bits * i)``, converted to float32 once, and
-``code_i = s_i - 2**bits * s_{i+1}``; a weighted sum of codes is then a weighted sum of the ``s_i`` with weights
-``w_i - 2**bits * w_{i-1}`` (keys: on the folded query; values: on the products' columns), which saves the
-masking of each part. All of it in float32 (an integer of up to 255 and those differences are exact there; the
-model's dtype may be bf16), the output cast to the query's dtype.
+The codes are unpacked (``core.kivi.unpacked_part``: a shift and a mask per run of channels) and converted to
+float32 once: the operand of the products, as large as the dequantized keys and values, without the multiply-add
+per element that dequantizing costs. Reading each byte as ``byte >> (bits * i)`` and folding ``2**bits`` into the
+weights would save the mask, but the differences it takes are not exact in float32 (logits off by 1e-4 on a tiny
+model, beyond the reference test's tolerance) and saved no measurable time. All of it in float32 (the model's
+dtype may be bf16), the output cast to the query's dtype.
 
 The exact tokens (the residual window's ring, or the step's own token without one) are what attention reads for
 their slots, as ``QuantizedSlotBuffers.view`` does: their logits (one product with the ring's exact keys) are
@@ -35,39 +35,16 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.kivi import unpacked_part
 
 
-def byte_parts(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``uint8`` ``[..., w]`` packed codes as float32 ``[..., w * k]`` (``k = 8 // bits``): the ``k`` runs
-    ``byte >> (bits * i)`` side by side (``code_i = s_i - 2**bits * s_{i+1}``)."""
+def code_columns(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``uint8`` ``[..., w]`` packed codes as float32 ``[..., w * 8 / bits]`` in channel order (``core.kivi``'s
+    packing: the ``8 / bits`` runs of channels side by side)."""
     runs = 8 // bits
     if runs == 1:
         return packed.float()
-    parts = [packed] + [packed >> (bits * index) for index in range(1, runs)]
-    return torch.cat(parts, dim=-1).float()
-
-
-def part_weights(weights: torch.Tensor, bits: int) -> torch.Tensor:
-    """Weights ``[..., w * k]`` of codes (channel ``i * w + j`` at ``[..., i * w + j]``) turned into weights of
-    ``byte_parts``: ``w_i - 2**bits * w_{i-1}``."""
-    runs = 8 // bits
-    if runs == 1:
-        return weights
-    runs_of = weights.unflatten(-1, (runs, -1))
-    out = runs_of.clone()
-    out[..., 1:, :].sub_(runs_of[..., :-1, :], alpha=float(1 << bits))
-    return out.flatten(-2)
-
-
-def codes_from_parts(sums: torch.Tensor, bits: int) -> torch.Tensor:
-    """Sums over ``byte_parts`` columns ``[..., w * k]`` turned into sums over codes: ``s_i - 2**bits * s_{i+1}``."""
-    runs = 8 // bits
-    if runs == 1:
-        return sums
-    runs_of = sums.unflatten(-1, (runs, -1))
-    out = runs_of.clone()
-    out[..., :-1, :].sub_(runs_of[..., 1:, :], alpha=float(1 << bits))
-    return out.flatten(-2)
+    return torch.cat([unpacked_part(packed, bits, index) for index in range(runs)], dim=-1).float()
 
 
 def quantized_one_query(
@@ -97,9 +74,11 @@ def quantized_one_query(
     # logits of the stored slots: (q * scale) · code + q · min, per key group
     key_scale = slots.key_scale[:, :, :key_groups].reshape(rows, key_groups, 1, dim).float()
     key_min = slots.key_min[:, :, :key_groups].reshape(rows, key_groups, dim).float()
-    folded = part_weights(q[:, None] * key_scale, bits).reshape(rows * key_groups, groups_q, dim)
+    folded = (q[:, None] * key_scale).reshape(rows * key_groups, groups_q, dim)
     offset = torch.bmm(key_min, q.transpose(1, 2)).reshape(rows * key_groups, groups_q, 1)
-    codes = byte_parts(slots.keys[:, :, :columns].reshape(rows, columns, -1), bits).view(rows * key_groups, group, dim)
+    codes = code_columns(slots.keys[:, :, :columns].reshape(rows, columns, -1), bits).view(
+        rows * key_groups, group, dim
+    )
     grouped = torch.baddbmm(offset, folded, codes.transpose(1, 2))  # [rows · groups, G_q, G]
     logits = grouped.new_empty(rows, groups_q, max(columns, width + 1))
     logits[:, :, :columns].view(rows, groups_q, key_groups, group).copy_(
@@ -125,15 +104,19 @@ def quantized_one_query(
     value_scale = slots.tensors["value_scale"][:, :, :width].reshape(rows, width, -1).float()
     value_min = slots.tensors["value_min"][:, :, :width].reshape(rows, width, -1).float()
     value_groups = value_scale.shape[-1]
-    weights = (stored[:, :, None, :] * value_scale.transpose(1, 2)[:, None]).reshape(rows, groups_q * value_groups, width)
-    values = byte_parts(slots.tensors["values"][:, :, :width].reshape(rows, width, -1), bits)
-    sums = codes_from_parts(torch.bmm(weights, values), bits)  # [rows, G_q · groups, d_v]: every group's weights
+    weights = (stored[:, :, None, :] * value_scale.transpose(1, 2)[:, None]).reshape(
+        rows, groups_q * value_groups, width
+    )
+    values = code_columns(slots.tensors["values"][:, :, :width].reshape(rows, width, -1), bits)
+    sums = torch.bmm(weights, values)  # [rows, G_q · groups, d_v]: every group's weights
     value_dim = sums.shape[-1]
     sums = sums.view(rows, groups_q, value_groups, value_groups, value_dim // value_groups)
     output = sums.diagonal(dim1=2, dim2=3).transpose(-1, -2).reshape(rows, groups_q, value_dim)  # own group's
     minima = torch.bmm(stored, value_min)  # [rows, G_q, groups]
-    output += minima[..., None].expand(rows, groups_q, value_groups, value_dim // value_groups).reshape(
-        rows, groups_q, value_dim
+    output += (
+        minima[..., None]
+        .expand(rows, groups_q, value_groups, value_dim // value_groups)
+        .reshape(rows, groups_q, value_dim)
     )
     output.baddbmm_(exact_probs, exact_values.reshape(rows, count, -1).float())
     output = output.view(batch, q_heads, 1, value_dim).to(query.dtype)
