@@ -44,7 +44,11 @@ def code_columns(packed: torch.Tensor, bits: int) -> torch.Tensor:
     runs = 8 // bits
     if runs == 1:
         return packed.float()
-    return torch.cat([unpacked_part(packed, bits, index) for index in range(runs)], dim=-1).float()
+    width = packed.shape[-1]
+    out = torch.empty(*packed.shape[:-1], width * runs, dtype=torch.float32, device=packed.device)
+    for index in range(runs):
+        out[..., index * width : (index + 1) * width].copy_(unpacked_part(packed, bits, index))
+    return out
 
 
 def quantized_one_query(
@@ -104,9 +108,8 @@ def quantized_one_query(
     value_scale = slots.tensors["value_scale"][:, :, :width].reshape(rows, width, -1).float()
     value_min = slots.tensors["value_min"][:, :, :width].reshape(rows, width, -1).float()
     value_groups = value_scale.shape[-1]
-    weights = (stored[:, :, None, :] * value_scale.transpose(1, 2)[:, None]).reshape(
-        rows, groups_q * value_groups, width
-    )
+    by_group = value_scale.transpose(1, 2).contiguous()  # [rows, groups, width]
+    weights = (stored[:, :, None, :] * by_group[:, None]).view(rows, groups_q * value_groups, width)
     values = code_columns(slots.tensors["values"][:, :, :width].reshape(rows, width, -1), bits)
     sums = torch.bmm(weights, values)  # [rows, G_q · groups, d_v]: every group's weights
     value_dim = sums.shape[-1]

@@ -79,7 +79,9 @@ class QuantizedLayer(CompressedLayer):
         request = self.policy.stats if self.policy.wants_stats(self) else StatsRequest()
         slots, width = self.slots, self.view_width
         if slots.ring is not None:  # (the step's token is in the ring)
-            exact = (*slots.ring, slots.ring_targets(width))
+            key = ("ring-newest", self.seen, slots.residual, slots.group, self.device)
+            newest = self.forward_pass.cached(key, slots.ring_newest)
+            exact = (*slots.ring, slots.ring_targets(width, newest))
         else:
             keys, values, where = slots.fresh
             if isinstance(where, int):
