@@ -10,6 +10,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import kvcompress
+from kvcompress.core.attention import layer_attention
+from kvcompress.core.contract import StatsRequest
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
@@ -112,9 +114,6 @@ def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, metho
     """A decoding step reads the codes (``core.quantized_attention``): at every step and layer its output and
     statistics are those of the default attention over the dequantized view of the same slots. (Two caches run
     apart would not stay equal: float rounding of 1e-6 flips a code now and then when a key group is sealed.)"""
-    from kvcompress.core.attention import layer_attention
-    from kvcompress.core.contract import StatsRequest
-
     checked = []
     from_codes = QuantizedLayer.attend
 
