@@ -10,6 +10,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import kvcompress
+from kvcompress.core.attention import layer_attention
+from kvcompress.core.contract import StatsRequest
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
@@ -102,6 +104,40 @@ def test_kv_bits_16_is_the_full_precision_layer():
     assert all(type(layer) is CompressedLayer for layer in cache.layers)
     plain = forced_logits(model, ids, kvcompress.cache_for(model, "h2o", budget=24), 20)
     assert torch.equal(forced_logits(model, ids, cache, 20), plain)
+
+
+@pytest.mark.parametrize(
+    "method,params,bits,residual",
+    [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0), ("tova", {"budget": 20}, 8, 8)],
+)
+def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, method, params, bits, residual):
+    """A decoding step reads the codes (``core.quantized_attention``): at every step and layer its output and
+    statistics are those of the default attention over the dequantized view of the same slots. (Two caches run
+    apart would not stay equal: float rounding of 1e-6 flips a code now and then when a key group is sealed.)"""
+    checked = []
+    from_codes = QuantizedLayer.attend
+
+    def attend(layer, query, key, value, mask, scaling):
+        result = from_codes(layer, query, key, value, mask, scaling)
+        if layer._reads_codes:
+            output, stats = result
+            keys, values = layer.slots.view(layer.view_width)
+            request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+            expected, expected_stats = layer_attention(query, keys, values, mask, scaling, request, None)
+            torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+            if request.received:
+                torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
+            if request.last_queries:
+                torch.testing.assert_close(stats.last, expected_stats.last, rtol=1e-5, atol=1e-6)
+            checked.append(1)
+        return result
+
+    monkeypatch.setattr(QuantizedLayer, "attend", attend)
+    model = tiny_model()
+    ids = token_ids(2, 60, seed=5)
+    cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
+    forced_logits(model, ids, cache, 30)
+    assert len(checked) == 30 * len(cache.layers)
 
 
 # --- with eviction -------------------------------------------------------------------------------------------

@@ -162,9 +162,14 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.occupied = needed
         self.seen += count
         self.new_tokens = count
-        keys, values = self.keys, self.values
+        keys, values = self.attended()
         setattr(keys, LAYER_ATTRIBUTE, self)
         return keys, values
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns for this forward's attention: every slot's keys and values (a layer whose
+        ``attend`` reads its storage itself may return stand-ins)."""
+        return self.keys, self.values
 
     def _grown_capacity(self, needed: int) -> int:
         budget = getattr(self.policy.config, "budget", None)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import AttentionStats, MethodConfig, Policy, StatsRequest
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.quantized_attention import quantized_one_query
 from kvcompress.core.quantized_slots import QuantizedSlotBuffers
 
 
@@ -47,6 +48,46 @@ class QuantizedLayer(CompressedLayer):
 
     keys = property(lambda self: None if self.slots is None else self._read()[0], CompressedLayer._only_none)
     values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
+
+    _reads_codes = False  # this forward's attention reads the codes (``core.quantized_attention``)
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoding step (one token, no gradient, the method's attention the default, keys at their stored
+        positions) attends from the codes in ``attend``: ``update`` returns stand-ins shaped like the slots read
+        (one NaN each, expanded: nothing else may read them) instead of building the dequantized view."""
+        policy = self.policy
+        self._reads_codes = (
+            self.new_tokens == 1
+            and not torch.is_grad_enabled()
+            and type(policy).attend is Policy.attend
+            and policy.position_mode != "cache"
+        )
+        if not self._reads_codes:
+            return super().attended()
+        if self._stale:
+            self._settle()
+        self.slots.stream_seen = self.seen
+        batch, heads = self.slots.token_idx.shape[:2]
+        width = self.view_width
+        stand_in = self.slots.key_scale.new_full((1, 1, 1, 1), float("nan"))
+        key_dim, value_dim = self.slots.key_scale.shape[-1], self.slots.ring_values_dim()
+        return stand_in.expand(batch, heads, width, key_dim), stand_in.expand(batch, heads, width, value_dim)
+
+    def attend(self, query, key, value, mask, scaling) -> tuple[torch.Tensor, AttentionStats | None] | None:
+        if not self._reads_codes:
+            return super().attend(query, key, value, mask, scaling)
+        request = self.policy.stats if self.policy.wants_stats(self) else StatsRequest()
+        slots, width = self.slots, self.view_width
+        if slots.ring is not None:  # (the step's token is in the ring)
+            key = ("ring-newest", self.seen, slots.residual, slots.group, self.device)
+            newest = self.forward_pass.cached(key, slots.ring_newest)
+            exact = (*slots.ring, slots.ring_targets(width, newest))
+        else:
+            keys, values, where = slots.fresh
+            if isinstance(where, int):
+                where = slots.token_idx.new_full((*keys.shape[:2], 1), where)
+            exact = (keys, values, where)
+        return quantized_one_query(slots, width, query, mask, scaling, request, exact)
 
     _span = 0  # a holed layer's view: the slots it had when it stopped being dense (capacity may be wider)
 
@@ -92,6 +133,7 @@ class QuantizedLayer(CompressedLayer):
 
     def end_forward(self) -> None:
         super().end_forward()
+        self._reads_codes = False
         if self.slots is not None:
             self.slots.end_forward()
 

@@ -330,7 +330,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         )
         if self.ring is not None and self.stream_seen:
             rows_of = self._row_offsets(rows)
-            read = self._ring_targets(width)
+            read = self.ring_targets(width)
             keys.view(-1, keys.shape[-1]).index_copy_(0, (rows_of + read).flatten(), self.ring[0].flatten(0, 2))
             read = self._row_offsets(width + 1) + read
             values.view(-1, values.shape[-1]).index_copy_(0, read.flatten(), self.ring[1].flatten(0, 2))
@@ -358,13 +358,18 @@ class QuantizedSlotBuffers(SlotBuffers):
         batch, heads = self.token_idx.shape[:2]
         return (torch.arange(batch * heads, device=self.token_idx.device) * rows).view(batch, heads, 1)
 
-    def _ring_targets(self, width: int) -> torch.Tensor:
-        """``[B, H, residual]``: the slot each ring entry's exact copy is read into; ``width`` (the spare slot) for
-        an entry whose token is no longer stored there or not written yet."""
+    def ring_newest(self) -> torch.Tensor:
+        """``[residual]``: the stream index each ring entry holds after ``stream_seen`` tokens if it is in the exact
+        window, else -2 (the same for every layer of a forward: a decoding step computes it once)."""
         seen, residual = self.stream_seen, self.residual
         entry = torch.arange(residual, device=self.ring_slot.device)
-        newest = seen - 1 - (seen - 1 - entry).remainder(residual)  # the stream index each entry holds
-        newest = torch.where(newest >= self.window_start(seen), newest, -2)
+        newest = seen - 1 - (seen - 1 - entry).remainder(residual)
+        return torch.where(newest >= self.window_start(seen), newest, -2)
+
+    def ring_targets(self, width: int, newest: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H, residual]``: the slot each ring entry's exact copy is read into; ``width`` (the spare slot) for
+        an entry whose token is no longer stored there or not written yet."""
+        newest = self.ring_newest() if newest is None else newest
         slot = self.ring_slot.clamp(max=width - 1) if width else self.ring_slot.clamp(max=0)
         holds = (self.token_idx[:, :, : max(width, 1)].gather(2, slot) == newest) & (self.ring_token == newest)
         return torch.where(holds & (self.ring_slot < width), self.ring_slot, width)
