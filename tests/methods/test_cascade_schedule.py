@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompress.methods.cascade.schedule import Layout, Rings, advance, ranks
+from kvcompress.methods.cascade.schedule import Layout, Rings, advance, angles, frame_of_slot, offsets, ranks
 from tests.references.cascade_schedule import CascadeLists
 
 LAYOUTS = [
@@ -60,3 +60,27 @@ def test_a_selection_is_only_ever_the_last_column_and_each_ring_is_written_once(
         rings_written = [(dest - layout.sinks) // layout.width for dest in moves.dests if dest >= layout.sinks]
         assert len(set(rings_written)) == len(rings_written)
         assert len(moves.dests) <= layout.cascades
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_a_key_keeps_its_angle_in_its_ring_and_each_frame_gives_the_ranks(layout):
+    """The angle convention: a token's angle changes only when it moves to another ring (or, for a sink, with the
+    oldest ring's frame), and rank = angle + the offset of the slot's frame for every stored token."""
+    rings, slots, where = Rings.empty(layout), [-1] * layout.slots, {}
+    frame = frame_of_slot(layout)
+    for token in range(200):
+        before = angles(layout, rings)
+        rings, moves = advance(layout, rings)
+        items = [token, *(slots[slot] for slot in moves.reads)]
+        moved = set()
+        for dest, item in zip(moves.dests, items, strict=True):  # (every arriving token wins here)
+            slots[dest] = item
+            moved.add(item)
+            where[item] = dest
+        after, rank, offset = angles(layout, rings), ranks(layout, rings), offsets(layout, rings)
+        for slot, item in enumerate(slots):
+            if rank[slot] < 0:
+                continue
+            assert rank[slot] == after[slot] + offset[frame[slot]]
+            if item not in moved and slot >= layout.sinks:
+                assert after[slot] == before[slot]  # a ring token that stays keeps its angle

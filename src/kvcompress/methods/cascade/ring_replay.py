@@ -5,9 +5,9 @@ one ring (``RingDecode._decode_circular``) takes three numbers that change every
 new token's real-token index (its key's angle and the query's), the slot it overwrites (sinks + the ring's start)
 and the sinks' frame ``F``. Once the ring is full and has overwritten a token, every step is the same operations
 with those three numbers; bound to a graph (``bind_replay_buffers``) the layer keeps the index and the start on the
-device too and this step reads them there. The Python integers advance as in the eager step, and after each replay
-``DecodeGraph`` advances them (whole-number changes, and the ring's start, which wraps, by
-``replayed_python_step``).
+device too and this step reads them there. The layout (``schedule.Rings``) advances by the schedule's step as in the
+eager step, and after each replay ``replayed_python_step`` takes that step (``DecodeGraph`` adds the whole-number
+changes it observed, the sinks' frame).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import torch
 
 from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
+from kvcompress.methods.cascade.schedule import advance
 
 
 class CircularReplay:
     """Mixin of ``CircularSinkLayer`` (before ``CascadeLayer``): its ``SlotReplay`` methods."""
 
-    replay_managed = ("_py_start", "_replay_seen")  # advanced by ``replayed_python_step``
+    replay_managed = ("_replay_seen",)  # advanced by ``replayed_python_step`` (with the layout ``_rings``)
 
     def replay_steady(self) -> bool:
         return (
@@ -32,30 +33,30 @@ class CircularReplay:
             and self.inv_freq is not None
             and self._pending is None
             and getattr(self, "_sliding_window", None) is None
-            and self._py_count[0] == self.width
-            and self._py_seen >= self.sinks
-            and (self._sink_frame >= 1 or not self.sinks)
+            and self._shared.count[0] == self.width
+            and self._shared.seen >= self.sinks
+            and self._sinks_full
         )
 
     def bind_replay_buffers(self) -> None:
         if not self._replay_bound():
-            self.seen_tensor = torch.tensor(self._py_seen, device=self.device)  # the next token's real-token index
-            self.start_tensor = torch.tensor(self._py_start[0], device=self.device)
-            self._replay_seen = self._py_seen
+            self.seen_tensor = torch.tensor(self._shared.seen, device=self.device)  # the next token's real index
+            self.start_tensor = torch.tensor(self._shared.start[0], device=self.device)
+            self._replay_seen = self._shared.seen
 
     def _replay_bound(self) -> bool:
         """Whether the device counters hold the ring's state: only the replayable step moved it since they were
-        made (any other path, a prompt chunk say, advances ``_py_seen`` alone; the counters are then dropped)."""
-        if self.seen_tensor is not None and self._replay_seen != self._py_seen:
+        made (any other path, a prompt chunk say, advances the layout alone; the counters are then dropped)."""
+        if self.seen_tensor is not None and self._replay_seen != self._shared.seen:
             self.seen_tensor = None
         return self.seen_tensor is not None
 
     def replay_state(self) -> tuple:
         bound = self._replay_bound()  # False after another path moved the ring (the captured step is then stale)
-        return (self._kv, self.capacity, self._in_step, self._all_real, self._py_count[0], bound, self.seen_tensor)
+        return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0], bound, self.seen_tensor)
 
     def replayed_python_step(self) -> None:
-        self._py_start[0] = (self._py_start[0] + 1) % self.width
+        self._set_shared(advance(self._layout, self._shared)[0])  # the schedule's step, as the eager step takes it
         self._replay_seen += 1
 
     def _decode_circular_replayable(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
@@ -79,10 +80,9 @@ class CircularReplay:
         self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
         self.start_tensor.add_(1).remainder_(width)
         seen.add_(1)
-        self._py_seen, self._replay_seen, self._py_tensors = self._py_seen + 1, self._replay_seen + 1, None
-        self._py_start[0] = (self._py_start[0] + 1) % width
+        self._set_shared(advance(self._layout, self._shared)[0])
+        self._replay_seen += 1
         if sinks:  # the next frame: F = real tokens seen - sinks - width
-            self._sink_frame += 1
             frame = self.forward_pass.cached(
                 ("replay-frame", self.inv_freq.data_ptr(), dim, self.dtype),
                 lambda: frame_rotation_at(seen - (sinks + width), self.inv_freq, dim, self.dtype),

@@ -42,15 +42,22 @@ class Layout:
 
 @dataclass(frozen=True)
 class Rings:
-    """The layout of one sequence: real tokens seen, and per ring its token count and the offset of its oldest."""
+    """The layout of one sequence: real tokens seen, and per ring its token count and how many of its tokens were
+    overwritten (b) so far; the offset of a ring's oldest token is ``passed mod W``."""
 
     seen: int
     count: tuple[int, ...]
-    start: tuple[int, ...]
+    passed: tuple[int, ...]
+    width: int
 
     @classmethod
     def empty(cls, layout: Layout) -> Rings:
-        return cls(0, (0,) * layout.cascades, (0,) * layout.cascades)
+        return cls(0, (0,) * layout.cascades, (0,) * layout.cascades, layout.width)
+
+    @property
+    def start(self) -> tuple[int, ...]:
+        """Per ring, the offset of its oldest token."""
+        return tuple(passed % self.width for passed in self.passed)
 
     def stored(self, layout: Layout) -> int:
         return min(self.seen, layout.sinks) + sum(self.count)
@@ -64,6 +71,7 @@ class Moves:
 
     dests: tuple[int, ...]
     select: bool = False
+    passed: int = 0  # the first ``passed`` columns overwrote their ring's oldest token (b)
 
     @property
     def reads(self) -> tuple[int, ...]:
@@ -76,11 +84,11 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
     """One real token through Algorithm 1: the layout after it and its moves (see the module docstring)."""
     p, sinks, width = rings.seen, layout.sinks, layout.width
     if p < sinks:
-        return Rings(p + 1, rings.count, rings.start), Moves((p,))
-    count, start = list(rings.count), list(rings.start)
+        return Rings(p + 1, rings.count, rings.passed, width), Moves((p,))
+    count, passed_by, start = list(rings.count), list(rings.passed), list(rings.start)
     eager = p < layout.eager_until
     dests: list[int] = []
-    select = False
+    select, passed = False, 0
     for i in range(layout.cascades):
         first = sinks + i * width
         if eager or (p - sinks) % layout.base**i == 0:
@@ -89,7 +97,8 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
                 count[i] += 1
                 break
             dests.append(first + start[i])  # (b) overwrite the oldest, pass it on
-            start[i] = (start[i] + 1) % width
+            passed_by[i] += 1
+            passed += 1
         elif count[i] == 0:  # (c) an empty ring takes the token
             dests.append(first + start[i])
             count[i] = 1
@@ -98,7 +107,7 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
             dests.append(first + (start[i] + count[i] - 1) % width)
             select = True
             break
-    return Rings(p + 1, tuple(count), tuple(start)), Moves(tuple(dests), select)
+    return Rings(p + 1, tuple(count), tuple(passed_by), width), Moves(tuple(dests), select, passed)
 
 
 def ranks(layout: Layout, rings: Rings) -> list[int]:
@@ -114,3 +123,65 @@ def ranks(layout: Layout, rings: Rings) -> list[int]:
         for order in range(count):
             rank[first + (start + order) % layout.width] = n_sink + older + order
     return rank
+
+
+# --- the one key angle convention ---------------------------------------------------------------------------------
+# A key is stored rotated at an angle from which a query finds its rank with one rotation per ring: ring ``i``'s
+# ``k``-th token ever written there (``k = passed[i]`` for its oldest) sits at angle ``S + i W + k``, so inside a ring
+# rank - angle is one number per ring, whatever the ring's start (no wrap inside a frame), and a key keeps its angle
+# while it stays in its ring. The sinks sit at angle ``j + sink_shift``: in the oldest ring's frame once it holds
+# tokens, so a full cascade of ``N`` rings is ``N`` frames. With one ring a ring token's angle is its index among the
+# sequence's real tokens.
+
+
+def sink_shift(layout: Layout, rings: Rings) -> int:
+    """The sinks' angle minus their index: the oldest ring's first slot plus the tokens it overwrote."""
+    last = layout.cascades - 1
+    return last * layout.width + rings.passed[last]
+
+
+def angles(layout: Layout, rings: Rings) -> list[int]:
+    """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
+    shift, width = sink_shift(layout, rings), layout.width
+    angle = [j + shift for j in range(layout.sinks)]
+    for i, (passed, start) in enumerate(zip(rings.passed, rings.start, strict=True)):
+        lap = layout.sinks + i * width + passed - start
+        angle += [lap + offset + (width if offset < start else 0) for offset in range(width)]
+    return angle
+
+
+def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
+    """Rank minus angle of the sinks' frame, then of each ring's: a query at rank ``r`` is turned to angle
+    ``r - offset`` to read a frame's keys at their ranks."""
+    n_sink, older = min(rings.seen, layout.sinks), sum(rings.count)
+    rows = [-sink_shift(layout, rings)]
+    for i, (count, passed) in enumerate(zip(rings.count, rings.passed, strict=True)):
+        older -= count
+        rows.append(n_sink + older - layout.sinks - i * layout.width - passed)
+    return tuple(rows)
+
+
+def frame_of_slot(layout: Layout) -> list[int]:
+    """Per slot, its frame in ``offsets``: 0 for the sinks, ``1 + i`` for ring ``i``."""
+    return [0] * layout.sinks + [1 + slot // layout.width for slot in range(layout.cascades * layout.width)]
+
+
+def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
+    """``angles(layout, rings)[slot]`` alone."""
+    if slot < layout.sinks:
+        return slot + sink_shift(layout, rings)
+    ring, offset = divmod(slot - layout.sinks, layout.width)
+    passed = rings.passed[ring]
+    start = passed % layout.width
+    return layout.sinks + ring * layout.width + passed - start + offset + (layout.width if offset < start else 0)
+
+
+def turns(layout: Layout, before: Rings, after: Rings, moves: Moves) -> tuple[int, ...]:
+    """How far each column's key turns: the new key from angle 0 to its slot's angle, each moved key from its slot's
+    angle before the step to its new slot's angle after it."""
+    first = slot_angle(layout, after, moves.dests[0])
+    moved = (
+        slot_angle(layout, after, dest) - slot_angle(layout, before, source)
+        for source, dest in zip(moves.reads, moves.dests[1:], strict=True)
+    )
+    return (first, *moved)
