@@ -134,23 +134,27 @@ class CascadeLayer(
         self._rings = [rings] * len(self._rings)
 
     def _counters(self) -> tuple[torch.Tensor, ...]:
-        """``count``, ``start`` and ``passed`` ``[B, N]``, sinks stored and real tokens seen ``[B]``, each slot's key
-        angle ``[B, slots]`` and each frame's rank minus angle ``[B, 1 + N]`` (``schedule``; made when the layouts
-        change, from one row while in step)."""
+        """``count``, ``start`` and ``passed`` ``[B, N]``, sinks stored and real tokens seen ``[B]`` and each
+        frame's rank minus angle ``[B, 1 + N]`` (``schedule``; made when the layouts change, from one row while in
+        step)."""
         cached = self._counter_tensors
-        if cached is None or cached[0] is not self._rings or cached[-1] != self.capacity:
+        if cached is None or cached[0] is not self._rings:
             layout, rows = self._layout, self._rings[:1] if self._in_step else self._rings
             values = [
-                [*r.count, *r.start, *r.passed, min(r.seen, self.sinks), r.seen, *offsets(layout, r)]
-                + angles(layout, r)[: self.capacity]
-                for r in rows
+                [*r.count, *r.start, *r.passed, min(r.seen, self.sinks), r.seen, *offsets(layout, r)] for r in rows
             ]
             table = from_host(values, self.device).expand(len(self._rings), -1)
             n = self.cascades
             parts = table[:, :n], table[:, n : 2 * n], table[:, 2 * n : 3 * n], table[:, 3 * n], table[:, 3 * n + 1]
-            frames = table[:, 3 * n + 2 : 4 * n + 3]
-            cached = self._counter_tensors = (self._rings, *parts, frames, table[:, 4 * n + 3 :], self.capacity)
-        return cached[1:-1]
+            cached = self._counter_tensors = (self._rings, *parts, table[:, 3 * n + 2 :])
+        return cached[1:]
+
+    def _angles(self) -> torch.Tensor:
+        """Each slot's key angle ``[B, slots]`` (``schedule.angles``; for the stream-order views and a chunk's
+        attention, not per token)."""
+        rows = self._rings[:1] if self._in_step else self._rings
+        values = [angles(self._layout, rings)[: self.capacity] for rings in rows]
+        return from_host(values, self.device).expand(len(self._rings), -1)
 
     _count = property(lambda self: self._counters()[0])
     _start = property(lambda self: self._counters()[1])

@@ -28,7 +28,7 @@ class RingAttention:
     def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
         ``[B, n]`` against the stored keys at their ranks: each query turned to every frame (``schedule.offsets``:
-        the sinks', then each ring's), one matmul, each slot taking its frame's logit."""
+        the sinks', then each ring's), one matmul per frame over its slots."""
         keys = self._k
         batch, kv_heads, groups, count, dim = query.shape
         slots = self.capacity
@@ -38,11 +38,16 @@ class RingAttention:
         offset = self._counters()[5]  # [B, 1 + N]
         at = top[:, :, None] - offset[:, None, :]  # [B, n, 1 + N]
         turned = rotate_by(query[:, :, :, :, None, :], at[:, None, None], self.inv_freq, exact=True)  # [B,H,G,n,F,d]
-        frames = at.shape[-1]
-        logits = turned.reshape(batch, kv_heads, -1, dim) @ keys.transpose(-1, -2)
-        logits = logits.view(batch, kv_heads, groups, count, frames, slots)
-        frame = self._frame_of_slot[:slots].view(1, 1, 1, 1, 1, slots).expand(batch, kv_heads, groups, count, 1, -1)
-        return logits.gather(4, frame).view(batch, kv_heads, groups, count, slots)
+        bounds = [(0, self.sinks)] + [
+            (self.sinks + i * self.width, self.sinks + (i + 1) * self.width) for i in range(self.cascades)
+        ]
+        blocks = [
+            turned[:, :, :, :, frame].reshape(batch, kv_heads, groups * count, dim)
+            @ keys[:, :, lo:hi].transpose(-1, -2)
+            for frame, (lo, hi) in enumerate(bounds)
+            if hi > lo
+        ]
+        return torch.cat(blocks, -1).view(batch, kv_heads, groups, count, slots)
 
     def attend(self, query, key, value, mask, scaling) -> tuple[torch.Tensor, None]:
         return self.cascade_attention(query, scaling), None
@@ -174,7 +179,7 @@ class RingAttention:
         keys = self._k
         if self.inv_freq is not None:
             rank, _ = self.ranks()
-            keys = rotate_by(keys, (rank - self._counters()[6])[:, None], self.inv_freq, exact=True)
+            keys = rotate_by(keys, (rank - self._angles())[:, None], self.inv_freq, exact=True)
         batch, kv_heads, groups, count, dim = queries.shape
         output = scaled_dot_product_attention(
             queries.reshape(batch, kv_heads * groups, count, dim),

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.core.forward import from_host
-from kvcompress.methods.cascade.schedule import frame_of_slot
-
 
 class RingCapacity:
     """Mixin of ``CascadeLayer``: the slot count, the tables that depend on it, and the growth of a single ring."""
@@ -16,9 +13,8 @@ class RingCapacity:
         self.width = (slots - self.sinks) // self.cascades
 
     def _build_tables(self) -> None:
-        """Ring offsets ``[W]`` and each slot's frame (``schedule.frame_of_slot``)."""
+        """Ring offsets ``[W]``."""
         self._ring = torch.arange(self.width, device=self.device)
-        self._frame_of_slot = from_host(frame_of_slot(self._layout), self.device)
 
     def _grow(self, needed: int) -> None:
         """One ring (``N = 1``) is allocated for the tokens seen, not the budget, so a short prompt never stores
