@@ -317,16 +317,16 @@ class CascadeLayer(
             return
         layout, after, filled = self._layout, self._rings, self._sinks_full
         fill = (self.cascades - 1) * layout.width  # ``sink_shift`` of empty rings
-        sinks = self._kv[:, :, : self.sinks, : self._key_dim]
         if self._in_step:
             old, new = sink_shift(layout, before[0]) if filled else fill, sink_shift(layout, after[0])
             if not filled:
                 rotation = frame_rotation(self.forward_pass, -fill, self.inv_freq, self._key_dim, self.dtype)
-                self._sink_keys = sinks @ rotation
+                self._sink_keys = self._kv[:, :, : self.sinks, : self._key_dim] @ rotation
                 self._sinks_full = after[0].seen >= self.sinks
             if new != old:
                 self._place_sinks(new)
             return
+        sinks = self._kv[:, :, : self.sinks, : self._key_dim]
         old = [sink_shift(layout, rings) if rings.seen >= self.sinks else fill for rings in before]
         new = [sink_shift(layout, rings) for rings in after]
         if not filled:
