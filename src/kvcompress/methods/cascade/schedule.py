@@ -21,7 +21,6 @@ decided by the scores). A token passed beyond the last ring is dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,6 @@ class Moves:
         return self.dests[:-1]
 
 
-@lru_cache(maxsize=4096)
 def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
     """One real token through Algorithm 1: the layout after it and its moves (see the module docstring)."""
     p, sinks, width = rings.seen, layout.sinks, layout.width
@@ -170,7 +168,7 @@ def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
     """``angles(layout, rings)[slot]`` alone."""
     if slot < layout.sinks:
         return slot + sink_shift(layout, rings)
-    ring, offset = divmod(slot - layout.sinks, layout.width)
+    ring, offset = (slot - layout.sinks) // layout.width, (slot - layout.sinks) % layout.width
     passed = rings.passed[ring]
     start = passed % layout.width
     return layout.sinks + ring * layout.width + passed - start + offset + (layout.width if offset < start else 0)
