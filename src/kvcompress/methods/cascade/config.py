@@ -50,8 +50,11 @@ Choices where the paper is silent or differs from its code (all overridable):
   decays and they lose the next comparisons; sinks stay).
 
 Storage (``CascadeLayer``, in ``kvcompress.methods.cascade.layer``): one buffer of ``S + N W`` slots per layer,
-allocated at the first forward, keys stored un-rotated and rotated at their rank every step; the layer exposes the
-usual ``keys``/``values``/``token_idx``/``rope_pos``/``valid``/``state`` views in stream order (filler slots first)."""
+allocated at the first forward (one ring: grown with the tokens seen up to the budget); where each token goes is
+Algorithm 1 on whole numbers (``kvcompress.methods.cascade.schedule``), its moves applied to the buffers by one
+executor; keys are stored at their ring's running index, so a query reads each ring with one rotation. The layer
+exposes the usual ``keys``/``values``/``token_idx``/``rope_pos``/``valid``/``state`` views in stream order (filler
+slots first)."""
 
 from __future__ import annotations
 

@@ -1,31 +1,25 @@
-"""The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer allocated once.
+"""The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer.
 
-See ``kvcompress.methods.cascade.config`` for the method, the paper and the choices. Insertion lives here (its
-per-sequence tensor path in ``ring_insert``); the attention over the rings is in ``ring_attention`` and the
-stream-order views in ``ring_views``.
+See ``kvcompress.methods.cascade.config`` for the method, the paper and the choices. The layer has three parts: the
+schedule (``schedule``: Algorithm 1 on Python integers, each sequence's layout ``Rings`` and a token's slot moves),
+the executor (``executor.apply_moves``: a step's moves on every sequence, head and tensor at once) and the
+attention over the rings (``ring_attention``; the decoding step planned from the schedule, ``ring_decode``; the
+exact prefill's steps, ``ring_exact``). The stream-order views are in ``ring_views``.
 
-Slot layout of one layer (per sequence; every KV head uses the same slots, homogeneous policy):
-``[0, S)`` sinks, then cascade ``i`` in ``[S + i W, S + (i + 1) W)``, a ring whose oldest token sits at offset
-``start[i]`` and which holds ``count[i]`` tokens. Beside the keys and values, per slot: the token's stream index
-(``-1`` = empty), the RoPE position the model gave it, and its attention EMA (fp32). Per sequence: sinks stored,
-real tokens seen (the clock), and ``start``/``count`` per cascade. One insertion moves at most one token per
-cascade: the moves of all cascades are decided from the counters first, then done with one gather and one
-scatter per tensor (no loop over cascades, sequences or heads).
+Slot layout of one layer (per sequence; every KV head uses the same slots, homogeneous policy): ``[0, S)`` sinks,
+then cascade ``i`` in ``[S + i W, S + (i + 1) W)``, a ring whose oldest token sits at offset ``start[i]`` and which
+holds ``count[i]`` tokens (``schedule.Rings``). Beside the keys and values, per slot: the token's stream index
+(``-1`` = empty), the RoPE position the model gave it, and its attention EMA (fp32). The layout is a function of the
+sequence's real-token count only, so while the batch has no padding it is one ``Rings`` for every sequence (the
+batch "in step"); after padding (or a reordered batch) the schedule runs once per sequence.
 
-Keys are stored rotated at an *angle* from which attention finds their rank with few rotations: the model's rotation
-is undone with the exact cosines and sines it used, and the key is rotated to its angle.
-
-- Several cascades: the angle is the slot index. Inside one cascade rank = slot + shift, plus the ring width for
-  the slots before the ring's start, so a query is rotated once per such frame (``RingAttention._cache_logits``)
-  and a token moving between cascades is re-rotated by the slot difference (a small table). While a batch decodes
-  in step the rings hold ring angles instead (``ring_angles``: one frame per ring), turned back to slot angles
-  before any other path reads them.
-- One ring (``N = 1``, the circular sink cache): a single frame. A ring token's angle is its index among the
-  sequence's real tokens, and with ``F`` = ring tokens overwritten so far, its rank is its angle minus ``F``; the
-  sinks are kept at angle ``j + F`` (rewritten from a copy at ``j`` whenever ``F`` changes, ``_sync_sinks``: one
-  rotation each time, no accumulated rounding). Every stored key then has angle rank + ``F``, so a query rotated
-  to its own rank + ``F`` attends to the whole buffer at once (one SDPA while decoding), and a new token is written
-  once, at its real-token index, never re-rotated. Angles grow with the stream, so they are computed in float64.
+Keys are stored rotated at one *angle* convention (``schedule.angles``): the model's rotation is undone with the
+exact cosines and sines it used, and the key is rotated to its ring's running index (the ``k``-th token ever
+written to ring ``i`` at ``S + i W + k``), so inside a ring rank - angle is one number (``schedule.offsets``) and a
+query attends to a ring's keys with one rotation; a key is turned only when it moves to another ring. The sinks are
+kept at ``j + sink_shift`` (the oldest ring's frame), rewritten from a copy at angle ``j`` whenever that shift moves
+(no accumulated rounding). With one ring a ring token's angle is its index among the sequence's real tokens, so the
+whole buffer is one frame. Angles grow with the stream, so rotations by them are computed in float64.
 """
 
 from __future__ import annotations
@@ -35,20 +29,20 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.contract import Policy
+from kvcompress.core.forward import from_host
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
-from kvcompress.core.rope import rotate_by, turn_in_place
+from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frame_rotation
+from kvcompress.methods.cascade.executor import apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
-from kvcompress.methods.cascade.ring_angles import RingAngles
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_capacity import RingCapacity
 from kvcompress.methods.cascade.ring_chunk_insert import RingChunkInsert
 from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_exact import RingExact
-from kvcompress.methods.cascade.ring_insert import RingInsert
 from kvcompress.methods.cascade.ring_views import RingViews
-
-_MAX_PERIOD = 1 << 62  # acceptance periods beyond this are never reached (no overflow for large base^i)
+from kvcompress.methods.cascade.schedule import Layout, Rings, advance, angles, offsets, sink_shift
+from kvcompress.methods.cascade.schedule import turns as schedule_turns
 
 
 @dataclass
@@ -71,8 +65,6 @@ class _Pending:
 class CascadeLayer(
     RingExact,
     RingDecode,
-    RingAngles,
-    RingInsert,
     RingChunkInsert,
     RingAttention,
     RingViews,
@@ -95,6 +87,8 @@ class CascadeLayer(
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
         self.full_capacity = config.used_budget  # slots at the budget
         self.capacity = self.full_capacity  # slots allocated; one ring starts smaller and grows (``_grow``)
+        eager_until = self.full_capacity if config.eager_fill else 0
+        self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
         self._all_real = True
         self.force_tensor_path = False  # tests: always take the per-sequence tensor path of ``_insert``
@@ -105,7 +99,7 @@ class CascadeLayer(
         self.dtype, self.device = key_states.dtype, key_states.device
         if self.cascades == 1:
             self._set_capacity(min(self.full_capacity, max(self.sinks + 1, count)))
-        slots, cascades = self.capacity, self.cascades
+        slots = self.capacity
         long = {"dtype": torch.long, "device": self.device}
         self._key_dim = key_dim
         # keys (rotated at their slot index) and values side by side; slot ``slots`` is scratch space; per slot: the
@@ -116,67 +110,67 @@ class CascadeLayer(
             [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
         )
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
-        # tensor path only (see _in_step below): sinks stored, real tokens seen (the acceptance clock), per cascade
-        # the ring's start and count, and two flags: every sequence has all its sinks (then the sink column is
-        # skipped), eager fill is over for every sequence
-        self._sinks_full = self.sinks == 0
-        self._filled = not self.rule.config.eager_fill
-        base = self.rule.config.base
-        self._period = torch.tensor([min(base**i, _MAX_PERIOD) for i in range(cascades)], **long)
         self._sink_slots = torch.arange(self.sinks, **long)
-        # one ring: the sinks' keys at angle j (their own index), and the frame F they were last written at (a
-        # Python integer while the batch is in step, then per sequence)
+        # the sinks' keys at angle j (their own index), copied as they are stored: the sinks are rewritten from it
+        # whenever their angle moves (no accumulated rounding); ``_sinks_full``: every sequence has all its sinks
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)
-        self._sink_frame = 0
+        self._sinks_full = self.sinks == 0
         self._build_tables()
-        # "in step": every sequence has taken the same number of real tokens so far (no padding yet). Then the
-        # counters are the same for the whole batch (only selection outcomes differ), so they are kept as Python
-        # integers and every move is a slice of the buffer; the first padded forward switches to the tensor path
+        # the layout of each sequence (``schedule.Rings``: Python integers). "In step": one schedule for the whole
+        # batch (every sequence has taken the same number of real tokens: no padding so far), every entry the same
+        # object; the first padded forward (or a reordered batch) runs the schedule once per sequence from then on
         self._in_step = True
-        self._py_count, self._py_start, self._py_seen = [0] * cascades, [0] * cascades, 0
-        self._py_tensors: tuple[torch.Tensor, ...] | None = None
-        self._laps = None  # keys at slot angles (``RingAngles``)
+        self._rings: list[Rings] = [Rings.empty(self._layout)] * batch
+        self._counter_tensors: tuple | None = None
         self.is_initialized = True
 
-    # per-sequence counters: tensors, or built from the Python integers while the batch is in step
+    # the counters: Python integers per sequence (``_rings``); as tensors for the per-slot views
+    @property
+    def _shared(self) -> Rings:
+        """The layout of every sequence while the batch is in step."""
+        return self._rings[0]
+
+    def _set_shared(self, rings: Rings) -> None:
+        self._rings = [rings] * len(self._rings)
+
     def _counters(self) -> tuple[torch.Tensor, ...]:
-        if self._py_tensors is None:
-            batch, long = self._kv.shape[0], {"dtype": torch.long, "device": self.device}
-            seen = self._py_seen
-            self._py_tensors = (
-                torch.tensor([self._py_count], **long).expand(batch, -1),
-                torch.tensor([self._py_start], **long).expand(batch, -1),
-                torch.full((batch,), min(seen, self.sinks), **long),
-                torch.full((batch,), seen, **long),
-            )
-        return self._py_tensors
+        """``count``, ``start`` and ``passed`` ``[B, N]``, sinks stored and real tokens seen ``[B]`` and each
+        frame's rank minus angle ``[B, 1 + N]`` (``schedule``; made when the layouts change, from one row while in
+        step)."""
+        cached = self._counter_tensors
+        if cached is None or cached[0] is not self._rings:
+            layout, rows = self._layout, self._rings[:1] if self._in_step else self._rings
+            values = [
+                [*r.count, *r.start, *r.passed, min(r.seen, self.sinks), r.seen, *offsets(layout, r)] for r in rows
+            ]
+            table = from_host(values, self.device).expand(len(self._rings), -1)
+            n = self.cascades
+            parts = table[:, :n], table[:, n : 2 * n], table[:, 2 * n : 3 * n], table[:, 3 * n], table[:, 3 * n + 1]
+            cached = self._counter_tensors = (self._rings, *parts, table[:, 3 * n + 2 :])
+        return cached[1:]
+
+    def _angles(self) -> torch.Tensor:
+        """Each slot's key angle ``[B, slots]`` (``schedule.angles``; for the stream-order views and a chunk's
+        attention, not per token)."""
+        rows = self._rings[:1] if self._in_step else self._rings
+        values = [angles(self._layout, rings)[: self.capacity] for rings in rows]
+        return from_host(values, self.device).expand(len(self._rings), -1)
+
+    _count = property(lambda self: self._counters()[0])
+    _start = property(lambda self: self._counters()[1])
+    _n_sink = property(lambda self: self._counters()[3])
+    _n_real = property(lambda self: self._counters()[4])
+
+    def _frame(self) -> torch.Tensor:
+        """Per sequence ``[B]``, the tokens the first ring overwrote (with one ring: the frame ``F``, real tokens
+        past the ring's width)."""
+        return self._counters()[2][:, 0]
 
     def _leave_step(self) -> None:
-        """Switch to per-sequence counter tensors (the batch is no longer in step)."""
-        self.to_slot_angles()
+        """Run the schedule once per sequence from now on (the batch is no longer in step)."""
         if self._in_step:
-            count, start, n_sink, n_real = (t.clone() for t in self._counters())
             self._in_step = False
-            self._count_t, self._start_t, self._n_sink_t, self._n_real_t = count, start, n_sink, n_real
-            self._sink_frame = torch.full_like(n_real, self._sink_frame)  # per sequence from now on
-            self._sinks_full = self.sinks == 0 or self._py_seen >= self.sinks
-            self._filled = not self.rule.config.eager_fill or self._py_seen >= self.full_capacity
-
-    def _counter(index: int, name: str):  # noqa: N805 (a property factory used in the class body)
-        def get(self) -> torch.Tensor:
-            return self._counters()[index] if self._in_step else getattr(self, name)
-
-        def put(self, value: torch.Tensor) -> None:
-            self._leave_step()
-            setattr(self, name, value)
-
-        return property(get, put)
-
-    _count = _counter(0, "_count_t")
-    _start = _counter(1, "_start_t")
-    _n_sink = _counter(2, "_n_sink_t")
-    _n_real = _counter(3, "_n_real_t")
-    del _counter
+            self._rings = list(self._rings)
 
     @property
     def _k(self) -> torch.Tensor:
@@ -253,10 +247,6 @@ class CascadeLayer(
             half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
             first, second, rest = keys[..., :half], keys[..., half : 2 * half], keys[..., 2 * half :]
             kv = torch.cat([first * cos + second * sin, second * cos - first * sin, rest, values], -1)
-        if self.cascades == 1 and self.inv_freq is not None:  # one frame: each key at its real-token index
-            angle = self._n_real[:, None] + real.long().cumsum(1) - real.long()
-            keys = rotate_by(kv[..., : self._key_dim], angle[:, None], self.inv_freq, exact=True)
-            kv = torch.cat([keys, kv[..., self._key_dim :]], -1)
         meta = torch.stack([tok, pos], -1)
         return kv, meta, pos, real
 
@@ -266,128 +256,105 @@ class CascadeLayer(
         for m in range(kv.shape[2]):
             score = None if scores is None else scores[:, m]
             self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
-        self._sync_sinks()
 
     def _insert(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None) -> None:
-        self.to_slot_angles()
+        """Insert one token per sequence (``kv`` ``[B, H_kv, 1, dk + dv]``, the key un-rotated; ``meta``
+        ``[B, 1, 2]``; ``real`` ``[B]``, False: padding, nothing happens; ``score`` ``[B]`` its initial EMA, None:
+        0): the schedule once for the batch while it is in step, else once per sequence."""
+        before = self._rings
         if self._in_step and self._all_real and not self.force_tensor_path:
-            self._insert_in_step(kv, meta, score)
+            moves, turns = self._plan_in_step()
+            self._move_together(moves, kv, meta, score, turns)
         else:
-            self._insert_tensors(kv, meta, real, score)
+            self._insert_each(kv, meta, real, score)
+        self._sync_sinks(before)
 
-    # --- the single frame of one ring (N = 1) -------------------------------------------------------------------
-    def _py_frame(self) -> int:
-        """``F`` while the batch is in step: ring tokens overwritten so far (every real token after the sinks
-        enters the ring)."""
-        return max(0, self._py_seen - self.sinks) - self._py_count[0]
+    def _insert_each(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None):
+        """``_insert`` with the schedule run once per sequence (``real`` read on the host: one read per token of a
+        padded forward), the moves of every sequence applied together, columns a sequence does not use pointing at
+        the scratch slot."""
+        self._leave_step()
+        layout, rings, steps = self._layout, list(self._rings), []
+        for row, is_real in enumerate(real.tolist()):
+            if is_real:
+                after, moves = advance(layout, rings[row])
+                steps.append((moves, schedule_turns(layout, rings[row], after, moves)))
+                rings[row] = after
+            else:
+                steps.append(None)
+        self._rings = rings
+        columns = max((len(step[0].dests) for step in steps if step is not None), default=0)
+        if not columns:
+            return  # padding only
+        scratch, select_on = self.capacity, self.rule.needs_scores
+        read, written, turns, select = [], [], [], []
+        for step in steps:
+            dests, turned, chosen = (step[0].dests, step[1], step[0].select) if step else ((), (), False)
+            pad = columns - len(dests)
+            written.append([*dests, *[scratch] * pad])
+            read.append([*dests[:-1], *[scratch] * (pad if dests else pad - 1)])
+            turns.append([*turned, *[0] * pad])
+            select.append([False] * (len(dests) - 1) + [chosen and select_on] * bool(dests) + [False] * pad)
+        turn = None if self.inv_freq is None else self._turn_table(from_host(turns, self.device)[:, None])
+        buffers = (self._kv, self._meta, self._score if select_on else None)
+        new = (kv, meta, self._new_score(score) if select_on else None)
+        read_t, written_t = from_host(read, self.device), from_host(written, self.device)
+        select_t = from_host(select, self.device, torch.bool)
+        apply_moves(buffers, read_t, written_t, turn, select_t, self.rule.config.tie, new)
 
-    def _frame(self) -> torch.Tensor:
-        """``F`` per sequence ``[B]``."""
-        return (self._n_real - self.sinks).clamp(min=0) - self._count[:, 0]
+    def _turn_table(self, turns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[..., d / 2]`` of whole-number turns ``[...]`` (angles grow with the stream: float64)."""
+        angles = turns.to(torch.float64)[..., None] * self.inv_freq.to(self.device, torch.float64)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
-    def _sync_sinks(self) -> None:
-        """One ring: rewrite the sinks' keys at angle ``j + F`` from their copy at angle ``j`` (once per change of
-        ``F``; the rotation shared by the layers of a forward)."""
-        if self.cascades != 1 or not self.sinks or self.inv_freq is None:
+    # --- the sinks, in the oldest ring's frame --------------------------------------------------------------------
+    def _sync_sinks(self, before: list[Rings]) -> None:
+        """After an insertion from the layouts ``before``: copy the sinks just stored to ``_sink_keys`` at angle
+        ``j`` and rewrite the sinks from that copy where their angle moved (the oldest ring overwrote a token).
+        A sink is stored at ``j`` + the shift of a layout with empty rings (the rings stay empty until the sinks
+        are full); the paths that store many tokens at once store their sinks there too."""
+        if not self.sinks or self.inv_freq is None:
+            return
+        layout, after, filled = self._layout, self._rings, self._sinks_full
+        fill = (self.cascades - 1) * layout.width  # ``sink_shift`` of empty rings
+        if self._in_step:
+            old, new = sink_shift(layout, before[0]) if filled else fill, sink_shift(layout, after[0])
+            if not filled:
+                rotation = frame_rotation(self.forward_pass, -fill, self.inv_freq, self._key_dim, self.dtype)
+                self._sink_keys = self._kv[:, :, : self.sinks, : self._key_dim] @ rotation
+                self._sinks_full = after[0].seen >= self.sinks
+            if new != old:
+                self._place_sinks(new)
             return
         sinks = self._kv[:, :, : self.sinks, : self._key_dim]
-        if self._in_step:
-            frame = self._py_frame()
-            if frame == self._sink_frame:
-                return
-            if self._sink_frame == 0:  # until the ring first overwrites, the stored sinks are at angle j
-                self._sink_keys.copy_(sinks)
-            self._sink_frame = frame
-            rotation = frame_rotation(self.forward_pass, frame, self.inv_freq, self._key_dim, self.dtype)
-            sinks.copy_(self._sink_keys @ rotation)
-            return
-        frame = self._frame()
-        own = (self._sink_frame == 0)[:, None, None, None]  # these sequences' stored sinks are still at angle j
-        self._sink_keys = torch.where(own, sinks, self._sink_keys)
-        sinks.copy_(rotate_by(self._sink_keys, frame[:, None, None], self.inv_freq, exact=True))
-        self._sink_frame = frame
+        old = [sink_shift(layout, rings) if rings.seen >= self.sinks else fill for rings in before]
+        new = [sink_shift(layout, rings) for rings in after]
+        if not filled:
+            filling = from_host([rings.seen < self.sinks for rings in before], self.device, torch.bool)
+            copy = rotate_by(sinks, torch.full_like(self._sink_slots, -fill), self.inv_freq, exact=True)
+            self._sink_keys = torch.where(filling[:, None, None, None], copy, self._sink_keys)
+            self._sinks_full = all(rings.seen >= self.sinks for rings in after)
+        if new != old:
+            moved = from_host([a != b for a, b in zip(old, new, strict=True)], self.device, torch.bool)
+            shift = from_host(new, self.device)[:, None, None].expand(-1, 1, self.sinks)
+            placed = rotate_by(self._sink_keys, shift, self.inv_freq, exact=True)
+            sinks.copy_(torch.where(moved[:, None, None, None], placed, sinks))
 
-    def _turn(self, rows: torch.Tensor, delta: int) -> None:
-        """Rotate the keys of ``rows`` (``[..., dk + dv]`` slot items) in place by ``delta`` positions."""
-        if self.inv_freq is not None and delta != 0:
-            turn_in_place(rows, self._turn_cos[delta + self.capacity], self._turn_sin[delta + self.capacity])
+    def _place_sinks(self, shift: int) -> None:
+        """Write the sinks' keys at angle ``j + shift`` from their copy at angle ``j`` (a batch in step; the
+        rotation shared by the layers of a forward)."""
+        rotation = frame_rotation(self.forward_pass, shift, self.inv_freq, self._key_dim, self.dtype)
+        self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys @ rotation
 
-    def _insert_in_step(self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, placed=False) -> None:
-        """``_insert`` while every sequence is in step: Algorithm 1 on Python integers (the same schedule for
-        the whole batch, ``_plan_in_step``), then the moves as slices of the buffer, every token read before its
-        slot is overwritten. Only a selection (d) depends on the sequence: there the arriving token is written where
-        it wins. ``placed``: the new key is rotated at
-        its destination already (else, with several cascades, it arrives un-rotated)."""
-        moves = self._plan_in_step()
-        if len(moves) > 1:
-            self._move_together(moves, kv, meta, score, placed)
-            return
-        dest, select = moves[0]
-        self._put(dest, None, kv, meta, score, select, placed)
-
-    def _plan_in_step(self) -> list[tuple[int, bool]]:
-        """Advance the Python counters by one real token and return its moves: ``(destination slot, selection?)``
-        per cascade the token reaches (column ``c > 0`` takes the token evicted by column ``c - 1``; one column:
-        a sink, an append, an eager add or a selection)."""
-        sinks, width, p = self.sinks, self.width, self._py_seen
-        self._py_seen, self._py_tensors = p + 1, None
-        if p < sinks:  # sinks fill first
-            return [(p, False)]
-        count, start, config = self._py_count, self._py_start, self.rule.config
-        eager = config.eager_fill and p < self.full_capacity
-        moves: list[tuple[int, bool]] = []
-        for i in range(self.cascades):
-            first = sinks + i * width
-            if eager or (p - sinks) % config.base**i == 0:
-                if count[i] < width:  # (a) append
-                    moves.append((first + (start[i] + count[i]) % width, False))
-                    count[i] += 1
-                    break
-                moves.append((first + start[i], False))  # (b) overwrite the oldest, carry it on
-                start[i] = (start[i] + 1) % width
-                if start[i] == 0 and self._laps is not None:  # a lap of ring angles (``RingAngles``)
-                    self._laps[i] += width
-            elif count[i] == 0:  # (c) eager add into an empty cascade
-                moves.append((first + start[i], False))
-                count[i] = 1
-                break
-            else:  # (d) selection against the newest token
-                moves.append((first + (start[i] + count[i] - 1) % width, self.rule.needs_scores))
-                break
-        return moves
-
-    def _put(self, dest: int, source: int | None, kv, meta, score, select: bool = False, placed: bool = False) -> None:
-        """Write the new token (``source=None``) or the token at slot ``source`` into slot ``dest`` (its key
-        rotated at ``dest``, unless ``placed`` says the new key is there already); with ``select``, only in the
-        sequences where its score beats the resident's (tie rule of the config)."""
-        turn_new = 0 if placed or self.cascades == 1 else dest  # one ring: the new key is at its angle already
-        buffer, scores = self._kv, self._score
-        if select:  # only the sequences where the arriving token wins write it (a where: no host read)
-            arriving = scores[:, source] if source is not None else self._new_score(score)
-            resident = scores[:, dest]
-            wins = arriving >= resident if self.rule.config.tie == "incoming" else arriving > resident
-            items, moved_meta = (
-                (kv[:, :, 0], meta[:, 0]) if source is None else (buffer[:, :, source], self._meta[:, source])
-            )
-            items = items.clone()
-            self._turn(items, turn_new if source is None else dest - source)
-            buffer[:, :, dest] = torch.where(wins[:, None, None], items, buffer[:, :, dest])
-            self._meta[:, dest] = torch.where(wins[:, None], moved_meta, self._meta[:, dest])
-            scores[:, dest] = torch.where(wins, arriving, resident)
-            return
-        rows = buffer[:, :, dest]
-        if source is None:
-            rows.copy_(kv[:, :, 0])
-            self._turn(rows, turn_new)
-            self._meta[:, dest] = meta[:, 0]
-            if self.rule.needs_scores:
-                scores[:, dest] = 0.0 if score is None else score
-        else:
-            rows.copy_(buffer[:, :, source])
-            self._turn(rows, dest - source)
-            self._meta[:, dest] = self._meta[:, source]
-            if self.rule.needs_scores:
-                scores[:, dest] = scores[:, source]
+    def _plan_in_step(self) -> tuple[list[tuple[int, bool]], tuple[int, ...]]:
+        """Advance the batch's layout by one real token (``schedule.advance``): its moves as ``(slot,
+        selection?)`` per column (a selection only where scores are kept) and each column's turn."""
+        before = self._shared
+        after, moves = advance(self._layout, before)
+        self._set_shared(after)
+        select = moves.select and self.rule.needs_scores
+        columns = [(dest, False) for dest in moves.dests[:-1]] + [(moves.dests[-1], select)]
+        return columns, schedule_turns(self._layout, before, after, moves)
 
     def _new_score(self, score: torch.Tensor | None) -> torch.Tensor:
         return self._score.new_zeros(self._score.shape[0]) if score is None else score.float()

@@ -27,37 +27,26 @@ class RingAttention:
 
     def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
-        ``[B, n]`` against the stored keys at their ranks.
-
-        Keys are stored rotated at their slot index. Inside one cascade, rank = slot + shift for ring offsets at
-        or after the start and slot + shift + W before it (one shift per cascade), so instead of re-rotating every
-        key each step, each query is rotated to ``top - shift`` and ``top - shift - W`` (RoPE depends only on the
-        difference) and each slot takes the logit of its group: ``O(N)`` small rotations instead of ``O(|C|)``.
-        """
+        ``[B, n]`` against the stored keys at their ranks: each query turned to every frame (``schedule.offsets``:
+        the sinks', then each ring's), one matmul per frame over its slots."""
         keys = self._k
         batch, kv_heads, groups, count, dim = query.shape
         slots = self.capacity
-        if self.inv_freq is None or self.cascades == 1:  # one ring: one frame, every key at rank + F
-            if self.inv_freq is not None:
-                angle = top + self._frame()[:, None]
-                query = rotate_by(query, angle[:, None, None], self.inv_freq, exact=True)
+        if self.inv_freq is None:
             logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
             return logits.view(batch, kv_heads, groups, count, slots)
-        cascades, width, sinks = self.cascades, self.width, self.sinks
-        older = self._count.flip(1).cumsum(1).flip(1) - self._count
-        shift = self._n_sink[:, None] + older - self._first_slot - self._start  # [B, N]
-        wrapped = self._ring < self._start[:, :, None]  # [B, N, W]: rank = slot + shift + W
-        at = top[:, :, None] - shift[:, None, :]  # [B, n, N]
-        pairs = torch.stack([at, at - width], -1).flatten(2)  # [B, n, 2N]: both groups of each cascade
-        positions = torch.cat([top[:, :, None], pairs], 2)  # [B, n, 1 + 2N]
-        rotated = rotate_by(query[:, :, :, :, None, :], positions[:, None, None], self.inv_freq)  # [B,H,G,n,V,d]
-        rows = rotated.permute(0, 1, 4, 2, 3, 5).reshape(batch, kv_heads, 1 + 2 * cascades, groups * count, dim)
-        blocks = [rows[:, :, 0] @ keys[:, :, :sinks].transpose(-1, -2)] if sinks else []
-        for i in range(cascades):  # one matmul per cascade over views of the buffer: nothing is copied
-            first = sinks + i * width
-            pair = rows[:, :, 1 + 2 * i : 3 + 2 * i].reshape(batch, kv_heads, 2 * groups * count, dim)
-            both = (pair @ keys[:, :, first : first + width].transpose(-1, -2)).view(batch, kv_heads, 2, -1, width)
-            blocks.append(torch.where(wrapped[:, i, None, None, :], both[:, :, 1], both[:, :, 0]))
+        offset = self._counters()[5]  # [B, 1 + N]
+        at = top[:, :, None] - offset[:, None, :]  # [B, n, 1 + N]
+        turned = rotate_by(query[:, :, :, :, None, :], at[:, None, None], self.inv_freq, exact=True)  # [B,H,G,n,F,d]
+        bounds = [(0, self.sinks)] + [
+            (self.sinks + i * self.width, self.sinks + (i + 1) * self.width) for i in range(self.cascades)
+        ]
+        blocks = [
+            turned[:, :, :, :, frame].reshape(batch, kv_heads, groups * count, dim)
+            @ keys[:, :, lo:hi].transpose(-1, -2)
+            for frame, (lo, hi) in enumerate(bounds)
+            if hi > lo
+        ]
         return torch.cat(blocks, -1).view(batch, kv_heads, groups, count, slots)
 
     def attend(self, query, key, value, mask, scaling) -> tuple[torch.Tensor, None]:
@@ -101,7 +90,6 @@ class RingAttention:
         exact = self.rule.config.prefill == "exact" and not self.attend_first
         if exact and self._steps_alone(pending):
             return self._decode_tokens(query, pending, scale)
-        self.to_slot_angles()
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)
         if (self.rule.config.prefill == "chunked" and query.shape[2] > 1) or self.attend_first:
@@ -109,7 +97,6 @@ class RingAttention:
         outputs = []
         for m in range(query.shape[2]):
             self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], None)
-            self._sync_sinks()
             outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], meta[:, m : m + 1, 0], scale))
         batch, q_heads, count, dim = query.shape
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
@@ -156,10 +143,7 @@ class RingAttention:
         rank = stored[:, None] + (real.long().cumsum(1) - 1).clamp(min=0)  # [B, q]
         chunk_keys, values = kv[..., : self._key_dim], kv[..., self._key_dim :]
         chunk_queries = queries
-        if self.inv_freq is not None and self.cascades == 1:  # one frame: the keys are at rank + F already
-            angle = rank + self._frame()[:, None]
-            chunk_queries = rotate_by(queries, angle[:, None, None], self.inv_freq, exact=True)
-        elif self.inv_freq is not None:
+        if self.inv_freq is not None:
             chunk_keys = rotate_by(chunk_keys, rank[:, None], self.inv_freq)
             chunk_queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
         visible = self._chunk_visible(meta, real)  # [B, q, L + q]
@@ -175,7 +159,6 @@ class RingAttention:
             for m in range(count):
                 score = None if scores is None else scores[:, m]
                 self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
-            self._sync_sinks()
         return output.reshape(batch, kv_heads * groups, count, -1)
 
     def _chunk_visible(self, meta: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -191,12 +174,12 @@ class RingAttention:
         return torch.cat([stored, causal], 2)
 
     def _chunk_sdpa(self, queries, chunk_keys, values, visible, scale) -> torch.Tensor:
-        """Without scores to collect: SDPA over the stored keys rotated from their slots to their ranks (one
+        """Without scores to collect: SDPA over the stored keys rotated from their angles to their ranks (one
         rotation of at most ``S + |C|`` keys per forward) and the chunk's own keys; ``[B, H_kv, G q, d]``."""
         keys = self._k
-        if self.inv_freq is not None and self.cascades > 1:  # (one ring: one frame, the queries are rotated into it)
+        if self.inv_freq is not None:
             rank, _ = self.ranks()
-            keys = rotate_by(keys, (rank - torch.arange(self.capacity, device=self.device))[:, None], self.inv_freq)
+            keys = rotate_by(keys, (rank - self._angles())[:, None], self.inv_freq, exact=True)
         batch, kv_heads, groups, count, dim = queries.shape
         output = scaled_dot_product_attention(
             queries.reshape(batch, kv_heads * groups, count, dim),

@@ -13,14 +13,8 @@ class RingCapacity:
         self.width = (slots - self.sinks) // self.cascades
 
     def _build_tables(self) -> None:
-        """Slot indices of the rings and the cos / sin of every slot-to-slot move, ``[2 (S + |C|) + 1, d / 2]``."""
-        long = {"dtype": torch.long, "device": self.device}
-        self._first_slot = self.sinks + torch.arange(self.cascades, **long) * self.width
-        self._ring = torch.arange(self.width, **long)
-        if self.inv_freq is not None:
-            delta = torch.arange(-self.capacity, self.capacity + 1, dtype=torch.float64, device=self.device)
-            angles = delta[:, None] * self.inv_freq.to(self.device, torch.float64)
-            self._turn_cos, self._turn_sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        """Ring offsets ``[W]``."""
+        self._ring = torch.arange(self.width, device=self.device)
 
     def _grow(self, needed: int) -> None:
         """One ring (``N = 1``) is allocated for the tokens seen, not the budget, so a short prompt never stores
@@ -39,5 +33,5 @@ class RingCapacity:
         meta[:, :used] = self._meta[:, :used]
         score = self._score.new_zeros(self._score.shape[0], slots)
         score[:, :used] = self._score[:, :used]
-        self._kv, self._meta, self._score, self._py_tensors, self._bases_for = kv, meta, score, None, None
+        self._kv, self._meta, self._score = kv, meta, score
         self._build_tables()

@@ -15,6 +15,7 @@ import torch
 
 from kvcompress.core.forward import from_host
 from kvcompress.core.rope import turn_in_place
+from kvcompress.methods.cascade.schedule import Rings, angles
 
 
 class RingChunkInsert:
@@ -27,15 +28,15 @@ class RingChunkInsert:
     def _insert_chunk(self, kv: torch.Tensor, meta: torch.Tensor, scores: torch.Tensor | None) -> None:
         """Insert ``q`` tokens (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated; ``meta`` ``[B, q, 2]``; initial
         ``scores`` ``[B, q]``, None: 0) as ``q`` calls of ``_insert`` would."""
-        self.to_slot_angles()
-        batch, count, capacity = kv.shape[0], kv.shape[2], self.capacity
-        plans = [self._plan_in_step() for _ in range(count)]  # the counters advance as ``count`` insertions
+        batch, count, capacity, before = kv.shape[0], kv.shape[2], self.capacity, self._rings
+        plans = [self._plan_in_step()[0] for _ in range(count)]  # the layout advances as ``count`` insertions
         new_scores = kv.new_zeros(batch, count, dtype=torch.float32) if scores is None else scores.float()
         selects = self.rule.needs_scores and any(select for moves in plans for _, select in moves)
         resident = self._score[:, :capacity].tolist() if selects else [None] * batch  # (host reads, per chunk)
         arriving = new_scores.tolist() if selects else [None] * batch
         sources = [self._played(plans, resident[b], arriving[b]) for b in range(batch)]
-        self._rewrite(sources, kv, meta, new_scores)
+        self._rewrite(sources, kv, meta, new_scores, before[0])
+        self._sync_sinks(before)
 
     def _played(self, plans: list, resident: list | None, arriving: list | None) -> list[int]:
         """One sequence's insertions on slot numbers: per slot, the pool index of the token it ends with (``s``:
@@ -56,20 +57,29 @@ class RingChunkInsert:
                     score[dest] = item_scores[column]
         return source
 
-    def _rewrite(self, sources: list[list[int]], kv: torch.Tensor, meta: torch.Tensor, scores: torch.Tensor) -> None:
+    def _rewrite(self, sources: list[list[int]], kv, meta, scores: torch.Tensor, before: Rings) -> None:
         """Every slot takes its token from the pool ``[stored slots (scratch included), chunk tokens]``, the key
-        turned from its stored angle (its slot; the chunk's keys are un-rotated) to the slot's."""
-        capacity, dim = self.capacity, self._key_dim
+        turned from its stored angle (``before``'s; the chunk's keys are un-rotated) to the slot's angle after the
+        chunk (a new sink: where a sink is stored, ``_sync_sinks``)."""
+        capacity, dim, layout = self.capacity, self._key_dim, self._layout
         batch, heads, _, width = self._kv.shape
+        old, target = angles(layout, before)[:capacity], angles(layout, self._shared)[:capacity]
+        fill = (self.cascades - 1) * layout.width
+        turns = [
+            [
+                (slot + fill if slot < self.sinks else target[slot]) - (0 if item > capacity else old[item])
+                if item != slot or slot >= self.sinks
+                else 0  # (a stored sink stays where it is)
+                for slot, item in enumerate(row)
+            ]
+            for row in sources
+        ]
         source = from_host(sources, self.device)  # [B, capacity]
-        slot = torch.arange(capacity, device=self.device)
-        new = source > capacity
-        turn = torch.where(new, slot, slot - source)  # angle moved by: from 0 (a chunk token) or from its slot
         pool = torch.cat([self._kv, kv.to(self._kv.dtype)], 2)
         items = pool.gather(2, source[:, None, :, None].expand(batch, heads, capacity, width))
         if self.inv_freq is not None:
-            index = turn + capacity  # (the table's rows: turns from -capacity to capacity)
-            turn_in_place(items[..., :dim], self._turn_cos[index][:, None], self._turn_sin[index][:, None])
+            cos, sin = self._turn_table(from_host(turns, self.device))
+            turn_in_place(items[..., :dim], cos[:, None], sin[:, None])
         self._kv[:, :, :capacity] = items
         self._meta[:, :capacity] = torch.cat([self._meta, meta], 1).gather(1, source[..., None].expand(-1, -1, 2))
         if self.rule.needs_scores:

@@ -1,29 +1,29 @@
-"""One decoding token of the ring storage in a fixed handful of ops, planned from Python integers.
+"""One decoding token of the ring storage in a fixed handful of ops, planned from the schedule.
 
-While the batch is in step (no padding so far) every sequence has the same ring layout: sinks stored, and per
-cascade its count and start, all Python integers. With several cascades keys sit rotated at their ring angle
-(``RingAngles``), so inside one ring a slot's rank (its RoPE position in the cache) is its angle plus one shift per
-cascade. So a decoding step needs the query rotated to one target per such *frame* (the sinks and each ring): one
-matmul with a rotation matrix built once per forward and shared by the layers (``kvcompress.core.rotation``), then
+While the batch is in step (no padding so far) every sequence has the same layout (``schedule.Rings``: Python
+integers). Keys sit at their ring's angle (``schedule.angles``), so a ring's rank is its angle plus one offset per
+ring and the sinks share the oldest ring's: a decoding step needs the query rotated to one target per ring (one
+matmul with a rotation matrix built once per forward and shared by the layers, ``kvcompress.core.rotation``), then
 the logits of every frame for every slot (one matmul and a gather; one matmul per run of slots past
 ``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order (empty slots at ``-inf``), one matmul
-with the values and one for the EMA. The Python side of a step (moves, counters, frames) is the same for every
-layer of a forward and planned once (``_plan_decode_step``), and the old tokens' moves of every layer are done at
-once by the first (``ring_moves``). One ring (the circular sink cache) is a single frame (``CascadeLayer``): its
+with the values and one for the EMA. The Python side of a step (moves, turns, frames) is the same for every layer
+of a forward and planned once (``_plan_decode_step``), and the old tokens' moves of every layer are done at once by
+the first (``ring_moves``); both through the executor. One ring (the circular sink cache) is a single frame: its
 step is one SDPA.
 """
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch
 
 from kvcompress.core.forward import from_host
+from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import rotation_to, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import head_matmul
-from kvcompress.methods.cascade.ring_moves import moved_every_ring, shift_chain
+from kvcompress.methods.cascade.executor import apply_moves
+from kvcompress.methods.cascade.ring_moves import moved_every_ring
+from kvcompress.methods.cascade.schedule import Rings, advance, offsets
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
 # frames x stored slots up to which the logits of every frame are computed for every slot by one matmul. On the CPU
@@ -63,29 +63,22 @@ class RingDecode:
         if self.attend_first:
             return self._decode_circular(query, pending, scale)
         batch, q_heads, _, dim = query.shape
-        self.to_ring_angles()
-        laps = None if self._laps is None else tuple(self._laps)
-        before = (self._py_seen, tuple(self._py_count), tuple(self._py_start), laps)
+        before, rings = self._shared, self._rings
         plan = self.forward_pass.cached(
-            ("cascade-step", *before, self.capacity, id(self.rule.config)), self._plan_decode_step
+            ("cascade-step", before, self.capacity, id(self.rule.config)), self._plan_decode_step
         )
-        moves, angle, turns, sinks_shift, seen, count, start, laps, targets, runs = plan
+        moves, angle, turns, after, targets, runs = plan
         item = self._new_item(pending, angle)
         meta = self._shared_meta(pending)
         dests = [dest for dest, _ in moves]
         moved = grouped and self.ring_layers is not None
         if moved and moved_every_ring(self, before, dests, turns, moves[-1][1], meta):
             self._kv[:, :, dests[0] : dests[0] + 1] = item  # the first layer moved the old tokens of every layer
-        elif len(moves) > 1:
-            self._move_together(moves, item, meta, None, turns=turns)
         else:
-            self._put(moves[0][0], None, item, meta, None, moves[0][1], placed=True)
-        self._py_seen, self._py_count, self._py_start, self._py_tensors = seen, list(count), list(start), None
-        self._laps = None if laps is None else list(laps)
-        if sinks_shift is not None:  # the oldest ring's frame moved on (``RingAngles``)
-            self.place_sinks(sinks_shift)
+            self._move_together(moves, item, meta, None, turns)
+        self._set_shared(after)
         self._all_real = True
-        self._sync_sinks()
+        self._sync_sinks(rings)
         probs = self._softmax(query, pending, targets, runs, scale)  # [B, H_kv, G, stored]
         stored = runs[-1][1]
         output = torch.bmm(probs.flatten(0, 1).to(self._kv.dtype), self._step_views(stored)[1])
@@ -119,21 +112,11 @@ class RingDecode:
 
     def _plan_decode_step(self) -> tuple:
         """The Python side of a decoding step, the same for every layer of a forward in the same state (shared
-        through ``ForwardPass.cached``): the moves, the new key's angle (one ring: its real-token index; several: its
-        ring angle, so it is written as it comes), how far each moved key turns, the counters after the step and
-        the attention frames."""
-        angle = self._py_seen
-        before = (tuple(self._py_start), None if self._laps is None else tuple(self._laps))
-        moves = self._plan_in_step()
-        after = (tuple(self._py_start), None if self._laps is None else tuple(self._laps))
-        if self.cascades > 1:
-            angle = moves[0][0] + self.angle_shift(moves[0][0], *after)
-        turns = self._step_turns(moves, before, after)
-        sinks_shift = self.angle_shift(0, *after)
-        sinks_shift = None if sinks_shift == self.angle_shift(0, *before) else sinks_shift
-        targets, runs = self._frames(min(self._py_seen, self.sinks) + sum(self._py_count) - 1)
-        counters = (self._py_seen, tuple(self._py_count), tuple(self._py_start), after[1])
-        return moves, angle, turns, sinks_shift, *counters, targets, runs
+        through ``ForwardPass.cached``): the moves, the new key's angle (it is written there as it comes), how far
+        each column's key turns (0 for the new one), the layout after the step and the attention frames."""
+        moves, turns = self._plan_in_step()
+        targets, runs = self._frames(self._shared.stored(self._layout) - 1)
+        return moves, turns[0], (0, *turns[1:]), self._shared, targets, runs
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """The circular sink cache attends before inserting (the oldest ring token is still seen), so the new
@@ -143,11 +126,10 @@ class RingDecode:
         the query attends to the occupied slots with one SDPA (no mask: they are a prefix of the buffer)."""
         if self.seen_tensor is not None:  # bound to a captured step (``ring_replay``)
             return self._decode_circular_replayable(query, pending, scale)
-        sinks, width, seen, count, start = self.sinks, self.width, self._py_seen, self._py_count[0], self._py_start[0]
-        if count < width:  # the ring fills from its first slot: the new token's own slot
-            dest = spare = min(seen, sinks) + count
-        else:
-            dest, spare = sinks + start, self.capacity
+        seen, rings = self._shared.seen, self._rings
+        after, moves = advance(self._layout, self._shared)
+        dest = moves.dests[0]  # a sink, an append or the oldest ring token's slot (``schedule``)
+        spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
         dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
         rotation = self._rotation(pending, (seen,), dim, pending.keys.dtype)
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)  # (no out=: compiled graphs refuse it)
@@ -161,12 +143,8 @@ class RingDecode:
             self._kv[:, :, dest] = self._kv[:, :, spare]
         meta = self._shared_meta(pending)
         self._meta[:, dest] = meta[:, 0]
-        self._py_seen, self._py_tensors = seen + 1, None
-        if seen >= sinks and count < width:
-            self._py_count[0] = count + 1
-        elif seen >= sinks:
-            self._py_start[0] = (start + 1) % width
-        self._sync_sinks()
+        self._set_shared(after)
+        self._sync_sinks(rings)
         return output
 
     def _softmax(self, query: torch.Tensor, pending, targets: tuple[int, ...], runs: list[Run], scale: float):
@@ -214,25 +192,18 @@ class RingDecode:
         return frames, from_host(empty, self.device, torch.bool) if any(empty) else None
 
     def _frames(self, top: int) -> tuple[tuple[int, ...], list[Run]]:
-        """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
-        (sinks, then each cascade's wrapped part before its part from ``start`` on: ascending slots)."""
-        sinks, width = self.sinks, self.width
-        counts, starts, laps = self._py_count, self._py_start, self._laps  # (ring angles: one frame per ring)
-        n_sink = min(self._py_seen, sinks)
-        if self.cascades == 1:  # one frame (CascadeLayer): the stored slots are one run
-            stored = n_sink + counts[0]
-            return (top + self._py_frame(),), [(0, stored, 0)] if stored else []
-        sinks_target = top + self.angle_shift(0, starts, laps)  # (ring angles: the oldest ring's frame)
-        pieces = [(0, n_sink, sinks_target)] if n_sink else []
-        older = sum(counts)
-        for i, (count, start) in enumerate(zip(counts, starts, strict=True)):
-            older -= count
+        """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``:
+        one frame per ring (``schedule.offsets``), the sinks in the oldest ring's once it holds tokens."""
+        shared, sinks, width = self._shared, self.sinks, self._layout.width
+        offset = offsets(self._layout, shared)
+        n_sink = min(shared.seen, sinks)
+        pieces = [(0, n_sink, top - offset[0])] if n_sink else []
+        for i, (count, start) in enumerate(zip(shared.count, shared.start, strict=True)):
             if not count:
                 continue
-            first = sinks + i * width
-            target = top - (n_sink + older - first - start) + (0 if laps is None else laps[i])
-            if start + count > width:  # wrapped: the ring offsets before ``start`` are one width later in rank
-                pieces.append((first, first + start + count - width, target - (0 if laps is not None else width)))
+            first, target = sinks + i * width, top - offset[1 + i]
+            if start + count > width:  # the ring's newest tokens wrapped to its first offsets
+                pieces.append((first, first + start + count - width, target))
             pieces.append((first + start, first + min(start + count, width), target))
         targets: dict[int, int] = {}
         runs: list[Run] = []
@@ -255,17 +226,16 @@ class RingDecode:
             end = hi
         return logits
 
-    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, placed=False, turns=None) -> None:
-        """The moves of one in-step insertion with one read and one write per tensor (``shift_chain``): column 0
-        takes the new token (``placed``: its key is rotated at its destination already), column ``c`` the token
-        of the slot column ``c - 1`` writes. ``turns``: how far each column's key turns (default: slot angles)."""
+    def _move_together(self, moves: list[tuple[int, bool]], kv, meta, score, turns: tuple[int, ...]) -> None:
+        """The moves of one in-step insertion by the executor (``executor.apply_moves``): column 0 takes the new
+        token (``placed``, or one ring: its key is rotated at its destination already), column ``c`` the token of
+        the slot column ``c - 1`` writes. ``turns``: how far each column's key turns."""
         dests = [dest for dest, _ in moves]
-        if turns is None:
-            turns = (0 if placed else dests[0], *(dest - source for source, dest in pairwise(dests)))
-        tables = self._shared_move_tables(dests, turns)
+        read, written, cos, sin = self._shared_move_tables(dests, turns)
         buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
         new = (kv, meta, self._new_score(score) if self.rule.needs_scores else None)
-        shift_chain(buffers, dests, tables, moves[-1][1], self.rule.config.tie, new)
+        turn = None if cos is None else (cos, sin)
+        apply_moves(buffers, read, written, turn, moves[-1][1], self.rule.config.tie, new)
 
     def _shared_move_tables(self, dests: list[int], turns: tuple[int, ...]) -> tuple:
         """``_move_tables``, shared by the layers of a forward."""
@@ -274,18 +244,11 @@ class RingDecode:
 
     def _move_tables(self, dests: list[int], turns: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
         """Slots read, slots written and the cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its
-        ``turns`` positions: from the slot-to-slot table when every turn is in it (slot angles, prefill), else
-        computed in float64 (ring angles grow with the stream)."""
+        ``turns`` positions."""
         read, written = from_host(dests[:-1], self.device), from_host(dests, self.device)
         if self.inv_freq is None:
             return read, written, None, None
-        if max(map(abs, turns)) <= self.capacity:
-            index = from_host([turn + self.capacity for turn in turns], self.device)
-            cos, sin = self._turn_cos[index], self._turn_sin[index]
-        else:
-            inv_freq = self.inv_freq.to(self.device, torch.float64)
-            angles = from_host(list(turns), self.device, torch.float64)[:, None] * inv_freq
-            cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos, sin = self._turn_table(from_host(list(turns), self.device))
         return read, written, cos[:, None, None], sin[:, None, None]
 
     def _new_item(self, pending, angle: int) -> torch.Tensor:
@@ -334,7 +297,11 @@ class RingDecode:
     def _insert_in_order(self, kv: torch.Tensor, meta: torch.Tensor) -> None:
         """Insert ``q`` tokens (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated; ``meta`` ``[B, q, 2]``) as ``q``
         one-token insertions would, with at most three slice writes per tensor instead of ``q`` insertions."""
-        sinks, width, seen, count = self.sinks, self.width, self._py_seen, kv.shape[2]
+        sinks, width, seen, count, rings = self.sinks, self.width, self._shared.seen, kv.shape[2], self._rings
+        if self.inv_freq is not None:  # one ring: each key at its real-token index (``schedule.angles``)
+            angle = torch.arange(seen, seen + count, device=self.device)
+            keys = rotate_by(kv[..., : self._key_dim], angle.expand(kv.shape[0], 1, -1), self.inv_freq, exact=True)
+            kv = torch.cat([keys, kv[..., self._key_dim :]], -1)
         to_sinks = max(0, min(sinks, seen + count) - seen)
         if to_sinks:
             self._write_slots(seen, kv[:, :, :to_sinks], meta[:, :to_sinks])
@@ -347,10 +314,8 @@ class RingDecode:
             if hi > lo:
                 m = count - (total - lo)
                 self._write_slots(sinks + lo % width, kv[:, :, m : m + hi - lo], meta[:, m : m + hi - lo])
-        self._py_seen, self._py_tensors = seen + count, None
-        self._py_count[0] = min(width, total)
-        self._py_start[0] = total % width if total >= width else 0
-        self._sync_sinks()
+        self._set_shared(Rings(seen + count, (min(width, total),), (max(0, total - width),), self._layout.width))
+        self._sync_sinks(rings)
 
     def _write_slots(self, slot: int, kv: torch.Tensor, meta: torch.Tensor) -> None:
         """Write items (one ring: keys at their angle already) into the consecutive slots from ``slot``."""

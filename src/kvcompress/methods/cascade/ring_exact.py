@@ -4,16 +4,17 @@ Each token of the forward is inserted, attends and folds its attention into the 
 what feeding the tokens one at a time does (v1 of the paper); the MLPs still run on the whole forward.
 
 The schedule of the steps depends only on the token count, so every layer of a forward takes the same steps. In the
-steady state (the batch in step, the rings at ring angles, every token pushing older ones down the rings, scores
+steady state (the batch in step, every token pushing older ones down the rings, scores
 kept with the paper's mean over heads) the Python side of every step of the forward is planned once, by the first
 layer, and shared (``ForwardPass.cached``); each layer then runs the steps as a short, fixed list of ops on views made
 once per forward (``_lean_tokens``):
 
-- once per forward: the new keys turned from the model's positions to their ring angles, and the queries to each
+- once per forward: the new keys turned from the model's positions to their angles, and the queries to each
   of their frames, all at once;
-- per token: one gather of the tokens it pushes on, their keys turned in place, one write per tensor (a selection's
-  loser into the scratch slot); the logits of every frame for every slot by one matmul and an index (one matmul
-  per run where that product is large), one softmax, one matmul with the values and one for the EMA.
+- per token: its moves by the executor (``executor.apply_moves``: one gather of the tokens it pushes on, their
+  keys turned, one write per tensor, a selection's loser into the scratch slot); the logits of every frame for
+  every slot by one matmul and an index (one matmul per run where that product is large), one softmax, one matmul
+  with the values and one for the EMA.
 
 Anything else (the first forward, sinks or rings still filling, padding, another head reduction) takes
 ``_decode_step`` token by token, which handles every case.
@@ -26,8 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.forward import from_host
-from kvcompress.core.rope import rotate_by, turn_in_place
+from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frames_along, turn_along
+from kvcompress.methods.cascade.executor import apply_moves
+from kvcompress.methods.cascade.schedule import Rings, sink_shift
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,6 @@ class _TokenStep:
     cos: torch.Tensor  # [m, 1, 1, d / 2] turning each column's key (the new key's column: no turn)
     sin: torch.Tensor
     select: bool  # the last column is a selection against the slot's resident
-    last: int  # the last column's slot
-    lost: torch.Tensor  # [m]: ``written`` with the scratch slot last (where a selection's loser is written)
     sinks_shift: int | None  # the sinks' new angle shift, when the oldest ring's frame moved on
     logit: torch.Tensor  # [stored]: where each slot's logit is among the logits of every frame for every slot
     empty: torch.Tensor | None  # [stored] slots between the runs (none: ``None``)
@@ -56,7 +57,7 @@ class _Plan:
     shift: torch.Tensor  # [B, q]: how far each new key turns, from the model's position to its ring angle
     frames: tuple[torch.Tensor, ...]  # each query to each of its F frames, scaled (``frames_along``)
     dense: bool  # one matmul for the logits of every frame for every slot (else one matmul per run)
-    after: tuple  # the counters after the forward: seen, counts, starts, laps
+    after: Rings  # the layout after the forward
 
 
 class RingExact:
@@ -85,16 +86,10 @@ class RingExact:
     def _lean_plan(self, query: torch.Tensor, pending, tokens, scale: float) -> _Plan | None:
         """The steps of every token of the forward and the counters after them, or ``None`` when the lean path does
         not apply (then ``_decode_step`` takes each token)."""
-        self.to_ring_angles()
         rows = pending.source.shape[0]
-        if (
-            self._laps is None
-            or not self.rule.needs_scores
-            or self.rule.config.reduction != "mean"
-            or rows not in (1, self._kv.shape[0])
-        ):
+        if not self.rule.needs_scores or self.rule.config.reduction != "mean" or rows not in (1, self._kv.shape[0]):
             return None
-        state = (self._py_seen, tuple(self._py_count), tuple(self._py_start), tuple(self._laps))
+        state = self._shared
         shape = (*self._kv.shape[:2], query.shape[1], query.dtype, scale)
         key = ("exact-plan", state, len(tokens), self.capacity, id(self.rule.config), shape, self.device)
         return self.forward_pass.cached(key, lambda: self._plan_tokens(query, pending, tokens, scale))
@@ -103,7 +98,7 @@ class RingExact:
         """Plan each token's step from the counters as they will be (the layer's own counters are left as they
         are), or ``None`` if some step is not a push down the rings or its logits would take one matmul per
         run."""
-        saved = (self._py_seen, list(self._py_count), list(self._py_start), list(self._laps))
+        saved = self._rings
         steps, angles, targets = [], [], []
         try:
             for source in tokens:
@@ -113,9 +108,9 @@ class RingExact:
                 steps.append(step)
                 angles.append(angle)
                 targets.append(frames)
-            after = (self._py_seen, list(self._py_count), list(self._py_start), list(self._laps))
+            after = self._shared
         finally:
-            self._py_seen, self._py_count, self._py_start, self._laps = saved
+            self._rings = saved
         frames = max(map(len, targets))
         dense = self._dense_logits(frames, max(step.stored for step in steps), query.shape[0] * query.shape[1])
         if not dense and any(step.empty is not None for step in steps):
@@ -128,8 +123,11 @@ class RingExact:
     def _plan_token(self, source: torch.Tensor) -> tuple[_TokenStep | None, int, tuple[int, ...]]:
         """One token's step (``_plan_decode_step``), its new key's angle and its query's frames, advancing the
         layer's counters."""
-        moves, angle, turns, sinks_shift, seen, count, start, laps, targets, runs = self._plan_decode_step()
-        self._py_seen, self._py_count, self._py_start, self._laps = seen, list(count), list(start), list(laps)
+        before = self._shared
+        moves, angle, turns, after, targets, runs = self._plan_decode_step()
+        self._set_shared(after)
+        sinks_shift = sink_shift(self._layout, after)
+        sinks_shift = None if sinks_shift == sink_shift(self._layout, before) or not self.sinks else sinks_shift
         if len(moves) < 2:
             return None, angle, targets
         dests = [dest for dest, _ in moves]
@@ -137,9 +135,7 @@ class RingExact:
         stored = runs[-1][1]
         key = ("slot-logits", tuple(runs), self.device)
         logit, empty = self.forward_pass.cached(key, lambda: self._slot_logits(runs))
-        lost = from_host([*dests[:-1], self.capacity], self.device)
-        select, last = moves[-1][1], dests[-1]
-        step = _TokenStep(read, written, cos, sin, select, last, lost, sinks_shift, logit, empty, stored, tuple(runs))
+        step = _TokenStep(read, written, cos, sin, moves[-1][1], sinks_shift, logit, empty, stored, tuple(runs))
         return step, angle, targets
 
     def _slot_logits(self, runs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,31 +151,20 @@ class RingExact:
         batch, q_heads, count, dim = query.shape
         kv_heads, rows = self._kv.shape[1], plan.frames[0].shape[0] // count
         keys = rotate_by(pending.keys, plan.shift[:, None], self.inv_freq, exact=True)
-        arriving = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3).contiguous()
+        arriving = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3)
         meta = self._shared_meta(pending)
-        columns = self._kv.permute(2, 0, 1, 3)  # [slots + 1, B, H_kv, dk + dv]
-        zero = self._score.new_zeros(batch, 1)
+        zero = self._score.new_zeros(batch)
         ones = self._score.new_ones(batch, 1, q_heads)
-        gamma, incoming = self.rule.gamma, self.rule.config.tie == "incoming"
+        gamma = self.rule.gamma
         queries = query.permute(2, 0, 1, 3).reshape(count * rows, -1, dim)  # [q rows, B H / rows, d]
         turned = turn_along(queries, *plan.frames).view(count, batch * kv_heads, -1, dim)  # [q, B H_kv, G F, d]
         views, outputs = None, []
+        buffers, tie = (self._kv, self._meta, self._score), self.rule.config.tie
         for m, step in enumerate(plan.steps):
-            items = torch.cat([arriving[m : m + 1], columns.index_select(0, step.read)])
-            turn_in_place(items, step.cos, step.sin)
-            records = torch.cat([meta[:, m : m + 1], self._meta.index_select(1, step.read)], 1)
-            scores = torch.cat([zero, self._score.index_select(1, step.read)], 1)
-            if step.select:
-                challenger, resident = scores[:, -1], self._score[:, step.last]
-                wins = challenger >= resident if incoming else challenger > resident
-                slots = torch.where(wins[:, None], step.written, step.lost)  # [B, m]
-                self._write_columns(columns, slots, items, records, scores)
-            else:
-                columns.index_copy_(0, step.written, items)
-                self._meta.index_copy_(1, step.written, records)
-                self._score.index_copy_(1, step.written, scores)
+            new = (arriving[m][:, :, None], meta[:, m : m + 1], zero)
+            apply_moves(buffers, step.read, step.written, (step.cos, step.sin), step.select, tie, new)
             if step.sinks_shift is not None:
-                self.place_sinks(step.sinks_shift)
+                self._place_sinks(step.sinks_shift)
             if views is None or views[0] != step.stored:
                 stored = step.stored
                 views = (stored, *self._step_views(stored), self._score[:, None, self.sinks : stored])
@@ -196,9 +181,8 @@ class RingExact:
             outputs.append(torch.bmm(probs.to(values.dtype), values))
             received = probs.view(batch, -1, stored)[..., self.sinks :]
             folded.baddbmm_(ones, received, beta=gamma, alpha=(1.0 - gamma) / q_heads)
-        seen, counts, starts, laps = plan.after
-        self._py_seen, self._py_count, self._py_start, self._laps = seen, list(counts), list(starts), list(laps)
-        self._py_tensors, self._all_real = None, True
+        self._set_shared(plan.after)
+        self._all_real = True
         return torch.stack(outputs, 2).view(batch, q_heads, count, -1)
 
     @staticmethod
@@ -207,17 +191,3 @@ class RingExact:
         ``keys_t`` ``[B H_kv, d, stored]``), one matmul per run."""
         per_frame = turned.view(turned.shape[0], groups, -1, turned.shape[-1])  # [B H_kv, G, F, d]
         return torch.cat([torch.bmm(per_frame[:, :, frame], keys_t[..., lo:hi]) for lo, hi, frame in runs], -1)
-
-    def _write_columns(self, columns, slots, items, records, scores) -> None:
-        """A selection step's writes: column ``c`` of sequence ``b`` to slot ``slots[b, c]``."""
-        batch = items.shape[1]
-        if batch == 1:  # one sequence: the slots are one index list
-            slots = slots.view(-1)
-            columns.index_copy_(0, slots, items)
-            self._meta.index_copy_(1, slots, records)
-            self._score.index_copy_(1, slots, scores)
-            return
-        heads, count, width = items.shape[2], items.shape[0], items.shape[3]
-        self._kv.scatter_(2, slots[:, None, :, None].expand(batch, heads, count, width), items.permute(1, 2, 0, 3))
-        self._meta.scatter_(1, slots[:, :, None].expand(batch, -1, 2), records)
-        self._score.scatter_(1, slots, scores)

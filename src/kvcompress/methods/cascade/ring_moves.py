@@ -1,5 +1,5 @@
-"""A decoding step's moves of the old tokens down the rings: one layer's (``shift_chain``), or every cascade layer's
-of a cache at once (``moved_every_ring``).
+"""A decoding step's moves of the old tokens down the rings, for every cascade layer of a cache at once
+(``moved_every_ring``, by the executor ``executor.apply_moves`` on the layers' stacked buffers).
 
 A decoding step of a full cascade passes old tokens down the rings (ring 0's oldest into ring 1, ...): the same
 slots in every layer, since the schedule depends only on the token count. Only the new token's key and value are
@@ -19,51 +19,9 @@ from __future__ import annotations
 import torch
 
 from kvcompress.core.forward import agree
-from kvcompress.core.rope import turn_in_place
+from kvcompress.methods.cascade.executor import apply_moves
 
 STACKED = ("ring-kv", "ring-meta", "ring-score")  # the names of the cascade layers' stacked buffers
-
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-def shift_chain(buffers, dests: list[int], tables: Tables, select: bool, tie: str, new) -> None:
-    """One in-step insertion's moves in one read and one write per tensor.
-
-    ``buffers``: ``kv`` ``[n, H, slots + 1, dk + dv]``, ``meta`` ``[n, slots + 1, 2]``, ``score`` ``[n, slots + 1]``
-    or ``None`` (no scores kept), ``n`` sequences (of one layer, or of every layer of a group). Column ``c`` writes
-    slot ``dests[c]``: the new token for ``c = 0`` (``new`` = its ``kv`` ``[n, H, 1, dk + dv]`` or ``None`` when each
-    layer writes its own, its ``meta`` ``[n, 1, 2]`` and ``score`` ``[n]``), else the token of slot ``dests[c - 1]``.
-    ``tables``: slots read, slots written, cos / sin ``[m, 1, 1, d / 2]`` turning each column's key by its move. A
-    selection (only ever the last column) writes where the arriving token wins (``tie``: who wins equal scores) and
-    into the scratch slot ``slots`` elsewhere."""
-    kv, meta, score = buffers
-    new_kv, new_meta, new_score = new
-    read, written, cos, sin = tables
-    batch, heads, scratch, width = kv.shape[0], kv.shape[1], kv.shape[2] - 1, kv.shape[3]
-    by_column = kv.permute(2, 0, 1, 3)  # [slots, n, H, dk + dv]: a column's rows are contiguous
-    items = by_column.index_select(0, read)  # [m - 1, n, H, dk + dv]
-    lead = 0 if new_kv is None else 1  # the kv columns start at the new token or at the first moved one
-    if new_kv is not None:
-        items = torch.cat([new_kv.permute(2, 0, 1, 3), items], 0)
-    if cos is not None:
-        turn_in_place(items, cos[1 - lead :], sin[1 - lead :])
-    meta_items = torch.cat([new_meta, meta.index_select(1, read)], 1)  # [n, m, 2]
-    score_items = None if score is None else torch.cat([new_score[:, None], score.index_select(1, read)], 1)
-    if not select:
-        by_column.index_copy_(0, written[1 - lead :], items)
-        meta.index_copy_(1, written, meta_items)
-        if score_items is not None:
-            score.index_copy_(1, written, score_items)
-        return
-    arriving, resident = score_items[:, -1], score[:, dests[-1]]
-    wins = arriving >= resident if tie == "incoming" else arriving > resident
-    last = torch.where(wins, dests[-1], scratch)  # losers write the scratch slot
-    slots = torch.cat([written[:-1].expand(batch, -1), last[:, None]], 1)  # [n, m]
-    kv_slots = slots[:, 1 - lead :]
-    count = kv_slots.shape[1]
-    kv.scatter_(2, kv_slots[:, None, :, None].expand(batch, heads, count, width), items.permute(1, 2, 0, 3))
-    meta.scatter_(1, slots[:, :, None].expand(batch, -1, 2), meta_items)
-    score.scatter_(1, slots, score_items)
 
 
 def moved_every_ring(layer, state: tuple, dests: list[int], turns: tuple, select: bool, meta) -> bool:
@@ -94,10 +52,11 @@ def _move_all(rings: list, trigger, state: tuple, dests: list[int], turns: tuple
         if keeps_scores:
             score[:, dests[0]] = 0.0
         return True
-    tables = trigger._shared_move_tables(dests, turns)
+    read, written, cos, sin = trigger._shared_move_tables(dests, turns)
     new = (None, new_meta, score.new_zeros(count) if keeps_scores else None)
     buffers = (kv, meta_buffer, score if keeps_scores else None)
-    shift_chain(buffers, dests, tables, select, trigger.rule.config.tie, new)
+    turn = None if cos is None else (cos, sin)
+    apply_moves(buffers, read, written, turn, select, trigger.rule.config.tie, new)
     return True
 
 
@@ -132,5 +91,4 @@ def _ready(layer, trigger, state: tuple) -> bool:
 
 
 def _state(layer) -> tuple:
-    laps = None if layer._laps is None else tuple(layer._laps)
-    return layer._py_seen, tuple(layer._py_count), tuple(layer._py_start), laps
+    return layer._shared

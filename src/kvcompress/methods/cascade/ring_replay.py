@@ -15,6 +15,7 @@ import torch
 
 from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
+from kvcompress.methods.cascade.schedule import Rings, advance
 
 
 class CircularReplay:
@@ -31,33 +32,33 @@ class CircularReplay:
             and self.inv_freq is not None
             and self._pending is None
             and getattr(self, "_sliding_window", None) is None
-            and self._py_count[0] == self.width
-            and self._py_seen >= self.sinks
-            and (self._sink_frame >= 1 or not self.sinks)
+            and self._shared.count[0] == self.width
+            and self._shared.seen >= self.sinks
+            and self._sinks_full
         )
 
     def bind_replay_buffers(self, binding) -> None:
         self.replay_binding = binding
         if self.seen_tensor is None:
-            self.seen_tensor = torch.tensor(self._py_seen, device=self.device)  # the next token's real-token index
-            self.start_tensor = torch.tensor(self._py_start[0], device=self.device)
+            self.seen_tensor = torch.tensor(self._shared.seen, device=self.device)  # the next token's real index
+            self.start_tensor = torch.tensor(self._shared.start[0], device=self.device)
 
     def replay_counters(self) -> list[torch.Tensor]:
         return [self.seen_tensor, self.start_tensor]
 
     def sync_replayed(self, values: list[int]) -> None:
-        """Each replayed step took one real token: the index, the tokens seen and the sinks' frame advance by one."""
-        replayed = values[0] - self._py_seen
-        self._py_seen, self._py_start[0], self._py_tensors = values[0], values[1], None
+        """Each replayed step took one real token into the full ring: its layout is the schedule's for that many
+        tokens (every token past the sinks and the ring's width overwrote one), and the tokens seen advance."""
+        replayed = values[0] - self._shared.seen
+        width = self._layout.width
+        self._set_shared(Rings(values[0], (width,), (values[0] - self.sinks - width,), width))
         self._seen += replayed
-        if self.sinks:
-            self._sink_frame += replayed
 
     def unbind_replay_buffers(self) -> None:
         self.replay_binding = self.seen_tensor = self.start_tensor = None
 
     def replay_state(self) -> tuple:
-        return (self._kv, self.capacity, self._in_step, self._all_real, self._py_count[0])
+        return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0])
 
     def _decode_circular_replayable(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
         """``_decode_circular`` of a full ring with the per-step numbers read on the device: attend with the new
@@ -80,10 +81,8 @@ class CircularReplay:
         self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
         self.start_tensor.add_(1).remainder_(width)
         seen.add_(1)
-        self._py_seen, self._py_tensors = self._py_seen + 1, None
-        self._py_start[0] = (self._py_start[0] + 1) % width
+        self._set_shared(advance(self._layout, self._shared)[0])  # the schedule's step, as the eager step takes it
         if sinks:  # the next frame: F = real tokens seen - sinks - width
-            self._sink_frame += 1
             frame = self.forward_pass.cached(
                 ("replay-frame", self.inv_freq.data_ptr(), dim, self.dtype),
                 lambda: frame_rotation_at(seen - (sinks + width), self.inv_freq, dim, self.dtype),

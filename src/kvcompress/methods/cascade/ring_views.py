@@ -54,17 +54,12 @@ class RingViews:
         """Stored keys in stream order, rotated at ``rope_pos`` as the model wrote them (a copy)."""
         if self._kv is None:
             return None
-        self.to_slot_angles()
         order = self._order()
         keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
         if self.inv_freq is None:
             return keys
-        if self.cascades > 1:
-            keys = rotate_by(keys, -order[:, None], self.inv_freq)  # stored at the slot index
-        else:  # one ring: stored at rank + F (CascadeLayer)
-            angle = self.ranks()[0] + self._frame()[:, None]
-            keys = rotate_by(keys, -angle.gather(1, order)[:, None], self.inv_freq, exact=True)
-        return rotate_by(keys, self._pos.gather(1, order)[:, None], self.inv_freq)
+        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
+        return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -136,11 +131,6 @@ class RingViews:
         "_meta",
         "_score",
         "_sink_keys",
-        "_sink_frame",
-        "_n_sink_t",
-        "_n_real_t",
-        "_count_t",
-        "_start_t",
     )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -148,6 +138,7 @@ class RingViews:
             return
         self._leave_step()
         self._leave_group()
+        self._rings = [self._rings[row] for row in indices.tolist()]  # (a host read per reorder)
         indices = indices.to(self.device)
         for name in self._PER_SEQUENCE:
             setattr(self, name, getattr(self, name).index_select(0, indices))
@@ -157,6 +148,7 @@ class RingViews:
             return
         self._leave_step()
         self._leave_group()
+        self._rings = [rings for rings in self._rings for _ in range(repeats)]
         for name in self._PER_SEQUENCE:
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
 

@@ -1,0 +1,185 @@
+"""The cascade's schedule: Algorithm 1 of the Cascading KV Cache on whole numbers, returning the slot moves.
+
+Where a token goes never depends on the keys, values or scores: only on how many real tokens the sequence has seen.
+Scores decide one thing, whether a selection's arriving token replaces the ring's newest one, and that changes no
+counter. So the layout of a sequence (sinks stored, each ring's count and start) is a pure function of its token
+count, computed here on Python integers, and a step's work on the buffers is a short list of slot moves that the
+executor (``kvcompress.methods.cascade.executor``) applies to every sequence, head and tensor at once. Under
+padding each sequence has its own count: the schedule then runs once per sequence.
+
+Slot layout (per sequence): ``[0, S)`` sinks, then ring ``i`` in ``[S + i W, S + (i + 1) W)``; ring ``i`` holds
+``count[i]`` tokens, its oldest at ring offset ``start[i]``, in stream order around the ring.
+
+A step (one real token ``p``, 0-based among the sequence's real tokens): the first ``S`` tokens fill the sinks; then
+the token travels down the rings. Ring ``i`` accepts when ``(p - S) mod b^i == 0`` (or, with ``eager_fill``, while
+the cache is not yet full): an accepting ring with room appends it (a) and the step ends; a full accepting ring
+overwrites its oldest slot with it and passes the token it held on to ring ``i + 1`` (b). A ring that does not
+accept takes the token if it is empty (c), else the token competes with the ring's newest one (d: a selection,
+decided by the scores). A token passed beyond the last ring is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The constants of a schedule: ``S`` sinks, ``N`` rings of ``W`` slots, base ``b``, and the token count below
+    which every ring accepts (``eager_fill``; 0: never)."""
+
+    sinks: int
+    width: int
+    cascades: int
+    base: int = 2
+    eager_until: int = 0
+
+    @property
+    def slots(self) -> int:
+        return self.sinks + self.cascades * self.width
+
+
+@dataclass(frozen=True)
+class Rings:
+    """The layout of one sequence: real tokens seen, and per ring its token count and how many of its tokens were
+    overwritten (b) so far; the offset of a ring's oldest token is ``passed mod W``."""
+
+    seen: int
+    count: tuple[int, ...]
+    passed: tuple[int, ...]
+    width: int
+
+    @classmethod
+    def empty(cls, layout: Layout) -> Rings:
+        return cls(0, (0,) * layout.cascades, (0,) * layout.cascades, layout.width)
+
+    @property
+    def start(self) -> tuple[int, ...]:
+        """Per ring, the offset of its oldest token."""
+        return tuple(passed % self.width for passed in self.passed)
+
+    def stored(self, layout: Layout) -> int:
+        return min(self.seen, layout.sinks) + sum(self.count)
+
+
+@dataclass(frozen=True)
+class Moves:
+    """One token's moves: column 0 writes the new token into ``dests[0]``, column ``c > 0`` writes the token that
+    slot ``dests[c - 1]`` held before the step into ``dests[c]``. ``select``: the last column is a selection (d), a
+    write only where the arriving token wins."""
+
+    dests: tuple[int, ...]
+    select: bool = False
+    passed: int = 0  # the first ``passed`` columns overwrote their ring's oldest token (b)
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        """The slots whose tokens move on (read before any write)."""
+        return self.dests[:-1]
+
+
+def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
+    """One real token through Algorithm 1: the layout after it and its moves (see the module docstring)."""
+    p, sinks, width = rings.seen, layout.sinks, layout.width
+    if p < sinks:
+        return Rings(p + 1, rings.count, rings.passed, width), Moves((p,))
+    count, passed_by, start = list(rings.count), list(rings.passed), list(rings.start)
+    eager = p < layout.eager_until
+    dests: list[int] = []
+    select, passed = False, 0
+    for i in range(layout.cascades):
+        first = sinks + i * width
+        if eager or (p - sinks) % layout.base**i == 0:
+            if count[i] < width:  # (a) append
+                dests.append(first + (start[i] + count[i]) % width)
+                count[i] += 1
+                break
+            dests.append(first + start[i])  # (b) overwrite the oldest, pass it on
+            passed_by[i] += 1
+            passed += 1
+        elif count[i] == 0:  # (c) an empty ring takes the token
+            dests.append(first + start[i])
+            count[i] = 1
+            break
+        else:  # (d) selection against the ring's newest token
+            dests.append(first + (start[i] + count[i] - 1) % width)
+            select = True
+            break
+    return Rings(p + 1, tuple(count), tuple(passed_by), width), Moves(tuple(dests), select, passed)
+
+
+def ranks(layout: Layout, rings: Rings) -> list[int]:
+    """Per slot, the rank of its token among the stored ones in stream order (``-1``: empty): sinks first, then the
+    rings from the oldest (last) to the newest, each in ring order."""
+    rank = [-1] * layout.slots
+    n_sink = min(rings.seen, layout.sinks)
+    rank[:n_sink] = range(n_sink)
+    older = sum(rings.count)
+    for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True)):
+        older -= count
+        first = layout.sinks + i * layout.width
+        for order in range(count):
+            rank[first + (start + order) % layout.width] = n_sink + older + order
+    return rank
+
+
+# --- the one key angle convention ---------------------------------------------------------------------------------
+# A key is stored rotated at an angle from which a query finds its rank with one rotation per ring: ring ``i``'s
+# ``k``-th token ever written there (``k = passed[i]`` for its oldest) sits at angle ``S + i W + k``, so inside a ring
+# rank - angle is one number per ring, whatever the ring's start (no wrap inside a frame), and a key keeps its angle
+# while it stays in its ring. The sinks sit at angle ``j + sink_shift``: in the oldest ring's frame once it holds
+# tokens, so a full cascade of ``N`` rings is ``N`` frames. With one ring a ring token's angle is its index among the
+# sequence's real tokens.
+
+
+def sink_shift(layout: Layout, rings: Rings) -> int:
+    """The sinks' angle minus their index: the oldest ring's first slot plus the tokens it overwrote."""
+    last = layout.cascades - 1
+    return last * layout.width + rings.passed[last]
+
+
+def angles(layout: Layout, rings: Rings) -> list[int]:
+    """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
+    shift, width = sink_shift(layout, rings), layout.width
+    angle = [j + shift for j in range(layout.sinks)]
+    for i, (passed, start) in enumerate(zip(rings.passed, rings.start, strict=True)):
+        lap = layout.sinks + i * width + passed - start
+        angle += [lap + offset + (width if offset < start else 0) for offset in range(width)]
+    return angle
+
+
+def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
+    """Rank minus angle of the sinks' frame, then of each ring's: a query at rank ``r`` is turned to angle
+    ``r - offset`` to read a frame's keys at their ranks."""
+    n_sink, older = min(rings.seen, layout.sinks), sum(rings.count)
+    rows = [-sink_shift(layout, rings)]
+    for i, (count, passed) in enumerate(zip(rings.count, rings.passed, strict=True)):
+        older -= count
+        rows.append(n_sink + older - layout.sinks - i * layout.width - passed)
+    return tuple(rows)
+
+
+def frame_of_slot(layout: Layout) -> list[int]:
+    """Per slot, its frame in ``offsets``: 0 for the sinks, ``1 + i`` for ring ``i``."""
+    return [0] * layout.sinks + [1 + slot // layout.width for slot in range(layout.cascades * layout.width)]
+
+
+def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
+    """``angles(layout, rings)[slot]`` alone."""
+    if slot < layout.sinks:
+        return slot + sink_shift(layout, rings)
+    ring, offset = (slot - layout.sinks) // layout.width, (slot - layout.sinks) % layout.width
+    passed = rings.passed[ring]
+    start = passed % layout.width
+    return layout.sinks + ring * layout.width + passed - start + offset + (layout.width if offset < start else 0)
+
+
+def turns(layout: Layout, before: Rings, after: Rings, moves: Moves) -> tuple[int, ...]:
+    """How far each column's key turns: the new key from angle 0 to its slot's angle, each moved key from its slot's
+    angle before the step to its new slot's angle after it."""
+    first = slot_angle(layout, after, moves.dests[0])
+    moved = (
+        slot_angle(layout, after, dest) - slot_angle(layout, before, source)
+        for source, dest in zip(moves.reads, moves.dests[1:], strict=True)
+    )
+    return (first, *moved)
