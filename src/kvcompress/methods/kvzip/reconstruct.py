@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvcompress.core.contract import KeepMask
-from kvcompress.core.sdpa import attention_with_lse
+from kvcompress.core.sdpa import attention_after_past
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.allocation import heads_share, places
 from kvcompress.methods.oneshot import kept_per_sequence
@@ -73,17 +73,19 @@ def score_chunk(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None,
+    own_key: torch.Tensor,
+    own_value: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
     """One reconstruction forward's attention, and its scores folded into ``policy.scores``; ``[B, H_q, q, d]``.
 
-    The attention itself sees every stored key the layer's ``mask`` shows (causal when ``None``). The score of a
-    context token of the chunk is the largest probability any query of its KV head's group gives it under a
-    softmax over the first ``sinks`` cached tokens, the chunk's own context tokens and the reconstruction tokens
-    (kvpress's subsample). When those are every stored key (one chunk covering the context, no prefix) that
+    ``key``/``value`` are the stored context's (every token visible to every reconstruction query), ``own_key``/
+    ``own_value`` the forward's own (``[B, H_kv, q, d]``, seen causally; never stored: ``kvzip.layer``). The score
+    of a context token of the chunk is the largest probability any query of its KV head's group gives it under a
+    softmax over the first ``sinks`` context tokens, the chunk's own context tokens and the reconstruction tokens
+    (kvpress's subsample). When those are every context token (one chunk covering the context, no prefix) that
     softmax is the attention's own, and its log-normaliser comes with the attention output from one fused pass
-    (``attention_with_lse``); the scores then need only the logits of the chunk's context columns. Otherwise the
+    (``attention_after_past``); the scores then need only the logits of the context columns. Otherwise the
     log-normaliser is taken over the subsampled columns' logits. Since ``exp`` is increasing, the largest
     probability is ``exp`` of the largest logit minus its row's log-normaliser: one ``exp`` per token, not per
     logit. Logits in float32, ``QUERY_BLOCK`` queries at a time (the peak is a block's logits)."""
@@ -93,17 +95,14 @@ def score_chunk(
     groups = query_heads // heads
     device = key.device
     scale = dim**-0.5 if scaling is None else scaling
-    stored = key.shape[2] - count  # the context's keys (``length``), then this forward's reconstruction keys
-    whole = sinks == 0 and start == 0 and end == length == stored
-    output, lse = attention_with_lse(query, key, value, mask, scale)
-    columns = torch.arange(start, end, device=device)
-    if not whole:  # the subsample the softmax runs over; the chunk's context columns follow the sinks
-        columns = torch.cat(
-            [torch.arange(sinks, device=device), columns, torch.arange(stored, stored + count, device=device)]
-        )
-    keys = key.index_select(2, columns).float()
+    whole = sinks == 0 and start == 0 and end == length
+    output, lse = attention_after_past(query, key, value, own_key, own_value, scale)
     if whole:  # one more channel: ones under the keys, the row's -lse beside the query, so the matmul subtracts it
-        keys = torch.cat([keys, keys.new_ones(*keys.shape[:-1], 1)], dim=-1)
+        keys = torch.cat([key.float(), key.new_ones(*key.shape[:-1], 1, dtype=torch.float32)], dim=-1)
+    else:  # the subsample the softmax runs over: the sinks, the chunk's context tokens, the reconstruction's own
+        keys = torch.cat([key[:, :, :sinks], key[:, :, start:end], own_key], dim=2).float()
+        visible = sinks + end - start  # columns every query sees; the own columns after them causally
+        own_columns = torch.arange(count, device=device)
     keys = keys.transpose(-1, -2)  # [B, H, d (+1), c]
     best = None
     for row in range(0, count, QUERY_BLOCK):
@@ -114,29 +113,13 @@ def score_chunk(
             peak = (rows @ keys).view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
         else:
             logits = (rows @ keys).view(batch, heads, groups, stop - row, -1)  # [B, H, G, r, c]
-            if mask is None:  # plain causal: reconstruction query i sees every column up to ``stored + i``
-                seen = columns[None, :] <= torch.arange(stored + row, stored + stop, device=device)[:, None]
-            else:
-                seen = mask[:, :, None, row:stop].index_select(-1, columns)  # [B, H or 1, 1, r, c]
-            logits.masked_fill_(~seen, -torch.inf)
+            ahead = own_columns[None, :] > torch.arange(row, stop, device=device)[:, None]  # [r, q]: the future
+            logits[..., visible:].masked_fill_(ahead, -torch.inf)
             normaliser = logits.logsumexp(-1, keepdim=True)
-            peak = (logits[..., sinks : sinks + end - start] - normaliser).amax(dim=(2, 3))
+            peak = (logits[..., sinks:visible] - normaliser).amax(dim=(2, 3))
         best = peak if best is None else torch.maximum(best, peak)
     policy.scores[:, :, start:end] = best.exp()
     return output
-
-
-def drop_newest(layer, count: int, max_chunk: int) -> None:
-    """Remove the ``count`` newest tokens of a dense layer (the reconstruction's) as if never seen."""
-    slots, occupied = layer.slots, layer.occupied
-    for name in ("token_idx", "rank"):
-        slots.tensors[name][:, :, occupied - count : occupied] = -1
-    slots.valid[:, :, occupied - count : occupied] = False
-    slots.real_seen = slots.real_seen - count
-    layer.occupied -= count
-    layer.seen -= count
-    layer.new_tokens = 0
-    layer.max_chunk = max_chunk
 
 
 @torch.no_grad()
@@ -158,7 +141,6 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     tokenizer = load_tokenizer(path)
     for policy, layer in zip(policies, layers, strict=True):
         policy.scores = torch.zeros(*layer.slots.token_idx.shape[:2], length, device=layer.device)
-    max_chunks = [layer.max_chunk for layer in layers]
     # (the keyword the installed transformers takes a cache by: ``kvcompress.generation.cache_argument``'s rule)
     keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     try:
@@ -168,11 +150,9 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
             count = ids.shape[1]
             positions = torch.arange(length, length + count, device=ids.device)[None].expand(ids.shape[0], -1)
             model(input_ids=ids, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
-            for layer, max_chunk in zip(layers, max_chunks, strict=True):
-                drop_newest(layer, count, max_chunk)
     finally:
         for policy in policies:
-            policy.scoring = None
+            policy.scoring = policy.chunk = None
     for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
         policy.scores[..., : config.n_sink] = 2.0
     evict(config, layers)
