@@ -51,37 +51,16 @@ def attention_with_lse(
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if visible is None:
         earlier = key.shape[2] - query.shape[2]
+        output, lse = flash(query, key[:, :, earlier:], value[:, :, earlier:], 0.0, True, scale=scale)[:2]
         if earlier == 0:
-            output, lse = flash(query, key, value, 0.0, True, scale=scale)[:2]
             return output, lse.float()
-        split = (key[:, :, :earlier], value[:, :, :earlier], key[:, :, earlier:], value[:, :, earlier:])
-        return attention_after_past(query, *split, scale)
+        past, past_lse = flash(query, key[:, :, :earlier], value[:, :, :earlier], 0.0, False, scale=scale)[:2]
+        total = torch.logaddexp(lse, past_lse)
+        output = output * (lse - total).exp()[..., None].to(output.dtype)
+        output += past * (past_lse - total).exp()[..., None].to(output.dtype)
+        return output, total.float()
     if visible.shape[1] not in (1, query.shape[1]):
         visible = visible.repeat_interleave(query.shape[1] // visible.shape[1], dim=1)
     bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, -torch.inf)
     output, lse = flash(query, key, value, 0.0, False, attn_mask=bias, scale=scale)[:2]
     return output, lse.float()
-
-
-def attention_after_past(
-    query: torch.Tensor,
-    past_key: torch.Tensor,
-    past_value: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention_with_lse`` of ``q`` new tokens over earlier keys held apart from their own: every query sees
-    every ``past_key`` and its own keys ``key`` (``[B, H_kv, q, d]``) causally; the output ``[B, H_q, q, d]`` and
-    the float32 log-normalisers ``[B, H_q, q]``. On CPU two unmasked flash calls merged by their log-normalisers,
-    without joining the two key tensors; elsewhere joined and passed to ``attention_with_lse``."""
-    if query.device.type != "cpu":
-        joined = torch.cat([past_key, key], dim=2), torch.cat([past_value, value], dim=2)
-        return attention_with_lse(query, *joined, None, scale)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    output, lse = flash(query, key, value, 0.0, True, scale=scale)[:2]
-    past, past_lse = flash(query, past_key, past_value, 0.0, False, scale=scale)[:2]
-    total = torch.logaddexp(lse, past_lse)
-    output = output * (lse - total).exp()[..., None].to(output.dtype)
-    output += past * (past_lse - total).exp()[..., None].to(output.dtype)
-    return output, total.float()

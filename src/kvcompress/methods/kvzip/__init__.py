@@ -28,9 +28,10 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
   (causal), as kvpress subsamples it (with one chunk and no prefix: the whole context, the model's own attention).
   The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
-  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's; the reconstruction's
-  attention output and each row's log-normaliser come from one fused attention pass, and the score adds one
-  query-key product over the scored columns with the log-normaliser folded in (``score_chunk``). Once
+  float32, a block of queries at a time (about 8 MiB of logits over the context, 16 to 256 queries), so the peak
+  is a block's logits, not the chunk's; the same logits give the scores and the context part of the
+  reconstruction's attention output (one query-key product per layer, as the attention alone needs;
+  ``score_chunk``). Once
   every chunk ran, the first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score
   plus one): never evicted.
 - Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
