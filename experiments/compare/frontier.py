@@ -42,7 +42,8 @@ def our_kept(model, method: str, params: dict, context: list[int]) -> tuple[list
     cache = kvcompress.cache_for(model, method, ratio=0.5, **params)
     prefill(model, torch.tensor([context]), cache)
     layers = cache.compressed_layers
-    full = sum(len(context) * layer.slots.kv_bytes_per_slot() for layer in layers)
+    keys = [layer.keys for layer in layers]  # (a ragged layer has no slot buffers: its padded copy's shape)
+    full = sum(len(context) * 2 * k.shape[1] * k.shape[3] * k.element_size() for k in keys)
     kept = [
         [sorted(t for t, v in zip(ts, vs, strict=True) if v) for ts, vs in zip(*row, strict=True)]
         for row in ((layer.token_idx[0].tolist(), layer.valid[0].tolist()) for layer in layers)

@@ -116,6 +116,38 @@ def test_kvzip_keeps_the_reference_pairs(case, batch, tiny_llama, tokenizer_dir)
         assert [layer[b] for layer in got] == want, f"sequence {b}"
 
 
+@pytest.mark.parametrize("case", ["global", "global-small-chunks-prefix"])
+def test_kvzip_scores_in_query_blocks_as_in_one(case, tiny_llama, tokenizer_dir, monkeypatch):
+    """The reconstruction's queries scored and attended a small block at a time (16 queries: several blocks per
+    chunk) keep the reference's pairs too."""
+    monkeypatch.setattr("kvcompress.methods.kvzip.reconstruct.BLOCK_BYTES", 1)
+    params, chunk = CASES[case]
+    ids = token_ids(1, 30, seed=9)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, **params)
+    prefill(tiny_llama, ids, cache)
+    got = [kept_sets(layer)[0] for layer in cache.compressed_layers]
+    want = reference_kept(reference_scores(ids[0].tolist(), chunk, params.get("prefix", 0)), "global", params["ratio"])
+    assert got == want
+
+
+@pytest.mark.parametrize("params", [{"ratio": 0.5}, {"ratio": 0.5, "allocation": "uniform", "chunk_size": 16}])
+def test_kvzip_reconstruction_stores_nothing(params, tiny_llama, tokenizer_dir):
+    """While the reconstruction runs, every layer holds the context alone: its buffers do not grow and its token
+    count does not move (the chunk's keys live only in the layer's attention)."""
+    ids = token_ids(1, 30, seed=10)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, **params)
+    seen = []
+    for layer in cache.compressed_layers:
+        layer.observers.append(
+            lambda layer: layer.policy.scoring is not None
+            and seen.append((layer.get_seq_length(), layer.occupied, layer.slots.capacity))
+        )
+    prefill(tiny_llama, ids, cache)
+    chunks = -(-30 // params.get("chunk_size", 2048))
+    assert len(seen) == chunks * len(cache.compressed_layers)
+    assert all(length == occupied == 30 and capacity <= 31 for length, occupied, capacity in seen)
+
+
 def test_kvzip_then_generate_appends_to_the_compressed_context(tiny_llama, tokenizer_dir):
     ids = token_ids(1, 34, seed=8)
     cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, ratio=0.5)

@@ -166,7 +166,7 @@ class QuantizedLayer(CompressedLayer):
 def quantized_layer_class(config: MethodConfig, layer_class: type) -> type:
     """The layer class storing ``config``'s method with ``config.kv_bits``: ``layer_class`` itself at 16 bits, the
     quantized slot layer for the standard layer; ``ValueError`` naming the way out for any other storage."""
-    if config.kv_bits == 16:
+    if config.kv_bits == 16 or issubclass(layer_class, QuantizedLayer):  # (a method's own quantized slot layer)
         return layer_class
     if layer_class is CompressedLayer:
         return QuantizedLayer
@@ -174,7 +174,8 @@ def quantized_layer_class(config: MethodConfig, layer_class: type) -> type:
         "CircularSinkLayer": " (streaming: circular=false stores it in the standard layer)",
         "RaggedLayer": " (ragged=false, or allocation=uniform, stores it in the standard layer)",
     }
+    hint = next((hints[kind.__name__] for kind in layer_class.__mro__ if kind.__name__ in hints), "")
     raise ValueError(
         f"kv_bits={config.kv_bits} is not supported by method {config.name!r} with its storage "
-        f"{layer_class.__name__}{hints.get(layer_class.__name__, '')}; kv_bits=16 keeps the model's dtype"
+        f"{layer_class.__name__}{hint}; kv_bits=16 keeps the model's dtype"
     )

@@ -4,9 +4,10 @@ context reconstruction.
 After the context is prefilled, the model is run over a reconstruction prompt, "Repeat the previous context
 exactly." followed by the context itself, in chunks; each cached key-value pair is scored by the largest attention
 any reconstruction query of its KV head's group pays it (max over the query heads of the group and over the
-queries), and the lowest-scoring pairs are evicted. The reconstruction tokens never stay in the cache: after each
-chunk's forward every layer drops them again. The score does not depend on any question, so one compressed context
-serves every question asked after it.
+queries), and the lowest-scoring pairs are evicted. The reconstruction tokens are never written into the cache:
+each layer attends over the stored context and the chunk's own keys, which live only while its attention runs
+(``kvcompress.methods.kvzip.layer``; the official code's ``update_cache=False``). The score does not depend on
+any question, so one compressed context serves every question asked after it.
 
 Use it through ``kvcompress.generation.prefill(model, context_ids, cache)`` (the reconstruction needs the
 context's token ids, which ``prefill`` has and a cache does not): the context is compressed before ``prefill``
@@ -25,10 +26,12 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   default: the ids ``prefill`` gets are the context).
 - Score: for the queries of one chunk's reconstruction (the chunk starting at token ``start``), the softmax is over
   the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
-  (causal), as kvpress subsamples it (with one chunk and no prefix: the whole cache, the model's own attention).
+  (causal), as kvpress subsamples it (with one chunk and no prefix: the whole context, the model's own attention).
   The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
-  float32 in blocks of 256 queries, so the peak is a block's logits, not the chunk's; the reconstruction's own
-  attention output comes from the same logits (one attention pass per layer, not two: ``score_chunk``). Once
+  float32, a block of queries at a time (about 8 MiB of logits over the context, 16 to 256 queries), so the peak
+  is a block's logits, not the chunk's; the same logits give the scores and the context part of the
+  reconstruction's attention output (one query-key product per layer, as the attention alone needs;
+  ``score_chunk``). Once
   every chunk ran, the first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score
   plus one): never evicted.
 - Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
@@ -40,7 +43,10 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
 - Memory: kvpress only masks evicted pairs; here they are freed. Under ``global`` and ``layer`` the heads keep
   different counts and each layer moves into ragged storage after the eviction: it holds the sum of its heads'
   counts plus at most one block of slack per head, and ``nbytes()`` reports that (``ragged=False``: one slot buffer
-  as wide as the layer's fullest head; see ``kvcompress.methods.allocation``).
+  as wide as the layer's fullest head; see ``kvcompress.methods.allocation``). Before the eviction the cache holds
+  the whole context (the reconstruction attends to all of it, as in the paper and kvpress) and nothing more: the
+  compression's peak is the full cache plus one chunk's forward (its activations, one layer's chunk keys and
+  values, a query block's logits), which grows with ``chunk_size``, not with the context.
 - Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
   layers (Mistral's, Gemma-3's) are refused when the cache is built.
 """
@@ -53,7 +59,7 @@ import torch
 
 from kvcompress.core.checks import check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.core.ragged_layer import RaggedLayer
+from kvcompress.methods.kvzip.layer import KVzipLayer, KVzipQuantizedLayer, KVzipRaggedLayer
 from kvcompress.methods.kvzip.reconstruct import compress_by_reconstruction, score_chunk
 from kvcompress.methods.oneshot import check_ratio_or_budget
 
@@ -72,10 +78,12 @@ class KVzipPolicy(Policy):
         self.done = False
         self.scoring: tuple[int, int, int, int] | None = None  # (context length, start, end, sinks) of a chunk
         self.scores: torch.Tensor | None = None  # [B, H_kv, context] float32
+        self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None  # a reconstruction forward's keys and values
 
     def attend(self, layer, query, key, value, mask, scaling):
-        if self.scoring is not None:
-            return score_chunk(self, query, key, value, mask, scaling), None
+        if self.scoring is not None:  # (the layer handed the chunk's own keys and values aside: ``layer``)
+            own, self.chunk = self.chunk, None
+            return score_chunk(self, query, key, value, *own, scaling), None
         if not self.done and layer.seen > layer.new_tokens and not layer.defer_compression:
             raise ValueError(
                 "kvzip compresses the context in kvcompress.generation.prefill(model, context_ids, cache): it needs "
@@ -111,7 +119,9 @@ class KVzipConfig(MethodConfig):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
 
     def layer_class(self):
-        return RaggedLayer if self.allocation != "uniform" and self.ragged else None
+        if self.allocation != "uniform" and self.ragged:
+            return KVzipRaggedLayer
+        return KVzipLayer if self.kv_bits == 16 else KVzipQuantizedLayer
 
     def connect(self, layers) -> None:
         if any(layer.sliding_window is not None for layer in layers):

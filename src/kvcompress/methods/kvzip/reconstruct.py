@@ -17,7 +17,7 @@ from kvcompress.methods.oneshot import kept_per_sequence
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk repeated after a later chunk's prompt
-QUERY_BLOCK = 256  # reconstruction queries whose logits are computed at once
+BLOCK_BYTES = 8 * 2**20  # float32 logits of one block of reconstruction queries over the context (about)
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,75 +68,72 @@ def reconstruction_chunks(
     return chunks
 
 
+def query_block(query_heads: int, columns: int) -> int:
+    """Reconstruction queries whose logits over ``columns`` context keys are computed at once: about
+    ``BLOCK_BYTES`` of float32 logits, 16 to 256 queries."""
+    return max(16, min(256, BLOCK_BYTES // (4 * query_heads * max(1, columns))))
+
+
 def score_chunk(
     policy,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor | None,
+    own_key: torch.Tensor,
+    own_value: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
     """One reconstruction forward's attention, and its scores folded into ``policy.scores``; ``[B, H_q, q, d]``.
 
-    The attention itself sees every stored key the layer's ``mask`` shows (causal when ``None``). The score of a
-    context token of the chunk is the largest probability any query of its KV head's group gives it under a
-    softmax over the first ``sinks`` cached tokens, the chunk's own context tokens and the reconstruction tokens
-    (kvpress's subsample). When those are every stored key (one chunk covering the context, no prefix) that
-    softmax is the attention's own, and its log-normaliser comes with the attention output from one fused pass
-    (``attention_with_lse``); the scores then need only the logits of the chunk's context columns. Otherwise the
-    log-normaliser is taken over the subsampled columns' logits. Since ``exp`` is increasing, the largest
-    probability is ``exp`` of the largest logit minus its row's log-normaliser: one ``exp`` per token, not per
-    logit. Logits in float32, ``QUERY_BLOCK`` queries at a time (the peak is a block's logits)."""
+    ``key``/``value`` are the stored context's (every token visible to every reconstruction query), ``own_key``/
+    ``own_value`` the forward's own (``[B, H_kv, q, d]``, seen causally; never stored: ``kvzip.layer``). The score
+    of a context token of the chunk is the largest probability any query of its KV head's group gives it under a
+    softmax over the first ``sinks`` context tokens, the chunk's own context tokens and the reconstruction tokens
+    (kvpress's subsample); with one chunk covering the context and no prefix that softmax is the attention's own.
+
+    One pass computes both, in float32, a block of queries at a time (``query_block``: the peak is a block's
+    logits over the context): the reconstruction tokens' own causal part by the fused attention kernel with its
+    log-normaliser (``attention_with_lse``), the context part as explicit logits, one query-key product. Those
+    logits give the scores (the largest probability is ``exp`` of the largest logit minus its row's
+    log-normaliser: the max over the group and queries is taken before the ``exp``; with one chunk, of the
+    attention's probabilities themselves) and, exponentiated in place, the context part of the attention output;
+    the two parts are merged by their log-normalisers. So scoring costs no query-key product beyond the
+    attention's."""
     length, start, end, sinks = policy.scoring
     batch, query_heads, count, dim = query.shape
-    heads = key.shape[1]
+    heads, columns = key.shape[1], key.shape[2]
     groups = query_heads // heads
-    device = key.device
     scale = dim**-0.5 if scaling is None else scaling
-    stored = key.shape[2] - count  # the context's keys (``length``), then this forward's reconstruction keys
-    whole = sinks == 0 and start == 0 and end == length == stored
-    output, lse = attention_with_lse(query, key, value, mask, scale)
-    columns = torch.arange(start, end, device=device)
-    if not whole:  # the subsample the softmax runs over; the chunk's context columns follow the sinks
-        columns = torch.cat(
-            [torch.arange(sinks, device=device), columns, torch.arange(stored, stored + count, device=device)]
-        )
-    keys = key.index_select(2, columns).float()
-    if whole:  # one more channel: ones under the keys, the row's -lse beside the query, so the matmul subtracts it
-        keys = torch.cat([keys, keys.new_ones(*keys.shape[:-1], 1)], dim=-1)
-    keys = keys.transpose(-1, -2)  # [B, H, d (+1), c]
+    whole = sinks == 0 and start == 0 and end == length
+    own_output, own_lse = attention_with_lse(query, own_key, own_value, None, scale)
+    keys, values = key.float().transpose(-1, -2), value.float()  # [B, H, d, n], [B, H, n, d]
+    output = torch.empty_like(query)
+    block = query_block(query_heads, columns)
     best = None
-    for row in range(0, count, QUERY_BLOCK):
-        stop = min(count, row + QUERY_BLOCK)
-        rows = (query[:, :, row:stop].float() * scale).reshape(batch, heads, groups * (stop - row), dim)
-        if whole:  # every context column is visible to every reconstruction query
-            rows = torch.cat([rows, -lse[:, :, row:stop].reshape(batch, heads, -1, 1)], dim=-1)
-            peak = (rows @ keys).view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
-        else:
-            logits = (rows @ keys).view(batch, heads, groups, stop - row, -1)  # [B, H, G, r, c]
-            if mask is None:  # plain causal: reconstruction query i sees every column up to ``stored + i``
-                seen = columns[None, :] <= torch.arange(stored + row, stored + stop, device=device)[:, None]
-            else:
-                seen = mask[:, :, None, row:stop].index_select(-1, columns)  # [B, H or 1, 1, r, c]
-            logits.masked_fill_(~seen, -torch.inf)
-            normaliser = logits.logsumexp(-1, keepdim=True)
-            peak = (logits[..., sinks : sinks + end - start] - normaliser).amax(dim=(2, 3))
+    for row in range(0, count, block):
+        stop = min(count, row + block)
+        size = groups * (stop - row)
+        rows = (query[:, :, row:stop].float() * scale).reshape(batch, heads, size, dim)
+        logits = rows @ keys  # [B, H, G*r, n]
+        own = own_lse[:, :, row:stop].reshape(batch, heads, size, 1)
+        if not whole:  # the subsample's normaliser: the sinks, the chunk's context tokens, the own tokens
+            scored = logits[..., start:end]
+            normaliser = scored.logsumexp(-1, keepdim=True)
+            if sinks:
+                normaliser = torch.logaddexp(normaliser, logits[..., :sinks].logsumexp(-1, keepdim=True))
+            normaliser = torch.logaddexp(normaliser, own)
+            peak = (scored - normaliser).view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3)).exp()
+        top = logits.amax(-1, keepdim=True)
+        probs = logits.sub_(top).exp_()  # (in place: the logits are not read again)
+        total = torch.logaddexp(probs.sum(-1, keepdim=True).log_().add_(top), own)
+        probs.mul_((top - total).exp_())  # the attention's probabilities of the context columns
+        if whole:
+            peak = probs.view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
+        part = (probs @ values).add_(own_output[:, :, row:stop].reshape(batch, heads, size, dim) * (own - total).exp())
+        output[:, :, row:stop] = part.view(batch, query_heads, stop - row, dim)
         best = peak if best is None else torch.maximum(best, peak)
-    policy.scores[:, :, start:end] = best.exp()
+    policy.scores[:, :, start:end] = best
     return output
-
-
-def drop_newest(layer, count: int, max_chunk: int) -> None:
-    """Remove the ``count`` newest tokens of a dense layer (the reconstruction's) as if never seen."""
-    slots, occupied = layer.slots, layer.occupied
-    for name in ("token_idx", "rank"):
-        slots.tensors[name][:, :, occupied - count : occupied] = -1
-    slots.valid[:, :, occupied - count : occupied] = False
-    slots.real_seen = slots.real_seen - count
-    layer.occupied -= count
-    layer.seen -= count
-    layer.new_tokens = 0
-    layer.max_chunk = max_chunk
 
 
 @torch.no_grad()
@@ -158,7 +155,6 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     tokenizer = load_tokenizer(path)
     for policy, layer in zip(policies, layers, strict=True):
         policy.scores = torch.zeros(*layer.slots.token_idx.shape[:2], length, device=layer.device)
-    max_chunks = [layer.max_chunk for layer in layers]
     # (the keyword the installed transformers takes a cache by: ``kvcompress.generation.cache_argument``'s rule)
     keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     try:
@@ -168,11 +164,9 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
             count = ids.shape[1]
             positions = torch.arange(length, length + count, device=ids.device)[None].expand(ids.shape[0], -1)
             model(input_ids=ids, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
-            for layer, max_chunk in zip(layers, max_chunks, strict=True):
-                drop_newest(layer, count, max_chunk)
     finally:
         for policy in policies:
-            policy.scoring = None
+            policy.scoring = policy.chunk = None
     for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
         policy.scores[..., : config.n_sink] = 2.0
     evict(config, layers)
