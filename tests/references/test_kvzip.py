@@ -139,8 +139,10 @@ def test_kvzip_reconstruction_stores_nothing(params, tiny_llama, tokenizer_dir):
     seen = []
     for layer in cache.compressed_layers:
         layer.observers.append(
-            lambda layer: layer.policy.scoring is not None
-            and seen.append((layer.get_seq_length(), layer.occupied, layer.slots.capacity))
+            lambda layer: (
+                layer.policy.scoring is not None
+                and seen.append((layer.get_seq_length(), layer.occupied, layer.slots.capacity))
+            )
         )
     prefill(tiny_llama, ids, cache)
     chunks = -(-30 // params.get("chunk_size", 2048))

@@ -25,8 +25,8 @@ log-sum-exps. Two ways to get both, chosen by the policy's ``scoring``:
   gather of the kept keys and values; prefill chunks in query slices of ``QUERY_SLICE``). The output equals the
   kernel's up to float32 rounding (tested against vLLM's kernel), the scores are those of the second pass, bit for
   bit.
-* ``second_pass`` (default, the faster on CPU): vLLM's kernel computes the output, then step 2 recomputes the query-key products and softmax
-  over the same keys for the mass (the kernel's QK half again, plus the key gather).
+* ``second_pass`` (default, the faster on CPU): vLLM's kernel computes the output, then step 2 recomputes the
+  query-key products and softmax over the same keys for the mass (the kernel's QK half again, plus the key gather).
 
 The scores are exact H2O sums (up to float32 rounding): what is approximated is the unit, a whole block kept or
 evicted per KV head instead of single tokens.
