@@ -61,7 +61,11 @@ def test_backward_through_an_evicting_cache_for_every_method(key, ids):
         config = model.config
         full_bytes = (PROMPT + STEPS) * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
         assert cache.nbytes() < full_bytes
-    torch.testing.assert_close(logits.detach(), expected, rtol=1e-5, atol=1e-6)
+    # Quantized storage: under no_grad a decoding step attends from the codes (scales folded into the query and the
+    # probabilities), with gradients on from the dequantized view: the same sums in another order, compared at the
+    # bound the codes path is tested at against the view (tests/test_quantized.py).
+    atol = 1e-5 if EVICTING[key].get("kv_bits", 16) < 16 else 1e-6
+    torch.testing.assert_close(logits.detach(), expected, rtol=1e-5, atol=atol)
     next_token_loss(logits, ids).backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values())

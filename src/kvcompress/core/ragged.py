@@ -160,8 +160,12 @@ class RaggedPool:
             source = order[(owner - top)[:, None], place.clamp(max=width - 1)] + (owner * capacity)[:, None]
             source = source.view(-1)
             blocks = stop - start
-            torch.index_select(flat_keys, 0, source, out=pool.keys[start:stop].view(-1, head_dim))
-            torch.index_select(flat_values, 0, source, out=pool.values[start:stop].view(-1, values.shape[-1]))
+            if keys.requires_grad or values.requires_grad:  # autograd records a copy, not an ``out=`` write
+                pool.keys[start:stop].view(-1, head_dim).copy_(flat_keys.index_select(0, source))
+                pool.values[start:stop].view(-1, values.shape[-1]).copy_(flat_values.index_select(0, source))
+            else:
+                torch.index_select(flat_keys, 0, source, out=pool.keys[start:stop].view(-1, head_dim))
+                torch.index_select(flat_values, 0, source, out=pool.values[start:stop].view(-1, values.shape[-1]))
             pool.keys[start:stop].masked_fill_(~filled[..., None], 0)
             pool.values[start:stop].masked_fill_(~filled[..., None], 0)
             pool.bias[start:stop].zero_()
