@@ -51,6 +51,7 @@ def timed(name: str, function: Callable, per_layer: int = 1) -> Callable:
 def wrap_parts(layers: int) -> None:
     policy_module.attention_with_stats = timed("softmax with log-normaliser", policy_module.attention_with_stats)
     policy_module.phi_features = timed("phi of the query", policy_module.phi_features)
+    policy_module.phi_head_major = timed("phi of the query (a decoding step's)", policy_module.phi_head_major)
     policy_module.head_matmul = timed("state read", policy_module.head_matmul)
     policy_module.mix_low_rank = timed("Eq. 3 mix", policy_module.mix_low_rank)
     slots = policy_module.low_rank_slots_attention
