@@ -19,7 +19,8 @@ class RingAttention:
         the ranks of the occupied slots are ``0 .. stored - 1``."""
         count, start = self._count, self._start
         older = count.flip(1).cumsum(1).flip(1) - count  # tokens in the older cascades
-        ring = (self._ring - start[:, :, None]) % self.width  # [B, N, W]: age order inside each ring
+        offset = torch.arange(self.width, device=self.device)
+        ring = (offset - start[:, :, None]) % self.width  # [B, N, W]: age order inside each ring
         rank = (self._n_sink[:, None, None] + older[:, :, None] + ring).flatten(1)
         if self.sinks:
             rank = torch.cat([self._sink_slots.expand(rank.shape[0], -1), rank], 1)
@@ -85,20 +86,20 @@ class RingAttention:
         if pending is None:
             raise RuntimeError("cascade_attention() needs the tokens of this forward: call update() first")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if self._decodes_alone(query, pending):
-            return self._decode_step(query, pending, scale)
-        exact = self.rule.config.prefill == "exact" and not self.attend_first
-        if exact and self._steps_alone(pending):
-            return self._decode_tokens(query, pending, scale)
+        count = query.shape[2]
+        if self._steps_alone(pending) and count == 1 and self.attend_first:
+            return self._decode_circular(query, pending, scale)
+        if self._steps_alone(pending) and (count == 1 or self.rule.config.prefill == "exact") and not self.attend_first:
+            return self._step_tokens(query, pending, scale)
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)
-        if (self.rule.config.prefill == "chunked" and query.shape[2] > 1) or self.attend_first:
+        if (self.rule.config.prefill == "chunked" and count > 1) or self.attend_first:
             return self._chunk_attention(queries, kv, meta, real, scale)
         outputs = []
-        for m in range(query.shape[2]):
-            self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], None)
+        for m in range(count):
+            self._insert_tokens(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m : m + 1], None)
             outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], meta[:, m : m + 1, 0], scale))
-        batch, q_heads, count, dim = query.shape
+        batch, q_heads, _, dim = query.shape
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
 
     def _attend(self, query: torch.Tensor, real: torch.Tensor, query_tok: torch.Tensor, scale: float) -> torch.Tensor:
@@ -151,14 +152,7 @@ class RingAttention:
             output, scores = self._chunk_softmax(queries, chunk_queries, chunk_keys, values, rank, visible, real, scale)
         else:
             output, scores = self._chunk_sdpa(chunk_queries, chunk_keys, values, visible, scale), None
-        if self._fills_in_order():
-            self._insert_in_order(kv, meta)
-        elif self._inserts_chunk_at_once(real):
-            self._insert_chunk(kv, meta, scores)
-        else:
-            for m in range(count):
-                score = None if scores is None else scores[:, m]
-                self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+        self._insert_tokens(kv, meta, real, scores)
         return output.reshape(batch, kv_heads * groups, count, -1)
 
     def _chunk_visible(self, meta: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
