@@ -249,10 +249,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         meta = torch.stack([tok, pos], -1)
         return kv, meta, pos, real
 
-    def _insert_pending(self, scores: torch.Tensor | None = None) -> None:
+    def _insert_pending(self) -> None:
         pending, self._pending = self._pending, None
         kv, meta, _, real = self._prepared(pending)
-        self._insert_tokens(kv, meta, real, scores)
+        self._insert_tokens(kv, meta, real, None)
 
     def _set_capacity(self, slots: int) -> None:
         """Slots allocated; one ring's width follows them while it grows (the layout keeps the budget's)."""
@@ -312,9 +312,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             return wins
 
         if in_step:
-            first = play(layout, before[0], tokens[0], slots, decide(0))
-            plans = [first] + [play(layout, before[0], tokens[0], slots, decide(b)) for b in range(1, len(before))]
-            plans = plans if host else [first]  # the same moves for every sequence unless selections were decided
+            plans = [play(layout, before[0], tokens[0], slots, decide(0))]
+            if host:  # selections decided from the scores: each sequence's moves
+                plans += [play(layout, before[0], tokens[0], slots, decide(b)) for b in range(1, len(before))]
+            first = plans[0]
             self._set_shared(first[0])
         else:
             plans = [
@@ -323,7 +324,7 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             ]
             self._rings = [plan[0] for plan in plans]
         if len(plans) == 1:
-            columns = self._columns(before[0], plans[0], rotated=False)
+            columns = self._columns(before[0], plans[0], count)
         else:
             columns = self._sequence_columns(before, plans)
         buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
@@ -331,9 +332,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
         self._sync_sinks(before)
 
-    def _columns(self, before: Rings, plan: tuple[Rings, list[Move], bool], rotated: bool) -> Columns | None:
-        """The executor's tables of moves shared by the batch (built once per forward for the layers in the same
-        state): new tokens' columns first; ``rotated``: the new keys come at their angles already."""
+    def _columns(self, before: Rings, plan: tuple[Rings, list[Move], bool], count: int, rotated: bool = False):
+        """The executor's tables (``Columns``) of moves shared by the batch, or ``None`` (no move); built once per
+        forward for the layers in the same state: new tokens' columns first (``count`` new tokens); ``rotated``: the
+        new keys come at their angles already."""
         after, moves, select = plan
         slots, layout = self.capacity, self._layout
         fresh = [move for move in moves if move[1] > slots]
@@ -343,10 +345,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         turns = [0 if rotated else move_turn(layout, before, after, *move, slots) for move in fresh]
         turns += [move_turn(layout, before, after, dest, item, slots) for dest, item in stored]
         taken = [item - slots - 1 for _, item in fresh]
-        key = ("cascade-columns", before, tuple(moves), select, rotated, slots, self.device, self.dtype)
+        key = ("cascade-columns", before, tuple(moves), select, count, rotated, slots, self.device, self.dtype)
 
         def build() -> Columns:
-            take = None if taken == list(range(len(taken))) and rotated else from_host(taken, self.device)
+            take = None if taken == list(range(count)) else from_host(taken, self.device)
             read = from_host([item for _, item in stored], self.device)
             written = from_host([dest for dest, _ in fresh + stored], self.device)
             cos, sin = (None, None) if self.inv_freq is None else self._turn_table(from_host(turns, self.device))

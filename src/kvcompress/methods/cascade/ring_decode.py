@@ -120,7 +120,7 @@ class RingDecode:
             plan = play(self._layout, rings, (0,), slots, None if self.rule.needs_scores else lambda a, r: True)
             after, moves, _ = plan
             fresh = next(dest for dest, item in moves if item > slots)
-            columns = self._columns(rings, plan, rotated=True)
+            columns = self._columns(rings, plan, 1, rotated=True)
             targets, runs = self._frames(after.stored(self._layout) - 1, after)
             stored = runs[-1][1]
             dense = self._dense_logits(len(targets), stored, rows)
