@@ -311,12 +311,14 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
 
             return wins
 
-        if in_step:
-            plans = [play(layout, before[0], tokens[0], slots, decide(0))]
-            if host:  # selections decided from the scores: each sequence's moves
-                plans += [play(layout, before[0], tokens[0], slots, decide(b)) for b in range(1, len(before))]
-            first = plans[0]
-            self._set_shared(first[0])
+        if in_step:  # the moves are the same for every layer of the forward unless the scores decide some
+            decided = self.rule.needs_scores and count > 1
+            key = ("cascade-play", before[0], count, slots, decided, id(self.rule.config))
+            shared, selected = self.forward_pass.cached(key, lambda: self._shared_play(before[0], count, decided))
+            plans = [shared]
+            if selected:  # selections to decide from the scores: each sequence's moves
+                plans = [play(layout, before[0], tokens[0], slots, decide(b)) for b in range(len(before))]
+            self._set_shared(shared[0])
         else:
             plans = [
                 play(layout, rings, row, slots, decide(b))
@@ -331,6 +333,16 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         if columns is not None:
             apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
         self._sync_sinks(before)
+
+    def _shared_play(self, before: Rings, count: int, decided: bool) -> tuple[tuple, bool]:
+        """``schedule.play`` of ``count`` new tokens for the batch in step, and whether it met a selection that
+        the scores decide (``decided``; then the moves are the layer's own)."""
+        selected: list[bool] = []
+        if decided:
+            wins = lambda arriving, resident: selected.append(True) or True  # noqa: E731
+        else:  # no token selection (the arriving token always wins), or one token's, left to the executor
+            wins = None if self.rule.needs_scores else lambda arriving, resident: True
+        return play(self._layout, before, range(count), self.capacity, wins), bool(selected)
 
     def _columns(self, before: Rings, plan: tuple[Rings, list[Move], bool], count: int, rotated: bool = False):
         """The executor's tables (``Columns``) of moves shared by the batch, or ``None`` (no move); built once per
