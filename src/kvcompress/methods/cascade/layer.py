@@ -48,6 +48,7 @@ from kvcompress.methods.cascade.schedule import (
     move_turn,
     offsets,
     play,
+    ranks,
     sink_shift,
     sinks_after,
 )
@@ -110,7 +111,6 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
         )
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
-        self._sink_slots = torch.arange(self.sinks, **long)
         # the sinks' keys at angle j (their own index), copied as they are stored: the sinks are rewritten from it
         # whenever their angle moves (no accumulated rounding); ``_sinks_full``: every sequence has all its sinks
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)
@@ -148,12 +148,14 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             cached = self._counter_tensors = (self._rings, *parts, table[:, 3 * n + 2 :])
         return cached[1:]
 
-    def _angles(self) -> torch.Tensor:
-        """Each slot's key angle ``[B, slots]`` (``schedule.angles``; for the stream-order views and a chunk's
-        attention, not per token)."""
-        rows = self._rings[:1] if self._in_step else self._rings
-        values = [angles(self._layout, rings)[: self.capacity] for rings in rows]
-        return from_host(values, self.device).expand(len(self._rings), -1)
+    def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``
+        (``schedule.ranks``, ``schedule.angles``; for the stream-order views and a chunk's attention, not per
+        token)."""
+        rows, slots = self._rings[:1] if self._in_step else self._rings, self.capacity
+        values = [ranks(self._layout, rings)[:slots] + angles(self._layout, rings)[:slots] for rings in rows]
+        table = from_host(values, self.device).expand(len(self._rings), -1)
+        return table[:, :slots], table[:, slots:]
 
     _count = property(lambda self: self._counters()[0])
     _start = property(lambda self: self._counters()[1])

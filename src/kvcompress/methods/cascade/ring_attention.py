@@ -14,17 +14,10 @@ class RingAttention:
 
     # --- positions and attention ----------------------------------------------------------------------------
     def ranks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per slot ``[B, S + |C|]``: the rank (RoPE position) of its token inside the cache, and whether the slot
-        is occupied. Sinks come first, then the cascades from the oldest (last) to the newest, each in ring order;
-        the ranks of the occupied slots are ``0 .. stored - 1``."""
-        count, start = self._count, self._start
-        older = count.flip(1).cumsum(1).flip(1) - count  # tokens in the older cascades
-        offset = torch.arange(self.width, device=self.device)
-        ring = (offset - start[:, :, None]) % self.width  # [B, N, W]: age order inside each ring
-        rank = (self._n_sink[:, None, None] + older[:, :, None] + ring).flatten(1)
-        if self.sinks:
-            rank = torch.cat([self._sink_slots.expand(rank.shape[0], -1), rank], 1)
-        return rank, self._tok >= 0
+        """Per slot ``[B, S + |C|]``: the rank (RoPE position) of its token inside the cache (``schedule.ranks``:
+        sinks first, then the cascades from the oldest to the newest, each in ring order), and whether the slot is
+        occupied."""
+        return self._slot_numbers()[0], self._tok >= 0
 
     def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
@@ -172,8 +165,8 @@ class RingAttention:
         rotation of at most ``S + |C|`` keys per forward) and the chunk's own keys; ``[B, H_kv, G q, d]``."""
         keys = self._k
         if self.inv_freq is not None:
-            rank, _ = self.ranks()
-            keys = rotate_by(keys, (rank - self._angles())[:, None], self.inv_freq, exact=True)
+            rank, angle = self._slot_numbers()
+            keys = rotate_by(keys, (rank - angle)[:, None], self.inv_freq, exact=True)
         batch, kv_heads, groups, count, dim = queries.shape
         output = scaled_dot_product_attention(
             queries.reshape(batch, kv_heads * groups, count, dim),

@@ -58,7 +58,7 @@ class RingViews:
         keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
         if self.inv_freq is None:
             return keys
-        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
+        turn = (self._pos - self._slot_numbers()[1]).gather(1, order)  # from the stored angle to the model's position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     @keys.setter
