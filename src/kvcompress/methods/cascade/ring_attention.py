@@ -1,4 +1,7 @@
-"""Attention over the cascade storage: queries rotated per cascade against keys stored un-rotated, the EMA fold."""
+"""Attention over the ring storage where the batch's one plan (``ring_decode``) does not apply: per-sequence layouts
+(padding, a reordered batch), a sliding window, no RoPE; ``prefill="chunked"`` and streaming's forwards of several
+tokens; the EMA fold. Each query is turned to every frame (``schedule.offsets``, per sequence) against the keys at
+their angles."""
 
 from __future__ import annotations
 
@@ -72,17 +75,18 @@ class RingAttention:
     def cascade_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Insert this forward's tokens, attend, update the EMA; returns ``[B, H, q, d]``.
 
-        ``prefill="exact"``: token by token (insert, attend, EMA), identical to feeding one token at a time.
+        ``prefill="exact"``: token by token (insert, attend, EMA), identical to feeding one token at a time: the
+        planned steps while the batch is in step (``ring_decode``), else one insertion and one attention per token.
         ``prefill="chunked"`` with several tokens: the later official strided variant (module docstring).
         """
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("cascade_attention() needs the tokens of this forward: call update() first")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        count = query.shape[2]
-        if self._steps_alone(pending) and count == 1 and self.attend_first:
+        count, planned = query.shape[2], self._steps_alone(pending)
+        if planned and count == 1 and self.attend_first:
             return self._decode_circular(query, pending, scale)
-        if self._steps_alone(pending) and (count == 1 or self.rule.config.prefill == "exact") and not self.attend_first:
+        if planned and (count == 1 or self.rule.config.prefill == "exact") and not self.attend_first:
             return self._step_tokens(query, pending, scale)
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)
