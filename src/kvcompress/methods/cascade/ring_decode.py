@@ -108,7 +108,7 @@ class RingDecode:
             probs = logits.view(batch * kv_heads, -1, step.stored).softmax(-1)
             outputs.append(torch.bmm(probs.to(values.dtype), values))
             if self.rule.needs_scores:
-                self._fold_step(probs.view(batch, kv_heads, -1, step.stored))
+                self._fold_step(probs)
         self._all_real = True
         return (outputs[0] if count == 1 else torch.stack(outputs, 2)).view(batch, q_heads, count, -1)
 
@@ -183,8 +183,8 @@ class RingDecode:
 
     # --- the steps ------------------------------------------------------------------------------------------------
     def _rotated(self, query: torch.Tensor, pending, steps: list[Step], scale: float):
-        """The new tokens as slot items ``[q][B, H_kv, 1, dk + dv]``, keys rotated from the model's positions to
-        their angles, and the queries turned to each of their frames, scaled: ``[q][B H_kv, G F, d]``. One token:
+        """Per token, the new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key rotated from the model's
+        position to its angle, and the query turned to each of its frames, scaled: ``[B H_kv, G F, d]``. One token:
         by rotation matrices shared by the forward's layers (one matmul each); several: elementwise, from cos /
         sin per token made once per forward."""
         batch, q_heads, count, dim = query.shape
@@ -192,9 +192,9 @@ class RingDecode:
         if count == 1:
             step = steps[0]
             keys = turn(pending.keys, self._rotation(pending, (step.angle,), dim, dtype))
-            items = torch.cat([keys, pending.values.to(keys.dtype)], -1)[None]
+            items = torch.cat([keys, pending.values.to(keys.dtype)], -1)
             turned = turn(query, self._rotation(pending, step.targets, dim, query.dtype, scale))
-            return items, turned.view(1, batch * kv_heads, -1, dim)
+            return (items,), (turned.view(batch * kv_heads, -1, dim),)
         frames = max(len(step.targets) for step in steps)
         targets = [(*step.targets, *step.targets[-1:] * (frames - len(step.targets))) for step in steps]
         key = ("cascade-frames", steps[0].before, count, pending.first, query.dtype, scale, self.device)
@@ -229,14 +229,15 @@ class RingDecode:
         return views[2], views[3]
 
     def _fold_step(self, probs: torch.Tensor) -> None:
-        """``_fold_scores`` of one token's ``probs`` ``[B, H_kv, G, stored]`` over the ``stored`` first slots (empty
+        """``_fold_scores`` of one token's ``probs`` ``[B H_kv, G, stored]`` over the ``stored`` first slots (empty
         slots after them have no score to decay); with the mean over heads (the paper's), the heads' sum and the
         decay are one batched matmul (the row of ones shared by the forward's layers)."""
+        batch, stored, gamma = self._score.shape[0], probs.shape[-1], self.rule.gamma
         if self.rule.config.reduction != "mean":
-            pad = self.capacity - probs.shape[-1]
+            probs = probs.view(batch, self._kv.shape[1], -1, stored)
+            pad = self.capacity - stored
             self._fold_scores(torch.nn.functional.pad(probs, (0, pad)) if pad else probs, None)
             return
-        batch, stored, gamma = probs.shape[0], probs.shape[-1], self.rule.gamma
         rows = probs.view(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
         key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
         ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
