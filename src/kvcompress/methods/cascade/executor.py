@@ -70,7 +70,7 @@ def _batch_wide(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
     items = by_column.index_select(0, read)  # [m - k, n, H, dk + dv]
     lead = 0 if new_kv is None else fresh  # the kv columns start at the new tokens or at the first stored one
     if new_kv is not None:
-        arriving = new_kv.permute(2, 0, 1, 3).to(kv.dtype)
+        arriving = new_kv.permute(2, 0, 1, 3)  # (in the buffer's dtype)
         items = torch.cat([arriving if take is None else arriving.index_select(0, take), items], 0)
     if columns.cos is not None:
         turn_in_place(items, columns.cos[fresh - lead :], columns.sin[fresh - lead :])

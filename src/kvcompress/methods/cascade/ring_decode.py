@@ -139,11 +139,10 @@ class RingDecode:
         if not dense:
             return None, None
         stored = runs[-1][1]
-        frame, empty = [0] * stored, [True] * stored
+        logit, empty = list(range(stored)), [True] * stored  # (an empty slot's logit: any, it is masked)
         for lo, hi, index in runs:
-            frame[lo:hi] = [index] * (hi - lo)
+            logit[lo:hi] = range(index * stored + lo, index * stored + hi)
             empty[lo:hi] = [False] * (hi - lo)
-        logit = [index * stored + slot for slot, index in enumerate(frame)]
         return from_host(logit, self.device), from_host(empty, self.device, torch.bool) if any(empty) else None
 
     def _dense_logits(self, frames: int, stored: int, rows: int) -> bool:
