@@ -33,8 +33,8 @@ FRAMES = ring_decode.RingDecode._frames
 def collapse(k: int) -> None:
     """Make every cascade layer use at most ``k`` frames (0: as built)."""
 
-    def frames(self, top: int):
-        targets, runs = FRAMES(self, top)
+    def frames(self, top: int, rings=None):
+        targets, runs = FRAMES(self, top, rings)
         if k and len(targets) > k:
             return targets[:k], [(lo, hi, index % k) for lo, hi, index in runs]
         return targets, runs

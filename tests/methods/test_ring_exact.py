@@ -1,5 +1,6 @@
-"""The cascade's exact prefill in the steady state (``methods/cascade/ring_exact.py``) keeps what feeding the tokens
-one at a time keeps, and what the per-sequence tensor path keeps, with the same logits."""
+"""The cascade's exact prefill (``methods/cascade/ring_decode.py``: a forward's tokens planned once, stepped in turn)
+keeps what feeding the tokens one at a time keeps, and what the per-sequence tensor path keeps, with the same
+logits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument
-from kvcompress.methods.cascade import ring_decode, ring_exact
+from kvcompress.methods.cascade import ring_decode
 from kvcompress.models.testing import tiny_model
 
 # the rings fill and turn to ring angles token by token, then chunks push tokens down the rings
@@ -32,15 +33,16 @@ def _run(model, ids, chunks, reference: bool, per_row_positions: bool, **params)
 
 @pytest.fixture
 def lean_forwards(monkeypatch) -> list[int]:
-    """The number of tokens of each forward that a layer ran through the lean steps."""
+    """The number of tokens of each forward of several tokens that a layer ran through the planned steps."""
     counts = []
-    lean = ring_exact.RingExact._lean_tokens
+    steps = ring_decode.RingDecode._step_tokens
 
     def spy(self, query, *args):
-        counts.append(query.shape[2])
-        return lean(self, query, *args)
+        if query.shape[2] > 1:
+            counts.append(query.shape[2])
+        return steps(self, query, *args)
 
-    monkeypatch.setattr(ring_exact.RingExact, "_lean_tokens", spy)
+    monkeypatch.setattr(ring_decode.RingDecode, "_step_tokens", spy)
     return counts
 
 
@@ -73,10 +75,11 @@ def test_lean_steps_equal_one_token_at_a_time_and_the_per_sequence_path(
         torch.testing.assert_close(ours.values, theirs.values, rtol=1e-5, atol=1e-5)
 
 
-def test_another_head_reduction_takes_the_decoding_step_token_by_token(lean_forwards):
+def test_another_head_reduction_takes_the_same_steps(lean_forwards):
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, sum(CHUNKS)), generator=torch.Generator().manual_seed(6))
     logits, _ = _run(model, ids, CHUNKS, False, False, reduction="max")
     reference_logits, _ = _run(model, ids, CHUNKS, True, False, reduction="max")
-    assert lean_forwards == []
+    layers = model.config.num_hidden_layers
+    assert lean_forwards == [30] * layers + [17] * layers  # every head reduction takes the planned steps
     torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)

@@ -1,8 +1,8 @@
 """The ring storage's fast paths keep what its per-sequence tensor path keeps and give the same logits.
 
-Fast paths (``methods/cascade/ring_decode.py``): one decoding token planned from the in-step Python counters (the
-circular sink cache attends before inserting, the cascade inserts first), and a whole forward written into one ring
-at once. ``force_tensor_path`` switches a layer to the per-token, per-sequence reference path.
+Fast paths: a forward's tokens planned from the in-step Python counters (``methods/cascade/ring_decode.py``; the
+circular sink cache attends before inserting, the cascade inserts first), and a whole forward's moves composed
+into one (``schedule.play``). ``force_tensor_path`` switches a layer to the per-token, per-sequence reference path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CACHES = {
     "streaming-no-sinks": ("streaming", {"budget": 9, "sinks": 0}),
     "cascade-3": ("cascade", {"budget": 14, "sinks": 2, "cascades": 3}),
     "cascade-1": ("cascade", {"budget": 9, "sinks": 1, "cascades": 1}),
-    # the chunk inserted at once after the chunk attention (``ring_chunk_insert``): selections, ties, eager fill
+    # the chunk inserted at once after the chunk attention (``schedule.play``): selections, ties, eager fill
     "cascade-3-chunked": ("cascade", {"budget": 14, "sinks": 2, "cascades": 3, "prefill": "chunked"}),
     "cascade-2-chunked-resident-ties": (
         "cascade",
@@ -190,7 +190,7 @@ def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
 
 @pytest.mark.parametrize("tie", ["incoming", "resident"])
 def test_a_chunk_inserted_at_once_equals_one_by_one_insertions_with_tied_scores(tie):
-    """``prefill="chunked"`` inserts its chunk at once (``ring_chunk_insert``): the same slots, scores and
+    """``prefill="chunked"`` inserts its chunk at once (``schedule.play``): the same slots, scores and
     counters as inserting the tokens one by one, with scores that tie (both tie rules) and keys equal up to the
     rounding of one turn instead of several."""
     model = tiny_model("llama")
@@ -210,9 +210,10 @@ def test_a_chunk_inserted_at_once_equals_one_by_one_insertions_with_tied_scores(
         draw = torch.randint(0, 3, (2, layer.capacity - layer.sinks), generator=generator)
         layer._score[:, layer.sinks : layer.capacity] = draw / 4  # seeded: a draw may leave the two rows alike
     layers[1]._score.copy_(layers[0]._score)
-    layers[0]._insert_chunk(kv, meta, scores)
+    layers[0]._insert_tokens(kv, meta, torch.ones(2, count, dtype=torch.bool), scores)
     for m in range(count):
-        layers[1]._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], torch.ones(2, dtype=torch.bool), scores[:, m])
+        real = torch.ones(2, 1, dtype=torch.bool)
+        layers[1]._insert_tokens(kv[:, :, m : m + 1], meta[:, m : m + 1], real, scores[:, m : m + 1])
     ours, theirs = layers
     assert ours._rings == theirs._rings
     assert torch.equal(ours._tok, theirs._tok) and not torch.equal(ours._tok[0], ours._tok[1])  # rows differ

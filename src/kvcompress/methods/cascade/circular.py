@@ -1,4 +1,14 @@
-"""``streaming`` in ``cache`` position mode on the cascade storage with one cascade: the circular sink cache."""
+"""``streaming`` in ``cache`` position mode on the cascade storage with one cascade: the circular sink cache.
+
+Its decoding step attends before inserting (the ring's oldest token is still seen) and is replayable
+(``kvcompress.decode_graph``): a replayed step (a CUDA graph) runs fixed kernels with every Python number baked in,
+and the step takes three numbers that change every step: the new token's real-token index (its key's angle and the
+query's), the slot it overwrites (sinks + the ring's start) and the sinks' frame ``F``. Once the ring is full and has
+overwritten a token, every step is the same operations with those three numbers; bound to a graph
+(``core.replay.ReplayBinding``) the layer keeps the index and the start on the device (its ``replay_counters``) and
+the step reads and advances them there; the Python integers are set from them when the graph is left
+(``sync_replayed``).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +16,14 @@ import torch
 
 from kvcompress.core.contract import Policy
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
+from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.methods.cascade.config import CascadeConfig
 from kvcompress.methods.cascade.layer import CascadeLayer
-from kvcompress.methods.cascade.ring_replay import CircularReplay
+from kvcompress.methods.cascade.schedule import Rings, advance
 
 
-class CircularSinkLayer(CircularReplay, CascadeLayer):
+class CircularSinkLayer(CascadeLayer):
     """``streaming`` (StreamingLLM, positions re-indexed in the cache) on the cascade storage with ``N = 1``: the
     sinks plus one ring of ``budget - sinks`` slots, allocated once, one slot written per token.
 
@@ -26,6 +38,7 @@ class CircularSinkLayer(CircularReplay, CascadeLayer):
     """
 
     attend_first = True
+    start_tensor: torch.Tensor | None = None  # the ring's start on the device while bound
     # the ring cannot drop tokens by age: on a model's sliding-window layers the generic streaming layer runs instead
     sliding_layer_class = CompressedLayer
 
@@ -33,3 +46,100 @@ class CircularSinkLayer(CircularReplay, CascadeLayer):
         config = policy.config
         ring = CascadeConfig(budget=config.budget, sinks=config.sinks, cascades=1, prefill="chunked")
         super().__init__(policy, inv_freq, rule=ring.policy(policy.layer_idx))
+
+    def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
+        """One token of a batch in step: the new token first goes to a spare slot (its own slot while the ring
+        fills, else the scratch slot after the ring); once attended, it is copied over the oldest ring token. One
+        ring is one frame (``CascadeLayer``): the new key, at its real-token index ``p``, and the query, at rank +
+        ``F`` = ``p``, are rotated by the same factors, and the query attends to the occupied slots with one SDPA
+        (no mask: they are a prefix of the buffer)."""
+        if self.seen_tensor is not None:  # bound to a captured step
+            return self._decode_circular_replayable(query, pending, scale)
+        seen, rings = self._shared.seen, self._rings
+        after, moves = advance(self._layout, self._shared)
+        dest = moves.dests[0]  # a sink, an append or the oldest ring token's slot (``schedule``)
+        spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
+        dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
+        rotation = self._rotation(pending, (seen,), dim, pending.keys.dtype)
+        self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)  # (no out=: compiled graphs refuse it)
+        self._kv[:, :, spare : spare + 1, dim:] = pending.values
+        turned = turn(query, self._rotation(pending, (seen,), dim, query.dtype))
+        stored = self._kv[:, :, : spare + 1]
+        output = scaled_dot_product_attention(
+            turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
+        )
+        if dest != spare:
+            self._kv[:, :, dest] = self._kv[:, :, spare]
+        self._meta[:, dest] = self._shared_meta(pending)[:, 0]
+        self._set_shared(after)
+        self._sync_sinks(rings)
+        return output
+
+    # --- replay (``kvcompress.decode_graph``) ---------------------------------------------------------------------
+
+    def replay_steady(self) -> bool:
+        return (
+            self.is_initialized
+            and self._in_step
+            and self._all_real
+            and not self.force_tensor_path
+            and self.inv_freq is not None
+            and self._pending is None
+            and getattr(self, "_sliding_window", None) is None
+            and self._shared.count[0] == self.width
+            and self._shared.seen >= self.sinks
+            and self._sinks_full
+        )
+
+    def bind_replay_buffers(self, binding) -> None:
+        self.replay_binding = binding
+        if self.seen_tensor is None:
+            self.seen_tensor = torch.tensor(self._shared.seen, device=self.device)  # the next token's real index
+            self.start_tensor = torch.tensor(self._shared.start[0], device=self.device)
+
+    def replay_counters(self) -> list[torch.Tensor]:
+        return [self.seen_tensor, self.start_tensor]
+
+    def sync_replayed(self, values: list[int]) -> None:
+        """Each replayed step took one real token into the full ring: its layout is the schedule's for that many
+        tokens (every token past the sinks and the ring's width overwrote one), and the tokens seen advance."""
+        replayed = values[0] - self._shared.seen
+        width = self._layout.width
+        self._set_shared(Rings(values[0], (width,), (values[0] - self.sinks - width,), width))
+        self._seen += replayed
+
+    def unbind_replay_buffers(self) -> None:
+        self.replay_binding = self.seen_tensor = self.start_tensor = None
+
+    def replay_state(self) -> tuple:
+        return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0])
+
+    def _decode_circular_replayable(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
+        """``_decode_circular`` of a full ring with the per-step numbers read on the device: attend with the new
+        token in the scratch slot, copy it over the oldest ring token, rewrite the sinks at the next frame."""
+        sinks, width, spare, dim = self.sinks, self.width, self.capacity, self._key_dim
+        seen, source = self.seen_tensor, pending.source
+        key = ("replay-rotation", self.inv_freq.data_ptr(), dim, pending.keys.dtype)
+        rotation = self.forward_pass.cached(key, lambda: rotation_to_tensor(source, seen, self.inv_freq, dim, key[-1]))
+        self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)
+        self._kv[:, :, spare : spare + 1, dim:] = pending.values
+        if query.dtype != pending.keys.dtype:
+            rotation = rotation_to_tensor(source, seen, self.inv_freq, dim, query.dtype)
+        q_heads, kv_heads = query.shape[1], self._kv.shape[1]
+        stored = self._kv[:, :, : spare + 1]
+        output = scaled_dot_product_attention(
+            turn(query, rotation), stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
+        )
+        dest = (self.start_tensor + sinks).view(1)
+        self._kv.index_copy_(2, dest, self._kv[:, :, spare : spare + 1])
+        self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
+        self.start_tensor.add_(1).remainder_(width)
+        seen.add_(1)
+        self._set_shared(advance(self._layout, self._shared)[0])  # the schedule's step, as the eager step takes it
+        if sinks:  # the next frame: F = real tokens seen - sinks - width
+            frame = self.forward_pass.cached(
+                ("replay-frame", self.inv_freq.data_ptr(), dim, self.dtype),
+                lambda: frame_rotation_at(seen - (sinks + width), self.inv_freq, dim, self.dtype),
+            )
+            self._kv[:, :, :sinks, :dim].copy_(self._sink_keys @ frame)
+        return output

@@ -1,10 +1,12 @@
 """The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer.
 
-See ``kvcompress.methods.cascade.config`` for the method, the paper and the choices. The layer has three parts: the
-schedule (``schedule``: Algorithm 1 on Python integers, each sequence's layout ``Rings`` and a token's slot moves),
-the executor (``executor.apply_moves``: a step's moves on every sequence, head and tensor at once) and the
-attention over the rings (``ring_attention``; the decoding step planned from the schedule, ``ring_decode``; the
-exact prefill's steps, ``ring_exact``). The stream-order views are in ``ring_views``.
+See ``kvcompress.methods.cascade.config`` for the method, the paper and the choices. Every way tokens enter the
+rings (a decoding step, a prompt in one forward or in chunks, padded batches, a layer driven by hand) is the schedule
+(``schedule``: Algorithm 1 on Python integers, each sequence's layout ``Rings``; ``schedule.play``: the moves of one
+token, or of several with no attention between them) applied by one executor (``executor.apply_moves``: the moves
+on every sequence, head and tensor at once). Tokens that attend one after the other while the batch is in step
+(decoding, ``prefill="exact"``) are planned once per forward for every layer (``ring_decode``); the rest insert
+here (``_insert_tokens``) and attend in ``ring_attention``. The stream-order views are in ``ring_views``.
 
 Slot layout of one layer (per sequence; every KV head uses the same slots, homogeneous policy): ``[0, S)`` sinks,
 then cascade ``i`` in ``[S + i W, S + (i + 1) W)``, a ring whose oldest token sits at offset ``start[i]`` and which
@@ -33,16 +35,23 @@ from kvcompress.core.forward import from_host
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frame_rotation
-from kvcompress.methods.cascade.executor import apply_moves
+from kvcompress.methods.cascade.executor import Columns, apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
-from kvcompress.methods.cascade.ring_capacity import RingCapacity
-from kvcompress.methods.cascade.ring_chunk_insert import RingChunkInsert
 from kvcompress.methods.cascade.ring_decode import RingDecode
-from kvcompress.methods.cascade.ring_exact import RingExact
 from kvcompress.methods.cascade.ring_views import RingViews
-from kvcompress.methods.cascade.schedule import Layout, Rings, advance, angles, offsets, sink_shift
-from kvcompress.methods.cascade.schedule import turns as schedule_turns
+from kvcompress.methods.cascade.schedule import (
+    Layout,
+    Move,
+    Rings,
+    angles,
+    move_turn,
+    offsets,
+    play,
+    ranks,
+    sink_shift,
+    sinks_after,
+)
 
 
 @dataclass
@@ -62,15 +71,7 @@ class _Pending:
         return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
 
 
-class CascadeLayer(
-    RingExact,
-    RingDecode,
-    RingChunkInsert,
-    RingAttention,
-    RingViews,
-    RingCapacity,
-    CompressedLayer,
-):
+class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
     """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
     unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
 
@@ -91,13 +92,13 @@ class CascadeLayer(
         self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
         self._all_real = True
-        self.force_tensor_path = False  # tests: always take the per-sequence tensor path of ``_insert``
+        self.force_tensor_path = False  # tests: run the schedule once per sequence (the padded path) from the start
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, key_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        if self.cascades == 1:
+        if self.cascades == 1:  # one ring grows with the tokens seen (``_grow``)
             self._set_capacity(min(self.full_capacity, max(self.sinks + 1, count)))
         slots = self.capacity
         long = {"dtype": torch.long, "device": self.device}
@@ -110,12 +111,10 @@ class CascadeLayer(
             [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
         )
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
-        self._sink_slots = torch.arange(self.sinks, **long)
         # the sinks' keys at angle j (their own index), copied as they are stored: the sinks are rewritten from it
         # whenever their angle moves (no accumulated rounding); ``_sinks_full``: every sequence has all its sinks
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)
         self._sinks_full = self.sinks == 0
-        self._build_tables()
         # the layout of each sequence (``schedule.Rings``: Python integers). "In step": one schedule for the whole
         # batch (every sequence has taken the same number of real tokens: no padding so far), every entry the same
         # object; the first padded forward (or a reordered batch) runs the schedule once per sequence from then on
@@ -149,12 +148,14 @@ class CascadeLayer(
             cached = self._counter_tensors = (self._rings, *parts, table[:, 3 * n + 2 :])
         return cached[1:]
 
-    def _angles(self) -> torch.Tensor:
-        """Each slot's key angle ``[B, slots]`` (``schedule.angles``; for the stream-order views and a chunk's
-        attention, not per token)."""
-        rows = self._rings[:1] if self._in_step else self._rings
-        values = [angles(self._layout, rings)[: self.capacity] for rings in rows]
-        return from_host(values, self.device).expand(len(self._rings), -1)
+    def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``
+        (``schedule.ranks``, ``schedule.angles``; for the stream-order views and a chunk's attention, not per
+        token)."""
+        rows, slots = self._rings[:1] if self._in_step else self._rings, self.capacity
+        values = [ranks(self._layout, rings)[:slots] + angles(self._layout, rings)[:slots] for rings in rows]
+        table = from_host(values, self.device).expand(len(self._rings), -1)
+        return table[:, :slots], table[:, slots:]
 
     _count = property(lambda self: self._counters()[0])
     _start = property(lambda self: self._counters()[1])
@@ -250,57 +251,144 @@ class CascadeLayer(
         meta = torch.stack([tok, pos], -1)
         return kv, meta, pos, real
 
-    def _insert_pending(self, scores: torch.Tensor | None = None) -> None:
+    def _insert_pending(self) -> None:
         pending, self._pending = self._pending, None
         kv, meta, _, real = self._prepared(pending)
-        for m in range(kv.shape[2]):
-            score = None if scores is None else scores[:, m]
-            self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+        self._insert_tokens(kv, meta, real, None)
 
-    def _insert(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None) -> None:
-        """Insert one token per sequence (``kv`` ``[B, H_kv, 1, dk + dv]``, the key un-rotated; ``meta``
-        ``[B, 1, 2]``; ``real`` ``[B]``, False: padding, nothing happens; ``score`` ``[B]`` its initial EMA, None:
-        0): the schedule once for the batch while it is in step, else once per sequence."""
-        before = self._rings
-        if self._in_step and self._all_real and not self.force_tensor_path:
-            moves, turns = self._plan_in_step()
-            self._move_together(moves, kv, meta, score, turns)
+    def _set_capacity(self, slots: int) -> None:
+        """Slots allocated; one ring's width follows them while it grows (the layout keeps the budget's)."""
+        self.capacity = slots
+        self.width = (slots - self.sinks) // self.cascades
+
+    def _grow(self, needed: int) -> None:
+        """One ring (``N = 1``) is allocated for the tokens seen, not the budget, so a short prompt never stores
+        more than a full cache: before its first wrap the ring holds its tokens in order from its first slot, so
+        growing copies the occupied prefix into a larger buffer (by a quarter at least, up to the budget). With
+        several cascades each ring's region is fixed by the budget, so they are allocated whole."""
+        if self.cascades != 1 or self.capacity >= self.full_capacity or needed <= self.capacity:
+            return
+        used = self.capacity
+        self._set_capacity(min(self.full_capacity, max(needed, used + max(used // 4, 16))))
+        slots = self.capacity + 1  # the last slot is scratch space
+        kv = self._kv.new_zeros(*self._kv.shape[:2], slots, self._kv.shape[-1])
+        kv[:, :, :used] = self._kv[:, :, :used]
+        meta = self._meta.new_zeros(self._meta.shape[0], slots, 2)
+        meta[..., 0] = -1
+        meta[:, :used] = self._meta[:, :used]
+        score = self._score.new_zeros(self._score.shape[0], slots)
+        score[:, :used] = self._score[:, :used]
+        self._kv, self._meta, self._score = kv, meta, score
+
+    # --- tokens into the rings: the schedule's moves, applied by the executor ------------------------------------
+    def _insert_tokens(
+        self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, scores: torch.Tensor | None
+    ) -> None:
+        """Insert ``q`` tokens with no attention between them (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated;
+        ``meta`` ``[B, q, 2]``; ``real`` ``[B, q]``, False: padding, never stored; initial ``scores`` ``[B, q]``,
+        None: 0), as ``q`` one-token insertions would: ``schedule.play`` once for the batch while it is in step
+        (every token real), else once per sequence over its real tokens (``real`` read on the host). One token's
+        selection is left to the executor (on the device); among several tokens, each selection is decided on the
+        host from the scores (read once, at the first selection), so the sequences may then move differently
+        while their layouts stay the same."""
+        count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
+        in_step = self._in_step and self._all_real and not self.force_tensor_path
+        if not in_step:
+            self._leave_step()
+        tokens = [range(count)] if in_step else [[m for m, r in enumerate(row) if r] for row in real.tolist()]
+        host: list = []  # the pool's scores on the host, read at the first selection decided there
+
+        def decide(row: int):
+            if not self.rule.needs_scores:
+                return lambda arriving, resident: True  # no token selection: the arriving token always wins
+            if count == 1:
+                return None  # the executor decides
+
+            def wins(arriving: int, resident: int) -> bool:
+                if not host:
+                    fresh = kv.new_zeros(kv.shape[0], count, dtype=torch.float32) if scores is None else scores
+                    host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
+                mine, theirs = host[0][row][arriving], host[0][row][resident]
+                return mine >= theirs if self.rule.config.tie == "incoming" else mine > theirs
+
+            return wins
+
+        if in_step:  # the moves are the same for every layer of the forward unless the scores decide some
+            decided = self.rule.needs_scores and count > 1
+            key = ("cascade-play", before[0], count, slots, decided, id(self.rule.config))
+            shared, selected = self.forward_pass.cached(key, lambda: self._shared_play(before[0], count, decided))
+            plans = [shared]
+            if selected:  # selections to decide from the scores: each sequence's moves
+                plans = [play(layout, before[0], tokens[0], slots, decide(b)) for b in range(len(before))]
+            self._set_shared(shared[0])
         else:
-            self._insert_each(kv, meta, real, score)
+            plans = [
+                play(layout, rings, row, slots, decide(b))
+                for b, (rings, row) in enumerate(zip(before, tokens, strict=True))
+            ]
+            self._rings = [plan[0] for plan in plans]
+        if len(plans) == 1:
+            columns = self._columns(before[0], plans[0], count)
+        else:
+            columns = self._sequence_columns(before, plans)
+        buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
+        if columns is not None:
+            apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
         self._sync_sinks(before)
 
-    def _insert_each(self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None):
-        """``_insert`` with the schedule run once per sequence (``real`` read on the host: one read per token of a
-        padded forward), the moves of every sequence applied together, columns a sequence does not use pointing at
-        the scratch slot."""
-        self._leave_step()
-        layout, rings, steps = self._layout, list(self._rings), []
-        for row, is_real in enumerate(real.tolist()):
-            if is_real:
-                after, moves = advance(layout, rings[row])
-                steps.append((moves, schedule_turns(layout, rings[row], after, moves)))
-                rings[row] = after
-            else:
-                steps.append(None)
-        self._rings = rings
-        columns = max((len(step[0].dests) for step in steps if step is not None), default=0)
-        if not columns:
-            return  # padding only
-        scratch, select_on = self.capacity, self.rule.needs_scores
+    def _shared_play(self, before: Rings, count: int, decided: bool) -> tuple[tuple, bool]:
+        """``schedule.play`` of ``count`` new tokens for the batch in step, and whether it met a selection that
+        the scores decide (``decided``; then the moves are the layer's own)."""
+        selected: list[bool] = []
+        if decided:
+            wins = lambda arriving, resident: selected.append(True) or True  # noqa: E731
+        else:  # no token selection (the arriving token always wins), or one token's, left to the executor
+            wins = None if self.rule.needs_scores else lambda arriving, resident: True
+        return play(self._layout, before, range(count), self.capacity, wins), bool(selected)
+
+    def _columns(self, before: Rings, plan: tuple[Rings, list[Move], bool], count: int, rotated: bool = False):
+        """The executor's tables (``Columns``) of moves shared by the batch, or ``None`` (no move); built once per
+        forward for the layers in the same state: new tokens' columns first (``count`` new tokens); ``rotated``: the
+        new keys come at their angles already."""
+        after, moves, select = plan
+        slots, layout = self.capacity, self._layout
+        fresh = [move for move in moves if move[1] > slots]
+        stored = [move for move in moves if move[1] <= slots]  # (a selection, last, always moves a stored token)
+        if not fresh and not stored:
+            return None
+        turns = [0 if rotated else move_turn(layout, before, after, *move, slots) for move in fresh]
+        turns += [move_turn(layout, before, after, dest, item, slots) for dest, item in stored]
+        taken = [item - slots - 1 for _, item in fresh]
+        key = ("cascade-columns", before, tuple(moves), select, count, rotated, slots, self.device, self.dtype)
+
+        def build() -> Columns:
+            take = None if taken == list(range(count)) else from_host(taken, self.device)
+            read = from_host([item for _, item in stored], self.device)
+            written = from_host([dest for dest, _ in fresh + stored], self.device)
+            cos, sin = (None, None) if self.inv_freq is None else self._turn_table(from_host(turns, self.device))
+            if cos is not None:
+                cos, sin = cos[:, None, None], sin[:, None, None]
+            return Columns(read, written, cos, sin, select, take, len(fresh), fresh[0][0] if fresh else -1)
+
+        return self.forward_pass.cached(key, build)
+
+    def _sequence_columns(self, before: list[Rings], plans: list) -> Columns | None:
+        """The executor's tables of moves per sequence: pool items read, slots written, turns and selections
+        ``[B, m]``, padded with the scratch slot."""
+        slots, layout = self.capacity, self._layout
+        width = max(len(plan[1]) for plan in plans)
+        if not width:
+            return None
         read, written, turns, select = [], [], [], []
-        for step in steps:
-            dests, turned, chosen = (step[0].dests, step[1], step[0].select) if step else ((), (), False)
-            pad = columns - len(dests)
-            written.append([*dests, *[scratch] * pad])
-            read.append([*dests[:-1], *[scratch] * (pad if dests else pad - 1)])
-            turns.append([*turned, *[0] * pad])
-            select.append([False] * (len(dests) - 1) + [chosen and select_on] * bool(dests) + [False] * pad)
-        turn = None if self.inv_freq is None else self._turn_table(from_host(turns, self.device)[:, None])
-        buffers = (self._kv, self._meta, self._score if select_on else None)
-        new = (kv, meta, self._new_score(score) if select_on else None)
+        for rings, (after, moves, selects) in zip(before, plans, strict=True):
+            pad = width - len(moves)
+            read.append([item for _, item in moves] + [slots] * pad)
+            written.append([dest for dest, _ in moves] + [slots] * pad)
+            turns.append([move_turn(layout, rings, after, dest, item, slots) for dest, item in moves] + [0] * pad)
+            select.append([False] * (len(moves) - 1) + [selects] * bool(moves) + [False] * pad)
+        cos, sin = (None, None) if self.inv_freq is None else self._turn_table(from_host(turns, self.device)[:, None])
         read_t, written_t = from_host(read, self.device), from_host(written, self.device)
-        select_t = from_host(select, self.device, torch.bool)
-        apply_moves(buffers, read_t, written_t, turn, select_t, self.rule.config.tie, new)
+        return Columns(read_t, written_t, cos, sin, from_host(select, self.device, torch.bool))
 
     def _turn_table(self, turns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[..., d / 2]`` of whole-number turns ``[...]`` (angles grow with the stream: float64)."""
@@ -311,50 +399,39 @@ class CascadeLayer(
     def _sync_sinks(self, before: list[Rings]) -> None:
         """After an insertion from the layouts ``before``: copy the sinks just stored to ``_sink_keys`` at angle
         ``j`` and rewrite the sinks from that copy where their angle moved (the oldest ring overwrote a token).
-        A sink is stored at ``j`` + the shift of a layout with empty rings (the rings stay empty until the sinks
-        are full); the paths that store many tokens at once store their sinks there too."""
+        A sink is stored at ``j`` + the shift of empty rings (``schedule.move_turn``: the rings stay empty until the
+        sinks are full)."""
         if not self.sinks or self.inv_freq is None:
             return
-        layout, after, filled = self._layout, self._rings, self._sinks_full
-        fill = (self.cascades - 1) * layout.width  # ``sink_shift`` of empty rings
+        layout, after = self._layout, self._rings
         if self._in_step:
-            old, new = sink_shift(layout, before[0]) if filled else fill, sink_shift(layout, after[0])
-            if not filled:
-                rotation = frame_rotation(self.forward_pass, -fill, self.inv_freq, self._key_dim, self.dtype)
-                self._sink_keys = self._kv[:, :, : self.sinks, : self._key_dim] @ rotation
-                self._sinks_full = after[0].seen >= self.sinks
-            if new != old:
-                self._place_sinks(new)
+            self._update_sinks(*sinks_after(layout, before[0], after[0]), after[0])
             return
         sinks = self._kv[:, :, : self.sinks, : self._key_dim]
-        old = [sink_shift(layout, rings) if rings.seen >= self.sinks else fill for rings in before]
-        new = [sink_shift(layout, rings) for rings in after]
-        if not filled:
-            filling = from_host([rings.seen < self.sinks for rings in before], self.device, torch.bool)
-            copy = rotate_by(sinks, torch.full_like(self._sink_slots, -fill), self.inv_freq, exact=True)
+        changes = [sinks_after(layout, old, new) for old, new in zip(before, after, strict=True)]
+        if not self._sinks_full:
+            filling = from_host([copy for copy, _ in changes], self.device, torch.bool)
+            fill = torch.full_like(self._sink_keys[0, 0, :, 0], -layout.fill, dtype=torch.long)
+            copy = rotate_by(sinks, fill, self.inv_freq, exact=True)
             self._sink_keys = torch.where(filling[:, None, None, None], copy, self._sink_keys)
             self._sinks_full = all(rings.seen >= self.sinks for rings in after)
-        if new != old:
-            moved = from_host([a != b for a, b in zip(old, new, strict=True)], self.device, torch.bool)
-            shift = from_host(new, self.device)[:, None, None].expand(-1, 1, self.sinks)
-            placed = rotate_by(self._sink_keys, shift, self.inv_freq, exact=True)
+        if any(shift is not None for _, shift in changes):
+            moved = from_host([shift is not None for _, shift in changes], self.device, torch.bool)
+            shift = from_host([sink_shift(layout, rings) for rings in after], self.device)
+            placed = rotate_by(self._sink_keys, shift[:, None, None].expand(-1, 1, self.sinks), self.inv_freq, True)
             sinks.copy_(torch.where(moved[:, None, None, None], placed, sinks))
 
+    def _update_sinks(self, copy: bool, shift: int | None, after: Rings) -> None:
+        """A batch in step (``schedule.sinks_after``): take the sinks' copy at angle ``j`` again where sinks were
+        stored, and write them at ``j + shift`` where their shift moved (rotations shared by a forward's layers)."""
+        if copy:
+            rotation = frame_rotation(self.forward_pass, -self._layout.fill, self.inv_freq, self._key_dim, self.dtype)
+            self._sink_keys = self._kv[:, :, : self.sinks, : self._key_dim] @ rotation
+            self._sinks_full = after.seen >= self.sinks
+        if shift is not None:
+            self._place_sinks(shift)
+
     def _place_sinks(self, shift: int) -> None:
-        """Write the sinks' keys at angle ``j + shift`` from their copy at angle ``j`` (a batch in step; the
-        rotation shared by the layers of a forward)."""
+        """Write the sinks' keys at angle ``j + shift`` from their copy at angle ``j`` (a batch in step)."""
         rotation = frame_rotation(self.forward_pass, shift, self.inv_freq, self._key_dim, self.dtype)
         self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys @ rotation
-
-    def _plan_in_step(self) -> tuple[list[tuple[int, bool]], tuple[int, ...]]:
-        """Advance the batch's layout by one real token (``schedule.advance``): its moves as ``(slot,
-        selection?)`` per column (a selection only where scores are kept) and each column's turn."""
-        before = self._shared
-        after, moves = advance(self._layout, before)
-        self._set_shared(after)
-        select = moves.select and self.rule.needs_scores
-        columns = [(dest, False) for dest in moves.dests[:-1]] + [(moves.dests[-1], select)]
-        return columns, schedule_turns(self._layout, before, after, moves)
-
-    def _new_score(self, score: torch.Tensor | None) -> torch.Tensor:
-        return self._score.new_zeros(self._score.shape[0]) if score is None else score.float()

@@ -1,4 +1,7 @@
-"""Attention over the cascade storage: queries rotated per cascade against keys stored un-rotated, the EMA fold."""
+"""Attention over the ring storage where the batch's one plan (``ring_decode``) does not apply: per-sequence layouts
+(padding, a reordered batch), a sliding window, no RoPE; ``prefill="chunked"`` and streaming's forwards of several
+tokens; the EMA fold. Each query is turned to every frame (``schedule.offsets``, per sequence) against the keys at
+their angles."""
 
 from __future__ import annotations
 
@@ -14,16 +17,10 @@ class RingAttention:
 
     # --- positions and attention ----------------------------------------------------------------------------
     def ranks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per slot ``[B, S + |C|]``: the rank (RoPE position) of its token inside the cache, and whether the slot
-        is occupied. Sinks come first, then the cascades from the oldest (last) to the newest, each in ring order;
-        the ranks of the occupied slots are ``0 .. stored - 1``."""
-        count, start = self._count, self._start
-        older = count.flip(1).cumsum(1).flip(1) - count  # tokens in the older cascades
-        ring = (self._ring - start[:, :, None]) % self.width  # [B, N, W]: age order inside each ring
-        rank = (self._n_sink[:, None, None] + older[:, :, None] + ring).flatten(1)
-        if self.sinks:
-            rank = torch.cat([self._sink_slots.expand(rank.shape[0], -1), rank], 1)
-        return rank, self._tok >= 0
+        """Per slot ``[B, S + |C|]``: the rank (RoPE position) of its token inside the cache (``schedule.ranks``:
+        sinks first, then the cascades from the oldest to the newest, each in ring order), and whether the slot is
+        occupied."""
+        return self._slot_numbers()[0], self._tok >= 0
 
     def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
@@ -78,27 +75,28 @@ class RingAttention:
     def cascade_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Insert this forward's tokens, attend, update the EMA; returns ``[B, H, q, d]``.
 
-        ``prefill="exact"``: token by token (insert, attend, EMA), identical to feeding one token at a time.
+        ``prefill="exact"``: token by token (insert, attend, EMA), identical to feeding one token at a time: the
+        planned steps while the batch is in step (``ring_decode``), else one insertion and one attention per token.
         ``prefill="chunked"`` with several tokens: the later official strided variant (module docstring).
         """
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("cascade_attention() needs the tokens of this forward: call update() first")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if self._decodes_alone(query, pending):
-            return self._decode_step(query, pending, scale)
-        exact = self.rule.config.prefill == "exact" and not self.attend_first
-        if exact and self._steps_alone(pending):
-            return self._decode_tokens(query, pending, scale)
+        count, planned = query.shape[2], self._steps_alone(pending)
+        if planned and count == 1 and self.attend_first:
+            return self._decode_circular(query, pending, scale)
+        if planned and (count == 1 or self.rule.config.prefill == "exact") and not self.attend_first:
+            return self._step_tokens(query, pending, scale)
         kv, meta, pos, real = self._prepared(pending)
         queries = self._grouped_queries(query, pos)
-        if (self.rule.config.prefill == "chunked" and query.shape[2] > 1) or self.attend_first:
+        if (self.rule.config.prefill == "chunked" and count > 1) or self.attend_first:
             return self._chunk_attention(queries, kv, meta, real, scale)
         outputs = []
-        for m in range(query.shape[2]):
-            self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], None)
+        for m in range(count):
+            self._insert_tokens(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m : m + 1], None)
             outputs.append(self._attend(queries[:, :, :, m : m + 1], real[:, m], meta[:, m : m + 1, 0], scale))
-        batch, q_heads, count, dim = query.shape
+        batch, q_heads, _, dim = query.shape
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
 
     def _attend(self, query: torch.Tensor, real: torch.Tensor, query_tok: torch.Tensor, scale: float) -> torch.Tensor:
@@ -151,14 +149,7 @@ class RingAttention:
             output, scores = self._chunk_softmax(queries, chunk_queries, chunk_keys, values, rank, visible, real, scale)
         else:
             output, scores = self._chunk_sdpa(chunk_queries, chunk_keys, values, visible, scale), None
-        if self._fills_in_order():
-            self._insert_in_order(kv, meta)
-        elif self._inserts_chunk_at_once(real):
-            self._insert_chunk(kv, meta, scores)
-        else:
-            for m in range(count):
-                score = None if scores is None else scores[:, m]
-                self._insert(kv[:, :, m : m + 1], meta[:, m : m + 1], real[:, m], score)
+        self._insert_tokens(kv, meta, real, scores)
         return output.reshape(batch, kv_heads * groups, count, -1)
 
     def _chunk_visible(self, meta: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -178,8 +169,8 @@ class RingAttention:
         rotation of at most ``S + |C|`` keys per forward) and the chunk's own keys; ``[B, H_kv, G q, d]``."""
         keys = self._k
         if self.inv_freq is not None:
-            rank, _ = self.ranks()
-            keys = rotate_by(keys, (rank - self._angles())[:, None], self.inv_freq, exact=True)
+            rank, angle = self._slot_numbers()
+            keys = rotate_by(keys, (rank - angle)[:, None], self.inv_freq, exact=True)
         batch, kv_heads, groups, count, dim = queries.shape
         output = scaled_dot_product_attention(
             queries.reshape(batch, kv_heads * groups, count, dim),

@@ -24,17 +24,16 @@ from kvcompress.methods.cascade.executor import apply_moves
 STACKED = ("ring-kv", "ring-meta", "ring-score")  # the names of the cascade layers' stacked buffers
 
 
-def moved_every_ring(layer, state: tuple, dests: list[int], turns: tuple, select: bool, meta) -> bool:
+def moved_every_ring(layer, step, meta: torch.Tensor) -> bool:
     """Whether the old tokens of every cascade layer of ``layer``'s cache have been moved for this decoding step
-    (by the first layer of the forward; shared through ``ForwardPass.cached``): ``state`` = (seen, counts, starts,
-    laps) before the step, ``turns`` how far each column's key turns, ``meta`` the new token's slot record
-    ``[B, 1, 2]``."""
+    (``ring_decode.Step``; by the first layer of the forward, shared through ``ForwardPass.cached``); ``meta`` the
+    new token's slot record ``[B, 1, 2]``."""
     forward, rings = layer.forward_pass, layer.ring_layers
-    return forward.cached(("ring-moves", state), lambda: _move_all(rings, layer, state, dests, turns, select, meta))
+    return forward.cached(("ring-moves", step.before), lambda: _move_all(rings, layer, step, meta))
 
 
-def _move_all(rings: list, trigger, state: tuple, dests: list[int], turns: tuple, select: bool, meta) -> bool:
-    if trigger is not rings[0] or not all(_ready(layer, trigger, state) for layer in rings):
+def _move_all(rings: list, trigger, step, meta: torch.Tensor) -> bool:
+    if trigger is not rings[0] or not all(_ready(layer, trigger, step.before) for layer in rings):
         return False
     forward = trigger.forward_pass
     joint = [
@@ -44,19 +43,9 @@ def _move_all(rings: list, trigger, state: tuple, dests: list[int], turns: tuple
         forward.at_end("ring-stack", lambda: stack_rings(rings))
         return False
     kv, meta_buffer, score = (buffer for buffer, _ in joint)  # [L B, ...]
-    count = kv.shape[0]
     new_meta = meta.expand(len(rings), -1, -1, -1).flatten(0, 1)  # [L B, 1, 2]
-    keeps_scores = trigger.rule.needs_scores
-    if len(dests) == 1:  # a sink or an append: only the new token's record
-        meta_buffer[:, dests[0]] = new_meta[:, 0]
-        if keeps_scores:
-            score[:, dests[0]] = 0.0
-        return True
-    read, written, cos, sin = trigger._shared_move_tables(dests, turns)
-    new = (None, new_meta, score.new_zeros(count) if keeps_scores else None)
-    buffers = (kv, meta_buffer, score if keeps_scores else None)
-    turn = None if cos is None else (cos, sin)
-    apply_moves(buffers, read, written, turn, select, trigger.rule.config.tie, new)
+    buffers = (kv, meta_buffer, score if trigger.rule.needs_scores else None)
+    apply_moves(buffers, step.columns, trigger.rule.config.tie, (None, new_meta, None))
     return True
 
 
@@ -77,7 +66,7 @@ def _buffers(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return layer._kv, layer._meta, layer._score
 
 
-def _ready(layer, trigger, state: tuple) -> bool:
+def _ready(layer, trigger, state) -> bool:
     """Whether ``layer`` will take this decoding step in the same state."""
     return (
         layer.is_initialized
@@ -86,9 +75,5 @@ def _ready(layer, trigger, state: tuple) -> bool:
         and layer._all_real
         and not layer.force_tensor_path
         and getattr(layer, "_sliding_window", None) is None
-        and (layer is trigger or (layer._pending is None and _state(layer) == state))
+        and (layer is trigger or (layer._pending is None and layer._shared == state))
     )  # (the trigger has planned its step from ``state``: its counters moved on already)
-
-
-def _state(layer) -> tuple:
-    return layer._shared

@@ -58,7 +58,7 @@ class RingViews:
         keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
         if self.inv_freq is None:
             return keys
-        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
+        turn = (self._pos - self._slot_numbers()[1]).gather(1, order)  # from the stored angle to the model's position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     @keys.setter
@@ -104,15 +104,14 @@ class RingViews:
 
     def cascade_tokens(self) -> list[list[list[int]]]:
         """Per sequence, per cascade: the stream indices it holds, oldest first (sinks not included)."""
-        result = []
-        for b in range(self._tok.shape[0]):
-            rows = []
-            for i in range(self.cascades):
-                first, start, count = i * self.width + self.sinks, int(self._start[b, i]), int(self._count[b, i])
-                ring = [first + (start + r) % self.width for r in range(count)]
-                rows.append([int(self._tok[b, slot]) for slot in ring])
-            result.append(rows)
-        return result
+        tok, width = self._tok.tolist(), self.width
+        return [
+            [
+                [tok[b][self.sinks + i * width + (start + r) % width] for r in range(count)]
+                for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True))
+            ]
+            for b, rings in enumerate(self._rings)
+        ]
 
     # --- transformers' layer API -----------------------------------------------------------------------------
     def stored_length(self) -> int:
@@ -126,31 +125,22 @@ class RingViews:
         self.is_initialized = False
         self.seen = self.new_tokens = 0
 
-    _PER_SEQUENCE = (
-        "_kv",
-        "_meta",
-        "_score",
-        "_sink_keys",
-    )
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.is_initialized:
-            return
-        self._leave_step()
-        self._leave_group()
-        self._rings = [self._rings[row] for row in indices.tolist()]  # (a host read per reorder)
-        indices = indices.to(self.device)
-        for name in self._PER_SEQUENCE:
-            setattr(self, name, getattr(self, name).index_select(0, indices))
+        self._reorder(indices.tolist(), lambda tensor: tensor.index_select(0, indices.to(tensor.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = [row for row in range(len(self._rings)) for _ in range(repeats)] if self.is_initialized else []
+        self._reorder(rows, lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def _reorder(self, rows: list[int], reorder) -> None:
+        """The sequences ``rows`` (a reordered or repeated batch): the schedule runs once per sequence from now on."""
         if not self.is_initialized:
             return
         self._leave_step()
         self._leave_group()
-        self._rings = [rings for rings in self._rings for _ in range(repeats)]
-        for name in self._PER_SEQUENCE:
-            setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+        self._rings = [self._rings[row] for row in rows]  # (``indices`` read on the host: one read per reorder)
+        for name in ("_kv", "_meta", "_score", "_sink_keys"):
+            setattr(self, name, reorder(getattr(self, name)))
 
     def _leave_group(self) -> None:
         """This layer's buffers are about to be replaced: the cache's cascade layers no longer share one buffer, and

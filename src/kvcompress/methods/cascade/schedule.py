@@ -15,11 +15,13 @@ the token travels down the rings. Ring ``i`` accepts when ``(p - S) mod b^i == 0
 the cache is not yet full): an accepting ring with room appends it (a) and the step ends; a full accepting ring
 overwrites its oldest slot with it and passes the token it held on to ring ``i + 1`` (b). A ring that does not
 accept takes the token if it is empty (c), else the token competes with the ring's newest one (d: a selection,
-decided by the scores). A token passed beyond the last ring is dropped.
+decided by the scores). A token passed beyond the last ring is dropped. ``play`` composes several tokens' moves
+(no attention between them) into one move per changed slot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -37,6 +39,11 @@ class Layout:
     @property
     def slots(self) -> int:
         return self.sinks + self.cascades * self.width
+
+    @property
+    def fill(self) -> int:
+        """The sinks' angle shift while the rings are empty (``sink_shift``)."""
+        return (self.cascades - 1) * self.width
 
 
 @dataclass(frozen=True)
@@ -174,12 +181,46 @@ def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
     return layout.sinks + ring * layout.width + passed - start + offset + (layout.width if offset < start else 0)
 
 
-def turns(layout: Layout, before: Rings, after: Rings, moves: Moves) -> tuple[int, ...]:
-    """How far each column's key turns: the new key from angle 0 to its slot's angle, each moved key from its slot's
-    angle before the step to its new slot's angle after it."""
-    first = slot_angle(layout, after, moves.dests[0])
-    moved = (
-        slot_angle(layout, after, dest) - slot_angle(layout, before, source)
-        for source, dest in zip(moves.reads, moves.dests[1:], strict=True)
-    )
-    return (first, *moved)
+def move_turn(layout: Layout, before: Rings, after: Rings, dest: int, source: int, slots: int) -> int:
+    """How far a move of ``play`` turns its key: an item of the pool (``source``: a stored slot, or past ``slots``
+    a new key, un-rotated) to slot ``dest``'s angle after the moves. A new sink goes to ``dest`` plus the shift of
+    empty rings (the sinks fill before any ring; the layer moves them on with the oldest ring's frame)."""
+    target = dest + layout.fill if dest < layout.sinks else slot_angle(layout, after, dest)
+    return target - (0 if source > slots else slot_angle(layout, before, source))
+
+
+def sinks_after(layout: Layout, before: Rings, after: Rings) -> tuple[bool, int | None]:
+    """What the sinks' keys need after moves from ``before`` to ``after``: whether sinks were stored (their copy
+    at angle ``j`` is taken again), and their new angle shift where it moved (``None``: it stayed)."""
+    old = sink_shift(layout, before) if before.seen >= layout.sinks else layout.fill
+    new = sink_shift(layout, after)
+    return before.seen < layout.sinks, None if new == old else new
+
+
+# --- several tokens at once ---------------------------------------------------------------------------------------
+Move = tuple[int, int]  # (slot written, item of the pool: a stored slot, or ``slots + 1 + t`` for new token ``t``)
+
+
+def play(
+    layout: Layout, rings: Rings, tokens: Iterable[int], slots: int, wins: Callable[[int, int], bool] | None
+) -> tuple[Rings, list[Move], bool]:
+    """The new ``tokens`` through ``advance`` one after the other, with no attention between them (scores do not
+    change): the layout after them, the moves that take each changed slot from the stored slots (before any
+    move) to its final token, and whether the last move is a selection left to the executor. ``wins(arriving,
+    resident)`` (pool items) decides each selection; ``None``: the one token's selection is left to the executor
+    (``slots`` is the scratch slot; the new tokens' items follow it)."""
+    source: dict[int, int] = {}
+    selection = None
+    for token in tokens:
+        rings, moves = advance(layout, rings)
+        items = [slots + 1 + token, *(source.get(slot, slot) for slot in moves.reads)]
+        for column, (dest, item) in enumerate(zip(moves.dests, items, strict=True)):
+            if moves.select and column == len(moves.dests) - 1:
+                if wins is None:
+                    selection = (dest, item)
+                    continue
+                if not wins(item, source.get(dest, dest)):
+                    continue
+            source[dest] = item
+    changed = [(dest, item) for dest, item in source.items() if item != dest]
+    return rings, changed + ([selection] if selection else []), selection is not None
