@@ -67,6 +67,7 @@ def block_size(counts: np.ndarray) -> int:
 
 EMPTY = -1
 PENDING = 64  # decoding steps whose bookkeeping is written together
+DEFER = True  # (benchmark toggle)
 GROWTH = 8  # the pool grows by an eighth (at least a block per row): allocated <= 1.125 x held + a block per row
 CONVERSION_ELEMENTS = 1 << 20  # slots of the slot layout whose indices one chunk of the move computes at once
 
@@ -276,6 +277,9 @@ class RaggedPool:
         count = flat.shape[0] // self.rows
         self.record.record(first, count, positions, real)
         if count == 1 and real is None:
+            if not DEFER:
+                self.token.view(-1).index_fill_(0, flat, first)
+                return
             self._pending.append((flat, first))
             if len(self._pending) >= PENDING:
                 self._write_pending()

@@ -21,6 +21,7 @@ from kvcompress.core.capacity import headroom
 
 EMPTY = -1
 PENDING = 64  # decoding steps whose entries are written together
+DEFER = True  # (benchmark toggle)
 INDEX = torch.int32  # stream indices, positions and ranks: below 2**31
 
 
@@ -74,6 +75,16 @@ class StreamRecord:
             raise ValueError(f"stream index {first}: the record holds {self.length} (a forward was skipped)")
         self.length += count
         if count == 1 and real is None:
+            if not DEFER:
+                if first + 1 > self.positions.shape[1]:
+                    self._grow(first + 1 + headroom(first + 1))
+                if positions is None:
+                    self.positions[:, first] = first
+                else:
+                    self.positions[:, first : first + 1] = positions
+                self.rank[:, first] = self._real_seen
+                self._real_seen = self._real_seen + 1
+                return
             self._pending.append((first, positions))
             if len(self._pending) >= PENDING:
                 self._write_pending()
