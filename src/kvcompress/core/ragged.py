@@ -66,7 +66,6 @@ def block_size(counts: np.ndarray) -> int:
 
 
 EMPTY = -1
-PENDING = 64  # decoding steps whose bookkeeping is written together
 GROWTH = 8  # the pool grows by an eighth (at least a block per row): allocated <= 1.125 x held + a block per row
 CONVERSION_ELEMENTS = 1 << 20  # slots of the slot layout whose indices one chunk of the move computes at once
 
@@ -107,8 +106,6 @@ class RaggedPool:
         self.token = torch.empty(capacity, self.block, dtype=INDEX, device=self.device)
         self.record = record  # positions and ranks by stream index (shared by the cache's pools)
         self.owns_record = owns_record  # the pool whose accounting counts the record (one per record)
-        # decoding steps whose slots' stream indices (``token``) are written later, together: (slots, stream index)
-        self._pending: list[tuple[torch.Tensor, int]] = []
         self._lag = 0  # single-token forwards since ``counts`` was last written
         self._follow(self.counts)
 
@@ -249,7 +246,6 @@ class RaggedPool:
     def _grow(self, capacity: int) -> None:
         """Reallocate every tensor with ``capacity`` blocks, copying the used ones (the new ones are written when
         taken)."""
-        self._write_pending()
 
         def grown(tensor: torch.Tensor) -> torch.Tensor:
             fresh = tensor.new_empty((capacity, *tensor.shape[1:]))
@@ -271,36 +267,20 @@ class RaggedPool:
         indices) and realness ``[B, q]`` (``None``: all real) at the slots ``flat`` that ``append`` returned (the
         positions and ranks in the cache's record, once for all its pools).
 
-        A decoding step's (one real token per row) stream indices are only remembered: the pending steps are
-        written together (``_write_pending``) when something reads ``token``, or after ``PENDING`` steps."""
+        A decoding step's token (one real token per row) is one ``index_fill_`` of its stream index: written at
+        once, it measured as fast as remembering the steps and writing them together every 64 steps (0.4 % of a
+        step on SmolLM2, within the noise; ``docs/results/frontier.md``)."""
         count = flat.shape[0] // self.rows
         self.record.record(first, count, positions, real)
         if count == 1 and real is None:
-            self._pending.append((flat, first))
-            if len(self._pending) >= PENDING:
-                self._write_pending()
+            self.token.view(-1).index_fill_(0, flat, first)
             return
-        self._write_pending()
         if real is not None:
             hidden = torch.zeros(real.shape, dtype=self.dtype, device=self.device)
             hidden.masked_fill_(~real, float("-inf"))
             self.bias.view(-1).index_copy_(0, flat, hidden[:, None].expand(-1, self.heads, -1).reshape(-1))
         stream = torch.arange(first, first + count, dtype=INDEX, device=self.device)
         self.token.view(-1).index_copy_(0, flat, stream.repeat(self.rows))  # ``flat`` is row-major [R, q]
-
-    def _write_pending(self) -> None:
-        """Write the stream indices of the remembered decoding steps (one write for all of them)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        flat = torch.stack([slots for slots, _ in pending], dim=1).view(-1)  # [R, steps]: row-major like [B, H, q]
-        stream = torch.tensor([step for _, step in pending], dtype=INDEX, device=self.device)
-        self.token.view(-1).index_copy_(0, flat, stream.repeat(self.rows))
-
-    def read_token(self) -> torch.Tensor:
-        """``token`` with every step's stream index written."""
-        self._write_pending()
-        return self.token
 
     # --- attention -----------------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, scale: float, plain: bool, first: int) -> torch.Tensor:
@@ -333,7 +313,7 @@ class RaggedPool:
             logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
         else:
             logits = torch.bmm(block_rows, keys_t).mul_(scale)
-            token = self.read_token()[:used]  # [n, block]
+            token = self.token[:used]  # [n, block]
             queries = torch.arange(first, first + count, device=self.device)[None, :, None]
             seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
             seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
@@ -372,7 +352,7 @@ class RaggedPool:
             mask = filled.view(*filled.shape, *[1] * (slots.dim() - 2))
             return slots.masked_fill(~mask, fill).view(self.batch, self.heads, width, *tensor.shape[2:])
 
-        token = take(self.read_token(), EMPTY).long()
+        token = take(self.token, EMPTY).long()
         sequence = torch.arange(self.batch, device=self.device)[:, None, None].expand_as(token)
         rope_pos, rank = self.record.lookup(token, sequence)
         valid = take(self.bias.view(-1, self.block), float("-inf")) == 0

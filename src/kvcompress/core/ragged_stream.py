@@ -8,9 +8,8 @@ bytes per stored (layer, head, token) slot.
 
 The record is written once per forward: ``length`` (on the host) is the number of stream indices recorded; the
 first pool to register a forward's tokens writes them, and the pools of the later layers find them recorded. A
-decoding step's entries (one real token per sequence) are remembered and written together, ``PENDING`` steps at a
-time or when something reads the record, so a step adds no operation here. The record grows geometrically (one
-growth step of ``core.capacity``), copying itself once per growth.
+decoding step (one real token per sequence) writes its column at once: three small writes per step for the whole
+cache. The record grows geometrically (one growth step of ``core.capacity``), copying itself once per growth.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 from kvcompress.core.capacity import headroom
 
 EMPTY = -1
-PENDING = 64  # decoding steps whose entries are written together
 INDEX = torch.int32  # stream indices, positions and ranks: below 2**31
 
 
@@ -29,9 +27,8 @@ class StreamRecord:
 
     def __init__(self, positions: torch.Tensor, rank: torch.Tensor, real_seen: torch.Tensor, length: int) -> None:
         self.positions, self.rank = positions, rank  # [B, C] int32 (EMPTY past ``length``)
-        self._real_seen = real_seen  # [B] long: real tokens seen per sequence (plus the pending steps)
+        self._real_seen = real_seen  # [B] long: real tokens seen per sequence
         self.length = length  # stream indices recorded (host)
-        self._pending: list[tuple[int, torch.Tensor | None]] = []  # decoding steps: (stream index, positions)
 
     @classmethod
     def from_slots(
@@ -62,7 +59,7 @@ class StreamRecord:
     @property
     def real_seen(self) -> torch.Tensor:
         """``[B]`` real tokens seen per sequence."""
-        return self._real_seen + len(self._pending) if self._pending else self._real_seen
+        return self._real_seen
 
     def record(self, first: int, count: int, positions: torch.Tensor | None, real: torch.Tensor | None) -> None:
         """Stream indices ``first .. first + count``: RoPE positions ``[B, count]`` (``None``: the stream indices)
@@ -73,12 +70,16 @@ class StreamRecord:
         if first != self.length:
             raise ValueError(f"stream index {first}: the record holds {self.length} (a forward was skipped)")
         self.length += count
-        if count == 1 and real is None:
-            self._pending.append((first, positions))
-            if len(self._pending) >= PENDING:
-                self._write_pending()
+        if count == 1 and real is None:  # a decoding step: one column, written in place
+            if first >= self.positions.shape[1]:
+                self._grow(first + 1 + headroom(first + 1))
+            if positions is None:
+                self.positions[:, first] = first
+            else:
+                self.positions[:, first : first + 1] = positions
+            self.rank[:, first] = self._real_seen
+            self._real_seen = self._real_seen + 1
             return
-        self._write_pending()
         stream = torch.arange(first, first + count, device=self.device).expand(self.batch, count)
         positions = stream if positions is None else positions.expand(self.batch, count)
         if real is None:
@@ -104,27 +105,9 @@ class StreamRecord:
 
         self.positions, self.rank = grown(self.positions), grown(self.rank)
 
-    def _write_pending(self) -> None:
-        """Write the remembered decoding steps' entries (one write for all of them: they are consecutive)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        steps, first = len(pending), pending[0][0]
-        stream = torch.arange(first, first + steps, device=self.device).expand(self.batch, steps)
-        if all(p is None for _, p in pending):
-            positions = stream
-        else:
-            positions = torch.cat(
-                [stream[:, i : i + 1] if p is None else p.expand(self.batch, 1) for i, (_, p) in enumerate(pending)], 1
-            )
-        rank = self._real_seen[:, None] + torch.arange(steps, device=self.device)
-        self._real_seen = self._real_seen + steps
-        self._write(first, positions, rank)
-
     def lookup(self, token: torch.Tensor, batch_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and ranks (long) of the stream indices ``token`` of sequences ``batch_of`` (same shape; an
         ``EMPTY`` token gives ``EMPTY``)."""
-        self._write_pending()
         held = token >= 0
         where = token.clamp(min=0).long()
         position = self.positions[batch_of, where].long().masked_fill(~held, EMPTY)
