@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import kvcompress
+from kvcompress.core import quantized_slots
 from kvcompress.core.attention import layer_attention
 from kvcompress.core.contract import StatsRequest
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
@@ -84,8 +85,12 @@ def test_full_quantized_equals_reference(kind, bits, group, residual):
     assert float((ours - exact).abs().max()) > 1e-3
 
 
-def test_chunked_prompt_equals_reference():
-    """A prompt in chunks: each chunk reads the earlier chunks as stored (quantized beyond the residual window)."""
+@pytest.mark.parametrize("seal_block", [None, 8, 24])
+def test_chunked_prompt_equals_reference(monkeypatch, seal_block):
+    """A prompt in chunks: each chunk reads the earlier chunks as stored (quantized beyond the residual window);
+    sealed every group at once or ``seal_block`` slots at a time (one and three key groups here)."""
+    if seal_block is not None:
+        monkeypatch.setattr(quantized_slots, "SEAL_BLOCK", seal_block)
     model = tiny_model()
     ids = token_ids(1, 60, seed=3)
     cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=8, kv_residual=16)
@@ -95,6 +100,29 @@ def test_chunked_prompt_equals_reference():
             ours = model(ids[:, start : start + 24], **cache_argument(model, cache), use_cache=True).logits
             theirs = model(ids[:, start : start + 24], **cache_argument(model, reference), use_cache=True).logits
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+
+
+def test_sealing_a_block_at_a_time_is_sealing_every_group(monkeypatch):
+    """H2O evicting while a prompt goes in chunks, then decoding: the same logits, bit for bit, whether a forward
+    of several tokens seals its layer's key groups all at once or one group at a time (each group is quantized
+    on its own; the blocks only bound the float copies sealing takes)."""
+    model = tiny_model()
+    ids = token_ids(2, 70, seed=4)
+
+    def run() -> torch.Tensor:
+        cache = kvcompress.cache_for(model, "h2o", budget=24, kv_bits=4, kv_group=8, kv_residual=8)
+        with torch.no_grad():
+            prefill(model, ids[:, :50], cache, chunk_size=12)
+            return torch.stack(
+                [
+                    model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True).logits[:, -1]
+                    for step in range(50, 70)
+                ]
+            )
+
+    whole = run()
+    monkeypatch.setattr(quantized_slots, "SEAL_BLOCK", 8)
+    assert torch.equal(run(), whole)
 
 
 def test_kv_bits_16_is_the_full_precision_layer():
