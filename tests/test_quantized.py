@@ -168,6 +168,49 @@ def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, metho
     assert len(checked) == 30 * len(cache.layers)
 
 
+@pytest.mark.parametrize(
+    "method,params,bits,residual",
+    [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0)],
+)
+def test_decoding_step_from_codes_under_a_padding_mask(monkeypatch, method, params, bits, residual):
+    """The codes path with an attention mask: a batch of two prompts of different lengths (the shorter one left
+    padded), then decoding with a few padding tokens in the middle of one row (a row that waits while the other
+    decodes): at every step and layer the output and statistics are those of the default attention over the
+    dequantized view under the same mask, and the mask did hide slots (at every step without eviction)."""
+    checked, masked = [], []
+    from_codes = QuantizedLayer.attend
+
+    def attend(layer, query, key, value, mask, scaling):
+        result = from_codes(layer, query, key, value, mask, scaling)
+        if layer._reads_codes:
+            output, stats = result
+            keys, values = layer.slots.view(layer.view_width)
+            request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+            expected, expected_stats = layer_attention(query, keys, values, mask, scaling, request, None)
+            torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+            if request.received:
+                torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
+            checked.append(1)
+            masked.append(mask is not None and not bool(mask.all()))
+        return result
+
+    monkeypatch.setattr(QuantizedLayer, "attend", attend)
+    model = tiny_model()
+    ids = token_ids(2, 56, seed=6)
+    real = torch.ones(2, 56, dtype=torch.long)
+    real[0, :9] = 0  # the first prompt is 9 tokens shorter
+    real[1, 40:43] = 0  # the second row waits three steps
+    cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
+    with torch.no_grad():
+        model(ids[:, :32], attention_mask=real[:, :32], **cache_argument(model, cache), use_cache=True)
+        for step in range(32, 56):
+            mask = real[:, : step + 1]
+            model(ids[:, step : step + 1], attention_mask=mask, **cache_argument(model, cache), use_cache=True)
+    assert len(checked) == 24 * len(cache.layers)
+    # (H2O evicts the padding first: its later steps may need no mask)
+    assert all(masked) if method == "full" else any(masked)
+
+
 # --- with eviction -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "method,params",
