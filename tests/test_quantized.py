@@ -288,6 +288,10 @@ def test_refused_where_the_storage_is_not_slots():
         kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
     cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)
     assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
+    # ragged per-head storage (per-head budgets: AdaKV's allocation, KVzip, DuoAttention) is refused, not ignored
+    for method, params in [("snapkv", {"ratio": 0.5, "allocation": "adakv"}), ("kvzip", {"ratio": 0.5})]:
+        with pytest.raises(ValueError, match=f"kv_bits=4 is not supported by method '{method}'.*ragged=false"):
+            kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
 
 
 def test_group_must_divide_the_value_head_dimension():
