@@ -8,11 +8,24 @@ fed one at a time (teacher forcing), through (a) ``DynamicCache``, (b) transform
 backend with KIVI's axes (keys per channel: ``axis_key=-1``, values per token: ``axis_value=0``), (c) kvcompress's
 ``full`` at the same bits, group and residual. Prints the largest and mean absolute logit difference of each pair
 and how often the top-1 tokens agree.
+
+    python -m experiments.quantization decode-ab --against REV [--method h2o:kv_bits=4] [--steps 40]
+
+``decode-ab``: the decoding step's attention from the codes (``core/quantized_attention.py``) as of git revision
+``REV`` against the working tree's, in one process: three caches (a ``DynamicCache`` holding the same tokens, the
+method read with ``REV``'s function, the method read with this one) step through the same tokens after a 1,024-token
+prompt of random ids, in rotating order, one torch thread, each step's thread CPU time recorded; prints the medians
+(10th-90th percentiles) of the per-step ratios. For comparing two versions on a loaded machine, where runs in
+separate processes see different loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import time
+import types
 
 import torch
 from transformers import DynamicCache
@@ -63,15 +76,77 @@ def vs_transformers(prompt: int, steps: int, bits: int, group: int, residual: in
         print(f"| {name} | {float(diff.max()):.3f} | {float(diff.mean()):.4f} | {agree:.3f} |")
 
 
+def function_at(revision: str):
+    """``quantized_one_query`` as of git ``revision`` (the module's source run in a fresh namespace)."""
+    path = "src/kvcompress/core/quantized_attention.py"
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"quantized_attention_{revision}")
+    exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
+    return module.quantized_one_query
+
+
+def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget: int = 512) -> None:
+    from kvcompress.bench.common import bench_cache, random_prompt, set_threads
+    from kvcompress.bench.pairs import use_attention
+    from kvcompress.bench.speed import dynamic_prefill
+    from kvcompress.core import quantized_layer
+    from kvcompress.core.attention import ATTENTION_NAME
+    from kvcompress.generation import prefill
+
+    set_threads(1)
+    reads = {"then": function_at(revision), "now": quantized_layer.quantized_one_query}
+    model, _ = load_model("smollm2-135m")
+    ids = random_prompt(model, prompt + steps + 2, 0)
+    caches = {}
+    for side in reads:
+        caches[side] = bench_cache(model, method, budget)
+        prefill(model, ids[:, :prompt], caches[side], chunk_size=512)
+    held = max(caches["now"].tokens_stored())
+    dynamic = DynamicCache(config=model.config)
+    dynamic_prefill(model, ids[:, :held], dynamic, 512)
+    sides = ["dynamic", *reads]
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for step in range(steps + 2):
+        for side in sides[step % 3 :] + sides[: step % 3]:
+            use_attention(model, "sdpa" if side == "dynamic" else ATTENTION_NAME)
+            if side != "dynamic":
+                quantized_layer.quantized_one_query = reads[side]
+            token = ids[:, prompt + step : prompt + step + 1]
+            start = time.thread_time()
+            with torch.no_grad():
+                model(token, **cache_argument(model, dynamic if side == "dynamic" else caches[side]), use_cache=True)
+            if step >= 2:
+                times[side].append(time.thread_time() - start)
+            if side == "dynamic" and not method.startswith("full"):
+                dynamic.crop(held - dynamic.get_seq_length())
+    quantized_layer.quantized_one_query = reads["now"]
+
+    def ratios(a: str, b: str) -> str:
+        values = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
+        tenth = values[len(values) // 10], values[(9 * len(values)) // 10]
+        return f"{statistics.median(values):.3f} ({tenth[0]:.3f}-{tenth[1]:.3f})"
+
+    print(f"{method}, {held} tokens held, {steps} steps; medians of per-step CPU-time ratios (p10-p90)")
+    print(
+        f"{revision} x DynamicCache {ratios('then', 'dynamic')}, working tree x DynamicCache "
+        f"{ratios('now', 'dynamic')}, {revision} x working tree {ratios('then', 'now')}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("vs-transformers",))
+    parser.add_argument("what", choices=("vs-transformers", "decode-ab"))
+    parser.add_argument("--against", default="cc88a8d", help="decode-ab: the git revision compared")
+    parser.add_argument("--method", default="h2o:kv_bits=4", help="decode-ab: a method spec (budget 512)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--residual", type=int, default=128)
     args = parser.parse_args()
+    if args.what == "decode-ab":
+        decode_ab(args.against, args.method, args.steps)
+        return
     vs_transformers(args.prompt, args.steps, args.bits, args.group, args.residual)
 
 

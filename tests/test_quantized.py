@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import kvcompress
+from kvcompress.core import quantized_slots
 from kvcompress.core.attention import layer_attention
 from kvcompress.core.contract import StatsRequest
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
@@ -84,8 +85,12 @@ def test_full_quantized_equals_reference(kind, bits, group, residual):
     assert float((ours - exact).abs().max()) > 1e-3
 
 
-def test_chunked_prompt_equals_reference():
-    """A prompt in chunks: each chunk reads the earlier chunks as stored (quantized beyond the residual window)."""
+@pytest.mark.parametrize("seal_block", [None, 8, 24])
+def test_chunked_prompt_equals_reference(monkeypatch, seal_block):
+    """A prompt in chunks: each chunk reads the earlier chunks as stored (quantized beyond the residual window);
+    sealed every group at once or ``seal_block`` slots at a time (one and three key groups here)."""
+    if seal_block is not None:
+        monkeypatch.setattr(quantized_slots, "SEAL_BLOCK", seal_block)
     model = tiny_model()
     ids = token_ids(1, 60, seed=3)
     cache = kvcompress.cache_for(model, "full", kv_bits=4, kv_group=8, kv_residual=16)
@@ -95,6 +100,29 @@ def test_chunked_prompt_equals_reference():
             ours = model(ids[:, start : start + 24], **cache_argument(model, cache), use_cache=True).logits
             theirs = model(ids[:, start : start + 24], **cache_argument(model, reference), use_cache=True).logits
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+
+
+def test_sealing_a_block_at_a_time_is_sealing_every_group(monkeypatch):
+    """H2O evicting while a prompt goes in chunks, then decoding: the same logits, bit for bit, whether a forward
+    of several tokens seals its layer's key groups all at once or one group at a time (each group is quantized
+    on its own; the blocks only bound the float copies sealing takes)."""
+    model = tiny_model()
+    ids = token_ids(2, 70, seed=4)
+
+    def run() -> torch.Tensor:
+        cache = kvcompress.cache_for(model, "h2o", budget=24, kv_bits=4, kv_group=8, kv_residual=8)
+        with torch.no_grad():
+            prefill(model, ids[:, :50], cache, chunk_size=12)
+            return torch.stack(
+                [
+                    model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True).logits[:, -1]
+                    for step in range(50, 70)
+                ]
+            )
+
+    whole = run()
+    monkeypatch.setattr(quantized_slots, "SEAL_BLOCK", 8)
+    assert torch.equal(run(), whole)
 
 
 def test_kv_bits_16_is_the_full_precision_layer():
@@ -138,6 +166,49 @@ def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, metho
     cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
     forced_logits(model, ids, cache, 30)
     assert len(checked) == 30 * len(cache.layers)
+
+
+@pytest.mark.parametrize(
+    "method,params,bits,residual",
+    [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0)],
+)
+def test_decoding_step_from_codes_under_a_padding_mask(monkeypatch, method, params, bits, residual):
+    """The codes path with an attention mask: a batch of two prompts of different lengths (the shorter one left
+    padded), then decoding with a few padding tokens in the middle of one row (a row that waits while the other
+    decodes): at every step and layer the output and statistics are those of the default attention over the
+    dequantized view under the same mask, and the mask did hide slots (at every step without eviction)."""
+    checked, masked = [], []
+    from_codes = QuantizedLayer.attend
+
+    def attend(layer, query, key, value, mask, scaling):
+        result = from_codes(layer, query, key, value, mask, scaling)
+        if layer._reads_codes:
+            output, stats = result
+            keys, values = layer.slots.view(layer.view_width)
+            request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+            expected, expected_stats = layer_attention(query, keys, values, mask, scaling, request, None)
+            torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+            if request.received:
+                torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
+            checked.append(1)
+            masked.append(mask is not None and not bool(mask.all()))
+        return result
+
+    monkeypatch.setattr(QuantizedLayer, "attend", attend)
+    model = tiny_model()
+    ids = token_ids(2, 56, seed=6)
+    real = torch.ones(2, 56, dtype=torch.long)
+    real[0, :9] = 0  # the first prompt is 9 tokens shorter
+    real[1, 40:43] = 0  # the second row waits three steps
+    cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
+    with torch.no_grad():
+        model(ids[:, :32], attention_mask=real[:, :32], **cache_argument(model, cache), use_cache=True)
+        for step in range(32, 56):
+            mask = real[:, : step + 1]
+            model(ids[:, step : step + 1], attention_mask=mask, **cache_argument(model, cache), use_cache=True)
+    assert len(checked) == 24 * len(cache.layers)
+    # (H2O evicts the padding first: its later steps may need no mask)
+    assert all(masked) if method == "full" else any(masked)
 
 
 # --- with eviction -------------------------------------------------------------------------------------------
@@ -217,6 +288,10 @@ def test_refused_where_the_storage_is_not_slots():
         kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
     cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)
     assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
+    # ragged per-head storage (per-head budgets: AdaKV's allocation, KVzip, DuoAttention) is refused, not ignored
+    for method, params in [("snapkv", {"ratio": 0.5, "allocation": "adakv"}), ("kvzip", {"ratio": 0.5})]:
+        with pytest.raises(ValueError, match=f"kv_bits=4 is not supported by method '{method}'.*ragged=false"):
+            kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
 
 
 def test_group_must_divide_the_value_head_dimension():

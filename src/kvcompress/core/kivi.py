@@ -57,6 +57,26 @@ def unpacked_part(packed: torch.Tensor, bits: int, index: int) -> torch.Tensor:
     return shifted & ((1 << bits) - 1) if index < 8 // bits - 1 else shifted
 
 
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """``unpack`` written into ``out`` ``[..., w * 8 / bits]`` of any dtype (a float buffer, a strided view): each
+    run of channels in one op that reads the bytes and converts on writing (a mask for the first run, a shift for
+    the last, both for the ones between), with no ``uint8`` intermediate of the unpacked size."""
+    runs = 8 // bits
+    if runs == 1:
+        out.copy_(packed)
+        return
+    width = packed.shape[-1]
+    mask = packed.new_tensor((1 << bits) - 1)
+    for index in range(runs):
+        target = out[..., index * width : (index + 1) * width]
+        if index == 0:
+            torch.bitwise_and(packed, mask, out=target)
+        elif index == runs - 1:
+            torch.bitwise_right_shift(packed, packed.new_tensor(bits * index), out=target)
+        else:
+            torch.bitwise_and(packed >> (bits * index), mask, out=target)
+
+
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of ``pack``: ``uint8`` codes ``[..., w]``."""
     if bits == 8:
@@ -92,23 +112,15 @@ def quantize_values(values: torch.Tensor, bits: int, group: int) -> tuple[torch.
 def dequantize_values(
     packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[..., d]`` values back from ``quantize_values``' output (written into ``out`` when given)."""
+    """``[..., d]`` values back from ``quantize_values``' output (written into ``out`` when given): the codes
+    unpacked into ``out``, then scaled and shifted there (no other copy of the output's size)."""
     groups = scale.shape[-1]
     width = packed.shape[-1] * 8 // bits
     if out is None:
         out = scale.new_empty(*packed.shape[:-1], width)
-    runs = 8 // bits
-    run = width // runs
-    if run % (width // groups):  # a run of channels splits a value group: unpack whole
-        codes = unpack(packed, bits).unflatten(-1, (groups, -1))
-        torch.addcmul(low[..., None], codes.to(scale.dtype), scale[..., None], out=out.unflatten(-1, (groups, -1)))
-        return out
-    per_run = groups // runs
-    for index in range(runs):
-        codes = unpacked_part(packed, bits, index).to(scale.dtype).unflatten(-1, (per_run, -1))
-        part = slice(index * per_run, (index + 1) * per_run)
-        target = out[..., index * run : (index + 1) * run].unflatten(-1, (per_run, -1))
-        torch.addcmul(low[..., part, None], codes, scale[..., part, None], out=target)
+    unpack_into(packed, bits, out)
+    grouped = out.unflatten(-1, (groups, -1))
+    torch.addcmul(low[..., None], grouped, scale[..., None], out=grouped)
     return out
 
 
@@ -137,14 +149,10 @@ def quantize_keys(
 def dequantize_keys(
     packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[..., n, G, d]`` keys back from ``quantize_keys``' output (written into ``out`` when given)."""
-    width = scale.shape[-1]
+    """``[..., n, G, d]`` keys back from ``quantize_keys``' output (written into ``out`` when given), as
+    ``dequantize_values`` does."""
     if out is None:
-        out = scale.new_empty(*packed.shape[:-1], width)
-    runs = 8 // bits
-    run = width // runs
-    for index in range(runs):
-        channels = slice(index * run, (index + 1) * run)
-        codes = unpacked_part(packed, bits, index).to(scale.dtype)
-        torch.addcmul(low[..., None, channels], codes, scale[..., None, channels], out=out[..., channels])
+        out = scale.new_empty(*packed.shape[:-1], scale.shape[-1])
+    unpack_into(packed, bits, out)
+    torch.addcmul(low[..., None, :], out, scale[..., None, :], out=out)
     return out

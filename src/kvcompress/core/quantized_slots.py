@@ -44,6 +44,8 @@ import torch
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, packed_width, quantize_keys, quantize_values
 from kvcompress.core.slots import SlotBuffers, StreamView
 
+SEAL_BLOCK = 1024  # slots sealed at a time by a forward of several tokens (``QuantizedSlotBuffers._seal``)
+
 
 class QuantizedSlotBuffers(SlotBuffers):
     """``SlotBuffers`` holding packed codes: ``tensors["keys"]`` and ``tensors["values"]`` are ``uint8`` ``[B, H, C,
@@ -221,7 +223,8 @@ class QuantizedSlotBuffers(SlotBuffers):
 
         A decoding step (one token) seals only when the window moves: every ``group`` steps the key groups of the
         tokens leaving it (one group while the slots are in stream order); without a residual, the new token's
-        group. A forward of several tokens seals every group (such a forward is O(cache) anyway)."""
+        group. A forward of several tokens seals every group (such a forward is O(cache) anyway), a block of groups
+        at a time."""
         count = keys.shape[2]
         if isinstance(where, int) and where != seen:
             self.stream_order = False
@@ -254,15 +257,39 @@ class QuantizedSlotBuffers(SlotBuffers):
         """Quantize again the key groups ``groups`` ``[B, H, n]`` (``None``: every group) from their members'
         exact keys where known (the window before this write and the new tokens, stream indices from ``seen``)
         and dequantized keys otherwise, the range over the occupied slots only; and quantize the values of the
-        members known exactly. Listing a group twice is harmless (the same result is written twice)."""
-        group = self.group
+        members known exactly. Listing a group twice is harmless (the same result is written twice).
+
+        Every group (a forward of several tokens) is sealed ``SEAL_BLOCK`` slots at a time, so the float copies
+        this takes (the members' keys read back, their exact keys and values, the quantizer's intermediates) are
+        those of a block, not of the layer: a long prompt's chunk adds no full-layer float copy beside the one
+        its attention reads."""
         if groups is None:
-            count = self.capacity // group
+            total = self.capacity // self.group
+            block = max(1, SEAL_BLOCK // self.group)
+            for first in range(0, total, block):
+                self._seal_groups((first, min(total, first + block)), new_keys, new_values, seen, window)
+            return
+        self._seal_groups(groups, new_keys, new_values, seen, window)
+
+    def _seal_groups(
+        self,
+        groups: torch.Tensor | tuple[int, int],
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        seen: int,
+        window: int,
+    ) -> None:
+        """``_seal`` of the groups ``groups``: ``[B, H, n]``, or a range ``(first, stop)`` of groups."""
+        group = self.group
+        if isinstance(groups, tuple):
+            first, stop = groups
+            count = stop - first
             members = None
-            token_idx = self.token_idx[:, :, : count * group]
-            key_codes = self.keys[:, :, : count * group]
-            scale, minimum = self.key_scale[:, :, :count], self.key_min[:, :, :count]
-            value_parts = [self.tensors[name][:, :, : count * group] for name in ("values", "value_scale", "value_min")]
+            span = slice(first * group, stop * group)
+            token_idx = self.token_idx[:, :, span]
+            key_codes = self.keys[:, :, span]
+            scale, minimum = self.key_scale[:, :, first:stop], self.key_min[:, :, first:stop]
+            value_parts = [self.tensors[name][:, :, span] for name in ("values", "value_scale", "value_min")]
         else:
             count = groups.shape[-1]
             members = (groups[..., None] * group + torch.arange(group, device=groups.device)).flatten(2)
@@ -277,7 +304,10 @@ class QuantizedSlotBuffers(SlotBuffers):
         exact = is_new
         if self.ring is not None:
             entry = token_idx.remainder(self.residual)
-            slots = torch.arange(token_idx.shape[-1], device=entry.device) if members is None else members
+            if members is None:
+                slots = torch.arange(span.start, span.stop, device=entry.device)
+            else:
+                slots = members
             # in the window, and its ring entry still holds it (a pass that was taken back, KVzip's reconstruction,
             # may have reused entries: those tokens were sealed then)
             in_ring = (token_idx >= window) & ~is_new & (self.ring_slot.gather(2, entry) == slots)
@@ -292,10 +322,10 @@ class QuantizedSlotBuffers(SlotBuffers):
         values = quantize_values(exact_values, self.bits, group)
         values = [torch.where(exact[..., None], fresh, old) for fresh, old in zip(values, value_parts, strict=True)]
         if members is None:
-            self.keys[:, :, : count * group] = codes.flatten(2, 3)
-            self.key_scale[:, :, :count], self.key_min[:, :, :count] = scale, minimum
+            self.keys[:, :, span] = codes.flatten(2, 3)
+            self.key_scale[:, :, first:stop], self.key_min[:, :, first:stop] = scale, minimum
             for name, value in zip(("values", "value_scale", "value_min"), values, strict=True):
-                self.tensors[name][:, :, : count * group] = value
+                self.tensors[name][:, :, span] = value
             return
         _put(self.keys, members, codes.flatten(2, 3))
         _put(self.key_scale, groups, scale)
