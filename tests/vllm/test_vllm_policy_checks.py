@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -67,17 +67,49 @@ SERVE_CASES = {
 }
 
 
+# Loaded only once vLLM's server builds an engine (its engine client and engine core), never by the policy checks.
+ENGINE_MODULES = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client", "uvicorn")
+# A ``sitecustomize`` for the child process: at exit, the names of every module it loaded.
+MODULE_RECORDER = """
+import atexit, os, sys
+atexit.register(lambda: open(os.environ["KVCOMPRESS_TEST_MODULES"], "w").write("\\n".join(sorted(sys.modules))))
+"""
+
+
+def loaded_modules(command: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``command`` (this interpreter), returning its result and the modules it had loaded when it exited."""
+    (tmp_path / "sitecustomize.py").write_text(MODULE_RECORDER)
+    record = tmp_path / "modules.txt"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "KVCOMPRESS_TEST_MODULES": str(record)}
+    # The timeout only stops a hung child: whether an engine started is read from what it loaded, not from the
+    # clock, which a loaded machine stretches (an engine start takes minutes here, but so can an import).
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    return done, set(record.read_text().split()) if record.exists() else set()
+
+
 @pytest.mark.parametrize("case", sorted(SERVE_CASES))
-def test_serve_refuses_a_bad_policy_in_one_line_with_status_2_before_any_engine(case, model_dir):
+def test_serve_refuses_a_bad_policy_in_one_line_with_status_2_before_any_engine(case, model_dir, tmp_path):
     args, message = SERVE_CASES[case]
-    start = time.monotonic()
     command = [sys.executable, "-m", "kvcompress.vllm.serve", "--model", model_dir, "--port", "1", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done, modules = loaded_modules(command, tmp_path)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("kvcompress.vllm.serve: error: kvcompress: "), done.stderr
     assert message in lines[0]
-    assert time.monotonic() - start < 60  # an engine start takes minutes here
+    assert "kvcompress.vllm.serve" in modules or "kvcompress.vllm.config" in modules  # the recorder ran
+    started = sorted(m for m in ENGINE_MODULES if m in modules)
+    assert not started, f"refused only after vLLM loaded {started}"  # before any engine: none of them loaded
+
+
+def test_the_engine_modules_are_what_a_started_server_loads(model_dir, tmp_path):
+    """The check above is not vacuous: a server that gets past the policy checks loads the engine modules (here
+    it then fails to bind port 1, or stops at the first error after the engine client is built)."""
+    command = [sys.executable, "-m", "kvcompress.vllm.serve", "--model", model_dir, "--port", "1"]
+    command += ["--policy", '{"method": "streaming", "budget": 512}', "--max-model-len", "512"]
+    done, modules = loaded_modules(command, tmp_path)
+    assert done.returncode != 0
+    assert {"vllm.v1.engine.async_llm", "vllm.v1.engine.core_client"} <= modules, done.stderr[-2000:]
 
 
 def test_python_llm_raises_before_building_an_engine(monkeypatch):
