@@ -27,7 +27,7 @@ pytest.importorskip("vllm.v1", reason="the vLLM suite runs in .venv-vllm (bash s
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from kvcompress.vllm import backend, scores  # noqa: E402
+from kvcompress.vllm import backend, scores, snapkv  # noqa: E402
 from tests.vllm.engine import close, make_llm, manager, prompt, trace_blocks  # noqa: E402
 
 BLOCK = 128
@@ -37,7 +37,9 @@ BLOCK = 128
 # (after their first eviction decisions), then recomputes them in one step when request 0 has finished.
 PROMPTS = [(0, 130), (200, 380), (600, 500)]
 GENERATED = 400
-STEPS = {"one-step": None, "several-steps": 2 * BLOCK}  # vLLM's step size (max_num_batched_tokens)
+# vLLM's step size (max_num_batched_tokens). Half a block: the last step of a recompute holds at most 63 tokens, so the
+# blocks the front slots hold are completed, and copied into their slots, by the earlier steps of the recompute.
+STEPS = {"one-step": None, "several-steps": BLOCK // 2}
 POLICIES = {
     "h2o": {"method": "h2o", "budget": 3 * BLOCK},
     "cascade": {"method": "cascade", "budget": 3 * BLOCK},
@@ -72,13 +74,14 @@ def _kept_logical(policy, count: int, prompt_len: int) -> torch.Tensor:
 def test_a_recomputed_request_keeps_the_blocks_of_its_first_run(name, steps, short_model_dir, monkeypatch):
     ids = AutoTokenizer.from_pretrained(short_model_dir)(prompt(1400, seed=41)).input_ids
     prompts = [{"prompt_token_ids": ids[start : start + length]} for start, length in PROMPTS]
-    first, again = {}, defaultdict(list)  # request -> layer 0's kept keys when it left / after its recompute
-    left_scores, restored_scores = {}, defaultdict(list)  # request -> layer 0's scores of its kept blocks
+    first, again = {}, defaultdict(list)  # request -> layer 0's kept keys when it left / once its recompute restored
+    left_scores, restored_scores = {}, []  # layer 0's scores of the kept blocks when it left / once restored
     recompute_steps = defaultdict(int)  # request -> recompute steps before the one reaching its first run's count
     original = backend.KVCompressCPUImpl.forward
-    original_restore = scores.BlockScores._restore
+    now = {}  # the layer running
 
     def watched(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs):
+        now["layer"] = layer.layer_name
         watching = layer.layer_name.startswith("model.layers.0.") and metadata is not None
         step = getattr(metadata, "scored", None) or getattr(metadata, "snapkv", None)
         carry = step.carry if watching and step is not None else None
@@ -94,38 +97,42 @@ def test_a_recomputed_request_keeps_the_blocks_of_its_first_run(name, steps, sho
                     left_scores[departure.request] = self.block_scores.scores[departure.blocks[logical]].clone()
             for recompute in carry.recomputing:
                 recompute_steps[recompute.request] += 1
-        output = original(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
-        if carry is not None:
-            due = {r.request for r in getattr(step, "replays", []) if getattr(r, "select", None) is not None}
-            for replay in carry.replays:
-                if replay.request not in due:  # (a re-selection due where the first run stopped changes the blocks)
-                    logical = _kept_logical(step.policy, replay.count, _prompt_len(replay.request))
-                    keys, _ = _kept_keys(step.layout, kv_cache, replay.blocks, logical, replay.count)
-                    again[replay.request].append((first.get(replay.request), keys, replay.count, logical.tolist()))
-        return output
+        return original(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
 
-    def restore(self, step, replay, kv_cache):
-        restored = original_restore(self, step, replay, kv_cache)
-        if restored and self is layer_zero.get("scores"):
-            logical = _kept_logical(step.policy, replay.carried.count, 0)
-            now = self.scores[replay.blocks[logical]].clone()
-            restored_scores[replay.request].append((left_scores.get(replay.request), now))
-        return restored
+    def restored(step, replay, kv_cache, block_scores=None):
+        """Layer 0, right after the last step of a recompute restored the kept blocks (before a re-selection or
+        refill that the first run's next step would make changes them): their keys, and scores."""
+        if not now["layer"].startswith("model.layers.0."):
+            return
+        logical = _kept_logical(step.policy, replay.count, _prompt_len(replay.request))
+        keys, _ = _kept_keys(step.layout, kv_cache, replay.blocks, logical, replay.count)
+        again[replay.request].append((first.get(replay.request), keys, replay.count, logical.tolist()))
+        if block_scores is not None:
+            kept_scores = block_scores.scores[replay.blocks[logical]].clone()
+            restored_scores.append((left_scores.get(replay.request), kept_scores))
 
-    layer_zero = {}
+    original_scored, original_snapkv = scores.BlockScores._restore, snapkv.restore_replay
 
-    def watched_zero(self, layer, *args, **kwargs):
-        if layer.layer_name.startswith("model.layers.0."):
-            layer_zero["scores"] = self.block_scores
-        return watched(self, layer, *args, **kwargs)
+    def restore_scored(self, step, replay, kv_cache):
+        done = original_scored(self, step, replay, kv_cache)
+        if done:
+            restored(step, replay.carried, kv_cache, self)
+        return done
+
+    def restore_snapkv(step, replay, stash, kv_cache, carry):
+        done = original_snapkv(step, replay, stash, kv_cache, carry)
+        if done:
+            restored(step, replay.carried, kv_cache)
+        return done
 
     def _prompt_len(request: str) -> int:
         return len(prompts[int(request.rsplit("-", 1)[0])]["prompt_token_ids"])
 
-    monkeypatch.setattr(backend.KVCompressCPUImpl, "forward", watched_zero)
-    monkeypatch.setattr(scores.BlockScores, "_restore", restore)
+    monkeypatch.setattr(backend.KVCompressCPUImpl, "forward", watched)
+    monkeypatch.setattr(scores.BlockScores, "_restore", restore_scored)
+    monkeypatch.setattr(snapkv, "restore_replay", restore_snapkv)
     step_tokens = STEPS[steps]
-    kwargs = {"max_num_batched_tokens": step_tokens, "max_model_len": 1280} if step_tokens else {}
+    kwargs = {"max_num_batched_tokens": step_tokens, "max_num_seqs": 4, "max_model_len": 1280} if step_tokens else {}
     llm = make_llm(short_model_dir, POLICIES[name], num_gpu_blocks_override=10, **kwargs)
     group = manager(llm)
     free = group.remove_skipped_blocks
@@ -150,7 +157,6 @@ def test_a_recomputed_request_keeps_the_blocks_of_its_first_run(name, steps, sho
         positions = [b * BLOCK + t for b in logical for t in range(BLOCK) if b * BLOCK + t < count]
         assert not differ, f"{count} tokens, kept blocks {logical}: keys differ at {[positions[i] for i in differ]}"
     if POLICIES[name]["method"] != "snapkv":
-        restored = [pair for pairs in restored_scores.values() for pair in pairs]
-        assert restored
-        for left, now in restored:
-            assert left is not None and torch.equal(now, left)  # bit for bit the first run's
+        assert restored_scores
+        for left, now_scores in restored_scores:
+            assert left is not None and torch.equal(now_scores, left)  # bit for bit the first run's

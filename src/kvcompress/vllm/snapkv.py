@@ -186,12 +186,27 @@ def run_prefill_step(
 
 
 def _replay(step: SnapKVStep, replay: SnapKVReplay, stash: ObservationStash, query, kv_cache, scale, carry) -> None:
-    """The last step of a recompute: give the request the front blocks and window queries its first run had
-    (``kvcompress.vllm.carry``), then what the first run's next step would have done: a re-selection due there,
-    the queries joining the window."""
+    """The last step of a recompute: the first run's front blocks and window queries back (``restore_replay``),
+    then what the first run's next step would have done: a re-selection due there, the queries joining the window."""
+    if not restore_replay(step, replay, stash, kv_cache, carry):
+        return
+    if replay.select is not None:
+        window_queries = stash.pop(replay.key)
+        if window_queries is not None:
+            select_blocks(step.policy, step.layout, replay.select, window_queries, kv_cache, scale, None, carry)
+    if replay.stash is not None:
+        stash.add(replay.stash, query)
+
+
+def restore_replay(
+    step: SnapKVStep, replay: SnapKVReplay, stash: ObservationStash, kv_cache, carry: LayerCarry | None
+) -> bool:
+    """Give a recomputed request the front blocks and window queries its first run had (``kvcompress.vllm.carry``):
+    the origin blocks this last step of the recompute completed into their slots (those completed by earlier steps
+    were copied then), the slots' origin, the observation-window queries (``False``: nothing was parked)."""
     parked = carry.parked.pop(replay.request, None) if carry is not None else None
     if parked is None:
-        return
+        return False
     if parked["origin"] is not None:
         carry.restore_front(kv_cache, parked["origin"], replay.carried, step.policy.block_size)
         carry.origin[replay.request] = parked["origin"]
@@ -200,12 +215,7 @@ def _replay(step: SnapKVStep, replay: SnapKVReplay, stash: ObservationStash, que
         stash.queries[replay.key] = parked["queries"]
     else:
         stash.queries.pop(replay.key, None)
-    if replay.select is not None:
-        window_queries = stash.pop(replay.key)
-        if window_queries is not None:
-            select_blocks(step.policy, step.layout, replay.select, window_queries, kv_cache, scale, None, carry)
-    if replay.stash is not None:
-        stash.add(replay.stash, query)
+    return True
 
 
 def select_blocks(
