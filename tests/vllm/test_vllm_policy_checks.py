@@ -69,10 +69,11 @@ SERVE_CASES = {
 
 # Loaded only once vLLM's server builds an engine (its engine client and engine core), never by the policy checks.
 ENGINE_MODULES = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client", "uvicorn")
-# A ``sitecustomize`` for the child process: at exit, the names of every module it loaded.
+# A ``sitecustomize`` for the child process and any process it starts (vLLM's engine core): at exit, each appends the
+# names of every module it loaded.
 MODULE_RECORDER = """
 import atexit, os, sys
-atexit.register(lambda: open(os.environ["KVCOMPRESS_TEST_MODULES"], "w").write("\\n".join(sorted(sys.modules))))
+atexit.register(lambda: open(os.environ["KVCOMPRESS_TEST_MODULES"], "a").write("\\n".join(sorted(sys.modules)) + "\\n"))
 """
 
 
@@ -103,8 +104,8 @@ def test_serve_refuses_a_bad_policy_in_one_line_with_status_2_before_any_engine(
 
 
 def test_the_engine_modules_are_what_a_started_server_loads(model_dir, tmp_path):
-    """The check above is not vacuous: a server that gets past the policy checks loads the engine modules (here
-    it then fails to bind port 1, or stops at the first error after the engine client is built)."""
+    """The check above is not vacuous: a server that gets past the policy checks loads the engine modules (here it
+    then stops at an error after its engine client is built: port 1 cannot be served)."""
     command = [sys.executable, "-m", "kvcompress.vllm.serve", "--model", model_dir, "--port", "1"]
     command += ["--policy", '{"method": "streaming", "budget": 512}', "--max-model-len", "512"]
     done, modules = loaded_modules(command, tmp_path)
