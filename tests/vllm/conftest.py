@@ -105,3 +105,25 @@ def reference_outputs(
         stdout=subprocess.DEVNULL,
     )
     return json.loads(out_path.read_text())
+
+
+# Loaded only once vLLM's server builds an engine (its engine client and engine core), never by kvcompress's checks.
+ENGINE_MODULES = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client", "uvicorn")
+# A ``sitecustomize`` for a child process and any process it starts (vLLM's engine core): at exit, each appends the
+# names of every module it loaded.
+MODULE_RECORDER = """
+import atexit, os, sys
+atexit.register(lambda: open(os.environ["KVCOMPRESS_TEST_MODULES"], "a").write("\\n".join(sorted(sys.modules)) + "\\n"))
+"""
+
+
+def module_recorder(folder: Path) -> tuple[dict, Path]:
+    """Environment variables under which a child Python process records the modules it loaded, and the record."""
+    (folder / "sitecustomize.py").write_text(MODULE_RECORDER)
+    record = folder / "modules.txt"
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "KVCOMPRESS_TEST_MODULES": str(record)}, record
+
+
+def recorded_modules(record: Path) -> set[str]:
+    return set(record.read_text().split()) if record.exists() else set()

@@ -1,12 +1,12 @@
 """Tensor parallelism 2 on CPU gives the greedy outputs of one rank, for every policy, with blocks evicted.
 
 Qwen2.5-Coder-0.5B (cut to its first layers, ``qwen_model_dir``) has 14 query and 2 KV heads: each rank holds 7
-query heads and their KV head, so each per-KV-head decision (SnapKV's selected blocks, H2O's heavy blocks) is
-taken on the rank holding that head, from the same queries and keys as with one rank. The scheduler, and so the
-evicted ranges and the freed blocks, is the same process in both runs. Six prompts of 127-1000 tokens, 3-block
-budgets, steps of 512 tokens: the longer prompts are prefilled over two or three steps and the batch splits a
-prompt across steps, the case where an earlier check saw one streaming output of six differ between TP=1 and
-TP=2.
+query heads and their KV head, so each per-KV-head decision (SnapKV's selected blocks, H2O's heavy blocks, cascade's
+sub-caches, BUZZ's middle) is taken on the rank holding that head, from the same queries and keys as with one rank.
+The scheduler, and so the evicted ranges and the freed blocks, is the same process in both runs. Six prompts of
+127-1000 tokens, 3-block budgets, steps of 512 tokens: the longer prompts are prefilled over two or three steps and
+the batch splits a prompt across steps, the case where an earlier check saw one streaming output of six differ
+between TP=1 and TP=2.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ POLICIES = {
     "snapkv-reselect": {"method": "snapkv", "budget": BUDGET, "reselect_blocks": 1},
     "h2o": {"method": "h2o", "budget": BUDGET},
     "cascade": {"method": "cascade", "budget": BUDGET},  # 1 sink + 2 cascades of 1 block
+    "buzz": {"method": "buzz", "budget": BUDGET, "stride": 5},  # 1 sink + a middle of 1 slot + a window of 1 block
 }
 
 

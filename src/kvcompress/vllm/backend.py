@@ -137,7 +137,7 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         policy = self.policy
         hi, hi_after = policy.leaving_hi(context), policy.leaving_hi(context + query_lens)
         step = ScoredStep(policy, self.layout, common.num_reqs, [], carry, policy.config.scoring == "one_pass")
-        replayed = {replay.row for replay in carry.replays}
+        replayed = carry.rows()  # recomputed rows: no refill of their own (``kvcompress.vllm.carry``)
         for i in (hi_after > hi).nonzero().flatten().tolist():  # requests passing a block boundary over the budget
             if i in replayed:
                 continue
@@ -155,6 +155,7 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
             step.departures_kept[departure.request] = departure.blocks[self._kept(departure.count)]
         for replay in carry.replays:
             step.replays.append(self._h2o_replay(replay))
+        step.recomputing = list(carry.recomputing)
         return step
 
     def _kept(self, count: int) -> torch.Tensor:
@@ -163,8 +164,9 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
         return torch.cat([torch.arange(lo), torch.arange(hi, -(-count // self.block_size))])
 
     def _h2o_replay(self, replay) -> H2OReplay:
-        """The recomputed tokens past the first run's ``count`` attend to the blocks kept at ``count`` and those
-        written since, as the first run's next step would have; a block boundary they cross refills by score."""
+        """The last step of a recompute: its tokens past the first run's ``count`` attend to the blocks kept at
+        ``count`` and those written since, as the first run's next step would have; a block boundary they cross
+        refills by score."""
         policy, count, length, blocks = self.policy, replay.count, replay.length, replay.blocks
         lo, hi = (int(v) for v in policy.worker_range(count, 0))
         leaving, leaving_end = int(policy.leaving_hi(count)), int(policy.leaving_hi(length))
@@ -177,10 +179,11 @@ class KVCompressCPUBuilder(CPUAttentionMetadataBuilder):
             replay.row,
             blocks,
             self._kept(count),
-            (replay.start + count, replay.end),
+            (replay.start + count - replay.context, replay.end),
             torch.cat([blocks[:lo], blocks[hi:]]),
             length - (hi - lo) * self.block_size,
             refill,
+            replay,
         )
 
 
@@ -225,7 +228,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             queries = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
             run_step(step, self.stash, queries, kv_cache, self.scale, self.carry)
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if step is not None and (step.prefill_select or step.cross or step.replays):
+        if step is not None and (step.prefill_select or step.cross or step.replays or step.recomputing):
             run_prefill_step(step, self.stash, queries, kv_cache, self.scale, self.carry)
         return output
 

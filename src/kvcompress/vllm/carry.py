@@ -12,22 +12,30 @@ id (``kvcompress.vllm.rows``), what decides the kept blocks, and gives it back a
 * when a request leaves the batch (preempted, or not scheduled for a step), each layer **parks** its state before
   the step's attention can overwrite its freed blocks: the origin, block H2O's scores of the request's kept blocks,
   block SnapKV's observation-window queries for the next re-selection.
-* **replay**: when the request comes back with nothing cached and its first step (the recompute) covers at least
-  the tokens it had cached (``count``), each layer, after that step's attention, copies into each front slot the
-  recomputed block its origin names (per KV head), restores the scores (H2O), and continues exactly where the first
-  run stopped: the recompute's tokens past ``count`` (the token sampled just before the preemption) are then
-  handled as the first run's next decode step would handle them (H2O: their attention to the kept blocks is added
-  and a block boundary they cross refills by score; SnapKV: a re-selection due at ``count`` runs, and their
-  queries join the next observation window).
+* **replay**: when the request comes back with nothing cached, vLLM recomputes its prompt and generated tokens as a
+  prefill, in one step or split over several (its step holds fewer tokens). Each recompute step leaves the policy's
+  own prefill work undone for that request (no refill, no SnapKV prefill selection: the recompute's attention must
+  not decide anything) and, after the step's attention, each layer copies into every front slot whose origin block
+  was completed in this step (per KV head) the recomputed block its origin names. A block is completed, and so
+  copied, in the step that writes its last token, and the scheduler frees a block only after the step that
+  completed it, so every copy reads the block before it can be handed to another request. The recompute's own
+  eviction between its steps is the policy's arithmetic from token counts, the same ranges as in the first run.
+  In the step that reaches the tokens the request had cached (``count``), each layer also restores the scores
+  (H2O, cascade, BUZZ) and the observation-window queries (SnapKV) and continues exactly where the first run
+  stopped: the recompute's tokens past ``count`` (the token sampled just before the preemption) are handled as the
+  first run's next decode step would handle them (H2O: their attention mass is added over the kept blocks and a
+  block boundary they cross refills by score; SnapKV: a re-selection due at ``count`` runs, and their queries join
+  the next observation window).
 
 What is exact: the kept blocks of every layer and KV head after the recompute are the first run's (the same
-logical blocks, in the same slots), and block H2O's scores of them are the first run's. What cannot be: the
-recomputed keys and values of the generated tokens themselves (vLLM's recompute attends to the whole text, where
-the first run had attended to the kept blocks), so the outputs after a preemption are the recompute's. A request
-whose recompute is split over several steps (vLLM's step smaller than its length) or which was preempted before
-its SnapKV selection is recomputed as a new request (SnapKV selects at its prompt's end again, from the
-recomputed queries; H2O scores the recompute): its parked state is dropped. A parked state is dropped too when the
-request finishes or comes back without a recompute (it was only left out of a step).
+logical blocks, in the same slots), whether the recompute took one step or several, and the scores of the scored
+policies are the first run's. What cannot be: the recomputed keys and values of the generated tokens themselves
+(vLLM's recompute attends to the whole text in one step, or to its kept blocks over several, where the first run
+had attended to the kept blocks of each decode step), so the outputs after a preemption are the recompute's. A
+request preempted again in the middle of its recompute keeps its first run's parked state and starts the recompute
+over. A request preempted before its SnapKV selection is recomputed as a new request (SnapKV selects at its
+prompt's end, from the recomputed queries): nothing is parked for it. A parked state is dropped when the request
+finishes or comes back without a recompute (it was only left out of a step).
 """
 
 from __future__ import annotations
@@ -50,9 +58,11 @@ class Departure:
 
 @dataclass
 class Replay:
-    """A request recomputed in this step (row ``row``, query rows ``[start, end)``) whose first run had ``count``
-    tokens cached; ``blocks``: physical ids of its logical blocks ``0 .. ceil(length / block_size) - 1``, where
-    ``length`` (at least ``count``) is what the recompute leaves cached."""
+    """A request being recomputed in this step (row ``row``, query rows ``[start, end)``, ``context`` tokens of the
+    recompute cached before the step) whose first run had ``count`` tokens cached; ``blocks``: physical ids of its
+    logical blocks ``0 .. ceil(length / block_size) - 1``, where ``length`` is what this step leaves cached. The
+    step is the recompute's last (``final``) when ``length`` reaches ``count``; before, it is one of several steps
+    the recompute is split over."""
 
     request: str
     row: int
@@ -61,19 +71,32 @@ class Replay:
     blocks: torch.Tensor
     start: int
     end: int
+    context: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.length >= self.count
 
 
 @dataclass
 class CarryStep:
-    """This step's departures, replays and dropped requests, shared by all layers (built by the metadata builder)."""
+    """This step's departures, replays and dropped requests, shared by all layers (built by the metadata builder).
+
+    ``replays``: recomputes reaching their first run's ``count`` in this step; ``recomputing``: recompute steps
+    before that (a recompute split over several steps)."""
 
     departures: list[Departure] = field(default_factory=list)
     replays: list[Replay] = field(default_factory=list)
+    recomputing: list[Replay] = field(default_factory=list)
     returned: list[tuple[str, int]] = field(default_factory=list)  # (request, key): back without a recompute
     dropped: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.departures or self.replays or self.returned or self.dropped)
+        return bool(self.departures or self.replays or self.recomputing or self.returned or self.dropped)
+
+    def rows(self) -> set[int]:
+        """The rows being recomputed in this step (final or not): the policy's own work skips them."""
+        return {replay.row for replay in self.replays + self.recomputing}
 
 
 class CarryBook:
@@ -87,6 +110,7 @@ class CarryBook:
         self.block_size = block_size
         self.last: dict[str, tuple[int, torch.Tensor, int]] = {}  # request -> (count, blocks, key) after last step
         self.parked: dict[str, int] = {}  # request -> count, for requests whose layers hold a parked state
+        self.recomputing: dict[str, int] = {}  # request -> count, for parked requests whose recompute is under way
 
     def step(self, requests: list[str], context, ends, starts, table, alive, replayable) -> CarryStep:
         """This step's rows: ``requests`` (ids), ``context`` (tokens cached before the step), ``ends`` (after it),
@@ -97,12 +121,22 @@ class CarryBook:
         context_list, ends_list, starts = context.tolist(), ends.tolist(), starts.tolist()
         for request, (count, blocks, key) in self.last.items():
             i = present.get(request)
-            if (i is None or context_list[i] == 0) and request not in self.parked:
+            busy = request in self.parked or request in self.recomputing
+            if (i is None or context_list[i] == 0) and not busy:
                 if alive(request) and replayable(request, key):
                     out.departures.append(Departure(request, count, blocks, key))
                     self.parked[request] = count
                 else:
                     out.dropped.append(request)
+        for request in list(self.recomputing):  # a recompute under way: goes on, or starts over if preempted again
+            i = present.get(request)
+            if i is None:
+                if not alive(request):
+                    out.dropped.append(request)
+                    del self.recomputing[request]
+                continue
+            if context_list[i] == 0:
+                self.parked[request] = self.recomputing.pop(request)
         for request in list(self.parked):
             i = present.get(request)
             if i is None:
@@ -113,11 +147,19 @@ class CarryBook:
             count = self.parked.pop(request)
             if context_list[i] > 0:  # only left out of a step: its blocks were never freed
                 out.returned.append((request, int(table[i, 0])))
-            elif ends_list[i] >= count:
-                blocks = table[i, : -(-ends_list[i] // self.block_size)].long().clone()
-                out.replays.append(Replay(request, i, count, ends_list[i], blocks, starts[i], starts[i + 1]))
-            else:  # recomputed over several steps: recomputed as a new request
-                out.dropped.append(request)
+            else:
+                self.recomputing[request] = count
+        for request, count in list(self.recomputing.items()):
+            i = present.get(request)
+            if i is None:
+                continue
+            blocks = table[i, : -(-ends_list[i] // self.block_size)].long().clone()
+            replay = Replay(request, i, count, ends_list[i], blocks, starts[i], starts[i + 1], context_list[i])
+            if replay.final:
+                out.replays.append(replay)
+                del self.recomputing[request]
+            else:
+                out.recomputing.append(replay)
         rows = table[: len(requests)].long().clone()
         self.last = {
             request: (ends_list[i], rows[i, : -(-ends_list[i] // self.block_size)], int(rows[i, 0]))
@@ -149,10 +191,16 @@ class LayerCarry:
             self.origin.pop(request, None)
             self.parked.pop(request, None)
 
-    def restore_front(self, kv_cache: torch.Tensor, origin: torch.Tensor, blocks: torch.Tensor, first: int) -> None:
-        """Copy, per KV head, the recomputed block ``origin[h, i]`` into front slot ``first + i`` (keys and values:
-        whole ``[block, head]`` slabs, so the kernel's layout does not matter)."""
+    def restore_front(self, kv_cache: torch.Tensor, origin: torch.Tensor, replay: Replay, block_size: int) -> None:
+        """Copy, per KV head, the recomputed block ``origin[h, i]`` into front slot ``i`` (keys and values: whole
+        ``[block, head]`` slabs, so the kernel's layout does not matter), for the origin blocks whose last token
+        this recompute step wrote (tokens ``[replay.context, min(replay.length, replay.count))``): each is copied in
+        the step that completes it, before the scheduler can free it. A slot holding its own block is left as is."""
         num_kv_heads, front = origin.shape
-        heads = torch.arange(num_kv_heads, device=kv_cache.device).unsqueeze(1).expand(num_kv_heads, front)
-        targets = blocks[first : first + front].unsqueeze(0).expand(num_kv_heads, front)
-        kv_cache[targets, heads] = kv_cache[blocks[origin], heads]
+        ends = (origin + 1) * block_size  # tokens cached once each origin block is complete
+        slots = torch.arange(front, device=origin.device).expand(num_kv_heads, front)
+        done = (ends > replay.context) & (ends <= min(replay.length, replay.count)) & (origin != slots)
+        heads, slot = done.nonzero(as_tuple=True)
+        if len(heads):
+            targets, sources = replay.blocks[slot], replay.blocks[origin[heads, slot]]
+            kv_cache[targets, heads] = kv_cache[sources, heads]  # the right side is gathered before any write

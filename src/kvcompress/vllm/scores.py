@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcompress.vllm.carry import CarryStep, LayerCarry
+from kvcompress.vllm.carry import CarryStep, LayerCarry, Replay
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import BuzzBlocks, CascadeBlocks, H2OBlocks
 
@@ -75,6 +75,7 @@ class H2OReplay:
     mass_blocks: torch.Tensor
     mass_tokens: int
     refill: RefillRow | None
+    carried: Replay | None = None  # the carry's record of this step of the recompute
 
 
 @dataclass
@@ -88,6 +89,7 @@ class ScoredStep:
     carry: CarryStep | None = None
     one_pass: bool = False  # the attention output is computed by the scoring pass (vLLM's kernel is skipped)
     replays: list[H2OReplay] = field(default_factory=list)
+    recomputing: list[Replay] = field(default_factory=list)  # recompute steps before the first run's count
     departures_kept: dict[str, torch.Tensor] = field(default_factory=dict)  # request -> ids of its kept blocks
 
 
@@ -103,8 +105,10 @@ class BlockScores:
     ) -> None:
         """Steps 1-3 of the module docstring for this layer; ``query`` is ``[tokens, num_heads, head_size]``.
 
-        Before step 1, requests leaving the batch park their kept blocks' scores and slots' origin, and after step
-        2 recomputed requests get them back (``kvcompress.vllm.carry``). With ``output`` (``[tokens, num_heads,
+        Before step 1, requests leaving the batch park their kept blocks' scores and slots' origin; after step 2,
+        each step of a recompute copies the origin blocks it completed into their slots, and the step reaching the
+        first run's count gives the scores back (``kvcompress.vllm.carry``). Rows being recomputed add no mass and
+        refill nothing of their own. With ``output`` (``[tokens, num_heads,
         head_size]``, the one-pass mode: vLLM's kernel did not run), step 2 also writes the attention output there,
         before any block of this step is moved.
         """
@@ -118,13 +122,17 @@ class BlockScores:
         num_reqs = step.num_reqs
         starts = metadata.query_start_loc[: num_reqs + 1]
         seq_lens, table = metadata.seq_lens[:num_reqs], metadata.block_table[:num_reqs]
-        skip = {replay.row for replay in step.replays}
+        skip = step.carry.rows() if step.carry is not None else set()
         gamma = step.policy.gamma if isinstance(step.policy, CascadeBlocks) else None
         if gamma is not None:
             decay(self.scores, starts, seq_lens, table, gamma, block_size, skip)
         add_attention_mass(
             self.scores, step.layout, kv_cache, query, starts, seq_lens, table, scale, skip, gamma, output
         )
+        for recompute in step.recomputing:
+            parked = self.carry.parked.get(recompute.request)
+            if parked is not None and parked["origin"] is not None:
+                self.carry.restore_front(kv_cache, parked["origin"], recompute, block_size)
         for replay in step.replays:
             self._replay(step, replay, query, kv_cache, scale)
         for row in step.refill:
@@ -153,14 +161,10 @@ class BlockScores:
         carry.drop(step.carry)
 
     def _replay(self, step: ScoredStep, replay: H2OReplay, query, kv_cache, scale: float) -> None:
-        """The first run's heavy slots and scores back, then the recompute's tokens past it as its next step."""
-        parked = self.carry.parked.pop(replay.request, None)
-        if parked is None:
+        """The first run's slots and scores back (``_restore``), then the recompute's tokens past its count as its
+        next step."""
+        if not self._restore(step, replay, kv_cache):
             return
-        if parked["origin"] is not None:
-            self.carry.restore_front(kv_cache, parked["origin"], replay.blocks, 0)
-            self.carry.origin[replay.request] = parked["origin"]
-        self.scores[replay.blocks[replay.kept]] = parked["scores"]
         start, end = replay.queries
         gamma = step.policy.gamma if isinstance(step.policy, CascadeBlocks) else None
         if gamma is not None:  # the kept blocks' EMA decays over the replayed queries
@@ -172,6 +176,18 @@ class BlockScores:
         )
         if replay.refill is not None:
             self._refill(step, kv_cache, replay.refill)
+
+    def _restore(self, step: ScoredStep, replay: H2OReplay, kv_cache) -> bool:
+        """The last step of a recompute: the origin blocks it completed into their slots, the slots' origin and the
+        kept blocks' scores as the first run left them (``False``: nothing was parked for the request)."""
+        parked = self.carry.parked.pop(replay.request, None)
+        if parked is None:
+            return False
+        if parked["origin"] is not None:
+            self.carry.restore_front(kv_cache, parked["origin"], replay.carried, step.policy.block_size)
+            self.carry.origin[replay.request] = parked["origin"]
+        self.scores[replay.blocks[replay.kept]] = parked["scores"]
+        return True
 
 
 def decay(scores, starts, seq_lens, block_table, gamma: float, block_size: int, skip=frozenset()) -> None:

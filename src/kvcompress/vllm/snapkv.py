@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvcompress.vllm.carry import CarryStep, LayerCarry
+from kvcompress.vllm.carry import CarryStep, LayerCarry, Replay
 from kvcompress.vllm.layout import KeyLayout
 from kvcompress.vllm.policies import SnapKVBlocks
 
@@ -77,6 +77,7 @@ class SnapKVReplay:
     blocks: torch.Tensor
     select: SelectRow | None
     stash: StashRow | None
+    carried: Replay | None = None  # the carry's record of this step of the recompute
 
 
 @dataclass
@@ -93,6 +94,7 @@ class SnapKVStep:
     cross: list[SelectRow] = field(default_factory=list)
     cross_stash: list[StashRow] = field(default_factory=list)
     replays: list[SnapKVReplay] = field(default_factory=list)
+    recomputing: list[Replay] = field(default_factory=list)  # recompute steps before the first run's count
     carry: CarryStep | None = None
 
 
@@ -161,7 +163,8 @@ def run_prefill_step(
 ) -> None:
     """One layer's share of ``step`` after its attention: the prefill selections (``SnapKVBlocks``), voted by the
     last ``window`` queries stashed so far (kept for the prompt's final selection); the prompt's selection in a
-    step that passes the prompt's end; the replays of recomputed requests."""
+    step that passes the prompt's end; the origin blocks a recompute step completed, copied into their slots; the
+    replays of recomputed requests."""
     for row in step.prefill_select:
         window_queries = stash.queries.get(row.key)
         if window_queries is not None:
@@ -174,27 +177,45 @@ def run_prefill_step(
         window_queries = stash.pop(row.key)
         if window_queries is not None:
             select_blocks(step.policy, step.layout, row, window_queries, kv_cache, scale, None, carry)
+    for recompute in step.recomputing:
+        parked = carry.parked.get(recompute.request) if carry is not None else None
+        if parked is not None and parked["origin"] is not None:
+            carry.restore_front(kv_cache, parked["origin"], recompute, step.policy.block_size)
     for replay in step.replays:
         _replay(step, replay, stash, query, kv_cache, scale, carry)
 
 
 def _replay(step: SnapKVStep, replay: SnapKVReplay, stash: ObservationStash, query, kv_cache, scale, carry) -> None:
-    """Give a recomputed request the front blocks and window queries its first run had (``kvcompress.vllm.carry``),
-    then what the first run's next step would have done: a re-selection due there, the query joining the window."""
-    parked = carry.parked.pop(replay.request, None) if carry is not None else None
-    if parked is None:
+    """The last step of a recompute: the first run's front blocks and window queries back (``restore_replay``),
+    then what the first run's next step would have done: a re-selection due there, the queries joining the window."""
+    if not restore_replay(step, replay, stash, kv_cache, carry):
         return
-    if parked["origin"] is not None:
-        carry.restore_front(kv_cache, parked["origin"], replay.blocks, 0)
-        carry.origin[replay.request] = parked["origin"]
-    if parked["queries"] is not None:
-        stash.queries[replay.key] = parked["queries"]
     if replay.select is not None:
         window_queries = stash.pop(replay.key)
         if window_queries is not None:
             select_blocks(step.policy, step.layout, replay.select, window_queries, kv_cache, scale, None, carry)
     if replay.stash is not None:
         stash.add(replay.stash, query)
+
+
+def restore_replay(
+    step: SnapKVStep, replay: SnapKVReplay, stash: ObservationStash, kv_cache, carry: LayerCarry | None
+) -> bool:
+    """Give a recomputed request the front blocks and window queries its first run had (``kvcompress.vllm.carry``):
+    the origin blocks this last step of the recompute completed into their slots (those completed by earlier steps
+    were copied then), the slots' origin, the observation-window queries (``False``: nothing was parked)."""
+    parked = carry.parked.pop(replay.request, None) if carry is not None else None
+    if parked is None:
+        return False
+    if parked["origin"] is not None:
+        carry.restore_front(kv_cache, parked["origin"], replay.carried, step.policy.block_size)
+        carry.origin[replay.request] = parked["origin"]
+    stash.front_scores.pop(replay.key, None)
+    if parked["queries"] is not None:
+        stash.queries[replay.key] = parked["queries"]
+    else:
+        stash.queries.pop(replay.key, None)
+    return True
 
 
 def select_blocks(

@@ -10,8 +10,9 @@ The selection point is always the prompt's end (the prompt length, from vLLM's r
 as for the scheduler, which frees from the same prompt length. Normally the prompt's last prefill step ends there
 and the selection runs at the start of the first decode step. A step that passes the prompt's end (vLLM's
 recompute of a preempted request: prompt and generated tokens in one prefill) selects after its attention, voted
-by the window queries up to the prompt's end, or, for a request whose first run had selected, replays that run's
-kept blocks (``kvcompress.vllm.carry``).
+by the window queries up to the prompt's end. A request whose first run had selected is not selected again: over
+every step of its recompute (one or several) nothing of its own is stashed or selected, and the carry puts its first
+run's kept blocks and window queries back (``kvcompress.vllm.carry``).
 """
 
 from __future__ import annotations
@@ -65,20 +66,26 @@ class SnapKVTracker:
         live = common.seq_lens[:num_reqs] > 0
         prefilling = common.is_prefilling[:num_reqs].to(torch.bool) & live
         ends = context + (common.query_start_loc[1 : num_reqs + 1] - common.query_start_loc[:num_reqs]).long()
+        # Rows recomputing a preempted request that had selected: nothing of their own is selected or stashed, the
+        # carry gives their first run's front blocks and window queries back (``kvcompress.vllm.carry``).
+        recomputed = torch.zeros(num_reqs, dtype=torch.bool)
+        if carry is not None:
+            recomputed[sorted(carry.rows())] = True
         self.prompt_len[keys[prefilling & (context == 0)]] = 0
         # A prefill step passing the prompt's end selects after its attention (a recompute after a preemption).
         crossing = prefilling & (context < prompt_lens) & (ends > prompt_lens)
-        selecting = ~prefilling & live & self.pending[keys]
+        selecting = ~prefilling & live & self.pending[keys] & ~recomputed
         compressing = selecting | crossing
         self.prompt_len[keys[compressing]] = prompt_lens[compressing]
         self.pending[keys[compressing]] = False
-        self.pending[keys[prefilling & ~crossing]] = True
+        self.pending[keys[prefilling & ~crossing & (ends <= prompt_lens)]] = True
         prompt_len = self.prompt_len[keys]
         decoding = ~prefilling & live & (prompt_len > 0)
-        reselecting = decoding & self.policy.reselects(context, prompt_len)
-        stashing = (prefilling & ~crossing) | (decoding & self.policy.stashes(context, prompt_len))
+        reselecting = decoding & self.policy.reselects(context, prompt_len) & ~recomputed
+        stashing = ((prefilling & ~crossing) | (decoding & self.policy.stashes(context, prompt_len))) & ~recomputed
         # Prefill selections at the end of this step: rows whose step moves blocks past the prefill range's end.
-        squeezing = prefilling & ~crossing & (self.policy.prefill_hi(ends) > self.policy.prefill_hi(context))
+        moving = self.policy.prefill_hi(ends) > self.policy.prefill_hi(context)
+        squeezing = prefilling & ~crossing & ~recomputed & moving
         step = None
         if stashing.any() or selecting.any() or reselecting.any() or squeezing.any() or crossing.any() or carry:
             step = SnapKVStep(
@@ -89,14 +96,13 @@ class SnapKVTracker:
                 self._prefill_rows(table, keys, context, ends, squeezing, requests),
                 carry=carry,
             )
-            replayed = {replay.row: replay for replay in carry.replays} if carry else {}
-            for i in crossing.nonzero().flatten().tolist():
-                if i in replayed:
-                    step.replays.append(self._replay(common, table, keys, prompt_len, replayed[i]))
-                else:
-                    row, stash = self._cross_rows(common, table, keys, context, ends, prompt_len, i, requests)
-                    step.cross.append(row)
-                    step.cross_stash.append(stash)
+            for i in (crossing & ~recomputed).nonzero().flatten().tolist():
+                row, stash = self._cross_rows(common, table, keys, context, ends, prompt_len, i, requests)
+                step.cross.append(row)
+                step.cross_stash.append(stash)
+            if carry is not None:
+                step.replays = [self._replay(keys, prompt_len, replay) for replay in carry.replays]
+                step.recomputing = list(carry.recomputing)
         return step, prompt_len
 
     @staticmethod
@@ -142,9 +148,10 @@ class SnapKVTracker:
         row = SelectRow(int(keys[i]), length, int(lo), before, int(after), blocks, policy.prefill_front, request)
         return row, StashRow(int(keys[i]), start, start + length - int(context[i]), int(context[i]))
 
-    def _replay(self, common, table, keys, prompt_len, replay) -> SnapKVReplay:
-        """A recomputed request whose first run had selected, cached ``replay.count`` tokens and stopped there: the
-        re-selection its next step would have made (if due) and its recomputed queries that join the next window."""
+    def _replay(self, keys, prompt_len, replay) -> SnapKVReplay:
+        """The last step of a recompute whose first run had selected, cached ``replay.count`` tokens and stopped
+        there: the re-selection its next step would have made (if due) and its recomputed queries that join the next
+        window."""
         policy, i, count = self.policy, replay.row, replay.count
         length = prompt_len[i : i + 1]
         here = torch.tensor([count])
@@ -156,5 +163,5 @@ class SnapKVTracker:
             select = SelectRow(int(keys[i]), count, lo, before, after, blocks, lo, replay.request)
         stash = None
         if bool(policy.stashes(here, length)[0]):
-            stash = StashRow(int(keys[i]), replay.start + count, replay.end, count)
-        return SnapKVReplay(replay.request, int(keys[i]), replay.blocks, select, stash)
+            stash = StashRow(int(keys[i]), replay.start + count - replay.context, replay.end, count)
+        return SnapKVReplay(replay.request, int(keys[i]), replay.blocks, select, stash, replay)
