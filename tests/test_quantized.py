@@ -134,15 +134,11 @@ def test_kv_bits_16_is_the_full_precision_layer():
     assert torch.equal(forced_logits(model, ids, cache, 20), plain)
 
 
-@pytest.mark.parametrize(
-    "method,params,bits,residual",
-    [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0), ("tova", {"budget": 20}, 8, 8)],
-)
-def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, method, params, bits, residual):
-    """A decoding step reads the codes (``core.quantized_attention``): at every step and layer its output and
-    statistics are those of the default attention over the dequantized view of the same slots. (Two caches run
-    apart would not stay equal: float rounding of 1e-6 flips a code now and then when a key group is sealed.)"""
-    checked = []
+def compare_codes_path_with_view(monkeypatch) -> list[bool]:
+    """Wrap ``QuantizedLayer.attend``: each decoding step that reads the codes is compared with the default attention
+    over the dequantized view of the same slots under the same mask (output and statistics); the returned list
+    gets one entry per compared step: whether the mask hid any slot."""
+    checked: list[bool] = []
     from_codes = QuantizedLayer.attend
 
     def attend(layer, query, key, value, mask, scaling):
@@ -157,10 +153,22 @@ def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, metho
                 torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
             if request.last_queries:
                 torch.testing.assert_close(stats.last, expected_stats.last, rtol=1e-5, atol=1e-6)
-            checked.append(1)
+            checked.append(mask is not None and not bool(mask.all()))
         return result
 
     monkeypatch.setattr(QuantizedLayer, "attend", attend)
+    return checked
+
+
+@pytest.mark.parametrize(
+    "method,params,bits,residual",
+    [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0), ("tova", {"budget": 20}, 8, 8)],
+)
+def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, method, params, bits, residual):
+    """A decoding step reads the codes (``core.quantized_attention``): at every step and layer its output and
+    statistics are those of the default attention over the dequantized view of the same slots. (Two caches run
+    apart would not stay equal: float rounding of 1e-6 flips a code now and then when a key group is sealed.)"""
+    checked = compare_codes_path_with_view(monkeypatch)
     model = tiny_model()
     ids = token_ids(2, 60, seed=5)
     cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
@@ -177,24 +185,7 @@ def test_decoding_step_from_codes_under_a_padding_mask(monkeypatch, method, para
     padded), then decoding with a few padding tokens in the middle of one row (a row that waits while the other
     decodes): at every step and layer the output and statistics are those of the default attention over the
     dequantized view under the same mask, and the mask did hide slots (at every step without eviction)."""
-    checked, masked = [], []
-    from_codes = QuantizedLayer.attend
-
-    def attend(layer, query, key, value, mask, scaling):
-        result = from_codes(layer, query, key, value, mask, scaling)
-        if layer._reads_codes:
-            output, stats = result
-            keys, values = layer.slots.view(layer.view_width)
-            request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
-            expected, expected_stats = layer_attention(query, keys, values, mask, scaling, request, None)
-            torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
-            if request.received:
-                torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
-            checked.append(1)
-            masked.append(mask is not None and not bool(mask.all()))
-        return result
-
-    monkeypatch.setattr(QuantizedLayer, "attend", attend)
+    checked = compare_codes_path_with_view(monkeypatch)
     model = tiny_model()
     ids = token_ids(2, 56, seed=6)
     real = torch.ones(2, 56, dtype=torch.long)
@@ -208,7 +199,7 @@ def test_decoding_step_from_codes_under_a_padding_mask(monkeypatch, method, para
             model(ids[:, step : step + 1], attention_mask=mask, **cache_argument(model, cache), use_cache=True)
     assert len(checked) == 24 * len(cache.layers)
     # (H2O evicts the padding first: its later steps may need no mask)
-    assert all(masked) if method == "full" else any(masked)
+    assert all(checked) if method == "full" else any(checked)
 
 
 # --- with eviction -------------------------------------------------------------------------------------------
