@@ -22,10 +22,12 @@ separate processes see different loads.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import subprocess
+import tempfile
 import time
-import types
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -77,11 +79,16 @@ def vs_transformers(prompt: int, steps: int, bits: int, group: int, residual: in
 
 
 def function_at(revision: str):
-    """``quantized_one_query`` as of git ``revision`` (the module's source run in a fresh namespace)."""
+    """``quantized_one_query`` as of git ``revision``: the repository's own module at that revision, written to a
+    temporary file and imported under another name."""
     path = "src/kvcompress/core/quantized_attention.py"
     source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType(f"quantized_attention_{revision}")
-    exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
+    folder = Path(tempfile.mkdtemp())
+    file = folder / f"quantized_attention_{revision}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module.quantized_one_query
 
 
