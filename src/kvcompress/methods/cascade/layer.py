@@ -1,27 +1,18 @@
-"""The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer.
+"""The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer (the method, the paper and the
+choices: ``kvcompress.methods.cascade.config``).
 
-See ``kvcompress.methods.cascade.config`` for the method, the paper and the choices. Every way tokens enter the
-rings (a decoding step, a prompt in one forward or in chunks, padded batches, a layer driven by hand) is the schedule
-(``schedule``: Algorithm 1 on Python integers, each sequence's layout ``Rings``; ``schedule.play``: the moves of one
-token, or of several with no attention between them) applied by one executor (``executor.apply_moves``: the moves
-on every sequence, head and tensor at once). Tokens that attend one after the other while the batch is in step
-(decoding, ``prefill="exact"``) are planned once per forward for every layer (``ring_decode``); the rest insert
-here (``_insert_tokens``) and attend in ``ring_attention``. The stream-order views are in ``ring_views``.
+Every way tokens enter the rings is the schedule (``schedule``: Algorithm 1 on Python integers, one ``Rings`` layout
+per sequence) applied by one executor (``executor.apply_moves``). While the batch has no padding every sequence has
+the same layout (the batch is "in step"): one ``Rings`` for all, and a forward's tokens that attend one after the
+other are planned once for every layer (``ring_decode``); the other forwards insert here (``_insert_tokens``) and
+attend in ``ring_attention``. Per slot, beside the key and value: the token's stream index (``-1``: empty), the RoPE
+position the model gave it, and its attention EMA (fp32).
 
-Slot layout of one layer (per sequence; every KV head uses the same slots, homogeneous policy): ``[0, S)`` sinks,
-then cascade ``i`` in ``[S + i W, S + (i + 1) W)``, a ring whose oldest token sits at offset ``start[i]`` and which
-holds ``count[i]`` tokens (``schedule.Rings``). Beside the keys and values, per slot: the token's stream index
-(``-1`` = empty), the RoPE position the model gave it, and its attention EMA (fp32). The layout is a function of the
-sequence's real-token count only, so while the batch has no padding it is one ``Rings`` for every sequence (the
-batch "in step"); after padding (or a reordered batch) the schedule runs once per sequence.
-
-Keys are stored rotated at one *angle* convention (``schedule.angles``): the model's rotation is undone with the
-exact cosines and sines it used, and the key is rotated to its ring's running index (the ``k``-th token ever
-written to ring ``i`` at ``S + i W + k``), so inside a ring rank - angle is one number (``schedule.offsets``) and a
-query attends to a ring's keys with one rotation; a key is turned only when it moves to another ring. The sinks are
-kept at ``j + sink_shift`` (the oldest ring's frame), rewritten from a copy at angle ``j`` whenever that shift moves
-(no accumulated rounding). With one ring a ring token's angle is its index among the sequence's real tokens, so the
-whole buffer is one frame. Angles grow with the stream, so rotations by them are computed in float64.
+Keys are stored in one angle convention (``schedule``): the model's rotation is undone with the exact cosines and
+sines it used and the key is rotated to its ring's running index, so a query reads each ring with one rotation and a
+key is turned only when it moves to another ring. The sinks sit in the oldest ring's frame, rewritten from a copy at
+angle ``j`` whenever that frame moves (no accumulated rounding). Angles grow with the stream, so rotations by them are
+computed in float64.
 """
 
 from __future__ import annotations
@@ -40,18 +31,7 @@ from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
 from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_views import RingViews
-from kvcompress.methods.cascade.schedule import (
-    Layout,
-    Move,
-    Rings,
-    angles,
-    move_turn,
-    offsets,
-    play,
-    ranks,
-    sink_shift,
-    sinks_after,
-)
+from kvcompress.methods.cascade.schedule import Layout, Rings, move_turn, offsets, play, sink_shift, sinks_after
 
 
 @dataclass
@@ -67,8 +47,11 @@ class _Pending:
 
     @property
     def tok(self) -> torch.Tensor:
-        """``[q]`` stream indices (built when asked: a decoding step of one ring never needs them)."""
         return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
+
+
+def _always(arriving: int, resident: int) -> bool:
+    return True  # no token selection: the arriving token always wins
 
 
 class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
@@ -79,15 +62,12 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
-        # the cascade layers of this layer's cache (``CascadeConfig.connect``), whose old tokens the first of a
-        # decoding step moves for all (``ring_moves``); None: this layer moves its own
-        self.ring_layers: list | None = None
+        self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_moves``)
         super().__init__(policy, inv_freq)
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
-        self.full_capacity = config.used_budget  # slots at the budget
-        self.capacity = self.full_capacity  # slots allocated; one ring starts smaller and grows (``_grow``)
+        self.full_capacity = self.capacity = config.used_budget  # one ring starts smaller and grows (``_grow``)
         eager_until = self.full_capacity if config.eager_fill else 0
         self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
@@ -98,32 +78,22 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, key_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        if self.cascades == 1:  # one ring grows with the tokens seen (``_grow``)
+        if self.cascades == 1:
             self._set_capacity(min(self.full_capacity, max(self.sinks + 1, count)))
-        slots = self.capacity
-        long = {"dtype": torch.long, "device": self.device}
-        self._key_dim = key_dim
-        # keys (rotated at their slot index) and values side by side; slot ``slots`` is scratch space; per slot: the
-        # stream index of the token (-1 = empty) and the RoPE position the model gave it; the attention EMA (fp32)
-        kv_shape = (batch, heads, slots + 1, key_dim + value_states.shape[-1])
-        self._kv = key_states.new_zeros(kv_shape)
-        self._meta = torch.stack(
-            [torch.full((batch, slots + 1), -1, **long), torch.zeros(batch, slots + 1, **long)], -1
-        )
+        slots, self._key_dim = self.capacity, key_dim
+        # keys and values side by side, then one scratch slot; per slot (stream index, RoPE position) and the EMA
+        self._kv = key_states.new_zeros(batch, heads, slots + 1, key_dim + value_states.shape[-1])
+        self._meta = torch.zeros(batch, slots + 1, 2, dtype=torch.long, device=self.device)
+        self._meta[..., 0] = -1
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
-        # the sinks' keys at angle j (their own index), copied as they are stored: the sinks are rewritten from it
-        # whenever their angle moves (no accumulated rounding); ``_sinks_full``: every sequence has all its sinks
+        # the sinks' keys at angle j, the copy they are rewritten from; ``_sinks_full``: every sequence has its sinks
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)
         self._sinks_full = self.sinks == 0
-        # the layout of each sequence (``schedule.Rings``: Python integers). "In step": one schedule for the whole
-        # batch (every sequence has taken the same number of real tokens: no padding so far), every entry the same
-        # object; the first padded forward (or a reordered batch) runs the schedule once per sequence from then on
         self._in_step = True
         self._rings: list[Rings] = [Rings.empty(self._layout)] * batch
         self._counter_tensors: tuple | None = None
         self.is_initialized = True
 
-    # the counters: Python integers per sequence (``_rings``); as tensors for the per-slot views
     @property
     def _shared(self) -> Rings:
         """The layout of every sequence while the batch is in step."""
@@ -132,71 +102,43 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
     def _set_shared(self, rings: Rings) -> None:
         self._rings = [rings] * len(self._rings)
 
-    def _counters(self) -> tuple[torch.Tensor, ...]:
-        """``count``, ``start`` and ``passed`` ``[B, N]``, sinks stored and real tokens seen ``[B]`` and each
-        frame's rank minus angle ``[B, 1 + N]`` (``schedule``; made when the layouts change, from one row while in
-        step)."""
-        cached = self._counter_tensors
-        if cached is None or cached[0] is not self._rings:
-            layout, rows = self._layout, self._rings[:1] if self._in_step else self._rings
-            values = [
-                [*r.count, *r.start, *r.passed, min(r.seen, self.sinks), r.seen, *offsets(layout, r)] for r in rows
-            ]
-            table = from_host(values, self.device).expand(len(self._rings), -1)
-            n = self.cascades
-            parts = table[:, :n], table[:, n : 2 * n], table[:, 2 * n : 3 * n], table[:, 3 * n], table[:, 3 * n + 1]
-            cached = self._counter_tensors = (self._rings, *parts, table[:, 3 * n + 2 :])
-        return cached[1:]
-
-    def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``
-        (``schedule.ranks``, ``schedule.angles``; for the stream-order views and a chunk's attention, not per
-        token)."""
-        rows, slots = self._rings[:1] if self._in_step else self._rings, self.capacity
-        values = [ranks(self._layout, rings)[:slots] + angles(self._layout, rings)[:slots] for rings in rows]
-        table = from_host(values, self.device).expand(len(self._rings), -1)
-        return table[:, :slots], table[:, slots:]
-
-    _count = property(lambda self: self._counters()[0])
-    _start = property(lambda self: self._counters()[1])
-    _n_sink = property(lambda self: self._counters()[3])
-    _n_real = property(lambda self: self._counters()[4])
-
-    def _frame(self) -> torch.Tensor:
-        """Per sequence ``[B]``, the tokens the first ring overwrote (with one ring: the frame ``F``, real tokens
-        past the ring's width)."""
-        return self._counters()[2][:, 0]
-
     def _leave_step(self) -> None:
-        """Run the schedule once per sequence from now on (the batch is no longer in step)."""
+        """Run the schedule once per sequence from now on (padding, a reordered batch)."""
         if self._in_step:
             self._in_step = False
             self._rings = list(self._rings)
 
-    @property
-    def _k(self) -> torch.Tensor:
-        """Stored keys ``[B, H_kv, S + |C|, d]`` in slot order, each rotated at its slot index."""
-        return self._kv[:, :, : self.capacity, : self._key_dim]
+    def _rows(self) -> list[Rings]:
+        return self._rings[:1] if self._in_step else self._rings
 
-    @property
-    def _v(self) -> torch.Tensor:
-        return self._kv[:, :, : self.capacity, self._key_dim :]
+    def _counters(self) -> tuple[torch.Tensor, ...]:
+        """``count``, ``start``, ``passed`` ``[B, N]`` and each frame's rank minus angle ``[B, 1 + N]``
+        (``schedule.offsets``), made when the layouts change."""
+        cached = self._counter_tensors
+        if cached is None or cached[0] is not self._rings:
+            rows = [[*r.count, *r.start, *r.passed, *offsets(self._layout, r)] for r in self._rows()]
+            table = from_host(rows, self.device).expand(len(self._rings), -1)
+            n = self.cascades
+            parts = table[:, :n], table[:, n : 2 * n], table[:, 2 * n : 3 * n], table[:, 3 * n :]
+            cached = self._counter_tensors = (self._rings, *parts)
+        return cached[1:]
 
-    @property
-    def _tok(self) -> torch.Tensor:
-        return self._meta[:, : self.capacity, 0]
+    _count = property(lambda self: self._counters()[0])
+    _start = property(lambda self: self._counters()[1])
+    _k = property(lambda self: self._kv[:, :, : self.capacity, : self._key_dim])  # keys at their angles
+    _v = property(lambda self: self._kv[:, :, : self.capacity, self._key_dim :])
+    _tok = property(lambda self: self._meta[:, : self.capacity, 0])
+    _pos = property(lambda self: self._meta[:, : self.capacity, 1])
 
-    @property
-    def _pos(self) -> torch.Tensor:
-        return self._meta[:, : self.capacity, 1]
+    def _frame(self) -> torch.Tensor:
+        """``[B]``: the tokens the first ring overwrote (one ring: the frame ``F``)."""
+        return self._counters()[2][:, 0]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take the new tokens; they are inserted when they attend (``cascade_attention``), as in the paper.
-
-        Returns the slot buffers (slot order is not stream order; attention does not depend on it).
-        """
+        """Take the new tokens, inserted when they attend (``cascade_attention``) as in the paper; returns the slot
+        buffers (slot order, not stream order: attention does not depend on it)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[2]
@@ -217,21 +159,20 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         pending, count = self._pending, self.new_tokens
         if pending is None:
             return
-        batch = self._kv.shape[0]
         if position_ids is not None:
             positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
             if positions.device != self.device or positions.dtype != torch.long:
                 positions = positions.to(self.device, torch.long)
-            pending.pos = positions.expand(batch, -1)
+            pending.pos = positions.expand(self._kv.shape[0], -1)
             pending.source = position_ids if position_ids.dim() == 2 else None
         if padding is not None:
             pending.real = padding[:, -count:].to(self.device, torch.bool)
 
     def _prepared(self, pending: _Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pending tokens as slot items: ``kv`` ``[B, H, q, dk + dv]`` with un-rotated keys, ``meta``
-        ``[B, q, 2]``, RoPE positions ``[B, q]`` and the real-token mask ``[B, q]``."""
+        ``[B, q, 2]``, RoPE positions and the real-token mask ``[B, q]``."""
         batch, count = self._kv.shape[0], pending.keys.shape[2]
         tok = pending.tok.expand(batch, -1)
         pos = tok if pending.pos is None else pending.pos
@@ -243,13 +184,12 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         if self.inv_freq is None:
             kv = torch.cat([keys, values], -1)
         else:  # undo the model's rotation with the very angles it used (rotate_half convention, by -angle)
-            angles = pos[:, None, :, None].to(torch.float32) * self.inv_freq.to(self.device)
-            cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
+            angle = pos[:, None, :, None].to(torch.float32) * self.inv_freq.to(self.device)
+            cos, sin = angle.cos().to(keys.dtype), angle.sin().to(keys.dtype)
             half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
             first, second, rest = keys[..., :half], keys[..., half : 2 * half], keys[..., 2 * half :]
             kv = torch.cat([first * cos + second * sin, second * cos - first * sin, rest, values], -1)
-        meta = torch.stack([tok, pos], -1)
-        return kv, meta, pos, real
+        return kv, torch.stack([tok, pos], -1), pos, real
 
     def _insert_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -262,10 +202,10 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         self.width = (slots - self.sinks) // self.cascades
 
     def _grow(self, needed: int) -> None:
-        """One ring (``N = 1``) is allocated for the tokens seen, not the budget, so a short prompt never stores
-        more than a full cache: before its first wrap the ring holds its tokens in order from its first slot, so
-        growing copies the occupied prefix into a larger buffer (by a quarter at least, up to the budget). With
-        several cascades each ring's region is fixed by the budget, so they are allocated whole."""
+        """One ring (``N = 1``) is allocated for the tokens seen, not the budget, so a short prompt never stores more
+        than a full cache: before its first wrap the ring holds its tokens in order from its first slot, so growing
+        copies that prefix into a larger buffer (by a quarter at least, up to the budget). With several cascades each
+        ring's region is fixed by the budget, so they are allocated whole."""
         if self.cascades != 1 or self.capacity >= self.full_capacity or needed <= self.capacity:
             return
         used = self.capacity
@@ -286,23 +226,19 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
     ) -> None:
         """Insert ``q`` tokens with no attention between them (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated;
         ``meta`` ``[B, q, 2]``; ``real`` ``[B, q]``, False: padding, never stored; initial ``scores`` ``[B, q]``,
-        None: 0), as ``q`` one-token insertions would: ``schedule.play`` once for the batch while it is in step
-        (every token real), else once per sequence over its real tokens (``real`` read on the host). One token's
-        selection is left to the executor (on the device); among several tokens, each selection is decided on the
-        host from the scores (read once, at the first selection), so the sequences may then move differently
-        while their layouts stay the same."""
+        None: 0), as ``q`` one-token insertions would. One token's selection is left to the executor; among several,
+        each selection is decided on the host from the scores (read once), so the sequences may move differently
+        while their layouts stay the same (the batch stays in step)."""
         count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
+        needs = self.rule.needs_scores
         in_step = self._in_step and self._all_real and not self.force_tensor_path
         if not in_step:
             self._leave_step()
-        tokens = [range(count)] if in_step else [[m for m, r in enumerate(row) if r] for row in real.tolist()]
         host: list = []  # the pool's scores on the host, read at the first selection decided there
 
         def decide(row: int):
-            if not self.rule.needs_scores:
-                return lambda arriving, resident: True  # no token selection: the arriving token always wins
-            if count == 1:
-                return None  # the executor decides
+            if not needs or count == 1:
+                return None if needs else _always
 
             def wins(arriving: int, resident: int) -> bool:
                 if not host:
@@ -313,51 +249,46 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
 
             return wins
 
-        if in_step:  # the moves are the same for every layer of the forward unless the scores decide some
-            decided = self.rule.needs_scores and count > 1
-            key = ("cascade-play", before[0], count, slots, decided, id(self.rule.config))
-            shared, selected = self.forward_pass.cached(key, lambda: self._shared_play(before[0], count, decided))
-            plans = [shared]
-            if selected:  # selections to decide from the scores: each sequence's moves
-                plans = [play(layout, before[0], tokens[0], slots, decide(b)) for b in range(len(before))]
+        if in_step:  # the same moves for every layer of the forward unless the scores decide a selection
+            key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))
+            shared, selected = self.forward_pass.cached(key, lambda: self._shared_play(before[0], count))
             self._set_shared(shared[0])
+            if selected:
+                plans = [play(layout, before[0], range(count), slots, decide(b)) for b in range(len(before))]
+                columns = self._sequence_columns(before, plans)
+            else:
+                columns = self._columns(before[0], shared, count)
         else:
-            plans = [
-                play(layout, rings, row, slots, decide(b))
-                for b, (rings, row) in enumerate(zip(before, tokens, strict=True))
-            ]
+            tokens = [[m for m, is_real in enumerate(row) if is_real] for row in real.tolist()]
+            plans = [play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
             self._rings = [plan[0] for plan in plans]
-        if len(plans) == 1:
-            columns = self._columns(before[0], plans[0], count)
-        else:
             columns = self._sequence_columns(before, plans)
-        buffers = (self._kv, self._meta, self._score if self.rule.needs_scores else None)
         if columns is not None:
+            buffers = (self._kv, self._meta, self._score if needs else None)
             apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
         self._sync_sinks(before)
 
-    def _shared_play(self, before: Rings, count: int, decided: bool) -> tuple[tuple, bool]:
-        """``schedule.play`` of ``count`` new tokens for the batch in step, and whether it met a selection that
-        the scores decide (``decided``; then the moves are the layer's own)."""
+    def _shared_play(self, before: Rings, count: int) -> tuple[tuple, bool]:
+        """``schedule.play`` of ``count`` new tokens for the batch in step, and whether it met a selection that the
+        scores decide on the host (several tokens with token selection: then each sequence plays its own)."""
         selected: list[bool] = []
-        if decided:
+        wins = None if self.rule.needs_scores else _always  # one token's selection is left to the executor
+        if self.rule.needs_scores and count > 1:
             wins = lambda arriving, resident: selected.append(True) or True  # noqa: E731
-        else:  # no token selection (the arriving token always wins), or one token's, left to the executor
-            wins = None if self.rule.needs_scores else lambda arriving, resident: True
         return play(self._layout, before, range(count), self.capacity, wins), bool(selected)
 
-    def _columns(self, before: Rings, plan: tuple[Rings, list[Move], bool], count: int, rotated: bool = False):
-        """The executor's tables (``Columns``) of moves shared by the batch, or ``None`` (no move); built once per
-        forward for the layers in the same state: new tokens' columns first (``count`` new tokens); ``rotated``: the
-        new keys come at their angles already."""
+    def _columns(self, before: Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
+        """The executor's tables of moves shared by the batch (``None``: no move), built once per forward for the
+        layers in the same state: the ``count`` new tokens' columns first; ``rotated``: the new keys come at their
+        angles already."""
         after, moves, select = plan
         slots, layout = self.capacity, self._layout
         fresh = [move for move in moves if move[1] > slots]
         stored = [move for move in moves if move[1] <= slots]  # (a selection, last, always moves a stored token)
-        if not fresh and not stored:
+        if not moves:
             return None
         turns = [0 if rotated else move_turn(layout, before, after, *move, slots) for move in fresh]
-        turns += [move_turn(layout, before, after, dest, item, slots) for dest, item in stored]
+        turns += [move_turn(layout, before, after, *move, slots) for move in stored]
         taken = [item - slots - 1 for _, item in fresh]
         key = ("cascade-columns", before, tuple(moves), select, count, rotated, slots, self.device, self.dtype)
 
@@ -365,16 +296,13 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             take = None if taken == list(range(count)) else from_host(taken, self.device)
             read = from_host([item for _, item in stored], self.device)
             written = from_host([dest for dest, _ in fresh + stored], self.device)
-            cos, sin = (None, None) if self.inv_freq is None else self._turn_table(from_host(turns, self.device))
-            if cos is not None:
-                cos, sin = cos[:, None, None], sin[:, None, None]
+            cos, sin = self._turn_table(turns, (len(turns), 1, 1))
             return Columns(read, written, cos, sin, select, take, len(fresh), fresh[0][0] if fresh else -1)
 
         return self.forward_pass.cached(key, build)
 
     def _sequence_columns(self, before: list[Rings], plans: list) -> Columns | None:
-        """The executor's tables of moves per sequence: pool items read, slots written, turns and selections
-        ``[B, m]``, padded with the scratch slot."""
+        """The executor's tables of moves per sequence ``[B, m]``, padded with the scratch slot."""
         slots, layout = self.capacity, self._layout
         width = max(len(plan[1]) for plan in plans)
         if not width:
@@ -384,23 +312,26 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
             pad = width - len(moves)
             read.append([item for _, item in moves] + [slots] * pad)
             written.append([dest for dest, _ in moves] + [slots] * pad)
-            turns.append([move_turn(layout, rings, after, dest, item, slots) for dest, item in moves] + [0] * pad)
+            turns.append([move_turn(layout, rings, after, *move, slots) for move in moves] + [0] * pad)
             select.append([False] * (len(moves) - 1) + [selects] * bool(moves) + [False] * pad)
-        cos, sin = (None, None) if self.inv_freq is None else self._turn_table(from_host(turns, self.device)[:, None])
+        cos, sin = self._turn_table(turns, (len(turns), 1, width))
         read_t, written_t = from_host(read, self.device), from_host(written, self.device)
         return Columns(read_t, written_t, cos, sin, from_host(select, self.device, torch.bool))
 
-    def _turn_table(self, turns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin ``[..., d / 2]`` of whole-number turns ``[...]`` (angles grow with the stream: float64)."""
-        angles = turns.to(torch.float64)[..., None] * self.inv_freq.to(self.device, torch.float64)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+    def _turn_table(self, turns: list, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos / sin ``[*shape, d / 2]`` of whole-number turns (angles grow with the stream: float64); ``None``
+        without RoPE."""
+        if self.inv_freq is None:
+            return None, None
+        angle = from_host(turns, self.device).view(shape).to(torch.float64)[..., None]
+        angle = angle * self.inv_freq.to(self.device, torch.float64)
+        return angle.cos().to(self.dtype), angle.sin().to(self.dtype)
 
     # --- the sinks, in the oldest ring's frame --------------------------------------------------------------------
     def _sync_sinks(self, before: list[Rings]) -> None:
         """After an insertion from the layouts ``before``: copy the sinks just stored to ``_sink_keys`` at angle
-        ``j`` and rewrite the sinks from that copy where their angle moved (the oldest ring overwrote a token).
-        A sink is stored at ``j`` + the shift of empty rings (``schedule.move_turn``: the rings stay empty until the
-        sinks are full)."""
+        ``j`` (a new sink is stored at ``j`` plus the shift of empty rings, ``schedule.move_turn``) and rewrite the
+        sinks from that copy where their angle moved (the oldest ring overwrote a token)."""
         if not self.sinks or self.inv_freq is None:
             return
         layout, after = self._layout, self._rings
@@ -424,14 +355,11 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
     def _update_sinks(self, copy: bool, shift: int | None, after: Rings) -> None:
         """A batch in step (``schedule.sinks_after``): take the sinks' copy at angle ``j`` again where sinks were
         stored, and write them at ``j + shift`` where their shift moved (rotations shared by a forward's layers)."""
+        forward, dim = self.forward_pass, self._key_dim
         if copy:
-            rotation = frame_rotation(self.forward_pass, -self._layout.fill, self.inv_freq, self._key_dim, self.dtype)
-            self._sink_keys = self._kv[:, :, : self.sinks, : self._key_dim] @ rotation
+            rotation = frame_rotation(forward, -self._layout.fill, self.inv_freq, dim, self.dtype)
+            self._sink_keys = self._kv[:, :, : self.sinks, :dim] @ rotation
             self._sinks_full = after.seen >= self.sinks
         if shift is not None:
-            self._place_sinks(shift)
-
-    def _place_sinks(self, shift: int) -> None:
-        """Write the sinks' keys at angle ``j + shift`` from their copy at angle ``j`` (a batch in step)."""
-        rotation = frame_rotation(self.forward_pass, shift, self.inv_freq, self._key_dim, self.dtype)
-        self._kv[:, :, : self.sinks, : self._key_dim] = self._sink_keys @ rotation
+            rotation = frame_rotation(forward, shift, self.inv_freq, dim, self.dtype)
+            self._kv[:, :, : self.sinks, :dim] = self._sink_keys @ rotation

@@ -1,19 +1,14 @@
-"""A forward's tokens one after the other through the rings, planned once per forward: decoding steps and
-``prefill="exact"``.
+"""A forward's tokens one after the other through the rings while the batch is in step: decoding steps and
+``prefill="exact"`` (each token inserted, attending and folding its attention into the EMA before the next, as
+feeding them one at a time does; the MLPs still run on the whole forward).
 
-Each token is inserted, attends and folds its attention into the EMA before the next one, exactly what feeding the
-tokens one at a time does (v1 of the paper); the MLPs still run on the whole forward. While the batch is in step (no
-padding so far) every sequence has the same layout (``schedule.Rings``: Python integers), so the Python side of
-every token's step is the same for every layer of a forward and planned once, by the first layer
-(``ForwardPass.cached``): its moves (``schedule.play``, as the executor's tables), the sinks' update, and the query's
-frames. Keys sit at their ring's angle (``schedule.angles``), so a ring's rank is its angle plus one offset per ring
-and the sinks share the oldest ring's: a query is rotated to one target per ring (a decoding token: one matmul with
-a rotation matrix built once per forward, ``kvcompress.core.rotation``; a forward of several tokens: every query to
-its frames at once, elementwise), then one matmul and an index give the logits of every frame for every slot (one
-matmul per run of slots past ``DENSE_FRAME_SLOTS``), one softmax over the buffer's slots in slot order (empty slots at
-``-inf``), one matmul with the values and one for the EMA. Each layer runs a token's step as that short, fixed list
-of ops on views made once per forward; in a decoding step the first layer moves the old tokens of every layer at once
-(``ring_moves``) and each layer writes only its new key and value.
+Every sequence has the same layout, so each token's step (its moves as the executor's tables, the sinks' update, the
+query's frames) is planned once per forward by the first layer (``ForwardPass.cached``). A ring's rank is its angle
+plus one offset (``schedule.offsets``), so the query is turned to one target per ring (one token: one matmul with a
+rotation matrix, ``kvcompress.core.rotation``; several: elementwise), then one matmul and an index give every frame's
+logits for every slot (or one matmul per run of slots, past the ``DENSE_*`` limits), one softmax over the slots in slot
+order (empty slots at ``-inf``), one matmul with the values and one for the EMA. In a decoding step the first layer
+moves the old tokens of every layer (``ring_moves``) and each layer writes only its new key and value.
 """
 
 from __future__ import annotations
@@ -30,15 +25,13 @@ from kvcompress.methods.cascade.ring_moves import moved_every_ring
 from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
-# frames x stored slots up to which the logits of every frame are computed for every slot by one matmul. On the CPU
-# (SmolLM2 shapes, budget 512, 9 frames) a decoding step takes the same time either way, so larger products take
-# one matmul per run (fewer multiply-adds); on a GPU each op is a kernel launch that costs more than the matmul
+# The logits of every frame for every slot by one matmul while frames x stored slots stay below DENSE_FRAME_SLOTS
+# and, on the CPU, its multiply-adds (query rows x frames x slots x head dim) below DENSE_MULTIPLY_ADDS; else one
+# matmul per run (``frames`` times fewer multiply-adds; on a GPU each op is a launch that costs more than the matmul).
+# One thread, 4 frames, against per-run: SmolLM2-135M at batch 1, 512 slots (1.2M) 0.6x the time; batch 4-8 or 2,048
+# slots (4.7M-9.4M) 0.95x; 8 KV heads x 4 queries of dim 128 at 512 slots (8.4M) 1.3x; the paper's Table 4 shapes
+# (135M) 1.16x
 DENSE_FRAME_SLOTS = {"cpu": 4_608, "cuda": 1 << 22}
-# and, on the CPU, multiply-adds of that one matmul (query rows x frames x stored slots x head dim) up to which it is
-# taken: it does ``frames`` times the work of the runs' matmuls, which a large batch or many heads pays for. Measured
-# with one thread (4 frames, logits and softmax): SmolLM2-135M at batch 1 and 512 slots (1.2M) 0.6x the per-run time;
-# 4.7M-9.4M (batch 4-8 or 2,048 slots) 0.95x; 8 KV heads x 4 queries of dim 128 at 512 slots (8.4M) 1.3x; the
-# Cascading KV paper's Table 4 shapes (batch 8, 32 heads, dim 128, 1,028 slots: 135M) 1.16x
 DENSE_MULTIPLY_ADDS = {"cpu": 1 << 22}
 
 
@@ -235,7 +228,7 @@ class RingDecode:
         if self.rule.config.reduction != "mean":
             probs = probs.view(batch, self._kv.shape[1], -1, stored)
             pad = self.capacity - stored
-            self._fold_scores(torch.nn.functional.pad(probs, (0, pad)) if pad else probs, None)
+            self._fold_scores(torch.nn.functional.pad(probs, (0, pad)) if pad else probs)
             return
         rows = probs.view(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
         key = ("ones", *rows.shape[:2], rows.dtype, rows.device)

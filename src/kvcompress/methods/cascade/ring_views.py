@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import torch
 
+from kvcompress.core.forward import from_host
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import StreamView
 from kvcompress.methods.cascade.ring_moves import STACKED
+from kvcompress.methods.cascade.schedule import angles, ranks
 
 
 class RingViews:
     """Mixin of ``CascadeLayer``: keys, values, positions and validity in stream order, batch operations, bytes."""
 
     # --- views in stream order (the CompressedLayer contract) ---------------------------------------------------
+    def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]`` (for the
+        stream-order views, not per token)."""
+        slots = self.capacity
+        values = [ranks(self._layout, r)[:slots] + angles(self._layout, r)[:slots] for r in self._rows()]
+        table = from_host(values, self.device).expand(len(self._rings), -1)
+        return table[:, :slots], table[:, slots:]
+
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
 
@@ -163,10 +173,11 @@ class RingViews:
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()  # scratch excluded
 
     def metadata_nbytes(self) -> int:
+        """Per slot the stream index, RoPE position and EMA; per sequence the rings' counts and starts, the sinks
+        stored and the real tokens seen (int64)."""
         if not self.is_initialized:
             return 0
-        names = ("_meta", "_score", "_n_sink", "_n_real", "_count", "_start")
-        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        return self._meta.nbytes + self._score.nbytes + len(self._rings) * (2 * self.cascades + 2) * 8
 
     def allocated_metadata_nbytes(self) -> int:
         """The bookkeeping is held whole, as ``metadata_nbytes`` counts it."""
