@@ -1,13 +1,10 @@
 """``streaming`` in ``cache`` position mode on the cascade storage with one cascade: the circular sink cache.
 
-Its decoding step attends before inserting (the ring's oldest token is still seen) and is replayable
-(``kvcompress.decode_graph``): a replayed step (a CUDA graph) runs fixed kernels with every Python number baked in,
-and the step takes three numbers that change every step: the new token's real-token index (its key's angle and the
-query's), the slot it overwrites (sinks + the ring's start) and the sinks' frame ``F``. Once the ring is full and has
-overwritten a token, every step is the same operations with those three numbers; bound to a graph
-(``core.replay.ReplayBinding``) the layer keeps the index and the start on the device (its ``replay_counters``) and
-the step reads and advances them there; the Python integers are set from them when the graph is left
-(``sync_replayed``).
+Its decoding step attends before inserting (the ring's oldest token is still seen) and can be replayed
+(``kvcompress.decode_graph``): once the ring is full, every step is the same operations with three numbers that
+change, the new token's real-token index, the slot it overwrites and the sinks' frame ``F``; bound to a captured
+step (``core.replay.ReplayBinding``) the layer keeps the first two on the device (``replay_counters``) and advances
+them there, and the Python integers are set from them when the graph is left (``sync_replayed``).
 """
 
 from __future__ import annotations
@@ -48,31 +45,50 @@ class CircularSinkLayer(CascadeLayer):
         super().__init__(policy, inv_freq, rule=ring.policy(policy.layer_idx))
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """One token of a batch in step: the new token first goes to a spare slot (its own slot while the ring
-        fills, else the scratch slot after the ring); once attended, it is copied over the oldest ring token. One
-        ring is one frame (``CascadeLayer``): the new key, at its real-token index ``p``, and the query, at rank +
-        ``F`` = ``p``, are rotated by the same factors, and the query attends to the occupied slots with one SDPA
-        (no mask: they are a prefix of the buffer)."""
-        if self.seen_tensor is not None:  # bound to a captured step
-            return self._decode_circular_replayable(query, pending, scale)
-        seen, rings = self._shared.seen, self._rings
+        """One token of a batch in step: the new token goes to a spare slot (its own slot while the ring fills, else
+        the scratch slot after the ring), the query attends to the occupied slots (a prefix of the buffer, one frame:
+        the new key at its real-token index ``p``, the query at rank + ``F`` = ``p``, both turned by the same
+        rotation) with one SDPA, then the token is copied over the oldest ring token. Bound to a captured step
+        (``kvcompress.decode_graph``) the ring is full and ``p`` and the ring's start are read on the device."""
+        bound, dim, forward = self.seen_tensor is not None, self._key_dim, self.forward_pass
         after, moves = advance(self._layout, self._shared)
-        dest = moves.dests[0]  # a sink, an append or the oldest ring token's slot (``schedule``)
-        spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
-        dim, q_heads, kv_heads = pending.keys.shape[-1], query.shape[1], pending.keys.shape[1]
-        rotation = self._rotation(pending, (seen,), dim, pending.keys.dtype)
-        self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)  # (no out=: compiled graphs refuse it)
+        if bound:
+            seen, dest, spare = self.seen_tensor, (self.start_tensor + self.sinks).view(1), self.capacity
+            tag = ("replay-rotation", self.inv_freq.data_ptr(), dim)
+            build = lambda dtype: rotation_to_tensor(pending.source, seen, self.inv_freq, dim, dtype)  # noqa: E731
+            rotation = lambda dtype: forward.cached((*tag, dtype), lambda: build(dtype))  # noqa: E731
+        else:
+            seen, dest = self._shared.seen, moves.dests[0]  # a sink, an append or the oldest ring token's slot
+            spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
+            rotation = lambda dtype: self._rotation(pending, (seen,), dim, dtype)  # noqa: E731
+        self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation(pending.keys.dtype))  # (no out=: graphs)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
-        turned = turn(query, self._rotation(pending, (seen,), dim, query.dtype))
         stored = self._kv[:, :, : spare + 1]
         output = scaled_dot_product_attention(
-            turned, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
+            turn(query, rotation(query.dtype)),
+            stored[..., :dim],
+            stored[..., dim:],
+            scale=scale,
+            enable_gqa=query.shape[1] != stored.shape[1],
         )
-        if dest != spare:
-            self._kv[:, :, dest] = self._kv[:, :, spare]
-        self._meta[:, dest] = self._shared_meta(pending)[:, 0]
+        rings = self._rings
         self._set_shared(after)
-        self._sync_sinks(rings)
+        if not bound:
+            if dest != spare:
+                self._kv[:, :, dest] = self._kv[:, :, spare]
+            self._meta[:, dest] = self._shared_meta(pending)[:, 0]
+            self._sync_sinks(rings)
+            return output
+        self._kv.index_copy_(2, dest, self._kv[:, :, spare : spare + 1])
+        self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
+        self.start_tensor.add_(1).remainder_(self.width)
+        seen.add_(1)
+        if self.sinks:  # the next frame: F = real tokens seen - sinks - width
+            frame = forward.cached(
+                ("replay-frame", self.inv_freq.data_ptr(), dim, self.dtype),
+                lambda: frame_rotation_at(seen - (self.sinks + self.width), self.inv_freq, dim, self.dtype),
+            )
+            self._kv[:, :, : self.sinks, :dim].copy_(self._sink_keys @ frame)
         return output
 
     # --- replay (``kvcompress.decode_graph``) ---------------------------------------------------------------------
@@ -113,33 +129,3 @@ class CircularSinkLayer(CascadeLayer):
 
     def replay_state(self) -> tuple:
         return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0])
-
-    def _decode_circular_replayable(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """``_decode_circular`` of a full ring with the per-step numbers read on the device: attend with the new
-        token in the scratch slot, copy it over the oldest ring token, rewrite the sinks at the next frame."""
-        sinks, width, spare, dim = self.sinks, self.width, self.capacity, self._key_dim
-        seen, source = self.seen_tensor, pending.source
-        key = ("replay-rotation", self.inv_freq.data_ptr(), dim, pending.keys.dtype)
-        rotation = self.forward_pass.cached(key, lambda: rotation_to_tensor(source, seen, self.inv_freq, dim, key[-1]))
-        self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation)
-        self._kv[:, :, spare : spare + 1, dim:] = pending.values
-        if query.dtype != pending.keys.dtype:
-            rotation = rotation_to_tensor(source, seen, self.inv_freq, dim, query.dtype)
-        q_heads, kv_heads = query.shape[1], self._kv.shape[1]
-        stored = self._kv[:, :, : spare + 1]
-        output = scaled_dot_product_attention(
-            turn(query, rotation), stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=q_heads != kv_heads
-        )
-        dest = (self.start_tensor + sinks).view(1)
-        self._kv.index_copy_(2, dest, self._kv[:, :, spare : spare + 1])
-        self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
-        self.start_tensor.add_(1).remainder_(width)
-        seen.add_(1)
-        self._set_shared(advance(self._layout, self._shared)[0])  # the schedule's step, as the eager step takes it
-        if sinks:  # the next frame: F = real tokens seen - sinks - width
-            frame = self.forward_pass.cached(
-                ("replay-frame", self.inv_freq.data_ptr(), dim, self.dtype),
-                lambda: frame_rotation_at(seen - (sinks + width), self.inv_freq, dim, self.dtype),
-            )
-            self._kv[:, :, :sinks, :dim].copy_(self._sink_keys @ frame)
-        return output
