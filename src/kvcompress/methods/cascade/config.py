@@ -22,16 +22,14 @@ Choices where the paper is silent or differs from its code (all overridable):
   ``|C|``, "window 1024 => 1028 tokens"). Every cascade has the same ``W = floor(|C| / N)`` slots, so a window not
   divisible by ``N`` is rounded down: ``used_budget = S + N W`` slots are stored (at most ``N - 1`` fewer than
   asked; the budget is never exceeded), and ``used_budget`` reports it.
-- the current forward is kept whole when it fits in the first cascade (``W`` slots: it takes every token); a longer
-  forward meets the acceptance schedule like any other tokens, as in the paper.
+- a forward that fits in the first cascade (``W`` slots) is kept whole; a longer one meets the acceptance schedule.
 - ties in the selection go to the incoming token (``tie="incoming"``: the authors' code; Algorithm 1's strict
   ``>`` is ``tie="resident"``). ``select_tokens=False`` is the "w/o token selection" ablation of Tab. 3 (the
   incoming token always wins: a fixed stride pattern).
 - ``gamma=None`` computes ``exp(-N ln(100) / |C|)`` (App. B Eq. 14), not Table 6's truncated values.
 - prefill: ``prefill="exact"`` (default) processes a multi-token forward exactly as token-by-token decoding
   (what v1 did): inside each layer, token ``m`` is inserted, attends, and updates the EMA before token ``m + 1``;
-  the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result
-  (without padding each token takes the decoding step's own path).
+  the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result.
   ``prefill="chunked"`` is the *later official* strided variant, not the v1 paper: a chunk of ``q`` tokens attends
   causally to itself plus the frozen cache, the EMA advances in closed form with query ``m`` weighted
   ``(1 - gamma) gamma^(q-1-m)`` for every key (the chunk's own keys start from 0), then the chunk is inserted token
@@ -49,12 +47,8 @@ Choices where the paper is silent or differs from its code (all overridable):
   fall out of the window are masked by stream index as the model does (they receive no attention, so their EMA
   decays and they lose the next comparisons; sinks stay).
 
-Storage (``CascadeLayer``, in ``kvcompress.methods.cascade.layer``): one buffer of ``S + N W`` slots per layer,
-allocated at the first forward (one ring: grown with the tokens seen up to the budget); where each token goes is
-Algorithm 1 on whole numbers (``kvcompress.methods.cascade.schedule``), its moves applied to the buffers by one
-executor; keys are stored at their ring's running index, so a query reads each ring with one rotation. The layer
-exposes the usual ``keys``/``values``/``token_idx``/``rope_pos``/``valid``/``state`` views in stream order (filler
-slots first)."""
+Storage: ``kvcompress.methods.cascade.layer`` (one buffer of ``S + N W`` slots per layer; Algorithm 1 on whole
+numbers in ``schedule``, its moves applied by one ``executor``); the layer's views are in stream order."""
 
 from __future__ import annotations
 
@@ -120,16 +114,14 @@ class CascadeConfig(MethodConfig):
         return CascadeLayer
 
     def connect(self, layers: list[CompressedLayer]) -> None:
-        """The cascade layers (``N > 1``) share one buffer so that a decoding step moves the tokens of every layer at
-        once (``ring_moves``)."""
+        """The cascade layers (``N > 1``) share one buffer: a decoding step moves all their tokens (``ring_moves``)."""
         rings = [layer for layer in layers if isinstance(layer, CascadeLayer) and layer.cascades > 1]
         if len(rings) > 1:
             for layer in rings:
                 layer.ring_layers = rings
 
     def sliding_layer_class(self, window: int) -> type[CompressedLayer]:
-        """The layer class on a sliding-window layer of ``window`` tokens: the generic layer keeping the window when
-        the budget holds it (``budget >= window``: nothing to choose), else the rings at this budget."""
+        """On a sliding-window layer: the generic layer keeping the window when the budget holds it, else the rings."""
         return CompressedLayer if self.budget >= window else CascadeLayer
 
     def validate(self) -> None:

@@ -1,17 +1,10 @@
 """The one executor of the cascade's moves (``schedule.play``) on the slot buffers.
 
-A move is a column: slot ``written[c]`` takes the item ``read[c]`` of the *pool*, the stored slots as they were
-before the moves (``0 .. slots``, ``slots`` the scratch slot after the rings) followed by the new tokens
-(``slots + 1 + t``); every item is read before any slot is written, and each key is turned on the way by its
-column's angle (from where it was stored to where it is stored next). A selection column writes only where the
-arriving item's score beats the resident's (``tie``: which wins equal scores); a losing write goes to the scratch
-slot. Every move of every sequence, head and tensor is one gather and one scatter per tensor: no loop over heads,
-tokens or sequences, nothing read back to the host, nothing allocated beyond the moved items.
-
-``Columns`` holds the moves either for the whole batch (one schedule for every sequence; the new tokens' columns
-first, so that the stored and the new items are taken apart without reading the indices) or per sequence (under
-padding, or where the sequences' selections went differently; columns a sequence does not use read and write the
-scratch slot).
+A move is a column: slot ``written[c]`` takes item ``read[c]`` of the *pool*, the stored slots as they were before
+the moves (``0 .. slots``, ``slots`` the scratch slot) followed by the new tokens (``slots + 1 + t``); every item is
+read before any slot is written, and each key is turned by its column's angle on the way. A selection column writes
+only where the arriving item's score beats the resident's (``tie``: which wins equal scores), a losing write goes to
+the scratch slot. Every move of every sequence, head and tensor is one gather and one scatter per tensor.
 """
 
 from __future__ import annotations
@@ -30,11 +23,12 @@ New = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 @dataclass(frozen=True)
 class Columns:
-    """One set of moves as device tables. Batch-wide: ``written`` ``[m]``, whose first ``k`` columns take the new
-    tokens ``take`` ``[k]`` (``None``: every new token, in order) and the rest the stored slots ``read`` ``[m - k]``;
-    ``select`` a bool (the last column is a selection). Per sequence: ``read``, ``written`` ``[n, m]`` (pool
-    indices), ``select`` ``[n, m]``. ``cos`` / ``sin`` turn each column's key (``None``: keys are not rotated):
-    ``[m, 1, 1, h]`` batch-wide, ``[n, 1, m, h]`` per sequence. ``fresh``: batch-wide, the first new token's slot."""
+    """One set of moves as device tables, for the whole batch (one schedule for every sequence) or per sequence
+    (padding, or selections decided differently; unused columns read and write the scratch slot). Batch-wide:
+    ``written`` ``[m]``, whose first ``k`` columns take the new tokens ``take`` ``[k]`` (``None``: all, in order)
+    and the rest the stored slots ``read`` ``[m - k]``; ``select`` a bool (the last column is a selection); ``fresh``
+    the first new token's slot. Per sequence: ``read``, ``written``, ``select`` ``[n, m]``. ``cos`` / ``sin`` turn
+    each column's key (``None``: no RoPE): ``[m, 1, 1, h]`` batch-wide, ``[n, 1, m, h]`` per sequence."""
 
     read: torch.Tensor
     written: torch.Tensor

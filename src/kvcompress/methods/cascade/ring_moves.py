@@ -1,17 +1,11 @@
-"""A decoding step's moves of the old tokens down the rings, for every cascade layer of a cache at once
-(``moved_every_ring``, by the executor ``executor.apply_moves`` on the layers' stacked buffers).
+"""A decoding step's moves of the old tokens down the rings, for every cascade layer of a cache at once.
 
-A decoding step of a full cascade passes old tokens down the rings (ring 0's oldest into ring 1, ...): the same
-slots in every layer, since the schedule depends only on the token count. Only the new token's key and value are
-per layer. So while every layer is in the same in-step state, the first cascade layer of a forward moves the old
-tokens of all of them (one gather, one rotation and one scatter per tensor for the whole model instead of one set
-per layer) and writes the new token's slot record; each layer then only writes its new key and value. For this the
-layers' buffers are views of one buffer per tensor (``ForwardPass.stacked``: ``[L B, H_kv, slots, dk + dv]``,
-``[L B, slots, 2]``, ``[L B, slots]``), stacked with one copy at the end of the first in-step forward that finds
-them apart (after a reset, a reordered batch or the prompt) and given back whole when a layer replaces its buffers.
-
-Layers of one cache are driven by the model's forward, first layer to last: a layer that decodes while an earlier
-layer has not (or a state that differs between layers) makes every layer move its own tokens.
+The schedule depends only on the token count, so a full cascade's decoding step moves the same slots in every layer;
+only the new token's key and value are per layer. While every layer is in the same in-step state, the first cascade
+layer of a forward moves the old tokens of all of them (one gather, rotation and scatter per tensor for the model)
+and each layer then writes its new key and value. For this the layers' buffers are views of one buffer per tensor
+(``ForwardPass.stacked``, ``[L B, ...]``), stacked at the end of the first in-step forward that finds them apart
+(after a reset, a reordered batch or the prompt) and given back when a layer replaces its buffers.
 """
 
 from __future__ import annotations
@@ -25,9 +19,8 @@ STACKED = ("ring-kv", "ring-meta", "ring-score")  # the names of the cascade lay
 
 
 def moved_every_ring(layer, step, meta: torch.Tensor) -> bool:
-    """Whether the old tokens of every cascade layer of ``layer``'s cache have been moved for this decoding step
-    (``ring_decode.Step``; by the first layer of the forward, shared through ``ForwardPass.cached``); ``meta`` the
-    new token's slot record ``[B, 1, 2]``."""
+    """Whether the old tokens of every cascade layer of ``layer``'s cache were moved for this decoding ``step`` (by
+    the forward's first layer); ``meta``: the new token's slot record ``[B, 1, 2]``."""
     forward, rings = layer.forward_pass, layer.ring_layers
     return forward.cached(("ring-moves", step.before), lambda: _move_all(rings, layer, step, meta))
 
@@ -35,10 +28,8 @@ def moved_every_ring(layer, step, meta: torch.Tensor) -> bool:
 def _move_all(rings: list, trigger, step, meta: torch.Tensor) -> bool:
     if trigger is not rings[0] or not all(_ready(layer, trigger, step.before) for layer in rings):
         return False
-    forward = trigger.forward_pass
-    joint = [
-        forward.stacked(name, [_buffers(layer)[i] for layer in rings], make=False) for i, name in enumerate(STACKED)
-    ]
+    forward, per_layer = trigger.forward_pass, [(layer._kv, layer._meta, layer._score) for layer in rings]
+    joint = [forward.stacked(name, [buffers[i] for buffers in per_layer], make=False) for i, name in enumerate(STACKED)]
     if any(found is None for found in joint):  # not views of one buffer yet: stacked once this forward is over
         forward.at_end("ring-stack", lambda: stack_rings(rings))
         return False
@@ -54,7 +45,7 @@ def stack_rings(rings: list) -> None:
     if not all(layer.is_initialized and layer._kv is not None for layer in rings):
         return
     forward = rings[0].forward_pass
-    per_layer = [_buffers(layer) for layer in rings]
+    per_layer = [(layer._kv, layer._meta, layer._score) for layer in rings]
     if not all(agree([buffers[i] for buffers in per_layer]) for i in range(len(STACKED))):
         return
     views = [forward.stacked(name, [buffers[i] for buffers in per_layer])[1] for i, name in enumerate(STACKED)]
@@ -62,12 +53,8 @@ def stack_rings(rings: list) -> None:
         layer._kv, layer._meta, layer._score = kv, meta, score
 
 
-def _buffers(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer._kv, layer._meta, layer._score
-
-
 def _ready(layer, trigger, state) -> bool:
-    """Whether ``layer`` will take this decoding step in the same state."""
+    """Whether ``layer`` will take this decoding step in the same state (the trigger's counters moved on already)."""
     return (
         layer.is_initialized
         and layer._kv is not None
@@ -76,4 +63,4 @@ def _ready(layer, trigger, state) -> bool:
         and not layer.force_tensor_path
         and getattr(layer, "_sliding_window", None) is None
         and (layer is trigger or (layer._pending is None and layer._shared == state))
-    )  # (the trigger has planned its step from ``state``: its counters moved on already)
+    )

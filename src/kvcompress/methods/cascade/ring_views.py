@@ -1,4 +1,4 @@
-"""Stream-order views of the cascade storage (the ``CompressedLayer`` contract) and its accounting."""
+"""Stream-order views of the cascade storage (the ``CompressedLayer`` contract), batch operations and accounting."""
 
 from __future__ import annotations
 
@@ -8,89 +8,61 @@ from kvcompress.core.forward import from_host
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.slots import StreamView
 from kvcompress.methods.cascade.ring_moves import STACKED
-from kvcompress.methods.cascade.schedule import angles, ranks
+from kvcompress.methods.cascade.schedule import ranks, slot_angle
 
 
 class RingViews:
-    """Mixin of ``CascadeLayer``: keys, values, positions and validity in stream order, batch operations, bytes."""
+    """Mixin of ``CascadeLayer``: keys, values, positions and validity in stream order (copies; the empty slots
+    first), batch operations, bytes."""
 
-    # --- views in stream order (the CompressedLayer contract) ---------------------------------------------------
     def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]`` (for the
-        stream-order views, not per token)."""
-        slots = self.capacity
-        values = [ranks(self._layout, r)[:slots] + angles(self._layout, r)[:slots] for r in self._rows()]
+        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``."""
+        slots, layout = self.capacity, self._layout
+        values = [ranks(layout, r)[:slots] + [slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
         table = from_host(values, self.device).expand(len(self._rings), -1)
         return table[:, :slots], table[:, slots:]
 
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
 
-    @property
-    def rank(self) -> torch.Tensor:
-        """Each real token's rank among the stored real tokens of its sequence (``-1``: no token)."""
-        valid = self.valid
-        return torch.where(valid, valid.cumsum(-1) - 1, -1)
-
-    @property
-    def occupied(self) -> int:
-        """Slots holding a token, the most of any row (``stored_length``: a host read; the rings count their tokens
-        themselves and never read it)."""
-        return self.stored_length()
-
-    @occupied.setter
-    def occupied(self, value: int) -> None:
-        """(The generic layer's initialisation and reset write 0 here: nothing to keep.)"""
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
-
-    @property
-    def view_width(self) -> int:
-        """Every slot of the sinks and rings (the views hold the free ones too, ``token_idx`` -1)."""
-        return self._tok.shape[1] if self.is_initialized else 0
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        return self._tok.shape[0], self._kv.shape[1]
-
     def _view(self, slot_values: torch.Tensor) -> torch.Tensor:
         """A per-slot ``[B, S + |C|]`` tensor in stream order, expanded to ``[B, H_kv, S + |C|]``."""
-        ordered = slot_values.gather(1, self._order())
-        return ordered[:, None].expand(-1, self._kv.shape[1], -1)
+        return slot_values.gather(1, self._order())[:, None].expand(-1, self._kv.shape[1], -1)
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Stored keys in stream order, rotated at ``rope_pos`` as the model wrote them (a copy)."""
+    def _gathered(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        return rows.gather(2, order[:, None, :, None].expand(-1, rows.shape[1], -1, rows.shape[-1]))
+
+    def _drop(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError("a cascade layer's keys and values are read-only views of its slot buffer")
+        self._leave_group()
+        self._kv = None
+
+    def _keys(self) -> torch.Tensor | None:
+        """Stored keys rotated at ``rope_pos`` as the model wrote them."""
         if self._kv is None:
             return None
         order = self._order()
-        keys = self._k.gather(2, order[:, None, :, None].expand(-1, self._kv.shape[1], -1, self._key_dim))
+        keys = self._gathered(self._k, order)
         if self.inv_freq is None:
             return keys
         turn = (self._pos - self._slot_numbers()[1]).gather(1, order)  # from the stored angle to the model's position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("CascadeLayer.keys is a read-only view of the slot buffer")
-        self._leave_group()
-        self._kv = None
+    keys = property(_keys, _drop)
+    values = property(lambda self: None if self._kv is None else self._gathered(self._v, self._order()), _drop)
+    valid = property(lambda self: self._view(self._tok >= 0))
+    rope_pos = property(lambda self: self._view(torch.where(self._tok >= 0, self._pos, 0)))
+    state = property(lambda self: {"score": self._view(self._score[:, : self.capacity])})
+    rows = property(lambda self: (self._tok.shape[0], self._kv.shape[1]))
+    # every slot of the sinks and rings (the views hold the free ones too, ``token_idx`` -1)
+    view_width = property(lambda self: self._tok.shape[1] if self.is_initialized else 0)
 
     @property
-    def values(self) -> torch.Tensor | None:
-        if self._kv is None:
-            return None
-        values = self._v
-        return values.gather(2, self._order()[:, None, :, None].expand(-1, values.shape[1], -1, values.shape[-1]))
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("CascadeLayer.values is a read-only view of the slot buffer")
-        self._leave_group()
-        self._kv = None
+    def rank(self) -> torch.Tensor:
+        """Each real token's rank among the stored real tokens of its sequence (``-1``: no token)."""
+        valid = self.valid
+        return torch.where(valid, valid.cumsum(-1) - 1, -1)
 
     @property
     def token_idx(self) -> torch.Tensor:
@@ -101,16 +73,16 @@ class RingViews:
         return torch.where(empty, filler, ordered)[:, None].expand(-1, self._kv.shape[1], -1)
 
     @property
-    def valid(self) -> torch.Tensor:
-        return self._view(self._tok >= 0)
+    def occupied(self) -> int:
+        """Slots holding a token, the most of any row (a host read; the rings never read it)."""
+        return self.stored_length()
 
-    @property
-    def rope_pos(self) -> torch.Tensor:
-        return self._view(torch.where(self._tok >= 0, self._pos, torch.zeros_like(self._pos)))
+    @occupied.setter
+    def occupied(self, value: int) -> None:
+        """(The generic layer's initialisation and reset write 0 here: nothing to keep.)"""
 
-    @property
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"score": self._view(self._score[:, : self.capacity])}
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
 
     def cascade_tokens(self) -> list[list[list[int]]]:
         """Per sequence, per cascade: the stream indices it holds, oldest first (sinks not included)."""
@@ -123,14 +95,16 @@ class RingViews:
             for b, rings in enumerate(self._rings)
         ]
 
+    def kept(self) -> StreamView:
+        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
+
     # --- transformers' layer API -----------------------------------------------------------------------------
     def stored_length(self) -> int:
         """Occupied slots of the fullest sequence (a host read: for accounting, not the decoding path)."""
         return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
 
     def reset(self) -> None:
-        self._leave_group()
-        self._kv = None
+        self._drop(None)
         self._pending = None
         self.is_initialized = False
         self.seen = self.new_tokens = 0
@@ -153,36 +127,26 @@ class RingViews:
             setattr(self, name, reorder(getattr(self, name)))
 
     def _leave_group(self) -> None:
-        """This layer's buffers are about to be replaced: the cache's cascade layers no longer share one buffer, and
-        the stacked buffer goes (``ring_moves``: stacked again at the next decoding step that finds them apart)."""
+        """This layer's buffers are about to be replaced: the stacked buffer of the cache's cascade layers goes
+        (``ring_moves``: stacked again at the next decoding step that finds them apart)."""
         if self.ring_layers is not None:
             for name in STACKED:
                 self.forward_pass.unstack(name)
 
-    # --- accounting ------------------------------------------------------------------------------------------
+    # --- accounting (the scratch slot excluded from the keys and values) --------------------------------------
     def kv_nbytes(self) -> int:
-        """Bytes of the stored tokens' keys and values (occupied slots of the fullest sequence, as the generic
-        layer counts); ``allocated_nbytes`` counts every slot."""
-        if not self.is_initialized:
-            return 0
-        return self.allocated_nbytes() * self.stored_length() // self.capacity
+        """Bytes of the stored tokens' keys and values (occupied slots of the fullest sequence)."""
+        return self.allocated_nbytes() * self.stored_length() // self.capacity if self.is_initialized else 0
 
     def allocated_nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()  # scratch excluded
+        return self._k.nbytes + self._v.nbytes if self.is_initialized else 0
 
     def metadata_nbytes(self) -> int:
         """Per slot the stream index, RoPE position and EMA; per sequence the rings' counts and starts, the sinks
-        stored and the real tokens seen (int64)."""
+        stored and the real tokens seen (int64). Held whole: ``allocated_metadata_nbytes`` is the same."""
         if not self.is_initialized:
             return 0
         return self._meta.nbytes + self._score.nbytes + len(self._rings) * (2 * self.cascades + 2) * 8
 
     def allocated_metadata_nbytes(self) -> int:
-        """The bookkeeping is held whole, as ``metadata_nbytes`` counts it."""
         return self.metadata_nbytes()
-
-    def kept(self) -> StreamView:
-        """The stored tokens in stream order (the views above already are)."""
-        return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)

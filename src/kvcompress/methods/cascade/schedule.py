@@ -1,22 +1,23 @@
 """The cascade's schedule: Algorithm 1 of the Cascading KV Cache on whole numbers, returning the slot moves.
 
-Where a token goes never depends on the keys, values or scores: only on how many real tokens the sequence has seen.
-Scores decide one thing, whether a selection's arriving token replaces the ring's newest one, and that changes no
-counter. So the layout of a sequence (sinks stored, each ring's count and start) is a pure function of its token
-count, computed here on Python integers, and a step's work on the buffers is a short list of slot moves that the
-executor (``kvcompress.methods.cascade.executor``) applies to every sequence, head and tensor at once. Under
-padding each sequence has its own count: the schedule then runs once per sequence.
+Where a token goes depends only on how many real tokens the sequence has seen (scores decide only whether a
+selection's arriving token replaces the ring's newest one, which changes no counter), so a sequence's layout is a
+function of its token count, computed here on Python integers, and a step's work on the buffers is a short list of
+slot moves applied by the executor (``executor``) to every sequence, head and tensor at once.
 
-Slot layout (per sequence): ``[0, S)`` sinks, then ring ``i`` in ``[S + i W, S + (i + 1) W)``; ring ``i`` holds
-``count[i]`` tokens, its oldest at ring offset ``start[i]``, in stream order around the ring.
+Slot layout (per sequence): ``[0, S)`` sinks, then ring ``i`` in ``[S + i W, S + (i + 1) W)`` holding ``count[i]``
+tokens in stream order around the ring, its oldest at offset ``start[i]``.
 
-A step (one real token ``p``, 0-based among the sequence's real tokens): the first ``S`` tokens fill the sinks; then
-the token travels down the rings. Ring ``i`` accepts when ``(p - S) mod b^i == 0`` (or, with ``eager_fill``, while
-the cache is not yet full): an accepting ring with room appends it (a) and the step ends; a full accepting ring
-overwrites its oldest slot with it and passes the token it held on to ring ``i + 1`` (b). A ring that does not
-accept takes the token if it is empty (c), else the token competes with the ring's newest one (d: a selection,
-decided by the scores). A token passed beyond the last ring is dropped. ``play`` composes several tokens' moves
-(no attention between them) into one move per changed slot.
+A step (real token ``p``, 0-based): the first ``S`` tokens fill the sinks; then the token travels down the rings.
+Ring ``i`` accepts when ``(p - S) mod b^i == 0`` (or, with ``eager_fill``, while the cache is not full): an accepting
+ring with room appends it (a); a full one overwrites its oldest slot with it and passes the token it held on to ring
+``i + 1`` (b). A ring that does not accept takes the token if it is empty (c), else the token competes with the
+ring's newest one (d: a selection, decided by the scores). A token passed beyond the last ring is dropped.
+
+Keys are stored at one angle convention: ring ``i``'s ``k``-th token ever written there (``k = passed[i]`` for its
+oldest) sits at angle ``S + i W + k``, so inside a ring rank - angle is one number (``offsets``), whatever the ring's
+start, and a key keeps its angle while it stays in its ring. The sinks sit at ``j + sink_shift``, in the oldest
+ring's frame once it holds tokens. With one ring a ring token's angle is its index among the real tokens.
 """
 
 from __future__ import annotations
@@ -130,15 +131,6 @@ def ranks(layout: Layout, rings: Rings) -> list[int]:
     return rank
 
 
-# --- the one key angle convention ---------------------------------------------------------------------------------
-# A key is stored rotated at an angle from which a query finds its rank with one rotation per ring: ring ``i``'s
-# ``k``-th token ever written there (``k = passed[i]`` for its oldest) sits at angle ``S + i W + k``, so inside a ring
-# rank - angle is one number per ring, whatever the ring's start (no wrap inside a frame), and a key keeps its angle
-# while it stays in its ring. The sinks sit at angle ``j + sink_shift``: in the oldest ring's frame once it holds
-# tokens, so a full cascade of ``N`` rings is ``N`` frames. With one ring a ring token's angle is its index among the
-# sequence's real tokens.
-
-
 def sink_shift(layout: Layout, rings: Rings) -> int:
     """The sinks' angle minus their index: the oldest ring's first slot plus the tokens it overwrote."""
     last = layout.cascades - 1
@@ -147,12 +139,7 @@ def sink_shift(layout: Layout, rings: Rings) -> int:
 
 def angles(layout: Layout, rings: Rings) -> list[int]:
     """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
-    shift, width = sink_shift(layout, rings), layout.width
-    angle = [j + shift for j in range(layout.sinks)]
-    for i, (passed, start) in enumerate(zip(rings.passed, rings.start, strict=True)):
-        lap = layout.sinks + i * width + passed - start
-        angle += [lap + offset + (width if offset < start else 0) for offset in range(width)]
-    return angle
+    return [slot_angle(layout, rings, slot) for slot in range(layout.slots)]
 
 
 def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
@@ -172,7 +159,6 @@ def frame_of_slot(layout: Layout) -> list[int]:
 
 
 def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
-    """``angles(layout, rings)[slot]`` alone."""
     if slot < layout.sinks:
         return slot + sink_shift(layout, rings)
     ring, offset = (slot - layout.sinks) // layout.width, (slot - layout.sinks) % layout.width
