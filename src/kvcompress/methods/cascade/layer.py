@@ -24,8 +24,7 @@ import torch
 from kvcompress.core.contract import Policy
 from kvcompress.core.forward import from_host
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
-from kvcompress.core.rope import rotate_by
-from kvcompress.core.rotation import frame_rotation
+from kvcompress.core.rotation import frame_rotation, frame_rotation_at
 from kvcompress.methods.cascade.executor import Columns, apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_attention import RingAttention
@@ -331,35 +330,30 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
     def _sync_sinks(self, before: list[Rings]) -> None:
         """After an insertion from the layouts ``before``: copy the sinks just stored to ``_sink_keys`` at angle
         ``j`` (a new sink is stored at ``j`` plus the shift of empty rings, ``schedule.move_turn``) and rewrite the
-        sinks from that copy where their angle moved (the oldest ring overwrote a token)."""
+        sinks from that copy where their angle moved (``schedule.sinks_after``: the oldest ring overwrote a token)."""
         if not self.sinks or self.inv_freq is None:
             return
-        layout, after = self._layout, self._rings
-        if self._in_step:
-            self._update_sinks(*sinks_after(layout, before[0], after[0]), after[0])
-            return
-        sinks = self._kv[:, :, : self.sinks, : self._key_dim]
-        changes = [sinks_after(layout, old, new) for old, new in zip(before, after, strict=True)]
-        if not self._sinks_full:
-            filling = from_host([copy for copy, _ in changes], self.device, torch.bool)
-            fill = torch.full_like(self._sink_keys[0, 0, :, 0], -layout.fill, dtype=torch.long)
-            copy = rotate_by(sinks, fill, self.inv_freq, exact=True)
-            self._sink_keys = torch.where(filling[:, None, None, None], copy, self._sink_keys)
-            self._sinks_full = all(rings.seen >= self.sinks for rings in after)
+        rows, layout, dim = self._rows(), self._layout, self._key_dim
+        changes = [sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)]
+        if any(copy for copy, _ in changes):
+            copied = self._turned_sinks(self._kv[:, :, : self.sinks, :dim], [-layout.fill] * len(rows))
+            self._sink_keys = self._where([copy for copy, _ in changes], copied, self._sink_keys)
+            self._sinks_full = all(rings.seen >= self.sinks for rings in rows)
         if any(shift is not None for _, shift in changes):
-            moved = from_host([shift is not None for _, shift in changes], self.device, torch.bool)
-            shift = from_host([sink_shift(layout, rings) for rings in after], self.device)
-            placed = rotate_by(self._sink_keys, shift[:, None, None].expand(-1, 1, self.sinks), self.inv_freq, True)
-            sinks.copy_(torch.where(moved[:, None, None, None], placed, sinks))
+            placed = self._turned_sinks(self._sink_keys, [sink_shift(layout, rings) for rings in rows])
+            sinks = self._kv[:, :, : self.sinks, :dim]
+            sinks.copy_(self._where([shift is not None for _, shift in changes], placed, sinks))
 
-    def _update_sinks(self, copy: bool, shift: int | None, after: Rings) -> None:
-        """A batch in step (``schedule.sinks_after``): take the sinks' copy at angle ``j`` again where sinks were
-        stored, and write them at ``j + shift`` where their shift moved (rotations shared by a forward's layers)."""
-        forward, dim = self.forward_pass, self._key_dim
-        if copy:
-            rotation = frame_rotation(forward, -self._layout.fill, self.inv_freq, dim, self.dtype)
-            self._sink_keys = self._kv[:, :, : self.sinks, :dim] @ rotation
-            self._sinks_full = after.seen >= self.sinks
-        if shift is not None:
-            rotation = frame_rotation(forward, shift, self.inv_freq, dim, self.dtype)
-            self._kv[:, :, : self.sinks, :dim] = self._sink_keys @ rotation
+    def _turned_sinks(self, keys: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+        """``keys`` ``[B, H, S, d]`` rotated further by each sequence's shift (float64 angles; one matrix shared by
+        a forward's layers where the shifts agree)."""
+        dim, dtype = self._key_dim, self.dtype
+        if len(set(shifts)) == 1:
+            return keys @ frame_rotation(self.forward_pass, shifts[0], self.inv_freq, dim, dtype)
+        return keys @ frame_rotation_at(from_host(shifts, self.device)[:, None], self.inv_freq, dim, dtype)[:, None]
+
+    def _where(self, rows: list[bool], new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """``new`` in the sequences ``rows``, ``old`` elsewhere."""
+        if all(rows):
+            return new
+        return torch.where(from_host(rows, self.device, torch.bool)[:, None, None, None], new, old)

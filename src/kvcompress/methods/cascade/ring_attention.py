@@ -145,9 +145,9 @@ class RingAttention:
 
     def _fold_scores(self, probs: torch.Tensor) -> None:
         """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` over the cascade slots (sinks have no score) of one
-        query's ``probs`` ``[B, H_kv, G, S + |C|]``."""
+        query's ``probs`` ``[B, H_kv, G, L]`` over the first ``L`` slots (the empty ones after them hold no score)."""
         gamma = self.rule.gamma
-        cascade = self._score[:, self.sinks : self.capacity]
+        cascade = self._score[:, self.sinks : probs.shape[-1]]
         if self.rule.config.reduction == "mean":  # the sum, with 1 / heads folded into the EMA weight
             received = probs[..., self.sinks :].flatten(1, 2).sum(1)
             weight = (1.0 - gamma) / (probs.shape[1] * probs.shape[2])

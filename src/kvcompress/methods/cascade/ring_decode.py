@@ -22,7 +22,7 @@ from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frames_along, rotation_to, turn, turn_along
 from kvcompress.methods.cascade.executor import Columns, apply_moves
 from kvcompress.methods.cascade.ring_moves import moved_every_ring
-from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
+from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
 # The logits of every frame for every slot by one matmul while frames x stored slots stay below DENSE_FRAME_SLOTS
@@ -43,7 +43,6 @@ class Step:
     after: Rings
     columns: Columns | None  # the executor's tables (the new key comes at its angle already)
     angle: int  # the new key's angle
-    sinks: tuple[bool, int | None]  # ``schedule.sinks_after``
     targets: tuple[int, ...]  # the query's rotation targets, one per frame
     runs: tuple[Run, ...]  # the stored slots seen in each frame, in slot order
     logit: torch.Tensor | None  # [stored]: each slot's logit among every frame's (None: one matmul per run)
@@ -88,7 +87,7 @@ class RingDecode:
             elif step.columns is not None:
                 apply_moves(buffers, step.columns, tie, (items[m], meta[:, m : m + 1], None))
             self._set_shared(step.after)
-            self._update_sinks(*step.sinks, step.after)
+            self._sync_sinks([step.before])
             keys_t, values = self._step_views(step.stored)
             if step.logit is not None:
                 logits = torch.bmm(turned[m], keys_t).view(rows, -1)  # every frame's logits for every slot
@@ -120,8 +119,7 @@ class RingDecode:
             key = ("slot-logits", tuple(runs), dense, self.device)
             logit, empty = self.forward_pass.cached(key, lambda runs=runs, dense=dense: self._slot_logits(runs, dense))
             angle = move_turn(self._layout, rings, after, fresh, slots + 1, slots)  # (a new item's turn: its angle)
-            sinks = sinks_after(self._layout, rings, after) if self.sinks else (False, None)
-            steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty))
+            steps.append(Step(rings, after, columns, angle, targets, tuple(runs), logit, empty))
             rings = after
         return steps
 
@@ -221,15 +219,11 @@ class RingDecode:
         return views[2], views[3]
 
     def _fold_step(self, probs: torch.Tensor) -> None:
-        """``_fold_scores`` of one token's ``probs`` ``[B H_kv, G, stored]`` over the ``stored`` first slots (empty
-        slots after them have no score to decay); with the mean over heads (the paper's), the heads' sum and the
-        decay are one batched matmul (the row of ones shared by the forward's layers)."""
+        """``_fold_scores`` of one token's ``probs`` ``[B H_kv, G, stored]``; with the mean over heads (the paper's),
+        the heads' sum and the decay are one batched matmul (the row of ones shared by the forward's layers)."""
         batch, stored, gamma = self._score.shape[0], probs.shape[-1], self.rule.gamma
         if self.rule.config.reduction != "mean":
-            probs = probs.view(batch, self._kv.shape[1], -1, stored)
-            pad = self.capacity - stored
-            self._fold_scores(torch.nn.functional.pad(probs, (0, pad)) if pad else probs)
-            return
+            return self._fold_scores(probs.view(batch, self._kv.shape[1], -1, stored))
         rows = probs.view(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
         key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
         ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
