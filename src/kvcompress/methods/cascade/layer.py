@@ -327,14 +327,16 @@ class CascadeLayer(RingDecode, RingAttention, RingViews, CompressedLayer):
         return angle.cos().to(self.dtype), angle.sin().to(self.dtype)
 
     # --- the sinks, in the oldest ring's frame --------------------------------------------------------------------
-    def _sync_sinks(self, before: list[Rings]) -> None:
+    def _sync_sinks(self, before: list[Rings], changes: list | None = None) -> None:
         """After an insertion from the layouts ``before``: copy the sinks just stored to ``_sink_keys`` at angle
         ``j`` (a new sink is stored at ``j`` plus the shift of empty rings, ``schedule.move_turn``) and rewrite the
-        sinks from that copy where their angle moved (``schedule.sinks_after``: the oldest ring overwrote a token)."""
+        sinks from that copy where their angle moved (``schedule.sinks_after``, the ``changes`` if planned already:
+        the oldest ring overwrote a token)."""
         if not self.sinks or self.inv_freq is None:
             return
         rows, layout, dim = self._rows(), self._layout, self._key_dim
-        changes = [sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)]
+        if changes is None:
+            changes = [sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)]
         if any(copy for copy, _ in changes):
             copied = self._turned_sinks(self._kv[:, :, : self.sinks, :dim], [-layout.fill] * len(rows))
             self._sink_keys = self._where([copy for copy, _ in changes], copied, self._sink_keys)

@@ -22,7 +22,7 @@ from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frames_along, rotation_to, turn, turn_along
 from kvcompress.methods.cascade.executor import Columns, apply_moves
 from kvcompress.methods.cascade.ring_moves import moved_every_ring
-from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play
+from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
 # The logits of every frame for every slot by one matmul while frames x stored slots stay below DENSE_FRAME_SLOTS
@@ -43,6 +43,7 @@ class Step:
     after: Rings
     columns: Columns | None  # the executor's tables (the new key comes at its angle already)
     angle: int  # the new key's angle
+    sinks: list  # ``schedule.sinks_after``, for the batch
     targets: tuple[int, ...]  # the query's rotation targets, one per frame
     runs: tuple[Run, ...]  # the stored slots seen in each frame, in slot order
     logit: torch.Tensor | None  # [stored]: each slot's logit among every frame's (None: one matmul per run)
@@ -87,7 +88,7 @@ class RingDecode:
             elif step.columns is not None:
                 apply_moves(buffers, step.columns, tie, (items[m], meta[:, m : m + 1], None))
             self._set_shared(step.after)
-            self._sync_sinks([step.before])
+            self._sync_sinks([step.before], step.sinks)
             keys_t, values = self._step_views(step.stored)
             if step.logit is not None:
                 logits = torch.bmm(turned[m], keys_t).view(rows, -1)  # every frame's logits for every slot
@@ -119,7 +120,8 @@ class RingDecode:
             key = ("slot-logits", tuple(runs), dense, self.device)
             logit, empty = self.forward_pass.cached(key, lambda runs=runs, dense=dense: self._slot_logits(runs, dense))
             angle = move_turn(self._layout, rings, after, fresh, slots + 1, slots)  # (a new item's turn: its angle)
-            steps.append(Step(rings, after, columns, angle, targets, tuple(runs), logit, empty))
+            sinks = [sinks_after(self._layout, rings, after)]
+            steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty))
             rings = after
         return steps
 
