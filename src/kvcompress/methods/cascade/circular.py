@@ -24,14 +24,11 @@ class CircularSinkLayer(CascadeLayer):
     """``streaming`` (StreamingLLM, positions re-indexed in the cache) on the cascade storage with ``N = 1``: the
     sinks plus one ring of ``budget - sinks`` slots, allocated once, one slot written per token.
 
-    ``streaming`` evicts *after* attending (a forward's tokens attend to the stored ones and causally to each
-    other, then the oldest non-sink tokens beyond the budget go), while the cascade inserts each token before it
-    attends. So this layer runs every forward, one token or many, the way the cascade's chunked prefill does:
-    attend to the frozen ring and causally inside the forward, at ranks ``stored, stored + 1, ...``, then insert the
-    tokens one by one (the ring keeps the sinks and the ``budget - sinks`` newest). That is the generic
-    ``streaming`` layer's attention set, order and positions (``tests/methods/test_cascade.py`` checks logits and
-    stored tokens against it); only the float rounding differs. The layer keeps the streaming policy it is given;
-    the ring runs by the constants of ``CascadeConfig(budget, sinks, cascades=1)``; scores are never computed.
+    ``streaming`` evicts *after* attending, while the cascade inserts each token before it attends. So this layer
+    runs every forward the way the cascade's chunked prefill does: attend to the frozen ring and causally inside the
+    forward, at ranks ``stored, stored + 1, ...``, then insert the tokens (the ring keeps the sinks and the
+    ``budget - sinks`` newest): the generic ``streaming`` layer's attention set, order and positions, up to float
+    rounding. The ring runs by the constants of ``CascadeConfig(budget, sinks, cascades=1)``; no scores.
     """
 
     attend_first = True
@@ -117,8 +114,8 @@ class CircularSinkLayer(CascadeLayer):
         return [self.seen_tensor, self.start_tensor]
 
     def sync_replayed(self, values: list[int]) -> None:
-        """Each replayed step took one real token into the full ring: its layout is the schedule's for that many
-        tokens (every token past the sinks and the ring's width overwrote one), and the tokens seen advance."""
+        """Each replayed step took one real token into the full ring (every token past the sinks and the ring's
+        width overwrote one)."""
         replayed = values[0] - self._shared.seen
         width = self._layout.width
         self._set_shared(Rings(values[0], (width,), (values[0] - self.sinks - width,), width))

@@ -58,8 +58,8 @@ class RingDecode:
     """Mixin of ``CascadeLayer``: a forward's tokens one after the other while the batch is in step."""
 
     def _steps_alone(self, pending) -> bool:
-        """Whether ``_step_tokens`` applies: the batch in step, no padding, RoPE positions given by the model (one
-        row or one per sequence), no sliding window."""
+        """Whether ``_step_tokens`` applies: the batch in step, no padding, RoPE with the model's ``position_ids``
+        (one row or one per sequence), no sliding window."""
         return (
             self._in_step
             and not self.force_tensor_path
@@ -107,7 +107,7 @@ class RingDecode:
 
     # --- planning, once per forward -------------------------------------------------------------------------------
     def _plan_steps(self, count: int, rows: int) -> list[Step]:
-        """Each token's step from the layout as it will be (the layer's own counters are left as they are)."""
+        """Each token's step from the layout as it will be."""
         rings, slots, steps = self._shared, self.capacity, []
         for _ in range(count):
             plan = play(self._layout, rings, (0,), slots, None if self.rule.needs_scores else lambda a, r: True)
@@ -126,9 +126,8 @@ class RingDecode:
         return steps
 
     def _slot_logits(self, runs: list[Run], dense: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per slot, where its logit is among the logits of every frame for every slot (``frame * stored + slot``)
-        and the empty slots between the runs (``None`` when the runs cover every slot); per-run logits need
-        neither (their gaps are ``-inf`` already)."""
+        """Per slot, where its logit is among every frame's (``frame * stored + slot``), and the empty slots between
+        the runs (``None``: none); per-run logits need neither."""
         if not dense:
             return None, None
         stored = runs[-1][1]
@@ -139,8 +138,7 @@ class RingDecode:
         return from_host(logit, self.device), from_host(empty, self.device, torch.bool) if any(empty) else None
 
     def _dense_logits(self, frames: int, stored: int, rows: int) -> bool:
-        """Whether one matmul gives the logits of every frame for every slot (else one matmul per run); ``rows``:
-        query rows (batch x query heads)."""
+        """Whether one matmul gives every frame's logits for every slot (``DENSE_*``); ``rows``: batch x heads."""
         device = self.device.type
         if frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"]):
             return False
@@ -148,9 +146,8 @@ class RingDecode:
         return limit is None or rows * frames * stored * self._key_dim <= limit
 
     def _frames(self, top: int, rings: Rings | None = None) -> tuple[tuple[int, ...], list[Run]]:
-        """The query's rotation targets and the runs of stored slots, in slot order, for a query at rank ``top``
-        (of the layout ``rings``, the batch's by default): one frame per ring (``schedule.offsets``), the sinks in
-        the oldest ring's once it holds tokens."""
+        """A query at rank ``top`` of the layout ``rings`` (the batch's by default): its rotation targets, one per
+        ring (``schedule.offsets``; the sinks share the oldest ring's), and the runs of stored slots in slot order."""
         rings = self._shared if rings is None else rings
         sinks, width = self.sinks, self._layout.width
         offset = offsets(self._layout, rings)
@@ -175,10 +172,9 @@ class RingDecode:
 
     # --- the steps ------------------------------------------------------------------------------------------------
     def _rotated(self, query: torch.Tensor, pending, steps: list[Step], scale: float):
-        """Per token, the new token as a slot item ``[B, H_kv, 1, dk + dv]``, its key rotated from the model's
-        position to its angle, and the query turned to each of its frames, scaled: ``[B H_kv, G F, d]``. One token:
-        by rotation matrices shared by the forward's layers (one matmul each); several: elementwise, from cos /
-        sin per token made once per forward."""
+        """Per token, the new token as a slot item ``[B, H_kv, 1, dk + dv]`` (its key turned from the model's
+        position to its angle) and the query turned to each frame, scaled: ``[B H_kv, G F, d]``. One token: by
+        rotation matrices shared by the forward's layers; several: elementwise, from cos / sin made once per forward."""
         batch, q_heads, count, dim = query.shape
         kv_heads, dtype = self._kv.shape[1], pending.keys.dtype
         if count == 1:
@@ -200,8 +196,8 @@ class RingDecode:
         return items, turn_along(queries, *along).view(count, batch * kv_heads, -1, dim)
 
     def _run_logits(self, turned: torch.Tensor, keys_t: torch.Tensor, runs: tuple, groups: int) -> torch.Tensor:
-        """``[B H_kv, G, stored]``: each run's logits with its frame's queries (``turned`` ``[B H_kv, G F, d]``,
-        ``keys_t`` ``[B H_kv, d, stored]``), one matmul per run; the empty slots between runs at ``-inf``."""
+        """``[B H_kv, G, stored]``: each run's logits with its frame's queries, one matmul per run; the empty slots
+        between runs at ``-inf``."""
         per_frame = turned.view(turned.shape[0], groups, -1, turned.shape[-1])  # [B H_kv, G, F, d]
         logits, end = [], 0
         for lo, hi, frame in runs:
@@ -212,8 +208,8 @@ class RingDecode:
         return logits[0] if len(logits) == 1 else torch.cat(logits, -1)
 
     def _step_views(self, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[B H_kv, d, stored]`` (transposed) and values ``[B H_kv, stored, d_v]`` of the first ``stored``
-        slots: views of the buffer, made again only when the buffer or ``stored`` changes."""
+        """Keys ``[B H_kv, d, stored]`` and values ``[B H_kv, stored, d_v]`` of the first ``stored`` slots (views,
+        made again when the buffer or ``stored`` changes)."""
         views = getattr(self, "_views", None)
         if views is None or views[0] is not self._kv or views[1] != stored:
             rows, dim = self._kv[:, :, :stored].flatten(0, 1), self._key_dim
@@ -233,12 +229,12 @@ class RingDecode:
         cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
 
     def _rotation(self, pending, targets: tuple[int, ...], dim: int, dtype: torch.dtype, scale: float = 1.0):
-        """``rotation_to`` from the pending token's position to ``targets``, shared by the forward's layers."""
+        """``rotation_to`` from the pending token's position to ``targets``, shared by a forward's layers."""
         tag = (pending.first, pending.keys.shape[2])
         return rotation_to(pending.source, targets, self.inv_freq, dim, dtype, scale, self.forward_pass, tag)
 
     def _shared_meta(self, pending) -> torch.Tensor:
-        """``[B, q, 2]``: the new tokens' stream indices and RoPE positions, shared by the layers of a forward."""
+        """``[B, q, 2]``: the new tokens' stream indices and RoPE positions, shared by a forward's layers."""
         key = ("new-meta", pending.first, pending.keys.shape[2], self.device)
         build = lambda: torch.stack([pending.tok.expand_as(pending.pos), pending.pos], -1)  # noqa: E731
         return self.forward_pass.cached(key, build)
