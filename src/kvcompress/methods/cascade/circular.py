@@ -101,7 +101,6 @@ class CircularSinkLayer(CascadeLayer):
             and getattr(self, "_sliding_window", None) is None
             and self._shared.count[0] == self.width
             and self._shared.seen >= self.sinks
-            and self._sinks_full
         )
 
     def bind_replay_buffers(self, binding) -> None:

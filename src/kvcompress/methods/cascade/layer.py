@@ -97,9 +97,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._meta = torch.zeros(batch, slots + 1, 2, dtype=torch.long, device=self.device)
         self._meta[..., 0] = -1
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
-        # the sinks' keys at angle j, the copy they are rewritten from; ``_sinks_full``: every sequence has its sinks
-        self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)
-        self._sinks_full = self.sinks == 0
+        self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
         self._rings: list[Rings] = [Rings.empty(self._layout)] * batch
         self._counter_tensors: tuple | None = None
@@ -238,39 +236,38 @@ class CascadeLayer(RingDecode, CompressedLayer):
         """Insert ``q`` tokens with no attention between them (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated;
         ``meta`` ``[B, q, 2]``; ``real`` ``[B, q]``, False: padding, never stored; initial ``scores`` ``[B, q]``,
         None: 0), as ``q`` one-token insertions would. One token's selection is left to the executor; among several,
-        each selection is decided on the host from the scores (read once), so the sequences may move differently
-        while their layouts stay the same (the batch stays in step)."""
+        each selection is decided on the host from the scores (read once), each sequence playing its own moves (the
+        layouts stay the same: a batch in step stays in step)."""
         count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
         needs = self.rule.needs_scores
         in_step = self._in_step and self._all_real and not self.force_tensor_path
-        if not in_step:
-            self._leave_step()
-        host: list = []  # the pool's scores on the host, read at the first selection decided there
-
-        def decide(row: int):
-            if not needs or count == 1:
-                return None if needs else _always
-
-            def wins(arriving: int, resident: int) -> bool:
-                if not host:
-                    fresh = kv.new_zeros(kv.shape[0], count, dtype=torch.float32) if scores is None else scores
-                    host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
-                mine, theirs = host[0][row][arriving], host[0][row][resident]
-                return mine >= theirs if self.rule.config.tie == "incoming" else mine > theirs
-
-            return wins
-
-        if in_step:  # the same moves for every layer of the forward unless the scores decide a selection
+        if in_step and (count == 1 or not needs):  # the same moves for every sequence and layer of the forward
+            wins = None if needs else _always
             key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))
-            shared, selected = self.forward_pass.cached(key, lambda: self._shared_play(before[0], count))
-            self._set_shared(shared[0])
-            if selected:
-                plans = [play(layout, before[0], range(count), slots, decide(b)) for b in range(len(before))]
-                columns = self._sequence_columns(before, plans)
-            else:
-                columns = self._columns(before[0], shared, count)
+            plan = self.forward_pass.cached(key, lambda: play(layout, before[0], range(count), slots, wins))
+            self._set_shared(plan[0])
+            columns = self._columns(before[0], plan, count)
         else:
-            tokens = [[m for m, is_real in enumerate(row) if is_real] for row in real.tolist()]
+            if not in_step:
+                self._leave_step()
+            tokens = [range(count)] * len(before)
+            if not in_step:
+                tokens = [[m for m, is_real in enumerate(row) if is_real] for row in real.tolist()]
+            host: list = []  # the pool's scores on the host, read at the first selection decided there
+
+            def decide(row: int):
+                if not needs or count == 1:
+                    return None if needs else _always
+
+                def wins(arriving: int, resident: int) -> bool:
+                    if not host:
+                        fresh = kv.new_zeros(kv.shape[0], count, dtype=torch.float32) if scores is None else scores
+                        host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
+                    mine, theirs = host[0][row][arriving], host[0][row][resident]
+                    return mine >= theirs if self.rule.config.tie == "incoming" else mine > theirs
+
+                return wins
+
             plans = [play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
             self._rings = [plan[0] for plan in plans]
             columns = self._sequence_columns(before, plans)
@@ -278,15 +275,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
             buffers = (self._kv, self._meta, self._score if needs else None)
             apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
         self._sync_sinks(before)
-
-    def _shared_play(self, before: Rings, count: int) -> tuple[tuple, bool]:
-        """``schedule.play`` of ``count`` new tokens for the batch in step, and whether it met a selection that the
-        scores decide on the host (several tokens with token selection: then each sequence plays its own)."""
-        selected: list[bool] = []
-        wins = None if self.rule.needs_scores else _always  # one token's selection is left to the executor
-        if self.rule.needs_scores and count > 1:
-            wins = lambda arriving, resident: selected.append(True) or True  # noqa: E731
-        return play(self._layout, before, range(count), self.capacity, wins), bool(selected)
 
     def _columns(self, before: Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
         """The executor's tables of moves shared by the batch (``None``: no move), built once per forward for the
@@ -352,7 +340,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
         if any(copy for copy, _ in changes):
             copied = self._turned_sinks(self._kv[:, :, : self.sinks, :dim], [-layout.fill] * len(rows))
             self._sink_keys = self._where([copy for copy, _ in changes], copied, self._sink_keys)
-            self._sinks_full = all(rings.seen >= self.sinks for rings in rows)
         if any(shift is not None for _, shift in changes):
             placed = self._turned_sinks(self._sink_keys, [sink_shift(layout, rings) for rings in rows])
             sinks = self._kv[:, :, : self.sinks, :dim]
