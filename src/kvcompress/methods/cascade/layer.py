@@ -94,8 +94,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         slots, self._key_dim = self.capacity, key_dim
         # keys and values side by side, then one scratch slot; per slot (stream index, RoPE position) and the EMA
         self._kv = key_states.new_zeros(batch, heads, slots + 1, key_dim + value_states.shape[-1])
-        self._meta = torch.zeros(batch, slots + 1, 2, dtype=torch.long, device=self.device)
-        self._meta[..., 0] = -1
+        self._meta = torch.full((batch, slots + 1, 2), -1, dtype=torch.long, device=self.device)
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
@@ -190,15 +189,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
         if real is None:
             real = torch.ones(batch, count, dtype=torch.bool, device=self.device)
         keys, values = pending.keys, pending.values.to(pending.keys.dtype)
-        if self.inv_freq is None:
-            kv = torch.cat([keys, values], -1)
-        else:  # undo the model's rotation with the very angles it used (rotate_half convention, by -angle)
-            angle = pos[:, None, :, None].to(torch.float32) * self.inv_freq.to(self.device)
-            cos, sin = angle.cos().to(keys.dtype), angle.sin().to(keys.dtype)
-            half = self.inv_freq.shape[-1]  # partial rotary: dimensions past 2 * half pass through
-            first, second, rest = keys[..., :half], keys[..., half : 2 * half], keys[..., 2 * half :]
-            kv = torch.cat([first * cos + second * sin, second * cos - first * sin, rest, values], -1)
-        return kv, torch.stack([tok, pos], -1), pos, real
+        if self.inv_freq is not None:  # undo the model's rotation with the very angles it used (float32)
+            keys = rotate_by(keys, -pos[:, None], self.inv_freq)
+        return torch.cat([keys, values], -1), torch.stack([tok, pos], -1), pos, real
 
     def _insert_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -219,15 +212,10 @@ class CascadeLayer(RingDecode, CompressedLayer):
             return
         used = self.capacity
         self._set_capacity(min(self.full_capacity, max(needed, used + max(used // 4, 16))))
-        slots = self.capacity + 1  # the last slot is scratch space
-        kv = self._kv.new_zeros(*self._kv.shape[:2], slots, self._kv.shape[-1])
-        kv[:, :, :used] = self._kv[:, :, :used]
-        meta = self._meta.new_zeros(self._meta.shape[0], slots, 2)
-        meta[..., 0] = -1
-        meta[:, :used] = self._meta[:, :used]
-        score = self._score.new_zeros(self._score.shape[0], slots)
-        score[:, :used] = self._score[:, :used]
-        self._kv, self._meta, self._score = kv, meta, score
+        pad = (0, 0, 0, self.capacity + 1 - used)  # (the last slot is scratch space)
+        self._kv = torch.nn.functional.pad(self._kv[:, :, :used], pad)
+        self._meta = torch.nn.functional.pad(self._meta[:, :used], pad, value=-1)
+        self._score = torch.nn.functional.pad(self._score[:, :used], pad[2:])
 
     # --- tokens into the rings: the schedule's moves, applied by the executor ------------------------------------
     def _insert_tokens(
