@@ -115,35 +115,31 @@ class RingDecode:
             fresh = next(dest for dest, item in moves if item > slots)
             columns = self._columns(rings, plan, 1, rotated=True)
             targets, runs = self._frames(after.stored(self._layout) - 1, after)
-            stored = runs[-1][1]
-            dense = self._dense_logits(len(targets), stored, rows)
-            key = ("slot-logits", tuple(runs), dense, self.device)
-            logit, empty = self.forward_pass.cached(key, lambda runs=runs, dense=dense: self._slot_logits(runs, dense))
+            frames = len(targets)
+            key = ("slot-logits", tuple(runs), frames, rows, self.device)
+            build = lambda runs=runs, frames=frames: self._slot_logits(runs, frames, rows)  # noqa: E731
+            logit, empty = self.forward_pass.cached(key, build)
             angle = move_turn(self._layout, rings, after, fresh, slots + 1, slots)  # (a new item's turn: its angle)
             sinks = [sinks_after(self._layout, rings, after)]
             steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty))
             rings = after
         return steps
 
-    def _slot_logits(self, runs: list[Run], dense: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per slot, where its logit is among every frame's (``frame * stored + slot``), and the empty slots between
-        the runs (``None``: none); per-run logits need neither."""
-        if not dense:
+    def _slot_logits(self, runs: list[Run], frames: int, rows: int) -> tuple[torch.Tensor | None, ...]:
+        """Where one matmul gives every frame's logits for every slot (``DENSE_*``; ``rows``: batch x query heads):
+        per slot, where its logit is among them (``frame * stored + slot``), and the empty slots between the runs
+        (``None``: none). Else ``None, None``: one matmul per run."""
+        stored, device = runs[-1][1], self.device.type
+        limit = DENSE_MULTIPLY_ADDS.get(device)
+        if frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"]):
             return None, None
-        stored = runs[-1][1]
+        if limit is not None and rows * frames * stored * self._key_dim > limit:
+            return None, None
         logit, empty = list(range(stored)), [True] * stored  # (an empty slot's logit: any, it is masked)
         for lo, hi, index in runs:
             logit[lo:hi] = range(index * stored + lo, index * stored + hi)
             empty[lo:hi] = [False] * (hi - lo)
         return from_host(logit, self.device), from_host(empty, self.device, torch.bool) if any(empty) else None
-
-    def _dense_logits(self, frames: int, stored: int, rows: int) -> bool:
-        """Whether one matmul gives every frame's logits for every slot (``DENSE_*``); ``rows``: batch x heads."""
-        device = self.device.type
-        if frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"]):
-            return False
-        limit = DENSE_MULTIPLY_ADDS.get(device)
-        return limit is None or rows * frames * stored * self._key_dim <= limit
 
     def _frames(self, top: int, rings: Rings | None = None) -> tuple[tuple[int, ...], list[Run]]:
         """A query at rank ``top`` of the layout ``rings`` (the batch's by default): its rotation targets, one per
