@@ -3,8 +3,9 @@
 Its decoding step attends before inserting (the ring's oldest token is still seen) and can be replayed
 (``kvcompress.decode_graph``): once the ring is full, every step is the same operations with three numbers that
 change, the new token's real-token index, the slot it overwrites and the sinks' frame ``F``; bound to a captured
-step (``core.replay.ReplayBinding``) the layer keeps the first two on the device (``replay_counters``) and advances
-them there, and the Python integers are set from them when the graph is left (``sync_replayed``).
+step (``core.replay.ReplayBinding``) the layer keeps the first on the device (``replay_counters``; the other two
+follow from it) and advances it there, and the Python integers are set from it when the graph is left
+(``sync_replayed``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class CircularSinkLayer(CascadeLayer):
     """
 
     attend_first = True
-    start_tensor: torch.Tensor | None = None  # the ring's start on the device while bound
     # the ring cannot drop tokens by age: on a model's sliding-window layers the generic streaming layer runs instead
     sliding_layer_class = CompressedLayer
 
@@ -46,11 +46,12 @@ class CircularSinkLayer(CascadeLayer):
         the scratch slot after the ring), the query attends to the occupied slots (a prefix of the buffer, one frame:
         the new key at its real-token index ``p``, the query at rank + ``F`` = ``p``, both turned by the same
         rotation) with one SDPA, then the token is copied over the oldest ring token. Bound to a captured step
-        (``kvcompress.decode_graph``) the ring is full and ``p`` and the ring's start are read on the device."""
+        (``kvcompress.decode_graph``) the ring is full and ``p`` is read on the device, the slot following from it."""
         bound, dim, forward = self.seen_tensor is not None, self._key_dim, self.forward_pass
         after, moves = advance(self._layout, self._shared)
         if bound:
-            seen, dest, spare = self.seen_tensor, (self.start_tensor + self.sinks).view(1), self.capacity
+            seen, spare = self.seen_tensor, self.capacity
+            dest = ((seen - self.sinks).remainder(self.width) + self.sinks).view(1)  # the full ring's oldest token
             tag = ("replay-rotation", self.inv_freq.data_ptr(), dim)
             build = lambda dtype: rotation_to_tensor(pending.source, seen, self.inv_freq, dim, dtype)  # noqa: E731
             rotation = lambda dtype: forward.cached((*tag, dtype), lambda: build(dtype))  # noqa: E731
@@ -78,7 +79,6 @@ class CircularSinkLayer(CascadeLayer):
             return output
         self._kv.index_copy_(2, dest, self._kv[:, :, spare : spare + 1])
         self._meta.index_copy_(1, dest, torch.stack([seen.expand_as(pending.pos), pending.pos], -1))
-        self.start_tensor.add_(1).remainder_(self.width)
         seen.add_(1)
         if self.sinks:  # the next frame: F = real tokens seen - sinks - width
             frame = forward.cached(
@@ -107,10 +107,6 @@ class CircularSinkLayer(CascadeLayer):
         self.replay_binding = binding
         if self.seen_tensor is None:
             self.seen_tensor = torch.tensor(self._shared.seen, device=self.device)  # the next token's real index
-            self.start_tensor = torch.tensor(self._shared.start[0], device=self.device)
-
-    def replay_counters(self) -> list[torch.Tensor]:
-        return [self.seen_tensor, self.start_tensor]
 
     def sync_replayed(self, values: list[int]) -> None:
         """Each replayed step took one real token into the full ring (every token past the sinks and the ring's
@@ -119,9 +115,6 @@ class CircularSinkLayer(CascadeLayer):
         width = self._layout.width
         self._set_shared(Rings(values[0], (width,), (values[0] - self.sinks - width,), width))
         self._seen += replayed
-
-    def unbind_replay_buffers(self) -> None:
-        self.replay_binding = self.seen_tensor = self.start_tensor = None
 
     def replay_state(self) -> tuple:
         return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0])

@@ -362,7 +362,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> None:
         self._sliding_window = sliding_window  # applied inside cascade_attention, by stream index as the model does
-        return None
 
     def cascade_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Insert this forward's tokens, attend, update the EMA; returns ``[B, H, q, d]``.
