@@ -1,6 +1,7 @@
 """PoD attention: this layer's logits on proximal tokens mixed with the block-start layer's logits on distant
-tokens (both exact: one softmax, or the Eq. 4 gate), reading the block start's query and keys exposed earlier in
-the same forward (``PoDLayer.step``)."""
+tokens (both exact: one softmax, or the Eq. 4 gate), reading the block start's query and keys lent earlier in the
+same forward (``PoDLayer.step``). The output comes from fused kernels (``kvcompress.methods.pod.fused``) where
+nothing else is asked; the explicit softmax below gives the statistics, the ``tau`` gate and ``combine="lse"``."""
 
 from __future__ import annotations
 
@@ -14,32 +15,27 @@ from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.softmax import row_chunks
 from kvcompress.methods.pod.fused import (
     FLASH,
+    grouped_attention,
     grouped_biases,
     mixed_sdpa,
+    stream_biases,
     two_call_merge,
-    two_call_merge_grouped,
-    whole_groups,
 )
-from kvcompress.methods.pod.layer import PoDLayer, PoDStep
-from kvcompress.methods.pod.ring_attention import ring_attention, ring_plan
-from kvcompress.methods.pod.stream_masks import stream_biases
+from kvcompress.methods.pod.layer import PoDLayer, PoDStep, QueryLayout
+from kvcompress.methods.pod.ring import ring_plan
 
 if TYPE_CHECKING:  # annotations only: the config module imports the policy, which imports this module
     from kvcompress.methods.pod.config import PoDConfig
 
 
-def _visible(layer: PoDLayer, queries: int, mask: torch.Tensor | None, first: int = 0) -> torch.Tensor:
-    """Boolean ``[B, H_kv or 1, q - first, L]`` visibility of the query rows ``first ..`` (the core's mask, or
-    causal when it passed ``None``)."""
-    if mask is not None:
-        return mask[:, :, first:]
-    query_idx = torch.arange(layer.seen - queries + first, layer.seen, device=layer.device)
-    return layer.token_idx[:, :, None, :] <= query_idx[None, None, :, None]
-
-
 def _masks(layer: PoDLayer, queries: int, mask: torch.Tensor | None, config, first: int = 0) -> tuple:
-    """Visible, proximal and distant keys ``[B, H_kv or 1, q - first, L]`` of the query rows ``first ..``."""
-    visible = _visible(layer, queries, mask, first)
+    """Visible, proximal and distant keys ``[B, H_kv or 1, q - first, L]`` of the query rows ``first ..`` (visible:
+    the core's mask, or causal when it passed ``None``)."""
+    if mask is not None:
+        visible = mask[:, :, first:]
+    else:
+        query_idx = torch.arange(layer.seen - queries + first, layer.seen, device=layer.device)
+        visible = layer.token_idx[:, :, None, :] <= query_idx[None, None, :, None]
     pos_k = layer.rope_pos[:, :, None, :]
     pos_q = layer.rope_pos[:, :, layer.rope_pos.shape[-1] - queries + first :, None]
     proximal = ((pos_k < config.n_sink) | (pos_q - pos_k < config.n_recent)) & visible
@@ -55,6 +51,17 @@ def _grouped(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
 
 
+def _sources(layer: PoDLayer, layout: QueryLayout, query: torch.Tensor, config) -> list:
+    """Per sharing query head: its distant logits' query ``[B, q, d]`` and the block start's keys ``[B, L, d]``."""
+    sources = []
+    for h in layout.sharing:
+        start = layout.starts[h]
+        step = layer.shared_step(start)
+        source_query = step.query if config.query_source == "block_start" else query
+        sources.append((source_query[:, h], step.keys[:, layer.peers[start].full_pos[h // layout.groups]]))
+    return sources
+
+
 def pod_attention(
     layer: PoDLayer,
     query: torch.Tensor,
@@ -67,34 +74,26 @@ def pod_attention(
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = layer.values.shape[1], layer.values.shape[2]
     groups = q_heads // kv_heads
-    starts, sharing = layer.query_layout(q_heads)
-    layer.step = PoDStep(query=query, keys=layer.keys, full_pos=layer.full_pos)
+    layout = layer.query_layout(q_heads)
+    layer.step = PoDStep(query=query, keys=layer.keys)
     if layer.ring_plan is None:
-        layer.ring_plan = ring_plan(layer, query, config, starts, sharing) or False
+        layer.ring_plan = ring_plan(layout, config) or False
+    scale = dim**-0.5 if scaling is None else scaling
     if layer.ring is not None:
-        scale = dim**-0.5 if scaling is None else scaling
-        return ring_attention(layer, layer.ring_plan, query, config, scale), None
-    value = layer.values
+        ring = layer.ring
+        near, distant = (ring.keys, ring.values, ring.bias), ring.distant(length)
+        return grouped_attention(layer, layout, query, near, distant, ring.has_distant(length), scale), None
     # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
     # below also handle rows that have none)
-    if not sharing or layer.max_position < config.n_sink + config.n_recent:
-        positions = layer.forward_positions
-        return layer_attention(query, layer.own_keys(), value, mask, scaling, request, positions, layer.forward_pass)
-
-    scale = dim**-0.5 if scaling is None else scaling
-    share_idx = layer.head_index(sharing)
-    sources = []  # per sharing head: (distant query [B, q, d], distant keys [B, L, d])
-    for h in sharing:
-        step = layer.peers[starts[h]].step
-        if step is None or step.keys.shape[2] != length:
-            raise RuntimeError(f"pod: layer {starts[h]} (block start of layer {layer.index}) has no matching step")
-        source_query = step.query if config.query_source == "block_start" else query
-        sources.append((source_query[:, h], step.keys[:, step.full_pos[h // groups]]))
+    if not layout.sharing or layer.max_position < config.n_sink + config.n_recent:
+        keys, positions = layer.own_keys(), layer.forward_positions
+        return layer_attention(query, keys, layer.values, mask, scaling, request, positions, layer.forward_pass)
     fused = _fuses(config, request)
     if fused:  # the output from fused kernels; the last rows' statistics, if asked for, from the explicit softmax
-        fused_output = _fused(layer, query, mask, config, (sharing, starts, share_idx), sources, scale)
+        fused_output = _fused(layer, layout, query, mask, config, scale)
         if not request.any:
             return fused_output, None
+    sources, share_idx = _sources(layer, layout, query, config), layout.share_idx
     last_n = min(request.last_queries, queries)
     first = queries - last_n if fused else 0  # rows whose softmax is written out
     visible, proximal, distant = _masks(layer, queries, mask, config, first)
@@ -104,11 +103,13 @@ def pod_attention(
     dist_s = _grouped(distant, q_heads)[:, share_idx]
     outputs, last_rows, received = [], [], None
     skipped = eligible = 0
-    for r0, r1 in ((first + a, first + b) for a, b in row_chunks(queries - first, batch * q_heads * length)):
-        own = _grouped_logits(query[:, :, r0:r1], own_keys).float() * scale  # [B, H_q, R, L]
+    for a, b in row_chunks(queries - first, batch * q_heads * length):
+        r0, r1 = first + a, first + b
+        # each KV head's query heads folded into rows: no key repeated per query head
+        folded = query[:, :, r0:r1].reshape(batch, kv_heads, groups * (r1 - r0), dim)
+        own = (folded @ own_keys.transpose(-1, -2)).view(batch, q_heads, r1 - r0, length).float() * scale
         dist = torch.stack([(q[:, r0:r1] @ k.transpose(-1, -2)).float() * scale for q, k in sources], dim=1)
-        prox_r, dist_r = prox_s[:, :, r0 - first : r1 - first], dist_s[:, :, r0 - first : r1 - first]
-        own_s = own[:, share_idx]
+        prox_r, dist_r, own_s = prox_s[:, :, a:b], dist_s[:, :, a:b], own[:, share_idx]
         allowed = dist_r
         if config.tau is not None or config.combine == "lse":
             lse_p = own_s.masked_fill(~prox_r, -math.inf).logsumexp(-1)
@@ -122,18 +123,15 @@ def pod_attention(
                 allowed = dist_r & ~skip[..., None]
                 gate = torch.where(skip, torch.ones_like(gate), gate)
         mixed_s = torch.where(prox_r, own_s, dist).masked_fill(~(prox_r | allowed), -math.inf)
-        logits = own.masked_fill(~visible_q[:, :, r0 - first : r1 - first], -math.inf).index_copy(1, share_idx, mixed_s)
+        logits = own.masked_fill(~visible_q[:, :, a:b], -math.inf).index_copy(1, share_idx, mixed_s)
         probs = logits.softmax(dim=-1)
-        out = None if fused else probs.to(value.dtype) @ value_q
+        out = None if fused else probs.to(value_q.dtype) @ value_q
         if config.combine == "lse":
-            p_prox = own_s.masked_fill(~prox_r, -math.inf).softmax(-1)
-            p_dist = dist.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0)
-            o_prox, o_dist = (
-                p_prox.to(value.dtype) @ value_q[:, share_idx],
-                p_dist.to(value.dtype) @ value_q[:, share_idx],
-            )
-            g = gate[..., None].to(value.dtype)
-            out = out.index_copy(1, share_idx, g * o_prox + (1 - g) * o_dist)
+            p_prox = own_s.masked_fill(~prox_r, -math.inf).softmax(-1).to(value_q.dtype)
+            p_dist = dist.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0).to(value_q.dtype)
+            shared_values = value_q[:, share_idx]
+            g = gate[..., None].to(value_q.dtype)
+            out = out.index_copy(1, share_idx, g * (p_prox @ shared_values) + (1 - g) * (p_dist @ shared_values))
         outputs.append(out)
         if request.received:
             mass = probs.sum(dim=2)
@@ -159,38 +157,24 @@ def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
     return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
 
 
-def _fused(layer, query, mask, config, heads, sources, scale) -> torch.Tensor:
-    """The mixed softmax's output (no statistics) from fused attention kernels (``kvcompress.methods.pod.fused``):
-    two calls returning their log-sum-exp on the CPU without autograd (grouped where ``whole_groups`` holds, with
-    the forward's shared masks while the layer holds the stream as it came), one masked SDPA otherwise. ``heads``:
-    the sharing query heads, every query head's block start and the sharing heads as a device tensor."""
-    sharing, starts, share_idx = heads
+def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: float) -> torch.Tensor:
+    """The mixed softmax's output (no statistics) from fused kernels: on the CPU without autograd two calls
+    returning their log-sum-exp (grouped where the sharing heads are whole groups, with the forward's shared masks
+    while the layer holds the stream as it came), one masked SDPA otherwise."""
     q_heads, queries = query.shape[1], query.shape[2]
-    groups = q_heads // layer.values.shape[1]
-    training = torch.is_grad_enabled() and query.requires_grad
-    if FLASH is not None and query.device.type == "cpu" and not training and whole_groups(sharing, starts, groups):
-        biases = stream_biases(layer, queries, groups, query.dtype)
-        if biases is not None:
-            return two_call_merge_grouped(layer, query, biases, None, sources, scale)
-        visible, proximal, distant = _masks(layer, queries, mask, config)
-        biases = grouped_biases(layer, proximal, distant, groups, query.dtype)
-        full_visible = visible if visible.shape[1] == 1 else layer.heads_of(visible, "full")
-        return two_call_merge_grouped(layer, query, biases, full_visible, sources, scale)
+    kernel = FLASH is not None and query.device.type == "cpu" and not (torch.is_grad_enabled() and query.requires_grad)
+    if kernel and layout.runs is not None:
+        biases, full_mask = stream_biases(layer, queries, layout.groups, query.dtype), None
+        if biases is None:
+            visible, proximal, distant = _masks(layer, queries, mask, config)
+            biases = grouped_biases(layer, proximal, distant, layout.groups, query.dtype)
+            full_mask = visible if visible.shape[1] == 1 else layer.heads_of(visible, "full")
+        slot = layer.prox_slot.clamp(min=0)[..., None]
+        near_values = layer.heads_of(layer.values, "prox").gather(2, slot.expand(*slot.shape[:3], query.shape[-1]))
+        near, dist, has_distant = (layer.prox_keys, near_values, biases.prox), biases.dist, biases.has_distant
+        return grouped_attention(layer, layout, query, near, dist, has_distant, scale, full_mask, biases.split)
     visible, proximal, distant = _masks(layer, queries, mask, config)
-    keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
-    merge = two_call_merge if FLASH is not None and query.device.type == "cpu" and not training else mixed_sdpa
-    return merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
-
-
-def _grouped_logits(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``query`` ``[B, H_q, R, d]`` against ``keys`` ``[B, H_kv, L, d]``: ``[B, H_q, R, L]``, each KV head's query
-    heads folded into rows (no key repeated per query head)."""
-    batch, q_heads, rows, dim = query.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    folded = query.reshape(batch, kv_heads, q_heads // kv_heads * rows, dim)
-    return (folded @ keys.transpose(-1, -2)).view(batch, q_heads, rows, length)
-
-
-def _repeated(layer: PoDLayer, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
-    """The layer's own keys, its values and ``visible``, each KV head repeated for its query heads."""
-    return _grouped(layer.own_keys(), heads), _grouped(layer.values, heads), _grouped(visible, heads)
+    keys_q, value_q, visible_q = (_grouped(t, q_heads) for t in (layer.own_keys(), layer.values, visible))
+    merge = two_call_merge if kernel else mixed_sdpa
+    sources = _sources(layer, layout, query, config)
+    return merge(query, keys_q, value_q, visible_q, proximal, distant, layout.share_idx, sources, scale)

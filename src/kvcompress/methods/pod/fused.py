@@ -1,10 +1,13 @@
 """PoD's mixed softmax from fused attention kernels (the output only; ``pod_attention`` dispatches here).
 
-On the CPU without autograd, Eq. 4 literally: two kernel calls returning their log-sum-exp, one over the proximal
-keys with the layer's own logits and one over the distant keys with the block start's, merged by the gate
-(``two_call_merge``; ``two_call_merge_grouped`` reads the layer's stores without repeating any key per query head).
-Elsewhere and under autograd, one masked SDPA over keys laid out twice (``mixed_sdpa``). All equal the explicit
-mixed softmax (tests)."""
+Eq. 4 literally: one attention call over the proximal keys with the layer's own logits and one over the distant
+keys with the block start's, each returning its log-sum-exp, merged by the gate ``g = sigmoid(LSE_P - LSE_D)``. On
+the CPU the calls are its fused kernel (``FLASH``); a decoding step on its ring elsewhere takes the logits, their
+log-sum-exp and one matmul in float32 (``attention_part``). ``grouped_attention`` reads the layer's stores without
+repeating any key per query head (the ring's step, and CPU forwards when the sharing heads are whole groups);
+``two_call_merge`` repeats keys per query head (CPU, other layouts); ``mixed_sdpa`` is one masked SDPA over keys
+laid out twice (elsewhere and under autograd). All equal the explicit mixed softmax (tests).
+"""
 
 from __future__ import annotations
 
@@ -26,56 +29,16 @@ class GroupedBiases(NamedTuple):
     head ``g`` of a group in rows ``g q .. (g + 1) q - 1``); a leading dimension of 1 is shared."""
 
     prox: torch.Tensor  # [B or 1, S or 1, G q, P]: the stored proximal keys (``prox_slot`` order) each row sees
-    dist: torch.Tensor  # [B or 1, S or 1, G q, L]: the distant keys; rows without any see every key (dropped)
-    has_distant: torch.Tensor  # [B or 1, S or 1, G q]
+    dist: torch.Tensor  # [B or 1, S or 1, G q, L]: the distant keys each row sees
+    has_distant: torch.Tensor | None  # [B or 1, S or 1, G q] (None: every row has some)
     # (first, stop): instead, every row sees the distant keys [first, stop) and, from ``stop``, the next q keys
     # causally (query row i the first i + 1 of them; ``dist`` is then that [.., G q, q] block's mask)
     split: tuple[int, int] | None = None
 
 
-def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
-    """Inference path (no autograd): Eq. 4 literally, with two fused attention calls that return their
-    log-sum-exp: ``o_P, LSE_P`` over proximal tokens with own logits, ``o_D, LSE_D`` over distant tokens with the
-    block start's logits, ``o = g o_P + (1 - g) o_D``, ``g = sigmoid(LSE_P - LSE_D)`` (``g = 1`` without distant
-    tokens). Block-start heads run plain SDPA. Equal to the mixed softmax (tests)."""
-    batch, q_heads, queries, dim = query.shape
-    length = keys_q.shape[2]
-    groups = q_heads // proximal.shape[1]
-    kv_of = share_idx // groups
-    out = scaled_dot_product_attention(
-        query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, length), scale=scale
-    )
-    values = value_q[:, share_idx]
-    prox_bias = torch.zeros(proximal[:, kv_of].shape, dtype=query.dtype, device=query.device)
-    prox_bias = prox_bias.masked_fill(~proximal[:, kv_of], -math.inf)
-    o_prox, lse_prox = FLASH(
-        query[:, share_idx], keys_q[:, share_idx], values, 0.0, False, attn_mask=prox_bias, scale=scale
-    )
-    dist_mask = distant[:, kv_of]
-    has_distant = dist_mask.any(-1)  # [B, S, q]
-    dist_bias = torch.zeros(dist_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~dist_mask, -math.inf)
-    dist_bias = dist_bias.masked_fill(~has_distant[..., None], 0.0)  # rows without distant tokens: dropped below
-    source_query = torch.stack([q for q, _ in sources], dim=1)
-    source_keys = torch.stack([k for _, k in sources], dim=1)
-    o_dist, lse_dist = FLASH(source_query, source_keys, values, 0.0, False, attn_mask=dist_bias, scale=scale)
-    return out.index_copy(1, share_idx, gated(o_prox, lse_prox, o_dist, lse_dist, has_distant))
-
-
-def gated(o_prox, lse_prox, o_dist, lse_dist, has_distant) -> torch.Tensor:
-    """Eq. 4: ``g o_P + (1 - g) o_D`` with ``g = sigmoid(LSE_P - LSE_D)``; rows without distant tokens take
-    ``o_P`` (``g = 1``, whatever the distant call returned for them)."""
-    lse_dist = lse_dist.masked_fill(~has_distant, -math.inf)
-    gate = torch.sigmoid(lse_prox - lse_dist)[..., None].to(o_prox.dtype)
-    return gate * o_prox + (1 - gate) * torch.where(has_distant[..., None], o_dist, torch.zeros_like(o_dist))
-
-
-def whole_groups(sharing: list[int], starts: tuple[int, ...], groups: int) -> bool:
-    """Whether every sharing KV head shares with all its query heads, from one block start (the default grouping):
-    then the sharing KV heads are those storing proximal keys only, and their query heads fold into rows."""
-    kv_heads = {h // groups for h in sharing}
-    if len(kv_heads) * groups != len(sharing):
-        return False
-    return all(len({starts[g * groups + k] for k in range(groups)}) == 1 for g in kv_heads)
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in ``dtype``."""
+    return torch.full(allowed.shape, -math.inf, dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
 
 
 def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) -> GroupedBiases:
@@ -88,79 +51,152 @@ def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) ->
         return rows.reshape(batch, shared, groups * queries, allowed.shape[-1])
 
     slot = layer.prox_slot  # [B, S, P]: each stored proximal key's slot, -1 for none
-    safe = slot.clamp(min=0)
-    prox_seen = (
-        layer.heads_of(proximal, "prox").gather(3, safe[:, :, None].expand(-1, -1, queries, -1))
-        & (slot >= 0)[:, :, None]
-    )
+    gathered = layer.heads_of(proximal, "prox").gather(3, slot.clamp(min=0)[:, :, None].expand(-1, -1, queries, -1))
     dist_mask = by_row(layer.heads_of(distant, "prox"))
-    has_distant = dist_mask.any(-1)  # [B, S, G q]
-    return GroupedBiases(
-        additive(by_row(prox_seen), dtype), additive(dist_mask | ~has_distant[..., None], dtype), has_distant
-    )
+    prox_seen = by_row(gathered & (slot >= 0)[:, :, None])
+    return GroupedBiases(additive(prox_seen, dtype), additive(dist_mask, dtype), dist_mask.any(-1))
 
 
-def distant_attention(query, keys, values, biases: GroupedBiases, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and log-sum-exp of the rows ``query`` over their distant ``keys``: one masked call, or with
-    ``biases.split`` an unmasked call over the keys every row sees and a call over the causal block, merged."""
-    if biases.split is None:
-        return FLASH(query, keys, values, 0.0, False, attn_mask=biases.dist, scale=scale)
-    first, stop = biases.split
-    block = slice(stop, stop + biases.dist.shape[-1])
-    o_all, lse_all = FLASH(query, keys[:, :, first:stop], values[:, :, first:stop], 0.0, False, scale=scale)
-    o_new, lse_new = FLASH(
-        query, keys[:, :, block], values[:, :, block], 0.0, False, attn_mask=biases.dist, scale=scale
-    )
+def stream_biases(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases | None:
+    """The biases of this forward's ``queries`` rows (``[1, 1, G q, ...]``) while ``layer`` holds the stream as it
+    came (``PoDLayer.on_stream``: no token evicted, no padding, positions = stream indices), else None.
+
+    Then every layer and KV head stores token ``i`` at slot ``i`` with position ``i`` and the masks depend on the
+    positions alone: the forward's first sharing layer builds them, the others reuse them (``ForwardPass.cached``),
+    sparing each layer its ``[B, H_kv, q, L]`` masks and float biases."""
+    if not layer.on_stream or layer.forward_positions is None:
+        return None
+    config = layer.policy.config
+    stored = layer.prox_slot.shape[-1]
+    key = ("pod-stream-biases", layer.seen, queries, stored, groups, dtype, config.n_sink, config.n_recent)
+    return layer.forward_pass.cached(key, lambda: _stream(layer, queries, groups, dtype))
+
+
+def _stream(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases:
+    config = layer.policy.config
+    query_pos = torch.arange(layer.seen - queries, layer.seen, device=layer.device)[:, None]
+
+    def near_and_far(key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [q, n] each
+        seen = key_pos <= query_pos
+        near = (key_pos < config.n_sink) | (query_pos - key_pos < config.n_recent)
+        return seen & near, seen & ~near
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:  # [q, ...] -> [1, 1, G q, ...]: the same rows per query head
+        return tensor.repeat(groups, *([1] * (tensor.dim() - 1)))[None, None]
+
+    prox_seen, _ = near_and_far(layer.prox_slot[0, 0])  # a stored proximal key's slot is its position here
+    prox = rows(additive(prox_seen, dtype))
+    stop = layer.seen - queries - config.n_recent  # distant to every query before it, to query i up to stop + i
+    if stop > config.n_sink:  # an unmasked call and a small causal one instead of one [G q, L] mask
+        causal = torch.ones(queries, queries, dtype=torch.bool, device=layer.device).tril()
+        return GroupedBiases(prox, rows(additive(causal, dtype)), None, (config.n_sink, stop))
+    _, distant = near_and_far(torch.arange(layer.seen, device=layer.device))
+    return GroupedBiases(prox, rows(additive(distant, dtype)), rows(distant.any(-1)))
+
+
+def attention_part(query, keys, values, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``query`` ``[B, n, R, d]`` over ``keys``/``values`` ``[B, n, L, d]`` under an additive ``mask`` (or
+    None): the output and the log-sum-exp ``[B, n, R]`` (a zero output for a row that sees nothing)."""
+    if FLASH is not None and query.device.type == "cpu":
+        return FLASH(query, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+    logits = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale)
+    if mask is not None:
+        logits.add_(mask)
+    lse = logits.logsumexp(-1)
+    weights = (logits - lse.clamp(min=torch.finfo(logits.dtype).min)[..., None]).exp_()
+    return torch.matmul(weights.to(values.dtype), values), lse
+
+
+def gate_merge(o_near, lse_near, o_far, lse_far, has_distant: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 4: ``g o_P + (1 - g) o_D`` with ``g = sigmoid(LSE_P - LSE_D)``; rows without a distant token (False in
+    ``has_distant``; None: there are none) take ``o_P`` (``g = 1``: their distant call saw no key)."""
+    if has_distant is not None:
+        lse_far = lse_far.masked_fill(~has_distant, -math.inf)
+    gate = torch.sigmoid(lse_near - lse_far)[..., None].to(o_near.dtype)
+    return torch.lerp(o_far, o_near, gate)
+
+
+def fold_heads(layer, query: torch.Tensor, kind: str, groups: int) -> torch.Tensor:
+    """The query heads of the layer's KV heads of ``kind``, each KV head's ``G`` folded into rows: ``[B, n, G q, d]``
+    (KV head ``g`` serves query heads ``g G .. g G + G - 1``, as ``repeat_kv`` lays them)."""
+    batch, _, queries, dim = query.shape
+    run = layer.head_runs[kind]
+    if run is not None:
+        heads = query.narrow(1, run[0] * groups, run[1] * groups)
+    else:
+        index = [h * groups + k for h in layer.head_lists[kind] for k in range(groups)]
+        heads = query.index_select(1, layer.head_index(index))
+    return heads.reshape(batch, -1, groups * queries, dim)
+
+
+def grouped_attention(layer, layout, query, near, distant, has_distant, scale, full_mask=None, split=None):
+    """The mixed softmax when the sharing heads are whole groups (``layout.runs``), reading the layer's stores as
+    they are: the sharing KV heads' query heads, folded into rows, over ``near`` (their proximal keys, values and
+    additive mask) with their own logits and over the block start's keys under ``distant`` (one call per run of KV
+    heads the block start holds side by side; ``split``: see ``GroupedBiases``), merged by Eq. 4; the block-start
+    KV heads over their full keys under ``full_mask`` (None: causal, or every key for a single query)."""
+    batch, _, queries, dim = query.shape
+    groups = layout.groups
+    o_near, lse_near = attention_part(fold_heads(layer, query, "prox", groups), *near, scale)
+    parts = []
+    for first, count, head, start, row in layout.runs:
+        step = layer.shared_step(start)
+        source = step.query if layer.policy.config.query_source == "block_start" else query
+        source = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups * queries, dim)
+        keys, values = step.keys.narrow(1, row, count), layer.values.narrow(1, head, count)
+        mask = distant if distant.shape[1] == 1 else distant.narrow(1, first, count)
+        parts.append(_distant_part(source, keys, values, mask, scale, split))
+    o_far, lse_far = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
+    mixed = gate_merge(o_near, lse_near, o_far, lse_far, has_distant)  # [B, S, G q, d]
+    if not layer.head_lists["full"]:
+        return mixed.reshape(batch, -1, queries, dim)
+    full_query, full_values = fold_heads(layer, query, "full", groups), layer.heads_of(layer.values, "full")
+    if queries == 1 and full_mask is None:
+        out, _ = attention_part(full_query, layer.keys, full_values, None, scale)
+    else:
+        full_query = full_query.reshape(batch, -1, queries, dim)
+        positions = layer.forward_positions
+        out, _ = layer_attention(
+            full_query, layer.keys, full_values, full_mask, scale, NO_STATS, positions, layer.forward_pass
+        )
+        out = out.reshape(batch, -1, groups * queries, dim)
+    if layout.ordered is not None:
+        parts = [out, mixed] if layout.ordered == "full-first" else [mixed, out]
+        return torch.cat(parts, dim=1).reshape(batch, -1, queries, dim)
+    output = query.new_empty(batch, layer.values.shape[1], groups * queries, dim)
+    output.index_copy_(1, layer.prox_heads, mixed).index_copy_(1, layer.full_heads, out)
+    return output.reshape(batch, -1, queries, dim)
+
+
+def _distant_part(query, keys, values, mask, scale: float, split) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_part`` over the distant keys; with ``split`` an unmasked call over the keys every row sees and a
+    call over the causal block, merged."""
+    if split is None:
+        return attention_part(query, keys, values, mask, scale)
+    first, stop = split
+    block = slice(stop, stop + mask.shape[-1])
+    o_all, lse_all = attention_part(query, keys[:, :, first:stop], values[:, :, first:stop], None, scale)
+    o_new, lse_new = attention_part(query, keys[:, :, block], values[:, :, block], mask, scale)
     lse = torch.logaddexp(lse_all, lse_new)
     output = o_all * (lse_all - lse).exp()[..., None] + o_new * (lse_new - lse).exp()[..., None]
     return output.to(o_all.dtype), lse
 
 
-def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``allowed``, -inf elsewhere, in ``dtype``."""
-    return torch.full(allowed.shape, -math.inf, dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
-
-
-def two_call_merge_grouped(layer, query, biases: GroupedBiases, full_visible, sources, scale) -> torch.Tensor:
-    """``two_call_merge`` when ``whole_groups`` holds, reading the layer's stores as they are: the heads that
-    start a block attend over their full keys (one SDPA, grouped-query; ``full_visible`` None: plain causal), the
-    sharing ones over their stored proximal keys only (``prox_keys``, with the values of those slots) and over the
-    block start's keys for the distant part, each KV head's query heads folded into query rows (``biases``). No key
-    or value is repeated per query head."""
-    batch, q_heads, queries, dim = query.shape
-    groups = q_heads // layer.values.shape[1]
-    share_q, full_q = (layer.head_index(_query_heads(layer, kind, groups)) for kind in ("prox", "full"))
-    shared, full = len(layer.prox_heads), len(layer.full_heads)
-
-    def rows(tensor: torch.Tensor) -> torch.Tensor:  # [B, S, G, q, x] -> [B, S, G * q, x]
-        return tensor.reshape(batch, shared, groups * queries, tensor.shape[-1])
-
-    safe = layer.prox_slot.clamp(min=0)
-    prox_values = layer.heads_of(layer.values, "prox").gather(2, safe[..., None].expand(*safe.shape, dim))
-    o_prox, lse_prox = FLASH(
-        rows(query[:, share_q]), layer.prox_keys, prox_values, 0.0, False, attn_mask=biases.prox, scale=scale
+def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
+    """Eq. 4 with keys repeated per query head (``[B, H_q, L, d]``): the block-start heads by plain SDPA, the
+    sharing ones by ``attention_part`` over their proximal and distant keys."""
+    batch, q_heads, queries, _ = query.shape
+    kv_of = share_idx // (q_heads // proximal.shape[1])
+    out = scaled_dot_product_attention(
+        query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, keys_q.shape[2]), scale=scale
     )
-    source_query = rows(torch.stack([q for q, _ in sources], dim=1))
-    source_keys = torch.stack([sources[i * groups][1] for i in range(shared)], dim=1)
-    values = layer.heads_of(layer.values, "prox")
-    o_dist, lse_dist = distant_attention(source_query, source_keys, values, biases, scale)
-    mixed = gated(o_prox, lse_prox, o_dist, lse_dist, biases.has_distant)
-    mixed = mixed.reshape(batch, len(share_q), queries, dim)
-    if not full:
-        return mixed
-    full_values = layer.heads_of(layer.values, "full")
-    positions = layer.forward_positions
-    out, _ = layer_attention(
-        query[:, full_q], layer.keys, full_values, full_visible, scale, NO_STATS, positions, layer.forward_pass
-    )
-    return torch.empty_like(query).index_copy_(1, share_q, mixed).index_copy_(1, full_q, out)
-
-
-def _query_heads(layer, kind: str, groups: int) -> list[int]:
-    """The query heads of the layer's KV heads of ``kind`` (``"prox"`` or ``"full"``), in ``repeat_kv`` order: KV
-    head ``g`` serves ``g·G … g·G + G − 1``."""
-    heads = [g for g, row in enumerate(layer.full_pos) if (row < 0) == (kind == "prox")]
-    return [g * groups + k for g in heads for k in range(groups)]
+    values = value_q[:, share_idx]
+    prox_bias = additive(proximal[:, kv_of], query.dtype)
+    o_prox, lse_prox = attention_part(query[:, share_idx], keys_q[:, share_idx], values, prox_bias, scale)
+    dist_mask = distant[:, kv_of]
+    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*sources, strict=True))
+    o_dist, lse_dist = attention_part(source_query, source_keys, values, additive(dist_mask, query.dtype), scale)
+    return out.index_copy(1, share_idx, gate_merge(o_prox, lse_prox, o_dist, lse_dist, dist_mask.any(-1)))
 
 
 def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
@@ -172,12 +208,10 @@ def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, 
     batch, q_heads, queries, dim = query.shape
     length = keys_q.shape[2]
     heads = share_idx.shape[0]
-    groups = q_heads // proximal.shape[1]
-    kv_of = share_idx // groups
-    source_query = query.new_zeros(batch, q_heads, queries, dim)
-    source_keys = keys_q.new_zeros(batch, q_heads, length, dim)
-    source_query = source_query.index_copy(1, share_idx, torch.stack([q for q, _ in sources], dim=1))
-    source_keys = source_keys.index_copy(1, share_idx, torch.stack([k for _, k in sources], dim=1))
+    kv_of = share_idx // (q_heads // proximal.shape[1])
+    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*sources, strict=True))
+    source_query = query.new_zeros(batch, q_heads, queries, dim).index_copy(1, share_idx, source_query)
+    source_keys = keys_q.new_zeros(batch, q_heads, length, dim).index_copy(1, share_idx, source_keys)
     zeros = keys_q.new_zeros(batch, q_heads, length, dim)
     keys = torch.cat([torch.cat([keys_q, zeros], dim=-1), torch.cat([zeros, source_keys], dim=-1)], dim=2)
     own_allowed = visible_q.expand(batch, q_heads, queries, length)

@@ -1,18 +1,17 @@
 """PoD's proximal keys while decoding one token per forward: a ring written in place.
 
 Between forwards a sharing KV head keeps the keys of its sinks and of its last ``n_recent`` tokens, packed
-(``PoDLayer.prox_keys``), and a forward trims them after attention: a host read per layer, and masks rebuilt from
-the stored positions every step. While decoding without padding, exactly one token enters the recent window per
-step and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: the first
-entries hold the stored sinks (as many as a row holds at most; no new token is a sink), entry ``sinks + pos %
-n_recent`` the recent token at ``pos``.
-Writing the new token (position ``p``) overwrites the token at ``p - n_recent``, which has just become distant:
-its slot opens in the distant mask (``dist``). A step writes one key and its value, one slot number and one mask
-entry, and reads nothing back (the ring keeps a copy of its entries' values, so the step need not gather them).
+(``PoDLayer.prox_keys``), trimmed after each forward's attention (a host read per layer, masks rebuilt from the
+stored positions every step). While decoding without padding exactly one token enters the recent window per step
+and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: the first entries
+hold the stored sinks (no new token is a sink), entry ``sinks + pos % n_recent`` the recent token at ``pos``. The
+new token overwrites the token that has just become distant, whose slot opens in the distant mask. A step writes
+one key and its value (the ring keeps a copy of its entries' values: a step need not gather them), one slot number
+and one mask entry, and reads nothing back.
 
 Positions are read once, when the ring is built; after that each decoding token is taken to be one position past
 the previous one (what ``generate`` and every decoding loop give). A forward of several tokens, padding, an
-eviction or a batch reorder turns the ring back into the packed keys (``packed``) and the layer goes on from them.
+eviction or a batch reorder turns the ring back into the packed keys and the layer goes on from them.
 """
 
 from __future__ import annotations
@@ -22,13 +21,20 @@ import math
 import torch
 
 
+def ring_plan(layout, config):
+    """The layer's ``QueryLayout`` if its decoding steps may use the ring, else None: the plain mixed softmax
+    (no ``tau``, ``combine="softmax"``) and sharing query heads that are whole groups of its proximal-only KV heads."""
+    if config.tau is not None or config.combine != "softmax" or not layout.sharing or layout.runs is None:
+        return None
+    return layout
+
+
 class ProximalRing:
-    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, their
-    values beside them (``values``: a copy of those tokens' values, so a step reads them without gathering them from
-    the layer's store), each entry's slot in the layer's values (``slot``; 0 where it holds none), ``bias``
-    ``[B, S, 1, W]`` (0 where an entry holds a stored token, -inf elsewhere), and ``dist`` ``[B, S, 1, capacity + 1]``:
-    0 at the slots of the stored distant tokens, -inf elsewhere (the last column a sink for writes that open
-    nothing)."""
+    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, a copy
+    of their values (``values``), each entry's slot in the layer's values (``slot``; 0 where it holds none),
+    ``bias`` ``[B, S, 1, W]`` (0 where an entry holds a stored token, -inf elsewhere) and ``dist`` ``[B, S, 1,
+    capacity + 1]``: 0 at the slots of the stored distant tokens, -inf elsewhere (the last column a sink for writes
+    that open nothing)."""
 
     def __init__(self, layer, position: int) -> None:
         """Build the ring from ``layer``'s packed proximal keys as they stand for the query at ``position - 1``
@@ -42,8 +48,8 @@ class ProximalRing:
         pos = rope_pos.gather(-1, safe)
         real = (slot >= 0) & valid.gather(-1, safe)
         sink = real & (pos < self.n_sink)
-        # the sinks first, in their stored order (no new token is a sink), as many entries as a row holds at most
-        self.sinks = int(sink.sum(-1).amax()) if sink.numel() else 0  # (one host read per ring)
+        # the sinks first, in their stored order, as many entries as a row holds at most (one host read per ring)
+        self.sinks = int(sink.sum(-1).amax()) if sink.numel() else 0
         width = self.sinks + self.n_recent
         recent = real & ~sink & (pos >= position - self.n_recent)
         entry = torch.where(sink, sink.cumsum(-1) - 1, self.sinks + pos % self.n_recent)
@@ -77,7 +83,11 @@ class ProximalRing:
         recent = self.position % self.n_recent
         entry = self.sinks + recent
         if length > self.capacity:
-            self._grow(length)
+            old, self.capacity = self.capacity, 2 * length
+            dist = self.dist.new_full((*self.dist.shape[:3], self.capacity + 1), -math.inf)
+            dist[..., :old] = self.dist[..., :old]
+            self.dist = dist
+            self.leaving.masked_fill_(self.leaving == old, self.capacity)
         source = self.slot if self.written[recent] else self.leaving
         self.dist.scatter_(3, source.narrow(2, entry, 1).unsqueeze(-1), 0.0)  # the leaving token's slot opens
         self.keys.narrow(2, entry, 1).copy_(key)
@@ -86,14 +96,6 @@ class ProximalRing:
         if not self.written[recent]:
             self.bias.narrow(3, entry, 1).fill_(0.0)
             self.written[recent] = True
-
-    def _grow(self, length: int) -> None:
-        old = self.capacity
-        self.capacity = 2 * length
-        dist = self.dist.new_full((*self.dist.shape[:3], self.capacity + 1), -math.inf)
-        dist[..., :old] = self.dist[..., :old]
-        self.dist = dist
-        self.leaving.masked_fill_(self.leaving == old, self.capacity)
 
     def distant(self, length: int) -> torch.Tensor:
         """``[B, S, 1, length]``: the distant mask over the layer's ``length`` stored tokens (a view)."""
@@ -109,11 +111,82 @@ class ProximalRing:
             self.always_distant = bool(has.all())
         return None if self.always_distant else has
 
-    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed form the layer keeps between forwards: keys ``[B, S, W, d]`` and slots (-1: no token)."""
-        return self.keys, torch.where(self.bias[:, :, 0] == 0, self.slot, -1)
-
     def metadata_nbytes(self) -> int:
-        """Bytes of the bookkeeping (slots, masks, the copy of the entries' values); the keys are the layer's
-        ``prox_keys`` while the ring lives."""
+        """Bytes of the bookkeeping (slots, masks, the copy of the values); the keys are the layer's ``prox_keys``."""
         return sum(t.numel() * t.element_size() for t in (self.slot, self.leaving, self.bias, self.dist, self.values))
+
+
+class RingSteps:
+    """The ring half of ``PoDLayer`` (a mixin: it reads and sets the layer's stores): when a step may use the ring,
+    building it at the first such step, leaving it for anything else, and the ring steps' stream indices,
+    positions and validity, written into the slots only when something reads them (``CompressedLayer._settle``)."""
+
+    ring: ProximalRing | None
+    _ring_key: torch.Tensor | None
+    _pending: int
+
+    def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
+        """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
+        asked, no autograd, and past the first distant position (decided on the host)."""
+        config = self.policy.config
+        return (
+            count == 1
+            and bool(self.ring_plan)
+            and self.all_valid
+            and self.sliding_window is None
+            and not (self.policy.wants_stats(self) and self.policy.stats.any)
+            and not key_states.requires_grad
+            and self.max_position >= config.n_sink + config.n_recent
+        )
+
+    def _write_ring(self, position_ids: torch.Tensor | None) -> None:
+        key, self._ring_key = self._ring_key, None
+        if not self.all_valid:  # a padding token came: the packed keys, which the masks read
+            self.leave_ring()
+            self._append_proximal(key)
+            return
+        if self.ring is None:
+            position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
+            if position is None:  # rows at different positions: the packed keys, from now on
+                self.ring_plan = False
+                self._append_proximal(key)
+                return
+            self.ring = ProximalRing(self, position)
+            self.prox_keys, self.prox_slot = self.ring.keys, None
+        length = self.values.shape[2]
+        self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
+
+    def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
+        """The new token's position if every row has the same (one host read per forward), else None."""
+
+        def read() -> int | None:
+            positions = position_ids[..., -1]
+            positions = positions[0] if positions.dim() == 2 and position_ids.dim() == 3 else positions
+            largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
+            return largest if largest == smallest else None
+
+        return self.forward_pass.cached("pod-decoding-position", read)
+
+    def leave_ring(self) -> None:
+        """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
+        if self.ring is not None:
+            self._settle()
+            held = self.ring.bias[:, :, 0] == 0
+            self.prox_keys, self.prox_slot = self.ring.keys, torch.where(held, self.ring.slot, -1)
+            self.ring = None
+
+    def _settle(self) -> None:
+        """Write the ring steps' bookkeeping into their slots (the last ``_pending`` ones): stream indices, positions
+        consecutive from the first one's, all real. (PoD compacts at once: no evicted slot waits for a token.)"""
+        self._stale = False
+        count, self._pending = self._pending, 0
+        if not count:
+            return
+        slots, stop = self.slots, self.occupied
+        first = self.seen - count
+        index = torch.arange(first, self.seen, device=self.device)
+        slots.token_idx[:, :, stop - count : stop] = index
+        slots.rope_pos[:, :, stop - count : stop] = index + (self._pending_position - first)
+        slots.valid[:, :, stop - count : stop] = True
+        slots.rank[:, :, stop - count : stop] = index  # no padding stored: a real token's rank is its stream index
+        slots.real_seen += count
