@@ -22,7 +22,7 @@ from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import counts_from
 from kvcompress.core.slots import SlotBuffers
 from kvcompress.methods.pod.budget import kept_for_request
-from kvcompress.methods.pod.ring import ProximalRing, RingSteps
+from kvcompress.methods.pod.ring import ProximalRing
 
 
 @dataclass
@@ -57,7 +57,7 @@ class QueryLayout:
     ordered: str | None  # "full-first" / "shared-first": the two parts concatenate into head order; None: scatter
 
 
-class PoDLayer(RingSteps, CompressedLayer):
+class PoDLayer(CompressedLayer):
     """A slot layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
     every token (``keys``, ``[B, F, L, d]``); for the other KV heads the keys of proximal tokens only
     (``prox_keys``, ``[B, H - F, P, d]``)."""
@@ -386,6 +386,73 @@ class PoDLayer(RingSteps, CompressedLayer):
         keep_mask = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
         return BlockEviction(~keep_mask & occupied, None)
 
+    # --- the proximal keys in a ring while decoding (``ring.py``) ------------------------------------------------
+    def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
+        """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
+        asked, no autograd, and past the first distant position (decided on the host)."""
+        config = self.policy.config
+        return (
+            count == 1
+            and bool(self.ring_plan)
+            and self.all_valid
+            and self.sliding_window is None
+            and not (self.policy.wants_stats(self) and self.policy.stats.any)
+            and not key_states.requires_grad
+            and self.max_position >= config.n_sink + config.n_recent
+        )
+
+    def _write_ring(self, position_ids: torch.Tensor | None) -> None:
+        key, self._ring_key = self._ring_key, None
+        if not self.all_valid:  # a padding token came: the packed keys, which the masks read
+            self.leave_ring()
+            self._append_proximal(key)
+            return
+        if self.ring is None:
+            position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
+            if position is None:  # rows at different positions: the packed keys, from now on
+                self.ring_plan = False
+                self._append_proximal(key)
+                return
+            self.ring = ProximalRing(self, position)
+            self.prox_keys, self.prox_slot = self.ring.keys, None
+        length = self.values.shape[2]
+        self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
+
+    def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
+        """The new token's position if every row has the same (one host read per forward), else None."""
+
+        def read() -> int | None:
+            positions = position_ids[..., -1]
+            positions = positions[0] if positions.dim() == 2 and position_ids.dim() == 3 else positions
+            largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
+            return largest if largest == smallest else None
+
+        return self.forward_pass.cached("pod-decoding-position", read)
+
+    def leave_ring(self) -> None:
+        """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
+        if self.ring is not None:
+            self._settle()
+            held = self.ring.bias[:, :, 0] == 0
+            self.prox_keys, self.prox_slot = self.ring.keys, torch.where(held, self.ring.slot, -1)
+            self.ring = None
+
+    def _settle(self) -> None:
+        """Write the ring steps' bookkeeping into their slots (the last ``_pending`` ones): stream indices, positions
+        consecutive from the first one's, all real. (PoD compacts at once: no evicted slot waits for a token.)"""
+        self._stale = False
+        count, self._pending = self._pending, 0
+        if not count:
+            return
+        slots, stop = self.slots, self.occupied
+        first = self.seen - count
+        index = torch.arange(first, self.seen, device=self.device)
+        slots.token_idx[:, :, stop - count : stop] = index
+        slots.rope_pos[:, :, stop - count : stop] = index + (self._pending_position - first)
+        slots.valid[:, :, stop - count : stop] = True
+        slots.rank[:, :, stop - count : stop] = index  # no padding stored: a real token's rank is its stream index
+        slots.real_seen += count
+
     # --- transformers' layer API and accounting ------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
@@ -396,19 +463,18 @@ class PoDLayer(RingSteps, CompressedLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.leave_ring()
         super().batch_select_indices(indices)
-        self._new_views()
-        if self.is_initialized:
-            indices = indices.to(self.device)
-            self.prox_keys = self.prox_keys.index_select(0, indices)
-            self.prox_slot = self.prox_slot.index_select(0, indices)
+        self._batch_moved(lambda tensor: tensor.index_select(0, indices.to(self.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.leave_ring()
         super().batch_repeat_interleave(repeats)
+        self._batch_moved(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def _batch_moved(self, move) -> None:
+        """The packed proximal keys and their slots follow the slots' batch rows (``move``)."""
         self._new_views()
         if self.is_initialized:
-            self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
-            self.prox_slot = self.prox_slot.repeat_interleave(repeats, dim=0)
+            self.prox_keys, self.prox_slot = move(self.prox_keys), move(self.prox_slot)
 
     def _proximal_nbytes(self, metadata: bool = False) -> int:
         """The packed proximal keys, or with ``metadata`` their slots (the ring's bookkeeping while it lives)."""
