@@ -35,7 +35,7 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   (copied only where the block start evicts in it); layers whose query heads all start a block, and forwards with no
   distant token, run plain SDPA. Every path equals the one softmax over the mixed logits (tests): an explicit
   softmax in query chunks where statistics, ``tau`` or ``combine="lse"`` ask for it, else fused attention calls
-  joined by Eq. 4 (``kvcompress.methods.pod.fused``). While decoding one token per forward without padding (default
+  joined by Eq. 4 (``kvcompress.methods.pod.attention``). While decoding one token per forward without padding (default
   ``combine``, no ``tau``) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``; the
   ring also keeps a copy of its entries' values, counted as metadata), and each decoding token's position is then
   taken to be one past the previous one's (what ``generate`` gives). The saving reproduced is memory; the paper's
@@ -67,9 +67,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcompress.core.checks import check_choice, check_int_range, check_path
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.files import shipped_json
 from kvcompress.methods.oneshot import check_ratio_or_budget
+from kvcompress.methods.pod.attention import pod_attention
 from kvcompress.methods.pod.budget import default_similarity
 from kvcompress.methods.pod.grouping import (
     Starts,
@@ -81,8 +82,39 @@ from kvcompress.methods.pod.grouping import (
     uniform_starts,
 )
 from kvcompress.methods.pod.layer import PoDLayer
-from kvcompress.methods.pod.policy import PoDPolicy
 from kvcompress.methods.snapkv import SnapKVConfig
+
+
+class PoDPolicy(Policy):
+    """PoD attention (``attend``) plus, when composed, the base method's token selection shared along blocks."""
+
+    position_mode = "original"
+    per_head = True
+
+    def __init__(self, config: PoDConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.base = config.base.policy(layer_idx) if config.base is not None else None
+        if self.base is not None:
+            self.stats = self.base.stats
+            self.one_shot = self.base.one_shot
+            self.latest_stats_only = self.base.latest_stats_only
+
+    def init_state(self, layer, keys):
+        return {} if self.base is None else self.base.init_state(layer, keys)
+
+    def observe(self, layer, stats):
+        if self.base is not None:
+            self.base.observe(layer, stats)
+
+    def select(self, layer):
+        if self.base is None:
+            return None
+        return layer.block_selection(self.base)
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        # a one-shot base (SnapKV) that already compressed needs no statistics: decoding takes the fused path
+        request = self.stats if self.wants_stats(layer) else StatsRequest()
+        return pod_attention(layer, query, mask, scaling, self.config, request)
 
 
 @dataclass(frozen=True)

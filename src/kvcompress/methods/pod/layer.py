@@ -58,9 +58,8 @@ class QueryLayout:
 
 
 class PoDLayer(CompressedLayer):
-    """A slot layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
-    every token (``keys``, ``[B, F, L, d]``); for the other KV heads the keys of proximal tokens only
-    (``prox_keys``, ``[B, H - F, P, d]``)."""
+    """PoD's slot layer: ``values`` ``[B, H, L, d]``, ``keys`` ``[B, F, L, d]`` (the F KV heads starting a block
+    here), ``prox_keys`` ``[B, H - F, P, d]`` (the others' proximal keys)."""
 
     # views of the occupied slots, set whenever the slots change (``_new_views``): reading them runs no Python
     keys: torch.Tensor | None = None

@@ -60,15 +60,16 @@ class ProximalRing:
         length = layer.values.shape[2]
         self.capacity = 2 * length
         self.keys = keys[:, :, :width].contiguous()
-        self.slot = torch.zeros(batch, shared, width + 1, dtype=torch.long, device=slot.device)
-        self.slot = self.slot.scatter_(2, entry, safe)[:, :, :width].contiguous()
+
+        def placed(fill: int, source: torch.Tensor) -> torch.Tensor:  # [B, S, W]: ``source`` at entries, else ``fill``
+            empty = torch.full((batch, shared, width + 1), fill, dtype=torch.long, device=slot.device)
+            return empty.scatter_(2, entry, source)[:, :, :width].contiguous()
+
+        # leaving: until a step writes an entry, the slot its token opens when it leaves (none: the sink column)
+        self.slot, self.leaving = placed(0, safe), placed(self.capacity, safe)
         values = layer.heads_of(layer.values, "prox")
         self.values = values.gather(2, self.slot[..., None].expand(*self.slot.shape, values.shape[-1]))
-        # until a decoding step writes an entry, the slot its token opens when it leaves (none: the sink column)
-        self.leaving = torch.full((batch, shared, width + 1), self.capacity, dtype=torch.long, device=slot.device)
-        self.leaving = self.leaving.scatter_(2, entry, safe)[:, :, :width].contiguous()
-        held = torch.zeros(batch, shared, width + 1, dtype=torch.bool, device=slot.device)
-        held = held.scatter_(2, entry, True)[:, :, None, :width]
+        held = placed(0, torch.ones_like(safe)).bool()[:, :, None]
         self.bias = torch.full(held.shape, -math.inf, dtype=keys.dtype, device=keys.device).masked_fill_(held, 0.0)
         distant = valid & (rope_pos >= self.n_sink) & (rope_pos <= self.position - self.n_recent)
         self.dist = torch.full((batch, shared, 1, self.capacity + 1), -math.inf, dtype=keys.dtype, device=keys.device)
