@@ -123,7 +123,7 @@ def test_interleaved_heads_and_split_runs_equal_the_packed_proximal_keys():
     ringed = kvcompress.cache_for(lm, "pod", **params)
     logits = decode(lm, ringed, ids, ring=True)
     plan = ringed.compressed_layers[1].ring_plan
-    assert plan.share_rows is None and len(plan.runs) == 2 and plan.ordered is None
+    assert ringed.compressed_layers[1].head_runs["prox"] is None and len(plan.runs) == 2 and plan.ordered is None
     assert ringed.compressed_layers[1].ring is not None
     expected = decode(lm, kvcompress.cache_for(lm, "pod", **params), ids, ring=False)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

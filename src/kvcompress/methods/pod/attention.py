@@ -1,45 +1,46 @@
 """PoD attention: this layer's logits on proximal tokens mixed with the block-start layer's logits on distant
-tokens (both exact: one softmax, or the Eq. 4 gate), reading the block start's query and keys exposed earlier in
-the same forward (``PoDLayer.step``)."""
+tokens (both exact: one softmax, or the Eq. 4 gate), reading the block start's query and keys lent earlier in the
+same forward (``PoDLayer.step``).
+
+``pod_attention`` computes the explicit softmax, in query chunks, where statistics, the ``tau`` gate or
+``combine="lse"`` ask for it; otherwise the output comes from fused attention calls (``_fused``), Eq. 4
+literally: one call over the proximal keys with the layer's own logits and one over the distant keys with the
+block start's, each returning its log-sum-exp (the CPU's fused kernel ``FLASH``; elsewhere explicit logits,
+``attention_part``), merged by the gate. ``grouped_attention`` repeats no key per query head (the ring's step; CPU
+forwards when the sharing heads are whole groups), ``two_call_merge`` does (CPU, other layouts); ``mixed_sdpa`` is
+one masked SDPA over keys laid out twice (elsewhere and under autograd). All equal the explicit mixed softmax
+(tests).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvcompress.core.attention import layer_attention
 from kvcompress.core.contract import AttentionStats, StatsRequest
+from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.softmax import row_chunks
-from kvcompress.methods.pod.fused import (
-    FLASH,
-    grouped_biases,
-    mixed_sdpa,
-    two_call_merge,
-    two_call_merge_grouped,
-    whole_groups,
-)
-from kvcompress.methods.pod.layer import PoDLayer, PoDStep
-from kvcompress.methods.pod.ring_attention import ring_attention, ring_plan
-from kvcompress.methods.pod.stream_masks import stream_biases
+from kvcompress.methods.pod.layer import PoDLayer, PoDStep, QueryLayout
+from kvcompress.methods.pod.ring import ring_plan
 
-if TYPE_CHECKING:  # annotations only: the config module imports the policy, which imports this module
+if TYPE_CHECKING:  # annotations only: the config module imports this one
     from kvcompress.methods.pod.config import PoDConfig
 
-
-def _visible(layer: PoDLayer, queries: int, mask: torch.Tensor | None, first: int = 0) -> torch.Tensor:
-    """Boolean ``[B, H_kv or 1, q - first, L]`` visibility of the query rows ``first ..`` (the core's mask, or
-    causal when it passed ``None``)."""
-    if mask is not None:
-        return mask[:, :, first:]
-    query_idx = torch.arange(layer.seen - queries + first, layer.seen, device=layer.device)
-    return layer.token_idx[:, :, None, :] <= query_idx[None, None, :, None]
+NO_STATS = StatsRequest()
+FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # CPU only; returns the LSE
 
 
 def _masks(layer: PoDLayer, queries: int, mask: torch.Tensor | None, config, first: int = 0) -> tuple:
-    """Visible, proximal and distant keys ``[B, H_kv or 1, q - first, L]`` of the query rows ``first ..``."""
-    visible = _visible(layer, queries, mask, first)
+    """Visible, proximal and distant keys ``[B, H_kv or 1, q - first, L]`` of the query rows ``first ..`` (visible:
+    the core's mask, or causal when it passed ``None``)."""
+    if mask is not None:
+        visible = mask[:, :, first:]
+    else:
+        query_idx = torch.arange(layer.seen - queries + first, layer.seen, device=layer.device)
+        visible = layer.token_idx[:, :, None, :] <= query_idx[None, None, :, None]
     pos_k = layer.rope_pos[:, :, None, :]
     pos_q = layer.rope_pos[:, :, layer.rope_pos.shape[-1] - queries + first :, None]
     proximal = ((pos_k < config.n_sink) | (pos_q - pos_k < config.n_recent)) & visible
@@ -55,6 +56,17 @@ def _grouped(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
 
 
+def _sources(layer: PoDLayer, layout: QueryLayout, query: torch.Tensor, config) -> list:
+    """Per sharing query head: its distant logits' query ``[B, q, d]`` and the block start's keys ``[B, L, d]``."""
+    sources = []
+    for h in layout.sharing:
+        start = layout.starts[h]
+        step = layer.shared_step(start)
+        source_query = step.query if config.query_source == "block_start" else query
+        sources.append((source_query[:, h], step.keys[:, layer.peers[start].full_pos[h // layout.groups]]))
+    return sources
+
+
 def pod_attention(
     layer: PoDLayer,
     query: torch.Tensor,
@@ -67,34 +79,26 @@ def pod_attention(
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = layer.values.shape[1], layer.values.shape[2]
     groups = q_heads // kv_heads
-    starts, sharing = layer.query_layout(q_heads)
-    layer.step = PoDStep(query=query, keys=layer.keys, full_pos=layer.full_pos)
+    layout = layer.query_layout(q_heads)
+    layer.step = PoDStep(query=query, keys=layer.keys)
     if layer.ring_plan is None:
-        layer.ring_plan = ring_plan(layer, query, config, starts, sharing) or False
+        layer.ring_plan = ring_plan(layout, config) or False
+    scale = dim**-0.5 if scaling is None else scaling
     if layer.ring is not None:
-        scale = dim**-0.5 if scaling is None else scaling
-        return ring_attention(layer, layer.ring_plan, query, config, scale), None
-    value = layer.values
+        ring = layer.ring
+        near, distant = (ring.keys, ring.values, ring.bias), ring.distant(length)
+        return grouped_attention(layer, layout, query, near, distant, ring.has_distant(length), scale), None
     # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
     # below also handle rows that have none)
-    if not sharing or layer.max_position < config.n_sink + config.n_recent:
-        positions = layer.forward_positions
-        return layer_attention(query, layer.own_keys(), value, mask, scaling, request, positions, layer.forward_pass)
-
-    scale = dim**-0.5 if scaling is None else scaling
-    share_idx = layer.head_index(sharing)
-    sources = []  # per sharing head: (distant query [B, q, d], distant keys [B, L, d])
-    for h in sharing:
-        step = layer.peers[starts[h]].step
-        if step is None or step.keys.shape[2] != length:
-            raise RuntimeError(f"pod: layer {starts[h]} (block start of layer {layer.index}) has no matching step")
-        source_query = step.query if config.query_source == "block_start" else query
-        sources.append((source_query[:, h], step.keys[:, step.full_pos[h // groups]]))
+    if not layout.sharing or layer.max_position < config.n_sink + config.n_recent:
+        keys, positions = layer.own_keys(), layer.forward_positions
+        return layer_attention(query, keys, layer.values, mask, scaling, request, positions, layer.forward_pass)
     fused = _fuses(config, request)
     if fused:  # the output from fused kernels; the last rows' statistics, if asked for, from the explicit softmax
-        fused_output = _fused(layer, query, mask, config, (sharing, starts, share_idx), sources, scale)
+        fused_output = _fused(layer, layout, query, mask, config, scale)
         if not request.any:
             return fused_output, None
+    sources, share_idx = _sources(layer, layout, query, config), layout.share_idx
     last_n = min(request.last_queries, queries)
     first = queries - last_n if fused else 0  # rows whose softmax is written out
     visible, proximal, distant = _masks(layer, queries, mask, config, first)
@@ -103,12 +107,13 @@ def pod_attention(
     prox_s = _grouped(proximal, q_heads)[:, share_idx]
     dist_s = _grouped(distant, q_heads)[:, share_idx]
     outputs, last_rows, received = [], [], None
-    skipped = eligible = 0
-    for r0, r1 in ((first + a, first + b) for a, b in row_chunks(queries - first, batch * q_heads * length)):
-        own = _grouped_logits(query[:, :, r0:r1], own_keys).float() * scale  # [B, H_q, R, L]
+    for a, b in row_chunks(queries - first, batch * q_heads * length):
+        r0, r1 = first + a, first + b
+        # each KV head's query heads folded into rows: no key repeated per query head
+        folded = query[:, :, r0:r1].reshape(batch, kv_heads, groups * (r1 - r0), dim)
+        own = (folded @ own_keys.transpose(-1, -2)).view(batch, q_heads, r1 - r0, length).float() * scale
         dist = torch.stack([(q[:, r0:r1] @ k.transpose(-1, -2)).float() * scale for q, k in sources], dim=1)
-        prox_r, dist_r = prox_s[:, :, r0 - first : r1 - first], dist_s[:, :, r0 - first : r1 - first]
-        own_s = own[:, share_idx]
+        prox_r, dist_r, own_s = prox_s[:, :, a:b], dist_s[:, :, a:b], own[:, share_idx]
         allowed = dist_r
         if config.tau is not None or config.combine == "lse":
             lse_p = own_s.masked_fill(~prox_r, -math.inf).logsumexp(-1)
@@ -117,31 +122,26 @@ def pod_attention(
             if config.tau is not None:
                 has_distant = dist_r.any(-1)
                 skip = has_distant & (gate >= config.tau)
-                skipped += int(skip.sum())
-                eligible += int(has_distant.sum())
+                layer.gate_counts[0] += int(skip.sum())
+                layer.gate_counts[1] += int(has_distant.sum())
                 allowed = dist_r & ~skip[..., None]
                 gate = torch.where(skip, torch.ones_like(gate), gate)
         mixed_s = torch.where(prox_r, own_s, dist).masked_fill(~(prox_r | allowed), -math.inf)
-        logits = own.masked_fill(~visible_q[:, :, r0 - first : r1 - first], -math.inf).index_copy(1, share_idx, mixed_s)
+        logits = own.masked_fill(~visible_q[:, :, a:b], -math.inf).index_copy(1, share_idx, mixed_s)
         probs = logits.softmax(dim=-1)
-        out = None if fused else probs.to(value.dtype) @ value_q
+        out = None if fused else probs.to(value_q.dtype) @ value_q
         if config.combine == "lse":
-            p_prox = own_s.masked_fill(~prox_r, -math.inf).softmax(-1)
-            p_dist = dist.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0)
-            o_prox, o_dist = (
-                p_prox.to(value.dtype) @ value_q[:, share_idx],
-                p_dist.to(value.dtype) @ value_q[:, share_idx],
-            )
-            g = gate[..., None].to(value.dtype)
-            out = out.index_copy(1, share_idx, g * o_prox + (1 - g) * o_dist)
+            p_prox = own_s.masked_fill(~prox_r, -math.inf).softmax(-1).to(value_q.dtype)
+            p_dist = dist.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0).to(value_q.dtype)
+            shared_values = value_q[:, share_idx]
+            g = gate[..., None].to(value_q.dtype)
+            out = out.index_copy(1, share_idx, g * (p_prox @ shared_values) + (1 - g) * (p_dist @ shared_values))
         outputs.append(out)
         if request.received:
             mass = probs.sum(dim=2)
             received = mass if received is None else received + mass
         if last_n and r1 > queries - last_n:
             last_rows.append(probs[:, :, max(r0, queries - last_n) - r0 :])
-    layer.gate_counts[0] += skipped
-    layer.gate_counts[1] += eligible
     output = fused_output if fused else torch.cat(outputs, dim=2)
     stats = None
     if request.any:
@@ -159,38 +159,227 @@ def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
     return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
 
 
-def _fused(layer, query, mask, config, heads, sources, scale) -> torch.Tensor:
-    """The mixed softmax's output (no statistics) from fused attention kernels (``kvcompress.methods.pod.fused``):
-    two calls returning their log-sum-exp on the CPU without autograd (grouped where ``whole_groups`` holds, with
-    the forward's shared masks while the layer holds the stream as it came), one masked SDPA otherwise. ``heads``:
-    the sharing query heads, every query head's block start and the sharing heads as a device tensor."""
-    sharing, starts, share_idx = heads
+def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: float) -> torch.Tensor:
+    """The mixed softmax's output (no statistics) from fused kernels, the forward's shared masks used while the
+    layer holds the stream as it came (``stream_biases``)."""
     q_heads, queries = query.shape[1], query.shape[2]
-    groups = q_heads // layer.values.shape[1]
-    training = torch.is_grad_enabled() and query.requires_grad
-    if FLASH is not None and query.device.type == "cpu" and not training and whole_groups(sharing, starts, groups):
-        biases = stream_biases(layer, queries, groups, query.dtype)
-        if biases is not None:
-            return two_call_merge_grouped(layer, query, biases, None, sources, scale)
-        visible, proximal, distant = _masks(layer, queries, mask, config)
-        biases = grouped_biases(layer, proximal, distant, groups, query.dtype)
-        full_visible = visible if visible.shape[1] == 1 else layer.heads_of(visible, "full")
-        return two_call_merge_grouped(layer, query, biases, full_visible, sources, scale)
+    kernel = FLASH is not None and query.device.type == "cpu" and not (torch.is_grad_enabled() and query.requires_grad)
+    if kernel and layout.runs is not None:
+        biases, full_mask = stream_biases(layer, queries, layout.groups, query.dtype), None
+        if biases is None:
+            visible, proximal, distant = _masks(layer, queries, mask, config)
+            biases = grouped_biases(layer, proximal, distant, layout.groups, query.dtype)
+            full_mask = visible if visible.shape[1] == 1 else layer.heads_of(visible, "full")
+        slot = layer.prox_slot.clamp(min=0)[..., None]
+        near_values = layer.heads_of(layer.values, "prox").gather(2, slot.expand(*slot.shape[:3], query.shape[-1]))
+        near, dist, has_distant = (layer.prox_keys, near_values, biases.prox), biases.dist, biases.has_distant
+        return grouped_attention(layer, layout, query, near, dist, has_distant, scale, full_mask, biases.split)
     visible, proximal, distant = _masks(layer, queries, mask, config)
-    keys_q, value_q, visible_q = _repeated(layer, visible, q_heads)
-    merge = two_call_merge if FLASH is not None and query.device.type == "cpu" and not training else mixed_sdpa
-    return merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale)
+    keys_q, value_q, visible_q = (_grouped(t, q_heads) for t in (layer.own_keys(), layer.values, visible))
+    merge = two_call_merge if kernel else mixed_sdpa
+    sources = _sources(layer, layout, query, config)
+    return merge(query, keys_q, value_q, visible_q, proximal, distant, layout.share_idx, sources, scale)
 
 
-def _grouped_logits(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``query`` ``[B, H_q, R, d]`` against ``keys`` ``[B, H_kv, L, d]``: ``[B, H_q, R, L]``, each KV head's query
-    heads folded into rows (no key repeated per query head)."""
-    batch, q_heads, rows, dim = query.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    folded = query.reshape(batch, kv_heads, q_heads // kv_heads * rows, dim)
-    return (folded @ keys.transpose(-1, -2)).view(batch, q_heads, rows, length)
+# --- the output from fused attention calls (``_fused``, the ring's step) ------------------------------------------
+class GroupedBiases(NamedTuple):
+    """Additive masks (0 or -inf) of the sharing KV heads, their query heads folded into rows (``G q`` rows, query
+    head ``g`` of a group in rows ``g q .. (g + 1) q - 1``); a leading dimension of 1 is shared."""
+
+    prox: torch.Tensor  # [B or 1, S or 1, G q, P]: the stored proximal keys (``prox_slot`` order) each row sees
+    dist: torch.Tensor  # [B or 1, S or 1, G q, L]: the distant keys each row sees
+    has_distant: torch.Tensor | None  # [B or 1, S or 1, G q] (None: every row has some)
+    # (first, stop): instead, every row sees the distant keys [first, stop) and, from ``stop``, the next q keys
+    # causally (query row i the first i + 1 of them; ``dist`` is then that [.., G q, q] block's mask)
+    split: tuple[int, int] | None = None
 
 
-def _repeated(layer: PoDLayer, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
-    """The layer's own keys, its values and ``visible``, each KV head repeated for its query heads."""
-    return _grouped(layer.own_keys(), heads), _grouped(layer.values, heads), _grouped(visible, heads)
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in ``dtype``."""
+    return torch.full(allowed.shape, -math.inf, dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
+
+
+def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) -> GroupedBiases:
+    """The sharing heads' biases from the layer's ``[B, H_kv or 1, q, L]`` proximal and distant masks."""
+    batch, shared = layer.prox_slot.shape[:2]
+    queries = proximal.shape[2]
+
+    def by_row(allowed: torch.Tensor) -> torch.Tensor:  # [B, S, q, n] -> [B, S, G q, n]
+        rows = allowed[:, :, None].expand(-1, -1, groups, -1, -1)
+        return rows.reshape(batch, shared, groups * queries, allowed.shape[-1])
+
+    slot = layer.prox_slot  # [B, S, P]: each stored proximal key's slot, -1 for none
+    gathered = layer.heads_of(proximal, "prox").gather(3, slot.clamp(min=0)[:, :, None].expand(-1, -1, queries, -1))
+    dist_mask = by_row(layer.heads_of(distant, "prox"))
+    prox_seen = by_row(gathered & (slot >= 0)[:, :, None])
+    return GroupedBiases(additive(prox_seen, dtype), additive(dist_mask, dtype), dist_mask.any(-1))
+
+
+def stream_biases(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases | None:
+    """The biases of this forward's ``queries`` rows (``[1, 1, G q, ...]``) while ``layer`` holds the stream as it
+    came (``PoDLayer.on_stream``: no token evicted, no padding, positions = stream indices), else None.
+
+    Then every layer and KV head stores token ``i`` at slot ``i`` with position ``i`` and the masks depend on the
+    positions alone: the forward's first sharing layer builds them, the others reuse them (``ForwardPass.cached``),
+    sparing each layer its ``[B, H_kv, q, L]`` masks and float biases."""
+    if not layer.on_stream or layer.forward_positions is None:
+        return None
+    config = layer.policy.config
+    stored = layer.prox_slot.shape[-1]
+    key = ("pod-stream-biases", layer.seen, queries, stored, groups, dtype, config.n_sink, config.n_recent)
+    return layer.forward_pass.cached(key, lambda: _stream(layer, queries, groups, dtype))
+
+
+def _stream(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases:
+    config = layer.policy.config
+    query_pos = torch.arange(layer.seen - queries, layer.seen, device=layer.device)[:, None]
+
+    def near_and_far(key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [q, n] each
+        seen = key_pos <= query_pos
+        near = (key_pos < config.n_sink) | (query_pos - key_pos < config.n_recent)
+        return seen & near, seen & ~near
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:  # [q, ...] -> [1, 1, G q, ...]: the same rows per query head
+        return tensor.repeat(groups, *([1] * (tensor.dim() - 1)))[None, None]
+
+    prox_seen, _ = near_and_far(layer.prox_slot[0, 0])  # a stored proximal key's slot is its position here
+    prox = rows(additive(prox_seen, dtype))
+    stop = layer.seen - queries - config.n_recent  # distant to every query before it, to query i up to stop + i
+    if stop > config.n_sink:  # an unmasked call and a small causal one instead of one [G q, L] mask
+        causal = torch.ones(queries, queries, dtype=torch.bool, device=layer.device).tril()
+        return GroupedBiases(prox, rows(additive(causal, dtype)), None, (config.n_sink, stop))
+    _, distant = near_and_far(torch.arange(layer.seen, device=layer.device))
+    return GroupedBiases(prox, rows(additive(distant, dtype)), rows(distant.any(-1)))
+
+
+def attention_part(query, keys, values, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``query`` ``[B, n, R, d]`` over ``keys``/``values`` ``[B, n, L, d]`` under an additive ``mask`` (or
+    None): the output and the log-sum-exp ``[B, n, R]`` (a zero output for a row that sees nothing)."""
+    if FLASH is not None and query.device.type == "cpu":
+        return FLASH(query, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+    logits = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale)
+    if mask is not None:
+        logits.add_(mask)
+    lse = logits.logsumexp(-1)
+    weights = (logits - lse.clamp(min=torch.finfo(logits.dtype).min)[..., None]).exp_()
+    return torch.matmul(weights.to(values.dtype), values), lse
+
+
+def gate_merge(o_near, lse_near, o_far, lse_far, has_distant: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 4: ``g o_P + (1 - g) o_D`` with ``g = sigmoid(LSE_P - LSE_D)``; rows without a distant token (False in
+    ``has_distant``; None: there are none) take ``o_P`` (``g = 1``: their distant call saw no key)."""
+    if has_distant is not None:
+        lse_far = lse_far.masked_fill(~has_distant, -math.inf)
+    gate = torch.sigmoid(lse_near - lse_far)[..., None].to(o_near.dtype)
+    return torch.lerp(o_far, o_near, gate)
+
+
+def fold_heads(layer, query: torch.Tensor, kind: str, groups: int) -> torch.Tensor:
+    """The query heads of the layer's KV heads of ``kind``, each KV head's ``G`` folded into rows: ``[B, n, G q, d]``
+    (KV head ``g`` serves query heads ``g G .. g G + G - 1``, as ``repeat_kv`` lays them)."""
+    batch, _, queries, dim = query.shape
+    run = layer.head_runs[kind]
+    if run is not None:
+        heads = query.narrow(1, run[0] * groups, run[1] * groups)
+    else:
+        index = [h * groups + k for h in layer.head_lists[kind] for k in range(groups)]
+        heads = query.index_select(1, layer.head_index(index))
+    return heads.reshape(batch, -1, groups * queries, dim)
+
+
+def grouped_attention(layer, layout, query, near, distant, has_distant, scale, full_mask=None, split=None):
+    """The mixed softmax when the sharing heads are whole groups (``layout.runs``), reading the layer's stores as
+    they are: the sharing KV heads' query heads, folded into rows, over ``near`` (their proximal keys, values and
+    additive mask) with their own logits and over the block start's keys under ``distant`` (one call per run of KV
+    heads the block start holds side by side; ``split``: see ``GroupedBiases``), merged by Eq. 4; the block-start
+    KV heads over their full keys under ``full_mask`` (None: causal, or every key for a single query)."""
+    batch, _, queries, dim = query.shape
+    groups = layout.groups
+    o_near, lse_near = attention_part(fold_heads(layer, query, "prox", groups), *near, scale)
+    parts = []
+    for first, count, head, start, row in layout.runs:
+        step = layer.shared_step(start)
+        source = step.query if layer.policy.config.query_source == "block_start" else query
+        source = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups * queries, dim)
+        keys, values = step.keys.narrow(1, row, count), layer.values.narrow(1, head, count)
+        mask = distant if distant.shape[1] == 1 else distant.narrow(1, first, count)
+        parts.append(_distant_part(source, keys, values, mask, scale, split))
+    o_far, lse_far = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
+    mixed = gate_merge(o_near, lse_near, o_far, lse_far, has_distant)  # [B, S, G q, d]
+    if not layer.head_lists["full"]:
+        return mixed.reshape(batch, -1, queries, dim)
+    full_query, full_values = fold_heads(layer, query, "full", groups), layer.heads_of(layer.values, "full")
+    if queries == 1 and full_mask is None:
+        out, _ = attention_part(full_query, layer.keys, full_values, None, scale)
+    else:
+        full_query = full_query.reshape(batch, -1, queries, dim)
+        positions = layer.forward_positions
+        out, _ = layer_attention(
+            full_query, layer.keys, full_values, full_mask, scale, NO_STATS, positions, layer.forward_pass
+        )
+        out = out.reshape(batch, -1, groups * queries, dim)
+    if layout.ordered is not None:
+        parts = [out, mixed] if layout.ordered == "full-first" else [mixed, out]
+        return torch.cat(parts, dim=1).reshape(batch, -1, queries, dim)
+    output = query.new_empty(batch, layer.values.shape[1], groups * queries, dim)
+    output.index_copy_(1, layer.prox_heads, mixed).index_copy_(1, layer.full_heads, out)
+    return output.reshape(batch, -1, queries, dim)
+
+
+def _distant_part(query, keys, values, mask, scale: float, split) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_part`` over the distant keys; with ``split`` an unmasked call over the keys every row sees and a
+    call over the causal block, merged."""
+    if split is None:
+        return attention_part(query, keys, values, mask, scale)
+    first, stop = split
+    block = slice(stop, stop + mask.shape[-1])
+    o_all, lse_all = attention_part(query, keys[:, :, first:stop], values[:, :, first:stop], None, scale)
+    o_new, lse_new = attention_part(query, keys[:, :, block], values[:, :, block], mask, scale)
+    lse = torch.logaddexp(lse_all, lse_new)
+    output = o_all * (lse_all - lse).exp()[..., None] + o_new * (lse_new - lse).exp()[..., None]
+    return output.to(o_all.dtype), lse
+
+
+def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
+    """Eq. 4 with keys repeated per query head (``[B, H_q, L, d]``): the block-start heads by plain SDPA, the
+    sharing ones by ``attention_part`` over their proximal and distant keys."""
+    batch, q_heads, queries, _ = query.shape
+    kv_of = share_idx // (q_heads // proximal.shape[1])
+    out = scaled_dot_product_attention(
+        query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, keys_q.shape[2]), scale=scale
+    )
+    values = value_q[:, share_idx]
+    prox_bias = additive(proximal[:, kv_of], query.dtype)
+    o_prox, lse_prox = attention_part(query[:, share_idx], keys_q[:, share_idx], values, prox_bias, scale)
+    dist_mask = distant[:, kv_of]
+    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*sources, strict=True))
+    o_dist, lse_dist = attention_part(source_query, source_keys, values, additive(dist_mask, query.dtype), scale)
+    return out.index_copy(1, share_idx, gate_merge(o_prox, lse_prox, o_dist, lse_dist, dist_mask.any(-1)))
+
+
+def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
+    """The mixed softmax as one fused SDPA call: every key appears twice, once as ``[k_own, 0]`` and once as
+    ``[0, k_start]``, against the query ``[q_own, q_start]``; the mask picks, per (query, key), the own copy for
+    proximal tokens (all visible tokens at block-start heads) and the block-start copy for distant tokens. Values
+    are the layer's own for both copies. Exactly the single softmax over mixed logits, with no ``L x L`` tensor
+    of floats (autograd included)."""
+    batch, q_heads, queries, dim = query.shape
+    length = keys_q.shape[2]
+    heads = share_idx.shape[0]
+    kv_of = share_idx // (q_heads // proximal.shape[1])
+    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*sources, strict=True))
+    source_query = query.new_zeros(batch, q_heads, queries, dim).index_copy(1, share_idx, source_query)
+    source_keys = keys_q.new_zeros(batch, q_heads, length, dim).index_copy(1, share_idx, source_keys)
+    zeros = keys_q.new_zeros(batch, q_heads, length, dim)
+    keys = torch.cat([torch.cat([keys_q, zeros], dim=-1), torch.cat([zeros, source_keys], dim=-1)], dim=2)
+    own_allowed = visible_q.expand(batch, q_heads, queries, length)
+    own_allowed = own_allowed.index_copy(1, share_idx, proximal[:, kv_of].expand(batch, heads, queries, length))
+    dist_allowed = torch.zeros_like(own_allowed)
+    dist_allowed = dist_allowed.index_copy(1, share_idx, distant[:, kv_of].expand(batch, heads, queries, length))
+    return scaled_dot_product_attention(
+        torch.cat([query, source_query], dim=-1),
+        keys,
+        torch.cat([value_q, value_q], dim=2),
+        attn_mask=torch.cat([own_allowed, dist_allowed], dim=-1),
+        scale=scale,
+    )

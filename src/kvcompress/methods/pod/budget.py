@@ -17,12 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvcompress.files import shipped_folder, shipped_json, shipped_json_meta
-
-
-def shipped_path(name: str) -> Path | None:
-    """The file of a shipped grouping by name (e.g. ``"smollm2-135m"``), or ``None``."""
-    return shipped_json("pod", name)
+from kvcompress.files import shipped_folder, shipped_json_meta
 
 
 def default_similarity(layers: int) -> Path:

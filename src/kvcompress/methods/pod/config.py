@@ -31,19 +31,16 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   everywhere. The savings compose multiplicatively, as the paper's Table 4 does. The victims of the base's rule
   are chosen as every method's are (the lowest scores, the older token first among equal scores, this forward's
   tokens kept while the rule leaves room for them: ``kvcompress.core.eviction``).
-- Computation: distant logits at a non-start layer are recomputed from the block start's stashed query and keys
-  (references held for one forward; copied only where the block start evicts in that forward), in query chunks
-  with an explicit softmax; layers whose query heads all start a block, and forwards with no distant token, run
-  plain SDPA. Inference on the CPU with the default
-  ``combine`` and no ``tau`` joins two fused attention calls by Eq. 4 instead (equal to the one softmax); with
-  per-KV-head grouping the sharing heads then attend over their stored proximal keys only, their query heads
-  folded into query rows. While decoding one token per forward without padding (with the default ``combine``
-  and no ``tau``) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``): the same logits
-  and stored bytes as the packed keys (the ring also keeps a copy of its entries' values, counted as metadata), no
-  trim and no host read per step; each decoding token's position is then taken
-  to be one past the previous one's (what ``generate`` gives; the ring is built from the model's positions). The
-  saving this reproduces is memory; the paper's compute saving (reuse of the block start's softmax) was tried on
-  the CPU and not kept: multiplying the reused probabilities by each layer's values cost what the fused calls did.
+- Computation: distant logits at a non-start layer come from the block start's query and keys, held for one forward
+  (copied only where the block start evicts in it); layers whose query heads all start a block, and forwards with no
+  distant token, run plain SDPA. Every path equals the one softmax over the mixed logits (tests): an explicit
+  softmax in query chunks where statistics, ``tau`` or ``combine="lse"`` ask for it, else fused attention calls
+  joined by Eq. 4 (``kvcompress.methods.pod.attention``). While decoding one token per forward without padding (default
+  ``combine``, no ``tau``) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``; the
+  ring also keeps a copy of its entries' values, counted as metadata), and each decoding token's position is then
+  taken to be one past the previous one's (what ``generate`` gives). The saving reproduced is memory; the paper's
+  compute saving (reusing the block start's softmax) was tried on the CPU and not kept: multiplying the reused
+  probabilities by each layer's values cost what the fused calls did.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
 - Default grouping: with no ``similarity``, ``starts`` or ``block_size``, the calibration shipped for the model
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
@@ -70,9 +67,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcompress.core.checks import check_choice, check_int_range, check_path
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
+from kvcompress.files import shipped_json
 from kvcompress.methods.oneshot import check_ratio_or_budget
-from kvcompress.methods.pod.budget import default_similarity, shipped_path
+from kvcompress.methods.pod.attention import pod_attention
+from kvcompress.methods.pod.budget import default_similarity
 from kvcompress.methods.pod.grouping import (
     Starts,
     check_starts,
@@ -83,8 +82,39 @@ from kvcompress.methods.pod.grouping import (
     uniform_starts,
 )
 from kvcompress.methods.pod.layer import PoDLayer
-from kvcompress.methods.pod.policy import PoDPolicy
 from kvcompress.methods.snapkv import SnapKVConfig
+
+
+class PoDPolicy(Policy):
+    """PoD attention (``attend``) plus, when composed, the base method's token selection shared along blocks."""
+
+    position_mode = "original"
+    per_head = True
+
+    def __init__(self, config: PoDConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.base = config.base.policy(layer_idx) if config.base is not None else None
+        if self.base is not None:
+            self.stats = self.base.stats
+            self.one_shot = self.base.one_shot
+            self.latest_stats_only = self.base.latest_stats_only
+
+    def init_state(self, layer, keys):
+        return {} if self.base is None else self.base.init_state(layer, keys)
+
+    def observe(self, layer, stats):
+        if self.base is not None:
+            self.base.observe(layer, stats)
+
+    def select(self, layer):
+        if self.base is None:
+            return None
+        return layer.block_selection(self.base)
+
+    def attend(self, layer, query, key, value, mask, scaling):
+        # a one-shot base (SnapKV) that already compressed needs no statistics: decoding takes the fused path
+        request = self.stats if self.wants_stats(layer) else StatsRequest()
+        return pod_attention(layer, query, mask, scaling, self.config, request)
 
 
 @dataclass(frozen=True)
@@ -124,7 +154,7 @@ class PoDConfig(MethodConfig):
             raise ValueError(f"target_saving must be in [0, 0.5) (keys only); got {self.target_saving!r}")
         if self.block_size is not None:
             check_int_range(self.block_size, "block_size", 1)
-        if self.similarity is not None and shipped_path(str(self.similarity)) is None:
+        if self.similarity is not None and shipped_json("pod", str(self.similarity)) is None:
             check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
             load_similarity(self.similarity)  # read now (once per file): a bad file is refused before a model loads
         if self.starts is not None:
@@ -168,7 +198,7 @@ class PoDConfig(MethodConfig):
             starts = uniform_starts(layers, 1, self.block_size)
         else:
             source = self.similarity if self.similarity is not None else default_similarity(layers)
-            sim_file = load_similarity(shipped_path(str(source)) or source)
+            sim_file = load_similarity(shipped_json("pod", str(source)) or source)
             starts = starts_from_similarity(sim_file, self.delta, self.target_saving, self.grouping)
         check_starts(starts, layers)
         return starts

@@ -12,12 +12,8 @@ distant keys, ``D = max(0, n - n_sink - n_recent)``::
     saving(n) = (L * H_kv - B) * D / (2 * L * H_kv * n)        saving(inf) = (1 - B / (L * H_kv)) / 2
 
 With per-query-head grouping under GQA, a KV head keeps its distant keys at layer ``l`` iff ``l`` starts a block
-for *any* of its query heads, which is how ``B`` is counted here.
-
-``starts_from_similarity`` (at a ``delta`` or a target saving), ``blocks_from_starts`` with ``format_blocks``, and
-``kv_saving`` give the blocks and savings of a calibration file (``python -m kvcompress.train.pod_blocks`` prints
-them). The PoD config resolves its blocks with this module, which imports nothing from kvcompress but its file reader
-(``kvcompress.files``: tensors only, errors naming the file).
+for *any* of its query heads, which is how ``B`` is counted here. ``python -m kvcompress.train.pod_blocks`` prints
+the blocks and savings of a calibration file.
 """
 
 from __future__ import annotations
@@ -36,11 +32,8 @@ Starts = tuple[tuple[int, ...], ...]  # [layer][head] -> lowest layer of the hea
 
 
 def group_layers(sim: torch.Tensor, delta: float) -> list[list[list[int]]]:
-    """Algorithm 1: per head, greedy bottom-up complete-linkage grouping into contiguous blocks.
-
-    ``sim`` is ``[H, L, L]`` (symmetric; only ``sim[h, l, m]`` with ``m < l`` is read). Returns, per head, the list
-    of blocks, each a list of consecutive 0-indexed layers.
-    """
+    """Algorithm 1 on ``sim`` ``[H, L, L]`` (only ``sim[h, l, m]`` with ``m < l`` is read): per head, its blocks,
+    each a list of consecutive layers."""
     sim = torch.as_tensor(sim, dtype=torch.float64)
     if sim.dim() != 3 or sim.shape[1] != sim.shape[2]:
         raise ValueError(f"sim must have shape [heads, layers, layers]; got {tuple(sim.shape)}")
@@ -107,11 +100,8 @@ def check_starts(starts: Starts, layers: int | None = None) -> None:
 
 
 def split_by_kind(starts: Starts, kinds: Sequence[object]) -> Starts:
-    """``starts`` with every block split by layer kind (``kinds[l]``, e.g. its sliding window or ``None``): the
-    layers of one kind in a block share from the block's first layer of that kind (their new block start).
-
-    A complete-linkage block stays one after the split (every pair of its layers was similar). PoD uses it so that a
-    sliding-window layer shares only with sliding layers of the same window (``PoDConfig.connect``)."""
+    """``starts`` with every block split by layer kind (``kinds[l]``: its sliding window or ``None``), the layers of
+    one kind in a block sharing from its first layer of that kind (the choice is stated in ``PoDConfig``)."""
 
     def new_start(layer: int, head: int) -> int:
         start = starts[layer][head]
@@ -137,10 +127,8 @@ def kv_key_rows(starts: Starts, kv_heads: int | None = None) -> int:
 def kv_saving(
     starts: Starts, n: int | None, n_sink: int, n_recent: int, kv_heads: int | None = None
 ) -> tuple[float, float]:
-    """``(saving(n), saving(inf))``: the fraction of dense KV bytes PoD saves at length ``n`` and asymptotically.
-
-    ``n=None`` gives ``nan`` for ``saving(n)``. ``kv_heads`` is needed when ``starts`` is per query head.
-    """
+    """``(saving(n), saving(inf))``: the fraction of dense KV bytes PoD saves at length ``n`` (``nan`` for ``None``)
+    and asymptotically; ``kv_heads`` is needed when ``starts`` is per query head."""
     layers = len(starts)
     kv_heads = len(starts[0]) if kv_heads is None else kv_heads
     total = layers * kv_heads
@@ -175,11 +163,8 @@ def head_similarity(sim_file: dict, grouping: str, kv_heads: int | None = None) 
 
 
 def delta_for_saving(sim: torch.Tensor, target: float, kv_heads: int | None = None) -> float:
-    """The largest ``delta`` whose grouping saves at least ``target`` asymptotically (``saving(inf)``).
-
-    Candidates are the similarity values themselves (the grouping only changes there); Algorithm 1's block count
-    need not be monotone in ``delta``, so every candidate is tried.
-    """
+    """The largest ``delta`` whose grouping saves at least ``target`` asymptotically (``saving(inf)``): every
+    similarity value is tried (the grouping changes only there, and its block count need not be monotone)."""
     if not 0 <= target < 0.5:
         raise ValueError(f"target_saving must be in [0, 0.5) (keys only: at most half the KV bytes); got {target!r}")
     values = sorted(set(torch.as_tensor(sim, dtype=torch.float64).flatten().tolist()), reverse=True)
@@ -196,14 +181,13 @@ def load_similarity(path: str | os.PathLike[str]) -> dict:
     return _load_similarity(str(path), path.stat().st_mtime)
 
 
-SIMILARITY_FILE = "a PoD similarity file"
-SIMILARITY_REMEDY = "write one with `kvcompress train pod-calibrate --out FILE`"
+_SIMILARITY = ("a PoD similarity file", "write one with `kvcompress train pod-calibrate --out FILE`")
 
 
 @functools.lru_cache(maxsize=8)
 def _load_similarity(path: str, mtime: float) -> dict:
     if path.endswith(".json"):
-        data = require_keys(load_json(path, SIMILARITY_FILE, SIMILARITY_REMEDY), ("sim",), path, *_SIMILARITY)
+        data = require_keys(load_json(path, *_SIMILARITY), ("sim",), path, *_SIMILARITY)
         try:
             data["sim"] = torch.tensor(data["sim"], dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as error:
@@ -217,9 +201,6 @@ def _load_similarity(path: str, mtime: float) -> dict:
         bad = int((~torch.isfinite(sim)).sum())
         raise damaged(Path(path), *_SIMILARITY, f"{bad} of {sim.numel()} similarities are NaN or infinite")
     return data
-
-
-_SIMILARITY = (SIMILARITY_FILE, SIMILARITY_REMEDY)
 
 
 def starts_from_similarity(

@@ -1,16 +1,12 @@
-"""PoD's cache layer (see ``kvcompress.methods.pod.config`` for the method and its choices).
+"""PoD's cache layer (the method and its choices: ``kvcompress.methods.pod.config``).
 
-``PoDLayer`` is a slot layer (``kvcompress.core.layer.CompressedLayer``) whose slots hold the values of every token
-for every KV head but keys only for the KV heads that start a block at this layer (``SlotBuffers.key_heads``); the
-other KV heads keep the keys of their proximal tokens (sinks + recent window) packed beside the slots
-(``prox_keys``, each entry's slot in ``prox_slot``), or in a ring while decoding (``kvcompress.methods.pod.ring``).
-``pod_attention`` (``kvcompress.methods.pod.attention``) mixes this layer's logits on proximal tokens with the
-block-start layer's logits on distant tokens.
-
-The slots stay dense (stream order, the forward's tokens last): an eviction (a base method's selection, a sliding
-window) compacts at once, and the packed proximal keys follow their tokens' new slots. Victims are chosen by the
-core's one path (``kvcompress.core.eviction.victims_of_rule``) at each KV head's block-start layer, and every layer
-of the block drops the same slots (``block_selection``).
+A slot layer whose slots hold every token's value for every KV head but keys only for the KV heads that start a
+block at this layer (``SlotBuffers.key_heads``); the other KV heads keep the keys of their proximal tokens (sinks +
+recent window) packed beside the slots (``prox_keys``, each entry's slot in ``prox_slot``, -1 for none), or in a
+ring while decoding (``kvcompress.methods.pod.ring``). The slots stay dense (stream order): an eviction compacts at
+once and the packed proximal keys follow their tokens. A base method's victims are chosen by the core's one path
+(``kvcompress.core.eviction.victims_of_rule``) at each KV head's block-start layer, and every layer of the block
+drops the same slots (``block_selection``).
 """
 
 from __future__ import annotations
@@ -27,37 +23,45 @@ from kvcompress.core.rope import counts_from
 from kvcompress.core.slots import SlotBuffers
 from kvcompress.methods.pod.budget import kept_for_request
 from kvcompress.methods.pod.ring import ProximalRing
-from kvcompress.methods.pod.ring_steps import RingSteps
 
 
 @dataclass
 class PoDStep:
-    """What a layer exposes to the later layers of its blocks during one forward: its (positioned) query and the
-    keys of its full-key KV heads (``full_pos[g]``: row of KV head ``g`` in ``keys``, -1 if it keeps proximal keys
-    only)."""
+    """What a layer lends the later layers of its blocks during one forward: its positioned query and the keys of
+    its full-key KV heads (row ``full_pos[g]`` for KV head ``g``)."""
 
     query: torch.Tensor  # [B, H_q, q, d]
-    keys: torch.Tensor  # [B, S, L, d]
-    full_pos: list[int]
+    keys: torch.Tensor  # [B, F, L, d]
 
 
 @dataclass
 class BlockEviction:
-    """What the layers of a block drop, per KV head decided at its block-start layer: ``dropped`` ``[B, H_kv, W]``
-    slots are freed; ``invalid`` ones (per-sequence counts: a sequence keeping fewer than the longest) stay stored
-    but no longer count as kept, as ``CompressedLayer.apply`` treats a ``Keep`` rule."""
+    """What the layers of a block drop, decided per KV head at its block-start layer: ``dropped`` ``[B, H_kv, W]``
+    slots are freed; ``invalid`` ones (a sequence keeping fewer than the longest) stay stored but no longer count."""
 
     dropped: torch.Tensor | None
     invalid: torch.Tensor | None
 
 
-class PoDLayer(RingSteps, CompressedLayer):
-    """A slot layer with PoD's storage: values of every token; for KV heads that start a block here the keys of
-    every token (``keys``, ``[B, F, L, d]``); for the other KV heads the keys of proximal tokens only
-    (``prox_keys``, ``[B, H - F, P, d]``, ``prox_slot`` = their slot in ``values``, -1 for padding entries)."""
+@dataclass(frozen=True)
+class QueryLayout:
+    """A layer's query heads, fixed for the cache's life: each one's block start, those sharing from another layer
+    and, when every sharing KV head shares all its query heads from one block start (then the sharing KV heads are
+    those keeping proximal keys only), the runs of them the block start holds side by side."""
 
-    # the slots attention sees (the occupied ones: PoD's slots are always dense), kept as attributes set whenever
-    # the slots change (``_new_views``): reading them writes no deferred bookkeeping and runs no Python
+    groups: int  # query heads per KV head
+    starts: tuple[int, ...]  # block start per query head
+    sharing: list[int]  # query heads whose block starts at another layer
+    share_idx: torch.Tensor  # ``sharing`` on the device
+    runs: tuple[tuple[int, int, int, int, int], ...] | None  # (first sharing index, count, KV head, start, key row)
+    ordered: str | None  # "full-first" / "shared-first": the two parts concatenate into head order; None: scatter
+
+
+class PoDLayer(CompressedLayer):
+    """PoD's slot layer: ``values`` ``[B, H, L, d]``, ``keys`` ``[B, F, L, d]`` (the F KV heads starting a block
+    here), ``prox_keys`` ``[B, H - F, P, d]`` (the others' proximal keys)."""
+
+    # views of the occupied slots, set whenever the slots change (``_new_views``): reading them runs no Python
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
@@ -70,12 +74,12 @@ class PoDLayer(RingSteps, CompressedLayer):
         self.last_eviction: BlockEviction | None = None
         self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
         self.max_position = -1  # largest RoPE position given so far, read back only while below a full window
-        self.on_stream = True  # every token stored at its stream index and position, no padding (``stream_masks``)
+        self.on_stream = True  # every token stored at its stream index and position, no padding (``stream_biases``)
         self.forward_positions: torch.Tensor | None = None  # this forward's position_ids (shared by its layers)
         self.gate_counts = [0, 0]  # rows whose distant part the tau gate skipped, rows where it could
         self.ring: ProximalRing | None = None  # the proximal keys while decoding (``ring.py``)
-        self.ring_plan = None  # RingPlan if decoding may use the ring, False if not (set by the first attention)
-        self._query_layout: tuple | None = None  # (query heads, block start per query head, sharing query heads)
+        self.ring_plan = None  # the layout if decoding may use the ring, False if not (set by the first attention)
+        self.layout: QueryLayout | None = None
         self._pending = 0  # ring steps' tokens whose stream index, position and validity are not written yet
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
         self.prox_keys = self.prox_slot = None
@@ -107,45 +111,68 @@ class PoDLayer(RingSteps, CompressedLayer):
         slots.key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
         self.slots = slots
         self.prox_keys = key_states.new_empty(batch, len(prox), 0, dim)
-        self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
+        self.prox_slot = torch.zeros(batch, len(prox), 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
         self._new_views()
 
     def _new_views(self) -> None:
-        """``keys`` and ``values``: views of the occupied slots, made again whenever the slots change."""
         if self.slots is not None:
             self.keys = self.slots.tensors["keys"].narrow(2, 0, self.occupied)
             self.values = self.slots.tensors["values"].narrow(2, 0, self.occupied)
 
     def evict(self, victims: torch.Tensor) -> None:
         """Free the slots ``victims`` ``[B, H, e]`` and compact at once: PoD's slots keep no holes."""
-        self.evict_mask(
-            torch.zeros(self.token_idx.shape, dtype=torch.bool, device=self.device).scatter_(-1, victims, True)
-        )
+        dropped = torch.zeros(self.token_idx.shape, dtype=torch.bool, device=self.device)
+        self.evict_mask(dropped.scatter_(-1, victims, True))
 
-    def query_layout(self, q_heads: int) -> tuple[tuple[int, ...], list[int]]:
-        """Each query head's block start and the query heads that share from another layer (computed once)."""
-        if self._query_layout is None or self._query_layout[0] != q_heads:
-            kv_heads, starts = self.rows[1], self.head_starts
-            if len(starts) == kv_heads:
-                starts = tuple(s for s in starts for _ in range(q_heads // kv_heads))
-            elif len(starts) != q_heads:
-                raise ValueError(f"pod starts have {len(starts)} heads per layer; the model has {q_heads} query heads")
-            self._query_layout = (q_heads, starts, [h for h in range(q_heads) if starts[h] != self.index])
-        return self._query_layout[1], self._query_layout[2]
+    def query_layout(self, q_heads: int) -> QueryLayout:
+        """The layout of the layer's ``q_heads`` query heads (made at its first attention)."""
+        if self.layout is not None and len(self.layout.starts) == q_heads:
+            return self.layout
+        kv_heads, starts = self.rows[1], self.head_starts
+        groups = q_heads // kv_heads
+        if len(starts) == kv_heads:
+            starts = tuple(s for s in starts for _ in range(groups))
+        elif len(starts) != q_heads:
+            raise ValueError(f"pod starts have {len(starts)} heads per layer; the model has {q_heads} query heads")
+        sharing = [h for h in range(q_heads) if starts[h] != self.index]
+        full, prox = self.head_lists["full"], self.head_lists["prox"]
+        runs, ordered = None, None
+        if {h // groups for h in sharing} == set(prox) and all(starts[h] == starts[h - h % groups] for h in sharing):
+            runs = []
+            for index, head in enumerate(prox):
+                start = starts[head * groups]
+                row = self.peers[start].full_pos[head]
+                last = runs[-1] if runs else None
+                if last and last[3] == start and last[2] + last[1] == head and last[4] + last[1] == row:
+                    last[1] += 1
+                else:
+                    runs.append([index, 1, head, start, row])
+            runs = tuple(tuple(run) for run in runs)
+        if self.head_runs["full"] is not None and self.head_runs["prox"] is not None:
+            ordered = "full-first" if not prox or (full and full[-1] < prox[0]) else "shared-first"
+        self.layout = QueryLayout(groups, starts, sharing, self.head_index(sharing), runs, ordered)
+        return self.layout
 
     def head_index(self, heads: list[int]) -> torch.Tensor:
-        """``heads`` as a device tensor, made once per layer: a copy from host memory in every forward would make the
-        host wait for the GPU's queue."""
+        """``heads`` as a device tensor, made once per layer (a copy from host memory in every forward would make
+        the host wait for the GPU's queue)."""
         key = tuple(heads)
         if key not in self._head_index:
             self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
         return self._head_index[key]
 
+    def shared_step(self, start: int) -> PoDStep:
+        """The step that layer ``start`` (a block start of this layer) lent in this forward."""
+        step = self.peers[start].step
+        if step is None or step.keys.shape[2] != self.values.shape[2]:
+            raise RuntimeError(f"pod: layer {start} (block start of layer {self.index}) has no matching step")
+        return step
+
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the new tokens' values, and their keys where this layer keeps them, into the slots (the proximal
-        keys beside them); return this step's keys (tagged with the layer) and all values. PoD's attention
-        (``pod_attention``) reads the layer's stores directly."""
+        keys beside them); return this step's keys (tagged with the layer) and all values. PoD's attention reads
+        the layer's stores directly."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[2]
@@ -155,7 +182,8 @@ class PoDLayer(RingSteps, CompressedLayer):
         self.max_chunk = max(self.max_chunk, count)
         start, needed = self.occupied, self.occupied + count
         if needed > self.slots.tensors["values"].shape[2]:
-            self.slots.grow(self._grown_capacity(needed))
+            # PoD's ``budget`` counts KV bytes, not slots: the slots grow as the core's do without a budget's cap
+            self.slots.grow(grown_capacity(self.slots.capacity, needed, self.max_chunk, None))
         compressed_once = self.policy.one_shot and self.compressed  # its base never reads statistics again
         state = {} if compressed_once else self.policy.init_state(self, key_states)
         full_keys = self.heads_of(key_states, "full")
@@ -184,10 +212,6 @@ class PoDLayer(RingSteps, CompressedLayer):
         setattr(key_states, LAYER_ATTRIBUTE, self)
         return key_states, self.values
 
-    def _grown_capacity(self, needed: int) -> int:
-        """PoD's ``budget`` counts KV bytes, not slots: the slots grow as the core's do without a budget's cap."""
-        return grown_capacity(self.slots.capacity, needed, self.max_chunk, None)
-
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         if self._ring_key is not None and self.ring is not None and padding is None:
             self.forward_positions = position_ids  # (the position was stored by update, from the ring's count)
@@ -196,46 +220,35 @@ class PoDLayer(RingSteps, CompressedLayer):
         if self._stale:
             self._settle()  # the ring steps' bookkeeping first: the model's positions and padding go over it
         super().register_new_tokens(position_ids, padding)
-        config = self.policy.config
+        config, forward = self.policy.config, self.forward_pass
         if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
-            newest = self.seen - 1 if position_ids is None else self._largest(position_ids)
+            newest = self.seen - 1  # else one host read per forward, shared by the layers
+            if position_ids is not None:
+                newest = forward.cached("max-position", lambda: int(position_ids.max()))
             self.max_position = max(self.max_position, newest)
         self.forward_positions = position_ids
         # a decoding step ends it without a read (its masks are small); one host read per chunk, shared by the layers
-        first = self.seen - self.new_tokens
+        first, count = self.seen - self.new_tokens, self.new_tokens
         dense = self.sliding_window is None and self.occupied == self.seen  # nothing expired or dropped
-        self.on_stream = self.on_stream and dense and self.all_valid and self.new_tokens > 1
-        self.on_stream = self.on_stream and (position_ids is None or self._counts_from(position_ids, first))
+        self.on_stream = self.on_stream and dense and self.all_valid and count > 1
+        if self.on_stream and position_ids is not None:
+            positions = position_ids[..., -count:]
+            positions = positions[0] if positions.dim() == 3 else positions
+            self.on_stream = forward.cached(("counts-from", first, count), lambda: counts_from(positions, first))
         if self._ring_key is not None:
             self._write_ring(position_ids)
 
     def end_forward(self) -> None:
-        """After the forward's last layer: every layer lets go of what it shared with the later layers of its
-        blocks during the forward (its query, its eviction and the forward's ``position_ids``, prompt-sized after a
-        prefill)."""
+        """After the forward's last layer every layer lets go of what it lent the later layers of its blocks."""
         super().end_forward()
         if self.peers and self is self.peers[-1]:
             for layer in self.peers:
                 layer.step, layer.forward_positions, layer.last_eviction = None, None, None
 
-    def _counts_from(self, position_ids: torch.Tensor, first: int) -> bool:
-        """Whether the new tokens' positions are the stream indices from ``first`` (cached for the other layers)."""
-
-        def check() -> bool:
-            positions = position_ids[..., -self.new_tokens :]
-            return counts_from(positions[0] if positions.dim() == 3 else positions, first)
-
-        return self.forward_pass.cached(("counts-from", first, self.new_tokens), check)
-
-    def _largest(self, position_ids: torch.Tensor) -> int:
-        """The forward's largest position (one host read per forward, shared by the layers)."""
-        return self.forward_pass.cached("max-position", lambda: int(position_ids.max()))
-
     def _append_proximal(self, keys: torch.Tensor) -> None:
         """Append the new tokens' keys ``[B, S, q, d]`` (the last ``q`` slots) to the packed proximal keys."""
         batch, shared, count, _ = keys.shape
-        length = self.occupied
-        slots = torch.arange(length - count, length, device=self.device).expand(batch, shared, count)
+        slots = torch.arange(self.occupied - count, self.occupied, device=self.device).expand(batch, shared, count)
         self.prox_keys = torch.cat([self.prox_keys, keys], dim=-2)
         self.prox_slot = torch.cat([self.prox_slot, slots], dim=-1)
 
@@ -249,8 +262,7 @@ class PoDLayer(RingSteps, CompressedLayer):
 
     def own_keys(self) -> torch.Tensor:
         """A transient ``[B, H_kv, L, d]`` key tensor: full keys where stored, proximal keys at their slots, zeros
-        elsewhere (those slots are distant, never read with this layer's logits at this head). A layer keeping every
-        KV head's keys returns them as stored (no copy)."""
+        elsewhere (distant slots, never read with this layer's logits at this head); no copy if all are stored."""
         batch, heads, length, dim = self.values.shape
         if self.head_runs["full"] == (0, heads):
             return self.keys
@@ -279,23 +291,18 @@ class PoDLayer(RingSteps, CompressedLayer):
         keys = self.prox_keys.gather(2, order[..., None].expand(*order.shape, self.prox_keys.shape[-1]))
         self.prox_keys = keys * kept[..., None].to(keys.dtype)
 
-    def trim_proximal(self) -> None:
-        """Drop the keys of tokens that left every future query's proximal window (non-start KV heads only)."""
+    def after_attention(self, stats: AttentionStats | None, alone: bool = False) -> None:
+        """Evict as the core does, then drop the proximal keys of tokens that left every future query's window."""
+        super().after_attention(stats, alone)
         if self.ring is not None or not len(self.prox_heads) or not self.prox_slot.shape[-1]:
             return
-        config = self.policy.config
-        slot = self.prox_slot
+        config, slot = self.policy.config, self.prox_slot
         safe = slot.clamp(min=0)
         rope_pos = self.heads_of(self.rope_pos, "prox")
         pos = rope_pos.gather(-1, safe)
         real = (slot >= 0) & self.heads_of(self.valid, "prox").gather(-1, safe)
         newest = rope_pos[..., -1:]
-        keep = real & ((pos < config.n_sink) | (newest - pos < config.n_recent))
-        self._pack_proximal(keep, slot)
-
-    def after_attention(self, stats: AttentionStats | None, alone: bool = False) -> None:
-        super().after_attention(stats, alone)
-        self.trim_proximal()
+        self._pack_proximal(real & ((pos < config.n_sink) | (newest - pos < config.n_recent)), slot)
 
     def apply(self, rule: BlockEviction | Keep | KeepMask | Selection | None) -> None:
         """Evict as the block decided (``block_selection``), or as any rule (``CompressedLayer.apply``)."""
@@ -312,14 +319,13 @@ class PoDLayer(RingSteps, CompressedLayer):
         self.leave_ring()
 
     def compact(self, shrink: bool = False) -> None:
-        """Gather the kept tokens to the front (``CompressedLayer.compact``); the packed proximal keys follow their
-        tokens to their new slots. PoD's slots are in stream order before every compaction (it keeps no holes), so
-        a kept token's new slot is the count of kept tokens before it. Compaction writes the slots in place: keys
-        this layer lends to later layers in the same forward (``step``) are copied first."""
+        """Gather the kept tokens to the front; the packed proximal keys follow them (the slots are in stream order
+        before a compaction, so a kept token's new slot is the count of kept tokens before it). Keys this layer
+        lends to later layers in the same forward (``step``) are copied first: compaction writes in place."""
         if self.slots is not None and not self.dense:
             self.leave_ring()
             self.on_stream = False
-            if self.step is not None:  # the later layers of its blocks read its keys as attention saw them
+            if self.step is not None:
                 self.step.keys = self.step.keys.clone()
             if len(self.prox_heads):
                 kept = self.heads_of(self.slots.token_idx.narrow(2, 0, self.view_width), "prox") >= 0
@@ -330,18 +336,9 @@ class PoDLayer(RingSteps, CompressedLayer):
         super().compact(shrink)
         self._new_views()
 
-    def planned_keep(self) -> dict[str, torch.Tensor]:
-        """``{"keep": [B] counts}`` for a config given ``ratio``/``budget`` (``pod.budget``), else nothing."""
-        config = self.policy.config
-        if not config.budgeted:
-            return {}
-        n_real = self.valid.sum(-1).amax(1)
-        target = n_real * config.ratio if config.ratio is not None else torch.full_like(n_real, config.budget)
-        return {"keep": kept_for_request(target, n_real, self.key_share, config.n_sink + config.n_recent)}
-
     def block_selection(self, base: Policy) -> BlockEviction | None:
-        """The base method's eviction, per KV head taken from the head's block-start layer (decided there in this
-        same step, earlier in the forward, by ``victims_of_rule``), so a block keeps one token set per KV head."""
+        """The base method's eviction, per KV head taken from the head's block-start layer (decided there earlier
+        in the same forward), so a block keeps one token set per KV head."""
         kv_heads = self.rows[1]
         groups = len(self.head_starts) // kv_heads
         starts = [self.head_starts[g * groups] for g in range(kv_heads)]
@@ -350,28 +347,30 @@ class PoDLayer(RingSteps, CompressedLayer):
         if all(r is None for r in rows):
             self.last_eviction = None
             return None
-        if any(r is None for r in rows) or len({self._width(r) for r in rows}) != 1:
+        widths = {(r.dropped if r.dropped is not None else r.invalid).shape[-1] for r in rows if r is not None}
+        if any(r is None for r in rows) or len(widths) != 1:
             raise RuntimeError("pod: the base method selected different token counts along a block")
 
         def per_head(name: str) -> torch.Tensor | None:
             parts = [getattr(r, name) for r in rows]
             if all(p is None for p in parts):
                 return None
-            width = self.view_width
-            none = torch.zeros(*self.rows[:1], width, dtype=torch.bool, device=self.device)
+            none = torch.zeros(self.rows[0], self.view_width, dtype=torch.bool, device=self.device)
             return torch.stack([none if p is None else p[:, g] for g, p in enumerate(parts)], dim=1)
 
         self.last_eviction = BlockEviction(per_head("dropped"), per_head("invalid"))
         return self.last_eviction
 
-    @staticmethod
-    def _width(eviction: BlockEviction) -> int:
-        return (eviction.dropped if eviction.dropped is not None else eviction.invalid).shape[-1]
-
     def _own_eviction(self, base: Policy) -> BlockEviction | None:
         """This block-start layer's eviction under ``base``: the victims of a ``Keep`` rule (the core's one victim
-        path), or the slots a ``KeepMask`` or ``Selection`` leaves out."""
-        rule = base.select(self, **self.planned_keep())
+        path), or the slots a ``KeepMask`` or ``Selection`` leaves out. With ``ratio``/``budget`` the base keeps
+        the count ``pod.budget`` plans."""
+        config, keep = self.policy.config, {}
+        if config.budgeted:
+            n_real = self.valid.sum(-1).amax(1)
+            target = n_real * config.ratio if config.ratio is not None else torch.full_like(n_real, config.budget)
+            keep = {"keep": kept_for_request(target, n_real, self.key_share, config.n_sink + config.n_recent)}
+        rule = base.select(self, **keep)
         if rule is None:
             return None
         occupied = self.token_idx >= 0
@@ -383,65 +382,124 @@ class PoDLayer(RingSteps, CompressedLayer):
                 return None
             dropped = None if victims is None else torch.zeros_like(occupied).scatter_(-1, victims, True)
             return BlockEviction(dropped, invalid)
-        keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
-        return BlockEviction(~keep & occupied, None)
+        keep_mask = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
+        return BlockEviction(~keep_mask & occupied, None)
+
+    # --- the proximal keys in a ring while decoding (``ring.py``) ------------------------------------------------
+    def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
+        """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
+        asked, no autograd, and past the first distant position (decided on the host)."""
+        config = self.policy.config
+        return (
+            count == 1
+            and bool(self.ring_plan)
+            and self.all_valid
+            and self.sliding_window is None
+            and not (self.policy.wants_stats(self) and self.policy.stats.any)
+            and not key_states.requires_grad
+            and self.max_position >= config.n_sink + config.n_recent
+        )
+
+    def _write_ring(self, position_ids: torch.Tensor | None) -> None:
+        key, self._ring_key = self._ring_key, None
+        if not self.all_valid:  # a padding token came: the packed keys, which the masks read
+            self.leave_ring()
+            self._append_proximal(key)
+            return
+        if self.ring is None:
+            position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
+            if position is None:  # rows at different positions: the packed keys, from now on
+                self.ring_plan = False
+                self._append_proximal(key)
+                return
+            self.ring = ProximalRing(self, position)
+            self.prox_keys, self.prox_slot = self.ring.keys, None
+        length = self.values.shape[2]
+        self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
+
+    def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
+        """The new token's position if every row has the same (one host read per forward), else None."""
+
+        def read() -> int | None:
+            positions = position_ids[..., -1]
+            positions = positions[0] if positions.dim() == 2 and position_ids.dim() == 3 else positions
+            largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
+            return largest if largest == smallest else None
+
+        return self.forward_pass.cached("pod-decoding-position", read)
+
+    def leave_ring(self) -> None:
+        """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
+        if self.ring is not None:
+            self._settle()
+            held = self.ring.bias[:, :, 0] == 0
+            self.prox_keys, self.prox_slot = self.ring.keys, torch.where(held, self.ring.slot, -1)
+            self.ring = None
+
+    def _settle(self) -> None:
+        """Write the ring steps' bookkeeping into their slots (the last ``_pending`` ones): stream indices, positions
+        consecutive from the first one's, all real. (PoD compacts at once: no evicted slot waits for a token.)"""
+        self._stale = False
+        count, self._pending = self._pending, 0
+        if not count:
+            return
+        slots, stop = self.slots, self.occupied
+        first = self.seen - count
+        index = torch.arange(first, self.seen, device=self.device)
+        slots.token_idx[:, :, stop - count : stop] = index
+        slots.rope_pos[:, :, stop - count : stop] = index + (self._pending_position - first)
+        slots.valid[:, :, stop - count : stop] = True
+        slots.rank[:, :, stop - count : stop] = index  # no padding stored: a real token's rank is its stream index
+        slots.real_seen += count
 
     # --- transformers' layer API and accounting ------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.max_position, self.on_stream = -1, True
-        self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self._query_layout = None
-        self._pending = 0
-        self.step = self.last_eviction = None
-        self.keys = self.values = None
+        self.max_position, self.on_stream, self._pending = -1, True, 0
+        self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self.layout = None
+        self.step = self.last_eviction = self.keys = self.values = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.leave_ring()
         super().batch_select_indices(indices)
-        self._new_views()
-        if self.is_initialized:
-            indices = indices.to(self.device)
-            self.prox_keys = self.prox_keys.index_select(0, indices)
-            self.prox_slot = self.prox_slot.index_select(0, indices)
+        self._batch_moved(lambda tensor: tensor.index_select(0, indices.to(self.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.leave_ring()
         super().batch_repeat_interleave(repeats)
+        self._batch_moved(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def _batch_moved(self, move) -> None:
+        """The packed proximal keys and their slots follow the slots' batch rows (``move``)."""
         self._new_views()
         if self.is_initialized:
-            self.prox_keys = self.prox_keys.repeat_interleave(repeats, dim=0)
-            self.prox_slot = self.prox_slot.repeat_interleave(repeats, dim=0)
+            self.prox_keys, self.prox_slot = move(self.prox_keys), move(self.prox_slot)
 
-    def _proximal_nbytes(self) -> int:
-        return 0 if self.prox_keys is None else self.prox_keys.numel() * self.prox_keys.element_size()
+    def _proximal_nbytes(self, metadata: bool = False) -> int:
+        """The packed proximal keys, or with ``metadata`` their slots (the ring's bookkeeping while it lives)."""
+        if metadata and self.ring is not None:
+            return self.ring.metadata_nbytes()
+        tensor = self.prox_slot if metadata else self.prox_keys
+        return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
     def kv_nbytes(self) -> int:
-        """The stored tokens' values and keys in the slots, with the packed proximal keys."""
         return super().kv_nbytes() + self._proximal_nbytes()
 
     def allocated_nbytes(self) -> int:
-        """The slots as allocated (``core.capacity``) with the packed proximal keys."""
         return super().allocated_nbytes() + self._proximal_nbytes()
 
-    def _proximal_metadata_nbytes(self) -> int:
-        if self.ring is not None:
-            return self.ring.metadata_nbytes()
-        return 0 if self.prox_slot is None else self.prox_slot.numel() * self.prox_slot.element_size()
-
     def metadata_nbytes(self) -> int:
-        return super().metadata_nbytes() + self._proximal_metadata_nbytes()
+        return super().metadata_nbytes() + self._proximal_nbytes(metadata=True)
 
     def allocated_metadata_nbytes(self) -> int:
-        return super().allocated_metadata_nbytes() + self._proximal_metadata_nbytes()
+        return super().allocated_metadata_nbytes() + self._proximal_nbytes(metadata=True)
 
 
 def _run(heads: list[int]) -> tuple[int, int] | None:
     """``(first, count)`` if ``heads`` are consecutive (``(0, 0)`` for none), else ``None``."""
-    if not heads:
-        return (0, 0)
-    if heads != list(range(heads[0], heads[0] + len(heads))):
+    if heads and heads != list(range(heads[0], heads[0] + len(heads))):
         return None
-    return (heads[0], len(heads))
+    return (heads[0], len(heads)) if heads else (0, 0)
 
 
 def pod_stats(cache) -> dict[str, float]:

@@ -1,18 +1,17 @@
 """PoD's proximal keys while decoding one token per forward: a ring written in place.
 
 Between forwards a sharing KV head keeps the keys of its sinks and of its last ``n_recent`` tokens, packed
-(``PoDLayer.prox_keys``), and a forward trims them after attention: a host read per layer, and masks rebuilt from
-the stored positions every step. While decoding without padding, exactly one token enters the recent window per
-step and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: the first
-entries hold the stored sinks (as many as a row holds at most; no new token is a sink), entry ``sinks + pos %
-n_recent`` the recent token at ``pos``.
-Writing the new token (position ``p``) overwrites the token at ``p - n_recent``, which has just become distant:
-its slot opens in the distant mask (``dist``). A step writes one key and its value, one slot number and one mask
-entry, and reads nothing back (the ring keeps a copy of its entries' values, so the step need not gather them).
+(``PoDLayer.prox_keys``), trimmed after each forward's attention (a host read per layer, masks rebuilt from the
+stored positions every step). While decoding without padding exactly one token enters the recent window per step
+and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: the first entries
+hold the stored sinks (no new token is a sink), entry ``sinks + pos % n_recent`` the recent token at ``pos``. The
+new token overwrites the token that has just become distant, whose slot opens in the distant mask. A step writes
+one key and its value (the ring keeps a copy of its entries' values: a step need not gather them), one slot number
+and one mask entry, and reads nothing back.
 
 Positions are read once, when the ring is built; after that each decoding token is taken to be one position past
 the previous one (what ``generate`` and every decoding loop give). A forward of several tokens, padding, an
-eviction or a batch reorder turns the ring back into the packed keys (``packed``) and the layer goes on from them.
+eviction or a batch reorder turns the ring back into the packed keys (``PoDLayer.leave_ring``).
 """
 
 from __future__ import annotations
@@ -22,13 +21,20 @@ import math
 import torch
 
 
+def ring_plan(layout, config):
+    """The layer's ``QueryLayout`` if its decoding steps may use the ring, else None: the plain mixed softmax
+    (no ``tau``, ``combine="softmax"``) and sharing query heads that are whole groups of its proximal-only KV heads."""
+    if config.tau is not None or config.combine != "softmax" or not layout.sharing or layout.runs is None:
+        return None
+    return layout
+
+
 class ProximalRing:
-    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, their
-    values beside them (``values``: a copy of those tokens' values, so a step reads them without gathering them from
-    the layer's store), each entry's slot in the layer's values (``slot``; 0 where it holds none), ``bias``
-    ``[B, S, 1, W]`` (0 where an entry holds a stored token, -inf elsewhere), and ``dist`` ``[B, S, 1, capacity + 1]``:
-    0 at the slots of the stored distant tokens, -inf elsewhere (the last column a sink for writes that open
-    nothing)."""
+    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, a copy
+    of their values (``values``), each entry's slot in the layer's values (``slot``; 0 where it holds none),
+    ``bias`` ``[B, S, 1, W]`` (0 where an entry holds a stored token, -inf elsewhere) and ``dist`` ``[B, S, 1,
+    capacity + 1]``: 0 at the slots of the stored distant tokens, -inf elsewhere (the last column a sink for writes
+    that open nothing)."""
 
     def __init__(self, layer, position: int) -> None:
         """Build the ring from ``layer``'s packed proximal keys as they stand for the query at ``position - 1``
@@ -42,8 +48,8 @@ class ProximalRing:
         pos = rope_pos.gather(-1, safe)
         real = (slot >= 0) & valid.gather(-1, safe)
         sink = real & (pos < self.n_sink)
-        # the sinks first, in their stored order (no new token is a sink), as many entries as a row holds at most
-        self.sinks = int(sink.sum(-1).amax()) if sink.numel() else 0  # (one host read per ring)
+        # the sinks first, in their stored order, as many entries as a row holds at most (one host read per ring)
+        self.sinks = int(sink.sum(-1).amax()) if sink.numel() else 0
         width = self.sinks + self.n_recent
         recent = real & ~sink & (pos >= position - self.n_recent)
         entry = torch.where(sink, sink.cumsum(-1) - 1, self.sinks + pos % self.n_recent)
@@ -54,15 +60,16 @@ class ProximalRing:
         length = layer.values.shape[2]
         self.capacity = 2 * length
         self.keys = keys[:, :, :width].contiguous()
-        self.slot = torch.zeros(batch, shared, width + 1, dtype=torch.long, device=slot.device)
-        self.slot = self.slot.scatter_(2, entry, safe)[:, :, :width].contiguous()
+
+        def placed(fill: int, source: torch.Tensor) -> torch.Tensor:  # [B, S, W]: ``source`` at entries, else ``fill``
+            empty = torch.full((batch, shared, width + 1), fill, dtype=torch.long, device=slot.device)
+            return empty.scatter_(2, entry, source)[:, :, :width].contiguous()
+
+        # leaving: until a step writes an entry, the slot its token opens when it leaves (none: the sink column)
+        self.slot, self.leaving = placed(0, safe), placed(self.capacity, safe)
         values = layer.heads_of(layer.values, "prox")
         self.values = values.gather(2, self.slot[..., None].expand(*self.slot.shape, values.shape[-1]))
-        # until a decoding step writes an entry, the slot its token opens when it leaves (none: the sink column)
-        self.leaving = torch.full((batch, shared, width + 1), self.capacity, dtype=torch.long, device=slot.device)
-        self.leaving = self.leaving.scatter_(2, entry, safe)[:, :, :width].contiguous()
-        held = torch.zeros(batch, shared, width + 1, dtype=torch.bool, device=slot.device)
-        held = held.scatter_(2, entry, True)[:, :, None, :width]
+        held = placed(0, torch.ones_like(safe)).bool()[:, :, None]
         self.bias = torch.full(held.shape, -math.inf, dtype=keys.dtype, device=keys.device).masked_fill_(held, 0.0)
         distant = valid & (rope_pos >= self.n_sink) & (rope_pos <= self.position - self.n_recent)
         self.dist = torch.full((batch, shared, 1, self.capacity + 1), -math.inf, dtype=keys.dtype, device=keys.device)
@@ -77,7 +84,11 @@ class ProximalRing:
         recent = self.position % self.n_recent
         entry = self.sinks + recent
         if length > self.capacity:
-            self._grow(length)
+            old, self.capacity = self.capacity, 2 * length
+            dist = self.dist.new_full((*self.dist.shape[:3], self.capacity + 1), -math.inf)
+            dist[..., :old] = self.dist[..., :old]
+            self.dist = dist
+            self.leaving.masked_fill_(self.leaving == old, self.capacity)
         source = self.slot if self.written[recent] else self.leaving
         self.dist.scatter_(3, source.narrow(2, entry, 1).unsqueeze(-1), 0.0)  # the leaving token's slot opens
         self.keys.narrow(2, entry, 1).copy_(key)
@@ -86,14 +97,6 @@ class ProximalRing:
         if not self.written[recent]:
             self.bias.narrow(3, entry, 1).fill_(0.0)
             self.written[recent] = True
-
-    def _grow(self, length: int) -> None:
-        old = self.capacity
-        self.capacity = 2 * length
-        dist = self.dist.new_full((*self.dist.shape[:3], self.capacity + 1), -math.inf)
-        dist[..., :old] = self.dist[..., :old]
-        self.dist = dist
-        self.leaving.masked_fill_(self.leaving == old, self.capacity)
 
     def distant(self, length: int) -> torch.Tensor:
         """``[B, S, 1, length]``: the distant mask over the layer's ``length`` stored tokens (a view)."""
@@ -109,11 +112,6 @@ class ProximalRing:
             self.always_distant = bool(has.all())
         return None if self.always_distant else has
 
-    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed form the layer keeps between forwards: keys ``[B, S, W, d]`` and slots (-1: no token)."""
-        return self.keys, torch.where(self.bias[:, :, 0] == 0, self.slot, -1)
-
     def metadata_nbytes(self) -> int:
-        """Bytes of the bookkeeping (slots, masks, the copy of the entries' values); the keys are the layer's
-        ``prox_keys`` while the ring lives."""
+        """Bytes of the bookkeeping (slots, masks, the copy of the values); the keys are the layer's ``prox_keys``."""
         return sum(t.numel() * t.element_size() for t in (self.slot, self.leaving, self.bias, self.dist, self.values))
