@@ -108,10 +108,21 @@ class RaggedPool:
         self.owns_record = owns_record  # the pool whose accounting counts the record (one per record)
         self._lag = 0  # single-token forwards since ``counts`` was last written
         self._follow(self.counts)
+        self._views()
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[0]
+
+    def _views(self) -> None:
+        """The views of the owned blocks a decoding step reads (``_owner_used``, ``_keys_t``, ``_values_used``,
+        ``_bias_used``), made once per change of ``used`` or of the buffers, not per step. Views of the pool's own
+        storage: writes in place show through them, and a fork or a saved cache keeps them views of its own buffers.
+        Only read: writes go through views made at the write (a view made under ``no_grad`` cannot be written in
+        place with gradients on)."""
+        used = self.used
+        self._owner_used, self._bias_used = self.owner[:used], self.bias[:used]
+        self._keys_t, self._values_used = self.keys[:used].transpose(1, 2), self.values[:used]
 
     # --- conversion ----------------------------------------------------------------------------------------
     @classmethod
@@ -242,6 +253,7 @@ class RaggedPool:
         self.token[taken].fill_(EMPTY)
         self.row_blocks = self.row_blocks + needed
         self.used += total
+        self._views()
 
     def _grow(self, capacity: int) -> None:
         """Reallocate every tensor with ``capacity`` blocks, copying the used ones (the new ones are written when
@@ -254,6 +266,7 @@ class RaggedPool:
 
         self.keys, self.values = grown(self.keys), grown(self.values)
         self.owner, self.bias, self.token = grown(self.owner), grown(self.bias), grown(self.token)
+        self._views()
 
     @property
     def real_seen(self) -> torch.Tensor:
@@ -289,6 +302,8 @@ class RaggedPool:
         ``plain``: one query per row that sees every stored token (a decoding step without padding; the slots' bias
         is the whole mask); otherwise query ``i`` (stream index ``first + i``) sees the real tokens up to itself,
         and itself."""
+        if plain:
+            return self._step(query, scale)
         batch, q_heads, count, dim = query.shape
         groups = q_heads // self.heads
         rows = query.reshape(batch, self.heads, groups, count, dim).transpose(2, 3)  # [B, H, q, G, d]
@@ -300,6 +315,34 @@ class RaggedPool:
             outputs.append(self._attend_rows(part, scale, plain, first + start, stop - start, groups))
         output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return output.view(batch, self.heads, count, groups, -1).transpose(2, 3).reshape(batch, q_heads, count, -1)
+
+    def _step(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """A decoding step's attention, ``query`` ``[B, H_q, 1, d]`` -> ``[B, H_q, 1, d_v]``: one query per row, every
+        stored token visible (the slots' bias is the whole mask). The softmax of ``_attend_rows`` in fewer
+        operations: every row holds the step's new token, so each segment's maximum is finite and written by the
+        reduction itself (no initial value, no guard), and the step's views are the pool's (``_views``)."""
+        batch, q_heads, _, dim = query.shape
+        if torch.is_grad_enabled():  # views that carry the buffers' autograd history as it is now
+            self._views()
+        owner = self._owner_used
+        groups = q_heads // self.heads
+        rows = query.reshape(self.rows, groups, dim).index_select(0, owner)  # [n, G, d]
+        logits = torch.baddbmm(self._bias_used, rows, self._keys_t, alpha=scale)  # [n, G, BLOCK]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        top = logits.amax(dim=-1)  # [n, G]
+        segment = top.new_empty(self.rows, groups).scatter_reduce_(
+            0, owner.unsqueeze(1).expand(-1, groups), top, "amax", include_self=False
+        )
+        weights = logits.sub_(segment.index_select(0, owner).unsqueeze(-1)).exp_()
+        norm = top.new_zeros(self.rows, groups).index_add_(0, owner, weights.sum(dim=-1))
+        if weights.dtype != self.values.dtype:
+            weights = weights.to(self.values.dtype)
+        parts = torch.bmm(weights, self._values_used)  # [n, G, d_v]
+        output = parts.new_zeros(self.rows, groups, parts.shape[-1]).index_add_(0, owner, parts)
+        norm = norm.unsqueeze(-1)
+        output.div_(norm if norm.dtype == output.dtype else norm.to(output.dtype))
+        return output.view(batch, q_heads, 1, -1)
 
     def _attend_rows(
         self, rows: torch.Tensor, scale: float, plain: bool, first: int, count: int, groups: int
