@@ -312,7 +312,7 @@ class RaggedPool:
         for start in range(0, count, step):  # query chunks bound the logits (one chunk while decoding)
             stop = min(count, start + step)
             part = rows[:, :, start:stop].reshape(self.rows, (stop - start) * groups, dim)
-            outputs.append(self._attend_rows(part, scale, plain, first + start, stop - start, groups))
+            outputs.append(self._attend_rows(part, scale, first + start, stop - start, groups))
         output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return output.view(batch, self.heads, count, groups, -1).transpose(2, 3).reshape(batch, q_heads, count, -1)
 
@@ -344,23 +344,18 @@ class RaggedPool:
         output.div_(norm if norm.dtype == output.dtype else norm.to(output.dtype))
         return output.view(batch, q_heads, 1, -1)
 
-    def _attend_rows(
-        self, rows: torch.Tensor, scale: float, plain: bool, first: int, count: int, groups: int
-    ) -> torch.Tensor:
-        """``rows`` ``[R, q * G, d]`` (queries of stream index ``first ..``, token-major) -> ``[R, q * G, d_v]``."""
+    def _attend_rows(self, rows: torch.Tensor, scale: float, first: int, count: int, groups: int) -> torch.Tensor:
+        """``rows`` ``[R, q * G, d]`` (queries of stream index ``first ..``, token-major) -> ``[R, q * G, d_v]``, each
+        query seeing the real tokens up to itself, and itself (a decoding step: ``_step``)."""
         used = self.used
         owner = self.owner[:used]
         block_rows = rows.index_select(0, owner)  # [n, q G, d]
-        keys_t = self.keys[:used].transpose(1, 2)
-        if plain:
-            logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
-        else:
-            logits = torch.bmm(block_rows, keys_t).mul_(scale)
-            token = self.token[:used]  # [n, block]
-            queries = torch.arange(first, first + count, device=self.device)[None, :, None]
-            seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
-            seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
-            logits.masked_fill_(~seen, float("-inf"))
+        logits = torch.bmm(block_rows, self.keys[:used].transpose(1, 2)).mul_(scale)
+        token = self.token[:used]  # [n, block]
+        queries = torch.arange(first, first + count, device=self.device)[None, :, None]
+        seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
+        seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
+        logits.masked_fill_(~seen, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
         width = logits.shape[1]
@@ -368,8 +363,7 @@ class RaggedPool:
         segment = torch.full((self.rows, width), float("-inf"), device=self.device)
         segment.scatter_reduce_(0, owner[:, None].expand(used, width), top, "amax")
         shift = segment.index_select(0, owner)
-        if not plain:  # (a decoding step's rows each see their new token: every segment's maximum is finite)
-            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
         weights = logits.sub_(shift[..., None]).exp_()
         norm = torch.zeros(self.rows, width, device=self.device).index_add_(0, owner, weights.sum(dim=-1))
         parts = torch.bmm(weights.to(self.values.dtype), self.values[:used])  # [n, q G, d_v]
