@@ -6,6 +6,7 @@ holding the same total tokens.
     python -m experiments.ragged decode --tokens 2048 --pairs 32
     python -m experiments.ragged memory --tokens 16384 --methods none full snapkv-adakv duo kvzip --no-slots
     python -m experiments.ragged decode-ab --tokens 2048 --pairs 40
+    MALLOC_MMAP_THRESHOLD_=65536 python -m experiments.ragged phases snapkv-adakv --tokens 8192
 
 The prompt is the first ``--tokens`` tokens of the shipped books (``kvcompress.eval.data.gutenberg_books()``, in
 order, joined by blank lines), one sequence, float32, one torch thread, ``torch.no_grad``.
@@ -30,6 +31,11 @@ resident memory) over the prefill, the compression and 8 decoding steps; ``held`
 then a ``DynamicCache`` prefilled with as many tokens per head as our layers hold on average per head (cropped back
 after each step, as ``kvcompress.bench.speed`` does); medians of the per-pair CPU-time ratios with their 10th and
 90th percentiles.
+
+``phases`` runs one method's one-forward prefill (``none``: no cache, ``full``, or a method's name) in this process
+and reports, per decoder layer, the peak resident memory above base of its attention (from the attention module's
+call to the MLP's) and of its MLP (to the next layer's attention), ``VmHWM`` reset at each boundary: where in the
+forward a method's memory goes beyond the forward's own.
 
 ``decode-ab`` compares the pool's decoding step (``RaggedPool._step``) with the step before it (``previous_step``
 below: the general ``_attend_rows`` path of kvcompress at commit 0dbfe85, views made per step), in one process: the
@@ -184,6 +190,45 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
         row["streaming_heads"] = int(sum(layer.policy.streaming.sum() for layer in layers))
         row["kept_pairs_share"] = row["kept_pairs"] / (len(layers) * model.config.num_key_value_heads * tokens)
     return row
+
+
+def phases(name: str, tokens: int) -> dict:
+    """Per decoder layer, the peak resident memory above base of its attention and of its MLP (see the module
+    docstring); run with ``MALLOC_MMAP_THRESHOLD_=65536`` as ``memory`` does."""
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = prompt_ids(tokenizer, tokens)
+    peaks: list[tuple[str, float]] = []
+    current = {"label": "embedding"}
+
+    def boundary(label: str):
+        def hook(*_):
+            peaks.append((current["label"], round(status_mb("VmHWM") - base, 1)))
+            reset_peak()
+            current["label"] = label
+
+        return hook
+
+    with torch.no_grad():
+        model(input_ids=ids[:, :16], use_cache=False, logits_to_keep=1)
+        lock_mapped_pages()
+        hooks = []
+        for index, layer in enumerate(model.model.layers):
+            hooks.append(layer.self_attn.register_forward_pre_hook(boundary(f"attention {index}")))
+            hooks.append(layer.mlp.register_forward_pre_hook(boundary(f"mlp {index}")))
+        hooks.append(model.model.norm.register_forward_pre_hook(boundary("final norm and head")))
+        base = status_mb("VmRSS")
+        reset_peak()
+        if name == "none":
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        elif name == "full":
+            prefill(model, ids, kvcompress.cache_for(model, "full"))
+        else:
+            compressed(model, ids, name)
+        boundary("end")()
+        for hook in hooks:
+            hook.remove()
+    return {"method": name, "tokens": tokens, "peaks_above_base_mb": peaks}
 
 
 def current_rss_mb() -> float | None:
@@ -341,7 +386,7 @@ def decode_ab(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["memory", "memory-one", "decode", "decode-ab"])
+    parser.add_argument("command", choices=["memory", "memory-one", "decode", "decode-ab", "phases"])
     parser.add_argument("name", nargs="?")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--pairs", type=int, default=32)
@@ -359,6 +404,8 @@ def main() -> None:
         memory(args)
     elif args.command == "decode-ab":
         decode_ab(args)
+    elif args.command == "phases":
+        print(json.dumps(phases(args.name, args.tokens)))
     else:
         decode(args)
 
