@@ -32,7 +32,9 @@ Attention over the pool computes every head at once: each block takes its row's 
 ``owner``; the query heads of a KV head share its blocks, GQA), one batched product gives a block's logits, and a
 softmax per (sequence, query head) segment is assembled from per-block pieces: the row's maximum by
 ``scatter_reduce``, the exponentials' sums and the value products by ``index_add``. It is the same softmax as over
-a row's tokens in one piece (exact up to float32 summation order). A forward of several tokens (a question after
+a row's tokens in one piece (exact up to float32 summation order). A decoding step (``_step``: one query per row,
+no padding) reads views of the owned blocks made once per block taken, not per step, and no mask beyond the slots'
+bias. A forward of several tokens (a question after
 the compressed context) has written them to the pool before it attends: each query sees the slots whose token is
 not in its future (and itself, even as padding), so one pass covers the compressed context and the new tokens.
 
