@@ -5,6 +5,8 @@ holding the same total tokens.
     python -m experiments.ragged memory --tokens 2048
     python -m experiments.ragged decode --tokens 2048 --pairs 32
     python -m experiments.ragged memory --tokens 16384 --methods none full snapkv-adakv duo kvzip --no-slots
+    python -m experiments.ragged decode-ab --tokens 2048 --pairs 40
+    MALLOC_MMAP_THRESHOLD_=65536 python -m experiments.ragged phases snapkv-adakv --tokens 8192
 
 The prompt is the first ``--tokens`` tokens of the shipped books (``kvcompress.eval.data.gutenberg_books()``, in
 order, joined by blank lines), one sequence, float32, one torch thread, ``torch.no_grad``.
@@ -29,6 +31,17 @@ resident memory) over the prefill, the compression and 8 decoding steps; ``held`
 then a ``DynamicCache`` prefilled with as many tokens per head as our layers hold on average per head (cropped back
 after each step, as ``kvcompress.bench.speed`` does); medians of the per-pair CPU-time ratios with their 10th and
 90th percentiles.
+
+``phases`` runs one method's one-forward prefill (``none``: no cache, ``full``, or a method's name) in this process
+and reports, per decoder layer, the peak resident memory above base of its attention (from the attention module's
+call to the MLP's) and of its MLP (to the next layer's attention), ``VmHWM`` reset at each boundary: where in the
+forward a method's memory goes beyond the forward's own.
+
+``decode-ab`` compares the pool's decoding step (``RaggedPool._step``) with the step before it (``previous_step``
+below: the general ``_attend_rows`` path of kvcompress at commit 0dbfe85, views made per step), in one process: the
+compressed cache is forked once per variant, and each round runs one step through each fork and one through the
+``DynamicCache``, in rotating order; medians of the per-round CPU-time ratios with their 10th and 90th percentiles,
+and the largest difference between the two variants' logits.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import ctypes
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 
@@ -46,7 +60,8 @@ from transformers import DynamicCache
 
 import kvcompress
 import kvcompress.core.ragged as ragged_storage
-from kvcompress.bench.pairs import timed_pairs, use_attention
+from kvcompress.bench.pairs import timed, timed_pairs, use_attention
+from kvcompress.core.attention import ATTENTION_NAME
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.machine import machine_description
@@ -144,9 +159,15 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
             prefill(model, ids, cache, chunk_size=chunk)
         else:
             cache = compressed(model, ids, name, ragged, chunk)
+        # the prefill's peak (compression included), then the decoding steps' own peak from the memory held now
+        prefill_peak, compressed_rss = status_mb("VmHWM"), status_mb("VmRSS")
+        reset_peak()
         row = {"method": name, "ragged": ragged, "tokens": tokens, "nbytes": cache.nbytes()}
         layers = cache.compressed_layers
-        row["kept_pairs"] = sum(int(layer.valid.sum()) for layer in layers)  # (layer, head, token) kept
+        # (layer, head, token) kept: a ragged layer counts them on the host (its ``valid`` is a padded copy)
+        row["kept_pairs"] = sum(
+            layer.stored_tokens() if getattr(layer, "ragged", False) else int(layer.valid.sum()) for layer in layers
+        )
         row["allocated_nbytes"] = sum(layer.allocated_nbytes() for layer in layers)
         token = ids[:, -1:]
         for _ in range(8):
@@ -156,13 +177,58 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     row.update(full_nbytes=full, ratio=row["nbytes"] / full, peak_rss_mb=peak, rss_mb=current_rss_mb())
     high, held = status_mb("VmHWM"), status_mb("VmRSS")
+    high = max(high, prefill_peak)
     row.update(base_mb=base, peak_mb=high, peak_above_base_mb=high - base, held_above_base_mb=held - base, chunk=chunk)
+    row.update(
+        prefill_peak_above_base_mb=prefill_peak - base,
+        compressed_above_base_mb=compressed_rss - base,
+        decode_peak_above_base_mb=status_mb("VmHWM") - base,
+    )
     row["locked"] = locked
     if name == "duo":
         layers = cache.compressed_layers
         row["streaming_heads"] = int(sum(layer.policy.streaming.sum() for layer in layers))
         row["kept_pairs_share"] = row["kept_pairs"] / (len(layers) * model.config.num_key_value_heads * tokens)
     return row
+
+
+def phases(name: str, tokens: int) -> dict:
+    """Per decoder layer, the peak resident memory above base of its attention and of its MLP (see the module
+    docstring); run with ``MALLOC_MMAP_THRESHOLD_=65536`` as ``memory`` does."""
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = prompt_ids(tokenizer, tokens)
+    peaks: list[tuple[str, float]] = []
+    current = {"label": "embedding"}
+
+    def boundary(label: str):
+        def hook(*_):
+            peaks.append((current["label"], round(status_mb("VmHWM") - base, 1)))
+            reset_peak()
+            current["label"] = label
+
+        return hook
+
+    with torch.no_grad():
+        model(input_ids=ids[:, :16], use_cache=False, logits_to_keep=1)
+        lock_mapped_pages()
+        hooks = []
+        for index, layer in enumerate(model.model.layers):
+            hooks.append(layer.self_attn.register_forward_pre_hook(boundary(f"attention {index}")))
+            hooks.append(layer.mlp.register_forward_pre_hook(boundary(f"mlp {index}")))
+        hooks.append(model.model.norm.register_forward_pre_hook(boundary("final norm and head")))
+        base = status_mb("VmRSS")
+        reset_peak()
+        if name == "none":
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        elif name == "full":
+            prefill(model, ids, kvcompress.cache_for(model, "full"))
+        else:
+            compressed(model, ids, name)
+        boundary("end")()
+        for hook in hooks:
+            hook.remove()
+    return {"method": name, "tokens": tokens, "peaks_above_base_mb": peaks}
 
 
 def current_rss_mb() -> float | None:
@@ -236,9 +302,91 @@ def decode(args) -> None:
             print(json.dumps({"method": name, "tokens": args.tokens, "dynamic_tokens_per_head": per_head, **result}))
 
 
+def previous_step(pool, query: torch.Tensor, scale: float, plain: bool, first: int) -> torch.Tensor:
+    """The pool's decoding step at commit 0dbfe85 (the reference of ``decode-ab``): a step's views made per step, the
+    segment maximum from a ``-inf`` buffer, the dtype conversions called unconditionally."""
+    batch, q_heads, count, dim = query.shape
+    groups = q_heads // pool.heads
+    rows = query.reshape(batch, pool.heads, groups, count, dim).transpose(2, 3).reshape(pool.rows, groups, dim)
+    used = pool.used
+    owner = pool.owner[:used]
+    block_rows = rows.index_select(0, owner)
+    logits = torch.baddbmm(pool.bias[:used], block_rows, pool.keys[:used].transpose(1, 2), alpha=scale)
+    width = logits.shape[1]
+    top = logits.amax(dim=-1)
+    segment = torch.full((pool.rows, width), float("-inf"), device=pool.device)
+    segment.scatter_reduce_(0, owner[:, None].expand(used, width), top, "amax")
+    shift = segment.index_select(0, owner)
+    weights = logits.sub_(shift[..., None]).exp_()
+    norm = torch.zeros(pool.rows, width, device=pool.device).index_add_(0, owner, weights.sum(dim=-1))
+    parts = torch.bmm(weights.to(pool.values.dtype), pool.values[:used])
+    output = torch.zeros(pool.rows, width, parts.shape[-1], dtype=parts.dtype, device=pool.device)
+    output.index_add_(0, owner, parts)
+    output = output.div_(norm[..., None].to(output.dtype))
+    return output.view(batch, pool.heads, count, groups, -1).transpose(2, 3).reshape(batch, q_heads, count, -1)
+
+
+def decode_ab(args) -> None:
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = prompt_ids(tokenizer, args.tokens + args.pairs + 8)
+    print(json.dumps({"machine": machine_description(1)}))
+    with torch.no_grad():
+        cache = compressed(model, ids[:, : args.tokens], "snapkv-adakv")
+        layers = cache.compressed_layers
+        per_head = round(sum(int(layer.valid.sum()) for layer in layers) / (len(layers) * layers[0].pool.heads))
+        current, previous = cache.fork(), cache.fork()
+        for layer in previous.compressed_layers:
+            layer.pool.attend = lambda *a, pool=layer.pool: previous_step(pool, *a)
+        dynamic = DynamicCache(config=model.config)
+        use_attention(model, "sdpa")
+        model(input_ids=ids[:, :per_head], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
+        times = {"current": [], "previous": [], "dynamic": []}
+        largest = 0.0
+        for i in range(2 + args.pairs):
+            token = ids[:, args.tokens + i : args.tokens + i + 1]
+            logits = {}
+            sides = [("current", current), ("previous", previous), ("dynamic", dynamic)]
+            for name, side in sides[i % 3 :] + sides[: i % 3]:
+                use_attention(model, "sdpa" if name == "dynamic" else ATTENTION_NAME)
+
+                def run(side=side, name=name, token=token, logits=logits):
+                    logits[name] = model(input_ids=token, **cache_argument(model, side), use_cache=True).logits
+
+                elapsed = timed(run)[1]
+                if name == "dynamic":
+                    dynamic.crop(per_head - dynamic.get_seq_length())
+                if i >= 2:
+                    times[name].append(elapsed)
+            largest = max(largest, float((logits["current"] - logits["previous"]).abs().max()))
+
+        def ratio(a: str, b: str) -> dict:
+            values = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
+            return {
+                "median": statistics.median(values),
+                "p10": values[round(0.1 * (len(values) - 1))],
+                "p90": values[round(0.9 * (len(values) - 1))],
+            }
+
+        print(
+            json.dumps(
+                {
+                    "tokens": args.tokens,
+                    "rounds": args.pairs,
+                    "dynamic_tokens_per_head": per_head,
+                    "current/dynamic": ratio("current", "dynamic"),
+                    "previous/dynamic": ratio("previous", "dynamic"),
+                    "current/previous": ratio("current", "previous"),
+                    "ms": {name: statistics.median(values) * 1e3 for name, values in times.items()},
+                    "largest_logit_difference": largest,
+                }
+            )
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["memory", "memory-one", "decode"])
+    parser.add_argument("command", choices=["memory", "memory-one", "decode", "decode-ab", "phases"])
     parser.add_argument("name", nargs="?")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--pairs", type=int, default=32)
@@ -254,6 +402,10 @@ def main() -> None:
         print(json.dumps(memory_one(args.name, args.tokens, not args.slots, args.chunk)))
     elif args.command == "memory":
         memory(args)
+    elif args.command == "decode-ab":
+        decode_ab(args)
+    elif args.command == "phases":
+        print(json.dumps(phases(args.name, args.tokens)))
     else:
         decode(args)
 

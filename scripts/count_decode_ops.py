@@ -9,6 +9,10 @@ are counted apart. A ``.tolist()`` of a CPU tensor dispatches no operation, so s
 ``tests/gpu`` sees every read on a GPU.
 
     python scripts/count_decode_ops.py [--methods window,streaming,h2o] [--prompt 1024] [--budget 512] [--by-op]
+    python scripts/count_decode_ops.py --methods "" --spec snapkv:allocation=adakv,ratio=0.5 --by-op
+
+``--spec`` (repeatable) names a method with its parameters as the CLI does (``method:key=value,...``); a spec
+without ``budget`` or ``ratio`` gets ``--budget``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvcompress.bench.common import random_prompt, set_threads
 from kvcompress.core.attention import ATTENTION_NAME
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
+from kvcompress.params import parse_method_spec
 
 METHODS = "window,streaming,h2o,tova,scissorhands,random,knorm,snapkv,buzz,cascade,less,pod,full"
 READS = {"_local_scalar_dense", "is_nonzero", "item"}
@@ -62,6 +67,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     parser.add_argument("--by-op", action="store_true", help="also list each method's added ops by name, per layer")
+    parser.add_argument("--spec", action="append", default=[], help="a method with parameters (method:key=value,...)")
     args = parser.parse_args()
     set_threads(1)
     model, _ = load_model(args.model)
@@ -78,9 +84,13 @@ def main() -> None:
         print(
             f"{'method':14s} {'ops/step':>9s} {'ops added/layer':>16s} {'views added/layer':>18s} {'host reads':>11s}"
         )
-        for method in args.methods.split(","):
-            budget = {} if method == "full" else {"budget": args.budget}
-            cache = kvcompress.cache_for(model, method, **budget)
+        specs = [name for name in args.methods.split(",") if name] + args.spec
+        for spec in specs:
+            method, params = parse_method_spec(spec)
+            if method != "full" and "budget" not in params and "ratio" not in params:
+                params["budget"] = args.budget
+            cache = kvcompress.cache_for(model, method, **params)
+            method = spec
             model.set_attn_implementation(ATTENTION_NAME)
             prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
             for token in range(args.prompt, args.prompt + 3):  # past the first step's one-off work

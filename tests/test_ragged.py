@@ -161,6 +161,40 @@ def test_pool_appends_without_regrowing_each_step():
     assert pool.used * pool.block - pool.stored_tokens() < pool.rows * pool.block
 
 
+def test_decoding_step_equals_attention_over_each_rows_tokens():
+    """A decoding step (``_step``) gives, for every (sequence, query head), the softmax attention over its KV head's
+    stored tokens (explicit, one row at a time), through steps that take new blocks and grow the pool; it equals
+    the general path (``_attend_rows``, the new token seen by its query) to float32 rounding."""
+    torch.manual_seed(1)
+    batch, heads, groups, dim, width = 2, 3, 2, 8, 40
+    keys, values = torch.randn(batch, heads, width, dim), torch.randn(batch, heads, width, dim)
+    valid = torch.rand(batch, heads, width) < torch.tensor([0.2, 0.6, 0.9])[:, None]  # uneven rows
+    valid[..., 0] = True
+    token_idx = torch.arange(width).expand(batch, heads, width).clone()
+    record = StreamRecord.from_slots(token_idx, token_idx, token_idx, torch.tensor([width, width]), width)
+    pool = RaggedPool.from_rows(keys, values, token_idx, valid, record)
+    stored_keys = [[keys[b, h][valid[b, h]] for h in range(heads)] for b in range(batch)]
+    stored_values = [[values[b, h][valid[b, h]] for h in range(heads)] for b in range(batch)]
+    capacities = {pool.capacity}
+    for step in range(70):
+        new_keys, new_values = torch.randn(batch, heads, 1, dim), torch.randn(batch, heads, 1, dim)
+        flat = pool.append(new_keys, new_values)
+        pool.register(flat, width + step, None, None)
+        capacities.add(pool.capacity)
+        query = torch.randn(batch, heads * groups, 1, dim)
+        output = pool.attend(query, 0.3, True, width + step)
+        general = pool.attend(query, 0.3, False, width + step)
+        torch.testing.assert_close(output, general, rtol=1e-5, atol=1e-6)
+        for b in range(batch):
+            for h in range(heads):
+                stored_keys[b][h] = torch.cat([stored_keys[b][h], new_keys[b, h]])
+                stored_values[b][h] = torch.cat([stored_values[b][h], new_values[b, h]])
+                rows = query[b, h * groups : (h + 1) * groups, 0]
+                expected = (rows @ stored_keys[b][h].T * 0.3).softmax(-1) @ stored_values[b][h]
+                torch.testing.assert_close(output[b, h * groups : (h + 1) * groups, 0], expected, rtol=1e-5, atol=1e-6)
+    assert len(capacities) > 1  # the pool grew while stepping
+
+
 def test_a_ragged_cache_refuses_to_reorder_the_batch(tiny_llama):
     context, mask, _ = inputs(tiny_llama, padded=False)
     cache = kvcompress.cache_for(tiny_llama, "keydiff", ratio=0.5, allocation="adakv")

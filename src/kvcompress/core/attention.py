@@ -195,9 +195,17 @@ def attention_with_stats(
     """
     queries, length = query.shape[2], key.shape[2]
     given = mask  # None for a plain causal prefill: SDPA and the chunked softmax then skip the hidden keys
-    if mask is None and queries > 1:  # one query with no mask sees every key
-        mask = causal_mask(queries, length, query.device)
+    plain_causal = mask is None and queries > 1  # one query with no mask sees every key
     last_n = min(request.last_queries, queries)
+
+    def visible(first: int) -> torch.Tensor | None:
+        """The mask of queries ``first ..``: for plain causal attention only those rows are built (the whole
+        ``q x L`` mask of a long prompt would be ``q * L`` bytes, 256 MiB at 16K tokens)."""
+        if plain_causal:
+            return causal_mask(queries - first, length, query.device)
+        return None if mask is None else mask[:, :, first:]
+
+    last_visible = visible(queries - last_n) if last_n else None
     stats = AttentionStats(query_count=queries)
     if request.received or request.lse:
         parts = chunked_softmax(
@@ -213,17 +221,18 @@ def attention_with_stats(
         )
         output, stats.received, stats.lse, last = parts.output, parts.received, parts.lse, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
-        parts = chunked_softmax(query, key, mask, scaling, value=value, last_n=last_n, rows_see_keys=rows_see_keys)
+        parts = chunked_softmax(
+            query, key, last_visible, scaling, value=value, last_n=last_n, rows_see_keys=rows_see_keys
+        )
         output, last = parts.output, parts.last
     else:
         output = sdpa(query, key, value, given if causal is None else causal, scaling)
         rows = slice(queries - last_n, queries)
-        visible = mask[:, :, rows]
         last = chunked_softmax(
-            query[:, :, rows], key, visible, scaling, last_n=last_n, rows_see_keys=rows_see_keys
+            query[:, :, rows], key, last_visible, scaling, last_n=last_n, rows_see_keys=rows_see_keys
         ).last
     if last_n:  # no mask: one query that sees every key
-        stats.last, stats.last_visible = last, None if mask is None else mask[:, :, queries - last_n :]
+        stats.last, stats.last_visible = last, last_visible
     return output, stats
 
 

@@ -32,7 +32,9 @@ Attention over the pool computes every head at once: each block takes its row's 
 ``owner``; the query heads of a KV head share its blocks, GQA), one batched product gives a block's logits, and a
 softmax per (sequence, query head) segment is assembled from per-block pieces: the row's maximum by
 ``scatter_reduce``, the exponentials' sums and the value products by ``index_add``. It is the same softmax as over
-a row's tokens in one piece (exact up to float32 summation order). A forward of several tokens (a question after
+a row's tokens in one piece (exact up to float32 summation order). A decoding step (``_step``: one query per row,
+no padding) reads views of the owned blocks made once per block taken, not per step, and no mask beyond the slots'
+bias. A forward of several tokens (a question after
 the compressed context) has written them to the pool before it attends: each query sees the slots whose token is
 not in its future (and itself, even as padding), so one pass covers the compressed context and the new tokens.
 
@@ -108,10 +110,21 @@ class RaggedPool:
         self.owns_record = owns_record  # the pool whose accounting counts the record (one per record)
         self._lag = 0  # single-token forwards since ``counts`` was last written
         self._follow(self.counts)
+        self._views()
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[0]
+
+    def _views(self) -> None:
+        """The views of the owned blocks a decoding step reads (``_owner_used``, ``_keys_t``, ``_values_used``,
+        ``_bias_used``), made once per change of ``used`` or of the buffers, not per step. Views of the pool's own
+        storage: writes in place show through them, and a fork or a saved cache keeps them views of its own buffers.
+        Only read: writes go through views made at the write (a view made under ``no_grad`` cannot be written in
+        place with gradients on)."""
+        used = self.used
+        self._owner_used, self._bias_used = self.owner[:used], self.bias[:used]
+        self._keys_t, self._values_used = self.keys[:used].transpose(1, 2), self.values[:used]
 
     # --- conversion ----------------------------------------------------------------------------------------
     @classmethod
@@ -242,6 +255,7 @@ class RaggedPool:
         self.token[taken].fill_(EMPTY)
         self.row_blocks = self.row_blocks + needed
         self.used += total
+        self._views()
 
     def _grow(self, capacity: int) -> None:
         """Reallocate every tensor with ``capacity`` blocks, copying the used ones (the new ones are written when
@@ -254,6 +268,7 @@ class RaggedPool:
 
         self.keys, self.values = grown(self.keys), grown(self.values)
         self.owner, self.bias, self.token = grown(self.owner), grown(self.bias), grown(self.token)
+        self._views()
 
     @property
     def real_seen(self) -> torch.Tensor:
@@ -289,6 +304,8 @@ class RaggedPool:
         ``plain``: one query per row that sees every stored token (a decoding step without padding; the slots' bias
         is the whole mask); otherwise query ``i`` (stream index ``first + i``) sees the real tokens up to itself,
         and itself."""
+        if plain:
+            return self._step(query, scale)
         batch, q_heads, count, dim = query.shape
         groups = q_heads // self.heads
         rows = query.reshape(batch, self.heads, groups, count, dim).transpose(2, 3)  # [B, H, q, G, d]
@@ -297,27 +314,50 @@ class RaggedPool:
         for start in range(0, count, step):  # query chunks bound the logits (one chunk while decoding)
             stop = min(count, start + step)
             part = rows[:, :, start:stop].reshape(self.rows, (stop - start) * groups, dim)
-            outputs.append(self._attend_rows(part, scale, plain, first + start, stop - start, groups))
+            outputs.append(self._attend_rows(part, scale, first + start, stop - start, groups))
         output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return output.view(batch, self.heads, count, groups, -1).transpose(2, 3).reshape(batch, q_heads, count, -1)
 
-    def _attend_rows(
-        self, rows: torch.Tensor, scale: float, plain: bool, first: int, count: int, groups: int
-    ) -> torch.Tensor:
-        """``rows`` ``[R, q * G, d]`` (queries of stream index ``first ..``, token-major) -> ``[R, q * G, d_v]``."""
+    def _step(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """A decoding step's attention, ``query`` ``[B, H_q, 1, d]`` -> ``[B, H_q, 1, d_v]``: one query per row, every
+        stored token visible (the slots' bias is the whole mask). The softmax of ``_attend_rows`` in fewer
+        operations: every row holds the step's new token, so each segment's maximum is finite and written by the
+        reduction itself (no initial value, no guard), and the step's views are the pool's (``_views``)."""
+        batch, q_heads, _, dim = query.shape
+        if torch.is_grad_enabled():  # views that carry the buffers' autograd history as it is now
+            self._views()
+        owner = self._owner_used
+        groups = q_heads // self.heads
+        rows = query.reshape(self.rows, groups, dim).index_select(0, owner)  # [n, G, d]
+        logits = torch.baddbmm(self._bias_used, rows, self._keys_t, alpha=scale)  # [n, G, BLOCK]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        top = logits.amax(dim=-1)  # [n, G]
+        segment = top.new_empty(self.rows, groups).scatter_reduce_(
+            0, owner.unsqueeze(1).expand(-1, groups), top, "amax", include_self=False
+        )
+        weights = logits.sub_(segment.index_select(0, owner).unsqueeze(-1)).exp_()
+        norm = top.new_zeros(self.rows, groups).index_add_(0, owner, weights.sum(dim=-1))
+        if weights.dtype != self.values.dtype:
+            weights = weights.to(self.values.dtype)
+        parts = torch.bmm(weights, self._values_used)  # [n, G, d_v]
+        output = parts.new_zeros(self.rows, groups, parts.shape[-1]).index_add_(0, owner, parts)
+        norm = norm.unsqueeze(-1)
+        output.div_(norm if norm.dtype == output.dtype else norm.to(output.dtype))
+        return output.view(batch, q_heads, 1, -1)
+
+    def _attend_rows(self, rows: torch.Tensor, scale: float, first: int, count: int, groups: int) -> torch.Tensor:
+        """``rows`` ``[R, q * G, d]`` (queries of stream index ``first ..``, token-major) -> ``[R, q * G, d_v]``, each
+        query seeing the real tokens up to itself, and itself (a decoding step: ``_step``)."""
         used = self.used
         owner = self.owner[:used]
         block_rows = rows.index_select(0, owner)  # [n, q G, d]
-        keys_t = self.keys[:used].transpose(1, 2)
-        if plain:
-            logits = torch.baddbmm(self.bias[:used], block_rows, keys_t, alpha=scale)
-        else:
-            logits = torch.bmm(block_rows, keys_t).mul_(scale)
-            token = self.token[:used]  # [n, block]
-            queries = torch.arange(first, first + count, device=self.device)[None, :, None]
-            seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
-            seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
-            logits.masked_fill_(~seen, float("-inf"))
+        logits = torch.bmm(block_rows, self.keys[:used].transpose(1, 2)).mul_(scale)
+        token = self.token[:used]  # [n, block]
+        queries = torch.arange(first, first + count, device=self.device)[None, :, None]
+        seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
+        seen = seen[:, :, None].expand(used, count, groups, self.block).reshape(used, count * groups, self.block)
+        logits.masked_fill_(~seen, float("-inf"))
         if logits.dtype != torch.float32:
             logits = logits.float()
         width = logits.shape[1]
@@ -325,8 +365,7 @@ class RaggedPool:
         segment = torch.full((self.rows, width), float("-inf"), device=self.device)
         segment.scatter_reduce_(0, owner[:, None].expand(used, width), top, "amax")
         shift = segment.index_select(0, owner)
-        if not plain:  # (a decoding step's rows each see their new token: every segment's maximum is finite)
-            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
         weights = logits.sub_(shift[..., None]).exp_()
         norm = torch.zeros(self.rows, width, device=self.device).index_add_(0, owner, weights.sum(dim=-1))
         parts = torch.bmm(weights.to(self.values.dtype), self.values[:used])  # [n, q G, d_v]

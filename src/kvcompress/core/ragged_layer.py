@@ -110,7 +110,7 @@ class RaggedLayer(CompressedLayer):
         if position_ids is not None:
             positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
             positions = positions[0] if positions.dim() == 3 else positions
-            positions = positions.to(self.device)
+            positions = positions if positions.device == self.device else positions.to(self.device)
         real = None
         if padding is not None:
             real = padding[:, -count:].to(self.device, torch.bool)
