@@ -161,8 +161,9 @@ def quantized_chunk_attention(
         seen = width - queries + stop if causal else width  # slots any query of the chunk sees
         q = grouped(query[:, :, start:stop], heads).reshape(batch * heads, groups_q * rows, dim).float() * scale
         logits = q.new_empty(batch * heads, groups_q * rows, seen)
-        for first, stop_slot in reader.blocks(seen):
-            torch.bmm(q, reader.keys(first, stop_slot).transpose(1, 2), out=logits[:, :, first:stop_slot])
+        for first, stop_slot in reader.blocks(seen):  # (in place into the slice: ``bmm(out=...)`` of a strided
+            # slice would compute into a temporary as large as the block's logits, then copy)
+            logits[:, :, first:stop_slot].baddbmm_(q, reader.keys(first, stop_slot).transpose(1, 2), beta=0)
         shaped = logits.view(batch, heads, groups_q, rows, seen)
         if causal:  # only the chunk's own slots can be in a query's future: the block right of the diagonal
             future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)
