@@ -29,7 +29,8 @@ log-normaliser), as ``core.softmax`` gives them for a decoding query.
 
 **A forward of several tokens** (a prompt chunk) reads the codes too (``quantized_chunk_attention``), so that no
 float copy as large as the layer's stored keys and values exists while a long prompt is prefilled: queries go in
-row chunks whose float32 logits over the slots read hold at most ``CODES_LOGITS`` numbers, and for each row chunk
+row chunks whose float32 logits over the slots read hold at most ``CODES_LOGITS`` numbers (and at most
+``core.softmax.CAUSAL_ROWS`` rows, as the view's chunked softmax takes them), and for each row chunk
 the slots are read ``CODES_BLOCK`` at a time (whole key groups): the block's codes unpacked and dequantized into a
 block-sized float32 buffer, the exact tokens (the residual window's ring, the forward's own tokens) copied over
 their rows, one product writing the block's logits; after the softmax, the same blocks' values, one product each
@@ -37,10 +38,12 @@ accumulating the output. The arithmetic is that of attention over the dequantize
 query sees are the view's, dequantized in float32), in float32; the statistics (mass received, the last queries'
 rows, the log-normalisers) are those of ``core.softmax.chunked_softmax`` over the view. Reading each block again
 for every row chunk costs a dequantization of the layer per row chunk (about 3 ms for 8,704 slots of SmolLM2's 3
-heads at 4 bits on one CPU thread, where the row chunk's two products and softmax take 20-25 ms at 53 rows);
-small row chunks keep the logits in cache, which pays that back (128 rows over 8,704 slots take 0.65 ms a row,
-53 rows 0.45 ms). Folding the keys' scales into the queries instead (one scaled copy of the queries per key
-group) would hold ``rows x groups x d`` numbers, twice the logits at ``d = 64``, ``group = 32``.
+heads at 4 bits on one CPU thread, where a row chunk's two products and softmax take 12.5 ms at 26 rows, the
+rows ``CODES_LOGITS`` allows there); small row chunks keep the logits in cache, which pays that back: 0.6 ms a
+row with the dequantization at 26 rows, where the view's 128-row chunks take 0.65 ms a row without it
+(``torch.bmm`` and softmax timed alone, SmolLM2's shapes, one thread). Folding the keys' scales into the
+queries instead (one scaled copy of the queries per key group) would hold ``rows x groups x d`` numbers, twice
+the logits at ``d = 64``, ``group = 32``.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ import torch
 
 from kvcompress.core.contract import AttentionStats, StatsRequest
 from kvcompress.core.kivi import unpack_into
-from kvcompress.core.softmax import causal_mask, grouped
+from kvcompress.core.softmax import CAUSAL_ROWS, causal_mask, grouped
 
-CODES_LOGITS = 1 << 22  # float32 logits of a row chunk of a forward of several tokens read from the codes (16 MiB)
+CODES_LOGITS = 1 << 21  # float32 logits of a row chunk of a forward of several tokens read from the codes (8 MiB)
 CODES_BLOCK = 2048  # slots read (dequantized) at a time by such a forward (rounded to whole key groups)
 
 
@@ -154,7 +157,7 @@ def quantized_chunk_attention(
     output = query.new_empty(batch, heads, groups_q, queries, value_dim, dtype=torch.float32)
     mass = query.new_zeros(batch, heads, groups_q, width, dtype=torch.float32) if request.received else None
     lses, last_rows = [], []
-    step = max(1, CODES_LOGITS // max(1, batch * q_heads * width))
+    step = min(CAUSAL_ROWS, max(1, CODES_LOGITS // max(1, batch * q_heads * width)))
     for start in range(0, queries, step):
         stop = min(start + step, queries)
         rows = stop - start
