@@ -206,23 +206,21 @@ class QuantizedSlotBuffers(SlotBuffers):
             return seen
         return max(0, -(-(seen - self.residual) // self.group) * self.group)
 
+    # The writes leave the new tokens' slots' codes as they were (``writes_kv``): nothing reads a token's codes
+    # before it is sealed (``_seal``: every read takes a new token, and a token in the exact window, exactly), and
+    # sealing writes them; so a decoding step writes no codes at all (before: zeros, two ops a layer).
+    writes_kv = False
+
     def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
         seen = self._stream_index(seen)
-        codes = self._placeholders(keys, values)
-        super().write_range(start, *codes, seen, state, no_padding)
+        super().write_range(start, keys, values, seen, state, no_padding)
         self._after_write(keys, values, seen, start)
 
     def write_at(self, slots, keys, values, seen, state, reused_real=False) -> None:
         seen = self._stream_index(seen)
-        codes = self._placeholders(keys, values)
-        super().write_at(slots, *codes, seen, state, reused_real)
+        super().write_at(slots, keys, values, seen, state, reused_real)
         self.stream_order = False
         self._after_write(keys, values, seen, slots)
-
-    def _placeholders(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes written with the new tokens' bookkeeping: zeros, until the tokens are sealed (``_seal``)."""
-        shape = keys.shape[:3]
-        return self.keys.new_zeros(*shape, self.keys.shape[-1]), self.values.new_zeros(*shape, self.values.shape[-1])
 
     def _after_write(self, keys: torch.Tensor, values: torch.Tensor, seen: int, where: int | torch.Tensor) -> None:
         """Seal what leaves the exact window with this write (before the ring entries are reused), then put the
