@@ -31,8 +31,10 @@ With no eviction and ``residual >= group`` every key group is quantized for the 
 arrives, from exact values: the stored codes are KIVI's for groups of ``group`` tokens in stream order
 (``tests/references/kivi.py``).
 
-What attention reads is a dequantized copy of the layer's slots, built once per forward (kept until
-``end_forward``): one layer's keys and values in the model's dtype exist at a time, beside the quantized cache.
+``view`` gives what attention reads as a dequantized copy of the layer's slots, built once per forward (kept until
+``end_forward``), for the methods that read keys or attend their own way; the default attention reads the codes
+instead (``core.quantized_attention``), and compaction re-quantizes a block at a time (``compact``), so a forward
+of the default attention holds no float copy of the layer's keys and values.
 """
 
 from __future__ import annotations
