@@ -23,7 +23,6 @@ from transformers import DynamicCache
 import kvcompress
 from kvcompress.bench.common import random_prompt, set_threads
 from kvcompress.core.attention import ATTENTION_NAME
-from kvcompress.eval.configs import parse_method
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 
@@ -80,9 +79,8 @@ def main() -> None:
             f"{'method':14s} {'ops/step':>9s} {'ops added/layer':>16s} {'views added/layer':>18s} {'host reads':>11s}"
         )
         for method in args.methods.split(","):
-            name, params = parse_method(method.replace(";", ","))  # a spec: "h2o:kv_bits=4;kv_group=32"
-            budget = {} if name == "full" else {"budget": args.budget}
-            cache = kvcompress.cache_for(model, name, **{**budget, **params})
+            budget = {} if method == "full" else {"budget": args.budget}
+            cache = kvcompress.cache_for(model, method, **budget)
             model.set_attn_implementation(ATTENTION_NAME)
             prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
             for token in range(args.prompt, args.prompt + 3):  # past the first step's one-off work
