@@ -17,6 +17,18 @@ method read with ``REV``'s function, the method read with this one) step through
 prompt of random ids, in rotating order, one torch thread, each step's thread CPU time recorded; prints the medians
 (10th-90th percentiles) of the per-step ratios. For comparing two versions on a loaded machine, where runs in
 separate processes see different loads.
+
+    python -m experiments.quantization compress-ppl [--model smollm2-135m] [--methods M,...] [--ratio 0.5]
+        [--context 1024] [--continuation 256] [--samples 2]
+
+``compress-ppl``: perplexity for methods that compress once after a prompt (SnapKV, KVzip), which ``stream-ppl``
+(the cache evicting after every 16-token forward) does not fit: sample ``i`` is ``--context`` + ``--continuation``
+tokens of shipped book ``i`` from a third of its text on; the context is prefilled in one forward and compressed
+(``--ratio`` kept, for every method but ``full``; KVzip runs its reconstruction passes then), then the continuation
+is scored in one forward through the compressed cache, which no longer evicts (one-shot methods append after their
+compression). The first continuation token is scored from the context's last logits. Prints, per method, the
+perplexity of each sample's continuation, the mean NLL over all of them and the KV bytes held after the
+compression (× the ``full`` row's, when there is one).
 """
 
 from __future__ import annotations
@@ -140,9 +152,63 @@ def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget
     )
 
 
+def sample_ids(tokenizer, index: int, length: int) -> torch.Tensor:
+    books = gutenberg_books()
+    text = books[index % len(books)].text
+    ids = tokenizer(text[len(text) // 3 :], return_tensors="pt", add_special_tokens=False).input_ids
+    if ids.shape[1] < length:
+        raise ValueError(f"book {index % len(books)} holds {ids.shape[1]} tokens from a third on; need {length}")
+    return ids[:, :length]
+
+
+def compress_ppl(
+    model_name: str, methods: list[str], ratio: float, context: int, continuation: int, samples: int
+) -> None:
+    from kvcompress.eval.configs import parse_method
+    from kvcompress.generation import prefill
+
+    model, tokenizer = load_model(model_name)
+    streams = [sample_ids(tokenizer, index, context + continuation) for index in range(samples)]
+    rows = []
+    for spec in methods:
+        name, params = parse_method(spec.replace(";", ","))  # (several parameters: "kvzip:ragged=false;kv_bits=4")
+        if name != "full":
+            params.setdefault("ratio", ratio)
+        losses, nbytes = [], []
+        for ids in streams:
+            cache = kvcompress.cache_for(model, name, **params)
+            with torch.no_grad():
+                first = prefill(model, ids[:, :context], cache)
+                nbytes.append(cache.nbytes())
+                rest = model(ids[:, context:-1], **cache_argument(model, cache), use_cache=True).logits[0]
+            logits = torch.cat([first, rest]).float()
+            losses.append(torch.nn.functional.cross_entropy(logits, ids[0, context:], reduction="none"))
+        rows.append((spec, params, losses, statistics.median(nbytes)))
+        print(spec, [round(float(x.mean().exp()), 2) for x in losses], flush=True)
+    full = next((held for spec, _, _, held in rows if spec == "full"), None)
+    print(f"{model_name}, context {context} compressed to {ratio:.0%} (all but full), continuation {continuation}")
+    print("| method | kept | bits | " + " | ".join(f"ppl sample {i}" for i in range(samples)), end="")
+    print(" | mean nll | KV MiB | bytes × full |")
+    print("|---" * (samples + 6) + "|")
+    for spec, params, losses, held in rows:
+        name = spec.split(":")[0]
+        kept = "all" if name == "full" else f"{params['ratio']:g}"
+        bits = params.get("kv_bits", 16)
+        ppl = " | ".join(f"{float(x.mean().exp()):.2f}" for x in losses)
+        nll = float(torch.cat(losses).mean())
+        times = f"{held / full:.2f}" if full else "-"
+        print(f"| {spec} | {kept} | {bits} | {ppl} | {nll:.4f} | {held / 2**20:.2f} | {times} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("vs-transformers", "decode-ab"))
+    parser.add_argument("what", choices=("vs-transformers", "decode-ab", "compress-ppl"))
+    parser.add_argument("--model", default="smollm2-135m", help="compress-ppl: the model")
+    parser.add_argument("--methods", default="full,snapkv,snapkv:kv_bits=8,snapkv:kv_bits=4", help="compress-ppl")
+    parser.add_argument("--ratio", type=float, default=0.5, help="compress-ppl: share of the context kept")
+    parser.add_argument("--context", type=int, default=1024, help="compress-ppl: context tokens")
+    parser.add_argument("--continuation", type=int, default=256, help="compress-ppl: tokens scored")
+    parser.add_argument("--samples", type=int, default=2, help="compress-ppl: books")
     parser.add_argument("--against", default="cc88a8d", help="decode-ab: the git revision compared")
     parser.add_argument("--method", default="h2o:kv_bits=4", help="decode-ab: a method spec (budget 512)")
     parser.add_argument("--prompt", type=int, default=512)
@@ -151,6 +217,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--residual", type=int, default=128)
     args = parser.parse_args()
+    if args.what == "compress-ppl":
+        methods = [spec for spec in args.methods.split(",") if spec]
+        compress_ppl(args.model, methods, args.ratio, args.context, args.continuation, args.samples)
+        return
     if args.what == "decode-ab":
         decode_ab(args.against, args.method, args.steps)
         return

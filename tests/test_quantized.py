@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import kvcompress
-from kvcompress.core import quantized_slots
+from kvcompress.core import quantized_attention, quantized_slots
 from kvcompress.core.attention import layer_attention
 from kvcompress.core.contract import StatsRequest
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
@@ -125,6 +125,53 @@ def test_sealing_a_block_at_a_time_is_sealing_every_group(monkeypatch):
     assert torch.equal(run(), whole)
 
 
+@pytest.mark.parametrize("method,params", [("h2o", {"budget": 24}), ("snapkv", {"ratio": 0.5, "window": 4})])
+def test_compaction_quantizes_what_attention_read(monkeypatch, method, params):
+    """A compaction (H2O evicting after each prompt chunk and after a forward of another size on a holed layer;
+    SnapKV's one-shot compression) forms the key groups anew, a block at a time, from what attention read: the
+    codes and key-group parameters are those of the dequantized view taken just before, put in stream order and
+    quantized (bit for bit, for every occupied slot), and the values' codes move with their slots."""
+    monkeypatch.setattr(quantized_slots, "SEAL_BLOCK", 16)  # two key groups a block
+    compactions = []
+    compact = quantized_slots.QuantizedSlotBuffers.compact
+
+    def checked(slots, width, ordered, shrink):
+        keys, values = (tensor.clone() for tensor in slots.view(width))
+        before = slots.token_idx[:, :, :width].clone()
+        value_codes = slots.values[:, :, :width].clone()
+        used, ragged = compact(slots, width, ordered, shrink)
+        after = slots.token_idx[:, :, :used]
+        occupied = after >= 0
+        source = (after[..., None] == before[:, :, None, :]).float().argmax(-1)  # each token's former slot
+        expected = torch.where(occupied[..., None], _gather(keys, source), 0.0)
+        count = -(-used // slots.group)
+        padded = torch.zeros(*expected.shape[:2], count * slots.group, expected.shape[-1])
+        padded[:, :, :used] = expected
+        grid = (slots.token_idx[:, :, : count * slots.group] >= 0).unflatten(2, (count, slots.group))
+        codes, scale, low = quantize_keys(padded.unflatten(2, (count, slots.group)), slots.bits, grid)
+        stored = slots.keys[:, :, :used]
+        assert torch.equal(stored[occupied], codes.flatten(2, 3)[:, :, :used][occupied])
+        assert torch.equal(slots.key_scale[:, :, :count], scale) and torch.equal(slots.key_min[:, :, :count], low)
+        assert torch.equal(slots.values[:, :, :used][occupied], _gather(value_codes, source)[occupied])
+        compactions.append(used)
+        return used, ragged
+
+    monkeypatch.setattr(quantized_slots.QuantizedSlotBuffers, "compact", checked)
+    model = tiny_model()
+    ids = token_ids(2, 70, seed=8)
+    cache = kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
+    with torch.no_grad():
+        prefill(model, ids[:, :48], cache, chunk_size=12)
+        for step in range(48, 53):
+            model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True)
+        model(ids[:, 53:60], **cache_argument(model, cache), use_cache=True)
+    assert len(compactions) >= (4 if method == "h2o" else 1) * len(cache.layers)
+
+
+def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))
+
+
 def test_kv_bits_16_is_the_full_precision_layer():
     model = tiny_model()
     ids = token_ids(2, 40)
@@ -134,30 +181,46 @@ def test_kv_bits_16_is_the_full_precision_layer():
     assert torch.equal(forced_logits(model, ids, cache, 20), plain)
 
 
-def compare_codes_path_with_view(monkeypatch) -> list[bool]:
-    """Wrap ``QuantizedLayer.attend``: each decoding step that reads the codes is compared with the default attention
-    over the dequantized view of the same slots under the same mask (output and statistics); the returned list
-    gets one entry per compared step: whether the mask hid any slot."""
+def compare_codes_path_with_view(monkeypatch, queries: int = 1) -> list[bool]:
+    """Wrap ``QuantizedLayer.attend``: each forward of ``queries`` tokens that reads the codes is compared with the
+    default attention over the dequantized view of the same slots under the same mask (output and statistics;
+    ``queries=0``: forwards of any size); the returned list gets one entry per compared forward: whether the mask
+    hid any slot (a plain causal chunk, mask ``None``, counts as hiding). A forward of several tokens is also
+    compared asking for every statistic (mass received, the last 3 rows, the log-normalisers)."""
     checked: list[bool] = []
     from_codes = QuantizedLayer.attend
 
     def attend(layer, query, key, value, mask, scaling):
         result = from_codes(layer, query, key, value, mask, scaling)
-        if layer._reads_codes:
-            output, stats = result
-            keys, values = layer.slots.view(layer.view_width)
+        if layer._reads_codes and queries in (0, query.shape[2]):
             request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
-            expected, expected_stats = layer_attention(query, keys, values, mask, scaling, request, None)
-            torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
-            if request.received:
-                torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
-            if request.last_queries:
-                torch.testing.assert_close(stats.last, expected_stats.last, rtol=1e-5, atol=1e-6)
-            checked.append(mask is not None and not bool(mask.all()))
+            compare_with_view(layer, query, mask, scaling, request, result)
+            if query.shape[2] > 1:
+                every = StatsRequest(received=True, last_queries=3, lse=True)
+                compare_with_view(layer, query, mask, scaling, every, layer.attend_codes(query, mask, scaling, every))
+            checked.append(mask is None and query.shape[2] > 1 or mask is not None and not bool(mask.all()))
         return result
 
     monkeypatch.setattr(QuantizedLayer, "attend", attend)
     return checked
+
+
+def compare_with_view(layer, query, mask, scaling, request, result) -> None:
+    """``result`` (output, statistics) equal to the default attention over the layer's dequantized view."""
+    output, stats = result
+    keys, values = layer.slots.view(layer.view_width)
+    expected, expected_stats = layer_attention(query, keys, values, mask, scaling, request, None)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    if request.received:
+        torch.testing.assert_close(stats.received, expected_stats.received, rtol=1e-5, atol=1e-6)
+    if request.last_queries:
+        torch.testing.assert_close(stats.last, expected_stats.last, rtol=1e-5, atol=1e-6)
+        if expected_stats.last_visible is None:
+            assert stats.last_visible is None
+        else:
+            assert torch.equal(stats.last_visible.expand_as(expected_stats.last_visible), expected_stats.last_visible)
+    if request.lse:
+        torch.testing.assert_close(stats.lse, expected_stats.lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -200,6 +263,45 @@ def test_decoding_step_from_codes_under_a_padding_mask(monkeypatch, method, para
     assert len(checked) == 24 * len(cache.layers)
     # (H2O evicts the padding first: its later steps may need no mask)
     assert all(checked) if method == "full" else any(checked)
+
+
+@pytest.mark.parametrize(
+    "method,params,bits,residual",
+    [
+        ("full", {}, 4, 16),
+        ("h2o", {"budget": 24}, 4, 8),
+        ("h2o", {"budget": 24}, 2, 0),
+        ("tova", {"budget": 20}, 8, 8),
+        ("snapkv", {"ratio": 0.5, "window": 4}, 4, 8),
+        ("knorm", {"budget": 20}, 4, 8),
+    ],
+)
+@pytest.mark.parametrize("padded", [False, True])
+def test_prompt_chunks_from_codes_equal_the_dequantized_view(monkeypatch, method, params, bits, residual, padded):
+    """A forward of several tokens reads the codes a block of slots at a time (``quantized_chunk_attention``): a
+    prompt in chunks of 13 tokens, then a few decoding steps, then another chunk of 7 (a holed layer receiving a
+    forward of another size): at every forward and layer its output and statistics (the method's, and every
+    statistic) are those of the default attention over the dequantized view; row chunks of a few queries (2 over
+    40 slots: 2 sequences x 4 query heads) and blocks of one key group (8 slots), so a row chunk reads several
+    blocks and a forward several row chunks."""
+    monkeypatch.setattr(quantized_attention, "CODES_LOGITS", 2 * 2 * 4 * 40)
+    monkeypatch.setattr(quantized_attention, "CODES_BLOCK", 8)
+    checked = compare_codes_path_with_view(monkeypatch, queries=0)
+    model = tiny_model()
+    ids = token_ids(2, 60, seed=7)
+    real = torch.ones(2, 60, dtype=torch.long)
+    if padded:
+        real[0, :9] = 0  # the first prompt is 9 tokens shorter
+        real[1, 48:50] = 0  # padding inside the last chunk of the second row
+    cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
+    with torch.no_grad():
+        prefill(model, ids[:, :39], cache, attention_mask=real[:, :39], chunk_size=13)
+        for step in range(39, 43):
+            mask = real[:, : step + 1]
+            model(ids[:, step : step + 1], attention_mask=mask, **cache_argument(model, cache), use_cache=True)
+        model(ids[:, 43:50], attention_mask=real[:, :50], **cache_argument(model, cache), use_cache=True)
+    assert len(checked) == 8 * len(cache.layers)
+    assert all(checked[: 3 * len(cache.layers)])  # the prompt's chunks: causal, or padded
 
 
 # --- with eviction -------------------------------------------------------------------------------------------

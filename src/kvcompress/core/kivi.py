@@ -66,13 +66,13 @@ def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         out.copy_(packed)
         return
     width = packed.shape[-1]
-    mask = packed.new_tensor((1 << bits) - 1)
+    mask = (1 << bits) - 1  # (Python numbers: a tensor made of one is two more operations a call)
     for index in range(runs):
         target = out[..., index * width : (index + 1) * width]
         if index == 0:
             torch.bitwise_and(packed, mask, out=target)
         elif index == runs - 1:
-            torch.bitwise_right_shift(packed, packed.new_tensor(bits * index), out=target)
+            torch.bitwise_right_shift(packed, bits * index, out=target)
         else:
             torch.bitwise_and(packed >> (bits * index), mask, out=target)
 

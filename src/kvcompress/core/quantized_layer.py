@@ -23,7 +23,7 @@ import torch
 
 from kvcompress.core.contract import AttentionStats, MethodConfig, Policy, StatsRequest
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.core.quantized_attention import quantized_one_query
+from kvcompress.core.quantized_attention import quantized_chunk_attention, quantized_one_query
 from kvcompress.core.quantized_slots import QuantizedSlotBuffers
 
 
@@ -52,15 +52,14 @@ class QuantizedLayer(CompressedLayer):
     _reads_codes = False  # this forward's attention reads the codes (``core.quantized_attention``)
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decoding step (one token, no gradient, the method's attention the default, keys at their stored
-        positions) attends from the codes in ``attend``: ``update`` returns stand-ins shaped like the slots read
-        (one NaN each, expanded: nothing else may read them) instead of building the dequantized view."""
+        """A forward with no gradient, the method's attention the default and keys at their stored positions
+        attends from the codes in ``attend`` (a decoding step in one pass, ``quantized_one_query``; several tokens
+        a block of slots at a time, ``quantized_chunk_attention``): ``update`` returns stand-ins shaped like the
+        slots read (one NaN each, expanded: nothing else may read them) instead of building the dequantized view.
+        (A method that reads ``layer.keys`` or ``layer.values`` itself still builds the view then.)"""
         policy = self.policy
         self._reads_codes = (
-            self.new_tokens == 1
-            and not torch.is_grad_enabled()
-            and type(policy).attend is Policy.attend
-            and policy.position_mode != "cache"
+            not torch.is_grad_enabled() and type(policy).attend is Policy.attend and policy.position_mode != "cache"
         )
         if not self._reads_codes:
             return super().attended()
@@ -77,7 +76,21 @@ class QuantizedLayer(CompressedLayer):
         if not self._reads_codes:
             return super().attend(query, key, value, mask, scaling)
         request = self.policy.stats if self.policy.wants_stats(self) else StatsRequest()
+        return self.attend_codes(query, mask, scaling, request)
+
+    def attend_codes(
+        self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, request: StatsRequest
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """This forward's attention read from the codes, with the statistics ``request`` asks for."""
         slots, width = self.slots, self.view_width
+        if self.new_tokens > 1:
+            keys, values, where = slots.fresh
+            if isinstance(where, int):
+                where = torch.arange(where, where + keys.shape[2], device=self.device).expand(*keys.shape[:3])
+            exact = [(keys, values, where)]
+            if slots.ring is not None:  # (the ring first: the forward's own tokens are copied over it)
+                exact.insert(0, (*slots.ring, slots.ring_targets(width)))
+            return quantized_chunk_attention(slots, width, query, mask, scaling, request, exact)
         if slots.ring is not None:  # (the step's token is in the ring)
             key = ("ring-newest", self.seen, slots.residual, slots.group, self.device)
             newest = self.forward_pass.cached(key, slots.ring_newest)

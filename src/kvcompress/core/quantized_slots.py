@@ -31,8 +31,10 @@ With no eviction and ``residual >= group`` every key group is quantized for the 
 arrives, from exact values: the stored codes are KIVI's for groups of ``group`` tokens in stream order
 (``tests/references/kivi.py``).
 
-What attention reads is a dequantized copy of the layer's slots, built once per forward (kept until
-``end_forward``): one layer's keys and values in the model's dtype exist at a time, beside the quantized cache.
+``view`` gives what attention reads as a dequantized copy of the layer's slots, built once per forward (kept until
+``end_forward``), for the methods that read keys or attend their own way; the default attention reads the codes
+instead (``core.quantized_attention``), and compaction re-quantizes a block at a time (``compact``), so a forward
+of the default attention holds no float copy of the layer's keys and values.
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ import math
 
 import torch
 
-from kvcompress.core.kivi import dequantize_keys, dequantize_values, packed_width, quantize_keys, quantize_values
+from kvcompress.core.kivi import (
+    dequantize_keys,
+    dequantize_values,
+    packed_width,
+    quantize_keys,
+    quantize_values,
+    unpack_into,
+)
 from kvcompress.core.slots import SlotBuffers, StreamView
 
 SEAL_BLOCK = 1024  # slots sealed at a time by a forward of several tokens (``QuantizedSlotBuffers._seal``)
@@ -199,23 +208,21 @@ class QuantizedSlotBuffers(SlotBuffers):
             return seen
         return max(0, -(-(seen - self.residual) // self.group) * self.group)
 
+    # The writes leave the new tokens' slots' codes as they were (``writes_kv``): nothing reads a token's codes
+    # before it is sealed (``_seal``: every read takes a new token, and a token in the exact window, exactly), and
+    # sealing writes them; so a decoding step writes no codes at all (before: zeros, two ops a layer).
+    writes_kv = False
+
     def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
         seen = self._stream_index(seen)
-        codes = self._placeholders(keys, values)
-        super().write_range(start, *codes, seen, state, no_padding)
+        super().write_range(start, keys, values, seen, state, no_padding)
         self._after_write(keys, values, seen, start)
 
     def write_at(self, slots, keys, values, seen, state, reused_real=False) -> None:
         seen = self._stream_index(seen)
-        codes = self._placeholders(keys, values)
-        super().write_at(slots, *codes, seen, state, reused_real)
+        super().write_at(slots, keys, values, seen, state, reused_real)
         self.stream_order = False
         self._after_write(keys, values, seen, slots)
-
-    def _placeholders(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes written with the new tokens' bookkeeping: zeros, until the tokens are sealed (``_seal``)."""
-        shape = keys.shape[:3]
-        return self.keys.new_zeros(*shape, self.keys.shape[-1]), self.values.new_zeros(*shape, self.values.shape[-1])
 
     def _after_write(self, keys: torch.Tensor, values: torch.Tensor, seen: int, where: int | torch.Tensor) -> None:
         """Seal what leaves the exact window with this write (before the ring entries are reused), then put the
@@ -411,23 +418,83 @@ class QuantizedSlotBuffers(SlotBuffers):
     # --- compaction and inspection -----------------------------------------------------------------------------
     def compact(self, width: int, ordered: bool, shrink: bool) -> tuple[int, bool]:
         """As ``SlotBuffers.compact``; the key groups are then formed anew in stream order and quantized from what
-        attention read (exact for the forward's and the residual window's tokens)."""
-        self.tensors["keys_read"] = self.view(width)[0]
+        attention read (exact for the forward's and the residual window's tokens), ``SEAL_BLOCK`` slots at a time.
+
+        What attention read of each slot is marked before the slots move (the slot it came from, the ring entry or
+        the forward's token copied over it in ``view``) and read back after, a block of new key groups at a time
+        (the moved codes dequantized with their former group's scale and minimum): the keys are those of
+        ``view``, bit for bit, with no float copy of the layer's keys."""
+        marks = self._read_marks(width)
+        fresh, old_params = self.fresh, (self.key_scale, self.key_min)
+        self.tensors.update(marks)
         used, ragged = super().compact(width, ordered, False)
-        keys = self.tensors.pop("keys_read")[:, :, :used].detach()
-        count = -(-used // self.group)
-        if count * self.group > used:
-            keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], count * self.group - used, keys.shape[-1])], dim=2)
+        read = {name: self.tensors.pop(name)[:, :, :used] for name in marks}
         self.fresh, self._view_cache, self.stream_order = None, None, False
-        self._reindex_ring(used)
+        count = -(-used // self.group)
         if count:
-            occupied = (self.token_idx[:, :, : count * self.group] >= 0).unflatten(2, (count, self.group))
-            codes, scale, minimum = quantize_keys(keys.unflatten(2, (count, self.group)), self.bits, occupied)
-            self.keys[:, :, : count * self.group] = codes.flatten(2, 3)
-            self.key_scale[:, :, :count], self.key_min[:, :, :count] = scale, minimum
+            new_params = [tensor.new_empty(*tensor.shape[:2], count, tensor.shape[-1]) for tensor in old_params]
+            block = max(1, SEAL_BLOCK // self.group)
+            for first in range(0, count, block):
+                groups = (first, min(count, first + block))
+                self._requantize(groups, used, read, old_params, fresh, new_params)
+            self.key_scale[:, :, :count], self.key_min[:, :, :count] = new_params
+        self._reindex_ring(used)
         if shrink:
             self.shrink(used + 1)
         return used, ragged
+
+    def _read_marks(self, width: int) -> dict[str, torch.Tensor]:
+        """``[B, H, width]`` per slot, moved with the slots by a compaction: ``read_slot`` the slot itself,
+        ``read_ring`` the ring entry ``view`` copies over it (-1: none), ``read_fresh`` the forward's token it
+        copies over it (its offset in the forward; -1: none)."""
+        batch, heads = self.token_idx.shape[:2]
+        device = self.token_idx.device
+        marks = {"read_slot": torch.arange(width, device=device).expand(batch, heads, -1).contiguous()}
+        exact = []
+        if self.ring is not None and self.stream_seen:
+            exact.append(("read_ring", self.ring_targets(width)))
+        if self.fresh is not None:
+            keys, _, where = self.fresh
+            if isinstance(where, int):
+                where = torch.arange(where, where + keys.shape[2], device=device).expand(batch, heads, -1)
+            exact.append(("read_fresh", where.clamp(max=width)))
+        for name, targets in exact:
+            entries = torch.arange(targets.shape[-1], device=device).expand_as(targets)
+            mark = torch.full((batch, heads, width + 1), -1, dtype=torch.long, device=device)
+            marks[name] = mark.scatter_(2, targets, entries)[:, :, :width]
+        return marks
+
+    def _requantize(
+        self,
+        groups: tuple[int, int],
+        used: int,
+        read: dict[str, torch.Tensor],
+        old_params: tuple[torch.Tensor, torch.Tensor],
+        fresh: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor] | None,
+        new_params: list[torch.Tensor],
+    ) -> None:
+        """Quantize the compacted slots' key groups ``groups`` (a range) from the keys attention read of them:
+        slots past ``used`` count as free zeros, as the key groups' padding."""
+        group = self.group
+        first, stop = groups[0] * group, groups[1] * group
+        filled = min(stop, used) - first
+        old_scale, old_min = old_params
+        keys = old_scale.new_zeros(*old_scale.shape[:2], stop - first, old_scale.shape[-1])
+        part = keys[:, :, :filled]
+        unpack_into(self.keys[:, :, first : first + filled], self.bits, part)
+        former = read["read_slot"][:, :, first : first + filled] // group
+        torch.addcmul(_take(old_min, former), part, _take(old_scale, former), out=part)
+        sources = [("read_ring", None if self.ring is None else self.ring[0])]
+        sources.append(("read_fresh", None if fresh is None else fresh[0]))
+        for name, exact in sources:
+            if name in read:
+                index = read[name][:, :, first : first + filled]
+                part.copy_(torch.where(index[..., None] >= 0, _take(exact, index.clamp(min=0)), part))
+        keys = keys.detach().unflatten(2, (-1, group))  # (the quantizer passes no gradient)
+        occupied = (self.token_idx[:, :, first:stop] >= 0).unflatten(2, (-1, group))
+        codes, scale, minimum = quantize_keys(keys, self.bits, occupied)
+        self.keys[:, :, first:stop] = codes.flatten(2, 3)
+        new_params[0][:, :, groups[0] : groups[1]], new_params[1][:, :, groups[0] : groups[1]] = scale, minimum
 
     def free_at(self, slots: torch.Tensor) -> None:
         super().free_at(slots)

@@ -37,6 +37,8 @@ class SlotBuffers:
     of some heads only); ``None``: every head's. Such buffers are written by ranges and compacted, never refilled
     slot by slot (``write_at``)."""
 
+    writes_kv = True  # the writes store the keys and values given (False: a subclass stores them its own way)
+
     def __init__(
         self,
         tensors: dict[str, torch.Tensor],
@@ -169,8 +171,9 @@ class SlotBuffers:
         rank, its stream index, is left to ``_write_lagging_rank``)."""
         count = keys.shape[2]
         stop = start + count
-        self.keys[:, :, start:stop] = keys
-        self.values[:, :, start:stop] = values
+        if self.writes_kv:
+            self.keys[:, :, start:stop] = keys
+            self.values[:, :, start:stop] = values
         if count == 1 and no_padding:
             self.token_idx[:, :, start].fill_(seen)
             self.rope_pos[:, :, start].fill_(seen)
@@ -200,9 +203,10 @@ class SlotBuffers:
         ``reused_real``: one token per row into slots that still hold an evicted real token, in a layer that never
         stored padding (so the slot is already marked real, and a real token's rank is its stream index)."""
         count = keys.shape[2]
-        rows = slots[..., None].expand_as(keys)
-        self.keys.scatter_(2, rows, keys)
-        self.values.scatter_(2, rows if values.shape == keys.shape else slots[..., None].expand_as(values), values)
+        if self.writes_kv:
+            rows = slots[..., None].expand_as(keys)
+            self.keys.scatter_(2, rows, keys)
+            self.values.scatter_(2, rows if values.shape == keys.shape else slots[..., None].expand_as(values), values)
         if reused_real and count == 1:
             self.token_idx.scatter_(2, slots, _per_slot(seen, slots))
             self._write_default_rope()  # the previous step's, if any, first
