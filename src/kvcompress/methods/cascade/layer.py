@@ -438,9 +438,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
             if chunk is not None:
                 keys = torch.cat([keys, chunk_keys], 2)
             turned = turned.reshape(batch, kv_heads * groups, count, dim)
-            output = scaled_dot_product_attention(
-                turned, keys, values, attn_mask=visible[:, None], scale=scale, enable_gqa=groups > 1
-            )
+            if groups > 1:  # heads repeated here: SDPA's ``enable_gqa`` takes the CPU's math path (q x L weights)
+                keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+            output = scaled_dot_product_attention(turned, keys, values, attn_mask=visible[:, None], scale=scale)
             return output.view(batch, kv_heads, groups, count, -1), None
         logits = self._cache_logits(queries, rank)
         if chunk is not None:
