@@ -446,7 +446,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         if chunk is not None:
             own = (turned @ chunk_keys.transpose(-1, -2)).view(batch, kv_heads, groups, count, count)
             logits = torch.cat([logits, own], -1)
-        probs = (logits.float() * scale).masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+        # (in place: ``logits`` is this call's own tensor, and a chunk's rows are its largest buffer)
+        probs = logits.float().mul_(scale).masked_fill_(~visible[:, None, None], float("-inf")).softmax(-1)
         output = probs.to(self._kv.dtype).reshape(batch, kv_heads, rows, -1) @ values
         gamma, received = self.rule.gamma, self.rule.reduce_heads(probs)  # [B, q, L (+ q)]
         later = real.sum(1, keepdim=True) - real.long().cumsum(1)  # real queries after query m
