@@ -7,9 +7,11 @@ KIVI's 128; 0 or a multiple of ``kv_group``). With ``kv_bits < 16`` a method who
 quantized per channel live in slots evicted one at a time); the method itself is unchanged: it selects on what
 attention reads (the dequantized keys and values), and evicts as it would in full precision.
 
-Methods with their own storage (the cascade's rings and streaming's circular ring, LESS's low-rank state, PoD's
-shared keys, ragged per-head storage) are refused with ``kv_bits < 16``: ``quantized_layer_class`` names the way
-out (``circular=false``, ``ragged=false``, ``allocation=uniform``) where there is one. A quantized layer does not
+A method whose layer is a slot layer with extras has its own quantized subclass, which its config picks with
+``kv_bits < 16`` (KVzip's ``KVzipQuantizedLayer``, LESS's ``LessQuantizedLayer``). Methods with their own storage
+(the cascade's rings and streaming's circular ring, PoD's shared keys, ragged per-head storage) are refused with
+``kv_bits < 16``: ``quantized_layer_class`` names the way out (``circular=false``, ``ragged=false``,
+``allocation=uniform``) where there is one. A quantized layer does not
 replay as a captured CUDA graph (its step writes a ring entry and a key group chosen by Python numbers): it
 decodes eagerly through ``DecodeGraph``.
 

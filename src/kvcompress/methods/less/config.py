@@ -60,7 +60,7 @@ from kvcompress.methods.less.kernels import (
     resolve_kernels,
     zero_kernels,
 )
-from kvcompress.methods.less.layer import LessLayer
+from kvcompress.methods.less.layer import LessLayer, LessQuantizedLayer
 from kvcompress.methods.less.policy import LessPolicy
 from kvcompress.registry import METHODS, make_config
 
@@ -88,7 +88,7 @@ class LessConfig(MethodConfig):
     policy_class = LessPolicy
 
     def layer_class(self) -> type[LessLayer]:
-        return LessLayer
+        return LessLayer if self.kv_bits == 16 else LessQuantizedLayer
 
     def validate(self) -> None:
         if isinstance(self.base, LessConfig) or self.base == "less":

@@ -7,6 +7,11 @@ buffer ``low_rank`` ``[B, H_kv, R, D + 1]`` (``low_rank_h`` and ``low_rank_z`` a
 are folded at the end of the forward together with the other layers' (``kvcompress.methods.less.folds``), or at
 once for a layer outside a cache. The policy (``kvcompress.methods.less.policy``) reads the state in its attention
 term; a decoding step reads it as ``z`` and ``ratio`` = ``H / z`` (``kvcompress.methods.less.low_rank_slots``).
+
+With ``kv_bits`` below 16 the stored keys and values are quantized (``LessQuantizedLayer``: the quantized slot layer
+``core.quantized_layer`` with the same state): the base policy selects on what attention reads (the dequantized keys
+and values, exact in the residual window), and what is folded into ``H``, ``z`` is what attention read of the
+evicted tokens. The state itself stays float32 (it is ``R / 2`` tokens per KV head, not quantized).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.core.quantized_layer import QuantizedLayer
 from kvcompress.methods.less.folds import outer_update, settle, stage
 from kvcompress.methods.less.kernels import psi_features
 from kvcompress.methods.less.low_rank_slots import state_ratio
@@ -160,3 +166,8 @@ class LessLayer(CompressedLayer):
 
     def allocated_metadata_nbytes(self) -> int:
         return super().allocated_metadata_nbytes() + self.metadata_nbytes() - super().metadata_nbytes()
+
+
+class LessQuantizedLayer(LessLayer, QuantizedLayer):
+    """LESS over quantized slots (``kv_bits`` below 16): the stored tokens in KIVI codes, the state ``H``, ``z`` in
+    float32; ``nbytes()`` counts the codes, their scales and minima, the residual window's exact tokens and ``H``."""

@@ -1,0 +1,130 @@
+"""LESS over quantized slots (``kv_bits`` below 16, issue 49): the layer, equivalence with the quantized full cache
+when nothing is evicted, logits within the quantization noise of the 16-bit method, the state folded from what
+attention read, and the bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import kvcompress
+from kvcompress.generation import cache_argument
+from kvcompress.methods.less import LessConfig
+from kvcompress.methods.less.layer import LessLayer, LessQuantizedLayer
+from kvcompress.models.testing import tiny_model
+from tests.methods.test_less import strong_kernels
+from tests.test_quantized import forced_logits, token_ids
+
+QUANT = {"kv_group": 8, "kv_residual": 16}
+
+
+def less(model, budget: int, **storage) -> LessConfig:
+    return LessConfig(base="h2o", budget=budget, kernels=strong_kernels(model), **storage)
+
+
+def test_kv_bits_picks_the_quantized_less_layer():
+    model = tiny_model()
+    assert all(type(layer) is LessLayer for layer in kvcompress.cache_for(model, less(model, 24)).layers)
+    cache = kvcompress.cache_for(model, less(model, 24, kv_bits=4, **QUANT))
+    assert all(type(layer) is LessQuantizedLayer for layer in cache.layers)
+    cache = kvcompress.cache_for(model, "less", base="h2o", budget=24, kv_bits=8, kv_group=8, kv_residual=8)
+    assert all(type(layer) is LessQuantizedLayer for layer in cache.layers)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nothing_evicted_equals_the_quantized_full_cache(kind, bits):
+    """A budget above the sequence: nothing is folded, LESS is its base policy over the same quantized storage, so
+    its logits are the quantized full cache's (the tolerance of ``test_full_quantized_equals_reference``)."""
+    model = tiny_model(kind)
+    ids = token_ids(2, 70)
+    full = forced_logits(model, ids, kvcompress.cache_for(model, "full", kv_bits=bits, **QUANT), 37)
+    cache = kvcompress.cache_for(model, less(model, 512, kv_bits=bits, **QUANT))
+    ours = forced_logits(model, ids, cache, 37)
+    torch.testing.assert_close(ours, full, rtol=1e-5, atol=1e-4)
+    assert not any(layer.folded for layer in cache.layers)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_evicting_stays_within_the_quantization_noise_of_the_16_bit_method(bits):
+    """H2O evicting at 24 tokens with strong kernels (the state takes a large share): LESS at ``bits`` differs from
+    LESS at 16 bits by no more than twice the quantization noise of the full cache at the same bits (the bound
+    ``test_within_quantization_noise_of_transformers_quantized_cache`` uses); it keeps as many tokens, and
+    something was folded."""
+    model = tiny_model()
+    ids = token_ids(2, 70)
+    exact = forced_logits(model, ids, DynamicCache(config=model.config), 30)
+    quantized = forced_logits(model, ids, kvcompress.cache_for(model, "full", kv_bits=bits, **QUANT), 30)
+    noise = float((quantized - exact).abs().max())
+    assert noise > 1e-3
+    plain = kvcompress.cache_for(model, less(model, 24))
+    cache = kvcompress.cache_for(model, less(model, 24, kv_bits=bits, **QUANT))
+    expected, ours = forced_logits(model, ids, plain, 30), forced_logits(model, ids, cache, 30)
+    assert float((ours - expected).abs().max()) <= 2 * noise
+    assert cache.tokens_stored() == plain.tokens_stored()
+    assert all(layer.folded and bool(layer.low_rank_z.any()) for layer in cache.layers)
+
+
+def test_the_state_folds_what_attention_read(monkeypatch):
+    """Every forward (a prompt in chunks, then decoding at the budget) adds to ``H`` exactly ``ψ(k)ᵀ v`` of the
+    tokens it evicted, ``k`` and ``v`` as attention read them (the layer's dequantized keys and values at the
+    moment of eviction, exact in the residual window): the same direct sum as
+    ``test_state_equals_direct_sum_over_evicted_tokens``, over the quantized cache's reading."""
+    model = tiny_model()
+    ids = token_ids(1, 60, seed=2)
+    cache = kvcompress.cache_for(model, less(model, 20, kv_bits=4, kv_group=8, kv_residual=8))
+    records = []
+    before_eviction = LessLayer.before_eviction
+
+    def recording(layer, victims, dropped):
+        keys, values = layer.keys.clone(), layer.values.clone()
+        evicted = dropped.clone() if victims is None else torch.zeros_like(layer.valid).scatter_(2, victims, True)
+        records.append((layer, keys, values, evicted & layer.valid))
+        before_eviction(layer, victims, dropped)
+
+    monkeypatch.setattr(LessLayer, "before_eviction", recording)
+    states = [torch.zeros_like(layer.low_rank_h) if layer.is_initialized else None for layer in cache.layers]
+    folds = 0
+    with torch.no_grad():
+        for start, stop in [(0, 16), (16, 32), *[(t, t + 1) for t in range(32, 60)]]:
+            records.clear()
+            model(ids[:, start:stop], **cache_argument(model, cache), use_cache=True)
+            for index, layer in enumerate(cache.layers):
+                expected = torch.zeros_like(layer.low_rank_h) if states[index] is None else states[index]
+                for owner, keys, values, evicted in records:
+                    if owner is layer:
+                        psi = layer.policy.kernels.psi(keys) * evicted[..., None]  # [B, H_kv, W, R]
+                        expected = expected + psi.transpose(2, 3) @ values
+                        folds += 1
+                torch.testing.assert_close(layer.low_rank_h, expected, rtol=1e-4, atol=1e-5)
+                states[index] = layer.low_rank_h.clone()
+    assert folds > 28 * len(cache.layers)
+
+
+def test_bytes_are_the_quantized_slots_plus_the_state():
+    """``nbytes()``: the quantized slot layer's bytes (codes, value and key-group scales and minima, the exact
+    residual window; ``test_bytes_are_codes_scales_and_the_residual``) plus ``H`` (float32, ``R`` x ``D`` per KV
+    head), ``z`` with the metadata: below the 16-bit LESS cache's by the storage's factor."""
+    model = tiny_model()  # 2 layers, 2 KV heads, head_dim 16, float32; LESS's rank 8
+    ids = token_ids(1, 70)
+    budget, heads, dim, rank = 48, 2, 16, 8
+    cache = kvcompress.cache_for(model, less(model, budget, kv_bits=4, kv_group=8, kv_residual=16))
+    plain = kvcompress.cache_for(model, less(model, budget))
+    forced_logits(model, ids, cache, 40)
+    forced_logits(model, ids, plain, 40)
+    assert cache.tokens_stored() == plain.tokens_stored() == [budget, budget]  # per layer
+    codes = 2 * budget * heads * dim // 2  # keys and values, two codes a byte
+    value_params = 2 * budget * heads * (dim // 8) * 4  # scale and minimum per token and channel group
+    key_params = 2 * (budget // 8) * heads * dim * 4  # scale and minimum per key group and channel
+    residual = 2 * 16 * heads * dim * 4  # exact keys and values of the newest 16 tokens
+    state = heads * rank * dim * 4  # H
+    assert cache.nbytes() == 2 * (codes + value_params + key_params + residual + state)
+    exact = 2 * (2 * budget * heads * dim * 4 + state)
+    assert plain.nbytes() == exact
+    assert cache.nbytes() < plain.nbytes() and cache.nbytes() <= cache.allocated_nbytes()
+    # without the residual window a stored token's key and value take 48 bytes per KV head instead of 128 (codes
+    # 16, value parameters 16, its share of the key group's 16): the slots' bytes fall by 0.375, the state stays
+    bare = kvcompress.cache_for(model, less(model, budget, kv_bits=4, kv_group=8, kv_residual=0))
+    forced_logits(model, ids, bare, 40)
+    assert bare.nbytes() - 2 * state == 0.375 * (plain.nbytes() - 2 * state)
