@@ -9,7 +9,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import kvcompress
-from kvcompress.generation import cache_argument
+from kvcompress.core.attention import layer_attention
+from kvcompress.core.contract import StatsRequest
+from kvcompress.core.quantized_slots import QuantizedSlotBuffers
+from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.less import LessConfig
 from kvcompress.methods.less.layer import LessLayer, LessQuantizedLayer
 from kvcompress.models.testing import tiny_model
@@ -128,3 +131,42 @@ def test_bytes_are_the_quantized_slots_plus_the_state():
     bare = kvcompress.cache_for(model, less(model, budget, kv_bits=4, kv_group=8, kv_residual=0))
     forced_logits(model, ids, bare, 40)
     assert bare.nbytes() - 2 * state == 0.375 * (plain.nbytes() - 2 * state)
+
+
+def test_attention_from_codes_equals_less_over_the_dequantized_view(monkeypatch):
+    """With no gradient the layer reads the codes (the sparse part from ``core.quantized_attention``, then Eq. 3 by
+    its log-normaliser): at every forward and layer (a prompt in chunks, decoding at the budget, a chunk of another
+    size) its output and statistics equal LESS's own attention over the dequantized view of the same slots (the
+    16-bit layer's arithmetic: one softmax over the stored keys and the state's rows at a decoding step), to the
+    1e-5 of ``test_decoding_step_from_codes_equals_the_dequantized_view``; and no dequantized view is built."""
+    from_codes = LessQuantizedLayer.attend
+    checked = []
+
+    def attend(layer, query, key, value, mask, scaling):
+        result = from_codes(layer, query, key, value, mask, scaling)
+        if layer._reads_codes:
+            keys, values = view(layer.slots, layer.view_width)
+            expected = layer.policy.attend(layer, query, keys, values, mask, scaling)
+            if expected is None:  # nothing folded: the default attention
+                request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+                expected = layer_attention(query, keys, values, mask, scaling, request, None)
+            torch.testing.assert_close(result[0], expected[0], rtol=1e-5, atol=1e-5)
+            if expected[1] is not None and expected[1].received is not None:
+                torch.testing.assert_close(result[1].received, expected[1].received, rtol=1e-5, atol=1e-6)
+            checked.append(layer.folded)
+        return result
+
+    view = QuantizedSlotBuffers.view
+    built = []
+    monkeypatch.setattr(QuantizedSlotBuffers, "view", lambda slots, width: built.append(width))
+    monkeypatch.setattr(LessQuantizedLayer, "attend", attend)
+    model = tiny_model()
+    ids = token_ids(2, 60, seed=7)
+    cache = kvcompress.cache_for(model, less(model, 24, kv_bits=4, kv_group=8, kv_residual=8))
+    with torch.no_grad():
+        prefill(model, ids[:, :39], cache, chunk_size=13)
+        for step in range(39, 50):
+            model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True)
+        model(ids[:, 50:57], **cache_argument(model, cache), use_cache=True)
+    assert len(checked) == 15 * len(cache.layers) and any(checked) and not all(checked)
+    assert built == []

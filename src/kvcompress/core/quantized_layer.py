@@ -59,10 +59,7 @@ class QuantizedLayer(CompressedLayer):
         a block of slots at a time, ``quantized_chunk_attention``): ``update`` returns stand-ins shaped like the
         slots read (one NaN each, expanded: nothing else may read them) instead of building the dequantized view.
         (A method that reads ``layer.keys`` or ``layer.values`` itself still builds the view then.)"""
-        policy = self.policy
-        self._reads_codes = (
-            not torch.is_grad_enabled() and type(policy).attend is Policy.attend and policy.position_mode != "cache"
-        )
+        self._reads_codes = self.codes_readable()
         if not self._reads_codes:
             return super().attended()
         if self._stale:
@@ -73,6 +70,12 @@ class QuantizedLayer(CompressedLayer):
         stand_in = self.slots.key_scale.new_full((1, 1, 1, 1), float("nan"))
         key_dim, value_dim = self.slots.key_scale.shape[-1], self.slots.ring_values_dim()
         return stand_in.expand(batch, heads, width, key_dim), stand_in.expand(batch, heads, width, value_dim)
+
+    def codes_readable(self) -> bool:
+        """Whether this forward's attention reads the codes: no gradient, the method's attention the default, keys
+        at their stored positions (a method's quantized layer that reads the codes its own way says so itself)."""
+        policy = self.policy
+        return not torch.is_grad_enabled() and type(policy).attend is Policy.attend and policy.position_mode != "cache"
 
     def attend(self, query, key, value, mask, scaling) -> tuple[torch.Tensor, AttentionStats | None] | None:
         if not self._reads_codes:

@@ -387,6 +387,43 @@ class QuantizedSlotBuffers(SlotBuffers):
         self._view_cache = (key, result)
         return result
 
+    def read_at(self, index: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, n, d]`` of the slots ``index`` ``[B, H, n]`` (below ``width``) as ``view(width)``
+        reads them, bit for bit, without building the view: their codes dequantized with their key groups' and
+        their own value parameters, then the exact copies put over them (the residual window's, then the forward's
+        own tokens'). Work proportional to ``n`` (and to ``residual`` for finding the window's entries)."""
+        keys = self.key_scale.new_empty(*index.shape, 1, self.key_scale.shape[-1])  # [B, H, n, 1, d]: groups of 1
+        key_group = index // self.group
+        dequantize_keys(
+            _take(self.keys, index)[:, :, :, None],
+            _take(self.key_scale, key_group),
+            _take(self.key_min, key_group),
+            self.bits,
+            out=keys,
+        )
+        keys = keys[:, :, :, 0]
+        tensors = self.tensors
+        values = dequantize_values(
+            _take(tensors["values"], index),
+            _take(tensors["value_scale"], index),
+            _take(tensors["value_min"], index),
+            self.bits,
+        )
+        exact = []
+        if self.ring is not None and self.stream_seen:
+            exact.append((*self.ring, self.ring_targets(width)))
+        if self.fresh is not None:
+            new_keys, new_values, where = self.fresh
+            if isinstance(where, int):
+                where = torch.arange(where, where + new_keys.shape[2], device=index.device).expand(*index.shape[:2], -1)
+            exact.append((new_keys, new_values, where))
+        for exact_keys, exact_values, targets in exact:  # (the forward's own tokens last: they are copied over)
+            match = index[..., :, None] == targets[..., None, :]  # [B, H, n, E]
+            found, entry = match.any(-1), match.to(torch.int8).argmax(-1)
+            keys = torch.where(found[..., None], _take(exact_keys, entry), keys)
+            values = torch.where(found[..., None], _take(exact_values, entry), values)
+        return keys, values
+
     def ring_values_dim(self) -> int:
         return self.tensors["value_scale"].shape[-1] * self.group
 

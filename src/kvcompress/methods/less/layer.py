@@ -16,8 +16,11 @@ evicted tokens. The state itself stays float32 (it is ``R / 2`` tokens per KV he
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from kvcompress.core.contract import StatsRequest
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
@@ -94,12 +97,16 @@ class LessLayer(CompressedLayer):
             if count == 0:
                 return
             victims = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :count]
-        index = victims[..., None].expand(*victims.shape, self.keys.shape[-1])
-        keys, values = self.keys.gather(2, index), self.values.gather(2, index)
+        keys, values = self.read_slots(victims)
         weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         self.folded = True
         if not stage(self, keys, values, weight):  # (else folded with the other layers' at the end of the forward)
             self.fold(keys, values, weight)
+
+    def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H_kv, e, D]`` of the slots ``index`` ``[B, H_kv, e]`` as attention reads them."""
+        keys, values = self.keys, self.values
+        return _take(keys, index), _take(values, index)
 
     def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (weighted by ``weight``) to the state."""
@@ -170,4 +177,39 @@ class LessLayer(CompressedLayer):
 
 class LessQuantizedLayer(LessLayer, QuantizedLayer):
     """LESS over quantized slots (``kv_bits`` below 16): the stored tokens in KIVI codes, the state ``H``, ``z`` in
-    float32; ``nbytes()`` counts the codes, their scales and minima, the residual window's exact tokens and ``H``."""
+    float32; ``nbytes()`` counts the codes, their scales and minima, the residual window's exact tokens and ``H``.
+
+    A forward with no gradient reads the codes (``core.quantized_attention``, as the quantized slot layer does for
+    the default attention): the sparse part's output and log-normaliser from the codes, then Eq. 3 in its
+    log-sum-exp form (``LessPolicy.with_low_rank``) once something is folded, so no dequantized copy of the layer
+    is built. A decoding step thus mixes the state in by its log-normaliser instead of the 16-bit layer's one
+    softmax over the stored keys and the state's rows (``low_rank_slots``): the same Eq. 3, equal to float
+    rounding. The evicted tokens are read from the codes too (``QuantizedSlotBuffers.read_at``: what attention
+    read of them, bit for bit). A forward recorded for a backward pass attends over the dequantized view as the
+    16-bit layer does."""
+
+    def codes_readable(self) -> bool:
+        return not torch.is_grad_enabled() and self.policy.position_mode != "cache"
+
+    def attend(self, query, key, value, mask, scaling):
+        if not self._reads_codes:
+            return super().attend(query, key, value, mask, scaling)
+        policy = self.policy
+        if policy.kernels is None:  # set at the first attention
+            policy.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        request = policy.stats if policy.wants_stats(self) else StatsRequest()
+        if not self.folded:  # nothing folded yet: exactly the base policy's attention
+            return self.attend_codes(query, mask, scaling, request)
+        output, stats = self.attend_codes(query, mask, scaling, dataclasses.replace(request, lse=True))
+        return policy.with_low_rank(self, query, output, stats)
+
+    def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stale:
+            self._settle()
+        self.slots.stream_seen = self.seen
+        return self.slots.read_at(index, self.view_width)
+
+
+def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ``[B, H, C, D]`` at the slots ``index`` ``[B, H, n]``."""
+    return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))

@@ -81,8 +81,15 @@ class LessPolicy(Policy):
             return low_rank_slots_attention(query, key, value, scaling, features, layer.state_z, ratio, self.stats)
         # the layer's masks leave every query its own key
         output, stats = attention_with_stats(query, key, value, mask, scaling, self.request, rows_see_keys=True)
+        return self.with_low_rank(layer, query, output, stats)
+
+    def with_low_rank(self, layer, query, output, stats):
+        """Eq. 3 from the sparse attention's ``output`` ``[B, H_q, q, D]`` and its statistics (``stats.lse``, the
+        log-normaliser, required) and the layer's state: the output in the query's dtype and the base policy's
+        statistics (``None`` if it asks for none)."""
         features = phi_features(query, *self.weights.phi)  # [B, H_q, q, R]
-        state = head_matmul(grouped(features, key.shape[1]).flatten(2, 3), layer.low_rank)  # [B, H_kv, G q, D + 1]
+        kv_heads = layer.low_rank.shape[1]
+        state = head_matmul(grouped(features, kv_heads).flatten(2, 3), layer.low_rank)  # [B, H_kv, G q, D + 1]
         state = state.view(*features.shape[:3], -1)  # [B, H_q, q, D + 1]: [φ(q) H | φ(q) zᵀ]
         mixed = mix_low_rank(stats.lse, output.float(), state[..., :-1], state[..., -1])
         return mixed.to(query.dtype), stats if self.stats.any else None
