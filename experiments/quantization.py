@@ -18,6 +18,15 @@ prompt of random ids, in rotating order, one torch thread, each step's thread CP
 (10th-90th percentiles) of the per-step ratios. For comparing two versions on a loaded machine, where runs in
 separate processes see different loads.
 
+    python -m experiments.quantization decode-paths [--method less:kv_bits=4] [--steps 40]
+
+``decode-paths``: one process, the same tokens after a 1,024-token prompt of random ids, budget 512, in rotating
+order, one torch thread, each step's thread CPU time: a ``DynamicCache`` holding the same tokens, the method at 16
+bits (the spec without its ``kv_bits``), the quantized method attending over the dequantized view (its layer's
+``codes_readable`` made false) and from the codes (as it runs). Prints the medians (10th-90th percentiles) of the
+per-step ratios over the ``DynamicCache`` and of codes over view, the load average before and after, and the bytes
+held at 16 bits and quantized.
+
     python -m experiments.quantization compress-ppl [--model smollm2-135m] [--methods M,...] [--ratio 0.5]
         [--context 1024] [--continuation 256] [--samples 2]
 
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import subprocess
 import tempfile
@@ -152,6 +162,58 @@ def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget
     )
 
 
+def decode_paths(method: str, steps: int, prompt: int = 1024, budget: int = 512) -> None:
+    from kvcompress.bench.common import bench_cache, random_prompt, set_threads
+    from kvcompress.bench.pairs import use_attention
+    from kvcompress.bench.speed import dynamic_prefill
+    from kvcompress.core.attention import ATTENTION_NAME
+    from kvcompress.generation import prefill
+
+    set_threads(1)
+    load = os.getloadavg()[0]
+    model, _ = load_model("smollm2-135m")
+    ids = random_prompt(model, prompt + steps + 2, 0)
+    plain = ";".join(part for part in method.replace(":", ";", 1).split(";") if not part.startswith("kv_bits="))
+    specs = {"16-bit": plain.replace(";", ":", 1), "view": method, "codes": method}
+    caches = {}
+    for side, spec in specs.items():
+        caches[side] = bench_cache(model, spec, budget)
+        prefill(model, ids[:, :prompt], caches[side], chunk_size=512)
+    layer_class = type(caches["codes"].layers[0])
+    readable = layer_class.codes_readable
+    held = max(caches["codes"].tokens_stored())
+    dynamic = DynamicCache(config=model.config)
+    dynamic_prefill(model, ids[:, :held], dynamic, 512)
+    sides = ["dynamic", *specs]
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for step in range(steps + 2):
+        for side in sides[step % 4 :] + sides[: step % 4]:
+            use_attention(model, "sdpa" if side == "dynamic" else ATTENTION_NAME)
+            layer_class.codes_readable = (lambda self: False) if side == "view" else readable
+            token = ids[:, prompt + step : prompt + step + 1]
+            start = time.thread_time()
+            with torch.no_grad():
+                model(token, **cache_argument(model, dynamic if side == "dynamic" else caches[side]), use_cache=True)
+            if step >= 2:
+                times[side].append(time.thread_time() - start)
+            if side == "dynamic" and not method.startswith("full"):
+                dynamic.crop(held - dynamic.get_seq_length())
+    layer_class.codes_readable = readable
+
+    def ratios(a: str, b: str) -> str:
+        values = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
+        tenth = values[len(values) // 10], values[(9 * len(values)) // 10]
+        return f"{statistics.median(values):.3f} ({tenth[0]:.3f}-{tenth[1]:.3f})"
+
+    print(f"{method} ({layer_class.__name__}), {held} tokens held, {steps} steps; medians of per-step CPU-time ratios")
+    print(", ".join(f"{side} {specs[side]} x DynamicCache {ratios(side, 'dynamic')}" for side in specs))
+    bytes_16, bytes_q = caches["16-bit"].nbytes(), caches["codes"].nbytes()
+    print(
+        f"codes x view {ratios('codes', 'view')}; bytes {bytes_16} at 16 bits, {bytes_q} quantized "
+        f"({bytes_q / bytes_16:.3f}x); load average {load:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
+
+
 def sample_ids(tokenizer, index: int, length: int) -> torch.Tensor:
     books = gutenberg_books()
     text = books[index % len(books)].text
@@ -202,7 +264,7 @@ def compress_ppl(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("vs-transformers", "decode-ab", "compress-ppl"))
+    parser.add_argument("what", choices=("vs-transformers", "decode-ab", "decode-paths", "compress-ppl"))
     parser.add_argument("--model", default="smollm2-135m", help="compress-ppl: the model")
     parser.add_argument("--methods", default="full,snapkv,snapkv:kv_bits=8,snapkv:kv_bits=4", help="compress-ppl")
     parser.add_argument("--ratio", type=float, default=0.5, help="compress-ppl: share of the context kept")
@@ -210,7 +272,7 @@ def main() -> None:
     parser.add_argument("--continuation", type=int, default=256, help="compress-ppl: tokens scored")
     parser.add_argument("--samples", type=int, default=2, help="compress-ppl: books")
     parser.add_argument("--against", default="cc88a8d", help="decode-ab: the git revision compared")
-    parser.add_argument("--method", default="h2o:kv_bits=4", help="decode-ab: a method spec (budget 512)")
+    parser.add_argument("--method", default="h2o:kv_bits=4", help="decode-ab, decode-paths: a method spec (budget 512)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--bits", type=int, default=4)
@@ -223,6 +285,9 @@ def main() -> None:
         return
     if args.what == "decode-ab":
         decode_ab(args.against, args.method, args.steps)
+        return
+    if args.what == "decode-paths":
+        decode_paths(args.method, args.steps)
         return
     vs_transformers(args.prompt, args.steps, args.bits, args.group, args.residual)
 
