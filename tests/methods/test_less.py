@@ -367,3 +367,33 @@ def test_kernels_are_copied_straight_to_the_models_device():
     assert all(p.device.type == "meta" for p in moved.parameters())
     assert all(p.device.type == "cpu" for p in shared.parameters())
     assert [type(p) for p in moved.parameters()] == [type(p) for p in shared.parameters()]
+
+
+@pytest.mark.parametrize("kv_bits", [16, 4])
+def test_per_head_budgets_fold_only_what_each_head_evicts(kv_bits, tiny_llama, monkeypatch):
+    """A base keeping different counts per KV head (SnapKV with AdaKV's allocation: a ``KeepMask``) evicts fewer
+    tokens in some rows: the state gets ``ψ(k)ᵀ v`` of each row's evicted tokens only (the rows evicting fewer are
+    filled up with kept slots, which fold nothing), as read by attention at the eviction."""
+    base = kvcompress.make_config("snapkv", ratio=0.3, allocation="adakv", window=4)
+    storage = {} if kv_bits == 16 else {"kv_bits": kv_bits, "kv_group": 8, "kv_residual": 8}
+    cache = kvcompress.cache_for(tiny_llama, LessConfig(base=base, kernels=strong_kernels(tiny_llama), **storage))
+    records = []
+    before_eviction = type(cache.compressed_layers[0]).before_eviction
+
+    def recording(layer, victims, dropped):
+        evicted = dropped.clone() if victims is None else torch.zeros_like(layer.valid).scatter_(2, victims, True)
+        records.append((layer, layer.keys.clone(), layer.values.clone(), evicted & layer.valid))
+        before_eviction(layer, victims, dropped)
+
+    monkeypatch.setattr(type(cache.compressed_layers[0]), "before_eviction", recording)
+    with torch.no_grad():
+        tiny_llama(ids_of(2, 90, seed=5), **cache_argument(tiny_llama, cache))
+    counts = torch.stack([evicted.sum(-1) for *_, evicted in records])
+    assert bool((counts != counts.amax(-1, keepdim=True)).any())  # some row evicted fewer
+    for layer in cache.compressed_layers:
+        expected = sum(
+            (layer.policy.kernels.psi(keys) * evicted[..., None]).transpose(2, 3) @ values
+            for owner, keys, values, evicted in records
+            if owner is layer
+        )
+        torch.testing.assert_close(layer.low_rank_h, expected, rtol=1e-4, atol=1e-5)

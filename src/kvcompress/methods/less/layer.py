@@ -97,8 +97,11 @@ class LessLayer(CompressedLayer):
             if count == 0:
                 return
             victims = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :count]
+            # rows evicting fewer than ``count`` (per-head budgets) fill up with kept slots: those fold nothing
+            weight = evicted.gather(-1, victims)
+        else:
+            weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         keys, values = self.read_slots(victims)
-        weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         self.folded = True
         if not stage(self, keys, values, weight):  # (else folded with the other layers' at the end of the forward)
             self.fold(keys, values, weight)
