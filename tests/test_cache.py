@@ -45,6 +45,7 @@ EVICTING = {
     # 8 slots, values per token; the newest 8 tokens exact)
     "h2o-kv4": {"budget": 12, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},
     "snapkv-kv8": {"budget": 12, "window": 4, "kv_bits": 8, "kv_group": 4, "kv_residual": 4},
+    "less-kv4": {"budget": 12, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},  # LESS's own quantized layer
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
 }
