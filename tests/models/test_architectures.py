@@ -6,23 +6,30 @@
 - With a real budget, the cache runs and no layer stores more than the method's budget (plus one forward for the
   methods that evict after attending), and sliding-window layers never more than their window.
 - A model without RoPE gets a clear ``ValueError`` for re-indexed positions and works otherwise.
+- Quantized storage (``kv_bits``) with nothing evicted reads what KIVI's cache reads (``tests/references/kivi.py``)
+  on every architecture; an evicting method at 4 bits runs on each within its budget.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 
 import kvcompress
 from kvcompress.core.model_spec import ModelSpec
 from tests.helpers import cache_logits, duo_params_for, own_logits
 from tests.models.zoo import ARCHITECTURES, zoo_model
+from tests.references.kivi import KiviReferenceCache
 from tests.test_cache import EVICTING, HEAD_SPLIT, PREFILLED, UNEVEN, method_of
 from tests.test_equivalence import NO_EVICTION
+from tests.test_quantized import forced_logits
 
 PROMPT = 24  # longer than the sliding window
 NEW = 4
-ONE_PER_METHOD = sorted(key for key in EVICTING if key == method_of(key) or key in ("pod-snapkv", *UNEVEN))
+ONE_PER_METHOD = sorted(
+    key for key in EVICTING if key == method_of(key) or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", *UNEVEN)
+)
 CACHE_POSITIONS = {"streaming", "cascade", "streaming_oneshot"}  # re-index positions inside the cache
 
 
@@ -89,3 +96,25 @@ def test_a_real_budget_runs_and_stores_what_the_method_promises(kind, key, model
     for layer, window in enumerate(windows):
         if window is not None:
             assert stored[layer] <= window - 1, (layer, stored)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_quantized_storage_reads_what_kivi_reads(kind, models):
+    """``full`` at 4 bits (key groups of 8 tokens, the newest 16 exact), prompt in one forward then one token per
+    forward: every step's logits equal those of the independent KIVI reference. The residual window (16) is longer
+    than the sliding layers' window (8), so a sliding layer's stored tokens are all exact, in both caches; where the
+    model has a global layer its keys are quantized (the logits move away from the model's own), and where every
+    layer slides nothing is (they stay the model's own)."""
+    model = models[kind]
+    ids = prompt(model, length=40)
+    bits, group, residual = 4, 8, 16
+    cache = kvcompress.cache_for(model, "full", kv_bits=bits, kv_group=group, kv_residual=residual)
+    reference = KiviReferenceCache(model.config.num_hidden_layers, bits, group, residual)
+    ours, theirs, exact = (
+        forced_logits(model, ids, c, 20) for c in (cache, reference, DynamicCache(config=model.config))
+    )
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+    if any(window is None for window in ModelSpec.of(model).windows):
+        assert float((ours - exact).abs().max()) > 1e-3
+    else:
+        torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
