@@ -7,7 +7,8 @@
   methods that evict after attending), and sliding-window layers never more than their window.
 - A model without RoPE gets a clear ``ValueError`` for re-indexed positions and works otherwise.
 - Quantized storage (``kv_bits``) with nothing evicted reads what KIVI's cache reads (``tests/references/kivi.py``)
-  on every architecture; an evicting method at 4 bits runs on each within its budget.
+  on every architecture; an evicting method at 4 bits (H2O, and LESS with its own quantized layer) runs on each
+  within its budget.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.test_quantized import forced_logits
 PROMPT = 24  # longer than the sliding window
 NEW = 4
 ONE_PER_METHOD = sorted(
-    key for key in EVICTING if key == method_of(key) or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", *UNEVEN)
+    key for key in EVICTING if key == method_of(key) or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", "less-kv4", *UNEVEN)
 )
 CACHE_POSITIONS = {"streaming", "cascade", "streaming_oneshot"}  # re-index positions inside the cache
 
