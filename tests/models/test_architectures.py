@@ -29,7 +29,9 @@ from tests.test_quantized import forced_logits
 PROMPT = 24  # longer than the sliding window
 NEW = 4
 ONE_PER_METHOD = sorted(
-    key for key in EVICTING if key == method_of(key) or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", "less-kv4", *UNEVEN)
+    key
+    for key in EVICTING
+    if key == method_of(key) or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", "less-kv4", *UNEVEN)
 )
 CACHE_POSITIONS = {"streaming", "cascade", "streaming_oneshot"}  # re-index positions inside the cache
 
