@@ -36,6 +36,9 @@ Choices where the paper is silent or leaves a choice:
   base policy's sparse softmax bit for bit, whatever the state holds. Kernels whose ψ is
   identically zero (``init="zero"``) never fold, so LESS is then exactly its base policy; before the first
   eviction the attention runs on the default path, statistics included.
+- Quantized storage (``kv_bits`` below 16, ``LessQuantizedLayer``): the kept tokens are stored in KIVI codes as
+  for any method, the state ``H``, ``z`` stays float32; the base policy scores, and LESS folds, the keys and
+  values attention reads (dequantized, exact in the residual window).
 - Untrained kernels (``kernels=None``) use the paper's initialisation (scalars 1e-4: LESS ≈ its base policy);
   trained kernels are a directory written by ``python -m kvcompress.train.less`` and must match the model's shape
   and the base method (the budget may differ: training and test sparsity are independent, Table 2).
