@@ -7,13 +7,21 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kvcompress
 from kvcompress.core.forward import ForwardPass
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.less import LessConfig, baseline_plus
-from kvcompress.methods.less.kernels import LayerKernels, LessKernels, init_kernels, load_kernels
+from kvcompress.methods.less.kernels import (
+    LayerKernels,
+    LessKernels,
+    init_kernels,
+    load_kernels,
+    phi_features,
+    psi_features,
+)
 from kvcompress.methods.less.masked import (
     eviction_times,
     less_masked_attention,
@@ -367,3 +375,17 @@ def test_kernels_are_copied_straight_to_the_models_device():
     assert all(p.device.type == "meta" for p in moved.parameters())
     assert all(p.device.type == "cpu" for p in shared.parameters())
     assert [type(p) for p in moved.parameters()] == [type(p) for p in shared.parameters()]
+
+
+def test_features_equal_the_training_form():
+    kernels = init_kernels(q_heads=4, kv_heads=2, head_dim=16, rank=8, hidden=32, seed=3)
+    with torch.no_grad():
+        kernels.psi_s1.fill_(0.7)
+    query, key = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    weights = kernels.inference_weights()
+    gelu = F.gelu
+    with torch.no_grad():
+        phi = gelu(gelu(query @ kernels.phi_w1) @ kernels.phi_w2).abs()
+        psi = (gelu(gelu(key @ kernels.psi_w1) @ kernels.psi_w2) @ kernels.psi_mix()).abs()
+    torch.testing.assert_close(phi_features(query, *weights.phi), phi)
+    torch.testing.assert_close(psi_features(key, *weights.psi), psi)

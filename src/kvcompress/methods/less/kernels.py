@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcompress.files import damaged, load_json, load_tensors, require_keys
-from kvcompress.methods.less.native import native_kernels
 
 KERNEL_FORMAT = 1
 META_FILE = "meta.json"
@@ -173,13 +172,11 @@ def head_major_mlp(inputs: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -
     ``[H, hidden, D]`` (W1 transposed) and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a
     broadcast 4D matmul costs more than its arithmetic when decoding). The first product is taken as ``W1ᵀ xᵀ``:
     with one row per head (a decoding step) that is a matrix-vector product, which a CPU BLAS runs faster than the
-    row-times-matrix ``x W1``. The GELUs run on PyTorch's own kernel (``native_kernels``)."""
+    row-times-matrix ``x W1``."""
     batch, heads, length, dim = inputs.shape
-    rows = inputs if inputs.dtype == torch.float32 else inputs.float()
-    rows = rows.transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
-    with native_kernels(rows):
-        hidden = F.gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
-        return F.gelu(torch.bmm(hidden.mT, w2))
+    rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
+    hidden = F.gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
+    return F.gelu(torch.bmm(hidden.mT, w2))
 
 
 def _heads_second(features: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,7 @@ import torch
 
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.methods.less.folds import outer_update, settle, stage
-from kvcompress.methods.less.kernels import psi_features
+from kvcompress.methods.less.folds import settle, stage
 from kvcompress.methods.less.low_rank_slots import state_ratio
 
 
@@ -27,8 +26,6 @@ class LessLayer(CompressedLayer):
         super().__init__(policy, inv_freq)
         self._low_rank: torch.Tensor | None = None
         self._ratio: torch.Tensor | None = None  # H / z of ``_low_rank``; None: to be computed (``ratio``)
-        self._z_of: torch.Tensor | None = None  # the state ``_z`` is a view of (``state_z``)
-        self._z: torch.Tensor | None = None
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
         self.staged = False  # evicted tokens wait to be folded at the end of the forward (``folds``)
 
@@ -47,14 +44,6 @@ class LessLayer(CompressedLayer):
         if self._ratio is None and low_rank is not None:
             self._ratio = state_ratio(low_rank)
         return self._ratio
-
-    @property
-    def state_z(self) -> torch.Tensor:
-        """``z`` of the state as stored, a view made once per state tensor (a decoding step reads it after ``ratio``
-        folded what was pending)."""
-        if self._z_of is not self._low_rank:
-            self._z_of, self._z = self._low_rank, self._low_rank[..., -1]
-        return self._z
 
     @property
     def low_rank_h(self) -> torch.Tensor | None:
@@ -92,16 +81,7 @@ class LessLayer(CompressedLayer):
         keys, values = self.keys.gather(2, index), self.values.gather(2, index)
         weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         self.folded = True
-        if not stage(self, keys, values, weight):  # (else folded with the other layers' at the end of the forward)
-            self.fold(keys, values, weight)
-
-    def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
-        """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (weighted by ``weight``) to the state."""
-        features = psi_features(keys, *self.policy.weights.psi)  # [B, H_kv, e, R]
-        if weight is not None:
-            features = features * weight[..., None]
-        self._low_rank += outer_update(features, values)
-        self._ratio = None
+        stage(self, keys, values, weight)  # folded with the other layers' at the end of the forward, or now
 
     def low_rank_state(self) -> torch.Tensor | None:
         """``[H | z]`` as stored, without folding what is staged (``folds`` adds to it)."""
@@ -128,7 +108,7 @@ class LessLayer(CompressedLayer):
     def reset(self) -> None:
         settle(self)
         super().reset()
-        self._low_rank = self._ratio = self._z_of = self._z = None
+        self._low_rank = self._ratio = None
         self.folded = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
