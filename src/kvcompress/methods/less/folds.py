@@ -79,21 +79,23 @@ def _add(forward, layers: list, update: torch.Tensor) -> None:
     """Add ``update`` ``[B, n * H_kv, R, D + 1]`` to the states of ``layers``: one addition and one ratio for the
     whole cache where every layer folded and the states are stacked (a decoding step), else one per layer."""
     every = len(layers) == len(forward.layers) and all(a is b for a, b in zip(layers, forward.layers, strict=True))
-    states = [layer.low_rank_state() for layer in layers] if every else []
+    states = [layer.stored_low_rank for layer in layers] if every else []
     if every and all(state is not None for state in states) and agree(states):
         state, views = forward.stacked("less-state", states, dim=1)
-        for layer, own, view in zip(layers, states, views, strict=True):
-            if own is not view:
-                layer.share_state(view)
-        ratio, ratios = forward.stacked("less-ratio", [layer.ratio_as_stored() for layer in layers], dim=1)
+        ratios = [
+            state_ratio(own) if layer.stored_ratio is None else layer.stored_ratio
+            for layer, own in zip(layers, states, strict=True)
+        ]
+        ratio, ratio_views = forward.stacked("less-ratio", ratios, dim=1)
         state.add_(update)
         state_ratio(state, out=ratio)
-        for layer, view in zip(layers, ratios, strict=True):
-            layer.share_ratio(view)
+        for layer, view, ratio_view in zip(layers, views, ratio_views, strict=True):
+            layer.stored_low_rank, layer.stored_ratio = view, ratio_view
         return
     heads = update.shape[1] // len(layers)
     for i, layer in enumerate(layers):
-        layer.add_to_state(update[:, i * heads : (i + 1) * heads])
+        layer.stored_low_rank.add_(update[:, i * heads : (i + 1) * heads])
+        layer.stored_ratio = None
 
 
 def _stacked_psi(forward, layers: list) -> tuple[torch.Tensor, ...]:

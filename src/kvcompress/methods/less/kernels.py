@@ -88,15 +88,15 @@ class LayerKernels(nn.Module):
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
         if not self.training:
             return phi_features(query, *self.inference_weights().phi)
-        hidden = F.gelu(self._dropped(query.float() @ self.phi_w1))
+        hidden = F.gelu(self.dropout(query.float() @ self.phi_w1))
         return F.gelu(hidden @ self.phi_w2).abs()
 
     def psi(self, key: torch.Tensor) -> torch.Tensor:
         """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
-        if self.training:
-            hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
-            return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
-        return psi_features(key, *self.inference_weights().psi)
+        if not self.training:
+            return psi_features(key, *self.inference_weights().psi)
+        hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
+        return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
 
     @torch.no_grad()
     def inference_weights(self) -> InferenceWeights:
@@ -118,9 +118,6 @@ class LayerKernels(nn.Module):
     def psi_is_zero(self) -> bool:
         """Whether ψ is identically zero because ``psi_mix`` is (``zero_kernels``); one host read."""
         return not bool(self.psi_mix().any())
-
-    def _dropped(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.dropout(hidden) if self.training else hidden
 
     def check_shape(self, q_heads: int, kv_heads: int, head_dim: int, layer_idx: int) -> None:
         if (q_heads, kv_heads, head_dim) != (self.q_heads, self.kv_heads, self.head_dim):
