@@ -33,6 +33,7 @@ from torch import nn
 from kvcompress.files import damaged, load_json, load_tensors, require_keys
 
 KERNEL_FORMAT = 1
+SHAPE = ("q_heads", "kv_heads", "head_dim", "rank", "hidden")  # a layer's shape, as its file and meta.json record it
 META_FILE = "meta.json"
 KERNEL_FILE = "a LESS kernel file"
 KERNEL_REMEDY = (
@@ -197,9 +198,6 @@ class LessKernels:
     def hidden(self) -> int:
         return self.layers[0].hidden
 
-    def parameter_count(self) -> int:
-        return sum(p.numel() for layer in self.layers for p in layer.parameters())
-
     def eval(self) -> LessKernels:
         for layer in self.layers:
             layer.eval()
@@ -229,16 +227,6 @@ class LessKernels:
         return directory
 
 
-def layer_shape_meta(layer: LayerKernels) -> dict[str, int]:
-    return {
-        "q_heads": layer.q_heads,
-        "kv_heads": layer.kv_heads,
-        "head_dim": layer.head_dim,
-        "rank": layer.rank,
-        "hidden": layer.hidden,
-    }
-
-
 def save_layer(
     directory: str | os.PathLike[str],
     index: int,
@@ -249,7 +237,8 @@ def save_layer(
     """Write one layer's kernels (atomically: a finished file is always complete)."""
     path = layer_file(directory, index)
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in layer.state_dict().items()}
-    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": layer_shape_meta(layer), "state_dict": state}
+    shape = {name: getattr(layer, name) for name in SHAPE}
+    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state}
     payload.update(extra or {})
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
@@ -326,7 +315,7 @@ def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False)
     layers = []
     for index in range(count):
         if index in missing:
-            layers.append(zero_kernels(**{k: meta[k] for k in ("q_heads", "kv_heads", "head_dim", "rank", "hidden")}))
+            layers.append(zero_kernels(**{name: meta[name] for name in SHAPE}))
         else:
             layers.append(load_layer(directory, index)[0])
     meta = dict(meta, missing_layers=missing)
