@@ -16,6 +16,7 @@ Fast paths (the step they target):
 - ``less-staged-folds``: LESS's folds of a forward done together at its end (decode: less);
 - ``less-slots``: LESS's decoding step as one softmax over the stored keys and the state's rows (decode: less;
   off: the softmax with its log-normaliser and Eq. 3's mix, the general path);
+- ``less-native-gelu``: φ and ψ's GELU on PyTorch's own kernel through a transposed view, not oneDNN's (decode: less);
 - ``causal-bias``: one additive causal mask per prompt chunk for every layer (prefill);
 - ``pod-stream-masks``: PoD's masks built once per forward while the layers hold the stream as it came (prefill);
 - ``slot-deferred-writes``: a decoding step's bookkeeping writes a slot layer leaves until something reads them
@@ -28,11 +29,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch.nn.functional as F
+
 import kvcompress.core.attention as attention
 import kvcompress.core.cache as cache
 import kvcompress.core.layer as core_layer
 import kvcompress.core.slots as slots
 import kvcompress.methods.less.folds as folds
+import kvcompress.methods.less.kernels as kernels
 import kvcompress.methods.less.layer as layer
 import kvcompress.methods.less.policy as policy
 import kvcompress.methods.pod.attention as pod
@@ -66,6 +70,10 @@ def less_slots() -> None:
         return mixed.to(query.dtype), stats if self.stats.any else None
 
     policy.LessPolicy.attend = attend
+
+
+def less_native_gelu() -> None:
+    kernels._gelu = F.gelu  # the contiguous products: oneDNN's kernel on a CPU
 
 
 def causal_bias() -> None:
@@ -104,6 +112,7 @@ FAST_PATHS = {
     "joint-eviction": joint_eviction,
     "less-staged-folds": less_staged_folds,
     "less-slots": less_slots,
+    "less-native-gelu": less_native_gelu,
     "causal-bias": causal_bias,
     "pod-stream-masks": pod_stream_masks,
     "slot-deferred-writes": slot_deferred_writes,

@@ -17,6 +17,7 @@ from kvcompress.methods.less import LessConfig, baseline_plus
 from kvcompress.methods.less.kernels import (
     LayerKernels,
     LessKernels,
+    _gelu,
     init_kernels,
     load_kernels,
     phi_features,
@@ -389,3 +390,18 @@ def test_features_equal_the_training_form():
         psi = (gelu(gelu(key @ kernels.psi_w1) @ kernels.psi_w2) @ kernels.psi_mix()).abs()
     torch.testing.assert_close(phi_features(query, *weights.phi), phi)
     torch.testing.assert_close(psi_features(key, *weights.psi), psi)
+
+
+@pytest.mark.parametrize("shape", [(9, 128, 1), (9, 1, 8), (90, 128, 1), (3, 128, 5)])
+def test_gelu_is_the_native_kernel_and_leaves_onednn_as_it_was(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 4
+    found = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = False
+        native = F.gelu(x)  # PyTorch's own kernel
+        torch.backends.mkldnn.enabled = True
+        out = _gelu(x)
+        assert torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = found
+    assert torch.equal(out, native) and out.is_contiguous() and out.shape == x.shape
