@@ -16,7 +16,7 @@ Fast paths (the step they target):
 - ``less-staged-folds``: LESS's folds of a forward done together at its end (decode: less);
 - ``less-slots``: LESS's decoding step as one softmax over the stored keys and the state's rows (decode: less;
   off: the softmax with its log-normaliser and Eq. 3's mix, the general path);
-- ``less-native-gelu``: φ and ψ's GELU on PyTorch's own kernel, not oneDNN's (decode: less);
+- ``less-native-gelu``: φ and ψ's GELU on PyTorch's own kernel through a transposed view, not oneDNN's (decode: less);
 - ``causal-bias``: one additive causal mask per prompt chunk for every layer (prefill);
 - ``pod-stream-masks``: PoD's masks built once per forward while the layers hold the stream as it came (prefill);
 - ``slot-deferred-writes``: a decoding step's bookkeeping writes a slot layer leaves until something reads them
@@ -27,13 +27,15 @@ Fast paths (the step they target):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
+
+import torch.nn.functional as F
 
 import kvcompress.core.attention as attention
 import kvcompress.core.cache as cache
 import kvcompress.core.layer as core_layer
 import kvcompress.core.slots as slots
+import kvcompress.methods.less.folds as folds
 import kvcompress.methods.less.kernels as kernels
 import kvcompress.methods.less.layer as layer
 import kvcompress.methods.less.policy as policy
@@ -50,7 +52,7 @@ def pod_ring() -> None:
 
 
 def less_staged_folds() -> None:
-    layer.stage = lambda *args, **kwargs: False  # every layer folds what it evicts at once
+    layer.stage = lambda less_layer, *staged: folds.fold(less_layer.forward_pass, [(less_layer, *staged)])  # at once
 
 
 def less_slots() -> None:
@@ -71,7 +73,7 @@ def less_slots() -> None:
 
 
 def less_native_gelu() -> None:
-    kernels.native_kernels = lambda like: contextlib.nullcontext()
+    kernels._gelu = F.gelu  # the contiguous products: oneDNN's kernel on a CPU
 
 
 def causal_bias() -> None:

@@ -7,13 +7,22 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kvcompress
 from kvcompress.core.forward import ForwardPass
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.less import LessConfig, baseline_plus
-from kvcompress.methods.less.kernels import LayerKernels, LessKernels, init_kernels, load_kernels
+from kvcompress.methods.less.kernels import (
+    LayerKernels,
+    LessKernels,
+    _gelu,
+    init_kernels,
+    load_kernels,
+    phi_features,
+    psi_features,
+)
 from kvcompress.methods.less.masked import (
     eviction_times,
     less_masked_attention,
@@ -397,3 +406,32 @@ def test_per_head_budgets_fold_only_what_each_head_evicts(kv_bits, tiny_llama, m
             if owner is layer
         )
         torch.testing.assert_close(layer.low_rank_h, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_features_equal_the_training_form():
+    kernels = init_kernels(q_heads=4, kv_heads=2, head_dim=16, rank=8, hidden=32, seed=3)
+    with torch.no_grad():
+        kernels.psi_s1.fill_(0.7)
+    query, key = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    weights = kernels.inference_weights()
+    gelu = F.gelu
+    with torch.no_grad():
+        phi = gelu(gelu(query @ kernels.phi_w1) @ kernels.phi_w2).abs()
+        psi = (gelu(gelu(key @ kernels.psi_w1) @ kernels.psi_w2) @ kernels.psi_mix()).abs()
+    torch.testing.assert_close(phi_features(query, *weights.phi), phi)
+    torch.testing.assert_close(psi_features(key, *weights.psi), psi)
+
+
+@pytest.mark.parametrize("shape", [(9, 128, 1), (9, 1, 8), (90, 128, 1), (3, 128, 5)])
+def test_gelu_is_the_native_kernel_and_leaves_onednn_as_it_was(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 4
+    found = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = False
+        native = F.gelu(x)  # PyTorch's own kernel
+        torch.backends.mkldnn.enabled = True
+        out = _gelu(x)
+        assert torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = found
+    assert torch.equal(out, native) and out.is_contiguous() and out.shape == x.shape

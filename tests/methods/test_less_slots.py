@@ -108,7 +108,7 @@ def test_the_states_are_stacked_and_their_ratios_current_after_a_batch_reorder(t
         layer.forward_pass = ForwardPass([layer])  # each layer a forward of its own: it folds at once, into its state
 
     def storages() -> int:
-        return len({layer.low_rank_state().untyped_storage().data_ptr() for layer in stacked.compressed_layers})
+        return len({layer.stored_low_rank.untyped_storage().data_ptr() for layer in stacked.compressed_layers})
 
     for cache in (stacked, alone):
         decode_logits(tiny_llama, ids[:, :20], cache)

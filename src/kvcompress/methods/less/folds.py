@@ -22,17 +22,17 @@ from kvcompress.methods.less.low_rank_slots import state_ratio
 FOLDS = "less-folds"  # the forward's job and its staged folds
 
 
-def stage(layer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> bool:
+def stage(layer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
     """Leave ``layer``'s fold of its evicted ``keys``/``values`` ``[B, H_kv, e, D]`` (``weight`` ``[B, H_kv, e]``:
-    0 for slots that hold no token, ``None``: all real) to the end of the forward (``True``), or to the layer (a
-    layer outside an open forward of several layers)."""
+    0 for slots that hold no token, ``None``: all real) to the end of the forward, or fold them now (a layer outside
+    an open forward of several layers)."""
     forward = layer.forward_pass
     if not (forward.shared and forward.is_open):
-        return False
+        fold(forward, [(layer, keys, values, weight)])
+        return
     forward.cached(FOLDS, list).append((layer, keys, values, weight))
     layer.staged = True
     forward.at_end(FOLDS, lambda: fold_staged(forward))
-    return True
 
 
 def settle(layer) -> None:
@@ -50,41 +50,52 @@ def fold_staged(forward) -> None:
     waiting.clear()
     for layer, *_ in staged:
         layer.staged = False
-    if not staged:
-        return
-    shapes = {(keys.shape, weight is None) for _, keys, _, weight in staged}
-    if len(staged) == 1 or len(shapes) > 1:
-        for layer, keys, values, weight in staged:
-            layer.fold(keys, values, weight)
-        return
+    if len({(keys.shape, weight is None) for _, keys, _, weight in staged}) == 1:
+        fold(forward, staged)
+    else:
+        for item in staged:
+            fold(forward, [item])
+
+
+def fold(forward, staged: list) -> None:
+    """Add ``ψ(k)ᵀ [v | 1]`` of each ``(layer, keys, values, weight)`` in ``staged`` (keys and values ``[B, H_kv, e,
+    D]`` of one shape; ``weight`` ``[B, H_kv, e]``, 0 for slots that hold no token, or ``None``) to the layer's state:
+    ψ of them all as one batched MLP (several layers' ψ weights stacked), one outer product, one addition."""
     layers = [layer for layer, *_ in staged]
-    keys = torch.cat([keys for _, keys, _, _ in staged], dim=1)  # [B, n * H_kv, e, D]
-    values = torch.cat([values for _, _, values, _ in staged], dim=1)
-    features = psi_features(keys, *_stacked_psi(forward, layers))
+    keys = _joined([keys for _, keys, _, _ in staged])  # [B, n * H_kv, e, D]
+    values = _joined([values for _, _, values, _ in staged])
+    psi = _stacked_psi(forward, layers) if len(layers) > 1 else layers[0].policy.weights.psi
+    features = psi_features(keys, *psi)
     if staged[0][3] is not None:
-        features = features * torch.cat([weight for *_, weight in staged], dim=1)[..., None]
+        features = features * _joined([weight for *_, weight in staged])[..., None]
     _add(forward, layers, outer_update(features, values))
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
 
 
 def _add(forward, layers: list, update: torch.Tensor) -> None:
     """Add ``update`` ``[B, n * H_kv, R, D + 1]`` to the states of ``layers``: one addition and one ratio for the
     whole cache where every layer folded and the states are stacked (a decoding step), else one per layer."""
     every = len(layers) == len(forward.layers) and all(a is b for a, b in zip(layers, forward.layers, strict=True))
-    states = [layer.low_rank_state() for layer in layers] if every else []
+    states = [layer.stored_low_rank for layer in layers] if every else []
     if every and all(state is not None for state in states) and agree(states):
         state, views = forward.stacked("less-state", states, dim=1)
-        for layer, own, view in zip(layers, states, views, strict=True):
-            if own is not view:
-                layer.share_state(view)
-        ratio, ratios = forward.stacked("less-ratio", [layer.ratio_as_stored() for layer in layers], dim=1)
+        ratios = [
+            state_ratio(own) if layer.stored_ratio is None else layer.stored_ratio
+            for layer, own in zip(layers, states, strict=True)
+        ]
+        ratio, ratio_views = forward.stacked("less-ratio", ratios, dim=1)
         state.add_(update)
         state_ratio(state, out=ratio)
-        for layer, view in zip(layers, ratios, strict=True):
-            layer.share_ratio(view)
+        for layer, view, ratio_view in zip(layers, views, ratio_views, strict=True):
+            layer.stored_low_rank, layer.stored_ratio = view, ratio_view
         return
     heads = update.shape[1] // len(layers)
     for i, layer in enumerate(layers):
-        layer.add_to_state(update[:, i * heads : (i + 1) * heads])
+        layer.stored_low_rank.add_(update[:, i * heads : (i + 1) * heads])
+        layer.stored_ratio = None
 
 
 def _stacked_psi(forward, layers: list) -> tuple[torch.Tensor, ...]:

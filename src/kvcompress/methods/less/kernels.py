@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcompress.files import damaged, load_json, load_tensors, require_keys
-from kvcompress.methods.less.native import native_kernels
 
 KERNEL_FORMAT = 1
+SHAPE = ("q_heads", "kv_heads", "head_dim", "rank", "hidden")  # a layer's shape, as its file and meta.json record it
 META_FILE = "meta.json"
 KERNEL_FILE = "a LESS kernel file"
 KERNEL_REMEDY = (
@@ -89,15 +89,15 @@ class LayerKernels(nn.Module):
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
         if not self.training:
             return phi_features(query, *self.inference_weights().phi)
-        hidden = F.gelu(self._dropped(query.float() @ self.phi_w1))
+        hidden = F.gelu(self.dropout(query.float() @ self.phi_w1))
         return F.gelu(hidden @ self.phi_w2).abs()
 
     def psi(self, key: torch.Tensor) -> torch.Tensor:
         """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
-        if self.training:
-            hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
-            return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
-        return psi_features(key, *self.inference_weights().psi)
+        if not self.training:
+            return psi_features(key, *self.inference_weights().psi)
+        hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
+        return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
 
     @torch.no_grad()
     def inference_weights(self) -> InferenceWeights:
@@ -119,9 +119,6 @@ class LayerKernels(nn.Module):
     def psi_is_zero(self) -> bool:
         """Whether ψ is identically zero because ``psi_mix`` is (``zero_kernels``); one host read."""
         return not bool(self.psi_mix().any())
-
-    def _dropped(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.dropout(hidden) if self.training else hidden
 
     def check_shape(self, q_heads: int, kv_heads: int, head_dim: int, layer_idx: int) -> None:
         if (q_heads, kv_heads, head_dim) != (self.q_heads, self.kv_heads, self.head_dim):
@@ -173,13 +170,18 @@ def head_major_mlp(inputs: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -
     ``[H, hidden, D]`` (W1 transposed) and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a
     broadcast 4D matmul costs more than its arithmetic when decoding). The first product is taken as ``W1ᵀ xᵀ``:
     with one row per head (a decoding step) that is a matrix-vector product, which a CPU BLAS runs faster than the
-    row-times-matrix ``x W1``. The GELUs run on PyTorch's own kernel (``native_kernels``)."""
+    row-times-matrix ``x W1``. The GELUs run on PyTorch's own CPU kernel (``_gelu``)."""
     batch, heads, length, dim = inputs.shape
-    rows = inputs if inputs.dtype == torch.float32 else inputs.float()
-    rows = rows.transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
-    with native_kernels(rows):
-        hidden = F.gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
-        return F.gelu(torch.bmm(hidden.mT, w2))
+    rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
+    hidden = _gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
+    return _gelu(torch.bmm(hidden.mT, w2))
+
+
+def _gelu(inputs: torch.Tensor) -> torch.Tensor:
+    """The exact GELU of ``inputs`` ``[H, m, n]`` on PyTorch's own kernel: on a CPU, PyTorch hands a contiguous
+    float32 tensor to oneDNN, whose setup per call costs several times a decoding step's few hundred elements, and
+    a transposed view (the same memory; the result keeps its layout, so it comes back contiguous) to its own."""
+    return F.gelu(inputs.transpose(0, -1)).transpose(0, -1)
 
 
 def _heads_second(features: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -202,9 +204,6 @@ class LessKernels:
     @property
     def hidden(self) -> int:
         return self.layers[0].hidden
-
-    def parameter_count(self) -> int:
-        return sum(p.numel() for layer in self.layers for p in layer.parameters())
 
     def eval(self) -> LessKernels:
         for layer in self.layers:
@@ -235,16 +234,6 @@ class LessKernels:
         return directory
 
 
-def layer_shape_meta(layer: LayerKernels) -> dict[str, int]:
-    return {
-        "q_heads": layer.q_heads,
-        "kv_heads": layer.kv_heads,
-        "head_dim": layer.head_dim,
-        "rank": layer.rank,
-        "hidden": layer.hidden,
-    }
-
-
 def save_layer(
     directory: str | os.PathLike[str],
     index: int,
@@ -255,7 +244,8 @@ def save_layer(
     """Write one layer's kernels (atomically: a finished file is always complete)."""
     path = layer_file(directory, index)
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in layer.state_dict().items()}
-    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": layer_shape_meta(layer), "state_dict": state}
+    shape = {name: getattr(layer, name) for name in SHAPE}
+    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state}
     payload.update(extra or {})
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
@@ -332,7 +322,7 @@ def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False)
     layers = []
     for index in range(count):
         if index in missing:
-            layers.append(zero_kernels(**{k: meta[k] for k in ("q_heads", "kv_heads", "head_dim", "rank", "hidden")}))
+            layers.append(zero_kernels(**{name: meta[name] for name in SHAPE}))
         else:
             layers.append(load_layer(directory, index)[0])
     meta = dict(meta, missing_layers=missing)

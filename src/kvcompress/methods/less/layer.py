@@ -24,8 +24,7 @@ from kvcompress.core.contract import StatsRequest
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
-from kvcompress.methods.less.folds import outer_update, settle, stage
-from kvcompress.methods.less.kernels import psi_features
+from kvcompress.methods.less.folds import settle, stage
 from kvcompress.methods.less.low_rank_slots import state_ratio
 
 
@@ -34,10 +33,10 @@ class LessLayer(CompressedLayer):
 
     def __init__(self, policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
-        self._low_rank: torch.Tensor | None = None
-        self._ratio: torch.Tensor | None = None  # H / z of ``_low_rank``; None: to be computed (``ratio``)
-        self._z_of: torch.Tensor | None = None  # the state ``_z`` is a view of (``state_z``)
-        self._z: torch.Tensor | None = None
+        # [H | z] and H / z as stored (the ratio None: to be computed), without what is staged; ``folds`` adds to
+        # the state and may replace both by views of the cache's stacked states and ratios
+        self.stored_low_rank: torch.Tensor | None = None
+        self.stored_ratio: torch.Tensor | None = None
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
         self.staged = False  # evicted tokens wait to be folded at the end of the forward (``folds``)
 
@@ -45,7 +44,7 @@ class LessLayer(CompressedLayer):
     def low_rank(self) -> torch.Tensor | None:
         """``[H | z]`` ``[B, H_kv, R, D + 1]`` with every eviction so far folded in."""
         settle(self)
-        return self._low_rank
+        return self.stored_low_rank
 
     @property
     def ratio(self) -> torch.Tensor | None:
@@ -53,17 +52,9 @@ class LessLayer(CompressedLayer):
         (``kvcompress.methods.less.low_rank_slots``). The forward's folds write every layer's at once. A working copy
         the size of ``H``, derived from it: not counted again in ``kv_nbytes``."""
         low_rank = self.low_rank
-        if self._ratio is None and low_rank is not None:
-            self._ratio = state_ratio(low_rank)
-        return self._ratio
-
-    @property
-    def state_z(self) -> torch.Tensor:
-        """``z`` of the state as stored, a view made once per state tensor (a decoding step reads it after ``ratio``
-        folded what was pending)."""
-        if self._z_of is not self._low_rank:
-            self._z_of, self._z = self._low_rank, self._low_rank[..., -1]
-        return self._z
+        if self.stored_ratio is None and low_rank is not None:
+            self.stored_ratio = state_ratio(low_rank)
+        return self.stored_ratio
 
     @property
     def low_rank_h(self) -> torch.Tensor | None:
@@ -79,8 +70,8 @@ class LessLayer(CompressedLayer):
         super().lazy_initialization(key_states, value_states)
         batch, heads, _, dim = value_states.shape
         rank = self.policy.config.state_rank
-        self._low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
-        self._ratio = None
+        self.stored_low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
+        self.stored_ratio = None
 
     @without_grad
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
@@ -103,72 +94,41 @@ class LessLayer(CompressedLayer):
             weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
         keys, values = self.read_slots(victims)
         self.folded = True
-        if not stage(self, keys, values, weight):  # (else folded with the other layers' at the end of the forward)
-            self.fold(keys, values, weight)
+        stage(self, keys, values, weight)  # folded with the other layers' at the end of the forward, or now
 
     def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H_kv, e, D]`` of the slots ``index`` ``[B, H_kv, e]`` as attention reads them."""
         keys, values = self.keys, self.values
         return _take(keys, index), _take(values, index)
 
-    def fold(self, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
-        """Add ``ψ(k)ᵀ [v | 1]`` of ``keys``/``values`` ``[B, H_kv, e, D]`` (weighted by ``weight``) to the state."""
-        features = psi_features(keys, *self.policy.weights.psi)  # [B, H_kv, e, R]
-        if weight is not None:
-            features = features * weight[..., None]
-        self._low_rank += outer_update(features, values)
-        self._ratio = None
-
-    def low_rank_state(self) -> torch.Tensor | None:
-        """``[H | z]`` as stored, without folding what is staged (``folds`` adds to it)."""
-        return self._low_rank
-
-    def add_to_state(self, update: torch.Tensor) -> None:
-        """Add a fold's ``update`` ``[B, H_kv, R, D + 1]`` to the stored state (``folds``)."""
-        self._low_rank.add_(update)
-        self._ratio = None
-
-    def share_state(self, low_rank: torch.Tensor) -> None:
-        """Hold ``low_rank`` (equal to the state, a view of the cache's stacked states) instead of the state's own
-        tensor (``folds``)."""
-        self._low_rank = low_rank
-
-    def share_ratio(self, ratio: torch.Tensor) -> None:
-        """Hold ``ratio`` (the state's ``H / z``, a view of the cache's stacked ratios kept current by ``folds``)."""
-        self._ratio = ratio
-
-    def ratio_as_stored(self) -> torch.Tensor:
-        """``H / z`` of the state as stored, without folding what is staged."""
-        return self._ratio if self._ratio is not None else state_ratio(self._low_rank)
-
     def reset(self) -> None:
         settle(self)
         super().reset()
-        self._low_rank = self._ratio = self._z_of = self._z = None
+        self.stored_low_rank = self.stored_ratio = None
         self.folded = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.is_initialized:
             indices = indices.to(self.device)
-            self._low_rank, self._ratio = self.low_rank.index_select(0, indices), None
+            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices), None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
-            self._low_rank, self._ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
+            self.stored_low_rank, self.stored_ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
 
     def kv_nbytes(self) -> int:
         """Stored keys and values plus the state ``H`` (it stands in for the evicted keys and values)."""
         if not self.is_initialized:
             return 0
-        return super().kv_nbytes() + self._low_rank[..., :-1].numel() * self._low_rank.element_size()
+        return super().kv_nbytes() + self.stored_low_rank[..., :-1].numel() * self.stored_low_rank.element_size()
 
     def metadata_nbytes(self) -> int:
         """Positions and statistics plus the normaliser ``z``."""
         if not self.is_initialized:
             return 0
-        return super().metadata_nbytes() + self._low_rank[..., -1].numel() * self._low_rank.element_size()
+        return super().metadata_nbytes() + self.stored_low_rank[..., -1].numel() * self.stored_low_rank.element_size()
 
     def allocated_nbytes(self) -> int:
         """The key and value buffers as allocated plus the state ``H`` (held whole, as stored)."""

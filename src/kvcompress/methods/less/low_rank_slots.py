@@ -43,23 +43,17 @@ def low_rank_slots_attention(
     kv_heads, length = key.shape[1], key.shape[2]
     rows = batch * kv_heads
     logits = one_query_logits(query, key, dim**-0.5 if scaling is None else scaling)  # the base policy's own
-    if batch > 1:
-        features = features.transpose(0, 1)
-    state_logits = features.reshape(rows, -1, features.shape[-1]).mul(z.reshape(rows, 1, -1)).log_()
+    features = features.transpose(0, 1).reshape(rows, -1, features.shape[-1])  # [B H_kv, G, R]
+    state_logits = features.mul(z.reshape(rows, 1, -1)).log_()
     probs = torch.cat([logits, state_logits], dim=-1).softmax(dim=-1)  # [B H_kv, G, L + R]
-    output = torch.bmm(_as(probs[..., :length], value.dtype), value.flatten(0, 1))
-    output = _as(output, torch.float32).baddbmm_(probs[..., length:], ratio.flatten(0, 1))
+    output = torch.bmm(probs[..., :length].to(value.dtype), value.flatten(0, 1))
+    output = output.float().baddbmm_(probs[..., length:], ratio.flatten(0, 1))
     stats = AttentionStats(query_count=1)
     if request.received or request.last_queries:  # the base policy's view: the sparse softmax of the stored keys
         shares = logits.softmax(dim=-1).view(batch, kv_heads, -1, length)
         stats.received = shares if request.received else None
         stats.last = shares.unsqueeze(3) if request.last_queries else None
-    return _as(output.view(batch, q_heads, 1, -1), query.dtype), stats
-
-
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` in ``dtype`` (itself where it already is: no conversion call on the float32 decoding path)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+    return output.view(batch, q_heads, 1, -1).to(query.dtype), stats
 
 
 def state_ratio(low_rank: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ in for one forward), and ``capture_attention`` to record a layer's post-RoPE Q, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,15 +147,13 @@ def eviction_times(
 LESS_ATTENTION = "kvcompress_less"
 
 
-class AttentionRun:
-    """What the LESS attention function does for one forward (passed as the ``less_run`` model keyword)."""
-
-    def __call__(self, layer_idx: int, query, key, value, scaling) -> torch.Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
+# What the LESS attention function does for one forward (passed as the ``less_run`` model keyword):
+# ``run(layer_idx, query, key, value, scaling)`` -> the attention output ``[B, H_q, S, D]``.
+AttentionRun = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
 
 @dataclass
-class CaptureRun(AttentionRun):
+class CaptureRun:
     """Full causal attention that records each layer's post-RoPE ``query``, ``key``, ``value`` (``records[idx]``)."""
 
     records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -167,7 +165,7 @@ class CaptureRun(AttentionRun):
 
 
 @dataclass
-class MaskedRun(AttentionRun):
+class MaskedRun:
     """Masked (parallel) form of a base policy, with LESS kernels or without (Baseline); ``policies=None``: full.
 
     ``policies[idx]`` is a base ``Policy`` for layer ``idx`` (a fresh cache layer is simulated per forward);
