@@ -213,14 +213,14 @@ class QuantizedSlotBuffers(SlotBuffers):
     # sealing writes them; so a decoding step writes no codes at all (before: zeros, two ops a layer).
     writes_kv = False
 
-    def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
+    def write_range(self, start, keys, values, seen, state) -> None:
         seen = self._stream_index(seen)
-        super().write_range(start, keys, values, seen, state, no_padding)
+        super().write_range(start, keys, values, seen, state)
         self._after_write(keys, values, seen, start)
 
-    def write_at(self, slots, keys, values, seen, state, reused_real=False) -> None:
+    def write_at(self, slots, keys, values, seen, state) -> None:
         seen = self._stream_index(seen)
-        super().write_at(slots, keys, values, seen, state, reused_real)
+        super().write_at(slots, keys, values, seen, state)
         self.stream_order = False
         self._after_write(keys, values, seen, slots)
 
