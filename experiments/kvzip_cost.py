@@ -1,10 +1,18 @@
 """KVzip's prefill and compression against a full prefill, CPU time, interleaved in one process.
 
     python -m experiments.kvzip_cost --tokens 1024 --reps 3
+    python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention
 
 A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into a KVzip
 cache (ratio 0.5) in turn, ``--reps`` times, one torch thread, under ``torch.no_grad`` as ``generate`` runs; prints
 each run's wall and CPU seconds and the ratio of the CPU medians.
+
+``--attention`` instead times the attention alone, summed over the layers, on the model's own activations: each
+layer's reconstruction inputs are recorded during one KVzip prefill (its queries, the stored context's keys and
+values, its own keys and values), then, interleaved ``--reps`` times, the prefill's attention of that layer (PyTorch's
+fused kernel, causal over the context: the queries' last ``tokens`` rows against the context) and the
+reconstruction's attention with its scores (``score_chunk``; the last layer scores only, as in the forward); prints
+the CPU-time medians and a full prefill's for scale.
 """
 
 from __future__ import annotations
@@ -12,12 +20,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import types
 
 import torch
 
 import kvcompress
+import kvcompress.methods.kvzip as kvzip_method
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import prefill
+from kvcompress.methods.kvzip.reconstruct import score_chunk
 from kvcompress.models import load_model
 
 
@@ -26,6 +37,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--attention", action="store_true", help="time the attention alone, summed over layers")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model)
@@ -39,6 +51,9 @@ def main() -> None:
             prefill(model, ids, cache)
         return time.perf_counter() - wall, time.process_time() - cpu
 
+    if args.attention:
+        attention(model, ids, args.reps, run)
+        return
     runs: dict[str, list[tuple[float, float]]] = {"full": [], "kvzip": []}
     for _ in range(args.reps):
         runs["full"].append(run("full"))
@@ -47,6 +62,57 @@ def main() -> None:
         print(name, "wall", [round(w, 2) for w, _ in times], "cpu", [round(c, 2) for _, c in times])
     ratio = statistics.median(c for _, c in runs["kvzip"]) / statistics.median(c for _, c in runs["full"])
     print(f"{ids.shape[1]} tokens: kvzip / full, CPU time medians: {ratio:.2f}")
+
+
+def attention(model, ids: torch.Tensor, reps: int, run) -> None:
+    """The prefill's and the reconstruction's attention, summed over the layers (see the module docstring)."""
+    recorded = []
+
+    def record(policy, query, key, value, own_key, own_value, scaling, attend=True):
+        state = (policy.scoring, query, key, value, own_key, own_value, scaling, attend)
+        recorded.append(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in state))
+        return score_chunk(policy, query, key, value, own_key, own_value, scaling, attend)
+
+    kvzip_method.score_chunk = record
+    try:
+        run("kvzip", ratio=0.5)
+    finally:
+        kvzip_method.score_chunk = score_chunk
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    tokens = ids.shape[1]
+
+    def prefill_attention() -> None:
+        for _, query, key, value, *_ in recorded:
+            scale = query.shape[-1] ** -0.5
+            flash(query[:, :, -tokens:], key, value, 0.0, True, scale=scale)
+
+    def reconstruction_attention() -> None:
+        for scoring, query, key, value, own_key, own_value, scaling, attend in recorded:
+            policy = types.SimpleNamespace(scoring=scoring, scores=torch.zeros(*key.shape[:3]))
+            score_chunk(policy, query, key, value, own_key, own_value, scaling, attend)
+
+    times: dict[str, list[float]] = {"full prefill": [], "prefill attention": [], "reconstruction attention": []}
+    for _ in range(reps):
+        times["full prefill"].append(run("full")[1])
+        for name, job in (
+            ("prefill attention", prefill_attention),
+            ("reconstruction attention", reconstruction_attention),
+        ):
+            cpu = time.process_time()
+            with torch.no_grad():
+                job()
+            times[name].append(time.process_time() - cpu)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(
+        f"{tokens} tokens, {len(recorded)} layer calls, CPU s medians of {reps}:",
+        {k: round(v, 3) for k, v in medians.items()},
+    )
+    full = medians["full prefill"]
+    print(
+        f"attention share of a full prefill f = {medians['prefill attention'] / full:.3f}; reconstruction attention "
+        f"{medians['reconstruction attention'] / medians['prefill attention']:.2f}x the prefill's, "
+        f"{medians['reconstruction attention'] / full:.3f} of a full prefill"
+    )
 
 
 if __name__ == "__main__":

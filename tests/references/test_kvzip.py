@@ -150,6 +150,28 @@ def test_kvzip_reconstruction_stores_nothing(params, tiny_llama, tokenizer_dir):
     assert all(length == occupied == 30 and capacity <= 31 for length, occupied, capacity in seen)
 
 
+def test_kvzip_reconstruction_stops_after_the_last_layers_scores(tiny_llama, tokenizer_dir):
+    """A reconstruction forward's output is never read: it stops once its last layer is scored (that layer's MLP,
+    the final norm and the LM head do not run for it), and the cache's forward is closed after it."""
+    ids = token_ids(1, 30, seed=11)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, ratio=0.5, chunk_size=12)
+    calls = {"first mlp": 0, "last mlp": 0, "head": 0}
+
+    def counter(name):
+        return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+    modules = {"first mlp": tiny_llama.model.layers[0].mlp, "last mlp": tiny_llama.model.layers[-1].mlp}
+    modules["head"] = tiny_llama.lm_head
+    hooks = [module.register_forward_hook(counter(name)) for name, module in modules.items()]
+    try:
+        prefill(tiny_llama, ids, cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == {"first mlp": 1 + 3, "last mlp": 1, "head": 1}  # the prefill, then 3 reconstruction chunks
+    assert not any(layer.forward_pass.is_open for layer in cache.compressed_layers)
+
+
 def test_kvzip_then_generate_appends_to_the_compressed_context(tiny_llama, tokenizer_dir):
     ids = token_ids(1, 34, seed=8)
     cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, ratio=0.5)

@@ -47,6 +47,13 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   the whole context (the reconstruction attends to all of it, as in the paper and kvpress) and nothing more: the
   compression's peak is the full cache plus one chunk's forward (its activations, one layer's chunk keys and
   values, a query block's logits), which grows with ``chunk_size``, not with the context.
+- Cost: a reconstruction forward's output is never read, so it stops once its last layer is scored (that layer's
+  attention output, output projection and MLP, the final norm and the LM head are not computed; the earlier
+  layers' outputs are the next layers' inputs and are). Its linear layers cost what the prefill's do, and its
+  attention costs about three times the prefill's (every query over the whole stored context, a square, plus its
+  own tokens causally, where the prefill's is one triangle; the scores need every query-key logit of the
+  square): with a share ``f`` of a prefill's time in attention, prefill and compression cost about ``2 + 2f``
+  prefills.
 - Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
   layers (Mistral's, Gemma-3's) are refused when the cache is built.
 """
@@ -60,7 +67,7 @@ import torch
 from kvcompress.core.checks import check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.methods.kvzip.layer import KVzipLayer, KVzipQuantizedLayer, KVzipRaggedLayer
-from kvcompress.methods.kvzip.reconstruct import compress_by_reconstruction, score_chunk
+from kvcompress.methods.kvzip.reconstruct import STOP, compress_by_reconstruction, score_chunk, stop_forward
 from kvcompress.methods.oneshot import check_ratio_or_budget
 
 ALLOCATIONS = ("global", "layer", "uniform")
@@ -79,11 +86,14 @@ class KVzipPolicy(Policy):
         self.scoring: tuple[int, int, int, int] | None = None  # (context length, start, end, sinks) of a chunk
         self.scores: torch.Tensor | None = None  # [B, H_kv, context] float32
         self.chunk: tuple[torch.Tensor, torch.Tensor] | None = None  # a reconstruction forward's keys and values
+        self.final = False  # the reconstruction forward's last layer (set by ``compress_by_reconstruction``)
 
     def attend(self, layer, query, key, value, mask, scaling):
         if self.scoring is not None:  # (the layer handed the chunk's own keys and values aside: ``layer``)
             own, self.chunk = self.chunk, None
-            return score_chunk(self, query, key, value, *own, scaling), None
+            if self.final:  # nothing reads this layer's output: once it closes the forward, the forward stops
+                layer.forward_pass.at_end(STOP, stop_forward)
+            return score_chunk(self, query, key, value, *own, scaling, attend=not self.final), None
         if not self.done and layer.seen > layer.new_tokens and not layer.defer_compression:
             raise ValueError(
                 "kvzip compresses the context in kvcompress.generation.prefill(model, context_ids, cache): it needs "

@@ -18,6 +18,16 @@ FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk repeated after a later chunk's prompt
 BLOCK_BYTES = 8 * 2**20  # float32 logits of one block of reconstruction queries over the context (about)
+STOP = ("kvzip", "last layer scored")  # the reconstruction forward's job after its last layer (``stop_forward``)
+
+
+class ReconstructionScored(Exception):
+    """A reconstruction forward's last layer is scored: nothing after it (that layer's output projection and MLP,
+    the final norm, the LM head) is read, so the forward stops there (``compress_by_reconstruction`` catches it)."""
+
+
+def stop_forward() -> None:
+    raise ReconstructionScored
 
 
 @functools.lru_cache(maxsize=4)
@@ -82,6 +92,7 @@ def score_chunk(
     own_key: torch.Tensor,
     own_value: torch.Tensor,
     scaling: float | None,
+    attend: bool = True,
 ) -> torch.Tensor:
     """One reconstruction forward's attention, and its scores folded into ``policy.scores``; ``[B, H_q, q, d]``.
 
@@ -98,7 +109,8 @@ def score_chunk(
     log-normaliser: the max over the group and queries is taken before the ``exp``; with one chunk, of the
     attention's probabilities themselves) and, exponentiated in place, the context part of the attention output;
     the two parts are merged by their log-normalisers. So scoring costs no query-key product beyond the
-    attention's."""
+    attention's. ``attend=False`` (the forward's last layer, whose output nothing reads) scores only: the returned
+    tensor is left unwritten."""
     length, start, end, sinks = policy.scoring
     batch, query_heads, count, dim = query.shape
     heads, columns = key.shape[1], key.shape[2]
@@ -129,8 +141,10 @@ def score_chunk(
         probs.mul_((top - total).exp_())  # the attention's probabilities of the context columns
         if whole:
             peak = probs.view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
-        part = (probs @ values).add_(own_output[:, :, row:stop].reshape(batch, heads, size, dim) * (own - total).exp())
-        output[:, :, row:stop] = part.view(batch, query_heads, stop - row, dim)
+        if attend:
+            own_part = own_output[:, :, row:stop].reshape(batch, heads, size, dim) * (own - total).exp()
+            part = (probs @ values).add_(own_part)
+            output[:, :, row:stop] = part.view(batch, query_heads, stop - row, dim)
         best = peak if best is None else torch.maximum(best, peak)
     policy.scores[:, :, start:end] = best
     return output
@@ -155,6 +169,8 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     tokenizer = load_tokenizer(path)
     for policy, layer in zip(policies, layers, strict=True):
         policy.scores = torch.zeros(*layer.slots.token_idx.shape[:2], length, device=layer.device)
+    policies[-1].final = True  # (the forward's last layer: scores only, then the forward stops; ``KVzipPolicy``)
+    forward = layers[-1].forward_pass
     # (the keyword the installed transformers takes a cache by: ``kvcompress.generation.cache_argument``'s rule)
     keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     try:
@@ -163,10 +179,14 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
                 policy.scoring = (length, start, end, min(config.n_sink, start))
             count = ids.shape[1]
             positions = torch.arange(length, length + count, device=ids.device)[None].expand(ids.shape[0], -1)
-            model(input_ids=ids, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
+            try:
+                model(input_ids=ids, position_ids=positions, **{keyword: cache}, use_cache=True, logits_to_keep=1)
+            except ReconstructionScored:  # raised as the last layer closed the forward: its other jobs run now
+                forward.close()
     finally:
         for policy in policies:
             policy.scoring = policy.chunk = None
+            policy.final = False
     for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
         policy.scores[..., : config.n_sink] = 2.0
     evict(config, layers)
