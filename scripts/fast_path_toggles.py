@@ -12,15 +12,16 @@ compare the ratios (docs/core-lines.md has the figures and commands).
 Fast paths (the step they target):
 
 - ``pod-ring``: PoD's proximal keys in a ring while decoding (decode; off: the packed keys, trimmed per step);
-- ``pod-ring-bookkeeping``: the stream indices, positions, validity and ranks of PoD's ring steps written together
-  when something reads them (decode: pod; off: written at each step);
 - ``joint-eviction``: a decoding step's evictions of every layer at once (decode: h2o, less);
 - ``less-staged-folds``: LESS's folds of a forward done together at its end (decode: less);
 - ``less-slots``: LESS's decoding step as one softmax over the stored keys and the state's rows (decode: less;
   off: the softmax with its log-normaliser and Eq. 3's mix, the general path);
 - ``less-native-gelu``: φ and ψ's GELU on PyTorch's own kernel through a transposed view, not oneDNN's (decode: less);
 - ``causal-bias``: one additive causal mask per prompt chunk for every layer (prefill);
-- ``pod-stream-masks``: PoD's masks built once per forward while the layers hold the stream as it came (prefill).
+- ``pod-stream-masks``: PoD's masks built once per forward while the layers hold the stream as it came (prefill);
+- ``slot-deferred-writes``: a decoding step's bookkeeping writes a slot layer leaves until something reads them
+  (decode: every slot method; off: the victim's slot marked free at once, the new token's rank, validity and
+  default RoPE position written at once).
 """
 
 from __future__ import annotations
@@ -32,24 +33,14 @@ import torch.nn.functional as F
 
 import kvcompress.core.attention as attention
 import kvcompress.core.cache as cache
+import kvcompress.core.layer as core_layer
+import kvcompress.core.slots as slots
 import kvcompress.methods.less.folds as folds
 import kvcompress.methods.less.kernels as kernels
 import kvcompress.methods.less.layer as layer
 import kvcompress.methods.less.policy as policy
 import kvcompress.methods.pod.attention as pod
-import kvcompress.methods.pod.layer as pod_layer
 from kvcompress.bench.speed import main as speed
-
-
-def pod_ring_bookkeeping() -> None:
-    update = pod_layer.PoDLayer.update
-
-    def update_at_once(self, *args, **kwargs):
-        returned = update(self, *args, **kwargs)
-        self._write_ring_bookkeeping()
-        return returned
-
-    pod_layer.PoDLayer.update = update_at_once
 
 
 def joint_eviction() -> None:
@@ -93,15 +84,38 @@ def pod_stream_masks() -> None:
     pod.stream_biases = lambda *args, **kwargs: None  # every layer builds its own masks
 
 
+def slot_deferred_writes() -> None:
+    write_range, write_at, evict = (
+        slots.SlotBuffers.write_range,
+        slots.SlotBuffers.write_at,
+        core_layer.CompressedLayer.evict,
+    )
+
+    def write_range_at_once(self, start, keys, values, seen, state, no_padding=False):
+        write_range(self, start, keys, values, seen, state, False)
+
+    def write_at_at_once(self, slots_, keys, values, seen, state, reused_real=False):
+        write_at(self, slots_, keys, values, seen, state, False)
+
+    def evict_at_once(self, victims):
+        evict(self, victims)
+        if self._stale:
+            self._settle()
+
+    slots.SlotBuffers.write_range = write_range_at_once
+    slots.SlotBuffers.write_at = write_at_at_once
+    core_layer.CompressedLayer.evict = evict_at_once
+
+
 FAST_PATHS = {
     "pod-ring": pod_ring,
-    "pod-ring-bookkeeping": pod_ring_bookkeeping,
     "joint-eviction": joint_eviction,
     "less-staged-folds": less_staged_folds,
     "less-slots": less_slots,
     "less-native-gelu": less_native_gelu,
     "causal-bias": causal_bias,
     "pod-stream-masks": pod_stream_masks,
+    "slot-deferred-writes": slot_deferred_writes,
 }
 
 

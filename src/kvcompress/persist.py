@@ -44,9 +44,7 @@ from kvcompress.core.model_spec import ModelCheck, ModelSpec, architecture
 from kvcompress.files import damaged
 from kvcompress.registry import make_config
 
-# a file holds the cache objects' own attributes: the number changes whenever they do, so a file written by a
-# kvcompress whose objects differ is refused with one line instead of loading into objects that miss what they need
-FORMAT = "kvcompress-cache/2"
+FORMAT = "kvcompress-cache/1"
 WHAT = "a kvcompress cache file"
 REMEDY = "save the cache again with kvcompress.save_cache(cache, path)"
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (

@@ -70,6 +70,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.stream_positions = True  # every token so far came with its stream index as RoPE position
         self.max_chunk = 0  # largest forward so far (tokens)
         self._free: torch.Tensor | None = None  # [B, H, e] slots freed by the last eviction of a holed layer
+        # the slots in ``_free`` still hold their evicted token's bookkeeping: the next forward overwrites it (a
+        # decoding step frees nothing), anything else reading the slots marks them free first (``_settle``)
+        self._stale = False
         self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
         # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
         # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward``)
@@ -81,8 +84,15 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return self.occupied if self.dense else self.slots.capacity
 
     def _view(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._stale:
+            self._settle()
         width = self.view_width
         return tensor if width == tensor.shape[2] else tensor[:, :, :width]
+
+    def _settle(self) -> None:
+        """Mark the last decoding step's victims free (deferred until something but the next write reads the slots)."""
+        self._stale = False
+        self.slots.free_at(self._free)
 
     def _only_none(self, value: None) -> None:  # transformers' layer base class initialises keys/values to None
         if value is not None:
@@ -113,6 +123,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
 
     def kept(self) -> StreamView:
         """The stored tokens in stream order (keys, values, positions, validity, state): for inspection."""
+        if self._stale:
+            self._settle()
         return self.slots.stream_view(self.view_width)
 
     # --- storage -------------------------------------------------------------------------------------------
@@ -140,10 +152,12 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             seen = seen.add_(count) - count
         if self.dense:
             self._new = None
-            self.slots.write_range(self.occupied, key_states, value_states, seen, state)
+            self.slots.write_range(self.occupied, key_states, value_states, seen, state, self.all_valid)
         else:
             self._new, self._free = self._free, None
-            self.slots.write_at(self._new, key_states, value_states, seen, state)
+            reused, self._stale = self._stale, False
+            # a reused slot of a layer without padding is already marked real: only its token changes
+            self.slots.write_at(self._new, key_states, value_states, seen, state, reused and self.all_valid)
             self.ordered = False
         self.occupied = needed
         self.seen += count
@@ -230,12 +244,13 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.before_eviction(victims, None)
         width = self.view_width
         self.occupied -= victims.shape[-1]
-        self.slots.free_at(victims)
         decoding = self.new_tokens == 1 and victims.shape[-1] == 1 and self.policy.position_mode != "cache"
         was_dense, self.dense = self.dense, False
         if decoding and (not was_dense or self._at_capacity(width)):
             self._free = victims if self.free_buffer is None else self.free_buffer.copy_(victims)
+            self._stale = True  # the next token takes the slot: nothing to mark
             return
+        self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
         self.compact(shrink=not self.more_prompt)
 
@@ -272,6 +287,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         unused capacity (keeping room for one token)."""
         if self.slots is None or self.slots.capacity == 0:
             return
+        if self._stale:
+            self._settle()
         if not self.dense:
             self.occupied, ragged = self.slots.compact(self.view_width, self.ordered, shrink)
             self.all_valid = self.all_valid and not ragged
@@ -354,7 +371,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.slots = None
         self.is_initialized = False
         self.seen = self.new_tokens = self.occupied = self.max_chunk = 0
-        self.compressed = False
+        self.compressed = self._stale = False
         self.dense = self.ordered = self.all_valid = self.stream_positions = True
         self._free = self._new = self.new_positions = None
         self.replay_binding = self.seen_tensor = self.free_buffer = None

@@ -43,6 +43,8 @@ class QuantizedLayer(CompressedLayer):
         self.is_initialized = True
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stale:
+            self._settle()
         self.slots.stream_seen = self.seen  # (a pass taken back, KVzip's reconstruction, rewinds ``seen``)
         return self.slots.view(self.view_width)
 
@@ -60,6 +62,8 @@ class QuantizedLayer(CompressedLayer):
         self._reads_codes = self.codes_readable()
         if not self._reads_codes:
             return super().attended()
+        if self._stale:
+            self._settle()
         self.slots.stream_seen = self.seen
         batch, heads = self.slots.token_idx.shape[:2]
         width = self.view_width

@@ -213,14 +213,14 @@ class QuantizedSlotBuffers(SlotBuffers):
     # sealing writes them; so a decoding step writes no codes at all (before: zeros, two ops a layer).
     writes_kv = False
 
-    def write_range(self, start, keys, values, seen, state) -> None:
+    def write_range(self, start, keys, values, seen, state, no_padding=False) -> None:
         seen = self._stream_index(seen)
-        super().write_range(start, keys, values, seen, state)
+        super().write_range(start, keys, values, seen, state, no_padding)
         self._after_write(keys, values, seen, start)
 
-    def write_at(self, slots, keys, values, seen, state) -> None:
+    def write_at(self, slots, keys, values, seen, state, reused_real=False) -> None:
         seen = self._stream_index(seen)
-        super().write_at(slots, keys, values, seen, state)
+        super().write_at(slots, keys, values, seen, state, reused_real)
         self.stream_order = False
         self._after_write(keys, values, seen, slots)
 

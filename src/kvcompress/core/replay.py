@@ -12,10 +12,10 @@ A layer *bound* to a captured step (``ReplayBinding.bind``) is in its static for
 - a method computes with ``layer.seen_step``: ``seen`` itself while the layer runs eagerly, ``seen_tensor`` while it is
   bound; the same arithmetic serves both, so no method branches on replay.
 
-The Python integers of a bound layer (``seen``, the ring's counters) fall behind while the graph replays: the binding
-is then ``stale``, and the first read of a layer's ``seen`` (or a forward that is not the graph's, which also unbinds)
-reads every bound layer's counters with one host read and sets the integers from them (``sync_replayed``): one
-synchronisation when the user leaves the graph, none per step.
+The Python integers of a bound layer (``seen``, the slots' lagging real-token count, the ring's counters) fall behind
+while the graph replays: the binding is then ``stale``, and the first read of a layer's ``seen`` (or a forward that
+is not the graph's, which also unbinds) reads every bound layer's counters with one host read and sets the integers
+from them (``sync_replayed``): one synchronisation when the user leaves the graph, none per step.
 """
 
 from __future__ import annotations
@@ -146,9 +146,10 @@ class SlotReplay:
         return [self.seen_tensor]
 
     def sync_replayed(self, values: list[int]) -> None:
-        """The Python integers from ``replay_counters``' values (the slots' real-token count is a device tensor the
-        step advances itself)."""
+        """The Python integers from ``replay_counters``' values: each replayed step stored one real token."""
+        replayed = values[0] - self._seen
         self._seen = values[0]
+        self.slots.add_real(replayed)
 
     def unbind_replay_buffers(self) -> None:
         self.replay_binding = self.seen_tensor = self.free_buffer = None

@@ -50,6 +50,49 @@ class SlotBuffers:
         self.state = state
         self.real_seen = real_seen
         self.key_heads = key_heads
+        # writes a decoding step defers until something reads them (each would be one more op per layer and step):
+        self._real_lag = 0  # real tokens written but not yet added to ``real_seen``
+        self._default_rope: tuple[torch.Tensor, int] | None = None  # slots whose RoPE position is their stream index
+        self._rank_is_token = False  # no padding stored: every rank equals its token index (written when read)
+
+    @property
+    def real_seen(self) -> torch.Tensor:
+        if self._real_lag:
+            self._real_seen += self._real_lag
+            self._real_lag = 0
+        return self._real_seen
+
+    @real_seen.setter
+    def real_seen(self, value: torch.Tensor) -> None:
+        self._real_seen, self._real_lag = value, 0
+
+    def add_real(self, count: int) -> None:
+        """``count`` more real tokens than ``real_seen`` holds (steps replayed from a captured graph wrote them)."""
+        self._real_lag += count
+
+    @property
+    def rope_pos(self) -> torch.Tensor:
+        self._write_default_rope()
+        return self.tensors["rope_pos"]
+
+    @property
+    def rank(self) -> torch.Tensor:
+        self._write_lagging_rank()
+        return self.tensors["rank"]
+
+    def _write_lagging_rank(self) -> None:
+        """Write the ranks a layer without padding skipped: a real token's rank is then its stream index, and a
+        free slot holds ``FREE`` in both."""
+        if self._rank_is_token:
+            self._rank_is_token = False
+            self.tensors["rank"].copy_(self.tensors["token_idx"])
+
+    def _write_default_rope(self) -> None:
+        """Write a deferred RoPE position (a reused slot's stream index, unless ``register`` gave the model's)."""
+        if self._default_rope is not None:
+            slots, seen = self._default_rope
+            self._default_rope = None
+            self.tensors["rope_pos"].scatter_(2, slots, _per_slot(seen, slots))
 
     @classmethod
     def empty(cls, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotBuffers:
@@ -68,8 +111,6 @@ class SlotBuffers:
     keys = property(lambda self: self.tensors["keys"])
     values = property(lambda self: self.tensors["values"])
     token_idx = property(lambda self: self.tensors["token_idx"])
-    rope_pos = property(lambda self: self.tensors["rope_pos"])
-    rank = property(lambda self: self.tensors["rank"])
     valid = property(lambda self: self.tensors["valid"])
 
     @property
@@ -77,6 +118,8 @@ class SlotBuffers:
         return self.tensors["keys"].shape[2]
 
     def _all(self) -> dict[str, torch.Tensor]:
+        self._write_default_rope()
+        self._write_lagging_rank()
         return {**self.tensors, **{f"state.{name}": value for name, value in self.state.items()}}
 
     def _put_all(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -120,19 +163,29 @@ class SlotBuffers:
         values: torch.Tensor,
         seen: int | torch.Tensor,
         state: dict[str, torch.Tensor],
+        no_padding: bool = False,
     ) -> None:
-        """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real."""
+        """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real.
+
+        ``no_padding``: the layer never stored padding (then one token's bookkeeping is written as scalars and its
+        rank, its stream index, is left to ``_write_lagging_rank``)."""
         count = keys.shape[2]
         stop = start + count
         if self.writes_kv:
             self.keys[:, :, start:stop] = keys
             self.values[:, :, start:stop] = values
-        index = stream_range(seen, count, keys.device)
-        self.token_idx[:, :, start:stop] = index
-        self.rope_pos[:, :, start:stop] = index
-        self.valid[:, :, start:stop] = True
-        self.rank[:, :, start:stop] = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
-        self.real_seen += count
+        if count == 1 and no_padding:
+            self.token_idx[:, :, start].fill_(seen)
+            self.rope_pos[:, :, start].fill_(seen)
+            self.valid[:, :, start].fill_(True)
+            self._rank_is_token = True
+        else:
+            index = stream_range(seen, count, keys.device)
+            self.token_idx[:, :, start:stop] = index
+            self.rope_pos[:, :, start:stop] = index
+            self.valid[:, :, start:stop] = True
+            self.rank[:, :, start:stop] = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
+        self._real_lag += count
         for name, value in state.items():
             self._new_state(name, value)[:, :, start:stop] = value
 
@@ -143,20 +196,30 @@ class SlotBuffers:
         values: torch.Tensor,
         seen: int | torch.Tensor,
         state: dict[str, torch.Tensor],
+        reused_real: bool = False,
     ) -> None:
-        """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real."""
+        """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real.
+
+        ``reused_real``: one token per row into slots that still hold an evicted real token, in a layer that never
+        stored padding (so the slot is already marked real, and a real token's rank is its stream index)."""
         count = keys.shape[2]
         if self.writes_kv:
             rows = slots[..., None].expand_as(keys)
             self.keys.scatter_(2, rows, keys)
             self.values.scatter_(2, rows if values.shape == keys.shape else slots[..., None].expand_as(values), values)
-        index = stream_range(seen, count, keys.device).expand_as(slots)
-        self.token_idx.scatter_(2, slots, index)
-        self.rope_pos.scatter_(2, slots, index)
-        self.valid.scatter_(2, slots, True)
-        ranks = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
-        self.rank.scatter_(2, slots, ranks.expand_as(slots))
-        self.real_seen += count
+        if reused_real and count == 1:
+            self.token_idx.scatter_(2, slots, _per_slot(seen, slots))
+            self._write_default_rope()  # the previous step's, if any, first
+            self._default_rope = (slots, seen)  # ``register`` writes the model's position instead
+            self._rank_is_token = True
+        else:
+            index = stream_range(seen, count, keys.device).expand_as(slots)
+            self.token_idx.scatter_(2, slots, index)
+            self.rope_pos.scatter_(2, slots, index)
+            self.valid.scatter_(2, slots, True)
+            ranks = self.real_seen[:, None, None] + torch.arange(count, device=keys.device)
+            self.rank.scatter_(2, slots, ranks.expand_as(slots))
+        self._real_lag += count
         for name, value in state.items():
             target = self._new_state(name, value)
             per_slot = slots if value.dim() == 3 else slots.view(*slots.shape, *[1] * (value.dim() - 3))
@@ -171,6 +234,8 @@ class SlotBuffers:
             return
         shape = slots.shape
         if positions is not None:
+            if self._default_rope is not None and self._default_rope[0] is slots:
+                self._default_rope = None
             self.rope_pos.scatter_(2, slots, positions.view(-1, 1, shape[-1]).expand(shape))
         if real is not None:
             self.real_seen -= shape[-1]
@@ -243,6 +308,11 @@ class SlotBuffers:
     def metadata_bytes_per_slot(self) -> int:
         tensors = [self.token_idx, self.rope_pos, self.rank, self.valid, *self.state.values()]
         return sum(self._bytes_per_slot(t) for t in tensors)
+
+
+def _per_slot(seen: int | torch.Tensor, slots: torch.Tensor) -> int | torch.Tensor:
+    """A stream index (an int, or a device scalar: a layer bound to a captured step) to scatter into ``slots``."""
+    return seen if isinstance(seen, int) else seen.expand_as(slots)
 
 
 def stream_range(

@@ -167,6 +167,8 @@ class LessQuantizedLayer(LessLayer, QuantizedLayer):
         return policy.with_low_rank(self, query, output, stats)
 
     def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._stale:
+            self._settle()
         self.slots.stream_seen = self.seen
         return self.slots.read_at(index, self.view_width)
 

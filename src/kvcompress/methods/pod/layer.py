@@ -20,7 +20,7 @@ from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Sel
 from kvcompress.core.eviction import protects_forward, victims_of_rule
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import counts_from
-from kvcompress.core.slots import SlotBuffers, StreamView
+from kvcompress.core.slots import SlotBuffers
 from kvcompress.methods.pod.budget import kept_for_request
 from kvcompress.methods.pod.ring import ProximalRing
 
@@ -80,9 +80,7 @@ class PoDLayer(CompressedLayer):
         self.ring: ProximalRing | None = None  # the proximal keys while decoding (``ring.py``)
         self.ring_plan = None  # the layout if decoding may use the ring, False if not (set by the first attention)
         self.layout: QueryLayout | None = None
-        # ring steps' tokens whose stream index, position, validity and rank are not written yet: they are written
-        # together when something reads the slots (``_write_ring_bookkeeping``)
-        self._unwritten = 0
+        self._pending = 0  # ring steps' tokens whose stream index, position and validity are not written yet
         self._ring_key: torch.Tensor | None = None  # this step's key for the ring, written once positions are known
         self.prox_keys = self.prox_slot = None
 
@@ -121,14 +119,6 @@ class PoDLayer(CompressedLayer):
         if self.slots is not None:
             self.keys = self.slots.tensors["keys"].narrow(2, 0, self.occupied)
             self.values = self.slots.tensors["values"].narrow(2, 0, self.occupied)
-
-    def _view(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._write_ring_bookkeeping()  # (written in place: ``tensor`` is the buffer they go to)
-        return super()._view(tensor)
-
-    def kept(self) -> StreamView:
-        self._write_ring_bookkeeping()
-        return super().kept()
 
     def evict(self, victims: torch.Tensor) -> None:
         """Free the slots ``victims`` ``[B, H, e]`` and compact at once: PoD's slots keep no holes."""
@@ -198,14 +188,16 @@ class PoDLayer(CompressedLayer):
         state = {} if compressed_once else self.policy.init_state(self, key_states)
         full_keys = self.heads_of(key_states, "full")
         if ring_step and self.ring is not None and not state:
-            if not self._unwritten:
-                self._unwritten_position = self.ring.position + 1  # the ring takes one position per step
-            self._unwritten += count
+            if not self._pending:
+                self._pending_position = self.ring.position + 1  # the ring takes one position per step
+            self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
+            self._stale = True
             self.slots.tensors["keys"].narrow(2, start, count).copy_(full_keys)
             self.slots.tensors["values"].narrow(2, start, count).copy_(value_states)
         else:
-            self._write_ring_bookkeeping()
-            self.slots.write_range(start, full_keys, value_states, self.seen, state)
+            if self._stale:
+                self._settle()
+            self.slots.write_range(start, full_keys, value_states, self.seen, state, self.all_valid)
             if ring_step and self.ring is not None:  # (a base's state to write) the position the ring takes
                 self.slots.rope_pos[:, :, start].fill_(self.ring.position + 1)
         self.occupied = needed
@@ -225,7 +217,8 @@ class PoDLayer(CompressedLayer):
             self.forward_positions = position_ids  # (the position was stored by update, from the ring's count)
             self._write_ring(position_ids)
             return
-        self._write_ring_bookkeeping()  # the ring steps' first: the model's positions and padding go over them
+        if self._stale:
+            self._settle()  # the ring steps' bookkeeping first: the model's positions and padding go over it
         super().register_new_tokens(position_ids, padding)
         config, forward = self.policy.config, self.forward_pass
         if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
@@ -329,7 +322,6 @@ class PoDLayer(CompressedLayer):
         """Gather the kept tokens to the front; the packed proximal keys follow them (the slots are in stream order
         before a compaction, so a kept token's new slot is the count of kept tokens before it). Keys this layer
         lends to later layers in the same forward (``step``) are copied first: compaction writes in place."""
-        self._write_ring_bookkeeping()
         if self.slots is not None and not self.dense:
             self.leave_ring()
             self.on_stream = False
@@ -439,24 +431,23 @@ class PoDLayer(CompressedLayer):
     def leave_ring(self) -> None:
         """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
         if self.ring is not None:
-            self._write_ring_bookkeeping()
+            self._settle()
             held = self.ring.bias[:, :, 0] == 0
             self.prox_keys, self.prox_slot = self.ring.keys, torch.where(held, self.ring.slot, -1)
             self.ring = None
 
-    def _write_ring_bookkeeping(self) -> None:
-        """Write the ring steps' bookkeeping into their slots (the last ``_unwritten`` ones): stream indices,
-        positions consecutive from the first one's, all real. (Written at every step instead, PoD's decoding step
-        took ~5 % longer: CPU, SmolLM2-135M, 2K-token prompt; the toggle ``pod-ring-bookkeeping`` of the repository's
-        ``scripts/fast_path_toggles.py`` measures it.)"""
-        count, self._unwritten = self._unwritten, 0
+    def _settle(self) -> None:
+        """Write the ring steps' bookkeeping into their slots (the last ``_pending`` ones): stream indices, positions
+        consecutive from the first one's, all real. (PoD compacts at once: no evicted slot waits for a token.)"""
+        self._stale = False
+        count, self._pending = self._pending, 0
         if not count:
             return
         slots, stop = self.slots, self.occupied
         first = self.seen - count
         index = torch.arange(first, self.seen, device=self.device)
         slots.token_idx[:, :, stop - count : stop] = index
-        slots.rope_pos[:, :, stop - count : stop] = index + (self._unwritten_position - first)
+        slots.rope_pos[:, :, stop - count : stop] = index + (self._pending_position - first)
         slots.valid[:, :, stop - count : stop] = True
         slots.rank[:, :, stop - count : stop] = index  # no padding stored: a real token's rank is its stream index
         slots.real_seen += count
@@ -464,7 +455,7 @@ class PoDLayer(CompressedLayer):
     # --- transformers' layer API and accounting ------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        self.max_position, self.on_stream, self._unwritten = -1, True, 0
+        self.max_position, self.on_stream, self._pending = -1, True, 0
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self.layout = None
         self.step = self.last_eviction = self.keys = self.values = None
 
