@@ -44,7 +44,9 @@ from kvcompress.core.model_spec import ModelCheck, ModelSpec, architecture
 from kvcompress.files import damaged
 from kvcompress.registry import make_config
 
-FORMAT = "kvcompress-cache/1"
+# a file holds the cache objects' own attributes: the number changes whenever they do, so a file written by a
+# kvcompress whose objects differ is refused with one line instead of loading into objects that miss what they need
+FORMAT = "kvcompress-cache/2"
 WHAT = "a kvcompress cache file"
 REMEDY = "save the cache again with kvcompress.save_cache(cache, path)"
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
