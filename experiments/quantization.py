@@ -114,12 +114,46 @@ def function_at(revision: str):
     return module.quantized_one_query
 
 
-def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget: int = 512) -> None:
-    from kvcompress.bench.common import bench_cache, random_prompt, set_threads
+def timed_steps(model, ids, prompt: int, steps: int, caches: dict, held: int, crop: bool, before) -> dict:
+    """Decoding steps of each cache in ``caches`` (name: cache, prefilled with ``prompt`` tokens of ``ids``) and of a
+    ``DynamicCache`` prefilled with ``held`` tokens (``"dynamic"``, cropped back to them after each step when
+    ``crop``), in turns whose order rotates every step; ``before(name)`` runs before each cache's step. The CPU time
+    of every step but the first two, per name."""
     from kvcompress.bench.pairs import use_attention
     from kvcompress.bench.speed import dynamic_prefill
-    from kvcompress.core import quantized_layer
     from kvcompress.core.attention import ATTENTION_NAME
+
+    dynamic = DynamicCache(config=model.config)
+    dynamic_prefill(model, ids[:, :held], dynamic, 512)
+    sides = ["dynamic", *caches]
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for step in range(steps + 2):
+        turn = step % len(sides)
+        for side in sides[turn:] + sides[:turn]:
+            use_attention(model, "sdpa" if side == "dynamic" else ATTENTION_NAME)
+            if side != "dynamic":
+                before(side)
+            token = ids[:, prompt + step : prompt + step + 1]
+            start = time.thread_time()
+            with torch.no_grad():
+                model(token, **cache_argument(model, dynamic if side == "dynamic" else caches[side]), use_cache=True)
+            if step >= 2:
+                times[side].append(time.thread_time() - start)
+            if side == "dynamic" and crop:
+                dynamic.crop(held - dynamic.get_seq_length())
+    return times
+
+
+def ratio_text(times: dict, a: str, b: str) -> str:
+    """Median and 10th-90th percentile of the per-step CPU-time ratios of ``a`` over ``b``."""
+    values = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
+    tenth = values[len(values) // 10], values[(9 * len(values)) // 10]
+    return f"{statistics.median(values):.3f} ({tenth[0]:.3f}-{tenth[1]:.3f})"
+
+
+def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget: int = 512) -> None:
+    from kvcompress.bench.common import bench_cache, random_prompt, set_threads
+    from kvcompress.core import quantized_layer
     from kvcompress.generation import prefill
 
     set_threads(1)
@@ -131,42 +165,21 @@ def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget
         caches[side] = bench_cache(model, method, budget)
         prefill(model, ids[:, :prompt], caches[side], chunk_size=512)
     held = max(caches["now"].tokens_stored())
-    dynamic = DynamicCache(config=model.config)
-    dynamic_prefill(model, ids[:, :held], dynamic, 512)
-    sides = ["dynamic", *reads]
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for step in range(steps + 2):
-        for side in sides[step % 3 :] + sides[: step % 3]:
-            use_attention(model, "sdpa" if side == "dynamic" else ATTENTION_NAME)
-            if side != "dynamic":
-                quantized_layer.quantized_one_query = reads[side]
-            token = ids[:, prompt + step : prompt + step + 1]
-            start = time.thread_time()
-            with torch.no_grad():
-                model(token, **cache_argument(model, dynamic if side == "dynamic" else caches[side]), use_cache=True)
-            if step >= 2:
-                times[side].append(time.thread_time() - start)
-            if side == "dynamic" and not method.startswith("full"):
-                dynamic.crop(held - dynamic.get_seq_length())
+
+    def read_as(side: str) -> None:
+        quantized_layer.quantized_one_query = reads[side]
+
+    times = timed_steps(model, ids, prompt, steps, caches, held, not method.startswith("full"), read_as)
     quantized_layer.quantized_one_query = reads["now"]
-
-    def ratios(a: str, b: str) -> str:
-        values = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
-        tenth = values[len(values) // 10], values[(9 * len(values)) // 10]
-        return f"{statistics.median(values):.3f} ({tenth[0]:.3f}-{tenth[1]:.3f})"
-
     print(f"{method}, {held} tokens held, {steps} steps; medians of per-step CPU-time ratios (p10-p90)")
     print(
-        f"{revision} x DynamicCache {ratios('then', 'dynamic')}, working tree x DynamicCache "
-        f"{ratios('now', 'dynamic')}, {revision} x working tree {ratios('then', 'now')}"
+        f"{revision} x DynamicCache {ratio_text(times, 'then', 'dynamic')}, working tree x DynamicCache "
+        f"{ratio_text(times, 'now', 'dynamic')}, {revision} x working tree {ratio_text(times, 'then', 'now')}"
     )
 
 
 def decode_paths(method: str, steps: int, prompt: int = 1024, budget: int = 512) -> None:
     from kvcompress.bench.common import bench_cache, random_prompt, set_threads
-    from kvcompress.bench.pairs import use_attention
-    from kvcompress.bench.speed import dynamic_prefill
-    from kvcompress.core.attention import ATTENTION_NAME
     from kvcompress.generation import prefill
 
     set_threads(1)
@@ -182,34 +195,17 @@ def decode_paths(method: str, steps: int, prompt: int = 1024, budget: int = 512)
     layer_class = type(caches["codes"].layers[0])
     readable = layer_class.codes_readable
     held = max(caches["codes"].tokens_stored())
-    dynamic = DynamicCache(config=model.config)
-    dynamic_prefill(model, ids[:, :held], dynamic, 512)
-    sides = ["dynamic", *specs]
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for step in range(steps + 2):
-        for side in sides[step % 4 :] + sides[: step % 4]:
-            use_attention(model, "sdpa" if side == "dynamic" else ATTENTION_NAME)
-            layer_class.codes_readable = (lambda self: False) if side == "view" else readable
-            token = ids[:, prompt + step : prompt + step + 1]
-            start = time.thread_time()
-            with torch.no_grad():
-                model(token, **cache_argument(model, dynamic if side == "dynamic" else caches[side]), use_cache=True)
-            if step >= 2:
-                times[side].append(time.thread_time() - start)
-            if side == "dynamic" and not method.startswith("full"):
-                dynamic.crop(held - dynamic.get_seq_length())
+
+    def read_as(side: str) -> None:
+        layer_class.codes_readable = (lambda self: False) if side == "view" else readable
+
+    times = timed_steps(model, ids, prompt, steps, caches, held, not method.startswith("full"), read_as)
     layer_class.codes_readable = readable
-
-    def ratios(a: str, b: str) -> str:
-        values = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
-        tenth = values[len(values) // 10], values[(9 * len(values)) // 10]
-        return f"{statistics.median(values):.3f} ({tenth[0]:.3f}-{tenth[1]:.3f})"
-
     print(f"{method} ({layer_class.__name__}), {held} tokens held, {steps} steps; medians of per-step CPU-time ratios")
-    print(", ".join(f"{side} {specs[side]} x DynamicCache {ratios(side, 'dynamic')}" for side in specs))
+    print(", ".join(f"{side} {specs[side]} x DynamicCache {ratio_text(times, side, 'dynamic')}" for side in specs))
     bytes_16, bytes_q = caches["16-bit"].nbytes(), caches["codes"].nbytes()
     print(
-        f"codes x view {ratios('codes', 'view')}; bytes {bytes_16} at 16 bits, {bytes_q} quantized "
+        f"codes x view {ratio_text(times, 'codes', 'view')}; bytes {bytes_16} at 16 bits, {bytes_q} quantized "
         f"({bytes_q / bytes_16:.3f}x); load average {load:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
 
