@@ -9,7 +9,6 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument, prefill
-from kvcompress.methods.h2o import H2OPolicy
 from kvcompress.methods.less import LessConfig
 from tests.methods.test_less import ids_of, strong_kernels
 
@@ -17,8 +16,9 @@ PROMPT, STEPS = 17, 24
 
 
 def config_of(model, method: str):
-    if method == "less":
-        return LessConfig(base="h2o", budget=10, kernels=strong_kernels(model))
+    if method.startswith("less"):  # "less" on H2O, "less-BASE" on another batchable base
+        base = method.partition("-")[2] or "h2o"
+        return LessConfig(base=base, budget=10, kernels=strong_kernels(model))
     return kvcompress.registry.make_config(method, budget=10)
 
 
@@ -41,7 +41,9 @@ def alone(cache):
     return cache
 
 
-@pytest.mark.parametrize("method", ["h2o", "less"])
+@pytest.mark.parametrize(
+    "method", ["h2o", "less", "scissorhands", "tova", "knorm", "less-tova", "less-scissorhands", "less-knorm"]
+)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_layers_evicting_together_decode_as_layers_evicting_alone(tiny_llama, method, batch):
     ids = ids_of(batch, PROMPT + STEPS, seed=5)
@@ -58,14 +60,14 @@ def test_layers_evicting_together_decode_as_layers_evicting_alone(tiny_llama, me
     assert all(layer.stored_length() == 10 for layer in together.compressed_layers)
 
 
-def test_a_decoding_step_runs_the_policy_once_for_every_layer(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("method", ["h2o", "scissorhands", "tova", "knorm"])
+def test_a_decoding_step_runs_the_policy_once_for_every_layer(tiny_llama, monkeypatch, method):
+    cache = kvcompress.cache_for(tiny_llama, method, budget=10)
+    policy_class = type(cache.compressed_layers[0].policy)
     calls = []
-    observe = H2OPolicy.observe
-    monkeypatch.setattr(
-        H2OPolicy, "observe", lambda self, layer, stats: calls.append(stats) or observe(self, layer, stats)
-    )
+    select = policy_class.select
+    monkeypatch.setattr(policy_class, "select", lambda self, layer: calls.append(layer.rows) or select(self, layer))
     ids = ids_of(2, PROMPT + STEPS, seed=6)
-    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=10)
     with torch.no_grad():
         prefill(tiny_llama, ids[:, :PROMPT], cache, chunk_size=5)
         model_layers = len(cache.compressed_layers)
@@ -74,8 +76,8 @@ def test_a_decoding_step_runs_the_policy_once_for_every_layer(tiny_llama, monkey
         calls.clear()
         for t in range(PROMPT + 3, ids.shape[1]):
             tiny_llama(ids[:, t : t + 1], **cache_argument(tiny_llama, cache))
-    assert len(calls) == STEPS - 3  # once per step, not once per layer
-    assert all(stats.received.shape[0] == model_layers * 2 for stats in calls)  # layers x sequences
+    # once per step, not once per layer, over the layers' rows stacked: layers x sequences
+    assert [rows[0] for rows in calls] == [model_layers * 2] * (STEPS - 3)
 
 
 def test_a_forward_that_stopped_before_its_last_layer_leaves_no_eviction_behind(tiny_llama):

@@ -51,9 +51,9 @@ def _covers(layer, stats: AttentionStats | None) -> bool:
         and layer.all_valid
         and not layer.observers
         and layer.sliding_window is None
-        and stats is not None
-        and stats.last_visible is None
         and layer.policy.wants_stats(layer)
+        # statistics over every key, or none asked for (a score kept in the state: knorm's)
+        and (stats.last_visible is None if stats is not None else not layer.policy.stats.any)
     )
 
 
@@ -147,8 +147,10 @@ def _set_buffer(layer: LayerView, name: str, tensor: torch.Tensor) -> None:
         layer.slots.tensors[name] = tensor
 
 
-def _stacked_stats(stats: list[AttentionStats]) -> AttentionStats:
-    """The layers' statistics of one query, stacked along the batch."""
+def _stacked_stats(stats: list[AttentionStats | None]) -> AttentionStats | None:
+    """The layers' statistics of one query, stacked along the batch (``None`` where the policy asks for none)."""
+    if stats[0] is None:
+        return None
 
     def joined(name: str) -> torch.Tensor | None:
         parts = [getattr(s, name) for s in stats]

@@ -23,6 +23,8 @@ from kvcompress.core.selection import keep_top, recent_mask
 
 
 class KnormPolicy(Policy):
+    batchable = True  # the score is the stored state: a decoding step's selection runs for all layers at once
+
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.one_shot = config.one_shot

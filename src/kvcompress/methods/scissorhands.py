@@ -29,6 +29,8 @@ LOW_WEIGHT = float(2**32)  # one low bit outweighs any stream index (< 2^32); co
 
 
 class ScissorhandsPolicy(Policy):
+    batchable = True  # a decoding step's update and selection work per row on the state: run for all layers at once
+
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.stats = StatsRequest(last_queries=config.history)

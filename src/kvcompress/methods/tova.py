@@ -24,6 +24,7 @@ from kvcompress.core.selection import keep_top
 class TOVAPolicy(Policy):
     stats = StatsRequest(last_queries=1)
     per_head = False
+    batchable = True  # a decoding step's scores are per row: run for all layers at once
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
