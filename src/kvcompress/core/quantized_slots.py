@@ -87,7 +87,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.ring = ring
         # the slot each ring entry's token was written to (checked against ``token_idx`` when read)
         self.ring_slot = (
-            None if ring is None else torch.zeros(ring[0].shape[:3], dtype=torch.long, device=ring[0].device)
+            None if ring is None else torch.zeros(ring[1].shape[:3], dtype=torch.long, device=ring[1].device)
         )
         # the stream index each entry holds (the same in every row; -1: none): a pass taken back (KVzip's
         # reconstruction rewinds the tokens seen) leaves entries holding tokens no longer in the stream
