@@ -230,3 +230,27 @@ def test_a_quantized_decoding_step_reads_nothing_back(model, bits):  # noqa: F81
                 model(ids[:, t : t + 1], **cache_argument(model, cache))
     assert any(layer.ring is not None for layer in cache.compressed_layers)
     assert Reads.count == 0
+
+
+def test_fork_and_save_load_continue_alike(model, tmp_path):  # noqa: F811
+    """A quantized PoD cache decoding through its ring, forked and saved, continues as the cache itself does."""
+    ids = ids_of(50, seed=45)
+    params = {"starts": STARTS, "n_sink": NS, "n_recent": NR, "kv_bits": 4, **QUANTIZED}
+    cache = kvcompress.cache_for(model, "pod", **params)
+
+    def decode(target) -> torch.Tensor:
+        steps = [model(ids[:, t : t + 1], **cache_argument(model, target)).logits for t in range(40, 50)]
+        return torch.cat(steps, 1)
+
+    with torch.no_grad():
+        prefill(model, ids[:, :30], cache, chunk_size=10)
+        for t in range(30, 40):
+            model(ids[:, t : t + 1], **cache_argument(model, cache))
+        assert any(layer.ring is not None for layer in cache.compressed_layers)
+        kvcompress.save_cache(cache, tmp_path / "pod.safetensors")
+        loaded = kvcompress.load_cache(tmp_path / "pod.safetensors", model)
+        assert loaded.nbytes() == cache.nbytes()
+        fork = cache.fork()
+        expected = decode(cache)
+        assert torch.equal(decode(fork), expected)
+        assert torch.equal(decode(loaded), expected)
