@@ -254,3 +254,31 @@ def test_fork_and_save_load_continue_alike(model, tmp_path):  # noqa: F811
         expected = decode(cache)
         assert torch.equal(decode(fork), expected)
         assert torch.equal(decode(loaded), expected)
+
+
+def test_a_block_starts_lent_keys_go_after_the_last_layer_reading_them(model, monkeypatch):  # noqa: F811
+    """Over quantized slots a block start lends a dequantized copy of its keys: each goes when the last layer of
+    its blocks has attended (STARTS: layer 0's and layer 1's are read up to layer 2, layer 3's by itself), not at
+    the end of the forward."""
+    from kvcompress.methods.pod.layer import PoDLayer
+
+    held = []
+    end_forward = PoDLayer.end_forward
+
+    def recording(layer):
+        end_forward(layer)
+        held.append((layer.index, [peer.step is not None for peer in layer.peers]))
+
+    monkeypatch.setattr(PoDLayer, "end_forward", recording)
+    cache = kvcompress.cache_for(model, "pod", starts=STARTS, n_sink=NS, n_recent=NR, kv_bits=4, **QUANTIZED)
+    ids = ids_of(31, seed=46)
+    with torch.no_grad():
+        model(ids[:, :30], **cache_argument(model, cache))
+        model(ids[:, 30:], **cache_argument(model, cache))
+    expected = [
+        (0, [True, False, False, False]),
+        (1, [True, True, False, False]),
+        (2, [False, False, True, False]),  # (layer 2 starts no block: its step has no reader)
+        (3, [False, False, False, False]),
+    ]
+    assert held == expected * 2

@@ -66,6 +66,7 @@ class PoDLayer(CompressedLayer):
     values: torch.Tensor | None = None
 
     defers_ring_writes = True  # a ring step copies its key and value into the slots, its bookkeeping deferred
+    _releases: list[int] | None = None  # block starts whose step this layer is the last to read (made once)
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
@@ -88,6 +89,7 @@ class PoDLayer(CompressedLayer):
 
     def connect_block(self, peers: list[PoDLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
+        self._releases = None
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -249,9 +251,21 @@ class PoDLayer(CompressedLayer):
             self._write_ring(position_ids)
 
     def end_forward(self) -> None:
-        """After the forward's last layer every layer lets go of what it lent the later layers of its blocks."""
+        """A block start's step goes after the last layer reading it (over quantized slots its keys are a
+        dequantized copy: the forward then holds only the copies its later layers still read); after the forward's
+        last layer every layer lets go of the rest of what it lent."""
         super().end_forward()
-        if self.peers and self is self.peers[-1]:
+        if not self.peers:
+            return
+        if self._releases is None:
+            last = {}
+            for layer in self.peers:
+                for start in set(layer.head_starts):
+                    last[start] = max(last.get(start, start), layer.index)
+            self._releases = [start for start, reader in last.items() if reader == self.index]
+        for start in self._releases:
+            self.peers[start].step = None
+        if self is self.peers[-1]:
             for layer in self.peers:
                 layer.step, layer.forward_positions, layer.last_eviction = None, None, None
 
