@@ -125,6 +125,17 @@ def test_attention_equals_the_mixed_softmax_over_the_dequantized_view(model, mon
     torch.testing.assert_close(logits[:, :10], exact[:, :10], rtol=1e-5, atol=1e-5)  # the first forward: exact
 
 
+def test_two_bits_without_a_residual_window_attend_over_the_dequantized_view(model, monkeypatch):  # noqa: F811
+    """``kv_residual=0``: every token quantized when written (its key group sealed at each write), 2 bits."""
+    recorder = Recorder(monkeypatch)
+    params = {"starts": STARTS, "n_sink": NS, "n_recent": NR, "base": SnapKVConfig(budget=24, window=4)}
+    cache = kvcompress.cache_for(model, "pod", kv_bits=2, kv_group=8, kv_residual=0, **params)
+    run(model, cache, ids_of(60, seed=47, batch=2))
+    assert len(recorder.checked) == 4 * (3 + 12 + 1 + 13)
+    assert any(layer.ring is not None for layer in cache.compressed_layers)
+    assert all(layer.slots.ring is None for layer in cache.compressed_layers)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("base", [None, SnapKVConfig(budget=20, window=4)], ids=["pod", "snapkv"])
 def test_a_padded_batch_attends_over_the_dequantized_view(model, monkeypatch, bits, base):  # noqa: F811
