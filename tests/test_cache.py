@@ -46,6 +46,10 @@ EVICTING = {
     "h2o-kv4": {"budget": 12, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},
     "snapkv-kv8": {"budget": 12, "window": 4, "kv_bits": 8, "kv_group": 4, "kv_residual": 4},
     "less-kv4": {"budget": 12, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},  # LESS's own quantized layer
+    "pod-kv4": {  # PoD's own quantized layer (keys of the block-start heads only)
+        **{"block_size": 2, "n_sink": 2, "n_recent": 4, "base": SnapKVConfig(budget=12, window=4)},
+        **{"kv_bits": 4, "kv_group": 8, "kv_residual": 8},
+    },
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
 }

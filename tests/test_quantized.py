@@ -375,13 +375,12 @@ def test_parameters_are_checked(params, message):
 
 def test_refused_where_the_storage_is_not_slots():
     """The storages that have no quantized form (docs/results/quantization.md, Limits): the cascade's rings and
-    streaming's circular ring, PoD's shared keys, ragged per-head storage. (LESS's low-rank layer has one since
-    ``LessQuantizedLayer``: ``tests/methods/test_less_quantized.py``.)"""
+    streaming's circular ring, ragged per-head storage. (LESS's low-rank layer has one since
+    ``LessQuantizedLayer``: ``tests/methods/test_less_quantized.py``; PoD's shared keys since
+    ``PoDQuantizedLayer``: ``tests/methods/test_pod_quantized.py``.)"""
     model = tiny_model()
     with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'cascade'"):
         kvcompress.cache_for(model, "cascade", kv_bits=4)
-    with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'pod' with its storage PoDLayer"):
-        kvcompress.cache_for(model, "pod", kv_bits=4)
     with pytest.raises(ValueError, match="circular=false"):
         kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
     cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)

@@ -8,8 +8,9 @@ quantized per channel live in slots evicted one at a time); the method itself is
 attention reads (the dequantized keys and values), and evicts as it would in full precision.
 
 A method whose layer is a slot layer with extras has its own quantized subclass, which its config picks with
-``kv_bits < 16`` (KVzip's ``KVzipQuantizedLayer``, LESS's ``LessQuantizedLayer``). Methods with their own storage
-(the cascade's rings and streaming's circular ring, PoD's shared keys, ragged per-head storage) are refused with
+``kv_bits < 16`` (KVzip's ``KVzipQuantizedLayer``, LESS's ``LessQuantizedLayer``, PoD's ``PoDQuantizedLayer``: its
+slots hold keys of some heads only, ``QuantizedSlotBuffers.key_heads``). Methods with their own storage
+(the cascade's rings and streaming's circular ring, ragged per-head storage) are refused with
 ``kv_bits < 16``: ``quantized_layer_class`` names the way out (``circular=false``, ``ragged=false``,
 ``allocation=uniform``) where there is one. A quantized layer does not
 replay as a captured CUDA graph (its step writes a ring entry and a key group chosen by Python numbers): it

@@ -35,6 +35,12 @@ arrives, from exact values: the stored codes are KIVI's for groups of ``group`` 
 ``end_forward``), for the methods that read keys or attend their own way; the default attention reads the codes
 instead (``core.quantized_attention``), and compaction re-quantizes a block at a time (``compact``), so a forward
 of the default attention holds no float copy of the layer's keys and values.
+
+**Keys of some heads only** (``key_heads``, as ``SlotBuffers`` has it: PoD keeps the keys of the KV heads starting a
+block at the layer): the key codes, the key groups' parameters and the residual window's exact keys are then those
+of the ``K`` key heads (``[B, K, ...]``), the values' and the bookkeeping of every head; a key row follows the
+bookkeeping of its head (``_key_rows``). The codes readers of ``core.quantized_attention`` take every head's keys:
+such buffers are read through ``view``.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ SEAL_BLOCK = 1024  # slots sealed at a time by a forward of several tokens (``Qu
 class QuantizedSlotBuffers(SlotBuffers):
     """``SlotBuffers`` holding packed codes: ``tensors["keys"]`` and ``tensors["values"]`` are ``uint8`` ``[B, H, C,
     d * bits / 8]``; ``value_scale``/``value_min`` ``[B, H, C, d / group]`` per slot; ``key_scale``/``key_min``
-    ``[B, H, C / group, d]`` per group of slots; ``ring_keys``/``ring_values`` ``[B, H, residual, d]`` exact."""
+    ``[B, H, C / group, d]`` per group of slots; ``ring_keys``/``ring_values`` ``[B, H, residual, d]`` exact
+    (with ``key_heads``, ``[K]``: the keys, their groups' parameters and ``ring_keys`` of those heads only)."""
 
     def __init__(
         self,
@@ -72,14 +79,15 @@ class QuantizedSlotBuffers(SlotBuffers):
         residual: int,
         key_params: tuple[torch.Tensor, torch.Tensor],
         ring: tuple[torch.Tensor, torch.Tensor] | None,
+        key_heads: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(tensors, state, real_seen)
+        super().__init__(tensors, state, real_seen, key_heads)
         self.bits, self.group, self.residual = bits, group, residual
         self.key_scale, self.key_min = key_params
         self.ring = ring
         # the slot each ring entry's token was written to (checked against ``token_idx`` when read)
         self.ring_slot = (
-            None if ring is None else torch.zeros(ring[0].shape[:3], dtype=torch.long, device=ring[0].device)
+            None if ring is None else torch.zeros(ring[1].shape[:3], dtype=torch.long, device=ring[1].device)
         )
         # the stream index each entry holds (the same in every row; -1: none): a pass taken back (KVzip's
         # reconstruction rewinds the tokens seen) leaves entries holding tokens no longer in the stream
@@ -92,17 +100,24 @@ class QuantizedSlotBuffers(SlotBuffers):
 
     @classmethod
     def empty_quantized(
-        cls, key_states: torch.Tensor, value_states: torch.Tensor, bits: int, group: int, residual: int
+        cls,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        bits: int,
+        group: int,
+        residual: int,
+        key_heads: torch.Tensor | None = None,
     ) -> QuantizedSlotBuffers:
-        """Empty buffers for keys and values shaped like ``key_states`` and ``value_states`` ``[B, H, q, d]``."""
-        batch, heads, _, key_dim = key_states.shape
-        value_dim = value_states.shape[-1]
+        """Empty buffers for keys and values shaped like ``key_states`` and ``value_states`` ``[B, H, q, d]``
+        (``key_heads`` ``[K]``: the heads whose keys are stored, ``key_states`` ``[B, K, q, d]`` theirs)."""
+        batch, heads, _, value_dim = value_states.shape
+        key_rows, key_dim = key_states.shape[1], key_states.shape[-1]
         check_dims(key_dim, value_dim, bits, group)
         device, dtype = key_states.device, key_states.dtype
         long = {"dtype": torch.long, "device": device}
         codes = {"dtype": torch.uint8, "device": device}
         tensors = {
-            "keys": torch.empty(batch, heads, 0, packed_width(key_dim, bits), **codes),
+            "keys": torch.empty(batch, key_rows, 0, packed_width(key_dim, bits), **codes),
             "values": torch.empty(batch, heads, 0, packed_width(value_dim, bits), **codes),
             "value_scale": value_states.new_empty(batch, heads, 0, value_dim // group),
             "value_min": value_states.new_empty(batch, heads, 0, value_dim // group),
@@ -111,11 +126,11 @@ class QuantizedSlotBuffers(SlotBuffers):
             "rank": torch.empty(batch, heads, 0, **long),
             "valid": torch.empty(batch, heads, 0, dtype=torch.bool, device=device),
         }
-        key_params = (key_states.new_zeros(batch, heads, 0, key_dim), key_states.new_zeros(batch, heads, 0, key_dim))
+        key_params = tuple(key_states.new_zeros(batch, key_rows, 0, key_dim) for _ in range(2))
         ring = None
         if residual:
             ring = (
-                torch.zeros(batch, heads, residual, key_dim, dtype=dtype, device=device),
+                torch.zeros(batch, key_rows, residual, key_dim, dtype=dtype, device=device),
                 value_states.new_zeros(batch, heads, residual, value_dim),
             )
         return cls(
@@ -127,6 +142,7 @@ class QuantizedSlotBuffers(SlotBuffers):
             residual=residual,
             key_params=key_params,
             ring=ring,
+            key_heads=key_heads,
         )
 
     # --- capacity and batch ------------------------------------------------------------------------------------
@@ -152,6 +168,10 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.fresh, self._view_cache = None, None
 
     # --- writes ----------------------------------------------------------------------------------------------
+    def _key_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` ``[B, H, ...]`` at the rows of the stored key heads (itself when every head's keys are)."""
+        return tensor if self.key_heads is None else tensor.index_select(1, self.key_heads)
+
     def _stream_index(self, seen: int | torch.Tensor) -> int:
         if not isinstance(seen, int):
             raise NotImplementedError("quantized storage takes no device-side token count (no captured decoding)")
@@ -241,12 +261,12 @@ class QuantizedSlotBuffers(SlotBuffers):
         if count > 1:
             self._seal(None, *new)
         elif self.ring is None:
-            slot = where if isinstance(where, torch.Tensor) else self.token_idx.new_full((*keys.shape[:2], 1), where)
+            slot = where if isinstance(where, torch.Tensor) else self.token_idx.new_full((*values.shape[:2], 1), where)
             self._seal(slot // self.group, *new)
         elif after > before:
             if self.stream_order:  # the leaving tokens fill slots [before, after): whole groups
                 index = torch.arange(before // self.group, after // self.group, device=keys.device)
-                self._seal(index.expand(*keys.shape[:2], -1), *new)
+                self._seal(index.expand(*values.shape[:2], -1), *new)
             else:
                 entries = torch.arange(before, after, device=keys.device) % self.residual
                 self._seal(self.ring_slot[:, :, entries] // self.group, *new)
@@ -287,7 +307,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         window: int,
     ) -> None:
         """``_seal`` of the groups ``groups``: ``[B, H, n]``, or a range ``(first, stop)`` of groups."""
-        group = self.group
+        group, key_rows = self.group, self._key_rows
         if isinstance(groups, tuple):
             first, stop = groups
             count = stop - first
@@ -301,13 +321,14 @@ class QuantizedSlotBuffers(SlotBuffers):
             count = groups.shape[-1]
             members = (groups[..., None] * group + torch.arange(group, device=groups.device)).flatten(2)
             token_idx = self.token_idx.gather(2, members)
-            key_codes = _take(self.keys, members)
-            scale, minimum = _take(self.key_scale, groups), _take(self.key_min, groups)
+            key_codes = _take(self.keys, key_rows(members))
+            key_groups = key_rows(groups)
+            scale, minimum = _take(self.key_scale, key_groups), _take(self.key_min, key_groups)
             value_parts = [_take(self.tensors[name], members) for name in ("values", "value_scale", "value_min")]
         keys = dequantize_keys(key_codes.unflatten(2, (count, group)), scale, minimum, self.bits).flatten(2, 3)
         is_new = token_idx >= seen
         offset = (token_idx - seen).clamp(0, new_keys.shape[2] - 1)
-        exact_keys, exact_values = _take(new_keys, offset), _take(new_values, offset)
+        exact_keys, exact_values = _take(new_keys, key_rows(offset)), _take(new_values, offset)
         exact = is_new
         if self.ring is not None:
             entry = token_idx.remainder(self.residual)
@@ -319,12 +340,13 @@ class QuantizedSlotBuffers(SlotBuffers):
             # may have reused entries: those tokens were sealed then)
             in_ring = (token_idx >= window) & ~is_new & (self.ring_slot.gather(2, entry) == slots)
             in_ring &= self._holds(token_idx)
-            exact_keys = torch.where(in_ring[..., None], _take(self.ring[0], entry), exact_keys)
+            ring_keys = _take(self.ring[0], key_rows(entry))
+            exact_keys = torch.where(key_rows(in_ring)[..., None], ring_keys, exact_keys)
             exact_values = torch.where(in_ring[..., None], _take(self.ring[1], entry), exact_values)
             exact = exact | in_ring
-        keys = torch.where(exact[..., None], exact_keys, keys).detach()  # (the quantizer passes no gradient)
+        keys = torch.where(key_rows(exact)[..., None], exact_keys, keys).detach()  # (the quantizer passes no gradient)
         exact_values = exact_values.detach()
-        occupied = (token_idx >= 0).unflatten(2, (count, group))
+        occupied = key_rows(token_idx >= 0).unflatten(2, (count, group))
         codes, scale, minimum = quantize_keys(keys.unflatten(2, (count, group)), self.bits, occupied)
         values = quantize_values(exact_values, self.bits, group)
         values = [torch.where(exact[..., None], fresh, old) for fresh, old in zip(values, value_parts, strict=True)]
@@ -334,9 +356,9 @@ class QuantizedSlotBuffers(SlotBuffers):
             for name, value in zip(("values", "value_scale", "value_min"), values, strict=True):
                 self.tensors[name][:, :, span] = value
             return
-        _put(self.keys, members, codes.flatten(2, 3))
-        _put(self.key_scale, groups, scale)
-        _put(self.key_min, groups, minimum)
+        _put(self.keys, key_rows(members), codes.flatten(2, 3))
+        _put(self.key_scale, key_groups, scale)
+        _put(self.key_min, key_groups, minimum)
         for name, value in zip(("values", "value_scale", "value_min"), values, strict=True):
             _put(self.tensors[name], members, value)
 
@@ -349,11 +371,11 @@ class QuantizedSlotBuffers(SlotBuffers):
         key = (width, self.stream_seen, id(self.fresh))
         if self._view_cache is not None and self._view_cache[0] == key:
             return self._view_cache[1]
-        tensors, group = self.tensors, self.group
+        tensors, group, key_rows = self.tensors, self.group, self._key_rows
         batch, heads = self.token_idx.shape[:2]
         rows = -(-(width + 1) // group) * group  # whole key groups, one slot more than read
         quantized = min(rows, self.capacity) // group
-        keys = self.key_scale.new_empty(batch, heads, rows, self.key_scale.shape[-1])
+        keys = self.key_scale.new_empty(batch, self.key_scale.shape[1], rows, self.key_scale.shape[-1])
         codes = self.keys[:, :, : quantized * group].unflatten(2, (quantized, group))
         scale, minimum = self.key_scale[:, :, :quantized], self.key_min[:, :, :quantized]
         dequantize_keys(codes, scale, minimum, self.bits, out=keys[:, :, : quantized * group].unflatten(2, (-1, group)))
@@ -366,9 +388,9 @@ class QuantizedSlotBuffers(SlotBuffers):
             out=values[:, :, :width],
         )
         if self.ring is not None and self.stream_seen:
-            rows_of = self._row_offsets(rows)
             read = self.ring_targets(width)
-            keys.view(-1, keys.shape[-1]).index_copy_(0, (rows_of + read).flatten(), self.ring[0].flatten(0, 2))
+            into = (self._row_offsets(rows, keys.shape[1]) + key_rows(read)).flatten()
+            keys.view(-1, keys.shape[-1]).index_copy_(0, into, self.ring[0].flatten(0, 2))
             read = self._row_offsets(width + 1) + read
             values.view(-1, values.shape[-1]).index_copy_(0, read.flatten(), self.ring[1].flatten(0, 2))
         if self.fresh is not None:
@@ -378,7 +400,7 @@ class QuantizedSlotBuffers(SlotBuffers):
                 values[:, :, where : where + new_values.shape[2]] = new_values
             else:
                 keys.view(-1, keys.shape[-1]).index_copy_(
-                    0, (self._row_offsets(rows) + where).flatten(), new_keys.flatten(0, 2)
+                    0, (self._row_offsets(rows, keys.shape[1]) + key_rows(where)).flatten(), new_keys.flatten(0, 2)
                 )
                 values.view(-1, values.shape[-1]).index_copy_(
                     0, (self._row_offsets(width + 1) + where).flatten(), new_values.flatten(0, 2)
@@ -392,10 +414,11 @@ class QuantizedSlotBuffers(SlotBuffers):
         reads them, bit for bit, without building the view: their codes dequantized with their key groups' and
         their own value parameters, then the exact copies put over them (the residual window's, then the forward's
         own tokens'). Work proportional to ``n`` (and to ``residual`` for finding the window's entries)."""
-        keys = self.key_scale.new_empty(*index.shape, 1, self.key_scale.shape[-1])  # [B, H, n, 1, d]: groups of 1
-        key_group = index // self.group
+        key_rows, key_index = self._key_rows, self._key_rows(index)
+        keys = self.key_scale.new_empty(*key_index.shape, 1, self.key_scale.shape[-1])  # [B, H, n, 1, d]: groups of 1
+        key_group = key_index // self.group
         dequantize_keys(
-            _take(self.keys, index)[:, :, :, None],
+            _take(self.keys, key_index)[:, :, :, None],
             _take(self.key_scale, key_group),
             _take(self.key_min, key_group),
             self.bits,
@@ -420,16 +443,18 @@ class QuantizedSlotBuffers(SlotBuffers):
         for exact_keys, exact_values, targets in exact:  # (the forward's own tokens last: they are copied over)
             match = index[..., :, None] == targets[..., None, :]  # [B, H, n, E]
             found, entry = match.any(-1), match.to(torch.int8).argmax(-1)
-            keys = torch.where(found[..., None], _take(exact_keys, entry), keys)
+            keys = torch.where(key_rows(found)[..., None], _take(exact_keys, key_rows(entry)), keys)
             values = torch.where(found[..., None], _take(exact_values, entry), values)
         return keys, values
 
     def ring_values_dim(self) -> int:
         return self.tensors["value_scale"].shape[-1] * self.group
 
-    def _row_offsets(self, rows: int) -> torch.Tensor:
-        """``[B, H, 1]`` offsets of each (sequence, head) row in a ``[B, H, rows, d]`` buffer seen as rows."""
-        batch, heads = self.token_idx.shape[:2]
+    def _row_offsets(self, rows: int, heads: int | None = None) -> torch.Tensor:
+        """``[B, H, 1]`` offsets of each (sequence, head) row in a ``[B, H, rows, d]`` buffer seen as rows
+        (``heads``: of that many heads instead, the key heads')."""
+        batch = self.token_idx.shape[0]
+        heads = self.token_idx.shape[1] if heads is None else heads
         return (torch.arange(batch * heads, device=self.token_idx.device) * rows).view(batch, heads, 1)
 
     def ring_newest(self) -> torch.Tensor:
@@ -519,16 +544,17 @@ class QuantizedSlotBuffers(SlotBuffers):
         keys = old_scale.new_zeros(*old_scale.shape[:2], stop - first, old_scale.shape[-1])
         part = keys[:, :, :filled]
         unpack_into(self.keys[:, :, first : first + filled], self.bits, part)
-        former = read["read_slot"][:, :, first : first + filled] // group
+        key_rows = self._key_rows
+        former = key_rows(read["read_slot"][:, :, first : first + filled]) // group
         torch.addcmul(_take(old_min, former), part, _take(old_scale, former), out=part)
         sources = [("read_ring", None if self.ring is None else self.ring[0])]
         sources.append(("read_fresh", None if fresh is None else fresh[0]))
         for name, exact in sources:
             if name in read:
-                index = read[name][:, :, first : first + filled]
+                index = key_rows(read[name][:, :, first : first + filled])
                 part.copy_(torch.where(index[..., None] >= 0, _take(exact, index.clamp(min=0)), part))
         keys = keys.detach().unflatten(2, (-1, group))  # (the quantizer passes no gradient)
-        occupied = (self.token_idx[:, :, first:stop] >= 0).unflatten(2, (-1, group))
+        occupied = key_rows(self.token_idx[:, :, first:stop] >= 0).unflatten(2, (-1, group))
         codes, scale, minimum = quantize_keys(keys, self.bits, occupied)
         self.keys[:, :, first:stop] = codes.flatten(2, 3)
         new_params[0][:, :, groups[0] : groups[1]], new_params[1][:, :, groups[0] : groups[1]] = scale, minimum
@@ -547,12 +573,12 @@ class QuantizedSlotBuffers(SlotBuffers):
         key = torch.where(token_idx >= 0, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1)[..., : int((token_idx >= 0).sum(-1).max()) if width else 0]
 
-        def take(tensor: torch.Tensor) -> torch.Tensor:
-            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+        def take(tensor: torch.Tensor, rows: torch.Tensor = order) -> torch.Tensor:
+            index = rows.view(*rows.shape, *[1] * (tensor.dim() - 3)).expand(*rows.shape, *tensor.shape[3:])
             return tensor[:, :, :width].gather(2, index)
 
         return StreamView(
-            keys=take(keys),
+            keys=take(keys, self._key_rows(order)),
             values=take(values),
             token_idx=take(self.token_idx),
             rope_pos=take(self.rope_pos),

@@ -86,7 +86,7 @@ def pod_attention(
     scale = dim**-0.5 if scaling is None else scaling
     if layer.ring is not None:
         ring = layer.ring
-        near, distant = (ring.keys, ring.values, ring.bias), ring.distant(length)
+        near, distant = (ring.keys, layer.ring_values(), ring.bias), ring.distant(length)
         return grouped_attention(layer, layout, query, near, distant, ring.has_distant(length), scale), None
     # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
     # below also handle rows that have none)

@@ -60,6 +60,8 @@ inference, the τ gate. Choices where the paper is silent or ambiguous:
   the prompt: the tokens kept per layer and KV head follow from the block layout's share of stored keys and the
   proximal window (``n_recent`` defaults to 64 then, instead of the paper's 4080 for 32K contexts), so that the
   stored bytes are at most the request; ``budget_report(cache)`` gives achieved bytes against it.
+- Quantized storage (``kv_bits`` below 16, ``kvcompress.methods.pod.quantized``): the slots' values and the
+  block-start heads' keys in KIVI codes, the proximal keys exact, PoD's attention over the dequantized view.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from kvcompress.methods.pod.grouping import (
     uniform_starts,
 )
 from kvcompress.methods.pod.layer import PoDLayer
+from kvcompress.methods.pod.quantized import PoDQuantizedLayer
 from kvcompress.methods.snapkv import SnapKVConfig
 
 
@@ -188,7 +191,7 @@ class PoDConfig(MethodConfig):
         return self.ratio is not None or self.budget is not None
 
     def layer_class(self) -> type[PoDLayer]:
-        return PoDLayer
+        return PoDLayer if self.kv_bits == 16 else PoDQuantizedLayer
 
     def resolve_starts(self, layers: int) -> Starts:
         """Block starts ``[layer][head]`` for a model with ``layers`` layers."""

@@ -65,6 +65,9 @@ class PoDLayer(CompressedLayer):
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
+    defers_ring_writes = True  # a ring step copies its key and value into the slots, its bookkeeping deferred
+    _releases: list[int] | None = None  # block starts whose step this layer is the last to read (made once)
+
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
         self.index = policy.layer_idx
@@ -86,6 +89,7 @@ class PoDLayer(CompressedLayer):
 
     def connect_block(self, peers: list[PoDLayer], index: int, head_starts: tuple[int, ...]) -> None:
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
+        self._releases = None
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -106,14 +110,22 @@ class PoDLayer(CompressedLayer):
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
         self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
         batch, dim = key_states.shape[0], key_states.shape[-1]
-        slots = SlotBuffers.empty(value_states, value_states)  # (bookkeeping for every KV head)
-        slots.tensors["keys"] = key_states.new_empty(batch, len(full), 0, dim)
-        slots.key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
-        self.slots = slots
+        key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
+        self.slots = self.empty_slots(self.heads_of(key_states, "full"), value_states, key_heads)
         self.prox_keys = key_states.new_empty(batch, len(prox), 0, dim)
         self.prox_slot = torch.zeros(batch, len(prox), 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
         self._new_views()
+
+    def empty_slots(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, key_heads: torch.Tensor | None
+    ) -> SlotBuffers:
+        """Empty slots for the values of every KV head and the keys ``key_states`` ``[B, F, q, d]`` of the heads
+        ``key_heads`` (None: every head's)."""
+        slots = SlotBuffers.empty(value_states, value_states)  # (bookkeeping for every KV head)
+        slots.tensors["keys"] = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1])
+        slots.key_heads = key_heads
+        return slots
 
     def _new_views(self) -> None:
         if self.slots is not None:
@@ -187,7 +199,7 @@ class PoDLayer(CompressedLayer):
         compressed_once = self.policy.one_shot and self.compressed  # its base never reads statistics again
         state = {} if compressed_once else self.policy.init_state(self, key_states)
         full_keys = self.heads_of(key_states, "full")
-        if ring_step and self.ring is not None and not state:
+        if ring_step and self.ring is not None and not state and self.defers_ring_writes:
             if not self._pending:
                 self._pending_position = self.ring.position + 1  # the ring takes one position per step
             self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
@@ -239,9 +251,21 @@ class PoDLayer(CompressedLayer):
             self._write_ring(position_ids)
 
     def end_forward(self) -> None:
-        """After the forward's last layer every layer lets go of what it lent the later layers of its blocks."""
+        """A block start's step goes after the last layer reading it (over quantized slots its keys are a
+        dequantized copy: the forward then holds only the copies its later layers still read); after the forward's
+        last layer every layer lets go of the rest of what it lent."""
         super().end_forward()
-        if self.peers and self is self.peers[-1]:
+        if not self.peers:
+            return
+        if self._releases is None:
+            last = {}
+            for layer in self.peers:
+                for start in set(layer.head_starts):
+                    last[start] = max(last.get(start, start), layer.index)
+            self._releases = [start for start, reader in last.items() if reader == self.index]
+        for start in self._releases:
+            self.peers[start].step = None
+        if self is self.peers[-1]:
             for layer in self.peers:
                 layer.step, layer.forward_positions, layer.last_eviction = None, None, None
 
@@ -416,6 +440,10 @@ class PoDLayer(CompressedLayer):
             self.prox_keys, self.prox_slot = self.ring.keys, None
         length = self.values.shape[2]
         self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
+
+    def ring_values(self) -> torch.Tensor:
+        """``[B, S, W, d]``: the values of the ring's entries as attention reads them (the ring's copy)."""
+        return self.ring.values
 
     def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
         """The new token's position if every row has the same (one host read per forward), else None."""
