@@ -70,6 +70,9 @@ from kvcompress.models import load_model
 
 METHODS = {
     "snapkv-adakv": ("snapkv", {"ratio": 0.5, "allocation": "adakv"}),
+    # the same stored as KIVI codes (core/ragged_quantized.py; KIVI's group 32 and residual 128)
+    "snapkv-adakv-kv8": ("snapkv", {"ratio": 0.5, "allocation": "adakv", "kv_bits": 8}),
+    "snapkv-adakv-kv4": ("snapkv", {"ratio": 0.5, "allocation": "adakv", "kv_bits": 4}),
     "expected_attention-adakv": ("expected_attention", {"ratio": 0.5, "allocation": "adakv"}),
     "kvzip": ("kvzip", {"ratio": 0.5}),
     "kvzip-layer": ("kvzip", {"ratio": 0.5, "allocation": "layer"}),

@@ -52,6 +52,15 @@ EVICTING = {
     },
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
+    # per-head budgets stored ragged, quantized (core/ragged_quantized.py)
+    "snapkv-adakv-kv4": {
+        "budget": 12,
+        "window": 4,
+        "allocation": "adakv",
+        "kv_bits": 4,
+        "kv_group": 4,
+        "kv_residual": 4,
+    },
 }
 # methods that compress in ``prefill`` (KVzip reruns the model over the prompt's ids): checked through
 # ``cache_logits``, which prefills them, where a test feeds a whole generation

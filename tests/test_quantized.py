@@ -18,6 +18,7 @@ from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models.testing import tiny_model
+from tests.helpers import tiny_tokenizer_dir
 from tests.references.kivi import KiviReferenceCache, minmax_roundtrip
 
 
@@ -375,9 +376,10 @@ def test_parameters_are_checked(params, message):
 
 def test_refused_where_the_storage_is_not_slots():
     """The storages that have no quantized form (docs/results/quantization.md, Limits): the cascade's rings and
-    streaming's circular ring, ragged per-head storage. (LESS's low-rank layer has one since
-    ``LessQuantizedLayer``: ``tests/methods/test_less_quantized.py``; PoD's shared keys since
-    ``PoDQuantizedLayer``: ``tests/methods/test_pod_quantized.py``.)"""
+    streaming's circular ring. (LESS's low-rank layer has one since ``LessQuantizedLayer``:
+    ``tests/methods/test_less_quantized.py``; PoD's shared keys since ``PoDQuantizedLayer``:
+    ``tests/methods/test_pod_quantized.py``; ragged per-head storage since ``QuantizedRaggedPool``:
+    ``tests/test_ragged_quantized.py``.)"""
     model = tiny_model()
     with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'cascade'"):
         kvcompress.cache_for(model, "cascade", kv_bits=4)
@@ -385,10 +387,15 @@ def test_refused_where_the_storage_is_not_slots():
         kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
     cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)
     assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
-    # ragged per-head storage (per-head budgets: AdaKV's allocation, KVzip, DuoAttention) is refused, not ignored
-    for method, params in [("snapkv", {"ratio": 0.5, "allocation": "adakv"}), ("kvzip", {"ratio": 0.5})]:
-        with pytest.raises(ValueError, match=f"kv_bits=4 is not supported by method '{method}'.*ragged=false"):
-            kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
+    # ragged per-head storage (per-head budgets: AdaKV's allocation, KVzip, DuoAttention) is no longer refused: it
+    # stores codes once compressed (not ignored: its pools are quantized)
+    ids = token_ids(1, 50)
+    kvzip = {"ratio": 0.5, "tokenizer": tiny_tokenizer_dir()}
+    for method, params in [("snapkv", {"ratio": 0.5, "allocation": "adakv"}), ("kvzip", kvzip)]:
+        cache = kvcompress.cache_for(model, method, kv_bits=4, kv_group=8, kv_residual=8, **params)
+        prefill(model, ids[:, :30], cache)
+        assert torch.isfinite(forced_logits(model, ids[:, 29:], cache, 1)).all()
+        assert all(layer.pool.bits == 4 for layer in cache.compressed_layers)
 
 
 def test_group_must_divide_the_value_head_dimension():

@@ -9,12 +9,12 @@ attention reads (the dequantized keys and values), and evicts as it would in ful
 
 A method whose layer is a slot layer with extras has its own quantized subclass, which its config picks with
 ``kv_bits < 16`` (KVzip's ``KVzipQuantizedLayer``, LESS's ``LessQuantizedLayer``, PoD's ``PoDQuantizedLayer``: its
-slots hold keys of some heads only, ``QuantizedSlotBuffers.key_heads``). Methods with their own storage
-(the cascade's rings and streaming's circular ring, ragged per-head storage) are refused with
-``kv_bits < 16``: ``quantized_layer_class`` names the way out (``circular=false``, ``ragged=false``,
-``allocation=uniform``) where there is one. A quantized layer does not
-replay as a captured CUDA graph (its step writes a ring entry and a key group chosen by Python numbers): it
-decodes eagerly through ``DecodeGraph``.
+slots hold keys of some heads only, ``QuantizedSlotBuffers.key_heads``); ragged per-head storage (``RaggedLayer``)
+quantizes its own pool when it moves into it (``core.ragged_quantized``). Methods with other storage of their own
+(the cascade's rings and streaming's circular ring) are refused with ``kv_bits < 16``: ``quantized_layer_class``
+names the way out (``circular=false``) where there is one. A quantized layer does not replay as a captured CUDA
+graph (its step writes a ring entry and a key group chosen by Python numbers): it decodes eagerly through
+``DecodeGraph``.
 
 ``nbytes()`` counts what is held: the codes and per-token value parameters of the stored tokens, the key groups'
 parameters covering them, and the residual window's exact keys and values.
@@ -28,6 +28,7 @@ from kvcompress.core.contract import AttentionStats, MethodConfig, Policy, Stats
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_attention import quantized_chunk_attention, quantized_one_query
 from kvcompress.core.quantized_slots import QuantizedSlotBuffers
+from kvcompress.core.ragged_layer import RaggedLayer
 
 
 class QuantizedLayer(CompressedLayer):
@@ -187,11 +188,12 @@ def quantized_layer_class(config: MethodConfig, layer_class: type) -> type:
     quantized slot layer for the standard layer; ``ValueError`` naming the way out for any other storage."""
     if config.kv_bits == 16 or issubclass(layer_class, QuantizedLayer):  # (a method's own quantized slot layer)
         return layer_class
+    if issubclass(layer_class, RaggedLayer):  # (quantizes its pool itself: ``core.ragged_quantized``)
+        return layer_class
     if layer_class is CompressedLayer:
         return QuantizedLayer
     hints = {
         "CircularSinkLayer": " (streaming: circular=false stores it in the standard layer)",
-        "RaggedLayer": " (ragged=false, or allocation=uniform, stores it in the standard layer)",
     }
     hint = next((hints[kind.__name__] for kind in layer_class.__mro__ if kind.__name__ in hints), "")
     raise ValueError(

@@ -87,8 +87,11 @@ class RaggedPool:
         owns_record: bool = True,
     ) -> None:
         self.batch, self.heads, self.rows = batch, heads, batch * heads
-        self.counts = counts.astype(np.int64)  # [R] tokens per row (host; plus ``_lag`` single-token steps)
-        self.block = block_size(self.counts)
+        counts = counts.astype(np.int64)
+        self.block, self.offsets = self._plan(counts)
+        # [R] places filled per row: its empty leading slots (``offsets``) and its tokens (host; plus ``_lag``
+        # single-token steps)
+        self.counts = self.offsets + counts
         blocks = -(-self.counts // self.block)  # ceil
         self.row_blocks = blocks.copy()  # [R] blocks owned per row (host)
         self.used = int(blocks.sum())
@@ -100,8 +103,7 @@ class RaggedPool:
         capacity = self.used + self.rows  # room for one more block per row before the first growth
         self.device, self.dtype = like.device, like.dtype
         # allocated, not written: ``from_rows`` writes the owned blocks, ``_take_blocks`` clears a block taken
-        self.keys = like.new_empty(capacity, self.block, head_dim)
-        self.values = like.new_empty(capacity, self.block, value_dim)
+        self._allocate(capacity, like, head_dim, value_dim)
         self.owner = torch.empty(capacity, dtype=torch.long, device=self.device)
         self.owner[: self.used] = torch.from_numpy(np.repeat(np.arange(self.rows), blocks)).to(self.device)
         self.bias = like.new_empty(capacity, 1, self.block)
@@ -112,9 +114,21 @@ class RaggedPool:
         self._follow(self.counts)
         self._views()
 
+    def _plan(self, counts: np.ndarray) -> tuple[int, np.ndarray]:
+        """Tokens per block, and the empty slots each row starts with (none: a row's first token in its first
+        slot) for rows of ``counts`` tokens."""
+        return block_size(counts), np.zeros_like(counts)
+
+    def _allocate(self, capacity: int, like: torch.Tensor, head_dim: int, value_dim: int) -> None:
+        """The key and value blocks (``capacity`` of them, not written)."""
+        self.keys = like.new_empty(capacity, self.block, head_dim)
+        self.values = like.new_empty(capacity, self.block, value_dim)
+
+    BLOCK_TENSORS = ("keys", "values", "owner", "bias", "token")  # the tensors of one entry per block (grown)
+
     @property
     def capacity(self) -> int:
-        return self.keys.shape[0]
+        return self.owner.shape[0]
 
     def _views(self) -> None:
         """The views of the owned blocks a decoding step reads (``_owner_used``, ``_keys_t``, ``_values_used``,
@@ -136,6 +150,7 @@ class RaggedPool:
         valid: torch.Tensor,
         record: StreamRecord,
         owns_record: bool = True,
+        **options,
     ) -> RaggedPool:
         """The pool holding the tokens ``valid`` ``[B, H, W]`` marks in a slot layout (``keys``, ``values``,
         ``token_idx`` ``[B, H, C, ...]``, ``C >= W`` slots per row; each row's tokens in stream order, as a slot
@@ -145,9 +160,40 @@ class RaggedPool:
         rows, width = batch * heads, valid.shape[-1]
         valid = valid.reshape(rows, width)
         counts = valid.sum(-1)
-        pool = cls(batch, heads, head_dim, values.shape[-1], counts.cpu().numpy(), keys, record, owns_record)
+        pool = cls(batch, heads, head_dim, values.shape[-1], counts.cpu().numpy(), keys, record, owns_record, **options)
         if not pool.used:
             return pool
+        # the slot buffers as one row of slots each (views: a slot layer's buffers are contiguous)
+        flat_keys = keys.contiguous().view(rows * capacity, head_dim)
+        flat_values = values.contiguous().view(rows * capacity, values.shape[-1])
+        flat_token = token_idx.contiguous().view(rows * capacity)
+        counts = counts.to(pool.device)
+        offsets = torch.from_numpy(pool.offsets).to(pool.device)
+        ends = np.cumsum(pool.row_blocks)
+        first_block = torch.from_numpy(pool.table[:, 0]).to(pool.device)
+        slot = torch.arange(pool.block, device=pool.device)
+        step = max(1, CONVERSION_ELEMENTS // max(1, width))
+        for top in range(0, rows, step):  # (once per compression: chunks of rows bound the temporaries)
+            bottom = min(rows, top + step)
+            start, stop = int(ends[top] - pool.row_blocks[top]), int(ends[bottom - 1])
+            if start == stop:
+                continue
+            # each row's kept tokens first, in stream order (a stable sort of "not kept")
+            order = (~valid[top:bottom]).to(torch.uint8).argsort(dim=-1, stable=True)  # [rows of the chunk, W]
+            owner = pool.owner[start:stop]
+            place = (torch.arange(start, stop, device=pool.device) - first_block[owner])[:, None] * pool.block + slot
+            index = place - offsets[owner][:, None]  # [blocks, BLOCK]: a slot's token among its row's
+            filled = (index >= 0) & (index < counts[owner][:, None])  # the slot holds a token
+            source = order[(owner - top)[:, None], index.clamp(0, width - 1)] + (owner * capacity)[:, None]
+            source = source.view(-1)
+            blocks = stop - start
+            pool._write_blocks(start, stop, flat_keys, flat_values, source, filled, place)
+            pool.bias[start:stop].zero_()
+            pool.bias[start:stop, 0].masked_fill_(~filled, float("-inf"))
+            pool.token[start:stop] = (
+                flat_token.index_select(0, source).view(blocks, pool.block).masked_fill(~filled, EMPTY)
+            )
+        return pool
         # the slot buffers as one row of slots each (views: a slot layer's buffers are contiguous)
         flat_keys = keys.contiguous().view(rows * capacity, head_dim)
         flat_values = values.contiguous().view(rows * capacity, values.shape[-1])
@@ -185,6 +231,28 @@ class RaggedPool:
             )
         return pool
 
+    def _write_blocks(
+        self,
+        start: int,
+        stop: int,
+        flat_keys: torch.Tensor,
+        flat_values: torch.Tensor,
+        source: torch.Tensor,
+        filled: torch.Tensor,
+        place: torch.Tensor,
+    ) -> None:
+        """Write blocks ``[start, stop)`` of the move: slot ``i`` takes row ``source[i]`` of the slot layout's keys
+        and values where ``filled`` (``[blocks, BLOCK]``; zeros elsewhere); ``place``: each slot's place in its row."""
+        head_dim, value_dim = flat_keys.shape[-1], flat_values.shape[-1]
+        if flat_keys.requires_grad or flat_values.requires_grad:  # autograd records a copy, not an ``out=`` write
+            self.keys[start:stop].view(-1, head_dim).copy_(flat_keys.index_select(0, source))
+            self.values[start:stop].view(-1, value_dim).copy_(flat_values.index_select(0, source))
+        else:
+            torch.index_select(flat_keys, 0, source, out=self.keys[start:stop].view(-1, head_dim))
+            torch.index_select(flat_values, 0, source, out=self.values[start:stop].view(-1, value_dim))
+        self.keys[start:stop].masked_fill_(~filled[..., None], 0)
+        self.values[start:stop].masked_fill_(~filled[..., None], 0)
+
     # --- appending -----------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Write ``q`` new tokens per row (``[B, H, q, d]``) after each row's last token; returns their flat slot
@@ -200,10 +268,14 @@ class RaggedPool:
             self._lag += 1
         else:
             flat = self._place(count)
-        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
-        self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
+        self._write_new(flat, keys, values)
         self.bias.view(-1).index_fill_(0, flat, 0.0)
         return flat
+
+    def _write_new(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the new tokens' keys and values ``[B, H, q, d]`` at their slots ``flat``."""
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
 
     def _place(self, count: int) -> torch.Tensor:
         """The slots of ``count`` new tokens per row, blocks taken where rows need them (host bookkeeping)."""
@@ -232,7 +304,7 @@ class RaggedPool:
 
     def row_counts(self) -> np.ndarray:
         """``[R]`` tokens per row (host)."""
-        return self.counts + self._lag
+        return self.counts + self._lag - self.offsets
 
     def _take_blocks(self, needed: np.ndarray, total: int) -> None:
         """Give each row ``needed[r]`` new blocks (``total`` in all) from the top of the pool, growing it first;
@@ -249,13 +321,17 @@ class RaggedPool:
         self.table[rows, column] = ids
         taken = slice(self.used, self.used + total)
         self.owner[taken] = torch.from_numpy(rows).to(self.device, non_blocking=True)
-        self.keys[taken].zero_()
-        self.values[taken].zero_()
+        self._clear(taken)
         self.bias[taken].fill_(float("-inf"))
         self.token[taken].fill_(EMPTY)
         self.row_blocks = self.row_blocks + needed
         self.used += total
         self._views()
+
+    def _clear(self, taken: slice) -> None:
+        """Zero the keys and values of the blocks ``taken``."""
+        self.keys[taken].zero_()
+        self.values[taken].zero_()
 
     def _grow(self, capacity: int) -> None:
         """Reallocate every tensor with ``capacity`` blocks, copying the used ones (the new ones are written when
@@ -266,8 +342,8 @@ class RaggedPool:
             fresh[: self.used] = tensor[: self.used]
             return fresh
 
-        self.keys, self.values = grown(self.keys), grown(self.values)
-        self.owner, self.bias, self.token = grown(self.owner), grown(self.bias), grown(self.token)
+        for name in self.BLOCK_TENSORS:
+            setattr(self, name, grown(getattr(self, name)))
         self._views()
 
     @property
@@ -297,6 +373,9 @@ class RaggedPool:
         stream = torch.arange(first, first + count, dtype=INDEX, device=self.device)
         self.token.view(-1).index_copy_(0, flat, stream.repeat(self.rows))  # ``flat`` is row-major [R, q]
 
+    def end_forward(self) -> None:
+        """The forward is over (nothing kept per forward here)."""
+
     # --- attention -----------------------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, scale: float, plain: bool, first: int) -> torch.Tensor:
         """Attention of ``query`` ``[B, H_q, q, d]`` over the pool (the new tokens already in it), ``[B, H_q, q, d]``.
@@ -310,11 +389,12 @@ class RaggedPool:
         groups = q_heads // self.heads
         rows = query.reshape(batch, self.heads, groups, count, dim).transpose(2, 3)  # [B, H, q, G, d]
         outputs = []
+        keys, values = self.read_blocks()
         step = max(1, CHUNK_ELEMENTS // max(1, self.used * self.block * groups))
         for start in range(0, count, step):  # query chunks bound the logits (one chunk while decoding)
             stop = min(count, start + step)
             part = rows[:, :, start:stop].reshape(self.rows, (stop - start) * groups, dim)
-            outputs.append(self._attend_rows(part, scale, first + start, stop - start, groups))
+            outputs.append(self._attend_rows(part, scale, first + start, stop - start, groups, keys, values))
         output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         return output.view(batch, self.heads, count, groups, -1).transpose(2, 3).reshape(batch, q_heads, count, -1)
 
@@ -330,6 +410,13 @@ class RaggedPool:
         groups = q_heads // self.heads
         rows = query.reshape(self.rows, groups, dim).index_select(0, owner)  # [n, G, d]
         logits = torch.baddbmm(self._bias_used, rows, self._keys_t, alpha=scale)  # [n, G, BLOCK]
+        return self._step_output(logits, owner, self._values_used, groups).view(batch, q_heads, 1, -1)
+
+    def _step_output(
+        self, logits: torch.Tensor, owner: torch.Tensor, values: torch.Tensor, groups: int
+    ) -> torch.Tensor:
+        """A decoding step's output ``[R, G, d_v]`` from the owned blocks' ``logits`` ``[n, G, BLOCK]`` (masked by
+        the slots' bias) and ``values`` ``[n, BLOCK, d_v]``: the per-row softmax assembled from the blocks."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         top = logits.amax(dim=-1)  # [n, G]
@@ -338,21 +425,34 @@ class RaggedPool:
         )
         weights = logits.sub_(segment.index_select(0, owner).unsqueeze(-1)).exp_()
         norm = top.new_zeros(self.rows, groups).index_add_(0, owner, weights.sum(dim=-1))
-        if weights.dtype != self.values.dtype:
-            weights = weights.to(self.values.dtype)
-        parts = torch.bmm(weights, self._values_used)  # [n, G, d_v]
+        if weights.dtype != values.dtype:
+            weights = weights.to(values.dtype)
+        parts = torch.bmm(weights, values)  # [n, G, d_v]
         output = parts.new_zeros(self.rows, groups, parts.shape[-1]).index_add_(0, owner, parts)
         norm = norm.unsqueeze(-1)
-        output.div_(norm if norm.dtype == output.dtype else norm.to(output.dtype))
-        return output.view(batch, q_heads, 1, -1)
+        return output.div_(norm if norm.dtype == output.dtype else norm.to(output.dtype))
 
-    def _attend_rows(self, rows: torch.Tensor, scale: float, first: int, count: int, groups: int) -> torch.Tensor:
+    def read_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[used, BLOCK, d]`` and values ``[used, BLOCK, d_v]`` of the owned blocks as attention reads them."""
+        return self.keys[: self.used], self.values[: self.used]
+
+    def _attend_rows(
+        self,
+        rows: torch.Tensor,
+        scale: float,
+        first: int,
+        count: int,
+        groups: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
         """``rows`` ``[R, q * G, d]`` (queries of stream index ``first ..``, token-major) -> ``[R, q * G, d_v]``, each
-        query seeing the real tokens up to itself, and itself (a decoding step: ``_step``)."""
+        query seeing the real tokens up to itself, and itself (a decoding step: ``_step``), over the owned blocks'
+        ``keys`` and ``values`` (``read_blocks``)."""
         used = self.used
         owner = self.owner[:used]
         block_rows = rows.index_select(0, owner)  # [n, q G, d]
-        logits = torch.bmm(block_rows, self.keys[:used].transpose(1, 2)).mul_(scale)
+        logits = torch.bmm(block_rows, keys.transpose(1, 2)).mul_(scale)
         token = self.token[:used]  # [n, block]
         queries = torch.arange(first, first + count, device=self.device)[None, :, None]
         seen = (token[:, None, :] <= queries) & ((self.bias[:used] == 0) | (token[:, None, :] == queries))
@@ -368,7 +468,7 @@ class RaggedPool:
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # a block no query sees
         weights = logits.sub_(shift[..., None]).exp_()
         norm = torch.zeros(self.rows, width, device=self.device).index_add_(0, owner, weights.sum(dim=-1))
-        parts = torch.bmm(weights.to(self.values.dtype), self.values[:used])  # [n, q G, d_v]
+        parts = torch.bmm(weights.to(values.dtype), values)  # [n, q G, d_v]
         output = torch.zeros(self.rows, width, parts.shape[-1], dtype=parts.dtype, device=self.device)
         output.index_add_(0, owner, parts)
         return output.div_(norm[..., None].to(output.dtype))
@@ -379,12 +479,14 @@ class RaggedPool:
         stream order and padded with empty slots: for inspection (a copy of the pool, never used by a step)."""
         counts = self.row_counts()
         width = int(counts.max()) if self.rows else 0
-        place = torch.arange(width, device=self.device)
+        offsets = torch.from_numpy(self.offsets).to(self.device)[:, None]
+        place = offsets + torch.arange(width, device=self.device)  # [R, W] (past a row's empty leading slots)
         table = torch.from_numpy(self.table).to(self.device)
         column = (place // self.block).clamp(max=table.shape[1] - 1)
-        flat = table[:, column] * self.block + place % self.block  # [R, W]
-        filled = place[None] < torch.from_numpy(counts).to(self.device)[:, None]
+        flat = table.gather(1, column) * self.block + place % self.block  # [R, W]
+        filled = place < offsets + torch.from_numpy(counts).to(self.device)[:, None]
         flat = torch.where(filled, flat, 0)
+        keys, values = self.read_blocks()
 
         def take(tensor: torch.Tensor, fill: float) -> torch.Tensor:
             slots = tensor.reshape(-1, *tensor.shape[2:])[flat]
@@ -395,11 +497,19 @@ class RaggedPool:
         sequence = torch.arange(self.batch, device=self.device)[:, None, None].expand_as(token)
         rope_pos, rank = self.record.lookup(token, sequence)
         valid = take(self.bias.view(-1, self.block), float("-inf")) == 0
-        return take(self.keys, 0), take(self.values, 0), token, rope_pos, rank, valid
+        return take(keys, 0).to(self.dtype), take(values, 0).to(self.dtype), token, rope_pos, rank, valid
 
     def token_bytes(self) -> int:
         """Bytes of one slot's key and value."""
         return (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values held: the owned blocks (stored tokens + each row's unfilled slots)."""
+        return self.held_slots() * self.token_bytes()
+
+    def allocated_kv_nbytes(self) -> int:
+        """Bytes of the key and value blocks as allocated (the pool's capacity)."""
+        return self.capacity * self.block * self.token_bytes()
 
     def held_slots(self) -> int:
         """Slots in owned blocks: the stored tokens plus each row's unfilled part of its last block."""

@@ -5,7 +5,9 @@ Until its one-shot compression the layer is a ``CompressedLayer`` (the prompt fi
 When the compression keeps a per-head set (a ``KeepMask``: AdaKV's allocation, KVzip's head-level budgets), the
 kept real tokens move into a ``RaggedPool`` (``core.ragged``): the layer then holds the sum of its heads' counts
 plus at most one block of slack per head, instead of heads x the fullest head, and ``nbytes()`` says so. From then
-on the layer only appends (these methods evict once) and attends over the pool.
+on the layer only appends (these methods evict once) and attends over the pool. With ``kv_bits < 16`` the pool
+holds KIVI codes (``core.ragged_quantized``: quantized as the kept tokens move; until then the slot layer keeps
+the prompt in the model's dtype, so the method scores it as at 16 bits).
 
 A forward after the move writes its tokens into the pool in ``update`` (returning them to the model as they came,
 so the attention function finds the layer) and attends in ``attend``; nothing else of the slot machinery runs.
@@ -22,6 +24,7 @@ import torch
 from kvcompress.core.contract import AttentionStats, KeepMask
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.ragged import RaggedPool
+from kvcompress.core.ragged_quantized import QuantizedRaggedPool
 from kvcompress.core.ragged_stream import StreamRecord
 from kvcompress.core.slots import StreamView
 
@@ -69,7 +72,14 @@ class RaggedLayer(CompressedLayer):
             record = StreamRecord.from_slots(
                 token_idx, slots.rope_pos[:, :, :width], slots.rank[:, :, :width], slots.real_seen, self.seen
             )
-        self.pool = RaggedPool.from_rows(slots.keys, slots.values, slots.token_idx, kept, record, owns)
+        config = self.policy.config
+        if config.kv_bits == 16:
+            self.pool = RaggedPool.from_rows(slots.keys, slots.values, slots.token_idx, kept, record, owns)
+        else:
+            options = {"bits": config.kv_bits, "group": config.kv_group, "residual": config.kv_residual}
+            self.pool = QuantizedRaggedPool.from_rows(
+                slots.keys, slots.values, slots.token_idx, kept, record, owns, seen=self.seen, **options
+            )
         self.slots = None
         self.occupied = int(self.pool.row_counts().max()) if self.pool.rows else 0
         self.dense, self.ordered, self._free, self._new = True, True, None, None
@@ -129,6 +139,11 @@ class RaggedLayer(CompressedLayer):
         plain = count == 1 and not self._padded_forward
         return self.pool.attend(query, scale, plain, self.seen - count), None
 
+    def end_forward(self) -> None:
+        super().end_forward()
+        if self.pool is not None:
+            self.pool.end_forward()
+
     def replay_steady(self) -> bool:
         return False if self.ragged else super().replay_steady()
 
@@ -180,13 +195,13 @@ class RaggedLayer(CompressedLayer):
     # --- accounting ----------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:
         """Bytes of the keys and values held: the blocks in use (stored tokens + each head's last block's slack)."""
-        return self.pool.held_slots() * self.pool.token_bytes() if self.ragged else super().kv_nbytes()
+        return self.pool.kv_nbytes() if self.ragged else super().kv_nbytes()
 
     def allocated_nbytes(self) -> int:
         """Bytes of the key and value blocks as allocated (the pool's capacity)."""
         if not self.ragged:
             return super().allocated_nbytes()
-        return self.pool.capacity * self.pool.block * self.pool.token_bytes()
+        return self.pool.allocated_kv_nbytes()
 
     def allocated_metadata_nbytes(self) -> int:
         """Bytes of the blocks' bookkeeping as allocated (owner, bias and stream index of the pool's capacity; the
