@@ -265,3 +265,29 @@ def test_decode_graph_decodes_a_quantized_ring_eagerly(key):
             torch.testing.assert_close(graphed(token, position), expected, rtol=0, atol=0)
             token = expected[:, -1:].argmax(-1)
     assert graphed.replays == 0 and graphed.replay is None
+
+
+@pytest.mark.parametrize("key", ["streaming", "cascade"])
+def test_a_decoding_step_reuses_one_buffer_and_reads_nothing_back(key, monkeypatch):
+    """Per decoding step: the layers dequantize into one buffer of the cache, allocated once (no allocation
+    proportional to the cache), none is held between forwards, and no tensor is read on the host."""
+    from kvcompress.methods.cascade import quantized as module
+
+    model = tiny_model()
+    cache = make(model, key, 4)
+    ids = ids_of(1, 60, seed=9)
+    feed(model, cache, ids, (30, 1))
+    buffer = module._SCRATCH[cache.forward_pass]["buffer"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read during a decoding step")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    feed(model, cache, ids[:, 31:], (1,) * 29)
+    monkeypatch.undo()
+    holder = module._SCRATCH[cache.forward_pass]
+    assert holder["buffer"] is buffer and holder["owner"] is None
+    for layer in cache.layers:
+        assert layer._kv.untyped_storage().nbytes() == layer._kv.element_size()  # (a stand-in of one number)
+        assert layer._views is None and layer._returned is None

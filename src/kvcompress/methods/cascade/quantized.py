@@ -55,6 +55,7 @@ live across steps).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -64,6 +65,9 @@ from kvcompress.core.quantized_slots import check_dims
 from kvcompress.methods.cascade.circular import CircularSinkLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.schedule import Rings
+
+# per cache (its ``ForwardPass``): the buffer a forward dequantizes a layer into, reused by its layers and forwards
+_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class QuantizedRings:
@@ -135,9 +139,10 @@ class QuantizedRings:
         shape = (batch, heads, self.capacity + 1, self._key_dim + self._value_dim)
         return self._codes["value_scale"].new_zeros(1, 1, 1, 1).expand(shape)
 
-    def _dequantized(self) -> torch.Tensor:
+    def _dequantized(self, shared: bool = False) -> torch.Tensor:
         """The storage as a forward reads it: ``[B, H, slots + 1, dk + dv]`` in the model's dtype, the exact sinks
-        and residual window over their slots (the last slot, scratch, zeros)."""
+        and residual window over their slots (the last slot, scratch, zeros). ``shared``: into the cache's buffer
+        for this (``_buffer``), else a new one."""
         codes, bits, group, sinks, dim = self._codes, self.bits, self.group, self.sinks, self._key_dim
         batch, heads = codes["values"].shape[:2]
         slots = self.capacity + 1
@@ -145,7 +150,8 @@ class QuantizedRings:
         if self.per_channel:
             groups = self._key_groups()
             rows = max(rows, sinks + groups * group)
-        buffer = codes["value_scale"].new_empty(batch, heads, rows, dim + self._value_dim)
+        shape = (batch, heads, rows, dim + self._value_dim)
+        buffer = self._buffer(shape) if shared else codes["value_scale"].new_empty(shape)
         kv = buffer[:, :, :slots]
         if self.per_channel:
             if groups:
@@ -169,9 +175,13 @@ class QuantizedRings:
                 kv[:, :, :sinks] = self._sink_exact
         if self.window:
             where = self._window_slots()  # [B or 1, window]: the slot each entry's token sits in (scratch: none)
-            index = where[:, None, :, None].expand(batch, heads, -1, kv.shape[-1])
             exact = self._exact[:, :, : self.window]
-            kv = kv.scatter(2, index, exact) if grad else kv.scatter_(2, index, exact)
+            if grad:
+                kv = kv.scatter(2, where[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]), exact)
+            else:  # one ``index_copy_`` into the buffer seen as rows of (sequence, head, slot)
+                offsets = torch.arange(0, batch * heads * rows, rows, device=self.device).view(batch, heads, 1)
+                into = (offsets + where[:, None, :]).flatten()
+                buffer.view(-1, buffer.shape[-1]).index_copy_(0, into, exact.reshape(-1, exact.shape[-1]))
         return kv
 
     def _window_slots(self) -> torch.Tensor:
@@ -189,9 +199,26 @@ class QuantizedRings:
 
         return self.forward_pass.cached(("q-window", rows, self.window, sinks, width, slots, self.device), build)
 
+    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A buffer of ``shape`` for this forward's dequantized storage: the cache's, which every quantized ring
+        layer of the cache uses in turn (a layer's buffer lives from its ``update`` to the end of its attention, so
+        no two layers of a forward hold it at once; one that does, a forward that never attended, gets its own),
+        grown when a layer needs more: no allocation per step once the largest layer has run."""
+        holder = _SCRATCH.setdefault(self.forward_pass, {})
+        owner = holder.get("owner")
+        owner = None if owner is None else owner()
+        dtype, size = self._codes["value_scale"].dtype, math.prod(shape)
+        if owner is not None and owner is not self and owner._live:
+            return self._codes["value_scale"].new_empty(shape)
+        found = holder.get("buffer")
+        if found is None or found.numel() < size or found.dtype != dtype or found.device != self.device:
+            found = holder["buffer"] = self._codes["value_scale"].new_empty(size)
+        holder["owner"] = weakref.ref(self)
+        return found[:size].view(shape)
+
     # --- a forward: dequantized in, written slots quantized back ----------------------------------------------
     def _materialize(self) -> None:
-        self._kv = self._dequantized()
+        self._kv = self._dequantized(shared=True)
         self._live, self._base, self._written = True, list(self._rows()), []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -241,6 +268,9 @@ class QuantizedRings:
             self._quantize_token_keys(kv, written)
         self._kv, self._live, self._written = self._stub(), False, []
         self._views = self._returned = None  # (they hold the buffer)
+        holder = _SCRATCH.get(self.forward_pass)
+        if holder is not None and holder.get("owner") is not None and holder["owner"]() is self:
+            holder["owner"] = None
 
     def _new_tokens(self, before: list[Rings], after: list[Rings]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``[B or 1, n]``: the first-ring slots of the real tokens this forward brought that the first ring holds,
@@ -261,7 +291,7 @@ class QuantizedRings:
             entry = torch.where(inside, token.remainder(max(window, 1)), window)
             return slot, entry
 
-        return self.forward_pass.cached(("q-new", tuple(spans), slots, self.device), build)
+        return self.forward_pass.cached(("q-new", tuple(spans), sinks, width, window, slots, self.device), build)
 
     def _quantize_values(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize the values of ``slots`` ``[B or 1, n]`` (per token) into their codes."""
@@ -284,19 +314,28 @@ class QuantizedRings:
             codes[name].scatter_(2, index[..., : part.shape[-1]], part)
 
     def _sealed(self, before: list[Rings], after: list[Rings]) -> list[list[int]]:
-        """Per sequence, the key groups whose last slot this forward wrote (one ring)."""
+        """Per sequence, the key groups whose last slot this forward wrote (one ring; once per forward)."""
         sinks, width, group = self.sinks, self._layout.width, self.group
-        rows = []
-        for old, now in zip(before, after, strict=True):
-            first, seen, groups = max(old.seen, sinks), now.seen, []
-            if seen > first:
-                for index in range(-(-width // group)):
-                    last = min((index + 1) * group, width) - 1  # the group's last ring offset
-                    token = seen - 1 - (seen - 1 - sinks - last) % width  # the newest token written there
-                    if token >= first:
-                        groups.append(index)
-            rows.append(groups)
-        return rows
+        spans = tuple((max(old.seen, sinks), now.seen) for old, now in zip(before, after, strict=True))
+
+        def build() -> list[list[int]]:
+            rows = []
+            for first, seen in spans:
+                groups = []
+                if seen - first == 1:  # a decoding step: the group of the token's slot if it is the group's last
+                    offset = (first - sinks) % width
+                    if offset % group == group - 1 or offset == width - 1:
+                        groups.append(offset // group)
+                elif seen > first:
+                    for index in range(-(-width // group)):
+                        last = min((index + 1) * group, width) - 1  # the group's last ring offset
+                        token = seen - 1 - (seen - 1 - sinks - last) % width  # the newest token written there
+                        if token >= first:
+                            groups.append(index)
+                rows.append(groups)
+            return rows
+
+        return self.forward_pass.cached(("q-sealed", spans, sinks, width, group), build)
 
     def _seal(self, kv: torch.Tensor, before: list[Rings], after: list[Rings]) -> None:
         """Quantize the key groups completed by this forward from the keys of their slots (exact: see the module
@@ -307,7 +346,7 @@ class QuantizedRings:
             return
         group, sinks, width, slots = self.group, self.sinks, self._layout.width, self.capacity
         scratch = self._codes["key_scale"].shape[2] - 1
-        key = ("q-seal", tuple(map(tuple, sealed)), slots, self.device)
+        key = ("q-seal", tuple(map(tuple, sealed)), group, sinks, width, slots, scratch, self.device)
 
         def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             groups = [row + [scratch] * (count - len(row)) for row in sealed]
