@@ -37,19 +37,20 @@
 full-precision layer's (``_kv``: sinks and rings side by side), with the exact sinks and the residual window
 copied over their slots, built when the forward's tokens arrive (``update``); the rings' own code then runs on
 it unchanged (its moves, its attention, the EMA of the cascade's scores), and once the forward has attended the
-slots it wrote are quantized back (``_commit``) and the buffer is let go. So a forward's attention is exactly
+slots it wrote are quantized back (``_commit``) and the buffer is handed back. So a forward's attention is exactly
 the full-precision rings' attention over the dequantized storage, and what is kept and moved is what the schedule
 decides at 16 bits: the schedule depends on the token count only, except the cascade's selections, decided by
 EMA scores taken from attention over the dequantized keys (they may then differ from 16 bits'). Streaming's ring
 has no scores.
 
-Costs: per forward and layer one buffer as large as the layer's dequantized keys and values (as the slot layer's
-decoding step holds its float32 buffer, ``core.quantized_attention``), filled by one unpack and one multiply-add
-per tensor, freed at the end of the layer's attention; per decoding step the codes of one value (and one key per
-move with several rings) are written, and a key group (one ring) every ``kv_group`` steps. A quantized ring does
-not replay as a captured CUDA graph (``replay_steady`` is False: ``DecodeGraph`` decodes it eagerly), and the
-decoding steps of several cascade layers move their tokens one layer at a time (``ring_moves`` stacks buffers that
-live across steps).
+Costs: per forward and layer the dequantization (one unpack and one multiply-add per tensor over the layer's
+slots, then the exact rows copied over theirs) into one buffer of the cache, as large as the largest layer's keys
+and values in the model's dtype, which every quantized ring layer of the cache uses in turn and which is kept
+between forwards (working memory, as the slot layer's decoding step's float32 buffer, not counted by ``nbytes``);
+per decoding step the codes of one value (and of one key per move with several rings) are written, and a key
+group (one ring) every ``kv_group`` steps. A quantized ring does not replay as a captured CUDA graph
+(``replay_steady`` is False: ``DecodeGraph`` decodes it eagerly), and the decoding steps of several cascade layers
+move their tokens one layer at a time (``ring_moves`` stacks buffers that live across steps).
 """
 
 from __future__ import annotations
