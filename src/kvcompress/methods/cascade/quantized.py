@@ -3,8 +3,10 @@
 
 **What is held between forwards**: codes, and exact only what KIVI keeps exact or what has no place among codes:
 
-- **values per token** in groups of ``kv_group`` channels (codes, scale and minimum per slot), quantized once when
-  the token is written (KIVI's axis for values);
+- **values per token** in groups of ``kv_group`` channels (codes, scale and minimum per slot), quantized once
+  (KIVI's axis for values): with one ring when the token's key group is sealed (until then it is read from the
+  residual window: one quantization of ``kv_group`` values every ``kv_group`` steps rather than one per step),
+  with several rings when the token is written;
 - **keys, one ring** (streaming's circular ring, a cascade with ``cascades=1``): KIVI's per-channel key groups, a
   group being ``kv_group`` consecutive ring slots (the last group of a ring whose width is not a multiple of
   ``kv_group`` has the rest). The ring is written one slot at a time in stream order, each key turned once, when
@@ -135,10 +137,13 @@ class QuantizedRings:
         return -(-(self.capacity - self.sinks) // self.group)
 
     def _stub(self) -> torch.Tensor:
-        """A stand-in for ``_kv`` between forwards: its shape, no storage."""
+        """A stand-in for ``_kv`` between forwards: its shape, no storage (made again when the shape changes)."""
         batch, heads = self._codes["values"].shape[:2]
         shape = (batch, heads, self.capacity + 1, self._key_dim + self._value_dim)
-        return self._codes["value_scale"].new_zeros(1, 1, 1, 1).expand(shape)
+        stub = getattr(self, "_stub_kv", None)
+        if stub is None or stub.shape != shape:
+            stub = self._stub_kv = self._codes["value_scale"].new_zeros(1, 1, 1, 1).expand(shape)
+        return stub
 
     def _dequantized(self, shared: bool = False) -> torch.Tensor:
         """The storage as a forward reads it: ``[B, H, slots + 1, dk + dv]`` in the model's dtype, the exact sinks
@@ -179,10 +184,16 @@ class QuantizedRings:
             exact = self._exact[:, :, : self.window]
             if grad:
                 kv = kv.scatter(2, where[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]), exact)
-            else:  # one ``index_copy_`` into the buffer seen as rows of (sequence, head, slot)
-                offsets = torch.arange(0, batch * heads * rows, rows, device=self.device).view(batch, heads, 1)
-                into = (offsets + where[:, None, :]).flatten()
-                buffer.view(-1, buffer.shape[-1]).index_copy_(0, into, exact.reshape(-1, exact.shape[-1]))
+            else:  # one ``index_copy_`` of every entry (the scratch one too) into the buffer seen as rows
+                key = ("q-window-rows", where.data_ptr(), batch, heads, rows, slots)
+
+                def build() -> torch.Tensor:
+                    offsets = torch.arange(0, batch * heads * rows, rows, device=self.device).view(batch, heads, 1)
+                    scratch = where.new_full((where.shape[0], 1), slots - 1)
+                    return (offsets + torch.cat([where, scratch], 1)[:, None, :]).flatten()
+
+                into = self.forward_pass.cached(key, build)
+                buffer.view(-1, buffer.shape[-1]).index_copy_(0, into, self._exact.reshape(-1, self._exact.shape[-1]))
         return kv
 
     def _window_slots(self) -> torch.Tensor:
@@ -259,8 +270,6 @@ class QuantizedRings:
                 batch, heads = kv.shape[:2]
                 rows = kv.gather(2, slots[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]))
                 self._exact.scatter_(2, entries[:, None, :, None].expand_as(rows), rows)
-            if self.per_channel:
-                self._quantize_values(kv, slots)
         if self.per_channel:
             self._seal(kv, before, after)
         elif self._written:
@@ -361,6 +370,7 @@ class QuantizedRings:
 
         groups, members, occupied = self.forward_pass.cached(key, build)  # [B or 1, k], [B or 1, k, G] twice
         batch, heads, dim = kv.shape[0], kv.shape[1], self._key_dim
+        self._quantize_values(kv, members.flatten(1))  # (the group's values are in the exact window until now)
         index = members.flatten(1)[:, None, :, None].expand(batch, heads, -1, dim)
         keys = kv[..., :dim].gather(2, index).unflatten(2, (count, group)).detach()  # [B, H, k, G, d]
         packed, scale, low = quantize_keys(keys, self.bits, occupied[:, None].expand(batch, heads, -1, -1))
