@@ -113,20 +113,19 @@ class QuantizedRings:
         self._value_dim = value_dim
         codes = {"dtype": torch.uint8, "device": self.device}
         slots = self.capacity + 1
+        # per slot, per token: the value (one ring), the key and the value side by side as in ``_kv`` (several rings:
+        # one quantization and one dequantization of the whole row, its key's channel groups, then its value's)
+        width = value_dim if self.per_channel else key_dim + value_dim
         self._codes = {
-            "values": torch.zeros(batch, heads, slots, packed_width(value_dim, bits), **codes),
-            "value_scale": key_states.new_zeros(batch, heads, slots, value_dim // group),
-            "value_min": key_states.new_zeros(batch, heads, slots, value_dim // group),
+            "values": torch.zeros(batch, heads, slots, packed_width(width, bits), **codes),
+            "value_scale": key_states.new_zeros(batch, heads, slots, width // group),
+            "value_min": key_states.new_zeros(batch, heads, slots, width // group),
         }
         if self.per_channel:
             groups = self._key_groups() + 1  # (the last: a scratch group)
             self._codes["keys"] = torch.zeros(batch, heads, groups * group, packed_width(key_dim, bits), **codes)
             self._codes["key_scale"] = key_states.new_zeros(batch, heads, groups, key_dim)
             self._codes["key_min"] = key_states.new_zeros(batch, heads, groups, key_dim)
-        else:
-            self._codes["keys"] = torch.zeros(batch, heads, slots, packed_width(key_dim, bits), **codes)
-            self._codes["key_scale"] = key_states.new_zeros(batch, heads, slots, key_dim // group)
-            self._codes["key_min"] = key_states.new_zeros(batch, heads, slots, key_dim // group)
         width = key_dim + value_dim
         self._exact = key_states.new_zeros(batch, heads, self.window + 1, width)  # (the last entry: scratch)
         self._sink_exact = key_states.new_zeros(batch, heads, self.sinks, width)
@@ -168,9 +167,8 @@ class QuantizedRings:
                     bits,
                     out=buffer[:, :, sinks : sinks + groups * group, :dim].unflatten(2, (groups, group)),
                 )
-        else:
-            dequantize_values(codes["keys"], codes["key_scale"], codes["key_min"], bits, out=kv[..., :dim])
-        dequantize_values(codes["values"], codes["value_scale"], codes["value_min"], bits, out=kv[..., dim:])
+        rows_read = kv[..., dim:] if self.per_channel else kv  # (several rings: keys and values in one)
+        dequantize_values(codes["values"], codes["value_scale"], codes["value_min"], bits, out=rows_read)
         kv[:, :, -1] = 0
         grad = torch.is_grad_enabled() and (self._sink_exact.requires_grad or self._exact.requires_grad)
         if grad:  # (a forward recorded for a backward pass: the exact parts carry a gradient, put out of place)
@@ -275,7 +273,6 @@ class QuantizedRings:
         elif self._written:
             written = torch.cat([w.expand(kv.shape[0], -1) for w in self._written], 1)
             self._quantize_values(kv, written)
-            self._quantize_token_keys(kv, written)
         self._kv, self._live, self._written = self._stub(), False, []
         self._views = self._returned = None  # (they hold the buffer)
         holder = _SCRATCH.get(self.forward_pass)
@@ -304,24 +301,16 @@ class QuantizedRings:
         return self.forward_pass.cached(("q-new", tuple(spans), sinks, width, window, slots, self.device), build)
 
     def _quantize_values(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Quantize the values of ``slots`` ``[B or 1, n]`` (per token) into their codes."""
+        """Quantize the values of ``slots`` ``[B or 1, n]`` (per token; with several rings the keys too) into their
+        codes."""
         batch, heads = kv.shape[:2]
-        index = slots[:, None, :, None].expand(batch, heads, -1, self._value_dim)
-        values = kv[..., self._key_dim :].gather(2, index).detach()  # (the quantizer passes no gradient)
-        packed, scale, low = quantize_values(values, self.bits, self.group)
+        part = kv[..., self._key_dim :] if self.per_channel else kv
+        index = slots[:, None, :, None].expand(batch, heads, -1, part.shape[-1])
+        rows = part.gather(2, index).detach()  # (the quantizer passes no gradient)
+        packed, scale, low = quantize_values(rows, self.bits, self.group)
         codes = self._codes
-        for name, part in (("values", packed), ("value_scale", scale), ("value_min", low)):
-            codes[name].scatter_(2, index[..., : part.shape[-1]], part)
-
-    def _quantize_token_keys(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Quantize the keys of ``slots`` ``[B, n]`` per token (several rings)."""
-        batch, heads = kv.shape[:2]
-        index = slots[:, None, :, None].expand(batch, heads, -1, self._key_dim)
-        keys = kv[..., : self._key_dim].gather(2, index).detach()
-        packed, scale, low = quantize_values(keys, self.bits, self.group)
-        codes = self._codes
-        for name, part in (("keys", packed), ("key_scale", scale), ("key_min", low)):
-            codes[name].scatter_(2, index[..., : part.shape[-1]], part)
+        for name, tensor in (("values", packed), ("value_scale", scale), ("value_min", low)):
+            codes[name].scatter_(2, index[..., : tensor.shape[-1]], tensor)
 
     def _sealed(self, before: list[Rings], after: list[Rings]) -> list[list[int]]:
         """Per sequence, the key groups whose last slot this forward wrote (one ring; once per forward)."""
@@ -396,9 +385,6 @@ class QuantizedRings:
             for name in ("key_scale", "key_min"):
                 codes[name] = _padded(codes[name], old, groups + 1)
             codes["keys"] = _padded(codes["keys"], old * self.group, (groups + 1) * self.group)
-        else:
-            for name in ("keys", "key_scale", "key_min"):
-                codes[name] = _padded(codes[name], used, pad_to)
 
     def _reorder(self, rows: list[int], reorder) -> None:
         if not self.is_initialized:
@@ -434,8 +420,7 @@ class QuantizedRings:
     def _per_token_bytes(self) -> int:
         """Bytes of one stored ring token over all rows: key and value codes, value (and per-token key) parameters."""
         codes = self._codes
-        names = ["values", "value_scale", "value_min"] + ([] if self.per_channel else ["keys", "key_scale", "key_min"])
-        total = sum(codes[name][:, :, :1].nbytes for name in names)
+        total = sum(codes[name][:, :, :1].nbytes for name in ("values", "value_scale", "value_min"))
         if self.per_channel:
             total += codes["keys"][:, :, :1].nbytes
         return total
