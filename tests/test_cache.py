@@ -50,6 +50,9 @@ EVICTING = {
         **{"block_size": 2, "n_sink": 2, "n_recent": 4, "base": SnapKVConfig(budget=12, window=4)},
         **{"kv_bits": 4, "kv_group": 8, "kv_residual": 8},
     },
+    # the cascade's rings and streaming's circular ring quantized (methods/cascade/quantized.py)
+    "streaming-kv4": {"budget": 12, "sinks": 4, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},
+    "cascade-kv4": {"budget": 12, "sinks": 4, "cascades": 4, "kv_bits": 4, "kv_group": 8, "kv_residual": 8},
     "expected_attention-pyramid": {"budget": 12, "allocation": "pyramid", "beta": 4},
     "snapkv-adakv": {"budget": 12, "window": 4, "allocation": "adakv"},
     # per-head budgets stored ragged, quantized (core/ragged_quantized.py)

@@ -15,9 +15,10 @@ from kvcompress.core.attention import layer_attention
 from kvcompress.core.contract import StatsRequest
 from kvcompress.core.kivi import dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.core.quantized_layer import QuantizedLayer
+from kvcompress.core.quantized_layer import QuantizedLayer, quantized_layer_class
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models.testing import tiny_model
+from kvcompress.registry import make_config
 from tests.helpers import tiny_tokenizer_dir
 from tests.references.kivi import KiviReferenceCache, minmax_roundtrip
 
@@ -374,18 +375,25 @@ def test_parameters_are_checked(params, message):
         kvcompress.make_config("h2o", **params)
 
 
-def test_refused_where_the_storage_is_not_slots():
-    """The storages that have no quantized form (docs/results/quantization.md, Limits): the cascade's rings and
-    streaming's circular ring. (LESS's low-rank layer has one since ``LessQuantizedLayer``:
-    ``tests/methods/test_less_quantized.py``; PoD's shared keys since ``PoDQuantizedLayer``:
-    ``tests/methods/test_pod_quantized.py``; ragged per-head storage since ``QuantizedRaggedPool``:
-    ``tests/test_ragged_quantized.py``.)"""
+def test_storages_that_are_not_slots_have_quantized_forms():
+    """Every storage of its own has a quantized form now (docs/results/quantization.md, Limits, listed those that
+    had none): LESS's low-rank layer (``LessQuantizedLayer``: ``tests/methods/test_less_quantized.py``), PoD's
+    shared keys (``PoDQuantizedLayer``: ``tests/methods/test_pod_quantized.py``), ragged per-head storage
+    (``QuantizedRaggedPool``: ``tests/test_ragged_quantized.py``), the cascade's rings and streaming's circular ring
+    (``methods/cascade/quantized.py``: ``tests/methods/test_cascade_quantized.py``). A layer class with none is
+    still refused with one line."""
+
+    class OwnStorage(CompressedLayer):
+        pass
+
     model = tiny_model()
-    with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'cascade'"):
-        kvcompress.cache_for(model, "cascade", kv_bits=4)
-    with pytest.raises(ValueError, match="circular=false"):
-        kvcompress.cache_for(model, "streaming", budget=32, kv_bits=4, kv_group=8, kv_residual=8)
-    cache = kvcompress.cache_for(model, "streaming", budget=32, circular=False, kv_bits=4, kv_group=8, kv_residual=8)
+    with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'h2o' with its storage OwnStorage"):
+        quantized_layer_class(make_config("h2o", kv_bits=4), OwnStorage)
+    for circular in (True, False):  # the circular ring, and the way out it had (the standard layer)
+        params = {"budget": 32, "circular": circular, "kv_bits": 4, "kv_group": 8, "kv_residual": 8}
+        cache = kvcompress.cache_for(model, "streaming", **params)
+        assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
+    cache = kvcompress.cache_for(model, "cascade", budget=36, kv_bits=4, kv_group=8, kv_residual=8)
     assert torch.isfinite(forced_logits(model, token_ids(1, 50), cache, 20)).all()
     # ragged per-head storage (per-head budgets: AdaKV's allocation, KVzip, DuoAttention) is no longer refused: it
     # stores codes once compressed (not ignored: its pools are quantized)

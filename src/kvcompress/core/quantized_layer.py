@@ -10,11 +10,10 @@ attention reads (the dequantized keys and values), and evicts as it would in ful
 A method whose layer is a slot layer with extras has its own quantized subclass, which its config picks with
 ``kv_bits < 16`` (KVzip's ``KVzipQuantizedLayer``, LESS's ``LessQuantizedLayer``, PoD's ``PoDQuantizedLayer``: its
 slots hold keys of some heads only, ``QuantizedSlotBuffers.key_heads``); ragged per-head storage (``RaggedLayer``)
-quantizes its own pool when it moves into it (``core.ragged_quantized``). Methods with other storage of their own
-(the cascade's rings and streaming's circular ring) are refused with ``kv_bits < 16``: ``quantized_layer_class``
-names the way out (``circular=false``) where there is one. A quantized layer does not replay as a captured CUDA
-graph (its step writes a ring entry and a key group chosen by Python numbers): it decodes eagerly through
-``DecodeGraph``.
+quantizes its own pool when it moves into it (``core.ragged_quantized``). Other storage of its own names its
+quantized form (``quantized_form``: the cascade's rings and streaming's circular ring, ``methods.cascade.quantized``);
+any other is refused with ``kv_bits < 16``. A quantized layer does not replay as a captured CUDA graph (its step
+writes a ring entry and a key group chosen by Python numbers): it decodes eagerly through ``DecodeGraph``.
 
 ``nbytes()`` counts what is held: the codes and per-token value parameters of the stored tokens, the key groups'
 parameters covering them, and the residual window's exact keys and values.
@@ -192,11 +191,10 @@ def quantized_layer_class(config: MethodConfig, layer_class: type) -> type:
         return layer_class
     if layer_class is CompressedLayer:
         return QuantizedLayer
-    hints = {
-        "CircularSinkLayer": " (streaming: circular=false stores it in the standard layer)",
-    }
-    hint = next((hints[kind.__name__] for kind in layer_class.__mro__ if kind.__name__ in hints), "")
+    quantized_form = getattr(layer_class, "quantized_form", None)  # a storage with its own quantized form
+    if quantized_form is not None:
+        return quantized_form()
     raise ValueError(
         f"kv_bits={config.kv_bits} is not supported by method {config.name!r} with its storage "
-        f"{layer_class.__name__}{hint}; kv_bits=16 keeps the model's dtype"
+        f"{layer_class.__name__}; kv_bits=16 keeps the model's dtype"
     )

@@ -71,6 +71,13 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     attend_first = False
 
+    @classmethod
+    def quantized_form(cls) -> type:
+        """The layer class storing this one's rings in ``kv_bits`` below 16 (``quantized``)."""
+        from kvcompress.methods.cascade.quantized import quantized_form
+
+        return quantized_form(cls)
+
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
         self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_moves``)
@@ -261,8 +268,12 @@ class CascadeLayer(RingDecode, CompressedLayer):
             columns = self._sequence_columns(before, plans)
         if columns is not None:
             buffers = (self._kv, self._meta, self._score if needs else None)
-            apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
+            self._apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
         self._sync_sinks(before)
+
+    def _apply_moves(self, buffers, columns: Columns, tie: str, new) -> None:
+        """``executor.apply_moves`` on this layer's buffers (a quantized layer notes the slots written)."""
+        apply_moves(buffers, columns, tie, new)
 
     def _columns(self, before: Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
         """The executor's tables of moves shared by the batch (``None``: no move), built once per forward for the

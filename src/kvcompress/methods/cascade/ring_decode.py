@@ -20,7 +20,7 @@ import torch
 from kvcompress.core.forward import from_host
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frames_along, rotation_to, turn, turn_along
-from kvcompress.methods.cascade.executor import Columns, apply_moves
+from kvcompress.methods.cascade.executor import Columns
 from kvcompress.methods.cascade.ring_moves import moved_every_ring
 from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
 
@@ -86,7 +86,7 @@ class RingDecode:
             if grouped and moved_every_ring(self, step, meta):
                 self._kv[:, :, step.columns.fresh : step.columns.fresh + 1] = items[m]  # the rest moved for all
             elif step.columns is not None:
-                apply_moves(buffers, step.columns, tie, (items[m], meta[:, m : m + 1], None))
+                self._apply_moves(buffers, step.columns, tie, (items[m], meta[:, m : m + 1], None))
             self._set_shared(step.after)
             self._sync_sinks([step.before], step.sinks)
             keys_t, values = self._step_views(step.stored)

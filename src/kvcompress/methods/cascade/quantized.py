@@ -1,0 +1,474 @@
+"""The cascade's rings and streaming's circular ring stored in 8, 4 or 2 bits (KIVI, ``core.kivi``): ``kv_bits``,
+``kv_group`` and ``kv_residual`` for ``cascade`` and for ``streaming`` with ``circular=true``.
+
+**What is held between forwards**: codes, and exact only what KIVI keeps exact or what has no place among codes:
+
+- **values per token** in groups of ``kv_group`` channels (codes, scale and minimum per slot), quantized once
+  (KIVI's axis for values): with one ring when the token's key group is sealed (until then it is read from the
+  residual window: one quantization of ``kv_group`` values every ``kv_group`` steps rather than one per step),
+  with several rings when the token is written;
+- **keys, one ring** (streaming's circular ring, a cascade with ``cascades=1``): KIVI's per-channel key groups, a
+  group being ``kv_group`` consecutive ring slots (the last group of a ring whose width is not a multiple of
+  ``kv_group`` has the rest). The ring is written one slot at a time in stream order, each key turned once, when
+  written, into the ring's frame, so the tokens of a group are ``kv_group`` consecutive tokens of the stream and
+  are never turned again: a group is quantized (sealed) when its last slot is written, from the exact keys of its
+  tokens (all in the residual window, which is at least a group long), and its codes and parameters are not
+  touched until the ring comes round and writes its last slot again. Meanwhile the group's slots already
+  rewritten are read from the residual window and the others from the former codes with their (unchanged)
+  parameters, so every key is rounded exactly once, as KIVI rounds groups of the stream;
+- **keys, several rings** (``cascades > 1``): per token, in groups of ``kv_group`` channels as the values. A
+  token moves from ring to ring and its key is turned by each move (``schedule.move_turn``), and a ring other than
+  the first is written at every ``b^i``-th token and by selections that overwrite its newest token, so groups of
+  ring slots would be re-formed at every move; per token, a move re-quantizes the moved key alone (from its
+  dequantized, turned value) and rounds it once more: a key in ring ``i`` has been rounded at most ``i + 1`` times
+  (once when written to the first ring, once per move; one fewer when it left the first ring inside the exact
+  window). Applying the turns at read time instead would keep one rounding but turn every stored key at every
+  step (a rotation per slot, where the rings turn one query per frame). The moved token's value is quantized
+  again from its dequantized value too: the same codes and minimum (its minimum reads back exactly and its
+  maximum onto the top code), the scale within a rounding of the stored one;
+- **the sinks** exact (``sinks`` tokens, rewritten from an exact copy whenever the oldest ring's frame moves, as
+  in full precision);
+- **the residual window**: the newest ``min(kv_residual, W)`` real tokens, exact (``W``: a ring's width), as KIVI
+  keeps its newest tokens. Every token enters the first ring, which holds the ``W`` newest, and a token keeps its
+  key's angle while it stays there, so the window is the first ring's newest tokens: an exact copy of each, in an
+  entry indexed by its real-token index modulo the window, read over its slot. A window longer than a ring's
+  width would reach tokens moved to other rings (turned since), so it stops at ``W``. With one ring it must hold a
+  whole key group: ``kv_residual=0`` is refused there (``ValueError``).
+
+**What a forward reads**: the layer's keys and values dequantized into a buffer of the model's dtype shaped as the
+full-precision layer's (``_kv``: sinks and rings side by side), with the exact sinks and the residual window
+copied over their slots, built when the forward's tokens arrive (``update``); the rings' own code then runs on
+it unchanged (its moves, its attention, the EMA of the cascade's scores), and once the forward has attended the
+slots it wrote are quantized back (``_commit``) and the buffer is handed back. So a forward's attention is exactly
+the full-precision rings' attention over the dequantized storage, and what is kept and moved is what the schedule
+decides at 16 bits: the schedule depends on the token count only, except the cascade's selections, decided by
+EMA scores taken from attention over the dequantized keys (they may then differ from 16 bits'). Streaming's ring
+has no scores.
+
+Costs: per forward and layer the dequantization (one unpack and one multiply-add per tensor over the layer's
+slots, then the exact rows copied over theirs) into one buffer of the cache, as large as the largest layer's keys
+and values in the model's dtype, which every quantized ring layer of the cache uses in turn and which is kept
+between forwards (working memory, as the slot layer's decoding step's float32 buffer, not counted by ``nbytes``);
+per decoding step the codes of one value (and of one key per move with several rings) are written, and a key
+group (one ring) every ``kv_group`` steps. A quantized ring does not replay as a captured CUDA graph
+(``replay_steady`` is False: ``DecodeGraph`` decodes it eagerly), and the decoding steps of several cascade layers
+move their tokens one layer at a time (``ring_moves`` stacks buffers that live across steps).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from kvcompress.core.forward import from_host
+from kvcompress.core.kivi import dequantize_keys, dequantize_values, packed_width, quantize_keys, quantize_values
+from kvcompress.core.quantized_slots import check_dims
+from kvcompress.methods.cascade.circular import CircularSinkLayer
+from kvcompress.methods.cascade.layer import CascadeLayer
+from kvcompress.methods.cascade.schedule import Rings
+
+# per cache (its ``ForwardPass``): the buffer a forward dequantizes a layer into, reused by its layers and forwards
+_SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class QuantizedRings:
+    """The quantized storage of a cascade layer (mixed in before ``CascadeLayer`` or ``CircularSinkLayer``; see the
+    module docstring). ``_kv`` is the dequantized buffer while a forward runs (``_live``), else a stand-in of the
+    same shape holding nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._codes: dict[str, torch.Tensor] | None = None
+        self._live = False
+        self._written: list[torch.Tensor] = []  # [B or 1, m] slots the executor wrote this forward (several rings)
+        super().__init__(*args, **kwargs)
+        config = self.policy.config
+        self.bits, self.group, self.residual = config.kv_bits, config.kv_group, config.kv_residual
+        self.per_channel = self.cascades == 1  # keys in per-channel groups of ring slots (one ring), else per token
+        self.window = min(self.residual, self._layout.width)  # the exact window (the first ring's newest tokens)
+        if self.per_channel and self.residual == 0:
+            raise ValueError(
+                f"kv_residual=0 is not supported by {config.name!r} on its ring (cascades=1): the ring's key groups "
+                f"are sealed from the exact window, which needs kv_residual >= kv_group ({self.group})"
+            )
+
+    # the decoding steps of several layers are not moved together (their buffers live for one forward)
+    ring_layers = property(lambda self: None, lambda self, value: None)
+
+    def replay_steady(self) -> bool:
+        return False
+
+    # --- storage ---------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)  # the first forward's buffer: zeros, as the codes
+        batch, heads = key_states.shape[:2]
+        key_dim, value_dim, bits, group = key_states.shape[-1], value_states.shape[-1], self.bits, self.group
+        check_dims(key_dim, value_dim, bits, group)
+        if not self.per_channel and key_dim % group:
+            raise ValueError(
+                f"kv_group must divide the key head dimension ({key_dim}) for per-token key groups "
+                f"(cascades > 1); got {group}"
+            )
+        self._value_dim = value_dim
+        codes = {"dtype": torch.uint8, "device": self.device}
+        slots = self.capacity + 1
+        # per slot, per token: the value (one ring), the key and the value side by side as in ``_kv`` (several rings:
+        # one quantization and one dequantization of the whole row, its key's channel groups, then its value's)
+        width = value_dim if self.per_channel else key_dim + value_dim
+        self._codes = {
+            "values": torch.zeros(batch, heads, slots, packed_width(width, bits), **codes),
+            "value_scale": key_states.new_zeros(batch, heads, slots, width // group),
+            "value_min": key_states.new_zeros(batch, heads, slots, width // group),
+        }
+        if self.per_channel:
+            groups = self._key_groups() + 1  # (the last: a scratch group)
+            self._codes["keys"] = torch.zeros(batch, heads, groups * group, packed_width(key_dim, bits), **codes)
+            self._codes["key_scale"] = key_states.new_zeros(batch, heads, groups, key_dim)
+            self._codes["key_min"] = key_states.new_zeros(batch, heads, groups, key_dim)
+        width = key_dim + value_dim
+        self._exact = key_states.new_zeros(batch, heads, self.window + 1, width)  # (the last entry: scratch)
+        self._sink_exact = key_states.new_zeros(batch, heads, self.sinks, width)
+        self._live, self._base = True, list(self._rows())
+
+    def _key_groups(self) -> int:
+        """Key groups covering the ring slots allocated (one ring)."""
+        return -(-(self.capacity - self.sinks) // self.group)
+
+    def _stub(self) -> torch.Tensor:
+        """A stand-in for ``_kv`` between forwards: its shape, no storage (made again when the shape changes)."""
+        batch, heads = self._codes["values"].shape[:2]
+        shape = (batch, heads, self.capacity + 1, self._key_dim + self._value_dim)
+        stub = getattr(self, "_stub_kv", None)
+        if stub is None or stub.shape != shape:
+            stub = self._stub_kv = self._codes["value_scale"].new_zeros(1, 1, 1, 1).expand(shape)
+        return stub
+
+    def _dequantized(self, shared: bool = False) -> torch.Tensor:
+        """The storage as a forward reads it: ``[B, H, slots + 1, dk + dv]`` in the model's dtype, the exact sinks
+        and residual window over their slots (the last slot, scratch, zeros). ``shared``: into the cache's buffer
+        for this (``_buffer``), else a new one."""
+        codes, bits, group, sinks, dim = self._codes, self.bits, self.group, self.sinks, self._key_dim
+        batch, heads = codes["values"].shape[:2]
+        slots = self.capacity + 1
+        rows = slots
+        if self.per_channel:
+            groups = self._key_groups()
+            rows = max(rows, sinks + groups * group)
+        shape = (batch, heads, rows, dim + self._value_dim)
+        buffer = self._buffer(shape) if shared else codes["value_scale"].new_empty(shape)
+        kv = buffer[:, :, :slots]
+        if self.per_channel:
+            if groups:
+                dequantize_keys(
+                    codes["keys"][:, :, : groups * group].unflatten(2, (groups, group)),
+                    codes["key_scale"][:, :, :groups],
+                    codes["key_min"][:, :, :groups],
+                    bits,
+                    out=buffer[:, :, sinks : sinks + groups * group, :dim].unflatten(2, (groups, group)),
+                )
+        rows_read = kv[..., dim:] if self.per_channel else kv  # (several rings: keys and values in one)
+        dequantize_values(codes["values"], codes["value_scale"], codes["value_min"], bits, out=rows_read)
+        kv[:, :, -1] = 0
+        grad = torch.is_grad_enabled() and (self._sink_exact.requires_grad or self._exact.requires_grad)
+        if grad:  # (a forward recorded for a backward pass: the exact parts carry a gradient, put out of place)
+            kv = kv.clone()
+        if sinks:
+            kv = torch.cat([self._sink_exact, kv[:, :, sinks:]], 2) if grad else kv
+            if not grad:
+                kv[:, :, :sinks] = self._sink_exact
+        if self.window:
+            where = self._window_slots()  # [B or 1, window]: the slot each entry's token sits in (scratch: none)
+            exact = self._exact[:, :, : self.window]
+            if grad:
+                kv = kv.scatter(2, where[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]), exact)
+            else:  # one ``index_copy_`` of every entry (the scratch one too) into the buffer seen as rows
+                key = ("q-window-rows", where.data_ptr(), batch, heads, rows, slots)
+
+                def build() -> torch.Tensor:
+                    offsets = torch.arange(0, batch * heads * rows, rows, device=self.device).view(batch, heads, 1)
+                    scratch = where.new_full((where.shape[0], 1), slots - 1)
+                    return (offsets + torch.cat([where, scratch], 1)[:, None, :]).flatten()
+
+                into = self.forward_pass.cached(key, build)
+                buffer.view(-1, buffer.shape[-1]).index_copy_(0, into, self._exact.reshape(-1, self._exact.shape[-1]))
+        return kv
+
+    def _window_slots(self) -> torch.Tensor:
+        """``[B or 1, window]``: per entry of the residual window, the first-ring slot of the token it holds (the
+        newest real token ``p`` with ``p mod window`` the entry), or the scratch slot where that token is a sink
+        or not seen yet."""
+        rows = tuple(rings.seen for rings in self._rows())
+        sinks, width, slots = self.sinks, self._layout.width, self.capacity
+
+        def build() -> torch.Tensor:
+            seen = from_host(list(rows), self.device)[:, None]
+            entry = torch.arange(self.window, device=self.device)
+            token = seen - 1 - (seen - 1 - entry).remainder(self.window)
+            return torch.where(token >= sinks, sinks + (token - sinks).remainder(width), slots)
+
+        return self.forward_pass.cached(("q-window", rows, self.window, sinks, width, slots, self.device), build)
+
+    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A buffer of ``shape`` for this forward's dequantized storage: the cache's, which every quantized ring
+        layer of the cache uses in turn (a layer's buffer lives from its ``update`` to the end of its attention, so
+        no two layers of a forward hold it at once; one that does, a forward that never attended, gets its own),
+        grown when a layer needs more: no allocation per step once the largest layer has run."""
+        holder = _SCRATCH.setdefault(self.forward_pass, {})
+        owner = holder.get("owner")
+        owner = None if owner is None else owner()
+        dtype, size = self._codes["value_scale"].dtype, math.prod(shape)
+        if owner is not None and owner is not self and owner._live:
+            return self._codes["value_scale"].new_empty(shape)
+        found = holder.get("buffer")
+        if found is None or found.numel() < size or found.dtype != dtype or found.device != self.device:
+            found = holder["buffer"] = self._codes["value_scale"].new_empty(size)
+        holder["owner"] = weakref.ref(self)
+        return found[:size].view(shape)
+
+    # --- a forward: dequantized in, written slots quantized back ----------------------------------------------
+    def _materialize(self) -> None:
+        self._kv = self._dequantized(shared=True)
+        self._live, self._base, self._written = True, list(self._rows()), []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and not self._live:
+            self._materialize()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _apply_moves(self, buffers, columns, tie, new) -> None:
+        super()._apply_moves(buffers, columns, tie, new)
+        if not self.per_channel:
+            written = columns.written
+            self._written.append(written[None] if written.dim() == 1 else written)
+
+    def cascade_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        output = super().cascade_attention(query, scaling)
+        self._commit()
+        return output
+
+    def after_attention(self, stats) -> None:
+        super().after_attention(stats)
+        self._commit()
+
+    def _commit(self) -> None:
+        """Quantize back what this forward wrote and let the dequantized buffer go (see the module docstring)."""
+        if not self._live:
+            return
+        kv, sinks = self._kv, self.sinks
+        if sinks:
+            self._sink_exact.copy_(kv[:, :, :sinks])
+        before, after = self._base, self._rows()
+        if len(before) < len(after):  # the batch left step during the forward
+            before = before * len(after)
+        new = self._new_tokens(before, after)  # [B or 1, n]: (slot, window entry) of the new tokens still stored
+        if new is not None:
+            slots, entries = new
+            if self.window:
+                batch, heads = kv.shape[:2]
+                rows = kv.gather(2, slots[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]))
+                self._exact.scatter_(2, entries[:, None, :, None].expand_as(rows), rows)
+        if self.per_channel:
+            self._seal(kv, before, after)
+        elif self._written:
+            written = torch.cat([w.expand(kv.shape[0], -1) for w in self._written], 1)
+            self._quantize_values(kv, written)
+        self._kv, self._live, self._written = self._stub(), False, []
+        self._views = self._returned = None  # (they hold the buffer)
+        holder = _SCRATCH.get(self.forward_pass)
+        if holder is not None and holder.get("owner") is not None and holder["owner"]() is self:
+            holder["owner"] = None
+
+    def _new_tokens(self, before: list[Rings], after: list[Rings]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``[B or 1, n]``: the first-ring slots of the real tokens this forward brought that the first ring holds,
+        and their entries in the residual window (the scratch entry for those outside it); padded with the scratch
+        slot. ``None``: no new token past the sinks."""
+        sinks, width, window, slots = self.sinks, self._layout.width, self.window, self.capacity
+        spans = [(max(old.seen, sinks, now.seen - width), now.seen) for old, now in zip(before, after, strict=True)]
+        count = max(stop - start for start, stop in spans)
+        if count <= 0:
+            return None
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            bounds = from_host(spans, self.device)  # [rows, 2]
+            token = bounds[:, :1] + torch.arange(count, device=self.device)
+            real = token < bounds[:, 1:]
+            slot = torch.where(real, sinks + (token - sinks).remainder(width), slots)
+            inside = real & (token >= bounds[:, 1:] - window)
+            entry = torch.where(inside, token.remainder(max(window, 1)), window)
+            return slot, entry
+
+        return self.forward_pass.cached(("q-new", tuple(spans), sinks, width, window, slots, self.device), build)
+
+    def _quantize_values(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantize the values of ``slots`` ``[B or 1, n]`` (per token; with several rings the keys too) into their
+        codes."""
+        batch, heads = kv.shape[:2]
+        part = kv[..., self._key_dim :] if self.per_channel else kv
+        index = slots[:, None, :, None].expand(batch, heads, -1, part.shape[-1])
+        rows = part.gather(2, index).detach()  # (the quantizer passes no gradient)
+        packed, scale, low = quantize_values(rows, self.bits, self.group)
+        codes = self._codes
+        for name, tensor in (("values", packed), ("value_scale", scale), ("value_min", low)):
+            codes[name].scatter_(2, index[..., : tensor.shape[-1]], tensor)
+
+    def _sealed(self, before: list[Rings], after: list[Rings]) -> list[list[int]]:
+        """Per sequence, the key groups whose last slot this forward wrote (one ring; once per forward)."""
+        sinks, width, group = self.sinks, self._layout.width, self.group
+        spans = tuple((max(old.seen, sinks), now.seen) for old, now in zip(before, after, strict=True))
+
+        def build() -> list[list[int]]:
+            rows = []
+            for first, seen in spans:
+                groups = []
+                if seen - first == 1:  # a decoding step: the group of the token's slot if it is the group's last
+                    offset = (first - sinks) % width
+                    if offset % group == group - 1 or offset == width - 1:
+                        groups.append(offset // group)
+                elif seen > first:
+                    for index in range(-(-width // group)):
+                        last = min((index + 1) * group, width) - 1  # the group's last ring offset
+                        token = seen - 1 - (seen - 1 - sinks - last) % width  # the newest token written there
+                        if token >= first:
+                            groups.append(index)
+                rows.append(groups)
+            return rows
+
+        return self.forward_pass.cached(("q-sealed", spans, sinks, width, group), build)
+
+    def _seal(self, kv: torch.Tensor, before: list[Rings], after: list[Rings]) -> None:
+        """Quantize the key groups completed by this forward from the keys of their slots (exact: see the module
+        docstring), one ``quantize_keys`` for all of them."""
+        sealed = self._sealed(before, after)
+        count = max(len(row) for row in sealed)
+        if not count:
+            return
+        group, sinks, width, slots = self.group, self.sinks, self._layout.width, self.capacity
+        scratch = self._codes["key_scale"].shape[2] - 1
+        key = ("q-seal", tuple(map(tuple, sealed)), group, sinks, width, slots, scratch, self.device)
+
+        def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            groups = [row + [scratch] * (count - len(row)) for row in sealed]
+            offset = [[[index * group + j for j in range(group)] for index in row] for row in groups]
+            member = [
+                [[o < width and index != scratch for o in run] for run, index in zip(row, indices, strict=True)]
+                for row, indices in zip(offset, groups, strict=True)
+            ]
+            offsets, occupied = from_host(offset, self.device), from_host(member, self.device, torch.bool)
+            return from_host(groups, self.device), torch.where(occupied, sinks + offsets, slots), occupied
+
+        groups, members, occupied = self.forward_pass.cached(key, build)  # [B or 1, k], [B or 1, k, G] twice
+        batch, heads, dim = kv.shape[0], kv.shape[1], self._key_dim
+        self._quantize_values(kv, members.flatten(1))  # (the group's values are in the exact window until now)
+        index = members.flatten(1)[:, None, :, None].expand(batch, heads, -1, dim)
+        keys = kv[..., :dim].gather(2, index).unflatten(2, (count, group)).detach()  # [B, H, k, G, d]
+        packed, scale, low = quantize_keys(keys, self.bits, occupied[:, None].expand(batch, heads, -1, -1))
+        codes = self._codes
+        at = groups[:, None, :, None].expand(batch, heads, -1, dim)
+        codes["key_scale"].scatter_(2, at, scale)
+        codes["key_min"].scatter_(2, at, low)
+        grouped = codes["keys"].unflatten(2, (-1, group))
+        grouped.scatter_(2, at[..., None, :1].expand(-1, -1, -1, group, packed.shape[-1]), packed)
+
+    # --- the buffers: growth, batch operations, reads between forwards ----------------------------------------
+    def _grow(self, needed: int) -> None:
+        used = self.capacity
+        super()._grow(needed)
+        if self.capacity == used:
+            return
+        codes, pad_to = self._codes, self.capacity + 1
+        for name in ("values", "value_scale", "value_min"):
+            codes[name] = _padded(codes[name], used, pad_to)
+        if self.per_channel:
+            old = codes["key_scale"].shape[2] - 1
+            groups = self._key_groups()
+            for name in ("key_scale", "key_min"):
+                codes[name] = _padded(codes[name], old, groups + 1)
+            codes["keys"] = _padded(codes["keys"], old * self.group, (groups + 1) * self.group)
+
+    def _reorder(self, rows: list[int], reorder) -> None:
+        if not self.is_initialized:
+            return
+        if not self._live:
+            self._kv = self._kv[:, :1, :1, :1]  # (the stand-in: nothing to reorder)
+        super()._reorder(rows, reorder)
+        for name, tensor in self._codes.items():
+            self._codes[name] = reorder(tensor)
+        self._exact, self._sink_exact = reorder(self._exact), reorder(self._sink_exact)
+        self._base = list(self._rows())
+        if not self._live:
+            self._kv = self._stub()
+
+    def _drop(self, value: None) -> None:
+        super()._drop(value)
+        self._codes, self._live, self._written = None, False, []
+
+    def _read(self, read):
+        """``read()`` with the dequantized buffer in place (built for the call between forwards)."""
+        if self._live or self._codes is None:
+            return read()
+        self._kv = self._dequantized()
+        try:
+            return read()
+        finally:
+            self._kv = self._stub()
+
+    keys = property(lambda self: self._read(lambda: CascadeLayer._keys(self)), CascadeLayer._drop)
+    values = property(lambda self: self._read(lambda: CascadeLayer.values.fget(self)), CascadeLayer._drop)
+
+    # --- accounting ------------------------------------------------------------------------------------------
+    def _per_token_bytes(self) -> int:
+        """Bytes of one stored ring token over all rows: key and value codes, value (and per-token key) parameters."""
+        codes = self._codes
+        total = sum(codes[name][:, :, :1].nbytes for name in ("values", "value_scale", "value_min"))
+        if self.per_channel:
+            total += codes["keys"][:, :, :1].nbytes
+        return total
+
+    def _quantized_nbytes(self, stored: int, seen: int) -> int:
+        """Bytes held for ``stored`` tokens (sinks included) after ``seen`` real tokens (the fullest sequence)."""
+        sinks = min(stored, self.sinks)
+        ring = stored - sinks
+        exact_row = self._exact[:, :, :1].nbytes
+        total = ring * self._per_token_bytes() + sinks * exact_row
+        total += min(ring, self.window, max(0, seen - self.sinks)) * exact_row
+        if self.per_channel:
+            per_group = self._codes["key_scale"][:, :, :1].nbytes + self._codes["key_min"][:, :, :1].nbytes
+            total += math.ceil(ring / self.group) * per_group
+        return total
+
+    def kv_nbytes(self) -> int:
+        """Codes and parameters of the stored ring tokens (the fullest sequence), the key groups covering them (one
+        ring), the exact residual window and sinks."""
+        if not self.is_initialized or self._codes is None:
+            return 0
+        return self._quantized_nbytes(self.stored_length(), max(rings.seen for rings in self._rings))
+
+    def allocated_nbytes(self) -> int:
+        """As ``kv_nbytes`` for every slot allocated (the scratch slot and group excluded), the whole window."""
+        if not self.is_initialized or self._codes is None:
+            return 0
+        return self._quantized_nbytes(self.capacity, self.capacity + self.window)
+
+
+def _padded(tensor: torch.Tensor, used: int, size: int) -> torch.Tensor:
+    """``tensor``'s first ``used`` rows along dim 2, zero-padded to ``size`` rows (the last: scratch)."""
+    pad = (0, 0, 0, size - used)
+    return torch.nn.functional.pad(tensor[:, :, :used], pad)
+
+
+class QuantizedCascadeLayer(QuantizedRings, CascadeLayer):
+    """The Cascading KV Cache with its rings stored quantized (``kv_bits`` below 16)."""
+
+
+class QuantizedCircularSinkLayer(QuantizedRings, CircularSinkLayer):
+    """Streaming's circular sink ring stored quantized (``kv_bits`` below 16)."""
+
+
+def quantized_form(layer_class: type) -> type:
+    """The quantized layer class of a cascade layer class."""
+    if issubclass(layer_class, QuantizedRings):
+        return layer_class
+    if issubclass(layer_class, CircularSinkLayer):
+        return QuantizedCircularSinkLayer
+    return QuantizedCascadeLayer
