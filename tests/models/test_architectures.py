@@ -31,7 +31,8 @@ NEW = 4
 ONE_PER_METHOD = sorted(
     key
     for key in EVICTING
-    if key == method_of(key) or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", "less-kv4", *UNEVEN)
+    if key == method_of(key)
+    or key in ("pod-snapkv", "h2o-kv4", "snapkv-kv8", "less-kv4", "pod-kv4", "streaming-kv4", "cascade-kv4", *UNEVEN)
 )
 CACHE_POSITIONS = {"streaming", "cascade", "streaming_oneshot"}  # re-index positions inside the cache
 
