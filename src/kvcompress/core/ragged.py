@@ -194,42 +194,6 @@ class RaggedPool:
                 flat_token.index_select(0, source).view(blocks, pool.block).masked_fill(~filled, EMPTY)
             )
         return pool
-        # the slot buffers as one row of slots each (views: a slot layer's buffers are contiguous)
-        flat_keys = keys.contiguous().view(rows * capacity, head_dim)
-        flat_values = values.contiguous().view(rows * capacity, values.shape[-1])
-        flat_token = token_idx.contiguous().view(rows * capacity)
-        counts = counts.to(pool.device)
-        ends = np.cumsum(pool.row_blocks)
-        first_block = torch.from_numpy(pool.table[:, 0]).to(pool.device)
-        slot = torch.arange(pool.block, device=pool.device)
-        step = max(1, CONVERSION_ELEMENTS // max(1, width))
-        for top in range(0, rows, step):  # (once per compression: chunks of rows bound the temporaries)
-            bottom = min(rows, top + step)
-            start, stop = int(ends[top] - pool.row_blocks[top]), int(ends[bottom - 1])
-            if start == stop:
-                continue
-            # each row's kept tokens first, in stream order (a stable sort of "not kept")
-            order = (~valid[top:bottom]).to(torch.uint8).argsort(dim=-1, stable=True)  # [rows of the chunk, W]
-            owner = pool.owner[start:stop]
-            place = (torch.arange(start, stop, device=pool.device) - first_block[owner])[:, None] * pool.block + slot
-            filled = place < counts[owner][:, None]  # [blocks, BLOCK]: a slot's place in its row holds a token
-            source = order[(owner - top)[:, None], place.clamp(max=width - 1)] + (owner * capacity)[:, None]
-            source = source.view(-1)
-            blocks = stop - start
-            if keys.requires_grad or values.requires_grad:  # autograd records a copy, not an ``out=`` write
-                pool.keys[start:stop].view(-1, head_dim).copy_(flat_keys.index_select(0, source))
-                pool.values[start:stop].view(-1, values.shape[-1]).copy_(flat_values.index_select(0, source))
-            else:
-                torch.index_select(flat_keys, 0, source, out=pool.keys[start:stop].view(-1, head_dim))
-                torch.index_select(flat_values, 0, source, out=pool.values[start:stop].view(-1, values.shape[-1]))
-            pool.keys[start:stop].masked_fill_(~filled[..., None], 0)
-            pool.values[start:stop].masked_fill_(~filled[..., None], 0)
-            pool.bias[start:stop].zero_()
-            pool.bias[start:stop, 0].masked_fill_(~filled, float("-inf"))
-            pool.token[start:stop] = (
-                flat_token.index_select(0, source).view(blocks, pool.block).masked_fill(~filled, EMPTY)
-            )
-        return pool
 
     def _write_blocks(
         self,
