@@ -97,7 +97,7 @@ def quantized_one_query(
     value_scale = slots.tensors["value_scale"][:, :, :width, :, None].float()
     grouped_values = values[:, :, :width].unflatten(-1, (value_scale.shape[-2], -1))
     value_min = slots.tensors["value_min"][:, :, :width, :, None].float()
-    torch.addcmul(value_min, grouped_values, value_scale, out=grouped_values)
+    grouped_values.mul_(value_scale).add_(value_min)  # (see ``dequantize_in_place``)
 
     # the exact tokens over their slots' rows (those no longer stored, slot ``width``, into a row not read)
     exact_keys, exact_values, exact_slots = exact
@@ -107,8 +107,9 @@ def quantized_one_query(
     values.view(-1, value_dim).index_copy_(0, into, exact_values.flatten(0, 2).float())
 
     scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(rows, groups_q, dim).float() * scale
-    logits = torch.bmm(q, keys.view(rows, spare, dim)[:, :width].transpose(1, 2))  # [rows, G_q, width]
+    q = query.reshape(rows, groups_q, dim).float()
+    logits = q.new_empty(rows, groups_q, width)  # (the scaling in the product: one operation less)
+    logits.baddbmm_(q, keys.view(rows, spare, dim)[:, :width].transpose(1, 2), beta=0, alpha=scale)
     if mask is not None:
         logits.view(batch, heads, groups_q, width).masked_fill_(~mask, float("-inf"))
     top = logits.amax(dim=-1) if request.lse else None
@@ -259,7 +260,7 @@ class _BlockReader:
         value_scale = slots.tensors["value_scale"][:, :, first:stop, :, None].float()
         grouped_values = buffer[:, :, :count].unflatten(-1, (value_scale.shape[-2], -1))
         value_min = slots.tensors["value_min"][:, :, first:stop, :, None].float()
-        torch.addcmul(value_min, grouped_values, value_scale, out=grouped_values)
+        grouped_values.mul_(value_scale).add_(value_min)
         flat = buffer.view(-1, buffer.shape[-1])
         for (_, values, _), into in zip(self.flat_exact, self._into(first), strict=True):
             flat.index_copy_(0, into, values)
