@@ -11,9 +11,11 @@ and how often the top-1 tokens agree.
 
     python -m experiments.quantization decode-ab --against REV [--method h2o:kv_bits=4] [--steps 40]
 
-``decode-ab``: the decoding step's attention from the codes (``core/quantized_attention.py``) as of git revision
-``REV`` against the working tree's, in one process: three caches (a ``DynamicCache`` holding the same tokens, the
-method read with ``REV``'s function, the method read with this one) step through the same tokens after a 1,024-token
+``decode-ab``: the decoding step's attention from the codes (``quantized_one_query`` of
+``core/quantized_attention.py``) and its reading of single slots (``QuantizedSlotBuffers.read_at`` of
+``core/quantized_slots.py``: LESS's victims) as of git revision ``REV`` against the working tree's, in one process:
+three caches (a ``DynamicCache`` holding the same tokens, the method read with ``REV``'s functions, the method read
+with these) step through the same tokens after a 1,024-token
 prompt of random ids, in rotating order, one torch thread, each step's thread CPU time recorded; prints the medians
 (10th-90th percentiles) of the per-step ratios. For comparing two versions on a loaded machine, where runs in
 separate processes see different loads.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import statistics
 import subprocess
@@ -100,18 +103,23 @@ def vs_transformers(prompt: int, steps: int, bits: int, group: int, residual: in
         print(f"| {name} | {float(diff.max()):.3f} | {float(diff.mean()):.4f} | {agree:.3f} |")
 
 
-def function_at(revision: str):
-    """``quantized_one_query`` as of git ``revision``: the repository's own module at that revision, written to a
-    temporary file and imported under another name."""
-    path = "src/kvcompress/core/quantized_attention.py"
+def module_at(revision: str, name: str):
+    """The repository's module ``kvcompress.core.<name>`` as of git ``revision``, written to a temporary file and
+    imported under another name."""
+    path = f"src/kvcompress/core/{name}.py"
     source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
     folder = Path(tempfile.mkdtemp())
-    file = folder / f"quantized_attention_{revision}.py"
+    file = folder / f"{name}_{revision}.py"
     file.write_text(source)
     spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.quantized_one_query
+    return module
+
+
+def function_at(revision: str):
+    """``quantized_one_query`` as of git ``revision`` (``module_at``)."""
+    return module_at(revision, "quantized_attention").quantized_one_query
 
 
 def timed_steps(model, ids, prompt: int, steps: int, caches: dict, held: int, crop: bool, before) -> dict:
@@ -153,11 +161,18 @@ def ratio_text(times: dict, a: str, b: str) -> str:
 
 def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget: int = 512) -> None:
     from kvcompress.bench.common import bench_cache, random_prompt, set_threads
-    from kvcompress.core import quantized_layer
+    from kvcompress.core import quantized_layer, quantized_slots
     from kvcompress.generation import prefill
 
     set_threads(1)
-    reads = {"then": function_at(revision), "now": quantized_layer.quantized_one_query}
+    slots_class = quantized_slots.QuantizedSlotBuffers
+    then_read_at = module_at(revision, "quantized_slots").QuantizedSlotBuffers.read_at
+    if "targets" not in inspect.signature(then_read_at).parameters:  # (before it took the attention's targets)
+        then_read_at = lambda slots, index, width, targets=None, read=then_read_at: read(slots, index, width)  # noqa: E731
+    reads = {
+        "then": (function_at(revision), then_read_at),
+        "now": (quantized_layer.quantized_one_query, slots_class.read_at),
+    }
     model, _ = load_model("smollm2-135m")
     ids = random_prompt(model, prompt + steps + 2, 0)
     caches = {}
@@ -167,10 +182,10 @@ def decode_ab(revision: str, method: str, steps: int, prompt: int = 1024, budget
     held = max(caches["now"].tokens_stored())
 
     def read_as(side: str) -> None:
-        quantized_layer.quantized_one_query = reads[side]
+        quantized_layer.quantized_one_query, slots_class.read_at = reads[side]
 
     times = timed_steps(model, ids, prompt, steps, caches, held, not method.startswith("full"), read_as)
-    quantized_layer.quantized_one_query = reads["now"]
+    read_as("now")
     print(f"{method}, {held} tokens held, {steps} steps; medians of per-step CPU-time ratios (p10-p90)")
     print(
         f"{revision} x DynamicCache {ratio_text(times, 'then', 'dynamic')}, working tree x DynamicCache "

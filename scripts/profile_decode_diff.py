@@ -9,7 +9,8 @@ both); the rows with the largest differences are printed (milliseconds per step;
 adds a little to every call, so the totals run above the benchmark's and the differences, not the absolute times,
 are what to read.
 
-    python scripts/profile_decode_diff.py [--methods h2o,less] [--prompt 2048] [--budget 512] [--steps 30] [--rows 30]
+    python scripts/profile_decode_diff.py [--methods "h2o,h2o:kv_bits=4"] [--prompt 2048] [--budget 512] [--steps 30]
+        [--rows 30]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kvcompress
-from kvcompress.bench.common import random_prompt, set_threads
+from kvcompress.bench.common import bench_cache, random_prompt, set_threads
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import load_model
 
@@ -31,7 +32,7 @@ WARM_STEPS = 8  # decoding steps before the profiled ones (past the first steps'
 
 def ready_cache(model, ids: torch.Tensor, method: str, args):
     """``method``'s cache after the prompt (prefilled in chunks) and a few decoding steps (their one-off work)."""
-    cache = kvcompress.cache_for(model, method, **({} if method == "full" else {"budget": args.budget}))
+    cache = bench_cache(model, method, args.budget)
     prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
     for token in range(args.prompt, args.prompt + WARM_STEPS):
         model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache))
@@ -51,7 +52,11 @@ def profile_step(model, ids: torch.Tensor, cache, token: int, into: dict[Row, li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--methods", default="h2o,less", help="two methods: the second's extra time is printed")
+    parser.add_argument(
+        "--methods",
+        default="h2o,less",
+        help="two method specs (name or name:key=value;...): the second's extra time is printed",
+    )
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens before the profiled steps")
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")

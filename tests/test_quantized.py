@@ -243,6 +243,50 @@ def test_decoding_step_from_codes_equals_the_dequantized_view(monkeypatch, metho
 
 @pytest.mark.parametrize(
     "method,params,bits,residual",
+    [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0), ("tova", {"budget": 20}, 8, 8)],
+)
+def test_read_at_is_the_view_bit_for_bit(monkeypatch, method, params, bits, residual):
+    """``QuantizedSlotBuffers.read_at`` (what LESS folds of its victims) reads slots as ``view`` does, bit for bit, at
+    every forward and layer while the forward runs: a padded batch in prompt chunks of 13 (the chunk's own tokens,
+    more than the residual window), then decoding steps (a padding token in one row), for every slot of the view
+    (free ones included) in a shuffled order and for a few slots twice; with the residual window's slots found
+    from its entries, and given as the attention finds them (``ring_targets``)."""
+    checked = []
+    from_codes = QuantizedLayer.attend
+
+    def attend(layer, query, key, value, mask, scaling):
+        result = from_codes(layer, query, key, value, mask, scaling)
+        slots, width = layer.slots, layer.view_width
+        keys, values = slots.view(width)
+        generator = torch.Generator().manual_seed(len(checked))
+        order = torch.stack([torch.randperm(width, generator=generator) for _ in range(keys.shape[0] * keys.shape[1])])
+        index = torch.cat([order, order[:, :3]], dim=-1).view(*keys.shape[:2], -1)
+        expected_keys = keys.gather(2, index[..., None].expand(*index.shape, keys.shape[-1]))
+        expected_values = values.gather(2, index[..., None].expand(*index.shape, values.shape[-1]))
+        targets = [None] if slots.ring is None else [None, slots.ring_targets(width)]
+        for given in targets:  # (the slots matched with the ring's entries, or with the targets attention found)
+            read_keys, read_values = slots.read_at(index, width, given)
+            assert torch.equal(read_keys, expected_keys) and torch.equal(read_values, expected_values)
+        checked.append(query.shape[2])
+        return result
+
+    monkeypatch.setattr(QuantizedLayer, "attend", attend)
+    model = tiny_model()
+    ids = token_ids(2, 50, seed=8)
+    real = torch.ones(2, 50, dtype=torch.long)
+    real[0, :5] = 0
+    real[1, 44] = 0
+    cache = kvcompress.cache_for(model, method, kv_bits=bits, kv_group=8, kv_residual=residual, **params)
+    with torch.no_grad():
+        prefill(model, ids[:, :39], cache, attention_mask=real[:, :39], chunk_size=13)
+        for step in range(39, 50):
+            mask = real[:, : step + 1]
+            model(ids[:, step : step + 1], attention_mask=mask, **cache_argument(model, cache), use_cache=True)
+    assert checked.count(1) == 11 * len(cache.layers) and checked.count(13) == 3 * len(cache.layers)
+
+
+@pytest.mark.parametrize(
+    "method,params,bits,residual",
     [("full", {}, 4, 16), ("h2o", {"budget": 24}, 4, 8), ("h2o", {"budget": 24}, 2, 0)],
 )
 def test_decoding_step_from_codes_under_a_padding_mask(monkeypatch, method, params, bits, residual):

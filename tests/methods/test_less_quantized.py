@@ -176,3 +176,30 @@ def test_attention_from_codes_equals_less_over_the_dequantized_view(monkeypatch,
         model(ids[:, 50:57], **cache_argument(model, cache), use_cache=True)
     assert len(checked) == 15 * len(cache.layers) and any(checked) and not all(checked)
     assert built == []
+
+
+def test_the_evicted_tokens_are_read_as_the_view_reads_them(monkeypatch):
+    """The tokens LESS folds at its eviction are read from the codes (``read_slots``: ``QuantizedSlotBuffers.read_at``
+    with the residual window's slots the step's attention found) bit for bit as the dequantized view reads them, at
+    every forward and layer: a prompt in chunks, then decoding at the budget (the window's slots from the attention,
+    which evictions inside the window exercise: a budget barely above the window)."""
+    read_slots = LessQuantizedLayer.read_slots
+    reads = []
+
+    def checked(layer, index):
+        keys, values = read_slots(layer, index)
+        view_keys, view_values = layer.slots.view(layer.view_width)
+        assert torch.equal(keys, view_keys.gather(2, index[..., None].expand(*index.shape, keys.shape[-1])))
+        assert torch.equal(values, view_values.gather(2, index[..., None].expand(*index.shape, values.shape[-1])))
+        reads.append(layer._ring_read is not None)
+        return keys, values
+
+    monkeypatch.setattr(LessQuantizedLayer, "read_slots", checked)
+    model = tiny_model()
+    ids = token_ids(2, 60, seed=4)
+    cache = kvcompress.cache_for(model, less(model, 20, kv_bits=4, kv_group=8, kv_residual=16))
+    with torch.no_grad():
+        prefill(model, ids[:, :32], cache, chunk_size=16)
+        for step in range(32, 60):
+            model(ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True)
+    assert reads.count(True) == 28 * len(cache.layers) and not all(reads)

@@ -3,13 +3,15 @@ view of the cache kept beyond the step.
 
 The codes of slots ``[0, width)`` (keys in whole key groups) are unpacked straight into one float32 buffer
 (``core.kivi.unpack_into``: one op per run of channels, keys and values side by side) and dequantized in place, one
-multiply-add for the keys (``scale * code + min``, per channel and key group) and one for the values (per token and
-channel group); the exact tokens (the residual window's ring, or the step's own token without one) are copied over
-their slots' rows (one ``index_copy_`` each for keys and values; an entry whose token is no longer stored lands in
-a spare row past ``width``, which nothing reads). Then one product gives the logits, one softmax the
-probabilities, one product the output: the arithmetic of attention over ``QuantizedSlotBuffers.view`` (what a
-forward of several tokens reads), in about a dozen tensor operations per layer, with no loop over heads, tokens or
-key groups and no host read.
+multiply-add for the keys (``scale * code + min``, per channel and key group) and a multiply then an add for the
+values (per token and channel group: PyTorch's CPU ``addcmul`` with both parameters broadcast along the innermost
+dimension is about three times slower than ``mul_`` and ``add_``, whose kernels vectorize that broadcast, while for
+the keys, broadcast along the tokens, it is the faster); the exact tokens (the residual window's ring, or the
+step's own token without one) are copied over their slots' rows (one ``index_copy_`` each for keys and values; an
+entry whose token is no longer stored lands in a spare row past ``width``, which nothing reads). Then one product
+gives the logits, one softmax the probabilities, one product the output: the arithmetic of attention over
+``QuantizedSlotBuffers.view`` (what a forward of several tokens reads; equal to float32 rounding), in about a dozen
+tensor operations per layer, with no loop over heads, tokens or key groups and no host read.
 
 Considered and measured (``h2o`` at 512 tokens, 4 bits, SmolLM2-135M, one thread, decoding steps interleaved in one
 process): the previous reading folded the key groups' scales into the query (one small product per key group, the
@@ -18,8 +20,16 @@ group, of which each channel kept its own), and attended the exact tokens apart 
 slots', their probabilities gathered and taken out): about forty operations, most of them small, each touching
 memory the model's weight products have just pushed out of the caches. Dequantizing in place costs two multiply-adds
 over the unpacked buffer, which is in cache right after the unpack; reading each byte as ``byte >> (bits * i)``
-with ``2**bits`` folded into the weights would save the mask but is not exact in float32. All of it in float32 (the
-model's dtype may be bf16), the output cast to the query's dtype.
+with ``2**bits`` folded into the weights would save the mask but is not exact in float32. Measured the same way and
+left (in-model interleaved ratios against this reading, loaded machine): folding only the values' scales and
+minima into the probabilities (the codes unpacked one channel group per matrix, one batched product over the
+groups, the exact tokens as scale 1 and minimum 0): 2.6-4 % slower, the batched product of ``[3, 513] x [513, 32]``
+matrices alone costing twice the ``[3, 513] x [513, 64]`` one; unpacking into a ``uint8`` buffer converted to
+float32 in one op: 2 % slower; the unpacking and dequantization merged into one mixed-dtype ``addcmul`` per run of
+channels (PyTorch casts the ``uint8`` operand into a temporary first): 4 % slower; a float32 buffer reused across
+layers instead of allocated per layer, and the ring's keys and values allocated as halves of one tensor so that one
+``index_copy_`` copies both: no difference. All of it in float32 (the model's dtype may be bf16), the
+output cast to the query's dtype, the query's scaling applied in the logits' product (``baddbmm``'s ``alpha``).
 
 What grows with the cache per step and layer is that float32 buffer (as large as the layer's dequantized keys and
 values, freed at the step's end) and the logits.
@@ -97,7 +107,7 @@ def quantized_one_query(
     value_scale = slots.tensors["value_scale"][:, :, :width, :, None].float()
     grouped_values = values[:, :, :width].unflatten(-1, (value_scale.shape[-2], -1))
     value_min = slots.tensors["value_min"][:, :, :width, :, None].float()
-    torch.addcmul(value_min, grouped_values, value_scale, out=grouped_values)
+    grouped_values.mul_(value_scale).add_(value_min)  # (see ``dequantize_in_place``)
 
     # the exact tokens over their slots' rows (those no longer stored, slot ``width``, into a row not read)
     exact_keys, exact_values, exact_slots = exact
@@ -107,8 +117,9 @@ def quantized_one_query(
     values.view(-1, value_dim).index_copy_(0, into, exact_values.flatten(0, 2).float())
 
     scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(rows, groups_q, dim).float() * scale
-    logits = torch.bmm(q, keys.view(rows, spare, dim)[:, :width].transpose(1, 2))  # [rows, G_q, width]
+    q = query.reshape(rows, groups_q, dim).float()
+    logits = q.new_empty(rows, groups_q, width)  # (the scaling in the product: one operation less)
+    logits.baddbmm_(q, keys.view(rows, spare, dim)[:, :width].transpose(1, 2), beta=0, alpha=scale)
     if mask is not None:
         logits.view(batch, heads, groups_q, width).masked_fill_(~mask, float("-inf"))
     top = logits.amax(dim=-1) if request.lse else None
@@ -259,7 +270,7 @@ class _BlockReader:
         value_scale = slots.tensors["value_scale"][:, :, first:stop, :, None].float()
         grouped_values = buffer[:, :, :count].unflatten(-1, (value_scale.shape[-2], -1))
         value_min = slots.tensors["value_min"][:, :, first:stop, :, None].float()
-        torch.addcmul(value_min, grouped_values, value_scale, out=grouped_values)
+        grouped_values.mul_(value_scale).add_(value_min)
         flat = buffer.view(-1, buffer.shape[-1])
         for (_, values, _), into in zip(self.flat_exact, self._into(first), strict=True):
             flat.index_copy_(0, into, values)

@@ -53,6 +53,10 @@ class QuantizedLayer(CompressedLayer):
     values = property(lambda self: None if self.slots is None else self._read()[1], CompressedLayer._only_none)
 
     _reads_codes = False  # this forward's attention reads the codes (``core.quantized_attention``)
+    # what this decoding step's attention from the codes found of the residual window (``ring_targets``) and the
+    # state it holds for (width, tokens seen, the slots' ring and token tensors), until the step's eviction is done
+    # (which may come after ``end_forward``: the layers' evictions joined at the forward's end)
+    _ring_read: tuple | None = None
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A forward with no gradient, the method's attention the default and keys at their stored positions
@@ -60,7 +64,7 @@ class QuantizedLayer(CompressedLayer):
         a block of slots at a time, ``quantized_chunk_attention``): ``update`` returns stand-ins shaped like the
         slots read (one NaN each, expanded: nothing else may read them) instead of building the dequantized view.
         (A method that reads ``layer.keys`` or ``layer.values`` itself still builds the view then.)"""
-        self._reads_codes = self.codes_readable()
+        self._reads_codes, self._ring_read = self.codes_readable(), None
         if not self._reads_codes:
             return super().attended()
         if self._stale:
@@ -68,9 +72,13 @@ class QuantizedLayer(CompressedLayer):
         self.slots.stream_seen = self.seen
         batch, heads = self.slots.token_idx.shape[:2]
         width = self.view_width
-        stand_in = self.slots.key_scale.new_full((1, 1, 1, 1), float("nan"))
+        stand_in = self.forward_pass.cached(("nan-stand-in", self.slots.key_scale.dtype, self.device), self._nan)
         key_dim, value_dim = self.slots.key_scale.shape[-1], self.slots.ring_values_dim()
         return stand_in.expand(batch, heads, width, key_dim), stand_in.expand(batch, heads, width, value_dim)
+
+    def _nan(self) -> torch.Tensor:
+        """One NaN of the stored parameters' dtype (``[1, 1, 1, 1]``), made once per forward for every layer."""
+        return self.slots.key_scale.new_full((1, 1, 1, 1), float("nan"))
 
     def codes_readable(self) -> bool:
         """Whether this forward's attention reads the codes: no gradient, the method's attention the default, keys
@@ -101,6 +109,7 @@ class QuantizedLayer(CompressedLayer):
             key = ("ring-newest", self.seen, slots.residual, slots.group, self.device)
             newest = self.forward_pass.cached(key, slots.ring_newest)
             exact = (*slots.ring, slots.ring_targets(width, newest))
+            self._ring_read = (width, self.seen, slots.ring_slot, slots.token_idx, exact[2])  # (``read_slots``)
         else:
             keys, values, where = slots.fresh
             if isinstance(where, int):
@@ -121,10 +130,23 @@ class QuantizedLayer(CompressedLayer):
     def evict(self, victims: torch.Tensor) -> None:
         self._keep_span()
         super().evict(victims)
+        self._ring_read = None
 
     def evict_mask(self, dropped: torch.Tensor) -> None:
         self._keep_span()
         super().evict_mask(dropped)
+        self._ring_read = None
+
+    def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H_kv, n, d]`` of the slots ``index`` ``[B, H_kv, n]`` as attention reads them, from
+        the codes (``QuantizedSlotBuffers.read_at``), with the exact window's slots this step's attention found."""
+        if self._stale:
+            self._settle()
+        self.slots.stream_seen = self.seen
+        slots, width, read = self.slots, self.view_width, self._ring_read
+        same = read is not None and read[:2] == (width, self.seen)
+        same = same and read[2] is slots.ring_slot and read[3] is slots.token_idx
+        return slots.read_at(index, width, read[4] if same else None)
 
     def expire_window(self) -> None:
         self._keep_span()
@@ -132,7 +154,7 @@ class QuantizedLayer(CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
-        self._span = 0
+        self._span, self._ring_read = 0, None
 
     def _at_capacity(self, width: int) -> bool:
         """Capacity is whole key groups: a layer is full when less than a group of room is left (else a decoding

@@ -409,11 +409,16 @@ class QuantizedSlotBuffers(SlotBuffers):
         self._view_cache = (key, result)
         return result
 
-    def read_at(self, index: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_at(
+        self, index: torch.Tensor, width: int, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, n, d]`` of the slots ``index`` ``[B, H, n]`` (below ``width``) as ``view(width)``
         reads them, bit for bit, without building the view: their codes dequantized with their key groups' and
         their own value parameters, then the exact copies put over them (the residual window's, then the forward's
-        own tokens'). Work proportional to ``n`` (and to ``residual`` for finding the window's entries)."""
+        own tokens'). Work proportional to ``n`` (and to the forward's tokens, when not all in the ring).
+
+        ``targets``: ``ring_targets(width)`` when the caller has it (the step's attention computed it), else the
+        slots are matched with the ring entries directly."""
         key_rows, key_index = self._key_rows, self._key_rows(index)
         keys = self.key_scale.new_empty(*key_index.shape, 1, self.key_scale.shape[-1])  # [B, H, n, 1, d]: groups of 1
         key_group = key_index // self.group
@@ -432,19 +437,30 @@ class QuantizedSlotBuffers(SlotBuffers):
             _take(tensors["value_min"], index),
             self.bits,
         )
-        exact = []
+        fresh = self.fresh
         if self.ring is not None and self.stream_seen:
-            exact.append((*self.ring, self.ring_targets(width)))
-        if self.fresh is not None:
-            new_keys, new_values, where = self.fresh
+            # slot by slot what ``ring_targets`` says entry by entry: a slot reads its token's ring entry (stream
+            # index mod ``residual``) when the token is in the exact window and the entry holds it, written to that
+            # slot (the entry's newest token is the slot's only then: no other entry can name it)
+            seen, token = self.stream_seen, self.token_idx.gather(2, index)
+            entry = token.remainder(self.residual)
+            if targets is not None:  # (a slot is some entry's target only if it holds that entry's token)
+                held = targets.gather(2, entry) == index
+            else:
+                held = (token >= self.window_start(seen)) & (token < seen) & (self.ring_token[entry] == token)
+                held &= self.ring_slot.gather(2, entry) == index
+            keys = torch.where(key_rows(held)[..., None], _take(self.ring[0], key_rows(entry)), keys)
+            values = torch.where(held[..., None], _take(self.ring[1], entry), values)
+            if fresh is not None and fresh[0].shape[2] <= seen - self.window_start(seen):
+                fresh = None  # the forward's tokens are all in the window: the ring holds them, as they are
+        if fresh is not None:  # (copied over the ring's: in ``view`` the forward's own tokens come last)
+            new_keys, new_values, where = fresh
             if isinstance(where, int):
                 where = torch.arange(where, where + new_keys.shape[2], device=index.device).expand(*index.shape[:2], -1)
-            exact.append((new_keys, new_values, where))
-        for exact_keys, exact_values, targets in exact:  # (the forward's own tokens last: they are copied over)
-            match = index[..., :, None] == targets[..., None, :]  # [B, H, n, E]
+            match = index[..., :, None] == where[..., None, :]  # [B, H, n, q]
             found, entry = match.any(-1), match.to(torch.int8).argmax(-1)
-            keys = torch.where(key_rows(found)[..., None], _take(exact_keys, key_rows(entry)), keys)
-            values = torch.where(found[..., None], _take(exact_values, entry), values)
+            keys = torch.where(key_rows(found)[..., None], _take(new_keys, key_rows(entry)), keys)
+            values = torch.where(found[..., None], _take(new_values, entry), values)
         return keys, values
 
     def ring_values_dim(self) -> int:

@@ -166,11 +166,7 @@ class LessQuantizedLayer(LessLayer, QuantizedLayer):
         output, stats = self.attend_codes(query, mask, scaling, dataclasses.replace(request, lse=True))
         return policy.with_low_rank(self, query, output, stats)
 
-    def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._stale:
-            self._settle()
-        self.slots.stream_seen = self.seen
-        return self.slots.read_at(index, self.view_width)
+    read_slots = QuantizedLayer.read_slots
 
 
 def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
