@@ -626,7 +626,8 @@ def check_dims(key_dim: int, value_dim: int, bits: int, group: int) -> None:
     """``ValueError`` unless values split into channel groups and both pack into whole bytes."""
     if value_dim % group:
         raise ValueError(
-            f"kv_group must divide the value head dimension ({value_dim}) for per-token value groups; got {group}"
+            f"kv_group must divide the value head dimension ({value_dim}) for kv_bits={bits}'s per-token value "
+            f"groups; got {group}"
         )
     per_byte = 8 // bits
     if key_dim % per_byte or value_dim % per_byte:
