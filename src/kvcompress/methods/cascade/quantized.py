@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -97,6 +98,7 @@ class QuantizedRings:
         self._codes: dict[str, torch.Tensor] | None = None
         self._live = False
         self._written: list[torch.Tensor] = []  # [B or 1, m] slots the executor wrote this forward (several rings)
+        self._code_view_cache: tuple | None = None  # ``_code_views``: what they were made from, and the views
         super().__init__(*args, **kwargs)
         config = self.policy.config
         self.bits, self.group, self.residual = config.kv_bits, config.kv_group, config.kv_residual
@@ -229,52 +231,33 @@ class QuantizedRings:
         What this saves against that forward: the model-dtype buffer interleaving keys and values (dequantized
         through strided views), its scratch row zeroed, the token's row written and moved, the copies of the sinks
         and of the new rows back, and the SDPA call (one query: its CPU kernel costs more than the two products)."""
-        codes, bits, group, sinks, dim = self._codes, self.bits, self.group, self.sinks, self._key_dim
-        value_dim, before = self._value_dim, self._shared
+        bits, sinks, dim, before = self.bits, self.sinks, self._key_dim, self._shared
         after, moves = advance(self._layout, before)
         seen, dest = before.seen, moves.dests[0]
         spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
-        batch, heads, q_heads = codes["values"].shape[0], codes["values"].shape[1], query.shape[1]
-        slots, groups = self.capacity + 1, self._key_groups()
-        rows = max(slots, sinks + groups * group)
-        size = batch * heads * rows
-        flat = self._buffer((size * (dim + value_dim),), torch.float32, held=False)  # (free again on return)
-        keys, values = flat[: size * dim].view(batch, heads, rows, dim), flat[size * dim :].view(batch, heads, rows, -1)
-        ring = min(spare, self.capacity) - sinks  # ring slots read from the codes (then the window over them)
-        used = -(-ring // group)
-        if used:
-            dequantize_keys(
-                codes["keys"][:, :, : used * group].unflatten(2, (used, group)),
-                codes["key_scale"][:, :, :used],
-                codes["key_min"][:, :, :used],
-                bits,
-                out=keys[:, :, sinks : sinks + used * group].unflatten(2, (used, group)),
-            )
-            ring_slots = slice(sinks, sinks + ring)
+        view = self._code_views(spare)
+        if view.key_codes is not None:
+            unpack_into(view.key_codes, bits, view.key_out)
+            torch.addcmul(view.key_min, view.key_out, view.key_scale, out=view.key_out)
             # (``dequantize_values``' arithmetic as a product, then a sum: one ``addcmul`` whose scale and minimum
             # broadcast along the innermost dimension, a group of channels, runs several times slower on the CPU)
-            unpack_into(codes["values"][:, :, ring_slots], bits, values[:, :, ring_slots])
-            grouped = values[:, :, ring_slots].unflatten(-1, (codes["value_scale"].shape[-1], -1))
-            grouped.mul_(codes["value_scale"][:, :, ring_slots, :, None])
-            grouped.add_(codes["value_min"][:, :, ring_slots, :, None])
+            unpack_into(view.value_codes, bits, view.value_out)
+            view.value_grouped.mul_(view.value_scale).add_(view.value_min)
         if sinks:
-            keys[:, :, :sinks] = self._sink_exact[..., :dim]
-            values[:, :, :sinks] = self._sink_exact[..., dim:]
-        into = self._window_rows(self._window_slots(), batch, heads, rows, slots)
-        exact = self._exact.flatten(0, 2)
-        keys.view(-1, dim).index_copy_(0, into, exact[:, :dim].float())
-        values.view(-1, value_dim).index_copy_(0, into, exact[:, dim:].float())
+            view.sink_keys.copy_(view.exact_sink_keys)
+            view.sink_values.copy_(view.exact_sink_values)
+        into = self._window_rows(self._window_slots(), *view.shape, self.capacity + 1)
+        view.key_rows.index_copy_(0, into, view.exact_keys)
+        view.value_rows.index_copy_(0, into, view.exact_values)
         new_key = turn(pending.keys, self._rotation(pending, (seen,), dim, pending.keys.dtype))  # [B, H, 1, dk]
         new_value = pending.values.to(new_key.dtype)
-        keys[:, :, spare : spare + 1] = new_key
-        values[:, :, spare : spare + 1] = new_value
+        view.spare_key.copy_(new_key)
+        view.spare_value.copy_(new_value)
 
-        stored = spare + 1
         turned = turn(query.float(), self._rotation(pending, (seen,), dim, torch.float32, scale))
-        logits = torch.bmm(turned.view(batch * heads, -1, dim), keys.view(-1, rows, dim)[:, :stored].transpose(1, 2))
-        probs = logits.softmax(-1)
-        output = torch.bmm(probs, values.view(-1, rows, value_dim)[:, :stored])
-        output = output.view(batch, q_heads, 1, value_dim).to(query.dtype)
+        logits = torch.bmm(turned.view(view.key_t.shape[0], -1, dim), view.key_t)
+        output = torch.bmm(logits.softmax(-1), view.value_t)
+        output = output.view(*query.shape[:3], -1).to(query.dtype)
 
         self._set_shared(after)
         self._meta[:, dest] = self._shared_meta(pending)[:, 0]
@@ -285,15 +268,67 @@ class QuantizedRings:
             finally:
                 self._kv = stand_in
         entry = seen % self.window
-        self._exact[:, :, entry : entry + 1, :dim] = new_key
-        self._exact[:, :, entry : entry + 1, dim:] = new_value
+        self._exact[:, :, entry, :dim] = new_key[:, :, 0]
+        self._exact[:, :, entry, dim:] = new_value[:, :, 0]
         if any(self._sealed([before], [after])):
+            keys, values = view.keys, view.values
             if dest != spare:
                 keys[:, :, dest] = keys[:, :, spare]
                 values[:, :, dest] = values[:, :, spare]
             self._seal(keys, values, [before], [after])
         self._views = self._returned = None  # (as after a forward over the dequantized storage)
         return output
+
+    def _code_views(self, spare: int) -> _CodeViews:
+        """The views ``_decode_codes`` works on, made again when the buffer, the storage or the spare slot changes
+        (per step a few dozen views fewer, each a dispatch on the CPU: the same step once the ring is full)."""
+        codes, sinks, group, dim, value_dim = self._codes, self.sinks, self.group, self._key_dim, self._value_dim
+        batch, heads = codes["values"].shape[:2]
+        slots, groups = self.capacity + 1, self._key_groups()
+        rows = max(slots, sinks + groups * group)
+        size = batch * heads * rows
+        flat = self._buffer((size * (dim + value_dim),), torch.float32, held=False)  # (free again on return)
+        found = getattr(self, "_code_view_cache", None)
+        numbers, tensors = (flat.data_ptr(), flat.numel(), spare), (self._exact, self._sink_exact, *codes.values())
+        if found is not None and found[0] == numbers and all(a is b for a, b in zip(found[1], tensors, strict=True)):
+            return found[2]
+        keys, values = flat[: size * dim].view(batch, heads, rows, dim), flat[size * dim :].view(batch, heads, rows, -1)
+        ring = min(spare, self.capacity) - sinks  # ring slots read from the codes (then the window over them)
+        used, ring_slots = -(-ring // group), slice(sinks, sinks + ring)
+        exact = self._exact.flatten(0, 2)
+        stored = spare + 1
+        grouped = values[:, :, ring_slots].unflatten(-1, (codes["value_scale"].shape[-1], -1))
+        view = _CodeViews(
+            shape=(batch, heads, rows),
+            keys=keys,
+            values=values,
+            key_codes=codes["keys"][:, :, : used * group].unflatten(2, (used, group)) if used else None,
+            key_out=keys[:, :, sinks : sinks + used * group].unflatten(2, (used, group)),
+            key_scale=codes["key_scale"][:, :, :used, None, :],
+            key_min=codes["key_min"][:, :, :used, None, :],
+            value_codes=codes["values"][:, :, ring_slots],
+            value_out=values[:, :, ring_slots],
+            value_grouped=grouped,
+            value_scale=codes["value_scale"][:, :, ring_slots, :, None],
+            value_min=codes["value_min"][:, :, ring_slots, :, None],
+            sink_keys=keys[:, :, :sinks],
+            sink_values=values[:, :, :sinks],
+            exact_sink_keys=self._sink_exact[..., :dim],
+            exact_sink_values=self._sink_exact[..., dim:],
+            key_rows=keys.view(-1, dim),
+            value_rows=values.view(-1, value_dim),
+            exact_keys=exact[:, :dim].float(),  # (float32: the storage itself; else a copy, made per step)
+            exact_values=exact[:, dim:].float(),
+            spare_key=keys[:, :, spare : spare + 1],
+            spare_value=values[:, :, spare : spare + 1],
+            key_t=keys.view(-1, rows, dim)[:, :stored].transpose(1, 2),
+            value_t=values.view(-1, rows, value_dim)[:, :stored],
+        )
+        if view.exact_keys.data_ptr() != exact.data_ptr():  # (a copy: not kept, it would go stale)
+            self._code_view_cache = None
+            return view
+        self._code_view_cache = (numbers, tensors, view)
+        return view
 
     def _window_slots(self) -> torch.Tensor:
         """``[B or 1, window]``: per entry of the residual window, the first-ring slot of the token it holds (the
@@ -509,6 +544,7 @@ class QuantizedRings:
         super()._grow(needed)
         if self.capacity == used:
             return
+        self._code_view_cache = None  # (they hold the storage: let the replaced one go)
         codes, pad_to = self._codes, self.capacity + 1
         for name in ("values", "value_scale", "value_min"):
             codes[name] = _padded(codes[name], used, pad_to)
@@ -528,13 +564,14 @@ class QuantizedRings:
         for name, tensor in self._codes.items():
             self._codes[name] = reorder(tensor)
         self._exact, self._sink_exact = reorder(self._exact), reorder(self._sink_exact)
+        self._code_view_cache = None
         self._base = list(self._rows())
         if not self._live:
             self._kv = self._stub()
 
     def _drop(self, value: None) -> None:
         super()._drop(value)
-        self._codes, self._live, self._written = None, False, []
+        self._codes, self._live, self._written, self._code_view_cache = None, False, [], None
 
     def _read(self, read):
         """``read()`` with the dequantized buffer in place (built for the call between forwards)."""
@@ -582,6 +619,36 @@ class QuantizedRings:
         if not self.is_initialized or self._codes is None:
             return 0
         return self._quantized_nbytes(self.capacity, self.capacity + self.window)
+
+
+@dataclass
+class _CodeViews:
+    """Views of the float32 buffer, the codes and the exact rows that a decoding step read from the codes uses."""
+
+    shape: tuple[int, int, int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_codes: torch.Tensor | None
+    key_out: torch.Tensor
+    key_scale: torch.Tensor
+    key_min: torch.Tensor
+    value_codes: torch.Tensor
+    value_out: torch.Tensor
+    value_grouped: torch.Tensor
+    value_scale: torch.Tensor
+    value_min: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    exact_sink_keys: torch.Tensor
+    exact_sink_values: torch.Tensor
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
+    exact_keys: torch.Tensor
+    exact_values: torch.Tensor
+    spare_key: torch.Tensor
+    spare_value: torch.Tensor
+    key_t: torch.Tensor
+    value_t: torch.Tensor
 
 
 def _padded(tensor: torch.Tensor, used: int, size: int) -> torch.Tensor:
