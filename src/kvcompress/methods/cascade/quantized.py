@@ -51,6 +51,8 @@ buffer of the cache (keys and values apart, each contiguous), the exact sinks, r
 copied over their rows, two products and a softmax in float32, as ``core.quantized_attention`` reads the slot
 layer's codes; then it writes what ``_commit`` would (the token's exact row, the sinks, a sealed key group). Its
 logits are those of the step over the dequantized storage up to float rounding, and it stores the same codes.
+Its float32 buffer is the cache's buffer below where the model's dtype is float32, else a second one shared the
+same way (working memory as well: as large as the largest layer's keys and values in float32).
 
 Costs: per forward and layer the dequantization (one unpack and one multiply-add per tensor over the layer's
 slots, then the exact rows copied over theirs) into one buffer of the cache, as large as the largest layer's keys
