@@ -241,10 +241,8 @@ class QuantizedRings:
         if view.key_codes is not None:
             unpack_into(view.key_codes, bits, view.key_out)
             torch.addcmul(view.key_min, view.key_out, view.key_scale, out=view.key_out)
-            # (``dequantize_values``' arithmetic as a product, then a sum: one ``addcmul`` whose scale and minimum
-            # broadcast along the innermost dimension, a group of channels, runs several times slower on the CPU)
-            unpack_into(view.value_codes, bits, view.value_out)
-            view.value_grouped.mul_(view.value_scale).add_(view.value_min)
+            unpack_into(view.value_codes, bits, view.value_out)  # (``dequantize_values`` on the cached views)
+            torch.addcmul(view.value_min, view.value_grouped, view.value_scale, out=view.value_grouped)
         if sinks:
             view.sink_keys.copy_(view.exact_sink_keys)
             view.sink_values.copy_(view.exact_sink_values)
