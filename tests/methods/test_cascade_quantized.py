@@ -291,3 +291,40 @@ def test_a_decoding_step_reuses_one_buffer_and_reads_nothing_back(key, monkeypat
     for layer in cache.layers:
         assert layer._kv.untyped_storage().nbytes() == layer._kv.element_size()  # (a stand-in of one number)
         assert layer._views is None and layer._returned is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_decoding_step_of_the_ring_reads_the_codes(bits, monkeypatch):
+    """Streaming's decoding step attends from the codes (``_decode_codes``, no dequantized storage built): its
+    logits are those of the same step over the dequantized storage, and it leaves the same codes, residual window
+    and sinks, step after step (the ring filling, wrapping, key groups sealed)."""
+    model = tiny_model("llama", seed=2)
+    ids = ids_of(1, 80, seed=11)
+    codes, storage = make(model, "streaming", bits), make(model, "streaming", bits)
+    for cache in (codes, storage):
+        feed(model, cache, ids, (6,))
+    for layer in storage.layers:
+        layer._codes_step_possible = lambda count: False  # (every forward over the dequantized storage)
+    built = []
+    original = QuantizedRings._materialize
+    monkeypatch.setattr(QuantizedRings, "_materialize", lambda layer: (built.append(layer), original(layer))[1])
+    grown = 0
+    for start in range(6, 80):
+        built.clear()
+        capacity = codes.layers[0].capacity
+        got = feed(model, codes, ids[:, start:], (1,), offset=start)
+        if codes.layers[0].capacity == capacity:
+            assert not built, "a decoding step built the dequantized storage"
+        else:  # (a step that grows the ring reads the dequantized storage)
+            grown += 1
+        built.clear()
+        expected = feed(model, storage, ids[:, start:], (1,), offset=start)
+        assert len(built) == len(storage.layers)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for ours, theirs in zip(codes.layers, storage.layers, strict=True):
+            assert ours._rings == theirs._rings and torch.equal(ours._meta, theirs._meta)
+        ours, theirs = codes.layers[0], storage.layers[0]  # (its keys and values do not depend on attention)
+        for name, tensor in ours._codes.items():
+            assert torch.equal(tensor, theirs._codes[name]), name
+        assert torch.equal(ours._exact, theirs._exact) and torch.equal(ours._sink_exact, theirs._sink_exact)
+    assert grown == 2 and codes.layers[0].capacity == 31  # 6 -> 22 -> 31 slots; the other steps read the codes

@@ -45,6 +45,15 @@ decides at 16 bits: the schedule depends on the token count only, except the cas
 EMA scores taken from attention over the dequantized keys (they may then differ from 16 bits'). Streaming's ring
 has no scores.
 
+**A decoding step of streaming's ring** (one token, the batch in step, no gradient, the ring not growing) builds
+no such buffer: it attends from the codes (``_decode_codes``), unpacked and dequantized in place into a float32
+buffer of the cache (keys and values apart, each contiguous), the exact sinks, residual window and new token
+copied over their rows, two products and a softmax in float32, as ``core.quantized_attention`` reads the slot
+layer's codes; then it writes what ``_commit`` would (the token's exact row, the sinks, a sealed key group). Its
+logits are those of the step over the dequantized storage up to float rounding, and it stores the same codes.
+Its float32 buffer is the cache's buffer below where the model's dtype is float32, else a second one shared the
+same way (working memory as well: as large as the largest layer's keys and values in float32).
+
 Costs: per forward and layer the dequantization (one unpack and one multiply-add per tensor over the layer's
 slots, then the exact rows copied over theirs) into one buffer of the cache, as large as the largest layer's keys
 and values in the model's dtype, which every quantized ring layer of the cache uses in turn and which is kept
@@ -59,15 +68,24 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from kvcompress.core.forward import from_host
-from kvcompress.core.kivi import dequantize_keys, dequantize_values, packed_width, quantize_keys, quantize_values
+from kvcompress.core.kivi import (
+    dequantize_keys,
+    dequantize_values,
+    packed_width,
+    quantize_keys,
+    quantize_values,
+    unpack_into,
+)
 from kvcompress.core.quantized_slots import check_dims
+from kvcompress.core.rotation import turn
 from kvcompress.methods.cascade.circular import CircularSinkLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
-from kvcompress.methods.cascade.schedule import Rings
+from kvcompress.methods.cascade.schedule import Rings, advance
 
 # per cache (its ``ForwardPass``): the buffer a forward dequantizes a layer into, reused by its layers and forwards
 _SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -82,6 +100,7 @@ class QuantizedRings:
         self._codes: dict[str, torch.Tensor] | None = None
         self._live = False
         self._written: list[torch.Tensor] = []  # [B or 1, m] slots the executor wrote this forward (several rings)
+        self._code_view_cache: tuple | None = None  # ``_code_views``: what they were made from, and the views
         super().__init__(*args, **kwargs)
         config = self.policy.config
         self.bits, self.group, self.residual = config.kv_bits, config.kv_group, config.kv_residual
@@ -183,16 +202,133 @@ class QuantizedRings:
             if grad:
                 kv = kv.scatter(2, where[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]), exact)
             else:  # one ``index_copy_`` of every entry (the scratch one too) into the buffer seen as rows
-                key = ("q-window-rows", where.data_ptr(), batch, heads, rows, slots)
-
-                def build() -> torch.Tensor:
-                    offsets = torch.arange(0, batch * heads * rows, rows, device=self.device).view(batch, heads, 1)
-                    scratch = where.new_full((where.shape[0], 1), slots - 1)
-                    return (offsets + torch.cat([where, scratch], 1)[:, None, :]).flatten()
-
-                into = self.forward_pass.cached(key, build)
+                into = self._window_rows(where, batch, heads, rows, slots)
                 buffer.view(-1, buffer.shape[-1]).index_copy_(0, into, self._exact.reshape(-1, self._exact.shape[-1]))
         return kv
+
+    def _window_rows(self, where: torch.Tensor, batch: int, heads: int, rows: int, slots: int) -> torch.Tensor:
+        """``[B H (window + 1)]``: the row of a buffer ``[B, H, rows, ...]`` seen as rows that each entry of the
+        residual window (the scratch one last, to the scratch slot ``slots - 1``) is copied to (``where``:
+        ``_window_slots``)."""
+        key = ("q-window-rows", where.data_ptr(), batch, heads, rows, slots)
+
+        def build() -> torch.Tensor:
+            offsets = torch.arange(0, batch * heads * rows, rows, device=self.device).view(batch, heads, 1)
+            scratch = where.new_full((where.shape[0], 1), slots - 1)
+            return (offsets + torch.cat([where, scratch], 1)[:, None, :]).flatten()
+
+        return self.forward_pass.cached(key, build)
+
+    # --- a decoding step of streaming's ring read from the codes ----------------------------------------------------
+    def _decode_codes(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
+        """``CircularSinkLayer._decode_circular`` of the quantized ring with no dequantized storage built for it:
+        the ring's codes are unpacked straight into a float32 buffer of the cache (keys ``[B, H, rows, dk]`` and
+        values ``[B, H, rows, dv]``, each contiguous) and dequantized in place (``core.kivi``: one multiply-add per
+        tensor), the exact sinks and residual window copied over their rows (one ``index_copy_`` each for keys and
+        values), the new token (its key turned to its angle in the model's dtype, as the full-precision ring stores
+        it) into the spare row; one product gives the logits, one softmax the probabilities, one product the output,
+        in float32 (as ``core.quantized_attention`` reads the slot layer's codes), cast to the query's dtype. Then,
+        as ``_commit`` does after a forward over the dequantized storage: the token's exact key and value into its
+        window entry, the sinks rewritten where the frame moved, and the key group sealed by the token quantized.
+        What this saves against that forward: the model-dtype buffer interleaving keys and values (dequantized
+        through strided views), its scratch row zeroed, the token's row written and moved, the copies of the sinks
+        and of the new rows back, and the SDPA call (one query: its CPU kernel costs more than the two products)."""
+        bits, sinks, dim, before = self.bits, self.sinks, self._key_dim, self._shared
+        after, moves = advance(self._layout, before)
+        seen, dest = before.seen, moves.dests[0]
+        spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
+        view = self._code_views(spare)
+        if view.key_codes is not None:
+            unpack_into(view.key_codes, bits, view.key_out)
+            torch.addcmul(view.key_min, view.key_out, view.key_scale, out=view.key_out)
+            unpack_into(view.value_codes, bits, view.value_out)  # (``dequantize_values`` on the cached views)
+            torch.addcmul(view.value_min, view.value_grouped, view.value_scale, out=view.value_grouped)
+        if sinks:
+            view.sink_keys.copy_(view.exact_sink_keys)
+            view.sink_values.copy_(view.exact_sink_values)
+        into = self._window_rows(self._window_slots(), *view.shape, self.capacity + 1)
+        view.key_rows.index_copy_(0, into, view.exact_keys)
+        view.value_rows.index_copy_(0, into, view.exact_values)
+        new_key = turn(pending.keys, self._rotation(pending, (seen,), dim, pending.keys.dtype))  # [B, H, 1, dk]
+        new_value = pending.values.to(new_key.dtype)
+        view.spare_key.copy_(new_key)
+        view.spare_value.copy_(new_value)
+
+        turned = turn(query.float(), self._rotation(pending, (seen,), dim, torch.float32, scale))
+        logits = torch.bmm(turned.view(view.key_t.shape[0], -1, dim), view.key_t)
+        output = torch.bmm(logits.softmax(-1), view.value_t)
+        output = output.view(*query.shape[:3], -1).to(query.dtype)
+
+        self._set_shared(after)
+        self._meta[:, dest] = self._shared_meta(pending)[:, 0]
+        if sinks:  # (the frame moved: the sinks rewritten from their copy, in their exact rows)
+            stand_in, self._kv = self._kv, self._sink_exact
+            try:
+                self._sync_sinks([before])
+            finally:
+                self._kv = stand_in
+        entry = seen % self.window
+        self._exact[:, :, entry, :dim] = new_key[:, :, 0]
+        self._exact[:, :, entry, dim:] = new_value[:, :, 0]
+        if any(self._sealed([before], [after])):
+            keys, values = view.keys, view.values
+            if dest != spare:
+                keys[:, :, dest] = keys[:, :, spare]
+                values[:, :, dest] = values[:, :, spare]
+            self._seal(keys, values, [before], [after])
+        self._views = self._returned = None  # (as after a forward over the dequantized storage)
+        return output
+
+    def _code_views(self, spare: int) -> _CodeViews:
+        """The views ``_decode_codes`` works on, made again when the buffer, the storage or the spare slot changes
+        (per step a few dozen views fewer, each a dispatch on the CPU: the same step once the ring is full)."""
+        codes, sinks, group, dim, value_dim = self._codes, self.sinks, self.group, self._key_dim, self._value_dim
+        batch, heads = codes["values"].shape[:2]
+        slots, groups = self.capacity + 1, self._key_groups()
+        rows = max(slots, sinks + groups * group)
+        size = batch * heads * rows
+        flat = self._buffer((size * (dim + value_dim),), torch.float32, held=False)  # (free again on return)
+        found = getattr(self, "_code_view_cache", None)
+        numbers, tensors = (flat.data_ptr(), flat.numel(), spare), (self._exact, self._sink_exact, *codes.values())
+        if found is not None and found[0] == numbers and all(a is b for a, b in zip(found[1], tensors, strict=True)):
+            return found[2]
+        keys, values = flat[: size * dim].view(batch, heads, rows, dim), flat[size * dim :].view(batch, heads, rows, -1)
+        ring = min(spare, self.capacity) - sinks  # ring slots read from the codes (then the window over them)
+        used, ring_slots = -(-ring // group), slice(sinks, sinks + ring)
+        exact = self._exact.flatten(0, 2)
+        stored = spare + 1
+        grouped = values[:, :, ring_slots].unflatten(-1, (codes["value_scale"].shape[-1], -1))
+        view = _CodeViews(
+            shape=(batch, heads, rows),
+            keys=keys,
+            values=values,
+            key_codes=codes["keys"][:, :, : used * group].unflatten(2, (used, group)) if used else None,
+            key_out=keys[:, :, sinks : sinks + used * group].unflatten(2, (used, group)),
+            key_scale=codes["key_scale"][:, :, :used, None, :],
+            key_min=codes["key_min"][:, :, :used, None, :],
+            value_codes=codes["values"][:, :, ring_slots],
+            value_out=values[:, :, ring_slots],
+            value_grouped=grouped,
+            value_scale=codes["value_scale"][:, :, ring_slots, :, None],
+            value_min=codes["value_min"][:, :, ring_slots, :, None],
+            sink_keys=keys[:, :, :sinks],
+            sink_values=values[:, :, :sinks],
+            exact_sink_keys=self._sink_exact[..., :dim],
+            exact_sink_values=self._sink_exact[..., dim:],
+            key_rows=keys.view(-1, dim),
+            value_rows=values.view(-1, value_dim),
+            exact_keys=exact[:, :dim].float(),  # (float32: the storage itself; else a copy, made per step)
+            exact_values=exact[:, dim:].float(),
+            spare_key=keys[:, :, spare : spare + 1],
+            spare_value=values[:, :, spare : spare + 1],
+            key_t=keys.view(-1, rows, dim)[:, :stored].transpose(1, 2),
+            value_t=values.view(-1, rows, value_dim)[:, :stored],
+        )
+        if view.exact_keys.data_ptr() != exact.data_ptr():  # (a copy: not kept, it would go stale)
+            self._code_view_cache = None
+            return view
+        self._code_view_cache = (numbers, tensors, view)
+        return view
 
     def _window_slots(self) -> torch.Tensor:
         """``[B or 1, window]``: per entry of the residual window, the first-ring slot of the token it holds (the
@@ -209,21 +345,27 @@ class QuantizedRings:
 
         return self.forward_pass.cached(("q-window", rows, self.window, sinks, width, slots, self.device), build)
 
-    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype | None = None, held: bool = True) -> torch.Tensor:
         """A buffer of ``shape`` for this forward's dequantized storage: the cache's, which every quantized ring
         layer of the cache uses in turn (a layer's buffer lives from its ``update`` to the end of its attention, so
         no two layers of a forward hold it at once; one that does, a forward that never attended, gets its own),
-        grown when a layer needs more: no allocation per step once the largest layer has run."""
+        grown when a layer needs more: no allocation per step once the largest layer has run. ``dtype`` (float32
+        for a decoding step read from the codes, ``_decode_codes``), where it is not the model's: a second buffer of
+        the cache, shared the same way. ``held``: the buffer is held past the call (``_materialize``: until the
+        layer's attention), so that a layer that finds it held by another gets its own."""
         holder = _SCRATCH.setdefault(self.forward_pass, {})
         owner = holder.get("owner")
         owner = None if owner is None else owner()
-        dtype, size = self._codes["value_scale"].dtype, math.prod(shape)
-        if owner is not None and owner is not self and owner._live:
-            return self._codes["value_scale"].new_empty(shape)
-        found = holder.get("buffer")
+        model_dtype, size = self._codes["value_scale"].dtype, math.prod(shape)
+        dtype = model_dtype if dtype is None else dtype
+        name = "buffer" if dtype == model_dtype else f"buffer-{dtype}"
+        if owner is not None and owner is not self and owner._live and name == "buffer":
+            return self._codes["value_scale"].new_empty(shape, dtype=dtype)
+        found = holder.get(name)
         if found is None or found.numel() < size or found.dtype != dtype or found.device != self.device:
-            found = holder["buffer"] = self._codes["value_scale"].new_empty(size)
-        holder["owner"] = weakref.ref(self)
+            found = holder[name] = self._codes["value_scale"].new_empty(size, dtype=dtype)
+        if name == "buffer" and held:
+            holder["owner"] = weakref.ref(self)
         return found[:size].view(shape)
 
     # --- a forward: dequantized in, written slots quantized back ----------------------------------------------
@@ -232,9 +374,26 @@ class QuantizedRings:
         self._live, self._base, self._written = True, list(self._rows()), []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized and not self._live:
+        if self.is_initialized and not self._live and not self._codes_step_possible(key_states.shape[2]):
             self._materialize()
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _codes_step_possible(self, count: int) -> bool:
+        """Whether this forward may be a decoding step of streaming's ring read from the codes (``_decode_codes``):
+        then ``update`` leaves the storage quantized, and ``cascade_attention`` either reads the codes or, where the
+        step turns out not to qualify (``_steps_alone``), dequantizes it then (the layout has not changed since)."""
+        return (
+            count == 1
+            and self.attend_first
+            and self.per_channel
+            and self._pending is None
+            and self._in_step
+            and not self.force_tensor_path
+            and self.inv_freq is not None
+            and not torch.is_grad_enabled()
+            and self._shared.seen >= self.sinks  # (the token is not a sink)
+            and (self.capacity >= self.full_capacity or self.seen + 1 <= self.capacity)  # (the ring does not grow)
+        )
 
     def _apply_moves(self, buffers, columns, tie, new) -> None:
         super()._apply_moves(buffers, columns, tie, new)
@@ -243,11 +402,20 @@ class QuantizedRings:
             self._written.append(written[None] if written.dim() == 1 else written)
 
     def cascade_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        if not self._live and self._pending is not None:  # (``update`` left the storage quantized)
+            pending = self._pending
+            if query.shape[2] == 1 and self._steps_alone(pending) and not torch.is_grad_enabled():
+                self._pending = None
+                scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+                return self._decode_codes(query, pending, scale)
+            self._materialize()
         output = super().cascade_attention(query, scaling)
         self._commit()
         return output
 
     def after_attention(self, stats) -> None:
+        if not self._live and self._pending is not None and self._codes is not None:
+            self._materialize()  # (a forward that did not attend through ``cascade_attention``)
         super().after_attention(stats)
         self._commit()
 
@@ -269,7 +437,7 @@ class QuantizedRings:
                 rows = kv.gather(2, slots[:, None, :, None].expand(batch, heads, -1, kv.shape[-1]))
                 self._exact.scatter_(2, entries[:, None, :, None].expand_as(rows), rows)
         if self.per_channel:
-            self._seal(kv, before, after)
+            self._seal(kv[..., : self._key_dim], kv[..., self._key_dim :], before, after)
         elif self._written:
             written = torch.cat([w.expand(kv.shape[0], -1) for w in self._written], 1)
             self._quantize_values(kv, written)
@@ -300,13 +468,12 @@ class QuantizedRings:
 
         return self.forward_pass.cached(("q-new", tuple(spans), sinks, width, window, slots, self.device), build)
 
-    def _quantize_values(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Quantize the values of ``slots`` ``[B or 1, n]`` (per token; with several rings the keys too) into their
-        codes."""
-        batch, heads = kv.shape[:2]
-        part = kv[..., self._key_dim :] if self.per_channel else kv
+    def _quantize_values(self, part: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantize the values of ``slots`` ``[B or 1, n]`` of ``part`` (per token: with one ring the values, with
+        several the keys and values side by side) into their codes."""
+        batch, heads = part.shape[:2]
         index = slots[:, None, :, None].expand(batch, heads, -1, part.shape[-1])
-        rows = part.gather(2, index).detach()  # (the quantizer passes no gradient)
+        rows = part.gather(2, index).detach().to(self.dtype)  # (the quantizer passes no gradient)
         packed, scale, low = quantize_values(rows, self.bits, self.group)
         codes = self._codes
         for name, tensor in (("values", packed), ("value_scale", scale), ("value_min", low)):
@@ -336,9 +503,10 @@ class QuantizedRings:
 
         return self.forward_pass.cached(("q-sealed", spans, sinks, width, group), build)
 
-    def _seal(self, kv: torch.Tensor, before: list[Rings], after: list[Rings]) -> None:
-        """Quantize the key groups completed by this forward from the keys of their slots (exact: see the module
-        docstring), one ``quantize_keys`` for all of them."""
+    def _seal(self, keys: torch.Tensor, values: torch.Tensor, before: list[Rings], after: list[Rings]) -> None:
+        """Quantize the key groups completed by this forward from the keys ``[B, H, slots, dk]`` and values of their
+        slots (exact: see the module docstring; in the model's dtype or float32 holding its numbers), one
+        ``quantize_keys`` for all of them."""
         sealed = self._sealed(before, after)
         count = max(len(row) for row in sealed)
         if not count:
@@ -358,11 +526,11 @@ class QuantizedRings:
             return from_host(groups, self.device), torch.where(occupied, sinks + offsets, slots), occupied
 
         groups, members, occupied = self.forward_pass.cached(key, build)  # [B or 1, k], [B or 1, k, G] twice
-        batch, heads, dim = kv.shape[0], kv.shape[1], self._key_dim
-        self._quantize_values(kv, members.flatten(1))  # (the group's values are in the exact window until now)
+        batch, heads, dim = keys.shape[0], keys.shape[1], self._key_dim
+        self._quantize_values(values, members.flatten(1))  # (the group's values are in the exact window until now)
         index = members.flatten(1)[:, None, :, None].expand(batch, heads, -1, dim)
-        keys = kv[..., :dim].gather(2, index).unflatten(2, (count, group)).detach()  # [B, H, k, G, d]
-        packed, scale, low = quantize_keys(keys, self.bits, occupied[:, None].expand(batch, heads, -1, -1))
+        rows = keys.gather(2, index).unflatten(2, (count, group)).detach().to(self.dtype)  # [B, H, k, G, d]
+        packed, scale, low = quantize_keys(rows, self.bits, occupied[:, None].expand(batch, heads, -1, -1))
         codes = self._codes
         at = groups[:, None, :, None].expand(batch, heads, -1, dim)
         codes["key_scale"].scatter_(2, at, scale)
@@ -376,6 +544,7 @@ class QuantizedRings:
         super()._grow(needed)
         if self.capacity == used:
             return
+        self._code_view_cache = None  # (they hold the storage: let the replaced one go)
         codes, pad_to = self._codes, self.capacity + 1
         for name in ("values", "value_scale", "value_min"):
             codes[name] = _padded(codes[name], used, pad_to)
@@ -395,13 +564,14 @@ class QuantizedRings:
         for name, tensor in self._codes.items():
             self._codes[name] = reorder(tensor)
         self._exact, self._sink_exact = reorder(self._exact), reorder(self._sink_exact)
+        self._code_view_cache = None
         self._base = list(self._rows())
         if not self._live:
             self._kv = self._stub()
 
     def _drop(self, value: None) -> None:
         super()._drop(value)
-        self._codes, self._live, self._written = None, False, []
+        self._codes, self._live, self._written, self._code_view_cache = None, False, [], None
 
     def _read(self, read):
         """``read()`` with the dequantized buffer in place (built for the call between forwards)."""
@@ -449,6 +619,36 @@ class QuantizedRings:
         if not self.is_initialized or self._codes is None:
             return 0
         return self._quantized_nbytes(self.capacity, self.capacity + self.window)
+
+
+@dataclass
+class _CodeViews:
+    """Views of the float32 buffer, the codes and the exact rows that a decoding step read from the codes uses."""
+
+    shape: tuple[int, int, int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_codes: torch.Tensor | None
+    key_out: torch.Tensor
+    key_scale: torch.Tensor
+    key_min: torch.Tensor
+    value_codes: torch.Tensor
+    value_out: torch.Tensor
+    value_grouped: torch.Tensor
+    value_scale: torch.Tensor
+    value_min: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    exact_sink_keys: torch.Tensor
+    exact_sink_values: torch.Tensor
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
+    exact_keys: torch.Tensor
+    exact_values: torch.Tensor
+    spare_key: torch.Tensor
+    spare_value: torch.Tensor
+    key_t: torch.Tensor
+    value_t: torch.Tensor
 
 
 def _padded(tensor: torch.Tensor, used: int, size: int) -> torch.Tensor:
