@@ -13,9 +13,9 @@ import torch
 import kvcompress
 from kvcompress.decode_graph import DecodeGraph
 from kvcompress.generation import cache_argument
-from kvcompress.methods.cascade.circular import CircularSinkLayer
+from kvcompress.methods.cascade.circular import CircularSinkLayer, QuantizedCircularSinkLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
-from kvcompress.methods.cascade.quantized import QuantizedCascadeLayer, QuantizedCircularSinkLayer, QuantizedRings
+from kvcompress.methods.cascade.quantized import QuantizedCascadeLayer, QuantizedRings
 from kvcompress.models.testing import tiny_model
 from tests.helpers import cache_logits
 from tests.references.kivi import minmax_roundtrip

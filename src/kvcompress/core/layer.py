@@ -49,6 +49,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    holds_codes = False  # True: a layer storing quantized keys and values (``core.quantized_layer``)
     sliding_window: int | None = None  # the model's window on this layer (set by the cache; None: global layer)
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None) -> None:

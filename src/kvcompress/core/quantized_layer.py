@@ -10,10 +10,11 @@ attention reads (the dequantized keys and values), and evicts as it would in ful
 A method whose layer is a slot layer with extras has its own quantized subclass, which its config picks with
 ``kv_bits < 16`` (KVzip's ``KVzipQuantizedLayer``, LESS's ``LessQuantizedLayer``, PoD's ``PoDQuantizedLayer``: its
 slots hold keys of some heads only, ``QuantizedSlotBuffers.key_heads``); ragged per-head storage (``RaggedLayer``)
-quantizes its own pool when it moves into it (``core.ragged_quantized``). Other storage of its own names its
-quantized form (``quantized_form``: the cascade's rings and streaming's circular ring, ``methods.cascade.quantized``);
-any other is refused with ``kv_bits < 16``. A quantized layer does not replay as a captured CUDA graph (its step
-writes a ring entry and a key group chosen by Python numbers): it decodes eagerly through ``DecodeGraph``.
+quantizes its own pool when it moves into it (``core.ragged_quantized``). The cascade's rings and streaming's
+circular ring have quantized layers too, which their configs pick (``methods.cascade.quantized``); a layer class
+that holds codes says so (``holds_codes``), and any other storage of its own is refused with ``kv_bits < 16``. A
+quantized layer does not replay as a captured CUDA graph (its step writes a ring entry and a key group chosen by
+Python numbers): it decodes eagerly through ``DecodeGraph``.
 
 ``nbytes()`` counts what is held: the codes and per-token value parameters of the stored tokens, the key groups'
 parameters covering them, and the residual window's exact keys and values.
@@ -32,6 +33,8 @@ from kvcompress.core.ragged_layer import RaggedLayer
 
 class QuantizedLayer(CompressedLayer):
     """A ``CompressedLayer`` whose slots hold quantized keys and values (``QuantizedSlotBuffers``)."""
+
+    holds_codes = True
 
     slots: QuantizedSlotBuffers | None
 
@@ -207,15 +210,12 @@ class QuantizedLayer(CompressedLayer):
 def quantized_layer_class(config: MethodConfig, layer_class: type) -> type:
     """The layer class storing ``config``'s method with ``config.kv_bits``: ``layer_class`` itself at 16 bits, the
     quantized slot layer for the standard layer; ``ValueError`` naming the way out for any other storage."""
-    if config.kv_bits == 16 or issubclass(layer_class, QuantizedLayer):  # (a method's own quantized slot layer)
+    if config.kv_bits == 16 or layer_class.holds_codes:  # (a method's own quantized layer, its config's choice)
         return layer_class
     if issubclass(layer_class, RaggedLayer):  # (quantizes its pool itself: ``core.ragged_quantized``)
         return layer_class
     if layer_class is CompressedLayer:
         return QuantizedLayer
-    quantized_form = getattr(layer_class, "quantized_form", None)  # a storage with its own quantized form
-    if quantized_form is not None:
-        return quantized_form()
     raise ValueError(
         f"kv_bits={config.kv_bits} is not supported by method {config.name!r} with its storage "
         f"{layer_class.__name__}; kv_bits=16 keeps the model's dtype"

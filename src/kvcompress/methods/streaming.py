@@ -21,7 +21,7 @@ from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.rope import POSITION_MODES
 from kvcompress.core.selection import keep_top, sink_mask
-from kvcompress.methods.cascade.circular import CircularSinkLayer
+from kvcompress.methods.cascade.circular import CircularSinkLayer, QuantizedCircularSinkLayer
 
 
 class StreamingPolicy(Policy):
@@ -54,7 +54,7 @@ class StreamingConfig(MethodConfig):
 
     def layer_class(self) -> type[CompressedLayer]:
         if self.circular and self.position_mode == "cache" and self.sinks < self.budget:
-            return CircularSinkLayer
+            return CircularSinkLayer if self.kv_bits == 16 else QuantizedCircularSinkLayer
         return CompressedLayer
 
     def validate(self) -> None:

@@ -18,6 +18,7 @@ from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.methods.cascade.config import CascadeConfig
 from kvcompress.methods.cascade.layer import CascadeLayer
+from kvcompress.methods.cascade.quantized import QuantizedRings
 from kvcompress.methods.cascade.schedule import Rings, advance
 
 
@@ -118,3 +119,7 @@ class CircularSinkLayer(CascadeLayer):
 
     def replay_state(self) -> tuple:
         return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0])
+
+
+class QuantizedCircularSinkLayer(QuantizedRings, CircularSinkLayer):
+    """Streaming's circular sink ring stored quantized (``kv_bits`` below 16; ``methods.cascade.quantized``)."""

@@ -60,6 +60,7 @@ from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.policy import CascadePolicy
+from kvcompress.methods.cascade.quantized import QuantizedCascadeLayer
 
 REDUCTIONS: tuple[str, ...] = ("mean", "median", "max")
 TIES: tuple[str, ...] = ("incoming", "resident")
@@ -111,7 +112,7 @@ class CascadeConfig(MethodConfig):
         return self.width * (self.base**self.cascades - 1) // (self.base - 1)
 
     def layer_class(self) -> type[CascadeLayer]:
-        return CascadeLayer
+        return CascadeLayer if self.kv_bits == 16 else QuantizedCascadeLayer
 
     def connect(self, layers: list[CompressedLayer]) -> None:
         """The cascade layers (``N > 1``) share one buffer: a decoding step moves all their tokens (``ring_moves``)."""
@@ -122,7 +123,7 @@ class CascadeConfig(MethodConfig):
 
     def sliding_layer_class(self, window: int) -> type[CompressedLayer]:
         """On a sliding-window layer: the generic layer keeping the window when the budget holds it, else the rings."""
-        return CompressedLayer if self.budget >= window else CascadeLayer
+        return CompressedLayer if self.budget >= window else self.layer_class()
 
     def validate(self) -> None:
         check_budget(self.budget)

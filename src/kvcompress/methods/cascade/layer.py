@@ -71,13 +71,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     attend_first = False
 
-    @classmethod
-    def quantized_form(cls) -> type:
-        """The layer class storing this one's rings in ``kv_bits`` below 16 (``quantized``)."""
-        from kvcompress.methods.cascade.quantized import quantized_form
-
-        return quantized_form(cls)
-
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
         self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_moves``)

@@ -83,7 +83,6 @@ from kvcompress.core.kivi import (
 )
 from kvcompress.core.quantized_slots import check_dims
 from kvcompress.core.rotation import turn
-from kvcompress.methods.cascade.circular import CircularSinkLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.schedule import Rings, advance
 
@@ -95,6 +94,8 @@ class QuantizedRings:
     """The quantized storage of a cascade layer (mixed in before ``CascadeLayer`` or ``CircularSinkLayer``; see the
     module docstring). ``_kv`` is the dequantized buffer while a forward runs (``_live``), else a stand-in of the
     same shape holding nothing."""
+
+    holds_codes = True  # (``core.quantized_layer.quantized_layer_class`` takes it as it is)
 
     def __init__(self, *args, **kwargs) -> None:
         self._codes: dict[str, torch.Tensor] | None = None
@@ -659,16 +660,3 @@ def _padded(tensor: torch.Tensor, used: int, size: int) -> torch.Tensor:
 
 class QuantizedCascadeLayer(QuantizedRings, CascadeLayer):
     """The Cascading KV Cache with its rings stored quantized (``kv_bits`` below 16)."""
-
-
-class QuantizedCircularSinkLayer(QuantizedRings, CircularSinkLayer):
-    """Streaming's circular sink ring stored quantized (``kv_bits`` below 16)."""
-
-
-def quantized_form(layer_class: type) -> type:
-    """The quantized layer class of a cascade layer class."""
-    if issubclass(layer_class, QuantizedRings):
-        return layer_class
-    if issubclass(layer_class, CircularSinkLayer):
-        return QuantizedCircularSinkLayer
-    return QuantizedCascadeLayer
