@@ -12,7 +12,7 @@ compare the ratios (docs/core-lines.md has the figures and commands).
 Fast paths (the step they target):
 
 - ``pod-ring``: PoD's proximal keys in a ring while decoding (decode; off: the packed keys, trimmed per step);
-- ``joint-eviction``: a decoding step's evictions of every layer at once (decode: h2o, less);
+- ``joint-eviction``: a decoding step's evictions of every layer at once (decode: h2o, tova, scissorhands, knorm, less);
 - ``less-staged-folds``: LESS's folds of a forward done together at its end (decode: less);
 - ``less-slots``: LESS's decoding step as one softmax over the stored keys and the state's rows (decode: less;
   off: the softmax with its log-normaliser and Eq. 3's mix, the general path);
