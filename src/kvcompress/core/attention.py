@@ -51,7 +51,11 @@ def kvcompress_attention(
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
     queries = query.shape[2]
     padding = None
-    if attention_mask is not None and attention_mask.dim() == 2 and not _all_real(layer, attention_mask, queries):
+    if (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and not _forward_unpadded(layer, attention_mask, queries)
+    ):
         padding = attention_mask[:, -queries:]
     positions = kwargs.get("position_ids")
     if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
@@ -62,7 +66,7 @@ def kvcompress_attention(
     return output.transpose(1, 2).contiguous(), None
 
 
-def _all_real(layer: CompressedLayer, attention_mask: torch.Tensor, queries: int) -> bool:
+def _forward_unpadded(layer: CompressedLayer, attention_mask: torch.Tensor, queries: int) -> bool:
     """Whether this forward's tokens are all real: checked once per forward (one host read for all layers, which
     get the same mask), not once per layer."""
     key = ("all-real", queries, attention_mask.shape[-1])

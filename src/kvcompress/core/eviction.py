@@ -33,7 +33,7 @@ def ranked_scores(rule: Keep, layer: LayerView, protect_new: bool = False) -> to
     """``[B, H, W]`` scores of the rule with padding at ``-inf`` and protected real tokens at ``+inf``; with
     ``protect_new`` this forward's real tokens at the largest finite value (above every score, below protected)."""
     if layer.all_valid:  # no padding stored and no free slot in the view (see ``LayerView.all_valid``)
-        return _ranked_all_real(rule.scores, rule.protected, layer, protect_new)
+        return _ranked_all_valid(rule.scores, rule.protected, layer, protect_new)
     scores = rule.scores if rule.scores.is_floating_point() else rule.scores.double()
     valid = layer.valid
     padding = ~valid
@@ -46,7 +46,7 @@ def ranked_scores(rule: Keep, layer: LayerView, protect_new: bool = False) -> to
     return ranked
 
 
-def _ranked_all_real(
+def _ranked_all_valid(
     scores: torch.Tensor, protected: torch.Tensor | None, layer: LayerView, protect_new: bool
 ) -> torch.Tensor:
     """``ranked_scores`` when every slot in the view holds a real token: two ops at most, integer scores kept as

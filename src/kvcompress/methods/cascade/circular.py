@@ -95,7 +95,7 @@ class CircularSinkLayer(CascadeLayer):
         return (
             self.is_initialized
             and self._in_step
-            and self._all_real
+            and self._forward_unpadded
             and not self.force_tensor_path
             and self.inv_freq is not None
             and self._pending is None
@@ -118,7 +118,7 @@ class CircularSinkLayer(CascadeLayer):
         self._seen += replayed
 
     def replay_state(self) -> tuple:
-        return (self._kv, self.capacity, self._in_step, self._all_real, self._shared.count[0])
+        return (self._kv, self.capacity, self._in_step, self._forward_unpadded, self._shared.count[0])
 
 
 class QuantizedCircularSinkLayer(QuantizedRings, CircularSinkLayer):

@@ -82,7 +82,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         eager_until = self.full_capacity if config.eager_fill else 0
         self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
-        self._all_real = True
+        self._forward_unpadded = True
         self.force_tensor_path = False  # tests: run the schedule once per sequence (the padded path) from the start
 
     # --- storage -------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         tok = pending.tok.expand(batch, -1)
         pos = tok if pending.pos is None else pending.pos
         real = pending.real
-        self._all_real = real is None or bool(real.all())  # no padding in this forward
+        self._forward_unpadded = real is None or bool(real.all())  # no padding in this forward
         if real is None:
             real = torch.ones(batch, count, dtype=torch.bool, device=self.device)
         keys, values = pending.keys, pending.values.to(pending.keys.dtype)
@@ -228,7 +228,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         layouts stay the same: a batch in step stays in step)."""
         count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
         needs = self.rule.needs_scores
-        in_step = self._in_step and self._all_real and not self.force_tensor_path
+        in_step = self._in_step and self._forward_unpadded and not self.force_tensor_path
         if in_step and (count == 1 or not needs):  # the same moves for every sequence and layer of the forward
             wins = None if needs else _always
             key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))

@@ -102,7 +102,7 @@ class RingDecode:
             outputs.append(torch.bmm(probs.to(values.dtype), values))
             if self.rule.needs_scores:
                 self._fold_step(probs)
-        self._all_real = True
+        self._forward_unpadded = True
         return (outputs[0] if count == 1 else torch.stack(outputs, 2)).view(batch, q_heads, count, -1)
 
     # --- planning, once per forward -------------------------------------------------------------------------------
