@@ -1,11 +1,13 @@
-"""KVzip's prefill and compression against a full prefill, CPU time, interleaved in one process.
+"""A one-shot method's prefill and compression against a full prefill, CPU time, interleaved in one process.
 
     python -m experiments.kvzip_cost --tokens 1024 --reps 3
+    python -m experiments.kvzip_cost --tokens 1024 --reps 3 --methods keydiff:ratio=0.5 snapkv:ratio=0.5
     python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention
 
-A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into a KVzip
-cache (ratio 0.5) in turn, ``--reps`` times, one torch thread, under ``torch.no_grad`` as ``generate`` runs; prints
-each run's wall and CPU seconds and the ratio of the CPU medians.
+A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into each of
+``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5) in turn, ``--reps`` times, one torch
+thread, under ``torch.no_grad`` as ``generate`` runs, in one forward (``prefill``'s default); prints each run's wall
+and CPU seconds and each method's ratio of the CPU medians.
 
 ``--attention`` instead times the attention alone, summed over the layers, on the model's own activations: each
 layer's reconstruction inputs are recorded during one KVzip prefill (its queries, the stored context's keys and
@@ -30,6 +32,7 @@ from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import prefill
 from kvcompress.methods.kvzip.reconstruct import score_chunk
 from kvcompress.models import load_model
+from kvcompress.params import parse_method_spec
 
 
 def main() -> None:
@@ -38,7 +41,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--attention", action="store_true", help="time the attention alone, summed over layers")
+    parser.add_argument("--methods", nargs="+", default=["kvzip:ratio=0.5"], help="method specs (method:key=value,...)")
     args = parser.parse_args()
+    try:
+        specs = {spec: parse_method_spec(spec) for spec in args.methods}
+    except ValueError as error:
+        parser.error(f"--methods: {error}")
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model)
     text = " ".join(gutenberg_books()[1].text.split()[: args.tokens])
@@ -54,14 +62,17 @@ def main() -> None:
     if args.attention:
         attention(model, ids, args.reps, run)
         return
-    runs: dict[str, list[tuple[float, float]]] = {"full": [], "kvzip": []}
+    runs: dict[str, list[tuple[float, float]]] = {"full": [], **{spec: [] for spec in specs}}
     for _ in range(args.reps):
         runs["full"].append(run("full"))
-        runs["kvzip"].append(run("kvzip", ratio=0.5))
+        for spec, (method, params) in specs.items():
+            runs[spec].append(run(method, **params))
     for name, times in runs.items():
         print(name, "wall", [round(w, 2) for w, _ in times], "cpu", [round(c, 2) for _, c in times])
-    ratio = statistics.median(c for _, c in runs["kvzip"]) / statistics.median(c for _, c in runs["full"])
-    print(f"{ids.shape[1]} tokens: kvzip / full, CPU time medians: {ratio:.2f}")
+    full = statistics.median(c for _, c in runs["full"])
+    for spec in specs:
+        ratio = statistics.median(c for _, c in runs[spec]) / full
+        print(f"{ids.shape[1]} tokens: {spec} / full, CPU time medians: {ratio:.2f}")
 
 
 def attention(model, ids: torch.Tensor, reps: int, run) -> None:
