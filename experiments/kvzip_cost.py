@@ -7,7 +7,7 @@
 A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into each of
 ``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5) in turn, ``--reps`` times, one torch
 thread, under ``torch.no_grad`` as ``generate`` runs, in one forward (``prefill``'s default); prints each run's wall
-and CPU seconds and each method's ratio of the CPU medians.
+and CPU seconds (after one untimed full prefill) and each method's ratio of the CPU medians.
 
 ``--attention`` instead times the attention alone, summed over the layers, on the model's own activations: each
 layer's reconstruction inputs are recorded during one KVzip prefill (its queries, the stored context's keys and
@@ -63,6 +63,7 @@ def main() -> None:
         attention(model, ids, args.reps, run)
         return
     runs: dict[str, list[tuple[float, float]]] = {"full": [], **{spec: [] for spec in specs}}
+    run("full")  # warm-up, not counted (the first forward of a process is slower)
     for _ in range(args.reps):
         runs["full"].append(run("full"))
         for spec, (method, params) in specs.items():
