@@ -13,7 +13,7 @@ from kvcompress.core.contract import AttentionStats
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.registry import make_config
-from tests.helpers import cache_logits, needs_smollm2, own_logits
+from tests.helpers import cache_logits, needs_smollm2, own_logits, per_sequence_path
 
 
 def hand_layer(batch: int = 1, heads: int = 1, **params) -> CascadeLayer:
@@ -143,7 +143,7 @@ def test_in_step_path_equals_the_per_sequence_tensor_path(params):
     layers = []
     for tensor_path in (False, True):
         layer = CascadeLayer(make_config("cascade", budget=budget, sinks=sinks, **params).policy(0), inv_freq)
-        layer.force_tensor_path = tensor_path
+        per_sequence_path(layer, tensor_path)
         layers.append(layer)
     generator = torch.Generator().manual_seed(1)
     for _ in range(120):

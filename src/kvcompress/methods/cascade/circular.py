@@ -96,7 +96,6 @@ class CircularSinkLayer(CascadeLayer):
             self.is_initialized
             and self._in_step
             and self._forward_unpadded
-            and not self.force_tensor_path
             and self.inv_freq is not None
             and self._pending is None
             and getattr(self, "_sliding_window", None) is None

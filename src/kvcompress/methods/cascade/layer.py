@@ -83,7 +83,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
         self._forward_unpadded = True
-        self.force_tensor_path = False  # tests: run the schedule once per sequence (the padded path) from the start
 
     # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -228,7 +227,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         layouts stay the same: a batch in step stays in step)."""
         count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
         needs = self.rule.needs_scores
-        in_step = self._in_step and self._forward_unpadded and not self.force_tensor_path
+        in_step = self._in_step and self._forward_unpadded
         if in_step and (count == 1 or not needs):  # the same moves for every sequence and layer of the forward
             wins = None if needs else _always
             key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))

@@ -62,7 +62,6 @@ class RingDecode:
         (one row or one per sequence), no sliding window."""
         return (
             self._in_step
-            and not self.force_tensor_path
             and pending.real is None
             and pending.source is not None
             and pending.source.shape[0] in (1, self._kv.shape[0])

@@ -60,7 +60,6 @@ def _ready(layer, trigger, state) -> bool:
         and layer._kv is not None
         and layer._in_step
         and layer._forward_unpadded
-        and not layer.force_tensor_path
         and getattr(layer, "_sliding_window", None) is None
         and (layer is trigger or (layer._pending is None and layer._shared == state))
     )
