@@ -28,6 +28,11 @@ def cascade_tokens(layer) -> list[list[list[int]]]:
     ]
 
 
+def ring_counts(layer) -> torch.Tensor:
+    """``[B, N]``: each sequence's token count per cascade."""
+    return torch.tensor([rings.count for rings in layer._rings])
+
+
 def hand_layer(batch: int = 1, heads: int = 1, **params) -> CascadeLayer:
     """A cascade layer driven by hand (no model, no RoPE)."""
     layer = CascadeLayer(make_config("cascade", **params).policy(0))
@@ -91,11 +96,11 @@ def test_spans_for_c2048_without_selection(cascades, tokens, expected):
 def test_fill_counts_after_2052_tokens():
     layer = hand_layer(budget=2052, sinks=4, cascades=4)
     push(layer, 2052)
-    assert layer._count.tolist() == [[512, 512, 128, 0]]
+    assert ring_counts(layer).tolist() == [[512, 512, 128, 0]]
     assert int(layer.valid.sum()) == 4 + 1152
     eager = hand_layer(budget=2052, sinks=4, cascades=4, eager_fill=True)
     push(eager, 2052)
-    assert eager._count.tolist() == [[512, 512, 512, 512]]
+    assert ring_counts(eager).tolist() == [[512, 512, 512, 512]]
 
 
 def test_eager_fill_behaves_as_a_sink_cache_until_full():
@@ -118,7 +123,7 @@ def test_invariants_hold_with_random_scores_per_sequence():
     for token in range(300):
         received = torch.rand(batch, sinks + width * cascades, generator=generator)
         push(layer, received=received)
-        counts = layer._count
+        counts = ring_counts(layer)
         assert bool((counts >= previous_counts).all())  # I2: counts never decrease
         previous_counts = counts.clone()
         for row in range(batch):
@@ -168,7 +173,8 @@ def test_in_step_path_equals_the_per_sequence_tensor_path(params):
     fast, reference = layers
     assert fast._in_step and not reference._in_step
     assert torch.equal(fast._tok, reference._tok)
-    assert torch.equal(fast._count, reference._count) and torch.equal(fast._start, reference._start)
+    assert [r.count for r in fast._rings] == [r.count for r in reference._rings]
+    assert [r.start for r in fast._rings] == [r.start for r in reference._rings]
     slots = fast.capacity  # the scratch slot after them holds anything
     torch.testing.assert_close(fast._score[:, :slots], reference._score[:, :slots], rtol=0, atol=1e-7)
     torch.testing.assert_close(fast._k, reference._k, rtol=1e-5, atol=1e-5)

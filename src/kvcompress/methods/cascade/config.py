@@ -44,16 +44,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.checks import check_bool, check_budget, check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.quantized import QuantizedCascadeLayer
-
-REDUCTIONS: tuple[str, ...] = ("mean", "median", "max")
-TIES: tuple[str, ...] = ("incoming", "resident")
-PREFILLS: tuple[str, ...] = ("exact", "chunked")
 
 
 @dataclass(frozen=True)
@@ -126,9 +122,8 @@ class CascadeConfig(MethodConfig):
             )
         if self.gamma is not None and (isinstance(self.gamma, bool) or not 0.0 <= float(self.gamma) < 1.0):
             raise ValueError(f"gamma must be a number in [0, 1) or None (exp(-N ln(100) / |C|)), got {self.gamma!r}")
-        check_choice(self.reduction, "reduction", REDUCTIONS)
-        check_choice(self.tie, "tie", TIES)
-        check_choice(self.prefill, "prefill", PREFILLS)
-        for name in ("select_tokens", "eager_fill"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_choice(self.reduction, "reduction", ("mean", "median", "max"))
+        check_choice(self.tie, "tie", ("incoming", "resident"))
+        check_choice(self.prefill, "prefill", ("exact", "chunked"))
+        check_bool(self.select_tokens, "select_tokens")
+        check_bool(self.eager_fill, "eager_fill")

@@ -94,7 +94,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
         self._rings: list[Rings] = [Rings.empty(self._layout)] * batch
-        self._counter_tensors: tuple | None = None
+        self._offsets_cached: tuple | None = None
         self.is_initialized = True
 
     @property
@@ -114,19 +114,14 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def _rows(self) -> list[Rings]:
         return self._rings[:1] if self._in_step else self._rings
 
-    def _counters(self) -> tuple[torch.Tensor, ...]:
-        """``count``, ``start``, ``passed`` ``[B, N]``, ``schedule.offsets`` ``[B, 1 + N]`` (when layouts change)."""
-        cached = self._counter_tensors
+    def _offsets(self) -> torch.Tensor:
+        """``schedule.offsets`` ``[B, 1 + N]`` (made when the layouts change)."""
+        cached = self._offsets_cached
         if cached is None or cached[0] is not self._rings:
-            rows = [[*r.count, *r.start, *r.passed, *offsets(self._layout, r)] for r in self._rows()]
-            table = from_host(rows, self.device).expand(len(self._rings), -1)
-            n = self.cascades
-            parts = table[:, :n], table[:, n : 2 * n], table[:, 2 * n : 3 * n], table[:, 3 * n :]
-            cached = self._counter_tensors = (self._rings, *parts)
-        return cached[1:]
+            rows = [offsets(self._layout, r) for r in self._rows()]
+            cached = self._offsets_cached = (self._rings, from_host(rows, self.device).expand(len(self._rings), -1))
+        return cached[1]
 
-    _count = property(lambda self: self._counters()[0])
-    _start = property(lambda self: self._counters()[1])
     _k = property(lambda self: self._kv[:, :, : self.capacity, : self._key_dim])  # keys at their angles
     _v = property(lambda self: self._kv[:, :, : self.capacity, self._key_dim :])
     _tok = property(lambda self: self._meta[:, : self.capacity, 0])
@@ -402,7 +397,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             keys = self._k
             if self.inv_freq is not None:  # from its angle to its rank: its frame's offset (``schedule.offsets``)
                 sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
-                turns = self._counters()[3].repeat_interleave(sizes, 1, output_size=slots)
+                turns = self._offsets().repeat_interleave(sizes, 1, output_size=slots)
                 keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
             if chunk is not None:
                 keys = torch.cat([keys, chunk_keys], 2)
@@ -435,7 +430,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         if self.inv_freq is None:
             logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
             return logits.view(batch, kv_heads, groups, count, self.capacity)
-        at = top[:, :, None] - self._counters()[3][:, None, :]  # [B, n, 1 + N]
+        at = top[:, :, None] - self._offsets()[:, None, :]  # [B, n, 1 + N]
         turned = rotate_by(query[:, :, :, :, None, :], at[:, None, None], self.inv_freq, exact=True)  # [B,H,G,n,F,d]
         bounds = [0, self.sinks] + [self.sinks + (i + 1) * self.width for i in range(self.cascades)]
         blocks = [
