@@ -91,7 +91,7 @@ def test_sinks_do_not_drift_in_a_long_stream(reference):
 
 
 def test_a_full_cascade_decodes_in_one_frame_per_ring():
-    """Keys sit at their ring's angle (``schedule.angles``): one frame per ring, each full ring one run of slots
+    """Keys sit at their ring's angle (``schedule.slot_angle``): one frame per ring, each full ring one run of slots
     whatever its start, the sinks in the oldest ring's frame; a prefill chunk between decoding steps and the
     per-sequence path (the same convention) give the same logits."""
     model = tiny_model("llama")

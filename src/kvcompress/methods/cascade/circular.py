@@ -21,13 +21,10 @@ from kvcompress.methods.cascade.schedule import Rings, advance
 
 
 class CircularSinkLayer(CascadeLayer):
-    """``streaming`` (StreamingLLM, positions re-indexed in the cache) on the cascade storage with ``N = 1``: the
-    sinks plus one ring of ``budget - sinks`` slots, one slot written per token, no scores.
-
-    ``streaming`` evicts *after* attending, so every forward runs as the cascade's chunked prefill does: attend to
-    the frozen ring and causally inside the forward, at ranks ``stored, stored + 1, ...``, then insert: the generic
-    ``streaming`` layer's attention set, order and positions, up to float rounding.
-    """
+    """Sinks plus one ring of ``budget - sinks`` slots, no scores. ``streaming`` evicts *after* attending, so every
+    forward runs as the cascade's chunked prefill: attend to the frozen ring and causally inside the forward (ranks
+    ``stored, stored + 1, ...``), then insert: the generic ``streaming`` layer's attention set, order and positions,
+    up to float rounding."""
 
     attend_first = True
     # the ring cannot drop tokens by age: on a model's sliding-window layers the generic streaming layer runs instead

@@ -83,8 +83,7 @@ class CascadeConfig(MethodConfig):
 
     @property
     def used_budget(self) -> int:
-        """Slots stored per layer and KV head: ``S + N W`` (``budget`` rounded down to a multiple of ``N`` above
-        the sinks)."""
+        """``S + N W``: slots stored per layer and KV head (``budget`` rounded down)."""
         return self.sinks + self.cascades * self.width
 
     @property

@@ -43,10 +43,7 @@ def _wins(arriving: torch.Tensor, resident: torch.Tensor, tie: str) -> torch.Ten
 
 
 def apply_moves(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
-    if columns.written.dim() == 1:
-        _batch_wide(buffers, columns, tie, new)
-    else:
-        _per_sequence(buffers, columns, tie, new)
+    (_batch_wide if columns.written.dim() == 1 else _per_sequence)(buffers, columns, tie, new)
 
 
 def _batch_wide(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:

@@ -24,21 +24,11 @@ from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frame_rotation, frame_rotation_at
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.slots import StreamView
+from kvcompress.methods.cascade import schedule
 from kvcompress.methods.cascade.executor import Columns, _wins, apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_moves import STACKED
-from kvcompress.methods.cascade.schedule import (
-    Layout,
-    Rings,
-    move_turn,
-    offsets,
-    play,
-    ranks,
-    sink_shift,
-    sinks_after,
-    slot_angle,
-)
 
 
 @dataclass
@@ -76,11 +66,10 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
         self.full_capacity = self.capacity = config.used_budget  # one ring starts smaller and grows (``_grow``)
         eager_until = self.full_capacity if config.eager_fill else 0
-        self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
+        self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
         self._forward_unpadded = True
 
-    # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, key_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -93,16 +82,16 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
-        self._rings: list[Rings] = [Rings.empty(self._layout)] * batch
+        self._rings: list[schedule.Rings] = [schedule.Rings.empty(self._layout)] * batch
         self._offsets_cached: tuple | None = None
         self.is_initialized = True
 
     @property
-    def _shared(self) -> Rings:
+    def _shared(self) -> schedule.Rings:
         """The layout of every sequence while the batch is in step."""
         return self._rings[0]
 
-    def _set_shared(self, rings: Rings) -> None:
+    def _set_shared(self, rings: schedule.Rings) -> None:
         self._rings = [rings] * len(self._rings)
 
     def _leave_step(self) -> None:
@@ -111,14 +100,14 @@ class CascadeLayer(RingDecode, CompressedLayer):
             self._in_step = False
             self._rings = list(self._rings)
 
-    def _rows(self) -> list[Rings]:
+    def _rows(self) -> list[schedule.Rings]:
         return self._rings[:1] if self._in_step else self._rings
 
     def _offsets(self) -> torch.Tensor:
         """``schedule.offsets`` ``[B, 1 + N]`` (made when the layouts change)."""
         cached = self._offsets_cached
         if cached is None or cached[0] is not self._rings:
-            rows = [offsets(self._layout, r) for r in self._rows()]
+            rows = [schedule.offsets(self._layout, r) for r in self._rows()]
             cached = self._offsets_cached = (self._rings, from_host(rows, self.device).expand(len(self._rings), -1))
         return cached[1]
 
@@ -127,9 +116,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
     _tok = property(lambda self: self._meta[:, : self.capacity, 0])
     _pos = property(lambda self: self._meta[:, : self.capacity, 1])
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the new tokens (inserted when they attend, as in the paper); returns the slots in slot order."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -200,9 +187,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._score = torch.nn.functional.pad(self._score[:, :used], pad[2:])
 
     # --- tokens into the rings: the schedule's moves, applied by the executor ------------------------------------
-    def _insert_tokens(
-        self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, scores: torch.Tensor | None
-    ) -> None:
+    def _insert_tokens(self, kv, meta, real, scores: torch.Tensor | None) -> None:
         """Insert ``q`` tokens with no attention between them, as ``q`` one-token insertions would (``kv`` ``[B, H_kv,
         q, dk + dv]``, keys un-rotated; ``meta`` ``[B, q, 2]``; ``real`` ``[B, q]``, padding never stored; initial
         ``scores`` ``[B, q]``, None: 0). One token's selection is left to the executor; several tokens' selections
@@ -213,7 +198,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         if in_step and (count == 1 or not needs):  # the same moves for every sequence and layer of the forward
             wins = None if needs else _always
             key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))
-            plan = self.forward_pass.cached(key, lambda: play(layout, before[0], range(count), slots, wins))
+            plan = self.forward_pass.cached(key, lambda: schedule.play(layout, before[0], range(count), slots, wins))
             self._set_shared(plan[0])
             columns = self._columns(before[0], plan, count)
         else:
@@ -230,7 +215,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
                 return _wins(host[0][row][arriving], host[0][row][resident], self.rule.config.tie)
 
             decide = (lambda b: partial(host_wins, b)) if needs and count > 1 else lambda b: None if needs else _always
-            plans = [play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
+            plans = [schedule.play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
             self._rings = [plan[0] for plan in plans]
             columns = self._sequence_columns(before, plans)
         if columns is not None:
@@ -242,7 +227,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         """(A hook: the quantized layer notes the slots written.)"""
         apply_moves(buffers, columns, tie, new)
 
-    def _columns(self, before: Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
+    def _columns(self, before: schedule.Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
         """The batch's move tables (``None``: no move), built once per forward for the layers in the same state: the
         ``count`` new tokens' columns first; ``rotated``: the new keys come at their angles already."""
         after, moves, select = plan
@@ -251,8 +236,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         stored = [move for move in moves if move[1] <= slots]  # (a selection, last, always moves a stored token)
         if not moves:
             return None
-        turns = [0 if rotated else move_turn(layout, before, after, *move, slots) for move in fresh]
-        turns += [move_turn(layout, before, after, *move, slots) for move in stored]
+        turns = [0 if rotated else schedule.move_turn(layout, before, after, *move, slots) for move in fresh]
+        turns += [schedule.move_turn(layout, before, after, *move, slots) for move in stored]
         taken = [item - slots - 1 for _, item in fresh]
         key = ("cascade-columns", before, tuple(moves), select, count, rotated, slots, self.device, self.dtype)
 
@@ -265,7 +250,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
         return self.forward_pass.cached(key, build)
 
-    def _sequence_columns(self, before: list[Rings], plans: list) -> Columns | None:
+    def _sequence_columns(self, before: list[schedule.Rings], plans: list) -> Columns | None:
         """The executor's tables of moves per sequence ``[B, m]``, padded with the scratch slot."""
         slots, layout = self.capacity, self._layout
         width = max(len(plan[1]) for plan in plans)
@@ -276,7 +261,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             pad = width - len(moves)
             read.append([item for _, item in moves] + [slots] * pad)
             written.append([dest for dest, _ in moves] + [slots] * pad)
-            turns.append([move_turn(layout, rings, after, *move, slots) for move in moves] + [0] * pad)
+            turns.append([schedule.move_turn(layout, rings, after, *move, slots) for move in moves] + [0] * pad)
             select.append([False] * (len(moves) - 1) + [selects] * bool(moves) + [False] * pad)
         cos, sin = self._turn_table(turns, (len(turns), 1, width))
         read_t, written_t = from_host(read, self.device), from_host(written, self.device)
@@ -291,7 +276,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return angle.cos().to(self.dtype), angle.sin().to(self.dtype)
 
     # --- the sinks, in the oldest ring's frame --------------------------------------------------------------------
-    def _sync_sinks(self, before: list[Rings], changes: list | None = None) -> None:
+    def _sync_sinks(self, before: list[schedule.Rings], changes: list | None = None) -> None:
         """After an insertion from the layouts ``before``: copy new sinks to ``_sink_keys`` at angle ``j`` (stored at
         ``j`` plus the empty rings' shift, ``schedule.move_turn``) and rewrite the sinks from that copy where their
         angle moved (``schedule.sinks_after``; ``changes``: as planned already)."""
@@ -299,12 +284,14 @@ class CascadeLayer(RingDecode, CompressedLayer):
             return
         rows, layout, dim = self._rows(), self._layout, self._key_dim
         if changes is None:
-            changes = [sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)]
+            changes = [
+                schedule.sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)
+            ]
         if any(copy for copy, _ in changes):
             copied = self._turned_sinks(self._kv[:, :, : self.sinks, :dim], [-layout.fill] * len(rows))
             self._sink_keys = self._where([copy for copy, _ in changes], copied, self._sink_keys)
         if any(shift is not None for _, shift in changes):
-            placed = self._turned_sinks(self._sink_keys, [sink_shift(layout, rings) for rings in rows])
+            placed = self._turned_sinks(self._sink_keys, [schedule.sink_shift(layout, rings) for rings in rows])
             sinks = self._kv[:, :, : self.sinks, :dim]
             sinks.copy_(self._where([shift is not None for _, shift in changes], placed, sinks))
 
@@ -467,7 +454,10 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``."""
         slots, layout = self.capacity, self._layout
-        values = [ranks(layout, r)[:slots] + [slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
+        values = [
+            schedule.ranks(layout, r)[:slots] + [schedule.slot_angle(layout, r, s) for s in range(slots)]
+            for r in self._rows()
+        ]
         table = from_host(values, self.device).expand(len(self._rings), -1)
         return table[:, :slots], table[:, slots:]
 
@@ -535,7 +525,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def kept(self) -> StreamView:
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
 
-    # --- transformers' layer API -----------------------------------------------------------------------------
     def stored_length(self) -> int:
         """Occupied slots of the fullest sequence (a host read: for accounting, not the decoding path)."""
         return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
@@ -564,8 +553,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             setattr(self, name, reorder(getattr(self, name)))
 
     def _leave_group(self) -> None:
-        """This layer's buffers are about to be replaced: the stacked buffer of the cache's cascade layers goes
-        (``ring_moves``: stacked again at the next decoding step that finds them apart)."""
+        """Give up the cascade layers' stacked buffers (``ring_moves``): this layer's are about to be replaced."""
         if self.ring_layers is not None:
             for name in STACKED:
                 self.forward_pass.unstack(name)

@@ -40,7 +40,7 @@ def _move_all(rings: list, trigger, step, meta: torch.Tensor) -> bool:
 
 
 def stack_rings(rings: list) -> None:
-    """Make the cascade layers' buffers views of one buffer per tensor (one copy), where they agree in shape."""
+    """Make the cascade layers' buffers views of one buffer per tensor (one copy) where they agree in shape."""
     if not all(layer.is_initialized and layer._kv is not None for layer in rings):
         return
     forward = rings[0].forward_pass

@@ -135,11 +135,6 @@ def sink_shift(layout: Layout, rings: Rings) -> int:
     return last * layout.width + rings.passed[last]
 
 
-def angles(layout: Layout, rings: Rings) -> list[int]:
-    """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
-    return [slot_angle(layout, rings, slot) for slot in range(layout.slots)]
-
-
 def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
     """Rank minus angle of the sinks' frame, then of each ring's: a query at rank ``r`` is turned to angle
     ``r - offset`` to read a frame's keys at their ranks."""
@@ -151,12 +146,8 @@ def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
     return tuple(rows)
 
 
-def frame_of_slot(layout: Layout) -> list[int]:
-    """Per slot, its frame in ``offsets``: 0 for the sinks, ``1 + i`` for ring ``i``."""
-    return [0] * layout.sinks + [1 + slot // layout.width for slot in range(layout.cascades * layout.width)]
-
-
 def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
+    """The angle ``slot``'s key is stored at (empty: the angle a token written there would take)."""
     if slot < layout.sinks:
         return slot + sink_shift(layout, rings)
     ring, offset = (slot - layout.sinks) // layout.width, (slot - layout.sinks) % layout.width

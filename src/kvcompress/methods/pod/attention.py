@@ -64,15 +64,9 @@ def _sources(layer: PoDLayer, layout: QueryLayout, query: torch.Tensor, config) 
     return sources
 
 
-def pod_attention(
-    layer: PoDLayer,
-    query: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float | None,
-    config: PoDConfig,
-    request: StatsRequest,
-) -> tuple[torch.Tensor, AttentionStats | None]:
-    """PoD attention of this forward's queries ``[B, H_q, q, d]`` over the layer's tokens; ``[B, H_q, q, d]``."""
+def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: PoDConfig, request: StatsRequest):
+    """PoD attention of this forward's queries ``[B, H_q, q, d]`` over the layer's tokens: the output ``[B, H_q, q,
+    d]`` and the statistics ``request`` asks for (or None)."""
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = layer.values.shape[1], layer.values.shape[2]
     groups = q_heads // kv_heads
@@ -89,8 +83,10 @@ def pod_attention(
     if not layout.sharing or layer.max_position < config.n_sink + config.n_recent:
         keys, positions = layer.own_keys(), layer.forward_positions
         return layer_attention(query, keys, layer.values, mask, scaling, request, positions, layer.forward_pass)
-    fused = _fuses(config, request)
-    if fused:  # the output from fused kernels; the last rows' statistics, if asked for, from the explicit softmax
+    # the output from fused kernels where the plain mixed softmax is asked at most for its last rows (their
+    # statistics, if asked for, from the explicit softmax)
+    fused = config.tau is None and config.combine == "softmax" and not request.received and not request.lse
+    if fused:
         fused_output = _fused(layer, layout, query, mask, config, scale)
         if not request.any:
             return fused_output, None
@@ -148,11 +144,6 @@ def pod_attention(
             stats.last = torch.cat(last_rows, dim=2).view(batch, kv_heads, groups, last_n, length)
             stats.last_visible = visible[:, :, queries - last_n - first :]
     return output, stats
-
-
-def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
-    """Whether the output comes from fused kernels: the plain mixed softmax, asked at most for the last rows."""
-    return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
 
 
 def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: float) -> torch.Tensor:

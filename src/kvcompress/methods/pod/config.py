@@ -115,11 +115,8 @@ class PoDPolicy(Policy):
 
 @dataclass(frozen=True)
 class PoDConfig(MethodConfig):
-    """PoD: proximal tokens per layer, distant-token attention shared within calibrated layer blocks.
-
-    Give the blocks as one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``, or
-    none for the grouping shipped for the model; ``ratio``/``budget`` (KV bytes) compose with SnapKV to meet them.
-    """
+    """PoD. Blocks: one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``, or none
+    (the grouping shipped for the model); ``ratio``/``budget`` (KV bytes) compose with SnapKV to meet them."""
 
     similarity: str | None = None  # pod-calibrate file (per-head 1-JS layer similarity) to run Algorithm 1 on
     delta: float = 0.5  # Algorithm 1 threshold: a layer joins a block if sim >= delta with every member (paper 0.5)
@@ -180,7 +177,7 @@ class PoDConfig(MethodConfig):
 
     @property
     def budgeted(self) -> bool:
-        """Whether the config was given a ratio or budget (its SnapKV keeps the count ``budget.py`` plans)."""
+        """Whether a ratio or budget was given (its SnapKV keeps the count ``budget`` plans)."""
         return self.ratio is not None or self.budget is not None
 
     def layer_class(self) -> type[PoDLayer]:

@@ -88,7 +88,6 @@ class PoDLayer(CompressedLayer):
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
         self._releases = None
 
-    # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         kv_heads = key_states.shape[1]
@@ -114,9 +113,7 @@ class PoDLayer(CompressedLayer):
         self.is_initialized = True
         self._new_views()
 
-    def empty_slots(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, key_heads: torch.Tensor | None
-    ) -> SlotBuffers:
+    def empty_slots(self, key_states, value_states, key_heads: torch.Tensor | None) -> SlotBuffers:
         """Empty slots: values of every KV head, keys of ``key_heads`` (None: every head)."""
         slots = SlotBuffers.empty(value_states, value_states)  # (bookkeeping for every KV head)
         slots.tensors["keys"] = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1])
