@@ -83,10 +83,8 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
     if not layout.sharing or layer.max_position < config.n_sink + config.n_recent:
         keys, positions = layer.own_keys(), layer.forward_positions
         return layer_attention(query, keys, layer.values, mask, scaling, request, positions, layer.forward_pass)
-    # the output from fused kernels where the plain mixed softmax is asked at most for its last rows (their
-    # statistics, if asked for, from the explicit softmax)
-    fused = config.tau is None and config.combine == "softmax" and not request.received and not request.lse
-    if fused:
+    fused = _fuses(config, request)
+    if fused:  # the output from fused kernels; the last rows' statistics, if asked for, from the explicit softmax
         fused_output = _fused(layer, layout, query, mask, config, scale)
         if not request.any:
             return fused_output, None
@@ -165,6 +163,11 @@ def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: flo
     merge = two_call_merge if kernel else mixed_sdpa
     sources = _sources(layer, layout, query, config)
     return merge(query, keys_q, value_q, visible_q, proximal, distant, layout.share_idx, sources, scale)
+
+
+def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
+    """Whether the output comes from fused kernels: the plain mixed softmax, asked at most for the last rows."""
+    return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
 
 
 # --- the output from fused attention calls (``_fused``, the ring's step) ------------------------------------------
