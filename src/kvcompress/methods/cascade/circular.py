@@ -55,13 +55,8 @@ class CircularSinkLayer(CascadeLayer):
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation(pending.keys.dtype))  # (no out=: graphs)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
         stored = self._kv[:, :, : spare + 1]
-        output = scaled_dot_product_attention(
-            turn(query, rotation(query.dtype)),
-            stored[..., :dim],
-            stored[..., dim:],
-            scale=scale,
-            enable_gqa=query.shape[1] != stored.shape[1],
-        )
+        query, gqa = turn(query, rotation(query.dtype)), query.shape[1] != stored.shape[1]
+        output = scaled_dot_product_attention(query, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=gqa)
         rings = self._rings
         self._set_shared(after)
         if not bound:

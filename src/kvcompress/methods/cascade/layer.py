@@ -284,9 +284,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             return
         rows, layout, dim = self._rows(), self._layout, self._key_dim
         if changes is None:
-            changes = [
-                schedule.sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)
-            ]
+            changes = [schedule.sinks_after(layout, old, new) for old, new in zip(before, rows, strict=False)]
         if any(copy for copy, _ in changes):
             copied = self._turned_sinks(self._kv[:, :, : self.sinks, :dim], [-layout.fill] * len(rows))
             self._sink_keys = self._where([copy for copy, _ in changes], copied, self._sink_keys)
@@ -454,10 +452,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``."""
         slots, layout = self.capacity, self._layout
-        values = [
-            schedule.ranks(layout, r)[:slots] + [schedule.slot_angle(layout, r, s) for s in range(slots)]
-            for r in self._rows()
-        ]
+        rank, angle = schedule.ranks, schedule.slot_angle
+        values = [rank(layout, r)[:slots] + [angle(layout, r, s) for s in range(slots)] for r in self._rows()]
         table = from_host(values, self.device).expand(len(self._rings), -1)
         return table[:, :slots], table[:, slots:]
 

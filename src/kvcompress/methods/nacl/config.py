@@ -105,10 +105,8 @@ class NaClConfig(MethodConfig):
         """(protected share of the budget, random share of the rest)."""
         row = self.preset_fractions()
         protect, random = (0.1, 2 / 3) if row is None else (row[0] / (row[0] + row[2] + row[3]), row[3] / sum(row[2:]))
-        return (
-            protect if self.protect_share is None else self.protect_share,
-            random if self.random_share is None else self.random_share,
-        )
+        protect = protect if self.protect_share is None else self.protect_share
+        return protect, (random if self.random_share is None else self.random_share)
 
     def kept_tokens(self, n_tokens: int) -> int:
         if self.budget is not None:

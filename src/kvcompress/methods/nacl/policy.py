@@ -124,14 +124,9 @@ class NaClPolicy(Policy):
         mask, weight = visible, self._proxy_row_mask(layer, rows)
         if self.config.proxy_causal and _last_rows_of_a_dense_layer(layer, rows):
             mask, weight = None, None  # plain causal attention of the last rows: only the diagonal block is masked
+        query, keys = self.proxy_query.float(), layer.keys.float()
         parts = chunked_softmax(
-            self.proxy_query.float(),
-            layer.keys.float(),
-            mask,
-            self.proxy_scaling,
-            received=True,
-            row_weight=weight,
-            chunk_elements=PROXY_CHUNK_ELEMENTS,
+            query, keys, mask, self.proxy_scaling, received=True, row_weight=weight, chunk_elements=PROXY_CHUNK_ELEMENTS
         )
         return reduce_groups(parts.received, self.config.gqa_reduce)
 
@@ -185,9 +180,7 @@ def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
     """``[B, H_kv, G, L]`` -> ``[B, H_kv, L]`` over the query heads sharing a KV head."""
     if how == "mean":
         return scores.mean(dim=2)
-    if how == "sum":
-        return scores.sum(dim=2)
-    return scores.amax(dim=2)
+    return scores.sum(dim=2) if how == "sum" else scores.amax(dim=2)
 
 
 def descending_rank(values: torch.Tensor) -> torch.Tensor:

@@ -327,9 +327,8 @@ def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_i
     """Eq. 4 with keys repeated per query head (``[B, H_q, L, d]``): block-start heads by SDPA."""
     batch, q_heads, queries, _ = query.shape
     kv_of = share_idx // (q_heads // proximal.shape[1])
-    out = scaled_dot_product_attention(
-        query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, keys_q.shape[2]), scale=scale
-    )
+    mask = visible_q.expand(batch, q_heads, queries, keys_q.shape[2])
+    out = scaled_dot_product_attention(query, keys_q, value_q, attn_mask=mask, scale=scale)
     values = value_q[:, share_idx]
     prox_bias = additive(proximal[:, kv_of], query.dtype)
     o_prox, lse_prox = attention_part(query[:, share_idx], keys_q[:, share_idx], values, prox_bias, scale)
@@ -357,10 +356,6 @@ def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, 
     own_allowed = own_allowed.index_copy(1, share_idx, proximal[:, kv_of].expand(batch, heads, queries, length))
     dist_allowed = torch.zeros_like(own_allowed)
     dist_allowed = dist_allowed.index_copy(1, share_idx, distant[:, kv_of].expand(batch, heads, queries, length))
-    return scaled_dot_product_attention(
-        torch.cat([query, source_query], dim=-1),
-        keys,
-        torch.cat([value_q, value_q], dim=2),
-        attn_mask=torch.cat([own_allowed, dist_allowed], dim=-1),
-        scale=scale,
-    )
+    query, values = torch.cat([query, source_query], dim=-1), torch.cat([value_q, value_q], dim=2)
+    mask = torch.cat([own_allowed, dist_allowed], dim=-1)
+    return scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)

@@ -103,9 +103,7 @@ class PoDPolicy(Policy):
             self.base.observe(layer, stats)
 
     def select(self, layer):
-        if self.base is None:
-            return None
-        return layer.block_selection(self.base)
+        return None if self.base is None else layer.block_selection(self.base)
 
     def attend(self, layer, query, key, value, mask, scaling):
         # a one-shot base (SnapKV) that already compressed needs no statistics: decoding takes the fused path

@@ -120,14 +120,14 @@ def kv_saving(
     return (total - kept) * distant / (2 * total * n), asymptotic
 
 
-def head_similarity(sim_file: dict, grouping: str, kv_heads: int | None = None) -> torch.Tensor:
+def head_similarity(sim_file: dict, grouping: str) -> torch.Tensor:
     """The similarity tensor to group on: per query head, or averaged over the query heads of each KV head."""
     sim = torch.as_tensor(sim_file["sim"], dtype=torch.float64)  # [H_q, L, L]
     if grouping == "query_head":
         return sim
     if grouping != "kv_head":
         raise ValueError(f"grouping must be kv_head or query_head; got {grouping!r}")
-    kv_heads = int(sim_file.get("kv_heads", kv_heads or sim.shape[0]))
+    kv_heads = int(sim_file.get("kv_heads", sim.shape[0]))
     return sim.view(kv_heads, sim.shape[0] // kv_heads, *sim.shape[1:]).mean(dim=1)
 
 
