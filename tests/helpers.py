@@ -136,3 +136,17 @@ def result_row(method: str, budget: int | None, sample: str, scores: dict, **fie
         "extra": {},
     }
     return {**row, **fields}
+
+
+def per_sequence_path(layer, on: bool = True) -> None:
+    """Make a ring layer (``methods.cascade``) leave the in-step path from its first token (``on``): the schedule then
+    runs once per sequence, as after padding or a reordered batch (the reference its fast paths are checked against)."""
+    if not on:
+        return
+    initialize = layer.lazy_initialization
+
+    def leaving(*args) -> None:
+        initialize(*args)
+        layer._leave_step()
+
+    layer.lazy_initialization = leaving

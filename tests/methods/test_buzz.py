@@ -11,7 +11,7 @@ import kvcompress
 from kvcompress.core.contract import AttentionStats
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.generation import cache_argument
-from kvcompress.methods.buzz.params import buzz_params, fixed_point, middle_after_eviction, steady_sizes, theorem_ratio
+from kvcompress.methods.buzz.params import buzz_params, middle_after_eviction, steady_sizes, theorem_ratio
 from kvcompress.registry import make_config
 from tests.helpers import kept_tokens
 
@@ -155,7 +155,7 @@ def test_steady_state_old_count_within_two_of_theorem_fixed_point(stride, window
         stream.push(torch.rand(1, 2, 1, generator=stream.generator))
         if stream.layer.stored_length() <= before:
             after_eviction.append(stream.n_old()[0][0])
-    target = fixed_point(limit, stride)
+    target = limit / theorem_ratio(stride)  # a* of Theorem 3.1 (real-valued)
     assert abs(target - window) <= 1  # Theorem 3.1: T chosen so that a* = w
     assert all(target <= a <= target + 2 for a in after_eviction[-5:]), (after_eviction[-5:], target)
 

@@ -13,7 +13,24 @@ from kvcompress.core.contract import AttentionStats
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.registry import make_config
-from tests.helpers import cache_logits, needs_smollm2, own_logits
+from tests.helpers import cache_logits, needs_smollm2, own_logits, per_sequence_path
+
+
+def cascade_tokens(layer) -> list[list[list[int]]]:
+    """Per sequence, per cascade: the stream indices it holds, oldest first (sinks not included)."""
+    tok, width = layer._tok.tolist(), layer.width
+    return [
+        [
+            [tok[b][layer.sinks + i * width + (start + r) % width] for r in range(count)]
+            for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True))
+        ]
+        for b, rings in enumerate(layer._rings)
+    ]
+
+
+def ring_counts(layer) -> torch.Tensor:
+    """``[B, N]``: each sequence's token count per cascade."""
+    return torch.tensor([rings.count for rings in layer._rings])
 
 
 def hand_layer(batch: int = 1, heads: int = 1, **params) -> CascadeLayer:
@@ -41,7 +58,7 @@ def kept(layer: CascadeLayer, row: int = 0) -> list[int]:
 
 
 def span(layer: CascadeLayer) -> int:
-    tokens = [t for ring in layer.cascade_tokens()[0] for t in ring]
+    tokens = [t for ring in cascade_tokens(layer)[0] for t in ring]
     return max(tokens) - min(tokens) + 1
 
 
@@ -64,7 +81,7 @@ def test_toy_trace_s2_c8_n4_matches_the_spec():
         push(layer)
         if token in expected:
             assert kept(layer) == expected[token], token
-    assert layer.cascade_tokens() == [[[38, 39], [35, 37], [31, 33], [19, 27]]]
+    assert cascade_tokens(layer) == [[[38, 39], [35, 37], [31, 33], [19, 27]]]
 
 
 @pytest.mark.parametrize(("cascades", "tokens", "expected"), [(4, 20_000, 7669), (2, 20_000, 3071), (8, 70_000, 65133)])
@@ -79,11 +96,11 @@ def test_spans_for_c2048_without_selection(cascades, tokens, expected):
 def test_fill_counts_after_2052_tokens():
     layer = hand_layer(budget=2052, sinks=4, cascades=4)
     push(layer, 2052)
-    assert layer._count.tolist() == [[512, 512, 128, 0]]
+    assert ring_counts(layer).tolist() == [[512, 512, 128, 0]]
     assert int(layer.valid.sum()) == 4 + 1152
     eager = hand_layer(budget=2052, sinks=4, cascades=4, eager_fill=True)
     push(eager, 2052)
-    assert eager._count.tolist() == [[512, 512, 512, 512]]
+    assert ring_counts(eager).tolist() == [[512, 512, 512, 512]]
 
 
 def test_eager_fill_behaves_as_a_sink_cache_until_full():
@@ -106,11 +123,11 @@ def test_invariants_hold_with_random_scores_per_sequence():
     for token in range(300):
         received = torch.rand(batch, sinks + width * cascades, generator=generator)
         push(layer, received=received)
-        counts = layer._count
+        counts = ring_counts(layer)
         assert bool((counts >= previous_counts).all())  # I2: counts never decrease
         previous_counts = counts.clone()
         for row in range(batch):
-            rings = layer.cascade_tokens()[row]
+            rings = cascade_tokens(layer)[row]
             for i, ring in enumerate(rings):
                 assert ring == sorted(ring)  # I1: ring order is stream order
                 if i + 1 < cascades and rings[i + 1]:
@@ -143,7 +160,7 @@ def test_in_step_path_equals_the_per_sequence_tensor_path(params):
     layers = []
     for tensor_path in (False, True):
         layer = CascadeLayer(make_config("cascade", budget=budget, sinks=sinks, **params).policy(0), inv_freq)
-        layer.force_tensor_path = tensor_path
+        per_sequence_path(layer, tensor_path)
         layers.append(layer)
     generator = torch.Generator().manual_seed(1)
     for _ in range(120):
@@ -156,7 +173,8 @@ def test_in_step_path_equals_the_per_sequence_tensor_path(params):
     fast, reference = layers
     assert fast._in_step and not reference._in_step
     assert torch.equal(fast._tok, reference._tok)
-    assert torch.equal(fast._count, reference._count) and torch.equal(fast._start, reference._start)
+    assert [r.count for r in fast._rings] == [r.count for r in reference._rings]
+    assert [r.start for r in fast._rings] == [r.start for r in reference._rings]
     slots = fast.capacity  # the scratch slot after them holds anything
     torch.testing.assert_close(fast._score[:, :slots], reference._score[:, :slots], rtol=0, atol=1e-7)
     torch.testing.assert_close(fast._k, reference._k, rtol=1e-5, atol=1e-5)
@@ -209,12 +227,12 @@ def set_scores(layer: CascadeLayer, scores: dict[int, float]) -> None:
 def test_selection_keeps_the_higher_score_and_ties_follow_the_rule(tie, arriving, resident, survivor):
     layer = hand_layer(budget=4, sinks=0, cascades=2, gamma=0.0, tie=tie)  # W = 2
     push(layer, 3)
-    assert layer.cascade_tokens()[0] == [[1, 2], [0]]
+    assert cascade_tokens(layer)[0] == [[1, 2], [0]]
     # token 3 (k = 3, odd): the first cascade evicts 1, which arrives at the second cascade (not accepting) and
     # competes with its newest token, 0
     set_scores(layer, {1: arriving, 0: resident})
     push(layer)
-    assert layer.cascade_tokens()[0] == [[2, 3], [survivor]]
+    assert cascade_tokens(layer)[0] == [[2, 3], [survivor]]
 
 
 def test_without_selection_the_incoming_token_always_wins():
@@ -222,7 +240,7 @@ def test_without_selection_the_incoming_token_always_wins():
     push(layer, 3)
     set_scores(layer, {0: 1.0})  # the resident is much better, but scores are not consulted
     push(layer)
-    assert layer.cascade_tokens()[0] == [[2, 3], [1]]
+    assert cascade_tokens(layer)[0] == [[2, 3], [1]]
 
 
 # --- positions (spec §1.8) --------------------------------------------------------------------------------------
@@ -231,7 +249,7 @@ def test_without_selection_the_incoming_token_always_wins():
 def test_ranks_are_consecutive_in_stream_order():
     layer = hand_layer(budget=10, sinks=2, cascades=4)
     push(layer, 23)
-    rank, occupied = layer.ranks()
+    rank, occupied = layer._slot_numbers()[0], layer._tok >= 0  # (each slot's rank, per schedule.ranks)
     by_token = sorted(zip(layer._tok[0][occupied[0]].tolist(), rank[0][occupied[0]].tolist(), strict=True))
     assert [r for _, r in by_token] == list(range(len(by_token)))
 

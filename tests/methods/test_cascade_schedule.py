@@ -6,8 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompress.methods.cascade.schedule import Layout, Rings, advance, angles, frame_of_slot, offsets, ranks
+from kvcompress.methods.cascade.schedule import Layout, Rings, advance, offsets, ranks, slot_angle
 from tests.references.cascade_schedule import CascadeLists
+
+
+def angles(layout: Layout, rings: Rings) -> list[int]:
+    """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
+    return [slot_angle(layout, rings, slot) for slot in range(layout.slots)]
+
+
+def frame_of_slot(layout: Layout) -> list[int]:
+    """Per slot, its frame in ``offsets``: 0 for the sinks, ``1 + i`` for ring ``i``."""
+    return [0] * layout.sinks + [1 + slot // layout.width for slot in range(layout.cascades * layout.width)]
+
 
 LAYOUTS = [
     Layout(sinks=2, width=2, cascades=4),

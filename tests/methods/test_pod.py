@@ -16,10 +16,9 @@ from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.pod.grouping import (
     block_starts,
-    blocks_from_starts,
     delta_for_saving,
     group_layers,
-    kv_elements,
+    kv_key_rows,
     kv_saving,
     starts_from_similarity,
     uniform_starts,
@@ -27,6 +26,33 @@ from kvcompress.methods.pod.grouping import (
 from kvcompress.methods.pod.layer import pod_stats
 from kvcompress.methods.snapkv import SnapKVConfig
 from tests.helpers import cache_logits, own_logits
+
+
+def blocks_from_starts(starts) -> list[list[list[int]]]:
+    """Inverse of ``block_starts`` (for contiguous blocks)."""
+    heads = len(starts[0])
+    result = []
+    for h in range(heads):
+        blocks: list[list[int]] = []
+        for layer, row in enumerate(starts):
+            if row[h] == layer:
+                blocks.append([layer])
+            else:
+                blocks[-1].append(layer)
+        result.append(blocks)
+    return result
+
+
+def kv_elements(starts, n: int, n_sink: int, n_recent: int, head_dim: int, kv_heads: int | None = None) -> int:
+    """Stored key + value elements of one sequence of ``n`` tokens under PoD (the memory formula, with values)."""
+    layers = len(starts)
+    kv_heads = len(starts[0]) if kv_heads is None else kv_heads
+    kept = kv_key_rows(starts, kv_heads)
+    distant = max(0, n - n_sink - n_recent)
+    values = layers * kv_heads * n * head_dim
+    keys = layers * kv_heads * min(n, n_sink + n_recent) * head_dim + kept * distant * head_dim
+    return values + keys
+
 
 # 4 layers, 4 query heads / 2 KV heads; per KV head: head 0 blocks [0][1-2][3], head 1 blocks [0-2][3]
 STARTS = ((0, 0), (1, 0), (1, 0), (3, 3))

@@ -11,6 +11,7 @@ import kvcompress
 from kvcompress.generation import cache_argument
 from kvcompress.methods.cascade import ring_decode
 from kvcompress.models.testing import tiny_model
+from tests.helpers import per_sequence_path
 
 # the rings fill and turn to ring angles token by token, then chunks push tokens down the rings
 CHUNKS = (1,) * 24 + (30, 1, 1, 17, 1)
@@ -19,7 +20,7 @@ CHUNKS = (1,) * 24 + (30, 1, 1, 17, 1)
 def _run(model, ids, chunks, reference: bool, per_row_positions: bool, **params):
     cache = kvcompress.cache_for(model, "cascade", budget=14, sinks=2, cascades=3, **params)
     for layer in cache.layers:
-        layer.force_tensor_path = reference
+        per_sequence_path(layer, reference)
     logits, start = [], 0
     for size in chunks:
         extra = {}

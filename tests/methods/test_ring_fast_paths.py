@@ -2,7 +2,8 @@
 
 Fast paths: a forward's tokens planned from the in-step Python counters (``methods/cascade/ring_decode.py``; the
 circular sink cache attends before inserting, the cascade inserts first), and a whole forward's moves composed
-into one (``schedule.play``). ``force_tensor_path`` switches a layer to the per-token, per-sequence reference path.
+into one (``schedule.play``). ``tests.helpers.per_sequence_path`` switches a layer to the per-token,
+per-sequence reference path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import kvcompress
 from kvcompress.generation import cache_argument
 from kvcompress.methods.cascade import ring_decode, ring_moves
 from kvcompress.models.testing import tiny_model
+from tests.helpers import per_sequence_path
 
 CACHES = {
     "streaming": ("streaming", {"budget": 12, "sinks": 2}),
@@ -37,7 +39,7 @@ CHUNKS = {
 def _run(model, method: str, params: dict, ids: torch.Tensor, chunks, reference: bool):
     cache = kvcompress.cache_for(model, method, **params)
     for layer in cache.layers:
-        layer.force_tensor_path = reference
+        per_sequence_path(layer, reference)
     logits, start = [], 0
     for size in chunks:
         out = model(input_ids=ids[:, start : start + size], **cache_argument(model, cache), use_cache=True)
@@ -77,19 +79,19 @@ def test_sinks_do_not_drift_in_a_long_stream(reference):
     ids = torch.randint(0, model.config.vocab_size, (1, 400), generator=torch.Generator().manual_seed(5))
     cache = kvcompress.cache_for(model, "streaming", budget=8, sinks=2)
     for layer in cache.layers:
-        layer.force_tensor_path = reference
+        per_sequence_path(layer, reference)
     sinks_at = {}
     for step in range(ids.shape[1]):
         model(input_ids=ids[:, step : step + 1], **cache_argument(model, cache), use_cache=True)
         if step in (20, 399):
             sinks_at[step] = [layer.keys[:, :, :2].clone() for layer in cache.layers]
-    assert int(cache.layers[0]._frame()[0]) == 400 - 8  # every token after the ring filled overwrote one
+    assert cache.layers[0]._shared.passed[0] == 400 - 8  # every token after the ring filled overwrote one
     for early, late in zip(sinks_at[20], sinks_at[399], strict=True):
         torch.testing.assert_close(late, early, rtol=1e-5, atol=1e-5)
 
 
 def test_a_full_cascade_decodes_in_one_frame_per_ring():
-    """Keys sit at their ring's angle (``schedule.angles``): one frame per ring, each full ring one run of slots
+    """Keys sit at their ring's angle (``schedule.slot_angle``): one frame per ring, each full ring one run of slots
     whatever its start, the sinks in the oldest ring's frame; a prefill chunk between decoding steps and the
     per-sequence path (the same convention) give the same logits."""
     model = tiny_model("llama")
@@ -139,7 +141,7 @@ def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(
     for reference in (False, True):
         cache = kvcompress.cache_for(model, method, **params)
         for layer in cache.layers:
-            layer.force_tensor_path = reference
+            per_sequence_path(layer, reference)
         caches[reference] = cache
     for step in range(ids.shape[1]):
         if step == 25:

@@ -1,18 +1,14 @@
 """BUZZ: beehive-structured sparse KV cache with segmented heavy hitters (Zhao et al., 2024, arXiv:2410.23079).
 
-Idea: every layer and KV head keeps ``[k sinks | old samples | new buffer | w window]``. Tokens that leave the
-window gather in the buffer; nothing is evicted until the middle (old + new) holds more than ``T`` tokens. Then, in
-one shot, the new tokens are cut into consecutive chunks ("hives") of ``s`` and only the token with the highest
-accumulated attention of each chunk survives (local max, Algorithm 2), while the old tokens are thinned by
-interval sampling with the smaller stride ``ŝ = ⌊(s+1)/2⌋`` (every ŝ-th, starting with the first). The survivors
-become the old set and the buffer empties. Theorem 3.1 sets ``T/w = (s²+1)/(s+1)`` (odd s) or ``s − 1`` (even s),
-which makes the steady-state number of old tokens equal ``w``. "BUZZ with log n" (Eq. 7–8) multiplies the
-attention logits by ``ln(n)/ln(512)``, ``n`` = number of keys attended.
+Every layer and KV head keeps ``[k sinks | old samples | new buffer | w window]``. Tokens leaving the window gather
+in the buffer until the middle (old + new) holds more than ``T``. Then the new tokens are cut into chunks ("hives")
+of ``s`` and each chunk's token of highest accumulated attention survives (local max, Algorithm 2), while the old
+tokens are interval-sampled with stride ``ŝ = ⌊(s+1)/2⌋`` (every ŝ-th from the first); the survivors become the old
+set. Theorem 3.1's ``T/w = (s²+1)/(s+1)`` (odd s) or ``s − 1`` (even s) makes the steady-state old count ``w``.
+"BUZZ with log n" (Eq. 7–8) multiplies the logits by ``ln(n)/ln(512)``, ``n`` = keys attended.
 
-Implemented as in the paper and the official code (whose eviction step corrects the printed Algorithm 1), with
-parameter estimation in ``kvcompress.methods.buzz.params`` and log n as in Eq. 7–8.
-
-Choices where the paper is silent or ambiguous:
+As in the paper and the official code (whose eviction step corrects the printed Algorithm 1); parameters in
+``params``. Choices where the paper is silent or ambiguous:
 
 - Threshold: ``T`` bounds old + new (the middle, Fig. 3, Remark 2, Eq. 10 and the official code; the printed line 9
   counts new tokens only); eviction when ``M = L − k − w > T``. Counts use valid (real) tokens only, per sequence, so
@@ -20,19 +16,18 @@ Choices where the paper is silent or ambiguous:
 - Long prompts: a forward that leaves ``M > T`` after one pass keeps sampling (Remark 2, ``prefill_mode="loop"``):
   every extra pass only thins the old block by ``ŝ`` again, so ``j`` extra passes are computed at once as keeping
   every ``ŝ^j``-th survivor. ``prefill_mode="single"`` does one pass per forward, as the official code does.
-- Scores: received attention accumulated H2O-style in float32 over every query since the token
-  arrived (``score_mode="current"``: this forward's queries only, the code's ``buzz_fast``), per layer and KV head,
-  summed over the query heads of that KV head's group only (``group_reduce``). Scores of old tokens are never read
-  again, so they are not zeroed as the code does.
-- Sampling: interval sampling keeps old indices 0, ŝ, 2ŝ, …; hives are aligned at the oldest new token, the last may be
-  short, ties go to the earliest token.
+- Scores: received attention accumulated H2O-style in float32 over every query since the token arrived
+  (``score_mode="current"``: this forward's only, the code's ``buzz_fast``), per KV head, summed over its group's
+  query heads (``group_reduce``). Old tokens' scores are never read again: not zeroed as the code does.
+- Sampling keeps old indices 0, ŝ, 2ŝ, …; hives are aligned at the oldest new token, the last may be short, ties go
+  to the earliest token.
 - Order: eviction runs after the layer's attention (the current query sees the whole cache), so the attended length
   peaks at ``k + w + T + 1``.
 - Positions: keys keep their original RoPE positions by default (``position_mode="cache"`` re-indexes them inside
   the cache, as the official code does for every method).
-- log n: ``n`` = valid keys of the sequence in this attention call (a scalar per call as in the code; per
-  sequence rather than per batch so padding does not change it), base 512, no clipping; ``log_n_per_row`` counts the
-  keys each query row may see instead. The probabilities fed to the eviction are the rescaled ones.
+- log n: ``n`` = the sequence's valid keys in this call (per call as in the code; per sequence, so padding changes
+  nothing), base 512, no clipping; ``log_n_per_row``: the keys each row may see. The eviction reads the rescaled
+  probabilities.
 - Budget: ``budget`` picks ``(w, T)`` so that a layer never stores more than ``budget`` tokens per head after a
   forward (``budget_kind="peak"``, the default: ``k + w + T <= budget``, like every other method's budget here).
   The paper's budget is the *average* stored length over decoding; ``budget_kind="average"`` targets that, and then
@@ -43,8 +38,6 @@ Choices where the paper is silent or ambiguous:
   The paper decodes one token at a time, where this never applies.
 - Ablations (the paper's §4.3): ``local_max=False`` interval-samples new tokens with stride ``s`` (Fig. 8b, code's
   ``buzz_no_max``); ``swap_strides=True`` gives new tokens ŝ and old tokens s (Fig. 8a).
-
-Eviction is vectorised over batch, heads and hives (a scatter max per hive), with no Python loop on the hot path.
 """
 
 from __future__ import annotations

@@ -4,14 +4,11 @@ Theorem 3.1 of BUZZ (Zhao et al., 2024, arXiv:2410.23079) sets the threshold fro
 ``T / w = (s² + 1) / (s + 1)`` for odd ``s`` and ``s − 1`` for even ``s``: the steady-state number of sampled history
 tokens ``a*`` (the fixed point of ``a = a/ŝ + (T − a)/s``) then equals ``w``.
 
-Cache sizes here are what a layer stores between decoding steps (after the step's eviction), the quantity a
-``streaming`` or ``h2o`` cache of ``budget`` tokens keeps constant:
-
-- *peak* = ``k + w + T`` (the step that triggers an eviction attends one token more, ``k + w + T + 1``, just as a
-  fixed-budget cache attends ``budget + 1``);
-- *average* = the mean over steady decoding, ``k + w + (a' + T) / 2`` with ``a'`` the middle length right after an
-  eviction. ``a'`` comes from iterating the exact integer recurrence (ceil counts, trigger at ``M = T + 1``), not from
-  the theorem's real-valued fixed point, which is about one token lower.
+Sizes are what a layer stores between decoding steps (what a ``streaming`` or ``h2o`` cache keeps constant):
+*peak* = ``k + w + T`` (the step triggering an eviction attends one more, as a fixed-budget cache attends ``budget +
+1``); *average* over steady decoding = ``k + w + (a' + T) / 2``, ``a'`` the middle length right after an eviction,
+from the exact integer recurrence (ceil counts, trigger at ``M = T + 1``), not the theorem's real-valued fixed point
+(about one token lower).
 """
 
 from __future__ import annotations
@@ -30,11 +27,6 @@ def theorem_ratio(stride: int) -> float:
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 3:
         raise ValueError(f"stride must be an integer >= 3 (s <= 2 never shrinks the cache), got {stride!r}")
     return (stride * stride + 1) / (stride + 1) if stride % 2 else float(stride - 1)
-
-
-def fixed_point(threshold: int, stride: int) -> float:
-    """a* of Theorem 3.1: steady-state number of old (sampled) tokens, real-valued (App. D.1's corrected recurrence)."""
-    return threshold / theorem_ratio(stride)
 
 
 def middle_after_eviction(old: int, new: int, stride: int, old_stride: int | None = None) -> int:
@@ -71,12 +63,9 @@ def threshold_for(window: int, stride: int, tw_ratio: float | None = None) -> in
 def buzz_params(
     budget: int, kind: str = "average", sinks: int = 4, stride: int = 5, tw_ratio: float | None = None
 ) -> tuple[int, int, int, int]:
-    """(k, w, T, s) whose steady-state ``kind`` ("average" or "peak") stored length is closest to ``budget``.
-
-    Peak: the largest ``w`` with ``k + w + T <= budget``. Average: the ``w`` whose simulated steady-state average is
-    nearest ``budget`` (ties to the smaller ``w``); the first guess is ``w = (B − k) / (1.5 + r/2)``, the average
-    ``k + w + (a* + T) / 2`` with ``a* = w`` and ``T = r w``.
-    """
+    """(k, w, T, s) whose steady-state ``kind`` stored length is closest to ``budget``. Peak: the largest ``w`` with
+    ``k + w + T <= budget``. Average: the ``w`` whose simulated average is nearest (ties to the smaller ``w``), from
+    the guess ``w = (B − k) / (1.5 + r/2)`` (``k + w + (a* + T) / 2`` with ``a* = w``, ``T = r w``)."""
     if kind not in ("average", "peak"):
         raise ValueError(f"budget_kind must be one of average, peak; got {kind!r}")
     ratio = theorem_ratio(stride) if tw_ratio is None else tw_ratio

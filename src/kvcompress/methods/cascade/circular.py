@@ -1,11 +1,9 @@
 """``streaming`` in ``cache`` position mode on the cascade storage with one cascade: the circular sink cache.
 
-Its decoding step attends before inserting (the ring's oldest token is still seen) and can be replayed
-(``kvcompress.decode_graph``): once the ring is full, every step is the same operations with three numbers that
-change, the new token's real-token index, the slot it overwrites and the sinks' frame ``F``; bound to a captured
-step (``core.replay.ReplayBinding``) the layer keeps the first on the device (``replay_counters``; the other two
-follow from it) and advances it there, and the Python integers are set from it when the graph is left
-(``sync_replayed``).
+Its decoding step attends before inserting and can be replayed (``kvcompress.decode_graph``): once the ring is full
+a step changes three numbers, the new token's real-token index, the slot it overwrites and the sinks' frame ``F``;
+bound to a captured step (``core.replay.ReplayBinding``) the layer keeps the first on the device (the others follow
+from it) and advances it there; ``sync_replayed`` sets the Python integers from it when the graph is left.
 """
 
 from __future__ import annotations
@@ -23,15 +21,10 @@ from kvcompress.methods.cascade.schedule import Rings, advance
 
 
 class CircularSinkLayer(CascadeLayer):
-    """``streaming`` (StreamingLLM, positions re-indexed in the cache) on the cascade storage with ``N = 1``: the
-    sinks plus one ring of ``budget - sinks`` slots, allocated once, one slot written per token.
-
-    ``streaming`` evicts *after* attending, while the cascade inserts each token before it attends. So this layer
-    runs every forward the way the cascade's chunked prefill does: attend to the frozen ring and causally inside the
-    forward, at ranks ``stored, stored + 1, ...``, then insert the tokens (the ring keeps the sinks and the
-    ``budget - sinks`` newest): the generic ``streaming`` layer's attention set, order and positions, up to float
-    rounding. The ring runs by the constants of ``CascadeConfig(budget, sinks, cascades=1)``; no scores.
-    """
+    """Sinks plus one ring of ``budget - sinks`` slots, no scores. ``streaming`` evicts *after* attending, so every
+    forward runs as the cascade's chunked prefill: attend to the frozen ring and causally inside the forward (ranks
+    ``stored, stored + 1, ...``), then insert: the generic ``streaming`` layer's attention set, order and positions,
+    up to float rounding."""
 
     attend_first = True
     # the ring cannot drop tokens by age: on a model's sliding-window layers the generic streaming layer runs instead
@@ -43,11 +36,10 @@ class CircularSinkLayer(CascadeLayer):
         super().__init__(policy, inv_freq, rule=ring.policy(policy.layer_idx))
 
     def _decode_circular(self, query: torch.Tensor, pending, scale: float) -> torch.Tensor:
-        """One token of a batch in step: the new token goes to a spare slot (its own slot while the ring fills, else
-        the scratch slot after the ring), the query attends to the occupied slots (a prefix of the buffer, one frame:
-        the new key at its real-token index ``p``, the query at rank + ``F`` = ``p``, both turned by the same
-        rotation) with one SDPA, then the token is copied over the oldest ring token. Bound to a captured step
-        (``kvcompress.decode_graph``) the ring is full and ``p`` is read on the device, the slot following from it."""
+        """One token of a batch in step: the new token goes to a spare slot (its own while the ring fills, else the
+        scratch slot), the query attends to the occupied prefix with one SDPA (one frame: key and query at the
+        real-token index ``p``, turned by one rotation), then the token is copied over the oldest ring token. Bound
+        to a captured step the ring is full and ``p`` is read on the device."""
         bound, dim, forward = self.seen_tensor is not None, self._key_dim, self.forward_pass
         after, moves = advance(self._layout, self._shared)
         if bound:
@@ -63,13 +55,8 @@ class CircularSinkLayer(CascadeLayer):
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation(pending.keys.dtype))  # (no out=: graphs)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values
         stored = self._kv[:, :, : spare + 1]
-        output = scaled_dot_product_attention(
-            turn(query, rotation(query.dtype)),
-            stored[..., :dim],
-            stored[..., dim:],
-            scale=scale,
-            enable_gqa=query.shape[1] != stored.shape[1],
-        )
+        query, gqa = turn(query, rotation(query.dtype)), query.shape[1] != stored.shape[1]
+        output = scaled_dot_product_attention(query, stored[..., :dim], stored[..., dim:], scale=scale, enable_gqa=gqa)
         rings = self._rings
         self._set_shared(after)
         if not bound:
@@ -96,7 +83,6 @@ class CircularSinkLayer(CascadeLayer):
             self.is_initialized
             and self._in_step
             and self._forward_unpadded
-            and not self.force_tensor_path
             and self.inv_freq is not None
             and self._pending is None
             and getattr(self, "_sliding_window", None) is None
@@ -110,8 +96,7 @@ class CircularSinkLayer(CascadeLayer):
             self.seen_tensor = torch.tensor(self._shared.seen, device=self.device)  # the next token's real index
 
     def sync_replayed(self, values: list[int]) -> None:
-        """Each replayed step took one real token into the full ring (every token past the sinks and the ring's
-        width overwrote one)."""
+        """Each replayed step took one real token into the full ring, overwriting one."""
         replayed = values[0] - self._shared.seen
         width = self._layout.width
         self._set_shared(Rings(values[0], (width,), (values[0] - self.sinks - width,), width))

@@ -1,70 +1,55 @@
 """Cascading KV Cache (Willette et al., 2024, arXiv:2406.17808 v1, "Training-Free Exponential Extension of Sliding
 Window Context with Cascading KV Cache").
 
-Idea: a sink cache whose window of ``|C|`` slots is split into ``N`` equal circular buffers ("cascades") of
-``W = |C|/N`` slots. The first cascade takes every token; cascade ``i`` (0-based) accepts only every ``b^i``-th step
-(``b = 2``), so it keeps a sparser, older sample of the stream: the cache spans about ``W (2^N - 1)`` tokens
-(7,680 instead of 2,048 for ``|C| = 2048, N = 4``) at the memory of a sink cache. When cascade ``i`` is not accepting,
-the token evicted from cascade ``i-1`` competes with cascade ``i``'s newest token, and the one with the larger
-exponential moving average (EMA) of the attention it received stays; the other is dropped forever. Positions are
-re-indexed inside the cache every step (StreamingLLM style), so no position ever exceeds ``S + |C| - 1``.
+A sink cache whose window of ``|C|`` slots is split into ``N`` circular buffers ("cascades") of ``W = |C|/N`` slots.
+Cascade ``i`` (0-based) accepts only every ``b^i``-th token (``b = 2``), so the cache spans about ``W (2^N - 1)``
+tokens at a sink cache's memory. When cascade ``i`` does not accept, the token evicted from cascade ``i-1`` competes
+with cascade ``i``'s newest token: the larger exponential moving average (EMA) of received attention stays, the other
+is dropped. Positions are re-indexed inside the cache every step (StreamingLLM style: none exceeds ``S + |C| - 1``).
 
-Implemented as in v1 of the paper: the acceptance schedule by the global clock ``(p - S) mod b^i == 0``; the four
-insertion cases of Algorithm 1 plus its eager add into an empty cascade; the EMA ``mu <- gamma mu + (1 - gamma) s``
-of post-softmax attention over sinks + cache (+ self), sinks dropped, reduced over all query heads, new tokens
-entering with 0, kept in fp32; homogeneous heads (one decision per token for all KV heads); positions = ranks 0.. in
-stream order, query at its own key's rank; the order of a step: insert, attend, EMA. ``eager_fill`` (fill every
-cascade until the cache is full) is the authors' later code, off by default.
+As in v1 of the paper: acceptance by the global clock ``(p - S) mod b^i == 0``; Algorithm 1's four insertion cases
+plus its eager add into an empty cascade; the EMA ``mu <- gamma mu + (1 - gamma) s`` of post-softmax attention over
+sinks + cache (+ self), sinks dropped, reduced over all query heads, new tokens entering with 0, in fp32;
+homogeneous heads (one decision per token for all KV heads); positions = ranks 0.. in stream order, the query at its
+own key's rank; per step: insert, attend, EMA. ``eager_fill`` (fill every cascade until the cache is full) is the
+authors' later code, off by default.
 
 Choices where the paper is silent or differs from its code (all overridable):
 
-- ``budget`` counts the sinks: ``budget = S + |C|`` (the paper keeps ``S`` sinks *in addition* to a window of
-  ``|C|``, "window 1024 => 1028 tokens"). Every cascade has the same ``W = floor(|C| / N)`` slots, so a window not
-  divisible by ``N`` is rounded down: ``used_budget = S + N W`` slots are stored (at most ``N - 1`` fewer than
-  asked; the budget is never exceeded), and ``used_budget`` reports it.
+- ``budget`` counts the sinks: ``budget = S + |C|`` (the paper keeps ``S`` sinks beside a window of ``|C|``, "window
+  1024 => 1028 tokens"). Every cascade has ``W = floor(|C| / N)`` slots: ``used_budget = S + N W`` are stored (at
+  most ``N - 1`` fewer than asked, never more).
 - a forward that fits in the first cascade (``W`` slots) is kept whole; a longer one meets the acceptance schedule.
-- ties in the selection go to the incoming token (``tie="incoming"``: the authors' code; Algorithm 1's strict
-  ``>`` is ``tie="resident"``). ``select_tokens=False`` is the "w/o token selection" ablation of Tab. 3 (the
-  incoming token always wins: a fixed stride pattern).
+- ties go to the incoming token (``tie="incoming"``: the authors' code; Algorithm 1's strict ``>`` is
+  ``tie="resident"``). ``select_tokens=False`` is Tab. 3's "w/o token selection" ablation (the incoming token
+  always wins).
 - ``gamma=None`` computes ``exp(-N ln(100) / |C|)`` (App. B Eq. 14), not Table 6's truncated values.
-- prefill: ``prefill="exact"`` (default) processes a multi-token forward exactly as token-by-token decoding
-  (what v1 did): inside each layer, token ``m`` is inserted, attends, and updates the EMA before token ``m + 1``;
-  the MLPs still run batched, so this is faster than feeding the model one token at a time, with the same result.
-  ``prefill="chunked"`` is the *later official* strided variant, not the v1 paper: a chunk of ``q`` tokens attends
-  causally to itself plus the frozen cache, the EMA advances in closed form with query ``m`` weighted
-  ``(1 - gamma) gamma^(q-1-m)`` for every key (the chunk's own keys start from 0), then the chunk is inserted token
-  by token with those scores.
-- batches: per-sequence bookkeeping, vectorised over the batch; the clock and the sinks count each sequence's real
-  tokens, so left padding changes nothing; padding tokens are never stored and their queries update no score.
-- with ``N = 1`` (or ``select_tokens=False``) scores are never consulted, so the EMA is not computed: the structure
-  is then our circular sink cache.
-- sliding-window layers of hybrid models (Gemma-3's local layers; the paper's models have none): the model lets a
-  query see only the last ``window`` tokens, so what lies beyond is never worth storing and the layer runs with the
-  budget ``min(budget, window)``. When the budget holds the window, every token the layer can see fits and there
-  is nothing to choose: the layer keeps exactly the window (the generic ``CompressedLayer``, the last
-  ``window - 1`` tokens between forwards as transformers' sliding layers keep, at cache ranks), which is the
-  model's own result. A smaller budget runs the rings with it (fewer slots than the window); stored tokens that
-  fall out of the window are masked by stream index as the model does (they receive no attention, so their EMA
-  decays and they lose the next comparisons; sinks stay).
-
-Storage: ``kvcompress.methods.cascade.layer`` (one buffer of ``S + N W`` slots per layer; Algorithm 1 on whole
-numbers in ``schedule``, its moves applied by one ``executor``); the layer's views are in stream order."""
+- ``prefill="exact"`` (default, v1) runs a forward's tokens exactly as token-by-token decoding (inside each layer
+  token ``m`` is inserted, attends and updates the EMA before token ``m + 1``; the MLPs still run batched).
+  ``prefill="chunked"`` is the later official strided variant: a chunk of ``q`` tokens attends causally to itself
+  plus the frozen cache, the EMA advances in closed form with query ``m`` weighted ``(1 - gamma) gamma^(q-1-m)``
+  (the chunk's own keys start from 0), then the chunk is inserted token by token with those scores.
+- batches: per-sequence bookkeeping; the clock and the sinks count each sequence's real tokens, so left padding
+  changes nothing; padding is never stored and its queries update no score.
+- with ``N = 1`` (or ``select_tokens=False``) scores are never consulted and the EMA is not computed: a circular
+  sink cache.
+- sliding-window layers of hybrid models (Gemma-3's local layers; none in the paper): the budget is
+  ``min(budget, window)``. A budget holding the window leaves nothing to choose: the generic ``CompressedLayer``
+  keeps the window (the model's own result). A smaller budget runs the rings; stored tokens outside the window are
+  masked by stream index as the model does (their EMA decays, so they lose the next comparisons; sinks stay).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.checks import check_bool, check_budget, check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.quantized import QuantizedCascadeLayer
-
-REDUCTIONS: tuple[str, ...] = ("mean", "median", "max")
-TIES: tuple[str, ...] = ("incoming", "resident")
-PREFILLS: tuple[str, ...] = ("exact", "chunked")
 
 
 @dataclass(frozen=True)
@@ -98,8 +83,7 @@ class CascadeConfig(MethodConfig):
 
     @property
     def used_budget(self) -> int:
-        """Slots stored per layer and KV head: ``S + N W`` (``budget`` rounded down to a multiple of ``N`` above
-        the sinks)."""
+        """``S + N W``: slots stored per layer and KV head (``budget`` rounded down)."""
         return self.sinks + self.cascades * self.width
 
     @property
@@ -137,9 +121,8 @@ class CascadeConfig(MethodConfig):
             )
         if self.gamma is not None and (isinstance(self.gamma, bool) or not 0.0 <= float(self.gamma) < 1.0):
             raise ValueError(f"gamma must be a number in [0, 1) or None (exp(-N ln(100) / |C|)), got {self.gamma!r}")
-        check_choice(self.reduction, "reduction", REDUCTIONS)
-        check_choice(self.tie, "tie", TIES)
-        check_choice(self.prefill, "prefill", PREFILLS)
-        for name in ("select_tokens", "eager_fill"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_choice(self.reduction, "reduction", ("mean", "median", "max"))
+        check_choice(self.tie, "tie", ("incoming", "resident"))
+        check_choice(self.prefill, "prefill", ("exact", "chunked"))
+        check_bool(self.select_tokens, "select_tokens")
+        check_bool(self.eager_fill, "eager_fill")

@@ -1,10 +1,9 @@
-"""The one executor of the cascade's moves (``schedule.play``) on the slot buffers.
+"""The executor of the cascade's moves (``schedule.play``) on the slot buffers.
 
-A move is a column: slot ``written[c]`` takes item ``read[c]`` of the *pool*, the stored slots as they were before
-the moves (``0 .. slots``, ``slots`` the scratch slot) followed by the new tokens (``slots + 1 + t``); every item is
-read before any slot is written, and each key is turned by its column's angle on the way. A selection column writes
-only where the arriving item's score beats the resident's (``tie``: which wins equal scores), a losing write goes to
-the scratch slot. Every move of every sequence, head and tensor is one gather and one scatter per tensor.
+A move is a column: slot ``written[c]`` takes item ``read[c]`` of the *pool*, the stored slots before the moves
+(``0 .. slots``, ``slots`` the scratch slot) then the new tokens (``slots + 1 + t``), every item read before any
+write, each key turned by its column's angle. A selection column writes only where the arriving item's score beats
+the resident's (``tie``), a losing write going to the scratch slot. One gather and one scatter per tensor.
 """
 
 from __future__ import annotations
@@ -23,12 +22,11 @@ New = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 @dataclass(frozen=True)
 class Columns:
-    """One set of moves as device tables, for the whole batch (one schedule for every sequence) or per sequence
-    (padding, or selections decided differently; unused columns read and write the scratch slot). Batch-wide:
-    ``written`` ``[m]``, whose first ``k`` columns take the new tokens ``take`` ``[k]`` (``None``: all, in order)
-    and the rest the stored slots ``read`` ``[m - k]``; ``select`` a bool (the last column is a selection); ``fresh``
-    the first new token's slot. Per sequence: ``read``, ``written``, ``select`` ``[n, m]``. ``cos`` / ``sin`` turn
-    each column's key (``None``: no RoPE): ``[m, 1, 1, h]`` batch-wide, ``[n, 1, m, h]`` per sequence."""
+    """Moves as device tables, batch-wide or per sequence (unused columns read and write the scratch slot).
+    Batch-wide: ``written`` ``[m]``, the first ``k`` columns taking new tokens ``take`` ``[k]`` (``None``: all, in
+    order), the rest stored slots ``read`` ``[m - k]``; ``select``: the last column is a selection; ``fresh``: the
+    first new token's slot. Per sequence: ``read``, ``written``, ``select`` ``[n, m]``. ``cos`` / ``sin`` (None: no
+    RoPE) turn each column's key: ``[m, 1, 1, h]`` batch-wide, ``[n, 1, m, h]`` per sequence."""
 
     read: torch.Tensor
     written: torch.Tensor
@@ -45,11 +43,7 @@ def _wins(arriving: torch.Tensor, resident: torch.Tensor, tie: str) -> torch.Ten
 
 
 def apply_moves(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
-    """Apply the moves (see the module docstring)."""
-    if columns.written.dim() == 1:
-        _batch_wide(buffers, columns, tie, new)
-    else:
-        _per_sequence(buffers, columns, tie, new)
+    (_batch_wide if columns.written.dim() == 1 else _per_sequence)(buffers, columns, tie, new)
 
 
 def _batch_wide(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:

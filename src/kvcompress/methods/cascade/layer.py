@@ -1,23 +1,19 @@
-"""The Cascading KV Cache's storage: sinks and ``N`` circular sub-caches in one buffer (the method, the paper and the
-choices: ``kvcompress.methods.cascade.config``).
+"""The Cascading KV Cache's storage (the method and its choices: ``config``): sinks and ``N`` rings in one buffer.
 
-Every way tokens enter the rings is the schedule (``schedule``: Algorithm 1 on Python integers, one ``Rings`` layout
-per sequence) applied by one executor (``executor.apply_moves``). While the batch has no padding every sequence has
-the same layout (the batch is "in step"): one ``Rings`` for all, and a forward's tokens that attend one after the
-other are planned once for every layer (``ring_decode``); the other forwards insert (``_insert_tokens``) and attend
-(``_attention``) here. Per slot, beside the key and value: the token's stream index (``-1``: empty), the RoPE
-position the model gave it, and its attention EMA (fp32).
+Tokens enter the rings by the schedule's moves (``schedule``, one ``Rings`` layout per sequence) applied by the
+executor. While the batch has no padding it is "in step" (one layout for all) and a forward's tokens that attend in
+turn are planned once for every layer (``ring_decode``); other forwards insert (``_insert_tokens``) and attend
+(``_attention``) here. Per slot, beside key and value: stream index (``-1``: empty), RoPE position, EMA (fp32).
 
-Keys are stored in one angle convention (``schedule``): the model's rotation is undone with the exact cosines and
-sines it used and the key is rotated to its ring's running index, so a query reads each ring with one rotation and a
-key is turned only when it moves to another ring. The sinks sit in the oldest ring's frame, rewritten from a copy at
-angle ``j`` whenever that frame moves (no accumulated rounding). Angles grow with the stream, so rotations by them are
-computed in float64.
+Keys are stored at the schedule's angles: the model's rotation undone with the very cosines and sines it used, a key
+turned only when it changes ring. The sinks, in the oldest ring's frame, are rewritten from a copy at angle ``j``
+whenever that frame moves (no accumulated rounding). Angles grow with the stream: rotations by them in float64.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,26 +24,16 @@ from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frame_rotation, frame_rotation_at
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.slots import StreamView
-from kvcompress.methods.cascade.executor import Columns, apply_moves
+from kvcompress.methods.cascade import schedule
+from kvcompress.methods.cascade.executor import Columns, _wins, apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_decode import RingDecode
 from kvcompress.methods.cascade.ring_moves import STACKED
-from kvcompress.methods.cascade.schedule import (
-    Layout,
-    Rings,
-    move_turn,
-    offsets,
-    play,
-    ranks,
-    sink_shift,
-    sinks_after,
-    slot_angle,
-)
 
 
 @dataclass
 class _Pending:
-    """Tokens handed to ``update`` and not inserted yet (they are inserted when they attend)."""
+    """Tokens handed to ``update``, inserted when they attend."""
 
     keys: torch.Tensor  # [B, H_kv, q, d] as the model gave them (rotated at ``pos``)
     values: torch.Tensor  # [B, H_kv, q, d]
@@ -66,8 +52,8 @@ def _always(arriving: int, resident: int) -> bool:
 
 
 class CascadeLayer(RingDecode, CompressedLayer):
-    """One layer of a Cascading KV Cache. ``rule``: the ``CascadePolicy`` driving the storage (the layer's policy
-    unless another method runs on this storage, as ``streaming`` does); ``attend_first``: attend, then insert."""
+    """``rule``: the ``CascadePolicy`` driving the storage (the layer's policy unless another method runs on it, as
+    ``streaming`` does); ``attend_first``: attend, then insert."""
 
     attend_first = False
 
@@ -80,12 +66,10 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
         self.full_capacity = self.capacity = config.used_budget  # one ring starts smaller and grows (``_grow``)
         eager_until = self.full_capacity if config.eager_fill else 0
-        self._layout = Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
+        self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
         self._pending: _Pending | None = None
         self._forward_unpadded = True
-        self.force_tensor_path = False  # tests: run the schedule once per sequence (the padded path) from the start
 
-    # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, key_dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -98,16 +82,16 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._score = torch.zeros(batch, slots + 1, dtype=torch.float32, device=self.device)
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
-        self._rings: list[Rings] = [Rings.empty(self._layout)] * batch
-        self._counter_tensors: tuple | None = None
+        self._rings: list[schedule.Rings] = [schedule.Rings.empty(self._layout)] * batch
+        self._offsets_cached: tuple | None = None
         self.is_initialized = True
 
     @property
-    def _shared(self) -> Rings:
+    def _shared(self) -> schedule.Rings:
         """The layout of every sequence while the batch is in step."""
         return self._rings[0]
 
-    def _set_shared(self, rings: Rings) -> None:
+    def _set_shared(self, rings: schedule.Rings) -> None:
         self._rings = [rings] * len(self._rings)
 
     def _leave_step(self) -> None:
@@ -116,37 +100,24 @@ class CascadeLayer(RingDecode, CompressedLayer):
             self._in_step = False
             self._rings = list(self._rings)
 
-    def _rows(self) -> list[Rings]:
+    def _rows(self) -> list[schedule.Rings]:
         return self._rings[:1] if self._in_step else self._rings
 
-    def _counters(self) -> tuple[torch.Tensor, ...]:
-        """``count``, ``start``, ``passed`` ``[B, N]`` and each frame's rank minus angle ``[B, 1 + N]``
-        (``schedule.offsets``), made when the layouts change."""
-        cached = self._counter_tensors
+    def _offsets(self) -> torch.Tensor:
+        """``schedule.offsets`` ``[B, 1 + N]`` (made when the layouts change)."""
+        cached = self._offsets_cached
         if cached is None or cached[0] is not self._rings:
-            rows = [[*r.count, *r.start, *r.passed, *offsets(self._layout, r)] for r in self._rows()]
-            table = from_host(rows, self.device).expand(len(self._rings), -1)
-            n = self.cascades
-            parts = table[:, :n], table[:, n : 2 * n], table[:, 2 * n : 3 * n], table[:, 3 * n :]
-            cached = self._counter_tensors = (self._rings, *parts)
-        return cached[1:]
+            rows = [schedule.offsets(self._layout, r) for r in self._rows()]
+            cached = self._offsets_cached = (self._rings, from_host(rows, self.device).expand(len(self._rings), -1))
+        return cached[1]
 
-    _count = property(lambda self: self._counters()[0])
-    _start = property(lambda self: self._counters()[1])
     _k = property(lambda self: self._kv[:, :, : self.capacity, : self._key_dim])  # keys at their angles
     _v = property(lambda self: self._kv[:, :, : self.capacity, self._key_dim :])
     _tok = property(lambda self: self._meta[:, : self.capacity, 0])
     _pos = property(lambda self: self._meta[:, : self.capacity, 1])
 
-    def _frame(self) -> torch.Tensor:
-        """``[B]``: the tokens the first ring overwrote (one ring: the frame ``F``)."""
-        return self._counters()[2][:, 0]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take the new tokens, inserted when they attend (``cascade_attention``) as in the paper; returns the slot
-        buffers (slot order, not stream order: attention does not depend on it)."""
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the new tokens (inserted when they attend, as in the paper); returns the slots in slot order."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[2]
@@ -179,8 +150,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
             pending.real = padding[:, -count:].to(self.device, torch.bool)
 
     def _prepared(self, pending: _Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pending tokens as slot items: ``kv`` ``[B, H, q, dk + dv]`` with un-rotated keys, ``meta``
-        ``[B, q, 2]``, RoPE positions and the real-token mask ``[B, q]``."""
+        """The pending tokens as slot items: ``kv`` ``[B, H, q, dk + dv]`` (keys un-rotated), ``meta`` ``[B, q, 2]``,
+        positions and real-token mask ``[B, q]``."""
         batch, count = self._kv.shape[0], pending.keys.shape[2]
         tok = pending.tok.expand(batch, -1)
         pos = tok if pending.pos is None else pending.pos
@@ -204,10 +175,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self.width = (slots - self.sinks) // self.cascades
 
     def _grow(self, needed: int) -> None:
-        """One ring (``N = 1``) is allocated for the tokens seen, not the budget, so a short prompt never stores more
-        than a full cache: before its first wrap the ring holds its tokens in order from its first slot, so growing
-        copies that prefix into a larger buffer (by a quarter at least, up to the budget). With several cascades each
-        ring's region is fixed by the budget, so they are allocated whole."""
+        """One ring (``N = 1``) is allocated for the tokens seen (before its first wrap it holds them in order from
+        its first slot: growing copies them, by a quarter at least, up to the budget); several are allocated whole."""
         if self.cascades != 1 or self.capacity >= self.full_capacity or needed <= self.capacity:
             return
         used = self.capacity
@@ -218,45 +187,35 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._score = torch.nn.functional.pad(self._score[:, :used], pad[2:])
 
     # --- tokens into the rings: the schedule's moves, applied by the executor ------------------------------------
-    def _insert_tokens(
-        self, kv: torch.Tensor, meta: torch.Tensor, real: torch.Tensor, scores: torch.Tensor | None
-    ) -> None:
-        """Insert ``q`` tokens with no attention between them (``kv`` ``[B, H_kv, q, dk + dv]``, keys un-rotated;
-        ``meta`` ``[B, q, 2]``; ``real`` ``[B, q]``, False: padding, never stored; initial ``scores`` ``[B, q]``,
-        None: 0), as ``q`` one-token insertions would. One token's selection is left to the executor; among several,
-        each selection is decided on the host from the scores (read once), each sequence playing its own moves (the
-        layouts stay the same: a batch in step stays in step)."""
+    def _insert_tokens(self, kv, meta, real, scores: torch.Tensor | None) -> None:
+        """Insert ``q`` tokens with no attention between them, as ``q`` one-token insertions would (``kv`` ``[B, H_kv,
+        q, dk + dv]``, keys un-rotated; ``meta`` ``[B, q, 2]``; ``real`` ``[B, q]``, padding never stored; initial
+        ``scores`` ``[B, q]``, None: 0). One token's selection is left to the executor; several tokens' selections
+        are decided on the host (scores read once), each sequence playing its own moves (the layouts stay equal)."""
         count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
         needs = self.rule.needs_scores
-        in_step = self._in_step and self._forward_unpadded and not self.force_tensor_path
+        in_step = self._in_step and self._forward_unpadded
         if in_step and (count == 1 or not needs):  # the same moves for every sequence and layer of the forward
             wins = None if needs else _always
             key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))
-            plan = self.forward_pass.cached(key, lambda: play(layout, before[0], range(count), slots, wins))
+            plan = self.forward_pass.cached(key, lambda: schedule.play(layout, before[0], range(count), slots, wins))
             self._set_shared(plan[0])
             columns = self._columns(before[0], plan, count)
         else:
-            if not in_step:
-                self._leave_step()
             tokens = [range(count)] * len(before)
             if not in_step:
+                self._leave_step()
                 tokens = [[m for m, is_real in enumerate(row) if is_real] for row in real.tolist()]
             host: list = []  # the pool's scores on the host, read at the first selection decided there
 
-            def decide(row: int):
-                if not needs or count == 1:
-                    return None if needs else _always
+            def host_wins(row: int, arriving: int, resident: int) -> bool:
+                if not host:
+                    fresh = kv.new_zeros(kv.shape[0], count, dtype=torch.float32) if scores is None else scores
+                    host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
+                return _wins(host[0][row][arriving], host[0][row][resident], self.rule.config.tie)
 
-                def wins(arriving: int, resident: int) -> bool:
-                    if not host:
-                        fresh = kv.new_zeros(kv.shape[0], count, dtype=torch.float32) if scores is None else scores
-                        host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
-                    mine, theirs = host[0][row][arriving], host[0][row][resident]
-                    return mine >= theirs if self.rule.config.tie == "incoming" else mine > theirs
-
-                return wins
-
-            plans = [play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
+            decide = (lambda b: partial(host_wins, b)) if needs and count > 1 else lambda b: None if needs else _always
+            plans = [schedule.play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
             self._rings = [plan[0] for plan in plans]
             columns = self._sequence_columns(before, plans)
         if columns is not None:
@@ -265,21 +224,20 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sync_sinks(before)
 
     def _apply_moves(self, buffers, columns: Columns, tie: str, new) -> None:
-        """``executor.apply_moves`` on this layer's buffers (a quantized layer notes the slots written)."""
+        """(A hook: the quantized layer notes the slots written.)"""
         apply_moves(buffers, columns, tie, new)
 
-    def _columns(self, before: Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
-        """The executor's tables of moves shared by the batch (``None``: no move), built once per forward for the
-        layers in the same state: the ``count`` new tokens' columns first; ``rotated``: the new keys come at their
-        angles already."""
+    def _columns(self, before: schedule.Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
+        """The batch's move tables (``None``: no move), built once per forward for the layers in the same state: the
+        ``count`` new tokens' columns first; ``rotated``: the new keys come at their angles already."""
         after, moves, select = plan
         slots, layout = self.capacity, self._layout
         fresh = [move for move in moves if move[1] > slots]
         stored = [move for move in moves if move[1] <= slots]  # (a selection, last, always moves a stored token)
         if not moves:
             return None
-        turns = [0 if rotated else move_turn(layout, before, after, *move, slots) for move in fresh]
-        turns += [move_turn(layout, before, after, *move, slots) for move in stored]
+        turns = [0 if rotated else schedule.move_turn(layout, before, after, *move, slots) for move in fresh]
+        turns += [schedule.move_turn(layout, before, after, *move, slots) for move in stored]
         taken = [item - slots - 1 for _, item in fresh]
         key = ("cascade-columns", before, tuple(moves), select, count, rotated, slots, self.device, self.dtype)
 
@@ -292,7 +250,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
         return self.forward_pass.cached(key, build)
 
-    def _sequence_columns(self, before: list[Rings], plans: list) -> Columns | None:
+    def _sequence_columns(self, before: list[schedule.Rings], plans: list) -> Columns | None:
         """The executor's tables of moves per sequence ``[B, m]``, padded with the scratch slot."""
         slots, layout = self.capacity, self._layout
         width = max(len(plan[1]) for plan in plans)
@@ -303,15 +261,14 @@ class CascadeLayer(RingDecode, CompressedLayer):
             pad = width - len(moves)
             read.append([item for _, item in moves] + [slots] * pad)
             written.append([dest for dest, _ in moves] + [slots] * pad)
-            turns.append([move_turn(layout, rings, after, *move, slots) for move in moves] + [0] * pad)
+            turns.append([schedule.move_turn(layout, rings, after, *move, slots) for move in moves] + [0] * pad)
             select.append([False] * (len(moves) - 1) + [selects] * bool(moves) + [False] * pad)
         cos, sin = self._turn_table(turns, (len(turns), 1, width))
         read_t, written_t = from_host(read, self.device), from_host(written, self.device)
         return Columns(read_t, written_t, cos, sin, from_host(select, self.device, torch.bool))
 
     def _turn_table(self, turns: list, shape: tuple[int, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """cos / sin ``[*shape, d / 2]`` of whole-number turns (angles grow with the stream: float64); ``None``
-        without RoPE."""
+        """cos / sin ``[*shape, d / 2]`` of whole-number turns (float64 angles); ``None`` without RoPE."""
         if self.inv_freq is None:
             return None, None
         angle = from_host(turns, self.device).view(shape).to(torch.float64)[..., None]
@@ -319,21 +276,20 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return angle.cos().to(self.dtype), angle.sin().to(self.dtype)
 
     # --- the sinks, in the oldest ring's frame --------------------------------------------------------------------
-    def _sync_sinks(self, before: list[Rings], changes: list | None = None) -> None:
-        """After an insertion from the layouts ``before``: copy the sinks just stored to ``_sink_keys`` at angle
-        ``j`` (a new sink is stored at ``j`` plus the shift of empty rings, ``schedule.move_turn``) and rewrite the
-        sinks from that copy where their angle moved (``schedule.sinks_after``, the ``changes`` if planned already:
-        the oldest ring overwrote a token)."""
+    def _sync_sinks(self, before: list[schedule.Rings], changes: list | None = None) -> None:
+        """After an insertion from the layouts ``before``: copy new sinks to ``_sink_keys`` at angle ``j`` (stored at
+        ``j`` plus the empty rings' shift, ``schedule.move_turn``) and rewrite the sinks from that copy where their
+        angle moved (``schedule.sinks_after``; ``changes``: as planned already)."""
         if not self.sinks or self.inv_freq is None:
             return
         rows, layout, dim = self._rows(), self._layout, self._key_dim
         if changes is None:
-            changes = [sinks_after(layout, old, new) for old, new in zip(before[: len(rows)], rows, strict=True)]
+            changes = [schedule.sinks_after(layout, old, new) for old, new in zip(before, rows, strict=False)]
         if any(copy for copy, _ in changes):
             copied = self._turned_sinks(self._kv[:, :, : self.sinks, :dim], [-layout.fill] * len(rows))
             self._sink_keys = self._where([copy for copy, _ in changes], copied, self._sink_keys)
         if any(shift is not None for _, shift in changes):
-            placed = self._turned_sinks(self._sink_keys, [sink_shift(layout, rings) for rings in rows])
+            placed = self._turned_sinks(self._sink_keys, [schedule.sink_shift(layout, rings) for rings in rows])
             sinks = self._kv[:, :, : self.sinks, :dim]
             sinks.copy_(self._where([shift is not None for _, shift in changes], placed, sinks))
 
@@ -353,11 +309,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     # --- attention where the planned steps do not apply: per-sequence layouts (padding, a reordered batch), a -------
     # sliding window, no RoPE; ``prefill="chunked"`` and streaming's forwards of several tokens
-    def ranks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per slot ``[B, S + |C|]``: the rank (RoPE position) of its token inside the cache (``schedule.ranks``),
-        and whether the slot is occupied."""
-        return self._slot_numbers()[0], self._tok >= 0
-
     def attend(self, query, key, value, mask, scaling) -> tuple[torch.Tensor, None]:
         return self.cascade_attention(query, scaling), None
 
@@ -368,13 +319,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sliding_window = sliding_window  # applied inside cascade_attention, by stream index as the model does
 
     def cascade_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """Insert this forward's tokens, attend, update the EMA; returns ``[B, H, q, d]``.
-
-        ``prefill="exact"``: token by token (insert, attend, EMA), identical to feeding one token at a time (the
-        planned steps while the batch is in step, else one insertion and one attention per token).
-        ``prefill="chunked"`` with several tokens, and streaming (which attends before inserting): the forward
-        attends to the frozen cache and causally to itself, then is inserted (``config``).
-        """
+        """Insert this forward's tokens, attend, update the EMA; returns ``[B, H, q, d]``. ``prefill="exact"``: token
+        by token (the planned steps while the batch is in step); ``"chunked"`` with several tokens, and streaming:
+        the forward attends to the frozen cache and causally to itself, then is inserted (``config``)."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("cascade_attention() needs the tokens of this forward: call update() first")
@@ -401,9 +348,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return torch.cat(outputs, 3).reshape(batch, q_heads, count, -1)
 
     def _visible(self, meta: torch.Tensor, real: torch.Tensor, chunk: bool) -> torch.Tensor:
-        """What queries at stream indices ``meta[..., 0]`` ``[B, q]`` see: the stored keys inside the model's sliding
-        window, if any, then with ``chunk`` the forward's own keys causally (``[B, q, L + q]``; a padding query sees
-        itself); without, ``[B, q, L]`` where a padding query (stored nowhere) sees any slot (a finite output)."""
+        """What queries at stream indices ``meta[..., 0]`` ``[B, q]`` see: stored keys inside the sliding window, if
+        any, and with ``chunk`` the forward's own keys causally (``[B, q, L + q]``; a padding query sees itself);
+        without, ``[B, q, L]``, a padding query (stored nowhere) seeing any slot (a finite output)."""
         count = meta.shape[1]
         stored = (self._tok >= 0)[:, None, :]
         window = getattr(self, "_sliding_window", None)
@@ -419,11 +366,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     def _attention(self, queries, rank, visible, real, scale, chunk=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Un-rotated queries ``[B, H_kv, G, q, d]`` at ranks ``rank`` ``[B, q]`` over the stored keys at their ranks
-        and, given the forward's ``chunk`` ``[B, H_kv, q, dk + dv]`` (keys un-rotated), its own keys at ``rank``;
-        ``visible`` from ``_visible``. Without scores to keep, one SDPA over the stored keys turned to their ranks;
-        with them, the explicit softmax (each query turned to every frame, ``schedule.offsets``) and the EMA advanced
-        in closed form, query ``m`` weighted ``(1 - gamma) gamma^(real queries after m)``. Returns the output
-        ``[B, H_kv, G, q, d_v]`` and the chunk's initial scores (``None`` without a chunk or scores)."""
+        and, given ``chunk`` ``[B, H_kv, q, dk + dv]`` (keys un-rotated), its own keys at ``rank``. Without scores:
+        one SDPA; with them the explicit softmax and the EMA in closed form, query ``m`` weighted ``(1 - gamma)
+        gamma^(real queries after m)``. Returns ``[B, H_kv, G, q, d_v]`` and the chunk's initial scores (or None)."""
         batch, kv_heads, groups, count, dim = queries.shape
         rows, slots, values = groups * count, self.capacity, self._v
         turned = queries if self.inv_freq is None else rotate_by(queries, rank[:, None, None], self.inv_freq)
@@ -437,7 +382,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             keys = self._k
             if self.inv_freq is not None:  # from its angle to its rank: its frame's offset (``schedule.offsets``)
                 sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
-                turns = self._counters()[3].repeat_interleave(sizes, 1, output_size=slots)
+                turns = self._offsets().repeat_interleave(sizes, 1, output_size=slots)
                 keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
             if chunk is not None:
                 keys = torch.cat([keys, chunk_keys], 2)
@@ -464,14 +409,13 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
-        ``[B, n]`` against the stored keys: each query turned to every frame (the sinks', then each ring's), one
-        matmul per frame over its slots."""
+        ``[B, n]``: each query turned to every frame (``schedule.offsets``), one matmul per frame."""
         keys = self._k
         batch, kv_heads, groups, count, dim = query.shape
         if self.inv_freq is None:
             logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
             return logits.view(batch, kv_heads, groups, count, self.capacity)
-        at = top[:, :, None] - self._counters()[3][:, None, :]  # [B, n, 1 + N]
+        at = top[:, :, None] - self._offsets()[:, None, :]  # [B, n, 1 + N]
         turned = rotate_by(query[:, :, :, :, None, :], at[:, None, None], self.inv_freq, exact=True)  # [B,H,G,n,F,d]
         bounds = [0, self.sinks] + [self.sinks + (i + 1) * self.width for i in range(self.cascades)]
         blocks = [
@@ -482,8 +426,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return torch.cat(blocks, -1).view(batch, kv_heads, groups, count, self.capacity)
 
     def _fold_scores(self, probs: torch.Tensor) -> None:
-        """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` over the cascade slots (sinks have no score) of one
-        query's ``probs`` ``[B, H_kv, G, L]`` over the first ``L`` slots (the empty ones after them hold no score)."""
+        """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` of one query's ``probs`` ``[B, H_kv, G, L]`` over the
+        first ``L`` slots (sinks have no score)."""
         gamma = self.rule.gamma
         cascade = self._score[:, self.sinks : probs.shape[-1]]
         if self.rule.config.reduction == "mean":  # the sum, with 1 / heads folded into the EMA weight
@@ -494,8 +438,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         cascade.mul_(gamma).add_(received, alpha=weight)
 
     def after_attention(self, stats: AttentionStats | None) -> None:
-        """For callers that drive the layer by hand (tests, benchmarks): insert tokens that did not attend
-        through ``cascade_attention``, then fold ``stats.received`` (``[B, H_kv, G, S + |C|]``) into the EMA."""
+        """Driven by hand (tests, benchmarks): insert tokens that did not attend, fold ``stats.received`` ``[B, H_kv,
+        G, S + |C|]`` into the EMA."""
         if self._pending is not None:
             self._insert_pending()
         if stats is not None and stats.received is not None and self.rule.needs_scores:
@@ -508,7 +452,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``."""
         slots, layout = self.capacity, self._layout
-        values = [ranks(layout, r)[:slots] + [slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
+        rank, angle = schedule.ranks, schedule.slot_angle
+        values = [rank(layout, r)[:slots] + [angle(layout, r, s) for s in range(slots)] for r in self._rows()]
         table = from_host(values, self.device).expand(len(self._rings), -1)
         return table[:, :slots], table[:, slots:]
 
@@ -545,7 +490,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
     rope_pos = property(lambda self: self._view(torch.where(self._tok >= 0, self._pos, 0)))
     state = property(lambda self: {"score": self._view(self._score[:, : self.capacity])})
     rows = property(lambda self: (self._tok.shape[0], self._kv.shape[1]))
-    # every slot of the sinks and rings (the views hold the free ones too, ``token_idx`` -1)
     view_width = property(lambda self: self._tok.shape[1] if self.is_initialized else 0)
 
     @property
@@ -556,7 +500,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     @property
     def token_idx(self) -> torch.Tensor:
-        """Stream indices in stream order; the ``E`` empty slots come first, numbered ``-E .. -1``."""
+        """Stream indices in stream order, the ``E`` empty slots first, numbered ``-E .. -1``."""
         ordered = self._tok.gather(1, self._order())
         empty = ordered < 0
         filler = torch.arange(ordered.shape[1], device=self.device) - empty.sum(1, keepdim=True)
@@ -574,21 +518,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
 
-    def cascade_tokens(self) -> list[list[list[int]]]:
-        """Per sequence, per cascade: the stream indices it holds, oldest first (sinks not included)."""
-        tok, width = self._tok.tolist(), self.width
-        return [
-            [
-                [tok[b][self.sinks + i * width + (start + r) % width] for r in range(count)]
-                for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True))
-            ]
-            for b, rings in enumerate(self._rings)
-        ]
-
     def kept(self) -> StreamView:
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
 
-    # --- transformers' layer API -----------------------------------------------------------------------------
     def stored_length(self) -> int:
         """Occupied slots of the fullest sequence (a host read: for accounting, not the decoding path)."""
         return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
@@ -617,8 +549,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             setattr(self, name, reorder(getattr(self, name)))
 
     def _leave_group(self) -> None:
-        """This layer's buffers are about to be replaced: the stacked buffer of the cache's cascade layers goes
-        (``ring_moves``: stacked again at the next decoding step that finds them apart)."""
+        """Give up the cascade layers' stacked buffers (``ring_moves``): this layer's are about to be replaced."""
         if self.ring_layers is not None:
             for name in STACKED:
                 self.forward_pass.unstack(name)

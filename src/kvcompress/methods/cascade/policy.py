@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # annotations only: the config module imports this one
 
 
 class CascadePolicy(Policy):
-    """Constants of one layer and the head reduction; the ``CascadeLayer`` does the storage and the attention."""
+    """(The ``CascadeLayer`` does the storage and the attention.)"""
 
     position_mode = "cache"  # ranks inside the cache (the cache computes the model's RoPE frequencies for it)
     per_head = False  # homogeneous heads: every KV head keeps the same tokens

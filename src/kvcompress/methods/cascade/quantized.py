@@ -389,7 +389,6 @@ class QuantizedRings:
             and self.per_channel
             and self._pending is None
             and self._in_step
-            and not self.force_tensor_path
             and self.inv_freq is not None
             and not torch.is_grad_enabled()
             and self._shared.seen >= self.sinks  # (the token is not a sink)

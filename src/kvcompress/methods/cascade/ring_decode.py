@@ -1,14 +1,11 @@
-"""A forward's tokens one after the other through the rings while the batch is in step: decoding steps and
-``prefill="exact"`` (each token inserted, attending and folding its attention into the EMA before the next, as
-feeding them one at a time does; the MLPs still run on the whole forward).
+"""A forward's tokens in turn through the rings while the batch is in step: decoding steps and ``prefill="exact"``.
 
-Every sequence has the same layout, so each token's step (its moves as the executor's tables, the sinks' update, the
-query's frames) is planned once per forward by the first layer (``ForwardPass.cached``). A ring's rank is its angle
-plus one offset (``schedule.offsets``), so the query is turned to one target per ring (one token: one matmul with a
-rotation matrix, ``kvcompress.core.rotation``; several: elementwise), then one matmul and an index give every frame's
-logits for every slot (or one matmul per run of slots, past the ``DENSE_*`` limits), one softmax over the slots in slot
-order (empty slots at ``-inf``), one matmul with the values and one for the EMA. In a decoding step the first layer
-moves the old tokens of every layer (``ring_moves``) and each layer writes only its new key and value.
+Each token's step (the executor's tables, the sinks' update, the query's frames) is planned once per forward by the
+first layer (``ForwardPass.cached``). The query is turned to one target per ring (``schedule.offsets``; one token:
+a rotation matrix, ``core.rotation``; several: elementwise), then one matmul and an index give every frame's logits
+for every slot (or one matmul per run of slots, past the ``DENSE_*`` limits), one softmax in slot order (empty slots
+at ``-inf``), one matmul with the values and one for the EMA. In a decoding step the first layer moves every layer's
+old tokens (``ring_moves``) and each layer writes its new key and value.
 """
 
 from __future__ import annotations
@@ -25,19 +22,16 @@ from kvcompress.methods.cascade.ring_moves import moved_every_ring
 from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
-# The logits of every frame for every slot by one matmul while frames x stored slots stay below DENSE_FRAME_SLOTS
-# and, on the CPU, its multiply-adds (query rows x frames x slots x head dim) below DENSE_MULTIPLY_ADDS; else one
-# matmul per run (``frames`` times fewer multiply-adds; on a GPU each op is a launch that costs more than the matmul).
-# One thread, 4 frames, against per-run: SmolLM2-135M at batch 1, 512 slots (1.2M) 0.6x the time; batch 4-8 or 2,048
-# slots (4.7M-9.4M) 0.95x; 8 KV heads x 4 queries of dim 128 at 512 slots (8.4M) 1.3x; the paper's Table 4 shapes
-# (135M) 1.16x
+# Every frame's logits for every slot by one matmul while frames x stored slots stay below DENSE_FRAME_SLOTS and, on
+# the CPU, its multiply-adds (query rows x frames x slots x head dim) below DENSE_MULTIPLY_ADDS; else one matmul per
+# run (``frames`` times fewer multiply-adds; on a GPU a launch costs more than the matmul). Timings: docs/core-lines.md
 DENSE_FRAME_SLOTS = {"cpu": 4_608, "cuda": 1 << 22}
 DENSE_MULTIPLY_ADDS = {"cpu": 1 << 22}
 
 
 @dataclass(frozen=True)
 class Step:
-    """One token's planned step, shared by the layers of a forward (tensors on the layer's device)."""
+    """One token's planned step, shared by a forward's layers."""
 
     before: Rings
     after: Rings
@@ -58,11 +52,10 @@ class RingDecode:
     """Mixin of ``CascadeLayer``: a forward's tokens one after the other while the batch is in step."""
 
     def _steps_alone(self, pending) -> bool:
-        """Whether ``_step_tokens`` applies: the batch in step, no padding, RoPE with the model's ``position_ids``
-        (one row or one per sequence), no sliding window."""
+        """Whether ``_step_tokens`` applies: in step, no padding, RoPE with ``position_ids`` (one row or one per
+        sequence), no sliding window."""
         return (
             self._in_step
-            and not self.force_tensor_path
             and pending.real is None
             and pending.source is not None
             and pending.source.shape[0] in (1, self._kv.shape[0])
@@ -105,9 +98,8 @@ class RingDecode:
         self._forward_unpadded = True
         return (outputs[0] if count == 1 else torch.stack(outputs, 2)).view(batch, q_heads, count, -1)
 
-    # --- planning, once per forward -------------------------------------------------------------------------------
     def _plan_steps(self, count: int, rows: int) -> list[Step]:
-        """Each token's step from the layout as it will be."""
+        """Each token's step from the layout as it will be (once per forward)."""
         rings, slots, steps = self._shared, self.capacity, []
         for _ in range(count):
             plan = play(self._layout, rings, (0,), slots, None if self.rule.needs_scores else lambda a, r: True)
@@ -126,9 +118,8 @@ class RingDecode:
         return steps
 
     def _slot_logits(self, runs: list[Run], frames: int, rows: int) -> tuple[torch.Tensor | None, ...]:
-        """Where one matmul gives every frame's logits for every slot (``DENSE_*``; ``rows``: batch x query heads):
-        per slot, where its logit is among them (``frame * stored + slot``), and the empty slots between the runs
-        (``None``: none). Else ``None, None``: one matmul per run."""
+        """Within ``DENSE_*`` (``rows``: batch x query heads): per slot, its logit's index among every frame's
+        (``frame * stored + slot``) and the empty slots between the runs (or None). Else ``None, None``: per run."""
         stored, device = runs[-1][1], self.device.type
         limit = DENSE_MULTIPLY_ADDS.get(device)
         if frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"]):
@@ -142,8 +133,8 @@ class RingDecode:
         return from_host(logit, self.device), from_host(empty, self.device, torch.bool) if any(empty) else None
 
     def _frames(self, top: int, rings: Rings | None = None) -> tuple[tuple[int, ...], list[Run]]:
-        """A query at rank ``top`` of the layout ``rings`` (the batch's by default): its rotation targets, one per
-        ring (``schedule.offsets``; the sinks share the oldest ring's), and the runs of stored slots in slot order."""
+        """A query at rank ``top`` of ``rings`` (default: the batch's): its rotation targets, one per ring (the sinks
+        share the oldest ring's), and the runs of stored slots in slot order."""
         rings = self._shared if rings is None else rings
         sinks, width = self.sinks, self._layout.width
         offset = offsets(self._layout, rings)
@@ -166,11 +157,9 @@ class RingDecode:
                 runs.append((lo, hi, index))
         return tuple(targets) or (top,), runs  # nothing stored yet: one (unused) frame
 
-    # --- the steps ------------------------------------------------------------------------------------------------
     def _rotated(self, query: torch.Tensor, pending, steps: list[Step], scale: float):
-        """Per token, the new token as a slot item ``[B, H_kv, 1, dk + dv]`` (its key turned from the model's
-        position to its angle) and the query turned to each frame, scaled: ``[B H_kv, G F, d]``. One token: by
-        rotation matrices shared by the forward's layers; several: elementwise, from cos / sin made once per forward."""
+        """Per token, the new token as a slot item ``[B, H_kv, 1, dk + dv]`` (its key turned to its angle) and the
+        query turned to each frame, scaled, ``[B H_kv, G F, d]`` (one token: rotation matrices; else elementwise)."""
         batch, q_heads, count, dim = query.shape
         kv_heads, dtype = self._kv.shape[1], pending.keys.dtype
         if count == 1:
@@ -192,8 +181,7 @@ class RingDecode:
         return items, turn_along(queries, *along).view(count, batch * kv_heads, -1, dim)
 
     def _run_logits(self, turned: torch.Tensor, keys_t: torch.Tensor, runs: tuple, groups: int) -> torch.Tensor:
-        """``[B H_kv, G, stored]``: each run's logits with its frame's queries, one matmul per run; the empty slots
-        between runs at ``-inf``."""
+        """``[B H_kv, G, stored]``: one matmul per run, the empty slots between runs at ``-inf``."""
         per_frame = turned.view(turned.shape[0], groups, -1, turned.shape[-1])  # [B H_kv, G, F, d]
         logits, end = [], 0
         for lo, hi, frame in runs:
@@ -204,8 +192,7 @@ class RingDecode:
         return logits[0] if len(logits) == 1 else torch.cat(logits, -1)
 
     def _step_views(self, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[B H_kv, d, stored]`` and values ``[B H_kv, stored, d_v]`` of the first ``stored`` slots (views,
-        made again when the buffer or ``stored`` changes)."""
+        """Keys ``[B H_kv, d, stored]`` and values ``[B H_kv, stored, d_v]`` of the first ``stored`` slots (views)."""
         views = getattr(self, "_views", None)
         if views is None or views[0] is not self._kv or views[1] != stored:
             rows, dim = self._kv[:, :, :stored].flatten(0, 1), self._key_dim
@@ -213,8 +200,8 @@ class RingDecode:
         return views[2], views[3]
 
     def _fold_step(self, probs: torch.Tensor) -> None:
-        """``_fold_scores`` of one token's ``probs`` ``[B H_kv, G, stored]``; with the mean over heads (the paper's),
-        the heads' sum and the decay are one batched matmul (the row of ones shared by the forward's layers)."""
+        """``_fold_scores`` of ``probs`` ``[B H_kv, G, stored]``; with the mean over heads (the paper's) one
+        ``baddbmm_`` (the row of ones shared by the forward's layers)."""
         batch, stored, gamma = self._score.shape[0], probs.shape[-1], self.rule.gamma
         if self.rule.config.reduction != "mean":
             return self._fold_scores(probs.view(batch, self._kv.shape[1], -1, stored))
@@ -230,7 +217,7 @@ class RingDecode:
         return rotation_to(pending.source, targets, self.inv_freq, dim, dtype, scale, self.forward_pass, tag)
 
     def _shared_meta(self, pending) -> torch.Tensor:
-        """``[B, q, 2]``: the new tokens' stream indices and RoPE positions, shared by a forward's layers."""
+        """``[B, q, 2]``: the new tokens' stream indices and positions, shared by a forward's layers."""
         key = ("new-meta", pending.first, pending.keys.shape[2], self.device)
         build = lambda: torch.stack([pending.tok.expand_as(pending.pos), pending.pos], -1)  # noqa: E731
         return self.forward_pass.cached(key, build)

@@ -1,11 +1,10 @@
 """A decoding step's moves of the old tokens down the rings, for every cascade layer of a cache at once.
 
-The schedule depends only on the token count, so a full cascade's decoding step moves the same slots in every layer;
-only the new token's key and value are per layer. While every layer is in the same in-step state, the first cascade
-layer of a forward moves the old tokens of all of them (one gather, rotation and scatter per tensor for the model)
-and each layer then writes its new key and value. For this the layers' buffers are views of one buffer per tensor
-(``ForwardPass.stacked``, ``[L B, ...]``), stacked at the end of the first in-step forward that finds them apart
-(after a reset, a reordered batch or the prompt) and given back when a layer replaces its buffers.
+The schedule depends only on the token count, so while every layer is in the same in-step state the first cascade
+layer of a forward moves the old tokens of all of them (one gather, rotation and scatter per tensor) and each layer
+writes its new key and value. The layers' buffers are then views of one buffer per tensor (``ForwardPass.stacked``,
+``[L B, ...]``), stacked at the end of the first in-step forward finding them apart, given back when a layer
+replaces its buffers.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ STACKED = ("ring-kv", "ring-meta", "ring-score")  # the names of the cascade lay
 
 
 def moved_every_ring(layer, step, meta: torch.Tensor) -> bool:
-    """Whether the old tokens of every cascade layer of ``layer``'s cache were moved for this decoding ``step`` (by
-    the forward's first layer); ``meta``: the new token's slot record ``[B, 1, 2]``."""
+    """Whether the forward's first layer moved every cascade layer's old tokens for ``step``; ``meta`` ``[B, 1, 2]``:
+    the new token's slot record."""
     forward, rings = layer.forward_pass, layer.ring_layers
     return forward.cached(("ring-moves", step.before), lambda: _move_all(rings, layer, step, meta))
 
@@ -41,7 +40,7 @@ def _move_all(rings: list, trigger, step, meta: torch.Tensor) -> bool:
 
 
 def stack_rings(rings: list) -> None:
-    """Make the cascade layers' buffers views of one buffer per tensor (one copy), where they agree in shape."""
+    """Make the cascade layers' buffers views of one buffer per tensor (one copy) where they agree in shape."""
     if not all(layer.is_initialized and layer._kv is not None for layer in rings):
         return
     forward = rings[0].forward_pass
@@ -54,13 +53,12 @@ def stack_rings(rings: list) -> None:
 
 
 def _ready(layer, trigger, state) -> bool:
-    """Whether ``layer`` will take this decoding step in the same state (the trigger's counters moved on already)."""
+    """Whether ``layer`` takes this step in the trigger's state (whose counters moved on already)."""
     return (
         layer.is_initialized
         and layer._kv is not None
         and layer._in_step
         and layer._forward_unpadded
-        and not layer.force_tensor_path
         and getattr(layer, "_sliding_window", None) is None
         and (layer is trigger or (layer._pending is None and layer._shared == state))
     )

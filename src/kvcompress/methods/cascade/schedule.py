@@ -1,9 +1,8 @@
 """The cascade's schedule: Algorithm 1 of the Cascading KV Cache on whole numbers, returning the slot moves.
 
-Where a token goes depends only on how many real tokens the sequence has seen (scores decide only whether a
-selection's arriving token replaces the ring's newest one, which changes no counter), so a sequence's layout is a
-function of its token count, computed here on Python integers, and a step's work on the buffers is a short list of
-slot moves applied by the executor (``executor``) to every sequence, head and tensor at once.
+Where a token goes depends only on the sequence's count of real tokens (scores decide only whether a selection's
+arriving token replaces the ring's newest one, which changes no counter), so a step is a short list of slot moves,
+computed here on Python integers and applied by the ``executor`` to every sequence, head and tensor at once.
 
 Slot layout (per sequence): ``[0, S)`` sinks, then ring ``i`` in ``[S + i W, S + (i + 1) W)`` holding ``count[i]``
 tokens in stream order around the ring, its oldest at offset ``start[i]``.
@@ -28,8 +27,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Layout:
-    """The constants of a schedule: ``S`` sinks, ``N`` rings of ``W`` slots, base ``b``, and the token count below
-    which every ring accepts (``eager_fill``; 0: never)."""
+    """``S`` sinks, ``N`` rings of ``W`` slots, base ``b``, the token count below which every ring accepts
+    (``eager_fill``; 0: never)."""
 
     sinks: int
     width: int
@@ -49,8 +48,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Rings:
-    """The layout of one sequence: real tokens seen, and per ring its token count and how many of its tokens were
-    overwritten (b) so far; the offset of a ring's oldest token is ``passed mod W``."""
+    """One sequence's layout: real tokens seen, per ring its token count and its tokens overwritten (b) so far."""
 
     seen: int
     count: tuple[int, ...]
@@ -63,7 +61,7 @@ class Rings:
 
     @property
     def start(self) -> tuple[int, ...]:
-        """Per ring, the offset of its oldest token."""
+        """Per ring, the offset of its oldest token (``passed mod W``)."""
         return tuple(passed % self.width for passed in self.passed)
 
     def stored(self, layout: Layout) -> int:
@@ -137,11 +135,6 @@ def sink_shift(layout: Layout, rings: Rings) -> int:
     return last * layout.width + rings.passed[last]
 
 
-def angles(layout: Layout, rings: Rings) -> list[int]:
-    """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
-    return [slot_angle(layout, rings, slot) for slot in range(layout.slots)]
-
-
 def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
     """Rank minus angle of the sinks' frame, then of each ring's: a query at rank ``r`` is turned to angle
     ``r - offset`` to read a frame's keys at their ranks."""
@@ -153,12 +146,8 @@ def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:
     return tuple(rows)
 
 
-def frame_of_slot(layout: Layout) -> list[int]:
-    """Per slot, its frame in ``offsets``: 0 for the sinks, ``1 + i`` for ring ``i``."""
-    return [0] * layout.sinks + [1 + slot // layout.width for slot in range(layout.cascades * layout.width)]
-
-
 def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
+    """The angle ``slot``'s key is stored at (empty: the angle a token written there would take)."""
     if slot < layout.sinks:
         return slot + sink_shift(layout, rings)
     ring, offset = (slot - layout.sinks) // layout.width, (slot - layout.sinks) % layout.width
@@ -168,16 +157,15 @@ def slot_angle(layout: Layout, rings: Rings, slot: int) -> int:
 
 
 def move_turn(layout: Layout, before: Rings, after: Rings, dest: int, source: int, slots: int) -> int:
-    """How far a move of ``play`` turns its key: an item of the pool (``source``: a stored slot, or past ``slots``
-    a new key, un-rotated) to slot ``dest``'s angle after the moves. A new sink goes to ``dest`` plus the shift of
-    empty rings (the sinks fill before any ring; the layer moves them on with the oldest ring's frame)."""
+    """How far a move of ``play`` turns its key: pool item ``source`` (a stored slot, or past ``slots`` a new key,
+    un-rotated) to slot ``dest``'s angle after the moves; a new sink to ``dest`` plus the empty rings' shift."""
     target = dest + layout.fill if dest < layout.sinks else slot_angle(layout, after, dest)
     return target - (0 if source > slots else slot_angle(layout, before, source))
 
 
 def sinks_after(layout: Layout, before: Rings, after: Rings) -> tuple[bool, int | None]:
-    """What the sinks' keys need after moves from ``before`` to ``after``: whether sinks were stored (their copy
-    at angle ``j`` is taken again), and their new angle shift where it moved (``None``: it stayed)."""
+    """After moves from ``before`` to ``after``: whether sinks were stored (their copy at angle ``j`` is taken
+    again), and their new angle shift (``None``: unchanged)."""
     old = sink_shift(layout, before) if before.seen >= layout.sinks else layout.fill
     new = sink_shift(layout, after)
     return before.seen < layout.sinks, None if new == old else new
@@ -190,11 +178,10 @@ Move = tuple[int, int]  # (slot written, item of the pool: a stored slot, or ``s
 def play(
     layout: Layout, rings: Rings, tokens: Iterable[int], slots: int, wins: Callable[[int, int], bool] | None
 ) -> tuple[Rings, list[Move], bool]:
-    """The new ``tokens`` through ``advance`` one after the other, with no attention between them (scores do not
-    change): the layout after them, the moves that take each changed slot from the stored slots (before any
-    move) to its final token, and whether the last move is a selection left to the executor. ``wins(arriving,
-    resident)`` (pool items) decides each selection; ``None``: the one token's selection is left to the executor
-    (``slots`` is the scratch slot; the new tokens' items follow it)."""
+    """The new ``tokens`` through ``advance`` in turn, no attention between them: the layout after them, the moves
+    taking each changed slot from the stored slots to its final token, and whether the last move is a selection
+    left to the executor (``wins`` None: one token's). ``wins(arriving, resident)`` (pool items: ``slots`` is the
+    scratch slot, the new tokens follow it) decides each selection."""
     source: dict[int, int] = {}
     selection = None
     for token in tokens:

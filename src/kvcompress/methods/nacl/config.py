@@ -1,43 +1,37 @@
 """NaCl (Chen et al., ACL 2024, arXiv:2408.03675): one-shot prefill eviction with proxy tokens and random sampling.
 
-Idea. Right after a layer's (exact) prefill attention, every KV head of that layer keeps, independently:
-(a) a protected set: the first ``sinks`` tokens and the most recent tokens of the prompt;
-(b) the top ``C_p`` tokens by *proxy score*, the column sums of the softmax attention rows of a few proxy queries
-(by default the last tokens of the prompt, where the question sits; or an explicit span) — the paper's §5.1;
+After a layer's (exact) prefill attention every KV head keeps, independently: (a) a protected set, the first
+``sinks`` and the most recent prompt tokens; (b) the top ``C_p`` tokens by *proxy score*, the column sums of the
+softmax rows of a few proxy queries (default: the prompt's last tokens, where the question sits; or a span), §5.1;
 (c) ``C_r`` tokens sampled without replacement from the rest with probability ``softmax(score / temperature)``
-("Random Possibility Sampling", §5.2), drawn with Gumbel-top-k (exactly successive sampling without replacement).
-Everything else is evicted once; decoding then appends (the official code never evicts again; Algorithm 1's
-re-eviction every ``m`` steps is ``decode_interval``).
+("Random Possibility Sampling", §5.2) by Gumbel-top-k (exactly successive sampling). The rest is evicted once;
+decoding appends (as the official code; Algorithm 1's re-eviction every ``m`` steps is ``decode_interval``).
 
-Implemented as in the paper (§5, Algorithm 1, Table 4) and its official code, with proxy scores re-computed from the
-proxy queries only (the paper's Appx A.7). Choices where the paper is silent or ambiguous:
+As in the paper (§5, Algorithm 1, Table 4) and its official code, proxy scores re-computed from the proxy queries
+only (Appx A.7). Choices where the paper is silent or ambiguous:
 
-- Budget (Table 4). The kept count is ``max(1, floor(ratio * L))`` of the prompt's real tokens (the same count
-  as every other ratio method here) or an explicit ``budget`` in tokens. It is split with the Table 4 shares:
-  protected = ``protect_share`` of it (at least 2: token 0 and the last prompt token), the rest divided between
-  top-k and random by ``random_share`` (e.g. 20 %: 2 % + 6 % + 12 % of the prompt, proxy window 18 %). Deriving
-  the parts from the kept count instead of flooring each Table 4 fraction keeps ``|kept| == budget`` exactly; the
-  parts equal the code's floors whenever those are exact (e.g. L = 3500 at 20 % -> 70/210/420).
-  Ratios outside Table 4 and token budgets use the 20 % row's proportions (10 % protected, 2/3 of the rest
-  random, proxy window 0.9 x the budget). ``preset="official-128k"`` is the official code's 128K setting
-  (1 % protected, 1 % proxy window, 12 % top-k, 7 % random, 256 sinks, no eviction below 2048 tokens).
-- Proxies: the suffix window of Table 4's "No-protect Proxy" size (or ``proxy_tokens``, or
-  ``proxy_span``) only scores; proxies are not kept unless they fall in the protected tail or win a place.
-  Causal proxy attention by default (the rows the model really computed); ``proxy_causal=False`` is the code's.
-- Sum over proxies, temperature 1; GQA: scores of the query heads of a KV group averaged (``gqa_reduce``).
-- Determinism: the Gumbel noise of a token is a hash of (seed, layer, KV head, RoPE position), so every
-  layer and head draws an independent stream, the same seed gives the same sets, and a sequence gets the same draw
-  alone or in a padded batch. Top-k ties go to the earlier token.
-- Proxy scores are computed when the layer compresses, from the buffered post-RoPE proxy queries against the
-  stored keys, in chunks of proxy rows: an ``n_chunk x L`` block per head at a time, never ``L x L`` (the
-  re-computation path of Appx A.7). The buffer holds only the queries that can still be proxies, so a chunked
-  prefill gives exactly the scores of a one-pass prefill.
-- Table 3 ablations: ``random_share=1`` (no proxy top-k part), ``random_share=0`` (no random part),
-  ``sampling="uniform"`` (no probability sampling), ``eviction="greedy"`` (step-by-step: after every forward the
-  same hybrid rule down to ``budget``, scored by the attention accumulated from every query, H2O-like, since the
-  greedy setting has no separate proxy window), ``head_wise=False`` (one selection per layer: scores averaged over
-  heads, one draw, shared by all heads).
-- Not implemented: the paper's literal "proxies always kept" (``∪ P``) variant, which cannot respect the budget.
+- Budget (Table 4): ``max(1, floor(ratio * L))`` of the prompt's real tokens (as every ratio method here) or
+  ``budget`` tokens, split by Table 4's shares: protected = ``protect_share`` of it (at least 2: token 0 and the
+  last prompt token), the rest between top-k and random by ``random_share`` (20 %: 2 % + 6 % + 12 % of the
+  prompt, proxy window 18 %). Parts derived from the kept count (not each fraction floored) keep ``|kept| ==
+  budget`` exactly, equal to the code's floors where those are exact (L = 3500 at 20 % -> 70/210/420). Other
+  ratios and token budgets use the 20 % row's proportions (10 % protected, 2/3 of the rest random, proxy window
+  0.9 x the budget). ``preset="official-128k"``: the code's 128K setting (1 % protected, 1 % proxy window, 12 %
+  top-k, 7 % random, 256 sinks, no eviction below 2048 tokens).
+- Proxies: a suffix window of Table 4's "No-protect Proxy" size (or ``proxy_tokens``, ``proxy_span``), only
+  scoring (kept only in the protected tail or by winning a place). Causal proxy attention by default (the rows
+  the model computed); ``proxy_causal=False`` is the code's.
+- Sum over proxies, temperature 1; GQA: a KV group's query heads' scores averaged (``gqa_reduce``).
+- Determinism: a token's Gumbel noise hashes (seed, layer, KV head, RoPE position): independent streams per layer
+  and head, the same sets for a seed, the same draw alone or in a padded batch. Top-k ties go to the earlier token.
+- Proxy scores are computed when the layer compresses, from the buffered post-RoPE proxy queries, in chunks of
+  ``n_chunk x L`` per head, never ``L x L`` (Appx A.7). The buffer holds only queries that can still be proxies,
+  so a chunked prefill gives a one-pass prefill's scores.
+- Table 3 ablations: ``random_share=1`` (no top-k), ``random_share=0`` (no random part), ``sampling="uniform"``,
+  ``eviction="greedy"`` (after every forward the same hybrid rule down to ``budget``, scored by attention
+  accumulated from every query, H2O-like: no separate proxy window), ``head_wise=False`` (one selection per layer:
+  scores averaged over heads, one draw shared by all heads).
+- Not implemented: the literal "proxies always kept" (``∪ P``) variant, which cannot respect the budget.
 """
 
 from __future__ import annotations
@@ -111,10 +105,8 @@ class NaClConfig(MethodConfig):
         """(protected share of the budget, random share of the rest)."""
         row = self.preset_fractions()
         protect, random = (0.1, 2 / 3) if row is None else (row[0] / (row[0] + row[2] + row[3]), row[3] / sum(row[2:]))
-        return (
-            protect if self.protect_share is None else self.protect_share,
-            random if self.random_share is None else self.random_share,
-        )
+        protect = protect if self.protect_share is None else self.protect_share
+        return protect, (random if self.random_share is None else self.random_share)
 
     def kept_tokens(self, n_tokens: int) -> int:
         if self.budget is not None:

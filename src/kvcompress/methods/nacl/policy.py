@@ -32,14 +32,9 @@ class NaClSplit(NamedTuple):
 
 
 class NaClPolicy(Policy):
-    """One-shot NaCl: buffer the proxy queries during the prefill, score and select once, then append.
-
-    The three phases run under ``torch.profiler`` labels ``kvcompress.nacl.buffer``, ``.scores`` and ``.select``,
-    so a profile shows what NaCl's own work costs inside a prefill.
-
-    A policy belongs to one layer of one cache, so the proxy-query buffer (freed when the layer compresses) and
-    the decode counters live here, beside the layer that owns keys, values and per-token state.
-    """
+    """One-shot NaCl: buffer the proxy queries during the prefill, score and select once, then append. The phases
+    run under ``torch.profiler`` labels ``kvcompress.nacl.buffer``, ``.scores`` and ``.select``. (A policy belongs
+    to one layer of one cache: the proxy-query buffer, freed at compression, and the decode counters live here.)"""
 
     one_shot = True
 
@@ -92,9 +87,7 @@ class NaClPolicy(Policy):
 
     def _proxy_row_mask(self, layer, rows: torch.Tensor) -> torch.Tensor:
         """``[B, n]``: which stream rows are proxy queries of each sequence (before compression: stored == stream).
-
-        A row wanted now may stop being wanted as the prompt grows, never the reverse, so trimming is safe.
-        """
+        A row wanted now may stop being wanted as the prompt grows, never the reverse: trimming is safe."""
         valid = layer.valid[:, 0]
         rank = valid.cumsum(-1) - 1  # rank of each token among the sequence's real tokens
         n_real = valid.sum(-1)
@@ -118,10 +111,8 @@ class NaClPolicy(Policy):
             return self.hybrid_selection(layer, scores, self.splits, event=0)
 
     def proxy_scores(self, layer) -> torch.Tensor:
-        """``[B, H_kv, L]`` float32: per KV head, the summed softmax rows of the proxy queries (Eq. proxy-score).
-
-        Computed in chunks of proxy rows from the buffered queries, so at most ``chunk x L`` logits per head exist.
-        """
+        """``[B, H_kv, L]`` float32: per KV head, the summed softmax rows of the proxy queries (Eq. proxy-score),
+        in chunks of proxy rows (at most ``chunk x L`` logits per head)."""
         rows = self.proxy_rows
         key_visible, key_idx = layer.valid[:, :, None, :], layer.token_idx[:, :, None, :]
 
@@ -133,14 +124,9 @@ class NaClPolicy(Policy):
         mask, weight = visible, self._proxy_row_mask(layer, rows)
         if self.config.proxy_causal and _last_rows_of_a_dense_layer(layer, rows):
             mask, weight = None, None  # plain causal attention of the last rows: only the diagonal block is masked
+        query, keys = self.proxy_query.float(), layer.keys.float()
         parts = chunked_softmax(
-            self.proxy_query.float(),
-            layer.keys.float(),
-            mask,
-            self.proxy_scaling,
-            received=True,
-            row_weight=weight,
-            chunk_elements=PROXY_CHUNK_ELEMENTS,
+            query, keys, mask, self.proxy_scaling, received=True, row_weight=weight, chunk_elements=PROXY_CHUNK_ELEMENTS
         )
         return reduce_groups(parts.received, self.config.gqa_reduce)
 
@@ -182,8 +168,7 @@ class NaClPolicy(Policy):
 
 def _last_rows_of_a_dense_layer(layer, rows: torch.Tensor) -> bool:
     """Whether the proxy ``rows`` are the last stream rows and every slot holds the real token of its own index
-    (no padding, nothing evicted yet): then each proxy sees exactly the keys up to its own. Two host reads, once
-    per layer and compression."""
+    (each proxy then sees exactly the keys up to its own). Two host reads per layer and compression."""
     length = layer.keys.shape[2]
     if not layer.all_valid or rows.numel() == 0 or rows.numel() > length:
         return False
@@ -195,9 +180,7 @@ def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
     """``[B, H_kv, G, L]`` -> ``[B, H_kv, L]`` over the query heads sharing a KV head."""
     if how == "mean":
         return scores.mean(dim=2)
-    if how == "sum":
-        return scores.sum(dim=2)
-    return scores.amax(dim=2)
+    return scores.sum(dim=2) if how == "sum" else scores.amax(dim=2)
 
 
 def descending_rank(values: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,12 @@
-"""PoD attention: this layer's logits on proximal tokens mixed with the block-start layer's logits on distant
-tokens (both exact: one softmax, or the Eq. 4 gate), reading the block start's query and keys lent earlier in the
-same forward (``PoDLayer.step``).
+"""PoD attention: this layer's logits on proximal tokens mixed with the block start's on distant tokens (one
+softmax, or the Eq. 4 gate), reading the block start's query and keys lent earlier in the forward (``PoDLayer.step``).
 
-``pod_attention`` computes the explicit softmax, in query chunks, where statistics, the ``tau`` gate or
-``combine="lse"`` ask for it; otherwise the output comes from fused attention calls (``_fused``), Eq. 4
-literally: one call over the proximal keys with the layer's own logits and one over the distant keys with the
-block start's, each returning its log-sum-exp (the CPU's fused kernel ``FLASH``; elsewhere explicit logits,
-``attention_part``), merged by the gate. ``grouped_attention`` repeats no key per query head (the ring's step; CPU
-forwards when the sharing heads are whole groups), ``two_call_merge`` does (CPU, other layouts); ``mixed_sdpa`` is
-one masked SDPA over keys laid out twice (elsewhere and under autograd). All equal the explicit mixed softmax
-(tests).
+The explicit softmax, in query chunks, where statistics, ``tau`` or ``combine="lse"`` ask for it; else fused calls
+(``_fused``), Eq. 4 literally: one call over the proximal keys with the layer's logits, one over the distant keys
+with the block start's, each with its log-sum-exp (``attention_part``: the CPU's ``FLASH``, elsewhere explicit
+logits), merged by the gate. ``grouped_attention`` repeats no key per query head (the ring's step; CPU forwards
+when the sharing heads are whole groups), ``two_call_merge`` does (CPU, other layouts); ``mixed_sdpa`` is one
+masked SDPA over keys laid out twice (elsewhere, autograd). All equal the explicit mixed softmax (tests).
 """
 
 from __future__ import annotations
@@ -34,8 +31,8 @@ FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", N
 
 
 def _masks(layer: PoDLayer, queries: int, mask: torch.Tensor | None, config, first: int = 0) -> tuple:
-    """Visible, proximal and distant keys ``[B, H_kv or 1, q - first, L]`` of the query rows ``first ..`` (visible:
-    the core's mask, or causal when it passed ``None``)."""
+    """Visible (the core's mask, or causal), proximal and distant keys ``[B, H_kv or 1, q - first, L]`` of the
+    query rows ``first ..``."""
     if mask is not None:
         visible = mask[:, :, first:]
     else:
@@ -67,15 +64,9 @@ def _sources(layer: PoDLayer, layout: QueryLayout, query: torch.Tensor, config) 
     return sources
 
 
-def pod_attention(
-    layer: PoDLayer,
-    query: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float | None,
-    config: PoDConfig,
-    request: StatsRequest,
-) -> tuple[torch.Tensor, AttentionStats | None]:
-    """PoD attention of this forward's queries ``[B, H_q, q, d]`` over the layer's tokens; ``[B, H_q, q, d]``."""
+def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: PoDConfig, request: StatsRequest):
+    """PoD attention of this forward's queries ``[B, H_q, q, d]`` over the layer's tokens: the output ``[B, H_q, q,
+    d]`` and the statistics ``request`` asks for (or None)."""
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = layer.values.shape[1], layer.values.shape[2]
     groups = q_heads // kv_heads
@@ -88,8 +79,7 @@ def pod_attention(
         ring = layer.ring
         near, distant = (ring.keys, layer.ring_values(), ring.bias), ring.distant(length)
         return grouped_attention(layer, layout, query, near, distant, ring.has_distant(length), scale), None
-    # a distant token needs a query at RoPE position n_sink + n_recent or beyond: decided on the host (the merges
-    # below also handle rows that have none)
+    # a distant token needs a query at position n_sink + n_recent or beyond (the merges handle rows without one)
     if not layout.sharing or layer.max_position < config.n_sink + config.n_recent:
         keys, positions = layer.own_keys(), layer.forward_positions
         return layer_attention(query, keys, layer.values, mask, scaling, request, positions, layer.forward_pass)
@@ -154,14 +144,8 @@ def pod_attention(
     return output, stats
 
 
-def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
-    """Whether the output comes from fused kernels: the plain mixed softmax, asked at most for the last rows."""
-    return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
-
-
 def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: float) -> torch.Tensor:
-    """The mixed softmax's output (no statistics) from fused kernels, the forward's shared masks used while the
-    layer holds the stream as it came (``stream_biases``)."""
+    """The mixed softmax's output from fused kernels (the forward's shared masks: ``stream_biases``)."""
     q_heads, queries = query.shape[1], query.shape[2]
     kernel = FLASH is not None and query.device.type == "cpu" and not (torch.is_grad_enabled() and query.requires_grad)
     if kernel and layout.runs is not None:
@@ -181,16 +165,21 @@ def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: flo
     return merge(query, keys_q, value_q, visible_q, proximal, distant, layout.share_idx, sources, scale)
 
 
+def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
+    """Whether the output comes from fused kernels: the plain mixed softmax, asked at most for the last rows."""
+    return config.tau is None and config.combine == "softmax" and not request.received and not request.lse
+
+
 # --- the output from fused attention calls (``_fused``, the ring's step) ------------------------------------------
 class GroupedBiases(NamedTuple):
-    """Additive masks (0 or -inf) of the sharing KV heads, their query heads folded into rows (``G q`` rows, query
-    head ``g`` of a group in rows ``g q .. (g + 1) q - 1``); a leading dimension of 1 is shared."""
+    """Additive masks (0 or -inf) of the sharing KV heads, query head ``g`` of a group in rows ``g q .. (g + 1) q -
+    1``; a leading dimension of 1 is shared."""
 
     prox: torch.Tensor  # [B or 1, S or 1, G q, P]: the stored proximal keys (``prox_slot`` order) each row sees
     dist: torch.Tensor  # [B or 1, S or 1, G q, L]: the distant keys each row sees
     has_distant: torch.Tensor | None  # [B or 1, S or 1, G q] (None: every row has some)
-    # (first, stop): instead, every row sees the distant keys [first, stop) and, from ``stop``, the next q keys
-    # causally (query row i the first i + 1 of them; ``dist`` is then that [.., G q, q] block's mask)
+    # (first, stop): instead every row sees the distant keys [first, stop) and the next q keys causally (``dist``:
+    # that [.., G q, q] block's mask)
     split: tuple[int, int] | None = None
 
 
@@ -216,12 +205,9 @@ def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) ->
 
 
 def stream_biases(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases | None:
-    """The biases of this forward's ``queries`` rows (``[1, 1, G q, ...]``) while ``layer`` holds the stream as it
-    came (``PoDLayer.on_stream``: no token evicted, no padding, positions = stream indices), else None.
-
-    Then every layer and KV head stores token ``i`` at slot ``i`` with position ``i`` and the masks depend on the
-    positions alone: the forward's first sharing layer builds them, the others reuse them (``ForwardPass.cached``),
-    sparing each layer its ``[B, H_kv, q, L]`` masks and float biases."""
+    """The biases ``[1, 1, G q, ...]`` of this forward's rows while ``layer`` holds the stream as it came
+    (``PoDLayer.on_stream``: token ``i`` at slot ``i`` and position ``i`` in every layer and head), else None: the
+    forward's first sharing layer builds them, the others reuse them."""
     if not layer.on_stream or layer.forward_positions is None:
         return None
     config = layer.policy.config
@@ -254,7 +240,7 @@ def _stream(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBias
 
 def attention_part(query, keys, values, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``query`` ``[B, n, R, d]`` over ``keys``/``values`` ``[B, n, L, d]`` under an additive ``mask`` (or
-    None): the output and the log-sum-exp ``[B, n, R]`` (a zero output for a row that sees nothing)."""
+    None): the output (zero for a row that sees nothing) and the log-sum-exp ``[B, n, R]``."""
     if FLASH is not None and query.device.type == "cpu":
         return FLASH(query, keys, values, 0.0, False, attn_mask=mask, scale=scale)
     logits = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale)
@@ -266,8 +252,8 @@ def attention_part(query, keys, values, mask, scale: float) -> tuple[torch.Tenso
 
 
 def gate_merge(o_near, lse_near, o_far, lse_far, has_distant: torch.Tensor | None) -> torch.Tensor:
-    """Eq. 4: ``g o_P + (1 - g) o_D`` with ``g = sigmoid(LSE_P - LSE_D)``; rows without a distant token (False in
-    ``has_distant``; None: there are none) take ``o_P`` (``g = 1``: their distant call saw no key)."""
+    """Eq. 4: ``g o_P + (1 - g) o_D``, ``g = sigmoid(LSE_P - LSE_D)``; rows without a distant token (False in
+    ``has_distant``; None: none) take ``o_P``."""
     if has_distant is not None:
         lse_far = lse_far.masked_fill(~has_distant, -math.inf)
     gate = torch.sigmoid(lse_near - lse_far)[..., None].to(o_near.dtype)
@@ -275,8 +261,7 @@ def gate_merge(o_near, lse_near, o_far, lse_far, has_distant: torch.Tensor | Non
 
 
 def fold_heads(layer, query: torch.Tensor, kind: str, groups: int) -> torch.Tensor:
-    """The query heads of the layer's KV heads of ``kind``, each KV head's ``G`` folded into rows: ``[B, n, G q, d]``
-    (KV head ``g`` serves query heads ``g G .. g G + G - 1``, as ``repeat_kv`` lays them)."""
+    """The query heads of the KV heads of ``kind``, each KV head's ``G`` folded into rows: ``[B, n, G q, d]``."""
     batch, _, queries, dim = query.shape
     run = layer.head_runs[kind]
     if run is not None:
@@ -288,11 +273,10 @@ def fold_heads(layer, query: torch.Tensor, kind: str, groups: int) -> torch.Tens
 
 
 def grouped_attention(layer, layout, query, near, distant, has_distant, scale, full_mask=None, split=None):
-    """The mixed softmax when the sharing heads are whole groups (``layout.runs``), reading the layer's stores as
-    they are: the sharing KV heads' query heads, folded into rows, over ``near`` (their proximal keys, values and
-    additive mask) with their own logits and over the block start's keys under ``distant`` (one call per run of KV
-    heads the block start holds side by side; ``split``: see ``GroupedBiases``), merged by Eq. 4; the block-start
-    KV heads over their full keys under ``full_mask`` (None: causal, or every key for a single query)."""
+    """The mixed softmax when the sharing heads are whole groups (``layout.runs``), from the layer's stores: the
+    sharing heads' queries over ``near`` (proximal keys, values, additive mask) with their own logits and over the
+    block start's keys under ``distant`` (one call per run; ``split``: ``GroupedBiases``), merged by Eq. 4; the
+    block-start KV heads over their full keys under ``full_mask`` (None: causal, or all for a single query)."""
     batch, _, queries, dim = query.shape
     groups = layout.groups
     o_near, lse_near = attention_part(fold_heads(layer, query, "prox", groups), *near, scale)
@@ -327,8 +311,7 @@ def grouped_attention(layer, layout, query, near, distant, has_distant, scale, f
 
 
 def _distant_part(query, keys, values, mask, scale: float, split) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention_part`` over the distant keys; with ``split`` an unmasked call over the keys every row sees and a
-    call over the causal block, merged."""
+    """``attention_part`` over the distant keys (with ``split``: an unmasked call and a causal one, merged)."""
     if split is None:
         return attention_part(query, keys, values, mask, scale)
     first, stop = split
@@ -341,13 +324,11 @@ def _distant_part(query, keys, values, mask, scale: float, split) -> tuple[torch
 
 
 def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
-    """Eq. 4 with keys repeated per query head (``[B, H_q, L, d]``): the block-start heads by plain SDPA, the
-    sharing ones by ``attention_part`` over their proximal and distant keys."""
+    """Eq. 4 with keys repeated per query head (``[B, H_q, L, d]``): block-start heads by SDPA."""
     batch, q_heads, queries, _ = query.shape
     kv_of = share_idx // (q_heads // proximal.shape[1])
-    out = scaled_dot_product_attention(
-        query, keys_q, value_q, attn_mask=visible_q.expand(batch, q_heads, queries, keys_q.shape[2]), scale=scale
-    )
+    mask = visible_q.expand(batch, q_heads, queries, keys_q.shape[2])
+    out = scaled_dot_product_attention(query, keys_q, value_q, attn_mask=mask, scale=scale)
     values = value_q[:, share_idx]
     prox_bias = additive(proximal[:, kv_of], query.dtype)
     o_prox, lse_prox = attention_part(query[:, share_idx], keys_q[:, share_idx], values, prox_bias, scale)
@@ -358,11 +339,10 @@ def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_i
 
 
 def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
-    """The mixed softmax as one fused SDPA call: every key appears twice, once as ``[k_own, 0]`` and once as
-    ``[0, k_start]``, against the query ``[q_own, q_start]``; the mask picks, per (query, key), the own copy for
-    proximal tokens (all visible tokens at block-start heads) and the block-start copy for distant tokens. Values
-    are the layer's own for both copies. Exactly the single softmax over mixed logits, with no ``L x L`` tensor
-    of floats (autograd included)."""
+    """The mixed softmax as one SDPA call: every key twice, ``[k_own, 0]`` and ``[0, k_start]``, against the query
+    ``[q_own, q_start]``, the mask picking per (query, key) the own copy for proximal tokens (all visible ones at
+    block-start heads) and the block-start copy for distant ones; the layer's values for both. No ``L x L`` float
+    tensor (autograd included)."""
     batch, q_heads, queries, dim = query.shape
     length = keys_q.shape[2]
     heads = share_idx.shape[0]
@@ -376,10 +356,6 @@ def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, 
     own_allowed = own_allowed.index_copy(1, share_idx, proximal[:, kv_of].expand(batch, heads, queries, length))
     dist_allowed = torch.zeros_like(own_allowed)
     dist_allowed = dist_allowed.index_copy(1, share_idx, distant[:, kv_of].expand(batch, heads, queries, length))
-    return scaled_dot_product_attention(
-        torch.cat([query, source_query], dim=-1),
-        keys,
-        torch.cat([value_q, value_q], dim=2),
-        attn_mask=torch.cat([own_allowed, dist_allowed], dim=-1),
-        scale=scale,
-    )
+    query, values = torch.cat([query, source_query], dim=-1), torch.cat([value_q, value_q], dim=2)
+    mask = torch.cat([own_allowed, dist_allowed], dim=-1)
+    return scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)

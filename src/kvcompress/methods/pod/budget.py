@@ -1,14 +1,12 @@
-"""PoD at a budget: how many tokens the composed token selection keeps so that the KV bytes meet the request, the
-groupings shipped with the package, and the achieved bytes against the request.
+"""PoD at a budget: the tokens the composed selection keeps so that the KV bytes meet the request, the shipped
+groupings, and the achieved bytes.
 
-A request is a ``ratio`` of the full cache's KV bytes or a ``budget`` of KV bytes per layer and KV head counted in
-full tokens (one token = its key and its value). PoD stores every kept token's value, and its key only at
-block-start (layer, KV head) pairs (a share ``k`` of them, from the block layout) and, elsewhere, for the ``P =
-n_sink + n_recent`` proximal tokens. Keeping ``m`` tokens per layer and KV head therefore costs, on average,
-``m + k*m + (1 - k)*min(m, P)`` half-tokens; the request ``T`` tokens (``budget``, or ``ratio * n`` of an
-``n``-token prompt) allows ``2T``, so ``m = T`` when ``T <= P`` and ``m = (2T - (1 - k) P) / (1 + k)`` otherwise
-(rounded down, at most ``n``). The proximal keys are an upper bound (a kept token is proximal only if it is a sink
-or recent), so the achieved bytes are at most the request.
+A request is a ``ratio`` of the full cache's KV bytes or a ``budget`` per layer and KV head in full tokens (key and
+value). PoD stores every kept token's value, and its key at block-start (layer, KV head) pairs (a share ``k``) and
+elsewhere for the ``P = n_sink + n_recent`` proximal tokens: ``m`` tokens kept cost on average ``m + k*m + (1 -
+k)*min(m, P)`` half-tokens. A request of ``T`` tokens (``budget``, or ``ratio * n``) allows ``2T``: ``m = T`` when
+``T <= P``, else ``m = (2T - (1 - k) P) / (1 + k)`` (rounded down, at most ``n``). The proximal keys are an upper
+bound (a kept token is proximal only if a sink or recent): the achieved bytes are at most the request.
 """
 
 from __future__ import annotations
@@ -41,10 +39,8 @@ def kept_for_request(target: torch.Tensor, n_real: torch.Tensor, key_share: floa
 
 
 def budget_report(cache) -> dict[str, float]:
-    """Achieved KV bytes against the request and against the full cache, for a PoD cache given ``ratio``/``budget``.
-
-    ``full_bytes``: keys and values of every token seen, in every layer and KV head; ``requested_bytes``: ``ratio``
-    of that, or ``budget`` full tokens per layer and KV head (per sequence)."""
+    """Achieved KV bytes against the request and the full cache (``full_bytes``: every token seen, every layer and
+    KV head; ``requested_bytes``: ``ratio`` of that, or ``budget`` full tokens per layer and KV head)."""
     config = cache.config
     layers = cache.compressed_layers
     first = layers[0].values  # [B, H_kv, L, d]

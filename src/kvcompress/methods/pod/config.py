@@ -1,67 +1,60 @@
 """PoD, Proximal tokens over Distant tokens (Ma et al., 2024, arXiv:2412.02252): distant-token attention shared
 across layers, proximal tokens exact.
 
-Idea. Each query attends to *proximal* tokens (the first ``n_sink`` tokens and the ``n_recent`` most recent ones,
-itself included) with its layer's own logits, and to *distant* tokens (everything in between) with the logits of
-the lowest layer of its block: consecutive layers whose attention is similar (measured offline, grouped by
-Algorithm 1, ``kvcompress.methods.pod.grouping``) form a block per head. Values are always the layer's own. So the keys
-of distant tokens are needed only at block-start layers: every layer stores values for all tokens and keys for its
-proximal tokens; block-start layers also keep distant keys. At a block start (and in every singleton block) the
-split is an identity and attention is exactly dense. The two parts are joined exactly: one softmax over the mixed
-logits, or the paper's two-part gate ``g = sigmoid(LSE_P - LSE_D)`` (Eq. 4), selectable with ``combine``.
+Each query attends to *proximal* tokens (the first ``n_sink`` and the ``n_recent`` most recent, itself included)
+with its layer's own logits, and to *distant* tokens (those between) with the logits of the lowest layer of its
+block: consecutive layers of similar attention (measured offline, grouped by Algorithm 1, ``grouping``) form a
+block per head. Values are always the layer's own, so distant keys are kept only at block-start layers. At a block
+start (and in a singleton block) attention is exactly dense. The two parts are joined exactly: one softmax over the
+mixed logits, or the paper's gate ``g = sigmoid(LSE_P - LSE_D)`` (Eq. 4), chosen by ``combine``.
 
-Implemented as in the paper: attention within a block (Eq. 3-4), the cache layout and decoding of its efficient
-inference, the τ gate. Choices where the paper is silent or ambiguous:
+As in the paper: attention within a block (Eq. 3-4), its efficient inference's cache layout and decoding, the τ
+gate. Choices where the paper is silent or ambiguous:
 
-- v1 (``query_source="block_start"``, default, Eq. 3 of the paper's first version): distant logits are the block
-  start's query times the block start's keys; v2 (``"own"``, the revised paper): this layer's query times the block
-  start's keys.
+- v1 (``query_source="block_start"``, default, Eq. 3 of the first version): distant logits are the block start's
+  query times its keys; v2 (``"own"``, the revised paper): this layer's query times the block start's keys.
 - Groups per KV head by default (``grouping="kv_head"``, similarity averaged over its query heads): only then does
-  every layer of a block really drop a KV head's distant keys. ``"query_head"`` is the paper's literal per-head
-  reading; a KV head then keeps its distant keys at a layer that starts a block for any of its query heads.
-- Token groups use RoPE positions (left padding is not counted): proximal ``j`` for query ``i`` iff
-  ``pos_j < n_sink`` or ``pos_i - pos_j < n_recent`` (the recent window includes the query itself).
-  After each forward a non-start KV head keeps the keys of its sinks and of the last ``n_recent`` tokens, so the
-  stored bytes equal the memory formula ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s - n_r)*d`` exactly.
-- τ gate: at query heads that are not block starts, a row with distant tokens whose gate
-  ``g >= tau`` attends to its proximal tokens only; rows skipped / rows eligible are counted (``cache.pod_stats``).
-- Composition with token selection (PoD + SnapKV as in the paper's Table 1; how is not stated): ``base`` is any method
-  config; its policy scores and selects tokens at the block-start layer of each KV head and every other layer of
-  the block keeps the same tokens, so a kept distant token has its key at the block start and its value
-  everywhere. The savings compose multiplicatively, as the paper's Table 4 does. The victims of the base's rule
-  are chosen as every method's are (the lowest scores, the older token first among equal scores, this forward's
-  tokens kept while the rule leaves room for them: ``kvcompress.core.eviction``).
-- Computation: distant logits at a non-start layer come from the block start's query and keys, held for one forward
+  every layer of a block drop a KV head's distant keys. ``"query_head"`` is the paper's literal per-head reading; a
+  KV head then keeps its distant keys at a layer that starts a block for any of its query heads.
+- Token groups by RoPE position (left padding not counted): ``j`` is proximal for query ``i`` iff ``pos_j <
+  n_sink`` or ``pos_i - pos_j < n_recent``. After each forward a non-start KV head keeps the keys of its sinks and
+  last ``n_recent`` tokens, so the stored bytes are exactly ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s -
+  n_r)*d``.
+- τ gate: at non-start query heads, a row with distant tokens whose ``g >= tau`` attends to its proximal tokens
+  only; rows skipped / rows eligible are counted (``pod_stats``).
+- Composition with token selection (PoD + SnapKV, the paper's Table 1; how is not stated): ``base`` is any method
+  config; its policy selects tokens at each KV head's block-start layer and the block's other layers keep the same
+  tokens (a kept distant token: its key at the block start, its value everywhere), so the savings multiply as in
+  Table 4. Victims are chosen as every method's are (``kvcompress.core.eviction``).
+- Computation: a non-start layer's distant logits use the block start's query and keys held for one forward
   (copied only where the block start evicts in it); layers whose query heads all start a block, and forwards with no
   distant token, run plain SDPA. Every path equals the one softmax over the mixed logits (tests): an explicit
   softmax in query chunks where statistics, ``tau`` or ``combine="lse"`` ask for it, else fused attention calls
-  joined by Eq. 4 (``kvcompress.methods.pod.attention``). While decoding one token per forward without padding (default
-  ``combine``, no ``tau``) the proximal keys live in a ring written in place (``kvcompress.methods.pod.ring``; the
-  ring also keeps a copy of its entries' values, counted as metadata), and each decoding token's position is then
-  taken to be one past the previous one's (what ``generate`` gives). The saving reproduced is memory; the paper's
-  compute saving (reusing the block start's softmax) was tried on the CPU and not kept: multiplying the reused
-  probabilities by each layer's values cost what the fused calls did.
+  joined by Eq. 4 (``attention``). Decoding one token per forward without padding (default ``combine``, no
+  ``tau``), the proximal keys live in a ring written in place (``ring``; it keeps a copy of its entries' values,
+  counted as metadata), each decoding token taken to be one position past the previous one (what ``generate``
+  gives). The saving reproduced is memory; the paper's compute saving (reusing the block start's softmax) was
+  tried on the CPU and not kept: multiplying the reused probabilities by each layer's values cost what the fused
+  calls did.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
-- Default grouping: with no ``similarity``, ``starts`` or ``block_size``, the calibration shipped for the model
-  (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: 16 x 1024 Gutenberg tokens, ``python -m
-  kvcompress.train.pod_calibrate --samples 16 --length 1024``) grouped by Algorithm 1 at ``delta``.
-  ``similarity`` also takes a shipped name (``"smollm2-135m"``).
-- Sliding-window layers of hybrid models (Gemma-3's local layers; the paper's models have none) store at most their
-  window, like every method's sliding layers (the last ``window - 1`` tokens between forwards, what transformers'
-  sliding layers keep), and share only with layers of their own kind: each block is split by layer kind (sliding
-  window, or global), each part sharing from its first layer (``grouping.split_by_kind``). Why: a sliding layer
-  keeps no key older than its window, so it cannot lend distant keys to a global layer, and a global layer's keys
-  would be read at slots a sliding layer no longer has; two sliding layers keep the same tokens, so they can.
-  Every part of a complete-linkage block is still one (all its pairs were similar). On a sliding layer a token
-  is distant only between ``n_recent`` and the window: with the paper's ``n_recent`` (4080) above Gemma-3's
-  windows (512 or 1024) sliding layers are exact and only global layers save keys.
-- Budgets (``ratio`` or ``budget``, in KV bytes, ``kvcompress.methods.pod.budget``): PoD alone saves at most half
-  the bytes (keys only), so a request is met by composing with SnapKV (the paper's Table 1), window 32, once after
-  the prompt: the tokens kept per layer and KV head follow from the block layout's share of stored keys and the
-  proximal window (``n_recent`` defaults to 64 then, instead of the paper's 4080 for 32K contexts), so that the
-  stored bytes are at most the request; ``budget_report(cache)`` gives achieved bytes against it.
-- Quantized storage (``kv_bits`` below 16, ``kvcompress.methods.pod.quantized``): the slots' values and the
-  block-start heads' keys in KIVI codes, the proximal keys exact, PoD's attention over the dequantized view.
+- Default grouping (no ``similarity``, ``starts`` or ``block_size``): the calibration shipped for the model
+  (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: ``python -m kvcompress.train.pod_calibrate
+  --samples 16 --length 1024``, Gutenberg tokens) grouped by Algorithm 1 at ``delta``; ``similarity`` also takes a
+  shipped name (``"smollm2-135m"``).
+- Sliding-window layers of hybrid models (Gemma-3's; none in the paper) store at most their window, as every
+  method's do, and share only with layers of their kind: each block is split by kind (sliding window, or global),
+  each part sharing from its first layer (``grouping.split_by_kind``): a sliding layer keeps no key older than its
+  window, so it cannot lend distant keys to a global layer, and a global layer's keys would be read at slots a
+  sliding layer no longer has; two sliding layers keep the same tokens. Each part of a complete-linkage block is
+  still one. On a sliding layer a token is distant only between ``n_recent`` and the window (the paper's
+  ``n_recent``, 4080, exceeds Gemma-3's windows: sliding layers are then exact).
+- Budgets (``ratio`` or ``budget``, in KV bytes, ``budget``): PoD alone saves at most half the bytes (keys only),
+  so a request is met by composing with SnapKV (Table 1), window 32, once after the prompt, keeping per layer and
+  KV head the tokens that the block layout's share of stored keys and the proximal window allow (``n_recent``
+  defaults to 64 then, instead of the paper's 4080 for 32K contexts); ``budget_report(cache)`` gives the achieved
+  bytes.
+- Quantized storage (``kv_bits`` below 16, ``quantized``): slot values and block-start keys in KIVI codes, the
+  proximal keys exact, PoD's attention over the dequantized view.
 """
 
 from __future__ import annotations
@@ -110,9 +103,7 @@ class PoDPolicy(Policy):
             self.base.observe(layer, stats)
 
     def select(self, layer):
-        if self.base is None:
-            return None
-        return layer.block_selection(self.base)
+        return None if self.base is None else layer.block_selection(self.base)
 
     def attend(self, layer, query, key, value, mask, scaling):
         # a one-shot base (SnapKV) that already compressed needs no statistics: decoding takes the fused path
@@ -122,11 +113,8 @@ class PoDPolicy(Policy):
 
 @dataclass(frozen=True)
 class PoDConfig(MethodConfig):
-    """PoD: proximal tokens per layer, distant-token attention shared within calibrated layer blocks.
-
-    Give the blocks as one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``, or
-    none for the grouping shipped for the model; ``ratio``/``budget`` (KV bytes) compose with SnapKV to meet them.
-    """
+    """PoD. Blocks: one of ``similarity`` (+ ``delta`` or ``target_saving``), ``starts`` or ``block_size``, or none
+    (the grouping shipped for the model); ``ratio``/``budget`` (KV bytes) compose with SnapKV to meet them."""
 
     similarity: str | None = None  # pod-calibrate file (per-head 1-JS layer similarity) to run Algorithm 1 on
     delta: float = 0.5  # Algorithm 1 threshold: a layer joins a block if sim >= delta with every member (paper 0.5)
@@ -187,7 +175,7 @@ class PoDConfig(MethodConfig):
 
     @property
     def budgeted(self) -> bool:
-        """Whether the config was given a ratio or budget (its SnapKV keeps the count ``budget.py`` plans)."""
+        """Whether a ratio or budget was given (its SnapKV keeps the count ``budget`` plans)."""
         return self.ratio is not None or self.budget is not None
 
     def layer_class(self) -> type[PoDLayer]:

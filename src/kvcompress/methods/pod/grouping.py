@@ -1,19 +1,17 @@
 """PoD layer grouping (Algorithm 1 of arXiv:2412.02252) and the arithmetic of the KV memory it saves.
 
-Input: a per-head inter-layer similarity ``sim[h, a, b]`` in ``[0, 1]`` (``1 - JS``, written by
-``kvcompress.train.pod_calibrate``). Algorithm 1 walks the layers bottom-up, per head: layer 0 opens the first block;
-layer ``l`` joins the current block iff ``sim[h, l, m] >= delta`` for **every** member ``m`` of it (complete linkage),
-otherwise it opens a new block. Blocks are contiguous and partition the layers. What the cache and the attention
-need is ``starts[l][h]``: the lowest layer of the block holding layer ``l`` for head ``h``.
+Input: a per-head inter-layer similarity ``sim[h, a, b]`` in ``[0, 1]`` (``1 - JS``, from
+``kvcompress.train.pod_calibrate``). Algorithm 1 walks the layers bottom-up per head: layer 0 opens the first block;
+layer ``l`` joins the current block iff ``sim[h, l, m] >= delta`` for **every** member ``m`` (complete linkage), else
+opens a new one. The cache needs ``starts[l][h]``: the lowest layer of the block holding layer ``l`` for head ``h``.
 
 Savings (keys only; values are stored in every layer), ``B`` = number of (layer, KV head) pairs that keep their
 distant keys, ``D = max(0, n - n_sink - n_recent)``::
 
     saving(n) = (L * H_kv - B) * D / (2 * L * H_kv * n)        saving(inf) = (1 - B / (L * H_kv)) / 2
 
-With per-query-head grouping under GQA, a KV head keeps its distant keys at layer ``l`` iff ``l`` starts a block
-for *any* of its query heads, which is how ``B`` is counted here. ``python -m kvcompress.train.pod_blocks`` prints
-the blocks and savings of a calibration file.
+With per-query-head grouping under GQA a KV head keeps its distant keys at layer ``l`` iff ``l`` starts a block for
+*any* of its query heads (how ``B`` is counted). ``python -m kvcompress.train.pod_blocks`` prints a file's blocks.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ Starts = tuple[tuple[int, ...], ...]  # [layer][head] -> lowest layer of the hea
 
 
 def group_layers(sim: torch.Tensor, delta: float) -> list[list[list[int]]]:
-    """Algorithm 1 on ``sim`` ``[H, L, L]`` (only ``sim[h, l, m]`` with ``m < l`` is read): per head, its blocks,
-    each a list of consecutive layers."""
+    """Algorithm 1 on ``sim`` ``[H, L, L]`` (``m < l`` read): per head, its blocks of consecutive layers."""
     sim = torch.as_tensor(sim, dtype=torch.float64)
     if sim.dim() != 3 or sim.shape[1] != sim.shape[2]:
         raise ValueError(f"sim must have shape [heads, layers, layers]; got {tuple(sim.shape)}")
@@ -52,7 +49,7 @@ def group_layers(sim: torch.Tensor, delta: float) -> list[list[list[int]]]:
 
 
 def block_starts(blocks: Sequence[Sequence[Sequence[int]]]) -> Starts:
-    """``starts[l][h]`` (lowest layer of the block of layer ``l`` for head ``h``) from per-head block lists."""
+    """``starts[l][h]`` from per-head block lists."""
     layers = sum(len(block) for block in blocks[0])
     starts = [[0] * len(blocks) for _ in range(layers)]
     for h, head_blocks in enumerate(blocks):
@@ -60,21 +57,6 @@ def block_starts(blocks: Sequence[Sequence[Sequence[int]]]) -> Starts:
             for layer in block:
                 starts[layer][h] = block[0]
     return tuple(tuple(row) for row in starts)
-
-
-def blocks_from_starts(starts: Starts) -> list[list[list[int]]]:
-    """Inverse of ``block_starts`` (for contiguous blocks)."""
-    heads = len(starts[0])
-    result = []
-    for h in range(heads):
-        blocks: list[list[int]] = []
-        for layer, row in enumerate(starts):
-            if row[h] == layer:
-                blocks.append([layer])
-            else:
-                blocks[-1].append(layer)
-        result.append(blocks)
-    return result
 
 
 def uniform_starts(layers: int, heads: int, block_size: int) -> Starts:
@@ -100,8 +82,8 @@ def check_starts(starts: Starts, layers: int | None = None) -> None:
 
 
 def split_by_kind(starts: Starts, kinds: Sequence[object]) -> Starts:
-    """``starts`` with every block split by layer kind (``kinds[l]``: its sliding window or ``None``), the layers of
-    one kind in a block sharing from its first layer of that kind (the choice is stated in ``PoDConfig``)."""
+    """``starts`` with every block split by layer kind (``kinds[l]``: sliding window or ``None``), each part
+    sharing from its first layer (the choice: ``config``)."""
 
     def new_start(layer: int, head: int) -> int:
         start = starts[layer][head]
@@ -127,11 +109,9 @@ def kv_key_rows(starts: Starts, kv_heads: int | None = None) -> int:
 def kv_saving(
     starts: Starts, n: int | None, n_sink: int, n_recent: int, kv_heads: int | None = None
 ) -> tuple[float, float]:
-    """``(saving(n), saving(inf))``: the fraction of dense KV bytes PoD saves at length ``n`` (``nan`` for ``None``)
+    """``(saving(n), saving(inf))``: the fraction of dense KV bytes saved at length ``n`` (``nan`` for ``None``)
     and asymptotically; ``kv_heads`` is needed when ``starts`` is per query head."""
-    layers = len(starts)
-    kv_heads = len(starts[0]) if kv_heads is None else kv_heads
-    total = layers * kv_heads
+    total = len(starts) * (len(starts[0]) if kv_heads is None else kv_heads)
     kept = kv_key_rows(starts, kv_heads)
     asymptotic = 0.5 * (1 - kept / total)
     if n is None:
@@ -140,31 +120,20 @@ def kv_saving(
     return (total - kept) * distant / (2 * total * n), asymptotic
 
 
-def kv_elements(starts: Starts, n: int, n_sink: int, n_recent: int, head_dim: int, kv_heads: int | None = None) -> int:
-    """Stored key + value elements of one sequence of ``n`` tokens under PoD (the memory formula above, with values)."""
-    layers = len(starts)
-    kv_heads = len(starts[0]) if kv_heads is None else kv_heads
-    kept = kv_key_rows(starts, kv_heads)
-    distant = max(0, n - n_sink - n_recent)
-    values = layers * kv_heads * n * head_dim
-    keys = layers * kv_heads * min(n, n_sink + n_recent) * head_dim + kept * distant * head_dim
-    return values + keys
-
-
-def head_similarity(sim_file: dict, grouping: str, kv_heads: int | None = None) -> torch.Tensor:
+def head_similarity(sim_file: dict, grouping: str) -> torch.Tensor:
     """The similarity tensor to group on: per query head, or averaged over the query heads of each KV head."""
     sim = torch.as_tensor(sim_file["sim"], dtype=torch.float64)  # [H_q, L, L]
     if grouping == "query_head":
         return sim
     if grouping != "kv_head":
         raise ValueError(f"grouping must be kv_head or query_head; got {grouping!r}")
-    kv_heads = int(sim_file.get("kv_heads", kv_heads or sim.shape[0]))
+    kv_heads = int(sim_file.get("kv_heads", sim.shape[0]))
     return sim.view(kv_heads, sim.shape[0] // kv_heads, *sim.shape[1:]).mean(dim=1)
 
 
 def delta_for_saving(sim: torch.Tensor, target: float, kv_heads: int | None = None) -> float:
-    """The largest ``delta`` whose grouping saves at least ``target`` asymptotically (``saving(inf)``): every
-    similarity value is tried (the grouping changes only there, and its block count need not be monotone)."""
+    """The largest ``delta`` whose grouping saves at least ``target`` (``saving(inf)``): every similarity value is
+    tried (the grouping changes only there, not monotonically)."""
     if not 0 <= target < 0.5:
         raise ValueError(f"target_saving must be in [0, 0.5) (keys only: at most half the KV bytes); got {target!r}")
     values = sorted(set(torch.as_tensor(sim, dtype=torch.float64).flatten().tolist()), reverse=True)

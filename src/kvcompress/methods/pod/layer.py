@@ -1,12 +1,10 @@
-"""PoD's cache layer (the method and its choices: ``kvcompress.methods.pod.config``).
+"""PoD's cache layer (the method and its choices: ``config``).
 
-A slot layer whose slots hold every token's value for every KV head but keys only for the KV heads that start a
-block at this layer (``SlotBuffers.key_heads``); the other KV heads keep the keys of their proximal tokens (sinks +
-recent window) packed beside the slots (``prox_keys``, each entry's slot in ``prox_slot``, -1 for none), or in a
-ring while decoding (``kvcompress.methods.pod.ring``). The slots stay dense (stream order): an eviction compacts at
-once and the packed proximal keys follow their tokens. A base method's victims are chosen by the core's one path
-(``kvcompress.core.eviction.victims_of_rule``) at each KV head's block-start layer, and every layer of the block
-drops the same slots (``block_selection``).
+Slots hold every KV head's values but keys only for the KV heads starting a block here (``SlotBuffers.key_heads``);
+the other KV heads keep their proximal tokens' keys packed beside the slots (``prox_keys``, each entry's slot in
+``prox_slot``, -1: none), or in a ring while decoding (``ring``). The slots stay dense in stream order: an eviction
+compacts at once, the packed proximal keys following. A base method's victims are chosen at each KV head's
+block-start layer (``core.eviction.victims_of_rule``), and the block's layers drop the same slots.
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ from kvcompress.methods.pod.ring import ProximalRing
 
 @dataclass
 class PoDStep:
-    """What a layer lends the later layers of its blocks during one forward: its positioned query and the keys of
-    its full-key KV heads (row ``full_pos[g]`` for KV head ``g``)."""
+    """What a layer lends its blocks' later layers for one forward: its query and its full-key KV heads' keys (row
+    ``full_pos[g]`` for KV head ``g``)."""
 
     query: torch.Tensor  # [B, H_q, q, d]
     keys: torch.Tensor  # [B, F, L, d]
@@ -36,8 +34,8 @@ class PoDStep:
 
 @dataclass
 class BlockEviction:
-    """What the layers of a block drop, decided per KV head at its block-start layer: ``dropped`` ``[B, H_kv, W]``
-    slots are freed; ``invalid`` ones (a sequence keeping fewer than the longest) stay stored but no longer count."""
+    """What a block's layers drop, per KV head as its block start decided: ``dropped`` ``[B, H_kv, W]`` slots are
+    freed; ``invalid`` ones (a sequence keeping fewer than the longest) stay stored but no longer count."""
 
     dropped: torch.Tensor | None
     invalid: torch.Tensor | None
@@ -45,9 +43,8 @@ class BlockEviction:
 
 @dataclass(frozen=True)
 class QueryLayout:
-    """A layer's query heads, fixed for the cache's life: each one's block start, those sharing from another layer
-    and, when every sharing KV head shares all its query heads from one block start (then the sharing KV heads are
-    those keeping proximal keys only), the runs of them the block start holds side by side."""
+    """A layer's query heads: each one's block start, those sharing from another layer and, when every sharing KV
+    head shares all its query heads from one block start, the runs of them the block start holds side by side."""
 
     groups: int  # query heads per KV head
     starts: tuple[int, ...]  # block start per query head
@@ -58,10 +55,10 @@ class QueryLayout:
 
 
 class PoDLayer(CompressedLayer):
-    """PoD's slot layer: ``values`` ``[B, H, L, d]``, ``keys`` ``[B, F, L, d]`` (the F KV heads starting a block
-    here), ``prox_keys`` ``[B, H - F, P, d]`` (the others' proximal keys)."""
+    """``values`` ``[B, H, L, d]``, ``keys`` ``[B, F, L, d]`` (the F KV heads starting a block here),
+    ``prox_keys`` ``[B, H - F, P, d]`` (the others' proximal keys)."""
 
-    # views of the occupied slots, set whenever the slots change (``_new_views``): reading them runs no Python
+    # views of the occupied slots, set whenever the slots change (``_new_views``)
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
@@ -91,7 +88,6 @@ class PoDLayer(CompressedLayer):
         self.peers, self.index, self.head_starts = peers, index, tuple(head_starts)
         self._releases = None
 
-    # --- storage -------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         kv_heads = key_states.shape[1]
@@ -117,11 +113,8 @@ class PoDLayer(CompressedLayer):
         self.is_initialized = True
         self._new_views()
 
-    def empty_slots(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, key_heads: torch.Tensor | None
-    ) -> SlotBuffers:
-        """Empty slots for the values of every KV head and the keys ``key_states`` ``[B, F, q, d]`` of the heads
-        ``key_heads`` (None: every head's)."""
+    def empty_slots(self, key_states, value_states, key_heads: torch.Tensor | None) -> SlotBuffers:
+        """Empty slots: values of every KV head, keys of ``key_heads`` (None: every head)."""
         slots = SlotBuffers.empty(value_states, value_states)  # (bookkeeping for every KV head)
         slots.tensors["keys"] = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1])
         slots.key_heads = key_heads
@@ -167,8 +160,7 @@ class PoDLayer(CompressedLayer):
         return self.layout
 
     def head_index(self, heads: list[int]) -> torch.Tensor:
-        """``heads`` as a device tensor, made once per layer (a copy from host memory in every forward would make
-        the host wait for the GPU's queue)."""
+        """``heads`` as a device tensor, made once (a copy from the host each forward would wait for the GPU)."""
         key = tuple(heads)
         if key not in self._head_index:
             self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
@@ -182,9 +174,8 @@ class PoDLayer(CompressedLayer):
         return step
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write the new tokens' values, and their keys where this layer keeps them, into the slots (the proximal
-        keys beside them); return this step's keys (tagged with the layer) and all values. PoD's attention reads
-        the layer's stores directly."""
+        """Store the new tokens (values; keys where kept; proximal keys beside); return this step's keys (tagged
+        with the layer) and all values (PoD's attention reads the stores directly)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[2]
@@ -251,9 +242,8 @@ class PoDLayer(CompressedLayer):
             self._write_ring(position_ids)
 
     def end_forward(self) -> None:
-        """A block start's step goes after the last layer reading it (over quantized slots its keys are a
-        dequantized copy: the forward then holds only the copies its later layers still read); after the forward's
-        last layer every layer lets go of the rest of what it lent."""
+        """A block start's step goes after the last layer reading it (over quantized slots, a dequantized copy);
+        after the forward's last layer every layer lets go of what it lent."""
         super().end_forward()
         if not self.peers:
             return
@@ -285,8 +275,8 @@ class PoDLayer(CompressedLayer):
         return tensor[:, self.full_heads if kind == "full" else self.prox_heads]
 
     def own_keys(self) -> torch.Tensor:
-        """A transient ``[B, H_kv, L, d]`` key tensor: full keys where stored, proximal keys at their slots, zeros
-        elsewhere (distant slots, never read with this layer's logits at this head); no copy if all are stored."""
+        """``[B, H_kv, L, d]``: full keys where stored, proximal keys at their slots, zeros elsewhere (never read
+        with this layer's logits); no copy if all are stored."""
         batch, heads, length, dim = self.values.shape
         if self.head_runs["full"] == (0, heads):
             return self.keys
@@ -301,7 +291,7 @@ class PoDLayer(CompressedLayer):
         return out
 
     def _pack_proximal(self, keep: torch.Tensor, slot: torch.Tensor) -> None:
-        """Keep the proximal entries marked in ``keep`` ``[B, H - S, P]`` (stream order), re-packed to the max count."""
+        """Keep the proximal entries ``keep`` ``[B, H - S, P]``, re-packed to the max count."""
         fewest = count = 0
         if keep.numel():  # one host read (the packed width is a shape): both counts in one number
             counts, width = keep.sum(-1), keep.shape[-1] + 1
@@ -343,9 +333,8 @@ class PoDLayer(CompressedLayer):
         self.leave_ring()
 
     def compact(self, shrink: bool = False) -> None:
-        """Gather the kept tokens to the front; the packed proximal keys follow them (the slots are in stream order
-        before a compaction, so a kept token's new slot is the count of kept tokens before it). Keys this layer
-        lends to later layers in the same forward (``step``) are copied first: compaction writes in place."""
+        """Gather the kept tokens to the front, the packed proximal keys following (a kept token's new slot: the
+        kept tokens before it). Keys lent for this forward (``step``) are copied first: compaction is in place."""
         if self.slots is not None and not self.dense:
             self.leave_ring()
             self.on_stream = False
@@ -361,8 +350,7 @@ class PoDLayer(CompressedLayer):
         self._new_views()
 
     def block_selection(self, base: Policy) -> BlockEviction | None:
-        """The base method's eviction, per KV head taken from the head's block-start layer (decided there earlier
-        in the same forward), so a block keeps one token set per KV head."""
+        """The base method's eviction, per KV head as its block-start layer decided it earlier in this forward."""
         kv_heads = self.rows[1]
         groups = len(self.head_starts) // kv_heads
         starts = [self.head_starts[g * groups] for g in range(kv_heads)]
@@ -386,9 +374,8 @@ class PoDLayer(CompressedLayer):
         return self.last_eviction
 
     def _own_eviction(self, base: Policy) -> BlockEviction | None:
-        """This block-start layer's eviction under ``base``: the victims of a ``Keep`` rule (the core's one victim
-        path), or the slots a ``KeepMask`` or ``Selection`` leaves out. With ``ratio``/``budget`` the base keeps
-        the count ``pod.budget`` plans."""
+        """This block start's eviction under ``base``: a ``Keep`` rule's victims, or the slots a ``KeepMask`` or
+        ``Selection`` leaves out (with ``ratio``/``budget``, keeping the count ``budget`` plans)."""
         config, keep = self.policy.config, {}
         if config.budgeted:
             n_real = self.valid.sum(-1).amax(1)
@@ -411,8 +398,8 @@ class PoDLayer(CompressedLayer):
 
     # --- the proximal keys in a ring while decoding (``ring.py``) ------------------------------------------------
     def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
-        """Whether this forward's new key goes to the ring: one token, no padding, a global layer, no statistics
-        asked, no autograd, and past the first distant position (decided on the host)."""
+        """Whether the new key goes to the ring: one token, no padding, a global layer, no statistics asked, no
+        autograd, past the first distant position."""
         config = self.policy.config
         return (
             count == 1
@@ -442,11 +429,11 @@ class PoDLayer(CompressedLayer):
         self.ring.advance(key, self.heads_of(self.values, "prox").narrow(2, length - 1, 1), length - 1, length)
 
     def ring_values(self) -> torch.Tensor:
-        """``[B, S, W, d]``: the values of the ring's entries as attention reads them (the ring's copy)."""
+        """``[B, S, W, d]``: the ring entries' values (the ring's copy)."""
         return self.ring.values
 
     def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
-        """The new token's position if every row has the same (one host read per forward), else None."""
+        """The new token's position if every row has the same (one host read per forward)."""
 
         def read() -> int | None:
             positions = position_ids[..., -1]
@@ -457,7 +444,7 @@ class PoDLayer(CompressedLayer):
         return self.forward_pass.cached("pod-decoding-position", read)
 
     def leave_ring(self) -> None:
-        """Turn the ring back into the packed proximal keys (before anything else reads or moves them)."""
+        """Turn the ring back into the packed proximal keys."""
         if self.ring is not None:
             self._settle()
             held = self.ring.bias[:, :, 0] == 0
@@ -465,8 +452,8 @@ class PoDLayer(CompressedLayer):
             self.ring = None
 
     def _settle(self) -> None:
-        """Write the ring steps' bookkeeping into their slots (the last ``_pending`` ones): stream indices, positions
-        consecutive from the first one's, all real. (PoD compacts at once: no evicted slot waits for a token.)"""
+        """Write the ring steps' bookkeeping into the last ``_pending`` slots: stream indices, consecutive positions,
+        all real (PoD compacts at once: no evicted slot waits)."""
         self._stale = False
         count, self._pending = self._pending, 0
         if not count:
@@ -504,7 +491,7 @@ class PoDLayer(CompressedLayer):
             self.prox_keys, self.prox_slot = move(self.prox_keys), move(self.prox_slot)
 
     def _proximal_nbytes(self, metadata: bool = False) -> int:
-        """The packed proximal keys, or with ``metadata`` their slots (the ring's bookkeeping while it lives)."""
+        """The packed proximal keys, or their slots (``metadata``; the ring's bookkeeping while it lives)."""
         if metadata and self.ring is not None:
             return self.ring.metadata_nbytes()
         tensor = self.prox_slot if metadata else self.prox_keys
@@ -531,7 +518,7 @@ def _run(heads: list[int]) -> tuple[int, int] | None:
 
 
 def pod_stats(cache) -> dict[str, float]:
-    """τ-gate counters of a PoD cache: rows skipped, rows eligible (non-start heads with distant tokens), fraction."""
+    """τ-gate counters: rows skipped, rows eligible (non-start heads with distant tokens), fraction."""
     skipped = sum(getattr(layer, "gate_counts", (0, 0))[0] for layer in cache.compressed_layers)
     eligible = sum(getattr(layer, "gate_counts", (0, 0))[1] for layer in cache.compressed_layers)
     return {"skipped": skipped, "eligible": eligible, "fraction": skipped / eligible if eligible else 0.0}

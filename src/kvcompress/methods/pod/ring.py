@@ -1,17 +1,14 @@
 """PoD's proximal keys while decoding one token per forward: a ring written in place.
 
-Between forwards a sharing KV head keeps the keys of its sinks and of its last ``n_recent`` tokens, packed
-(``PoDLayer.prox_keys``), trimmed after each forward's attention (a host read per layer, masks rebuilt from the
-stored positions every step). While decoding without padding exactly one token enters the recent window per step
-and the one ``n_recent`` positions older leaves it, so the proximal keys live in a ring instead: the first entries
-hold the stored sinks (no new token is a sink), entry ``sinks + pos % n_recent`` the recent token at ``pos``. The
-new token overwrites the token that has just become distant, whose slot opens in the distant mask. A step writes
-one key and its value (the ring keeps a copy of its entries' values: a step need not gather them), one slot number
-and one mask entry, and reads nothing back.
+Packed proximal keys (``PoDLayer.prox_keys``) are trimmed after each forward (a host read per layer, masks rebuilt
+every step). Decoding without padding, one token enters the recent window per step and one leaves it, so the keys
+live in a ring instead: the first entries hold the stored sinks (no new token is a sink), entry ``sinks + pos %
+n_recent`` the recent token at ``pos``, overwriting the token just become distant, whose slot opens in the distant
+mask. A step writes one key, its value (a copy: no gather), one slot number and one mask entry, and reads nothing.
 
-Positions are read once, when the ring is built; after that each decoding token is taken to be one position past
-the previous one (what ``generate`` and every decoding loop give). A forward of several tokens, padding, an
-eviction or a batch reorder turns the ring back into the packed keys (``PoDLayer.leave_ring``).
+Positions are read once, when the ring is built; each decoding token is then taken to be one position past the
+previous one (what ``generate`` gives). Several tokens, padding, an eviction or a batch reorder turn the ring back
+into the packed keys (``PoDLayer.leave_ring``).
 """
 
 from __future__ import annotations
@@ -22,23 +19,20 @@ import torch
 
 
 def ring_plan(layout, config):
-    """The layer's ``QueryLayout`` if its decoding steps may use the ring, else None: the plain mixed softmax
-    (no ``tau``, ``combine="softmax"``) and sharing query heads that are whole groups of its proximal-only KV heads."""
+    """The layer's ``QueryLayout`` if its decoding steps may use the ring (no ``tau``, ``combine="softmax"``, the
+    sharing query heads whole groups), else None."""
     if config.tau is not None or config.combine != "softmax" or not layout.sharing or layout.runs is None:
         return None
     return layout
 
 
 class ProximalRing:
-    """The proximal keys ``keys`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, a copy
-    of their values (``values``), each entry's slot in the layer's values (``slot``; 0 where it holds none),
-    ``bias`` ``[B, S, 1, W]`` (0 where an entry holds a stored token, -inf elsewhere) and ``dist`` ``[B, S, 1,
-    capacity + 1]``: 0 at the slots of the stored distant tokens, -inf elsewhere (the last column a sink for writes
-    that open nothing)."""
+    """``keys`` and ``values`` ``[B, S, W, d]`` (``W = sinks + n_recent``) of the ``S`` sharing KV heads, each
+    entry's slot (``slot``; 0: none), ``bias`` ``[B, S, 1, W]`` (0 at a held entry, else -inf), ``dist`` ``[B, S, 1,
+    capacity + 1]`` (0 at stored distant tokens' slots, else -inf; the last column takes writes opening nothing)."""
 
     def __init__(self, layer, position: int) -> None:
-        """Build the ring from ``layer``'s packed proximal keys as they stand for the query at ``position - 1``
-        (the new token, at ``position``, is stored in ``layer.values`` but not yet written here)."""
+        """The ring of ``layer``'s packed proximal keys as they stand for the query at ``position - 1``."""
         config = layer.policy.config
         self.n_sink, self.n_recent = config.n_sink, config.n_recent
         self.position = position - 1
@@ -78,8 +72,7 @@ class ProximalRing:
         self.always_distant: bool | None = None  # every row sees a distant token (None: not checked yet)
 
     def advance(self, key: torch.Tensor, value: torch.Tensor, slot: int, length: int) -> None:
-        """Write the new token (``key`` and ``value`` ``[B, S, 1, d]``, stored at ``slot`` of ``length`` values): the
-        token it replaces in the ring becomes distant."""
+        """Write the new token (``[B, S, 1, d]``, at ``slot`` of ``length``); the token it replaces becomes distant."""
         self.position += 1
         recent = self.position % self.n_recent
         entry = self.sinks + recent
@@ -103,8 +96,8 @@ class ProximalRing:
         return self.dist[..., :length]
 
     def has_distant(self, length: int) -> torch.Tensor | None:
-        """``[B, S, 1]`` rows that see a distant token, or None when all do. A row that has one keeps it (nothing is
-        evicted while the ring lives), so this is read back once per ring, at its first step."""
+        """``[B, S, 1]`` rows that see a distant token, or None when all do (read once per ring: nothing is evicted
+        while it lives)."""
         if self.always_distant:
             return None
         has = (self.distant(length) == 0).any(-1)
@@ -113,5 +106,5 @@ class ProximalRing:
         return None if self.always_distant else has
 
     def metadata_nbytes(self) -> int:
-        """Bytes of the bookkeeping (slots, masks, the copy of the values); the keys are the layer's ``prox_keys``."""
+        """Bytes of the slots, masks and values' copy (the keys are the layer's ``prox_keys``)."""
         return sum(t.numel() * t.element_size() for t in (self.slot, self.leaving, self.bias, self.dist, self.values))
