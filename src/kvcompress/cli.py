@@ -285,7 +285,8 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="cache-op
 
 @app.command(context_settings=PASS_THROUGH)
 def train(
-    ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate | kvzip-calibrate")]
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate | kvzip-calibrate")],
 ) -> None:
     """Training steps: LESS kernels, PoD calibration and adaptation, DuoAttention and KVzip head scores."""
     delegate(choose("trainer", name, TRAINERS, ctx), ctx.args, f"kvcompress train {name}")
