@@ -24,12 +24,13 @@ def ids_of(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_the_shipped_smollm2_scores_are_found_by_layer_count():
-    path = resolve_path(None, 30, KIND)
-    assert path.name == "smollm2-135m.json" and path.parent.name == "kvzip"
+@pytest.mark.parametrize(("name", "layers", "kv_heads"), [("smollm2-135m", 30, 3), ("qwen2.5-coder-0.5b", 24, 2)])
+def test_the_shipped_scores_are_found_by_layer_count(name, layers, kv_heads):
+    path = resolve_path(None, layers, KIND)
+    assert path.name == f"{name}.json" and path.parent.name == "kvzip"
     pattern = load_pattern(str(path), KIND)
-    assert (pattern.layers, pattern.kv_heads, pattern.sink_size, pattern.recent_size) == (30, 3, 128, 256)
-    assert pattern.meta["calibration"].startswith("KVzip head scores")
+    assert (pattern.layers, pattern.kv_heads, pattern.sink_size, pattern.recent_size) == (layers, kv_heads, 128, 256)
+    assert pattern.meta["calibration"].startswith("KVzip head scores") and pattern.meta["model"] == name
     assert ((pattern.scores > 0) & (pattern.scores <= 1)).all()  # (largest attention probabilities)
 
 

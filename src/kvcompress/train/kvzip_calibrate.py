@@ -29,6 +29,8 @@ and 256 recent tokens: ``duo``'s, see ``kvcompress.methods.kvzip.head``) and how
 
     kvcompress train kvzip-calibrate --model smollm2-135m --samples 8 --length 2048 \
         --out src/kvcompress/data/kvzip/smollm2-135m.json
+    kvcompress train kvzip-calibrate --model qwen2.5-coder-0.5b --samples 4 --length 2048 \
+        --out src/kvcompress/data/kvzip/qwen2.5-coder-0.5b.json
 """
 
 from __future__ import annotations
