@@ -5,7 +5,7 @@
     python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention
 
 A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into each of
-``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5) in turn, ``--reps`` times, one torch
+``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5, pair level and head level) in turn, ``--reps`` times, one torch
 thread, under ``torch.no_grad`` as ``generate`` runs, in one forward (``prefill``'s default); prints each run's wall
 and CPU seconds (after one untimed full prefill) and each method's ratio of the CPU medians.
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--attention", action="store_true", help="time the attention alone, summed over layers")
-    parser.add_argument("--methods", nargs="+", default=["kvzip:ratio=0.5"], help="method specs (method:key=value,...)")
+    parser.add_argument("--methods", nargs="+", default=["kvzip:ratio=0.5", "kvzip:ratio=0.5,level=head"], help="method specs (method:key=value,...)")
     args = parser.parse_args()
     try:
         specs = {spec: parse_method_spec(spec) for spec in args.methods}

@@ -4,7 +4,7 @@ holding the same total tokens.
 
     python -m experiments.ragged memory --tokens 2048
     python -m experiments.ragged decode --tokens 2048 --pairs 32
-    python -m experiments.ragged memory --tokens 16384 --methods none full snapkv-adakv duo kvzip --no-slots
+    python -m experiments.ragged memory --tokens 16384 --methods none full snapkv-adakv duo kvzip kvzip-head --no-slots
     python -m experiments.ragged decode-ab --tokens 2048 --pairs 40
     MALLOC_MMAP_THRESHOLD_=65536 python -m experiments.ragged phases snapkv-adakv --tokens 8192
 
@@ -79,6 +79,9 @@ METHODS = {
     # DuoAttention at ratio 0.5: the fewest streaming heads (kvpress's head_compression_ratio) that keep at most
     # half of the prompt's pairs, with the shipped pattern's sizes (128 sinks, 256 recent); set per prompt length
     "duo": ("duo", {}),
+    # KVzip's context-independent head level: the shipped head scores, duo's split and window (128 sinks, 256
+    # recent), at most half of the prompt's pairs kept (its ratio is the kept share: kvzip/head.py)
+    "kvzip-head": ("kvzip", {"ratio": 0.5, "level": "head"}),
 }
 DUO_WINDOW = 128 + 256
 
@@ -188,9 +191,12 @@ def memory_one(name: str, tokens: int, ragged: bool, chunk: int | None = None) -
         decode_peak_above_base_mb=status_mb("VmHWM") - base,
     )
     row["locked"] = locked
-    if name == "duo":
+    if name in ("duo", "kvzip-head"):
         layers = cache.compressed_layers
-        row["streaming_heads"] = int(sum(layer.policy.streaming.sum() for layer in layers))
+        if name == "duo":
+            row["streaming_heads"] = int(sum(layer.policy.streaming.sum() for layer in layers))
+        else:  # (a streaming head keeps its sinks and window, plus the 8 decoded tokens)
+            row["streaming_heads"] = sum(int((layer.valid.sum(-1) < tokens).sum()) for layer in layers)
         row["kept_pairs_share"] = row["kept_pairs"] / (len(layers) * model.config.num_key_value_heads * tokens)
     return row
 

@@ -45,17 +45,30 @@ def duo_pattern_file(layers: int = 2, kv_heads: int = 2, sink_size: int = 2, rec
     return str(write_pattern(DuoPattern(scores, sink_size, recent_size, {"model": "tiny"}), path))
 
 
+@functools.cache
+def kvzip_head_file(layers: int = 2, kv_heads: int = 2, sink_size: int = 2, recent_size: int = 4) -> str:
+    """KVzip head scores for a tiny model (``kvzip`` ``level="head"``, ``pattern=``): ``duo_pattern_file``'s scores
+    in the KVzip head-score format."""
+    from kvcompress.methods.duo.patterns import load_pattern, write_pattern
+    from kvcompress.methods.kvzip.head import KIND
+
+    pattern = load_pattern(duo_pattern_file(layers, kv_heads, sink_size, recent_size))
+    path = Path(tempfile.mkdtemp(prefix="kvcompress-kvzip-head-")) / "scores.json"
+    return str(write_pattern(pattern, path, KIND))
+
+
 def duo_params_for(model, method: str, params: dict) -> dict:
-    """``params`` with duo's tiny ``pattern`` replaced by one of ``model``'s layers and KV heads (other methods:
-    unchanged)."""
-    if method != "duo" or "pattern" not in params:
+    """``params`` with duo's (or KVzip head level's) tiny ``pattern`` replaced by one of ``model``'s layers and KV
+    heads (other methods: unchanged)."""
+    if method not in ("duo", "kvzip") or "pattern" not in params:
         return params
     from kvcompress.core.model_spec import ModelSpec
 
     spec = ModelSpec.of(model)
     with open(params["pattern"], encoding="utf-8") as file:
         data = json.load(file)
-    pattern = duo_pattern_file(spec.layers, spec.kv_heads, data["sink_size"], data["recent_size"])
+    write = duo_pattern_file if method == "duo" else kvzip_head_file
+    pattern = write(spec.layers, spec.kv_heads, data["sink_size"], data["recent_size"])
     return {**params, "pattern": pattern}
 
 

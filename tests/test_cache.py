@@ -8,7 +8,7 @@ import torch
 import kvcompress
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.snapkv import SnapKVConfig
-from tests.helpers import cache_logits, duo_pattern_file, tiny_tokenizer_dir
+from tests.helpers import cache_logits, duo_pattern_file, kvzip_head_file, tiny_tokenizer_dir
 
 EVICTING = {
     "window": {"budget": 12},
@@ -73,7 +73,11 @@ PREFILLED = {
 }
 # methods whose heads keep different counts by a calibrated split, not a budget (DuoAttention's retrieval heads keep
 # everything): checked where a test runs every method without a budget bound (devices, architectures, CUDA)
-HEAD_SPLIT = {"duo": {"pattern": duo_pattern_file(), "sink_size": 4, "recent_size": 8}}
+HEAD_SPLIT = {
+    "duo": {"pattern": duo_pattern_file(), "sink_size": 4, "recent_size": 8},
+    # KVzip's head level: calibrated head scores, duo's split (no reconstruction: compressed once after the prompt)
+    "kvzip-head": {"ratio": 0.5, "level": "head", "pattern": kvzip_head_file(), "sink_size": 4, "recent_size": 8},
+}
 # budgets shared unevenly (methods/allocation.py): a layer's heads (adakv) or the layers (pyramid) keep the budget
 # on average, one head or layer more than another
 UNEVEN = {key for key, params in EVICTING.items() if params.get("allocation", "uniform") != "uniform"}

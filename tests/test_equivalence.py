@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import kvcompress
-from tests.helpers import cache_logits, duo_pattern_file, needs_smollm2, own_logits, tiny_tokenizer_dir
+from tests.helpers import (
+    cache_logits,
+    duo_pattern_file,
+    kvzip_head_file,
+    needs_smollm2,
+    own_logits,
+    tiny_tokenizer_dir,
+)
 
 NO_EVICTION = {
     "full": {},
@@ -83,6 +90,22 @@ def test_duo_streaming_heads_whose_window_holds_the_prompt_reproduce_model_logit
     assert all(getattr(layer, "ragged", False) == ragged for layer in cache.compressed_layers)
 
 
+@pytest.mark.parametrize("ragged", [True, False])
+@pytest.mark.parametrize("split", ["ratio-1", "window-holds-prompt"])
+def test_kvzip_head_level_with_nothing_to_evict_reproduces_model_logits(split, ragged, tiny_llama):
+    """KVzip's head level at ratio 1 (every head keeps everything), or at a tiny ratio whose streaming heads' sinks
+    and window cover the 36 prefilled tokens (every head streaming, nothing evicted); a batch of 2."""
+    ids = torch.randint(1, tiny_llama.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    reference, ref_sequences = own_logits(tiny_llama, ids)
+    params = {"ratio": 1.0} if split == "ratio-1" else {"ratio": 0.01, "sink_size": 4, "recent_size": 32}
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", level="head", pattern=kvzip_head_file(), ragged=ragged, **params)
+    logits, sequences = cache_logits(tiny_llama, ids, cache)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sequences, ref_sequences)
+    assert all(getattr(layer, "ragged", False) == ragged for layer in cache.compressed_layers)
+    assert all(layer.compressed for layer in cache.compressed_layers)  # (the split ran, and evicted nothing)
+
+
 def assert_reproduces_model_logits(model, method: str, ids: torch.Tensor) -> None:
     """``method`` with nothing to evict gives the model's own logits and greedy tokens for ``ids``."""
     reference, ref_sequences = own_logits(model, ids)
@@ -126,3 +149,6 @@ def test_smollm2_logits_match_for_every_method():
         cache = kvcompress.cache_for(model, method, **params)
         logits, _ = cache_logits(model, ids, cache, new_tokens=4)
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4, msg=method)
+    # KVzip's head level with the head scores shipped for SmolLM2, every head kept whole
+    logits, _ = cache_logits(model, ids, kvcompress.cache_for(model, "kvzip", level="head", ratio=1.0), new_tokens=4)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4, msg="kvzip level=head")

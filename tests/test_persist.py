@@ -17,7 +17,7 @@ from safetensors.torch import safe_open, save_file
 import kvcompress
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.methods.snapkv import SnapKVConfig
-from tests.helpers import duo_pattern_file, tiny_tokenizer_dir
+from tests.helpers import duo_pattern_file, kvzip_head_file, tiny_tokenizer_dir
 
 # one-shot scorers (uniform and per-head budgets), KVzip, decode-time methods (H2O evicts all layers together at a
 # decoding step: views of one stacked buffer), the cascade's rings, PoD's shared layers
@@ -32,6 +32,7 @@ METHODS = {
     "expected_attention": {"ratio": 0.5},
     "pod": {"block_size": 2, "n_recent": 4, "n_sink": 2, "base": SnapKVConfig(budget=12, window=4)},
     "duo": {"pattern": duo_pattern_file(), "sink_size": 2, "recent_size": 8},
+    "kvzip-head": {"ratio": 0.5, "level": "head", "pattern": kvzip_head_file(), "sink_size": 2, "recent_size": 8},
 }
 CONTEXT = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
 QUESTIONS = torch.randint(3, 128, (2, 2, 5), generator=torch.Generator().manual_seed(1))  # [question, batch, tokens]
@@ -40,7 +41,7 @@ QUESTIONS = torch.randint(3, 128, (2, 2, 5), generator=torch.Generator().manual_
 def compressed(model, key: str):
     name = key.split("-")[0]
     params = dict(METHODS[key])
-    if name == "kvzip":
+    if name == "kvzip" and params.get("level", "pair") == "pair":  # (the head level reconstructs nothing)
         params["tokenizer"] = tiny_tokenizer_dir()
     cache = kvcompress.cache_for(model, name, **params)
     with torch.no_grad():

@@ -188,6 +188,7 @@ TRAINERS = {
     "pod-calibrate": "kvcompress.train.pod_calibrate",
     "pod-adapt": "kvcompress.train.pod_adapt",
     "duo-calibrate": "kvcompress.train.duo_calibrate",
+    "kvzip-calibrate": "kvcompress.train.kvzip_calibrate",
 }
 
 
@@ -284,9 +285,10 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="cache-op
 
 @app.command(context_settings=PASS_THROUGH)
 def train(
-    ctx: typer.Context, name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate")]
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="less | pod-calibrate | pod-adapt | duo-calibrate | kvzip-calibrate")],
 ) -> None:
-    """Training steps: LESS kernels, PoD calibration and adaptation, DuoAttention head scores."""
+    """Training steps: LESS kernels, PoD calibration and adaptation, DuoAttention and KVzip head scores."""
     delegate(choose("trainer", name, TRAINERS, ctx), ctx.args, f"kvcompress train {name}")
 
 

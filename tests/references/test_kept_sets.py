@@ -18,7 +18,7 @@ from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.snapkv import SnapKVConfig
 from kvcompress.registry import make_config
-from tests.helpers import duo_pattern_file
+from tests.helpers import duo_pattern_file, kvzip_head_file
 from tests.references import duo_rules, rules, scorer_rules
 from tests.references.driver import run_method
 from tests.references.reference import Rule, assert_same_kept
@@ -222,6 +222,18 @@ CASES = {
         "duo",
         {"pattern": duo_pattern_file(), "head_compression_ratio": 0.25, "ragged": False},
         partial(duo_rules.Duo, pattern=duo_pattern_file(), head_compression_ratio=0.25),
+    ),
+    # KVzip's head level compresses once after the prompt with no pass of its own: the driver records it (its pair
+    # level runs apart, ELSEWHERE); the two sequences' prompts (19 and 13 real tokens) get different splits
+    "kvzip-head": (
+        "kvzip",
+        {"ratio": 0.5, "level": "head", "pattern": kvzip_head_file()},
+        partial(duo_rules.KVzipHead, pattern=kvzip_head_file(), ratio=0.5),
+    ),
+    "kvzip-head-budget-slots": (
+        "kvzip",
+        {"budget": 8, "level": "head", "pattern": kvzip_head_file(), "sink_size": 1, "recent_size": 3, "ragged": False},
+        partial(duo_rules.KVzipHead, pattern=kvzip_head_file(), budget=8, sink_size=1, recent_size=3),
     ),
 }
 # methods whose reference runs apart (their compression drives the model itself, outside this driver's record)

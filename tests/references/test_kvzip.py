@@ -47,8 +47,8 @@ def reference_prompts(tokenizer, context: list[int], chunk: int, prefix: int = 0
 
 
 @torch.no_grad()
-def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[list[list[float]]]:
-    """``[layer][KV head][token]`` reconstruction scores of one sequence."""
+def reference_scores(context: list[int], chunk: int, prefix: int = 0, n_sink: int = N_SINK) -> list[list[list[float]]]:
+    """``[layer][KV head][token]`` reconstruction scores of one sequence (``n_sink``: kvzip's)."""
     model = tiny_model("llama")
     model.set_attn_implementation("eager")
     config = model.config
@@ -58,7 +58,7 @@ def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[li
     for start, end, prompt in reference_prompts(tiny_tokenizer(), context, chunk, prefix):
         ids = torch.tensor([context + prompt])
         attentions = model(ids, output_attentions=True).attentions
-        sinks = min(N_SINK, start)
+        sinks = min(n_sink, start)
         columns = list(range(sinks)) + list(range(start, end)) + list(range(length, length + len(prompt)))
         for index, probs in enumerate(attentions):
             rows = probs[0, :, length:, :].double()  # [H_q, prompt, T]
@@ -70,7 +70,7 @@ def reference_scores(context: list[int], chunk: int, prefix: int = 0) -> list[li
                 scores[index][h][start:end] = best.tolist()
     for layer in scores:  # sinks: never evicted
         for head in layer:
-            head[:N_SINK] = [math.inf] * N_SINK
+            head[:n_sink] = [math.inf] * n_sink
     return scores
 
 
@@ -193,3 +193,48 @@ def test_kvzip_without_a_tokenizer_says_what_to_pass(tiny_llama):
     cache = kvcompress.cache_for(tiny_llama, "kvzip", ratio=0.5)
     with pytest.raises(ValueError, match="tokenizer="):
         prefill(tiny_llama, token_ids(1, 20, 0), cache)
+
+
+def test_kvzip_head_scores_are_the_reference_scores_max_over_tokens_then_contexts(tiny_llama, tmp_path):
+    """``kvcompress train kvzip-calibrate`` on two contexts of the tiny model: each head's score is the largest
+    reference score over a context's tokens (after the system prompt, which is ``prefix`` and ``n_sink``), then the
+    largest over the contexts (the official ``save_head_score`` and ``load_head_score``); ``kvzip`` level="head"
+    reads the file."""
+    from kvcompress.methods.duo.patterns import load_pattern
+    from kvcompress.methods.kvzip.head import KIND
+    from kvcompress.train import kvzip_calibrate
+    from kvcompress.train.duo_calibrate import calibration_windows
+
+    model_dir = tmp_path / "tiny"
+    tiny_llama.save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    books = tmp_path / "books"
+    books.mkdir()
+    text = "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals. " * 20
+    (books / "text.txt").write_text(text)
+    out = tmp_path / "kvzip.json"
+    args = ["--model", str(model_dir), "--data", str(books), "--samples", "2", "--length", "24", "--out", str(out)]
+    kvzip_calibrate.main(args)
+    pattern = load_pattern(str(out), KIND)
+    tokenizer = tiny_tokenizer()  # no chat template: its BOS token, then the instruction
+    instruction = "Given the context, answer to the following question or request without explanation.\n\n"
+    header = tokenizer.encode((tokenizer.bos_token or "") + instruction, add_special_tokens=False)
+    want = None
+    for window in calibration_windows(tokenizer, [text], 2, 24):
+        scores = reference_scores(header + window.tolist(), 2048, prefix=len(header), n_sink=len(header))
+        found = [[max(head[len(header) :]) for head in layer] for layer in scores]
+        want = (
+            found
+            if want is None
+            else [[max(a, b) for a, b in zip(x, y, strict=True)] for x, y in zip(want, found, strict=True)]
+        )
+    assert pattern.meta["system_prompt_tokens"] == len(header)
+    torch.testing.assert_close(
+        torch.tensor(pattern.scores), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
+    assert (pattern.sink_size, pattern.recent_size) == (128, 256)
+    cache = kvcompress.cache_for(
+        tiny_llama, "kvzip", level="head", ratio=0.5, pattern=str(out), sink_size=2, recent_size=4
+    )
+    prefill(tiny_llama, token_ids(1, 30, seed=3), cache)
+    assert sum(int(layer.valid.sum()) for layer in cache.compressed_layers) < 4 * 30

@@ -78,8 +78,13 @@ class DuoPolicy(Policy):
             self._mask = torch.from_numpy(self.streaming).to(layer.token_idx.device)
         return self._mask
 
+    def streaming_rows(self, layer) -> torch.Tensor:
+        """``[B or 1, H_kv, 1]`` bool: the streaming heads of each sequence (duo: the same for every sequence; KVzip's
+        head level sets them per sequence from its prompt's length, ``kvcompress.methods.kvzip.head``)."""
+        return self.streaming_mask(layer)[None, :, None]
+
     def select(self, layer) -> KeepMask:
-        streaming = self.streaming_mask(layer)[None, :, None]
+        streaming = self.streaming_rows(layer)
         window = sink_mask(layer, self.sink_size) | recent_mask(layer, self.recent_size)
         return KeepMask(layer.valid & (~streaming | window))
 

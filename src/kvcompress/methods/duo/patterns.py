@@ -25,6 +25,11 @@ The split (``streaming_heads``):
 
 Shipped patterns (``kvcompress/data/duo``) are found by their ``meta``'s ``layers`` and ``kv_heads``: one must match
 the model, else the error names the calibration command.
+
+The same files, format and split serve KVzip's head-level variant (``kvzip`` with ``level="head"``), whose head
+scores come from KVzip's reconstruction (``kvcompress train kvzip-calibrate``): a ``PatternKind`` names each kind's
+format string, shipped folder (``kvcompress/data/kvzip``) and calibration command, so a file of one kind is never
+read as the other's.
 """
 
 from __future__ import annotations
@@ -46,6 +51,25 @@ REMEDY = f"write one with `{CALIBRATE}`"
 
 
 @dataclass(frozen=True)
+class PatternKind:
+    """One kind of head-score file: its ``format`` string, its shipped folder (``kvcompress/data/<folder>``), the
+    method that reads it, what a file is called in errors, and the command that writes one."""
+
+    format: str
+    folder: str
+    method: str
+    what: str
+    calibrate: str
+
+    @property
+    def remedy(self) -> str:
+        return f"write one with `{self.calibrate}`"
+
+
+DUO = PatternKind(FORMAT, "duo", "duo", "a DuoAttention pattern", CALIBRATE)
+
+
+@dataclass(frozen=True)
 class DuoPattern:
     """Scores ``[layers, kv_heads]`` (higher: more a retrieval head), the streaming heads' sink and recent sizes."""
 
@@ -62,9 +86,9 @@ class DuoPattern:
     def kv_heads(self) -> int:
         return int(self.scores.shape[1])
 
-    def to_json(self) -> dict:
+    def to_json(self, kind: PatternKind = DUO) -> dict:
         return {
-            "format": FORMAT,
+            "format": kind.format,
             "version": 1,
             "scores": [[float(value) for value in row] for row in self.scores],
             "sink_size": self.sink_size,
@@ -73,46 +97,47 @@ class DuoPattern:
         }
 
 
-def write_pattern(pattern: DuoPattern, path: str | os.PathLike[str]) -> Path:
+def write_pattern(pattern: DuoPattern, path: str | os.PathLike[str], kind: PatternKind = DUO) -> Path:
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(pattern.to_json()) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(pattern.to_json(kind)) + "\n", encoding="utf-8")
     return path
 
 
-def _scores(values, path: Path, what: str) -> np.ndarray:
+def _scores(values, path: Path, what: str, remedy: str = REMEDY) -> np.ndarray:
     try:
         scores = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as error:
-        raise damaged(path, what, REMEDY, f"scores are not a table of numbers ({error})") from None
+        raise damaged(path, what, remedy, f"scores are not a table of numbers ({error})") from None
     if scores.ndim == 1:  # one layer, or a one-layer TSV
         scores = scores[None, :]
     if scores.ndim != 2 or scores.size == 0 or not np.isfinite(scores).all():
-        raise damaged(path, what, REMEDY, "scores must be a non-empty [layers][KV heads] table of finite numbers")
+        raise damaged(path, what, remedy, "scores must be a non-empty [layers][KV heads] table of finite numbers")
     return scores
 
 
-def _size(data: dict, key: str, path: Path, what: str) -> int:
+def _size(data: dict, key: str, path: Path, what: str, remedy: str = REMEDY) -> int:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise damaged(path, what, REMEDY, f"{key} must be a whole number >= 0, got {value!r}")
+        raise damaged(path, what, remedy, f"{key} must be a whole number >= 0, got {value!r}")
     return value
 
 
 @lru_cache(maxsize=16)
-def load_pattern(path: str) -> DuoPattern:
-    """The pattern in ``path``: a ``duo-calibrate`` JSON file, or the authors' ``full_attention_heads.tsv`` (its
-    folder's ``config.json`` gives the sizes). Every failure is a ``ValueError`` naming the file."""
+def load_pattern(path: str, kind: PatternKind = DUO) -> DuoPattern:
+    """The pattern in ``path``: a JSON file of ``kind``'s format (``duo-calibrate``'s by default), or for ``duo`` the
+    authors' ``full_attention_heads.tsv`` (its folder's ``config.json`` gives the sizes). Every failure is a
+    ``ValueError`` naming the file."""
     file = Path(path).expanduser()
-    what = "a DuoAttention pattern"
-    if file.suffix == ".tsv":
+    what, remedy = kind.what, kind.remedy
+    if file.suffix == ".tsv" and kind == DUO:
         try:
             table = np.loadtxt(file, dtype=float, delimiter="\t", ndmin=2)
         except FileNotFoundError:
-            raise ValueError(f"{file} ({what}) does not exist; {REMEDY}") from None
+            raise ValueError(f"{file} ({what}) does not exist; {remedy}") from None
         except (OSError, ValueError) as error:
-            raise damaged(file, what, REMEDY, error) from None
-        scores = np.clip(_scores(table, file, what), 0, 1)  # as the authors' load_attn_pattern and kvpress
+            raise damaged(file, what, remedy, error) from None
+        scores = np.clip(_scores(table, file, what, remedy), 0, 1)  # as the authors' load_attn_pattern and kvpress
         config_file = file.parent / "config.json"
         config = require_keys(
             load_json(config_file, "the DuoAttention pattern's config", "it sits beside full_attention_heads.tsv"),
@@ -121,37 +146,41 @@ def load_pattern(path: str) -> DuoPattern:
             "the DuoAttention pattern's config",
             "it sits beside full_attention_heads.tsv",
         )
-        sizes = _size(config, "sink_size", config_file, what), _size(config, "recent_size", config_file, what)
+        sizes = (
+            _size(config, "sink_size", config_file, what, remedy),
+            _size(config, "recent_size", config_file, what, remedy),
+        )
         return DuoPattern(scores, *sizes, {"source": str(file)})
-    data = require_keys(load_json(file, what, REMEDY), ("scores", "sink_size", "recent_size"), file, what, REMEDY)
-    if data.get("format", FORMAT) != FORMAT:
-        raise damaged(file, what, REMEDY, f"format is {data.get('format')!r}, not {FORMAT!r}")
+    data = require_keys(load_json(file, what, remedy), ("scores", "sink_size", "recent_size"), file, what, remedy)
+    if data.get("format", kind.format) != kind.format:
+        raise damaged(file, what, remedy, f"format is {data.get('format')!r}, not {kind.format!r}")
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
-        raise damaged(file, what, REMEDY, "meta must be a JSON object")
-    scores = _scores(data["scores"], file, what)
-    return DuoPattern(scores, _size(data, "sink_size", file, what), _size(data, "recent_size", file, what), meta)
+        raise damaged(file, what, remedy, "meta must be a JSON object")
+    scores = _scores(data["scores"], file, what, remedy)
+    sizes = _size(data, "sink_size", file, what, remedy), _size(data, "recent_size", file, what, remedy)
+    return DuoPattern(scores, *sizes, meta)
 
 
-def shipped_path(name: str) -> Path | None:
-    """The file of a shipped pattern by name (e.g. ``"smollm2-135m"``), or ``None``."""
-    return shipped_json("duo", name)
+def shipped_path(name: str, kind: PatternKind = DUO) -> Path | None:
+    """The file of a shipped pattern of ``kind`` by name (e.g. ``"smollm2-135m"``), or ``None``."""
+    return shipped_json(kind.folder, name)
 
 
-def resolve_path(pattern: str | None, layers: int) -> Path:
-    """The pattern file to use: ``pattern`` (a shipped name or a path), or the one shipped pattern whose model has
-    ``layers`` decoder layers."""
+def resolve_path(pattern: str | None, layers: int, kind: PatternKind = DUO) -> Path:
+    """The pattern file to use: ``pattern`` (a shipped name or a path), or the one shipped pattern of ``kind`` whose
+    model has ``layers`` decoder layers."""
     if pattern is not None:
-        return shipped_path(str(pattern)) or Path(pattern).expanduser()
-    matches = [name for name, meta in shipped_json_meta("duo").items() if meta.get("layers") == layers]
+        return shipped_path(str(pattern), kind) or Path(pattern).expanduser()
+    matches = [name for name, meta in shipped_json_meta(kind.folder).items() if meta.get("layers") == layers]
     if len(matches) != 1:
-        described = shipped_json_meta("duo").items()
+        described = shipped_json_meta(kind.folder).items()
         shipped = ", ".join(f"{n} ({m.get('layers')} layers x {m.get('kv_heads')} KV heads)" for n, m in described)
         raise ValueError(
-            f"duo has no shipped head pattern for a {layers}-layer model (shipped: {shipped or 'none'}); calibrate "
-            f"one with `{CALIBRATE}` and pass pattern=<file.json>"
+            f"{kind.method} has no shipped head pattern for a {layers}-layer model (shipped: {shipped or 'none'}); "
+            f"calibrate one with `{kind.calibrate}` and pass pattern=<file.json>"
         )
-    return shipped_folder("duo") / f"{matches[0]}.json"
+    return shipped_folder(kind.folder) / f"{matches[0]}.json"
 
 
 def streaming_heads(scores: np.ndarray, head_compression_ratio: float | None, threshold: float | None) -> np.ndarray:

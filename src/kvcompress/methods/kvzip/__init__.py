@@ -1,6 +1,16 @@
 """KVzip (Kim et al., 2025, arXiv:2505.23416; kvpress 0.5.5's ``KVzipPress``): query-agnostic compression by
 context reconstruction.
 
+Two levels, as the official code's ``--level`` (``level``): ``"pair"`` (the default, described below) scores every
+cached pair of *this* context by reconstructing it and evicts the lowest; ``"head"`` is the paper's
+context-independent head-level eviction: one score per (layer, KV head) calibrated once per model, the top heads
+keeping every token and the others their sinks and recent window, DuoAttention-style, with no reconstruction at
+run time (``kvcompress.methods.kvzip.head`` states its choices; it takes ``pattern``, ``sink_size`` and
+``recent_size``, and refuses the pair level's ``allocation``, ``n_sink``, ``chunk_size``, ``prefix`` and
+``tokenizer`` when they differ from their defaults, as the pair level refuses the head level's three).
+
+The pair level:
+
 After the context is prefilled, the model is run over a reconstruction prompt, "Repeat the previous context
 exactly." followed by the context itself, in chunks; each cached key-value pair is scored by the largest attention
 any reconstruction query of its KV head's group pays it (max over the query heads of the group and over the
@@ -34,8 +44,9 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   ``score_chunk``). Once
   every chunk ran, the first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score
   plus one): never evicted.
-- Budget (``allocation``): ``global`` (kvpress's default, the paper's head-level eviction): one ranking over every
-  layer's every head, ``floor(N * (1 - ratio))`` of the ``N = layers x heads x n`` pairs evicted per sequence;
+- Budget (``allocation``): ``global`` (kvpress's default and the official code's ``--level pair``: non-uniform
+  head budgets, still pair-level eviction; the paper's head-level eviction is ``level="head"``): one ranking over
+  every layer's every head, ``floor(N * (1 - ratio))`` of the ``N = layers x heads x n`` pairs evicted per sequence;
   ``layer`` (kvpress ``layerwise=True``): each layer evicts ``floor(H * n * (1 - ratio))`` over its ``H`` heads;
   ``uniform``: every layer and head keeps ``max(1, floor(ratio * n))``. A token ``budget`` instead of ``ratio``
   keeps ``min(budget, n)`` per head on average. Ties evict the lower layer, then the older token, then the lower
@@ -64,13 +75,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_choice, check_int_range
+from kvcompress.core.checks import check_choice, check_int_range, check_path
 from kvcompress.core.contract import MethodConfig, Policy
+from kvcompress.core.ragged_layer import RaggedLayer
+from kvcompress.methods.duo.patterns import load_pattern, resolve_path, shipped_path
+from kvcompress.methods.kvzip.head import CALIBRATE, KIND, KVzipHeadPolicy, head_ranks
 from kvcompress.methods.kvzip.layer import KVzipLayer, KVzipQuantizedLayer, KVzipRaggedLayer
 from kvcompress.methods.kvzip.reconstruct import STOP, compress_by_reconstruction, score_chunk, stop_forward
 from kvcompress.methods.oneshot import check_ratio_or_budget
 
 ALLOCATIONS = ("global", "layer", "uniform")
+LEVELS = ("pair", "head")
+PAIR_ONLY = ("allocation", "n_sink", "chunk_size", "prefix", "tokenizer")  # the reconstruction's and its ranking's
+HEAD_ONLY = ("pattern", "sink_size", "recent_size")
 
 
 class KVzipPolicy(Policy):
@@ -107,13 +124,17 @@ class KVzipConfig(MethodConfig):
     """Pairs scored by the attention the model pays them while it reconstructs the context; once, query-agnostic."""
 
     ratio: float | None = None  # kept fraction of the context, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head (on average under global/layer)
-    allocation: str = "global"  # global (all layers and heads), layer (heads of a layer) or uniform
+    budget: int | None = None  # or: tokens kept per layer and KV head (on average under global/layer, level=head)
+    level: str = "pair"  # pair: this context's pairs scored by reconstruction; head: calibrated head scores
+    allocation: str = "global"  # pair level: global (all layers and heads), layer (heads of a layer) or uniform
     n_sink: int = 4  # first tokens always kept
     chunk_size: int = 2048  # context tokens reconstructed per forward
     prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
     tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)
-    ragged: bool = True  # global/layer: heads store their own counts (False: one slot buffer as wide as the fullest)
+    ragged: bool = True  # global/layer/head: heads store their own counts (False: one slot buffer, the fullest's)
+    pattern: str | None = None  # head level: head scores, a shipped name or a kvzip-calibrate file (None: shipped)
+    sink_size: int | None = None  # head level: first tokens a streaming head keeps (None: the file's)
+    recent_size: int | None = None  # head level: last prompt tokens a streaming head keeps (None: the file's)
 
     name = "kvzip"
     paper = "https://arxiv.org/abs/2505.23416"
@@ -121,6 +142,21 @@ class KVzipConfig(MethodConfig):
 
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
+        check_choice(self.level, "level", LEVELS)
+        unused = HEAD_ONLY if self.level == "pair" else PAIR_ONLY
+        for name in unused:
+            default = type(self).__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"{name} is a parameter of kvzip's {'head' if self.level == 'pair' else 'pair'} level, not of "
+                    f"level={self.level!r}; got {name}={getattr(self, name)!r} (leave it at {default!r})"
+                )
+        if self.pattern is not None and shipped_path(str(self.pattern), KIND) is None:
+            check_path(self.pattern, "pattern", "file", f"KVzip head scores from `{CALIBRATE}`")
+            load_pattern(str(self.pattern), KIND)  # read now: a bad file is refused before a model loads
+        for name in ("sink_size", "recent_size"):
+            if getattr(self, name) is not None:
+                check_int_range(getattr(self, name), name, 0)
         check_choice(self.allocation, "allocation", ALLOCATIONS)
         check_int_range(self.n_sink, "n_sink", 0)
         check_int_range(self.chunk_size, "chunk_size", 1)
@@ -128,17 +164,47 @@ class KVzipConfig(MethodConfig):
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
 
+    def kept_share(self, tokens: int) -> float:
+        """The kept share of a ``tokens``-token prompt's pairs: ``ratio``, or ``budget / tokens`` (at most 1)."""
+        return self.ratio if self.ratio is not None else min(1.0, self.budget / tokens)
+
+    def policy(self, layer_idx: int) -> Policy:
+        return KVzipHeadPolicy(self, layer_idx) if self.level == "head" else KVzipPolicy(self, layer_idx)
+
     def layer_class(self):
+        if self.level == "head":  # (duo's layer: no reconstruction forward to hold aside)
+            return RaggedLayer if self.ragged else None
         if self.allocation != "uniform" and self.ragged:
             return KVzipRaggedLayer
         return KVzipLayer if self.kv_bits == 16 else KVzipQuantizedLayer
 
     def connect(self, layers) -> None:
+        if self.level == "head":
+            self.connect_heads(layers)
+            return
         if any(layer.sliding_window is not None for layer in layers):
             raise ValueError(
                 "kvzip does not support models with sliding-window layers (the reconstruction would push the context "
                 "out of the window; kvpress refuses Gemma-3 too): use another method"
             )
 
+    def connect_heads(self, layers) -> None:
+        """Level ``head``: each layer's pairs' ranks among the model's head scores, and the window's sizes."""
+        path = resolve_path(self.pattern, len(layers), KIND)
+        pattern = load_pattern(str(path), KIND)
+        if pattern.layers != len(layers):
+            raise ValueError(
+                f"kvzip's head scores {path} have {pattern.layers} layers, but the model has {len(layers)}: they "
+                f"were calibrated for another model; calibrate this one with `{CALIBRATE}`"
+            )
+        ranks = head_ranks(pattern.scores)
+        sink = pattern.sink_size if self.sink_size is None else self.sink_size
+        recent = pattern.recent_size if self.recent_size is None else self.recent_size
+        for index, layer in enumerate(layers):
+            policy = layer.policy
+            policy.ranks, policy.total, policy.pattern_file = ranks[index], ranks.size, str(path)
+            policy.sink_size, policy.recent_size = sink, recent
+
     def after_prefill(self, model, cache, input_ids, attention_mask) -> None:
-        compress_by_reconstruction(self, model, cache, input_ids, attention_mask)
+        if self.level == "pair":  # (the head level compressed once after the prompt, with no further pass)
+            compress_by_reconstruction(self, model, cache, input_ids, attention_mask)

@@ -157,6 +157,21 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
     policies = [layer.policy for layer in layers]
     if policies[0].done:
         return
+    reconstruction_scores(config, model, cache, input_ids, attention_mask)
+    for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
+        policy.scores[..., : config.n_sink] = 2.0
+    evict(config, layers)
+    for policy in policies:
+        policy.done, policy.scores = True, None
+
+
+@torch.no_grad()
+def reconstruction_scores(config, model, cache, input_ids: torch.Tensor, attention_mask) -> list[torch.Tensor]:
+    """Every layer's reconstruction scores ``[B, H_kv, n]`` (float32; a ``prefix`` token's 0) of the context
+    ``input_ids`` in ``cache`` (prefilled into it alone), also left in each layer's ``policy.scores``; nothing
+    evicted (``kvcompress train kvzip-calibrate`` reads them for the head level)."""
+    layers = cache.compressed_layers
+    policies = [layer.policy for layer in layers]
     length = layers[0].seen
     if config.prefix >= length:
         raise ValueError(f"prefix must be below the context's {length} tokens, got {config.prefix}")
@@ -187,11 +202,7 @@ def compress_by_reconstruction(config, model, cache, input_ids: torch.Tensor, at
         for policy in policies:
             policy.scoring = policy.chunk = None
             policy.final = False
-    for policy in policies:  # the sinks above every probability (kvpress 0.5.5: the largest score + 1)
-        policy.scores[..., : config.n_sink] = 2.0
-    evict(config, layers)
-    for policy in policies:
-        policy.done, policy.scores = True, None
+    return [policy.scores for policy in policies]
 
 
 def evict(config, layers) -> None:
