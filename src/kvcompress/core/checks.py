@@ -1,14 +1,13 @@
 """Validation helpers for method configs: each raises ``ValueError`` naming the parameter, the value and what is
 allowed. Every range has an upper bound, so no parameter reaches torch's allocator or overflows an ``int64``.
-
-(Declared types are checked before ``validate`` runs, by ``kvcompress.core.contract.check_field_types``.)
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
+
+from kvcompress.core.contract import finite
 
 MAX_TOKENS = 2**20  # token counts (budgets, windows, sinks, histories): the longest context a cache is built for
 MAX_SEED = 2**63 - 1  # seeds are hashed as int64
@@ -44,7 +43,7 @@ def check_number(
     meaning: str = "",
 ) -> None:
     """A finite real number in the interval from ``low`` to ``high`` (open at an end where asked)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and finite(value)
     if ok:
         ok = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
     if not ok:
@@ -75,10 +74,3 @@ def check_path(value: object, name: str, kind: str, what: str) -> None:
     if not (path.is_file() if kind == "file" else path.is_dir()):
         state = "is not a file" if path.is_dir() else "is not a folder" if path.exists() else "does not exist"
         raise ValueError(f"{name}={str(value)!r} {state}; give the path of {what}")
-
-
-def _finite(value: float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too large for a float
-        return False
