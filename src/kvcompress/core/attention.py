@@ -180,31 +180,26 @@ def attention_with_stats(
     and mass together. Rows of the last ``n`` queries alone need only that ``n x L`` block, computed beside SDPA.
     """
     queries, length = query.shape[2], key.shape[2]
-    given = mask  # None for a plain causal prefill: SDPA and the chunked softmax then skip the hidden keys
-    plain_causal = mask is None and queries > 1  # one query with no mask sees every key
     last_n = min(request.last_queries, queries)
-
-    def visible(first: int) -> torch.Tensor | None:
-        """The mask of queries ``first ..`` (plain causal: only those rows built, not the ``q x L`` mask)."""
-        if plain_causal:
-            return causal_mask(queries - first, length, query.device)
-        return None if mask is None else mask[:, :, first:]
-
-    last_visible = visible(queries - last_n) if last_n else None
+    last_visible = None  # (one query with no mask sees every key)
+    if last_n and mask is None and queries > 1:  # plain causal: only the last rows' mask, not the ``q x L`` one
+        last_visible = causal_mask(last_n, length, query.device)
+    elif last_n and mask is not None:
+        last_visible = mask[:, :, queries - last_n :]
     stats = AttentionStats(query_count=queries)
     options = {"last_n": last_n, "rows_see_keys": rows_see_keys}
     if request.received or request.lse:
         parts = chunked_softmax(
-            query, key, given, scaling, value=value, lse=request.lse, received=request.received, **options
+            query, key, mask, scaling, value=value, lse=request.lse, received=request.received, **options
         )
         output, stats.received, stats.lse, last = parts.output, parts.received, parts.lse, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
         parts = chunked_softmax(query, key, last_visible, scaling, value=value, **options)
         output, last = parts.output, parts.last
     else:
-        output = sdpa(query, key, value, given if causal is None else causal, scaling)
+        output = sdpa(query, key, value, mask if causal is None else causal, scaling)
         last = chunked_softmax(query[:, :, queries - last_n :], key, last_visible, scaling, **options).last
-    if last_n:  # no mask: one query that sees every key
+    if last_n:
         stats.last, stats.last_visible = last, last_visible
     return output, stats
 

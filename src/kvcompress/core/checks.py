@@ -4,10 +4,9 @@ allowed. Every range has an upper bound, so no parameter reaches torch's allocat
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
-
-from kvcompress.core.contract import finite
 
 MAX_TOKENS = 2**20  # token counts (budgets, windows, sinks, histories): the longest context a cache is built for
 MAX_SEED = 2**63 - 1  # seeds are hashed as int64
@@ -43,7 +42,7 @@ def check_number(
     meaning: str = "",
 ) -> None:
     """A finite real number in the interval from ``low`` to ``high`` (open at an end where asked)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and finite(value)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
     if ok:
         ok = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
     if not ok:
@@ -74,3 +73,10 @@ def check_path(value: object, name: str, kind: str, what: str) -> None:
     if not (path.is_file() if kind == "file" else path.is_dir()):
         state = "is not a file" if path.is_dir() else "is not a folder" if path.exists() else "does not exist"
         raise ValueError(f"{name}={str(value)!r} {state}; give the path of {what}")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False

@@ -151,9 +151,7 @@ class Policy:
     def wants_stats(self, layer: LayerView) -> bool:
         """Whether this forward's attention computes ``stats`` (and ``observe`` runs): not once a one-shot method
         compressed, nor for a prompt chunk that more chunks follow when only the latest forward's count."""
-        if not self.one_shot:
-            return True
-        return not (layer.compressed or (self.latest_stats_only and layer.more_prompt))
+        return not self.one_shot or not (layer.compressed or (self.latest_stats_only and layer.more_prompt))
 
     def init_state(self, layer: LayerView, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token state for the new tokens (each ``[B, H_kv, q, ...]``), stored and moved with them."""
@@ -278,7 +276,7 @@ def _is_a(value: object, kind: object) -> bool:
     if kind is int:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and finite(value)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
             return False
@@ -289,8 +287,7 @@ def _is_a(value: object, kind: object) -> bool:
     return isinstance(value, kind) if isinstance(kind, type) else True
 
 
-def finite(value: numbers.Real) -> bool:
-    """``math.isfinite``, False for an integer too large for a float."""
+def _finite(value: numbers.Real) -> bool:
     try:
         return math.isfinite(value)
     except OverflowError:  # an integer too large for a float

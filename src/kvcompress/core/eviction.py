@@ -22,9 +22,7 @@ def protects_forward(policy: Policy, rule: Keep, new_tokens: int) -> bool:
     A decode-time method never evicts the tokens of the forward being processed (a question after a compressed
     context, the token just decoded) while ``count`` leaves room for them; a longer forward (a prompt chunk) is
     ranked like every other token. Not needed when the rule protects as many newest tokens itself."""
-    if policy.one_shot or isinstance(rule.count, torch.Tensor):
-        return False
-    return rule.newest_kept < new_tokens <= rule.count
+    return not (policy.one_shot or isinstance(rule.count, torch.Tensor)) and rule.newest_kept < new_tokens <= rule.count
 
 
 def ranked_scores(rule: Keep, layer: LayerView, protect_new: bool = False) -> torch.Tensor:

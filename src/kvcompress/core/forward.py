@@ -1,11 +1,9 @@
 """``ForwardPass``: one forward of the model through a cache, and the work its layers share.
 
-A cache owns one ``ForwardPass`` for all its layers (a layer outside a cache has its own). It opens at the first
-layer's ``update`` and closes after the last layer's attention: ``cached(key, build)`` keeps a table built by the
-first layer that asks for the others, ``at_end(key, job)`` leaves work to the close. Nothing a forward builds
-outlives it; a forward that stopped before its last layer (an exception in the model) is closed when the next one
-opens. ``stacked(name, tensors)`` keeps the layers' buffers of one kind as views of one buffer, so an operation over
-every layer is one operation.
+A cache owns one ``ForwardPass`` for all its layers (a layer outside a cache has its own), open from the first
+layer's ``update`` to the end of the last layer's attention. Nothing a forward builds outlives it; a forward that
+stopped before its last layer (an exception in the model) is closed when the next one opens. ``stacked`` keeps the
+layers' buffers of one kind as views of one buffer, so an operation over every layer is one operation.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ class ForwardPass:
         """Whether several layers run in this pass (a layer alone has nothing to share)."""
         return len(self.layers) > 1
 
-    # --- opening and closing -------------------------------------------------------------------------------
     def begin(self, layer: object) -> None:
         """``layer`` takes this forward's tokens: the first layer opens a new forward (closing one left open); any
         layer opens one if none is open."""
@@ -66,7 +63,6 @@ class ForwardPass:
         self._stacks.clear()
         self.is_open = False
 
-    # --- shared work -----------------------------------------------------------------------------------------
     def cached(self, key: Hashable, build: Callable[[], T]) -> T:
         """``build()`` once per forward and ``key`` (naming all the result depends on beyond the forward's own
         inputs); outside a forward, each time."""

@@ -1,10 +1,9 @@
 """A decoding step's evictions, run for every layer of a cache at once when the forward closes.
 
-At a decoding step a layer's eviction reads and writes that layer's bookkeeping only, and nothing reads it before
-the layer's next forward: a dozen small operations a layer, each costing far more than its arithmetic. So layers
-whose ``Policy.batchable`` policy is the same (``connect``) leave it to the end of the forward, where the policy
-runs once over their stream indices and state, views of one ``[layers · B, H_kv, C]`` buffer per name
-(``ForwardPass.stacked``). Every operation is per row, so the victims are those each layer would choose alone. A
+A layer's eviction at a decoding step (a dozen small operations) touches its own bookkeeping only, which nothing
+reads before its next forward. So layers with the same ``Policy.batchable`` policy (``connect``) leave it to the end
+of the forward, where the policy runs once over their stream indices and state, views of one ``[layers · B, H_kv,
+C]`` buffer per name (``ForwardPass.stacked``); every operation is per row, so each layer's victims are its own. A
 step with padding, observers or a sliding window evicts right after its attention; a forward in which not every
 layer deferred (or whose layers disagree in shape) evicts layer by layer at its end.
 """

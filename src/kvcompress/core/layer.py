@@ -1,14 +1,12 @@
 """The compressed cache layer: slots written in place, eviction by victims, no copy of the cache per step.
 
-Each ``CompressedLayer`` owns ``core.slots.SlotBuffers`` (keys, values and per-slot bookkeeping, ``capacity`` slots
-per sequence and KV head: ``core.capacity``). Left padding is stored but never counts against a budget. Eviction
-marks the victims' slots free and moves nothing; the next token is written where the victim was. So slot order is
-stream order only while the layer is *dense* (before its first eviction, and after a compaction); a decoding layer
-at its budget is *holed*. A compaction (one gather) happens only after a multi-token forward that evicted, after a
-one-shot compression, when a holed layer receives a forward of another size, and after every eviction in
-``position_mode="cache"`` (which needs stream order). Policies see views over the slots attention sees
-(``view_width``: the occupied prefix of a dense layer, every slot of a holed one). ``get_seq_length()`` is the
-tokens seen (what ``generate`` places new tokens by); ``stored_length()`` the slots in use.
+Each ``CompressedLayer`` owns ``core.slots.SlotBuffers``; left padding is stored but never counts against a budget.
+Eviction marks the victims' slots free and the next token is written where a victim was, so slot order is stream
+order only while the layer is *dense* (before its first eviction, and after a compaction); a decoding layer at its
+budget is *holed*. A compaction (one gather) happens only after a multi-token forward that evicted, a one-shot
+compression, a holed layer's forward of another size, and every eviction in ``position_mode="cache"`` (which needs
+stream order). ``get_seq_length()`` is the tokens seen (by which ``generate`` places new tokens); ``stored_length()``
+the slots in use.
 """
 
 from __future__ import annotations
@@ -153,7 +151,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             self.compact()
         needed = self.occupied + count
         if needed > self.slots.capacity:
-            self.slots.grow(self._grown_capacity(needed))
+            budget = getattr(self.policy.config, "budget", None)
+            budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+            self.slots.grow(grown_capacity(self.slots.capacity, needed, self.max_chunk, budget))
         state = self.policy.init_state(self, key_states)
         seen = self.seen_step
         if self.seen_tensor is not None:
@@ -178,11 +178,6 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         """What ``update`` returns: every slot's keys and values (a layer whose ``attend`` reads its storage itself
         may return stand-ins)."""
         return self.keys, self.values
-
-    def _grown_capacity(self, needed: int) -> int:
-        budget = getattr(self.policy.config, "budget", None)
-        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
-        return grown_capacity(self.slots.capacity, needed, self.max_chunk, budget)
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         """Record the RoPE positions (``[B, q]``) and validity (``[B, q]``, True = real) of the new tokens."""

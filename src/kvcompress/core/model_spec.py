@@ -38,14 +38,8 @@ class ModelSpec:
             head_dim = config.hidden_size // heads
         window = getattr(config, "sliding_window", None)
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types(config))
-        return cls(
-            type(model).__name__,
-            config.num_hidden_layers,
-            kv_heads,
-            head_dim,
-            windows,
-            getattr(config, "max_position_embeddings", None),
-        )
+        trained = getattr(config, "max_position_embeddings", None)
+        return cls(type(model).__name__, config.num_hidden_layers, kv_heads, head_dim, windows, trained)
 
     def describe(self) -> str:
         return f"{self.model} ({self.layers} layers, {self.kv_heads} KV heads of dimension {self.head_dim})"
@@ -79,26 +73,10 @@ class ModelSpec:
 
 
 # what makes two models' keys and values interchangeable in a cache (the shapes first, as a refusal names them)
-ARCHITECTURE_FIELDS = (
-    "num_hidden_layers",
-    "num_key_value_heads",
-    "head_dim",
-    "model_type",
-    "hidden_size",
-    "num_attention_heads",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "partial_rotary_factor",
-    "sliding_window",
-    "layer_types",
-    "attention_bias",
-    "hidden_act",
-    "rms_norm_eps",
-    "tie_word_embeddings",
+ARCHITECTURE_FIELDS = tuple(
+    "num_hidden_layers num_key_value_heads head_dim model_type hidden_size num_attention_heads intermediate_size "
+    "vocab_size max_position_embeddings rope_theta rope_parameters rope_scaling partial_rotary_factor sliding_window "
+    "layer_types attention_bias hidden_act rms_norm_eps tie_word_embeddings".split()
 )
 
 

@@ -1,12 +1,10 @@
 """Static decoding steps: what lets ``kvcompress.decode_graph`` capture a layer's decoding step once and replay it.
 
-A captured step runs fixed kernels on fixed addresses and no Python, so whatever it changes lives in tensors it
-updates in place. A layer *bound* to one (``ReplayBinding.bind``) is in its static form: a steady step
-(``replay_steady``) writes its token into its victim's slot (no shape changes); its per-step numbers are device
-scalars the step advances (``replay_counters``), written once from the Python integers; its victims go to one
-buffer (``free_buffer``); methods compute with ``layer.seen_step``. While the graph replays, the Python integers
-fall behind (the binding is ``stale``): the first read of a layer's ``seen``, or a forward that is not the graph's
-(which also unbinds), sets them from the counters with one host read for all layers (``sync_replayed``).
+A captured step runs fixed kernels on fixed addresses and no Python. A layer *bound* to one (``ReplayBinding.bind``)
+is in its static form: a steady step (``replay_steady``) writes its token into its victim's slot; its per-step
+numbers are device scalars the step advances (``replay_counters``); its victims go to one buffer (``free_buffer``).
+While the graph replays, the Python integers fall behind (the binding is ``stale``): the first read of a layer's
+``seen``, or a forward that is not the graph's (which also unbinds), sets them with one host read for all layers.
 """
 
 from __future__ import annotations
@@ -55,11 +53,9 @@ class ReplayBinding:
         self.stale = False
         layers = self._own()
         counters = [layer.replay_counters() for layer in layers]
-        values = torch.stack([c.reshape(()) for layer_counters in counters for c in layer_counters]).tolist()
-        start = 0
+        values = iter(torch.stack([c.reshape(()) for layer_counters in counters for c in layer_counters]).tolist())
         for layer, layer_counters in zip(layers, counters, strict=True):
-            layer.sync_replayed(values[start : start + len(layer_counters)])
-            start += len(layer_counters)
+            layer.sync_replayed([next(values) for _ in layer_counters])
 
     def unbind(self) -> None:
         """Back to the eager form: the Python integers up to date, the device counters dropped."""
@@ -148,9 +144,7 @@ class SlotReplay:
 def last_index(tensor: torch.Tensor, index: int | torch.Tensor) -> torch.Tensor:
     """``tensor[..., index]`` for an index computed from ``seen_step`` (indexing with a 0-dim tensor would read it
     back to the host)."""
-    if isinstance(index, int):
-        return tensor[..., index]
-    return tensor.index_select(-1, index.view(1))[..., 0]
+    return tensor[..., index] if isinstance(index, int) else tensor.index_select(-1, index.view(1))[..., 0]
 
 
 def put_last_index(tensor: torch.Tensor, index: int | torch.Tensor, value: torch.Tensor) -> None:

@@ -1,13 +1,11 @@
 """RoPE helpers: each layer's rotary frequencies, and re-rotating keys and queries already rotated at one position.
 
-Keys are stored rotated at the position they were written with (``original`` mode). Methods that re-index
-positions inside the cache (``cache`` mode) rotate a copy by the difference at attention time: rotations compose,
-``R(a + d) x == R(d) R(a) x``; the model's ``attention_scaling`` (YaRN's, LongRoPE's) is not applied again.
-Each layer rotates with its own layer type's frequencies (Gemma-3's ``full_attention_inv_freq`` and
-``sliding_attention_inv_freq``), read from the model's buffers, so every static RoPE type is exactly the model's;
-only the first ``2 * len(inv_freq)`` dimensions rotate (partial rotary), as the models' ``apply_rotary_pos_emb``.
-``dynamic`` and ``longrope`` are refused in ``cache`` mode: their frequencies switch past the trained length, so a
-key rotated before the switch cannot be moved with the frequencies after it.
+Methods that re-index positions inside the cache (``cache`` mode) rotate a copy of the stored keys by the difference
+at attention time (rotations compose; the model's ``attention_scaling`` is not applied again). Each layer rotates
+with its own layer type's frequencies read from the model's buffers (Gemma-3's ``full_attention_inv_freq`` and
+``sliding_attention_inv_freq``), so every static RoPE type is exactly the model's; only the first
+``2 * len(inv_freq)`` dimensions rotate (partial rotary). ``dynamic`` and ``longrope`` are refused in ``cache`` mode:
+their frequencies switch past the trained length, so a key rotated before cannot be moved with those after.
 """
 
 from __future__ import annotations

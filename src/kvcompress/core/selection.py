@@ -23,9 +23,8 @@ def keep_top(
 ) -> Keep | None:
     """The ``Keep`` rule of the ``keep`` (an int or ``[B]`` counts) highest ``scores``, ``protected`` first, or
     ``None`` when the layer holds no more than ``keep`` tokens."""
-    if not isinstance(keep, torch.Tensor) and layer.occupied <= keep:
-        return None
-    return Keep(scores, keep, protected, newest_kept, distinct)
+    nothing_to_evict = not isinstance(keep, torch.Tensor) and layer.occupied <= keep
+    return None if nothing_to_evict else Keep(scores, keep, protected, newest_kept, distinct)
 
 
 def sink_mask(layer: LayerView, sinks: int) -> torch.Tensor:

@@ -124,7 +124,6 @@ class SlotBuffers:
         self.tensors = {name: value for name, value in tensors.items() if not name.startswith("state.")}
         self.state = {name[6:]: value for name, value in tensors.items() if name.startswith("state.")}
 
-    # --- capacity ------------------------------------------------------------------------------------------
     def resize(self, capacity: int, keep: int) -> None:
         """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
         resized = {}
@@ -148,7 +147,6 @@ class SlotBuffers:
         self._put_all({name: fn(tensor) for name, tensor in self._all().items()})
         self.real_seen = fn(self.real_seen)
 
-    # --- writes --------------------------------------------------------------------------------------------
     def _new_state(self, name: str, value: torch.Tensor) -> torch.Tensor:
         if name not in self.state:
             self.state[name] = value.new_zeros(*value.shape[:2], self.capacity, *value.shape[3:])
@@ -239,7 +237,6 @@ class SlotBuffers:
             self.valid.scatter_(2, slots, real[:, None, :].expand(shape))
             self.rank.scatter_(2, slots, torch.where(real, rank, FREE)[:, None, :].expand(shape))
 
-    # --- freeing and compaction ----------------------------------------------------------------------------
     def free_at(self, slots: torch.Tensor) -> None:
         self.token_idx.scatter_(2, slots, FREE)
         self.rank.scatter_(2, slots, FREE)
@@ -287,7 +284,6 @@ class SlotBuffers:
         index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
         return tensor[:, :, :width].gather(2, index)
 
-    # --- accounting ----------------------------------------------------------------------------------------
     @staticmethod
     def _bytes_per_slot(tensor: torch.Tensor) -> int:
         return tensor.shape[0] * tensor.shape[1] * math.prod(tensor.shape[3:]) * tensor.element_size()
