@@ -1,6 +1,2 @@
 """The core every method builds on: the method contract, the cache layer and cache, the attention function,
-selection and validation helpers, and RoPE helpers. Nothing in ``core`` imports a method.
-
-Imports inside ``core`` go one way: ``contract`` (nothing) <- ``checks``, ``rope`` <- ``layer`` <- ``selection``,
-``cache``, ``softmax`` <- ``attention``.
-"""
+selection and validation helpers, and RoPE helpers. Nothing in ``core`` imports a method."""

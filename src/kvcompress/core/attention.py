@@ -1,12 +1,9 @@
 """The one attention function kvcompress registers with ``transformers``' ``AttentionInterface``.
 
-The model calls ``cache.update()`` and then this function with the stored keys. The function finds the cache
-layer behind those keys, records the new tokens' positions and padding, computes attention (plain SDPA when the
-method needs no statistics; otherwise an explicit softmax in query chunks that also collects the statistics the
-method asked for, so no ``T x T`` matrix per head is ever materialised), then lets the layer evict.
-
-A mask function registered under the same name hands the 2D padding mask through unchanged: the layer builds its
-own mask from stored positions, because after eviction the stored keys no longer line up with the sequence.
+The model calls ``cache.update()`` and then this function with the stored keys: it finds the layer behind them,
+records the new tokens' positions and padding, attends (plain SDPA, or the chunked softmax where the method asks for
+statistics), then lets the layer evict. The mask function registered under the same name hands the 2D padding mask
+through unchanged: after eviction the stored keys no longer line up with the sequence, so the layer builds its own.
 """
 
 from __future__ import annotations
@@ -49,14 +46,7 @@ def kvcompress_attention(
     sliding_window = kwargs.get("sliding_window")
     if layer is None:
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
-    queries = query.shape[2]
-    padding = None
-    if (
-        attention_mask is not None
-        and attention_mask.dim() == 2
-        and not _forward_unpadded(layer, attention_mask, queries)
-    ):
-        padding = attention_mask[:, -queries:]
+    padding = _padding(layer, attention_mask, query.shape[2])
     positions = kwargs.get("position_ids")
     if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
         with recorded_as_computed():
@@ -66,11 +56,13 @@ def kvcompress_attention(
     return output.transpose(1, 2).contiguous(), None
 
 
-def _forward_unpadded(layer: CompressedLayer, attention_mask: torch.Tensor, queries: int) -> bool:
-    """Whether this forward's tokens are all real: checked once per forward (one host read for all layers, which
-    get the same mask), not once per layer."""
+def _padding(layer: CompressedLayer, attention_mask: torch.Tensor | None, queries: int) -> torch.Tensor | None:
+    """The new tokens' ``[B, q]`` 2D padding mask, or ``None`` if all are real (one host read per forward)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
     key = ("all-real", queries, attention_mask.shape[-1])
-    return layer.forward_pass.cached(key, lambda: bool(attention_mask[:, -queries:].all()))
+    all_real = layer.forward_pass.cached(key, lambda: bool(attention_mask[:, -queries:].all()))
+    return None if all_real else attention_mask[:, -queries:]
 
 
 def attend_layer(
@@ -83,11 +75,10 @@ def attend_layer(
     scaling: float | None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``.
-    After the forward's last layer the forward closes (``core.forward``: its deferred work runs)."""
+    """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``."""
     queries = query.shape[2]
     forward = layer.forward_pass
-    if not forward.is_open:  # a layer driven on its own (outside a cache's forward): its forward starts here
+    if not forward.is_open:  # a layer driven on its own
         forward.begin(layer)
     layer.register_new_tokens(position_ids, padding)
     query, key = layer.positioned(query, key)
@@ -117,20 +108,13 @@ def layer_attention(
     position_ids: torch.Tensor | None,
     forward: ForwardPass | None = None,
 ) -> tuple[torch.Tensor, AttentionStats | None]:
-    """A layer's attention under its own ``mask`` (``None``: plain causal): SDPA, or the explicit softmax beside it
-    where statistics are asked for. The layer's masks leave every query its own key. A plain causal chunk after
-    earlier keys reads one additive mask shared by the forward's layers (``causal_bias``)."""
-    queries = query.shape[2]
+    """A layer's attention under its own ``mask`` (``None``: plain causal; a layer's mask leaves every query its own
+    key): SDPA, or the explicit softmax where statistics are asked for. A plain causal chunk after earlier keys
+    reads one additive mask shared by the forward's layers (``causal_bias``)."""
     bias = None
-    softmax_only = request.received or request.lse  # (the explicit softmax skips hidden keys without a mask)
-    if (
-        mask is None
-        and position_ids is not None
-        and forward is not None
-        and 1 < queries < key.shape[2]
-        and not softmax_only
-    ):
-        bias = causal_bias(queries, key.shape[2], query, forward)
+    if mask is None and position_ids is not None and forward is not None and 1 < query.shape[2] < key.shape[2]:
+        if not (request.received or request.lse):  # (the explicit softmax skips hidden keys without a mask)
+            bias = causal_bias(query.shape[2], key.shape[2], query, forward)
     if request.any:
         return attention_with_stats(query, key, value, mask, scaling, request, True, bias)
     return sdpa(query, key, value, mask if bias is None else bias, scaling), None
@@ -164,7 +148,7 @@ def sdpa(
 
 
 def _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window) -> tuple[torch.Tensor, None]:
-    """Fallback for a prepared model used with an ordinary cache (or none): causal + padding mask."""
+    """A prepared model with an ordinary cache (or none): causal and padding mask."""
     queries, length = query.shape[2], key.shape[2]
     query_idx = torch.arange(length - queries, length, device=query.device)[:, None]
     key_idx = torch.arange(length, device=query.device)[None, :]
@@ -192,50 +176,30 @@ def attention_with_stats(
     """Attention plus the requested statistics, in float32 (``rows_see_keys``: see ``chunked_softmax``;
     ``causal``: the additive mask SDPA takes when ``mask`` is ``None``, see ``causal_bias``).
 
-    Mass received (or the rows' log-normalisers) needs every query's probabilities: the exact chunked softmax gives
-    output and mass together.
-    Rows of the last ``n`` queries alone need only that ``n x L`` block: SDPA computes the output and the block is
-    computed apart.
+    Mass received (or the rows' log-normalisers) needs every query's probabilities: the chunked softmax gives output
+    and mass together. Rows of the last ``n`` queries alone need only that ``n x L`` block, computed beside SDPA.
     """
     queries, length = query.shape[2], key.shape[2]
-    given = mask  # None for a plain causal prefill: SDPA and the chunked softmax then skip the hidden keys
-    plain_causal = mask is None and queries > 1  # one query with no mask sees every key
     last_n = min(request.last_queries, queries)
-
-    def visible(first: int) -> torch.Tensor | None:
-        """The mask of queries ``first ..``: for plain causal attention only those rows are built (the whole
-        ``q x L`` mask of a long prompt would be ``q * L`` bytes, 256 MiB at 16K tokens)."""
-        if plain_causal:
-            return causal_mask(queries - first, length, query.device)
-        return None if mask is None else mask[:, :, first:]
-
-    last_visible = visible(queries - last_n) if last_n else None
+    last_visible = None  # (one query with no mask sees every key)
+    if last_n and mask is None and queries > 1:  # plain causal: only the last rows' mask, not the ``q x L`` one
+        last_visible = causal_mask(last_n, length, query.device)
+    elif last_n and mask is not None:
+        last_visible = mask[:, :, queries - last_n :]
     stats = AttentionStats(query_count=queries)
+    options = {"last_n": last_n, "rows_see_keys": rows_see_keys}
     if request.received or request.lse:
         parts = chunked_softmax(
-            query,
-            key,
-            given,
-            scaling,
-            value=value,
-            lse=request.lse,
-            received=request.received,
-            last_n=last_n,
-            rows_see_keys=rows_see_keys,
+            query, key, mask, scaling, value=value, lse=request.lse, received=request.received, **options
         )
         output, stats.received, stats.lse, last = parts.output, parts.received, parts.lse, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
-        parts = chunked_softmax(
-            query, key, last_visible, scaling, value=value, last_n=last_n, rows_see_keys=rows_see_keys
-        )
+        parts = chunked_softmax(query, key, last_visible, scaling, value=value, **options)
         output, last = parts.output, parts.last
     else:
-        output = sdpa(query, key, value, given if causal is None else causal, scaling)
-        rows = slice(queries - last_n, queries)
-        last = chunked_softmax(
-            query[:, :, rows], key, last_visible, scaling, last_n=last_n, rows_see_keys=rows_see_keys
-        ).last
-    if last_n:  # no mask: one query that sees every key
+        output = sdpa(query, key, value, mask if causal is None else causal, scaling)
+        last = chunked_softmax(query[:, :, queries - last_n :], key, last_visible, scaling, **options).last
+    if last_n:
         stats.last, stats.last_visible = last, last_visible
     return output, stats
 
@@ -247,13 +211,10 @@ def register_attention(name: str, attention: Callable, mask: Callable) -> None:
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Register kvcompress attention and switch the model to it, and check the inputs of every forward through a
-    compressed cache (``core.cache.check_inputs``). Returns the model.
-
-    The model still works with ordinary caches afterwards (plain causal attention with padding).
-    """
+    """Switch the model to kvcompress attention (it still works with ordinary caches) and check the inputs of every
+    forward through a compressed cache (``core.cache.check_inputs``). Returns the model."""
     register_attention(ATTENTION_NAME, kvcompress_attention, padding_mask_passthrough)
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
-    watch_inputs(model)  # every forward with a compressed cache checks the model and its inputs first
+    watch_inputs(model)
     return model

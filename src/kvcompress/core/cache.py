@@ -21,11 +21,8 @@ from kvcompress.core.rope import has_rotary, layer_inv_freqs
 
 
 def layer_class_for(config: MethodConfig, window: int | None) -> type[CompressedLayer]:
-    """The layer class of ``config``'s method on a layer with this sliding ``window`` (``None``: a global layer).
-
-    On a sliding-window layer the choice is the config's when it depends on its parameters (``sliding_layer_class``:
-    the cascade keeps the window itself when its budget holds it), else the layer class's (a class that cannot drop
-    tokens by age names the one to use), else the method's usual class."""
+    """The layer class of ``config``'s method on a layer with this sliding ``window`` (``None``: a global layer):
+    there the config's ``sliding_layer_class(window)``, else the layer class's, else the usual class."""
     layer_class = config.layer_class() or CompressedLayer
     if window is not None:
         by_config = getattr(config, "sliding_layer_class", None)
@@ -37,17 +34,14 @@ HOOKED = "_kvcompress_input_check"
 
 
 def watch_inputs(model: nn.Module) -> None:
-    """Check every forward of ``model`` that carries a ``CompressedCache`` before it runs (``check_inputs``): one
-    forward pre-hook per model, registered once."""
+    """Check every forward of ``model`` that carries a ``CompressedCache`` (``check_inputs``): one pre-hook."""
     if getattr(model, HOOKED, None) is None and hasattr(model, "register_forward_pre_hook"):
         setattr(model, HOOKED, model.register_forward_pre_hook(check_inputs, with_kwargs=True))
 
 
 def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A forward through a compressed cache, before the model runs: the model is the one the cache was built for (or
-    one of the same architecture and configuration), it brings at least one token, and a 2D ``attention_mask``
-    covers every token: those the cache has seen and the new ones. Each is a ``ValueError`` naming what is wrong,
-    instead of a failure deep inside ``transformers``."""
+    """``ValueError`` unless the model is the one the cache was built for (or of the same architecture and
+    configuration), the forward brings at least one token, and a 2D ``attention_mask`` covers every token."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, CompressedCache):
         return
@@ -77,10 +71,8 @@ def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 class CompressedCache(Cache):
-    """A ``transformers`` ``Cache`` applying one method to every layer of a model.
-
-    Build it with ``kvcompress.cache_for(model, method, **params)``, which also prepares the model's attention.
-    """
+    """A ``transformers`` ``Cache`` applying one method to every layer of a model: ``kvcompress.cache_for(model,
+    method, **params)``, which also prepares the model's attention."""
 
     def __init__(self, model: nn.Module, config: MethodConfig) -> None:
         spec = ModelSpec.of(model)
@@ -93,18 +85,15 @@ class CompressedCache(Cache):
         layers = []
         for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):
             layers.append(layer_class_for(config, window)(policy, inv_freq))
-            layers[-1].sliding_window = window  # sliding layers store at most their window
+            layers[-1].sliding_window = window
         super().__init__(layers=layers)
         self.config = config
         self.model_spec = spec
         self._generated = False  # a ``generate`` call has used this cache (see ``_is_user_defined``)
         self.model_check = ModelCheck(model)
         watch_inputs(model)
-        # warn once past the trained length if some layer keeps original positions
         self._keeps_original_positions = any(p.position_mode == "original" for p in policies)
         self._warn_after = spec.max_positions if self._keeps_original_positions else None
-        # one forward at a time through every layer: opened at the first layer's update, closed after the last
-        # layer's attention, with the work the layers share (``core.forward``)
         self.forward_pass = ForwardPass(layers)
         for layer in layers:
             layer.forward_pass = self.forward_pass
@@ -118,15 +107,15 @@ class CompressedCache(Cache):
         if layer_idx == 0 or layer_idx >= self.model_spec.layers:
             self._check_forward(layer_idx, key_states)
         layer = self.layers[layer_idx]
-        layer.forward_pass.begin(layer)  # the first layer opens the forward (``core.forward``)
+        layer.forward_pass.begin(layer)
         if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
             with recorded_as_computed():
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
-        """Once per forward (layer 0): the shapes match, the previous forward reached the last layer (else the model
-        has fewer layers than the cache), and a warning once past the trained length."""
+        """Once per forward: the shapes match, the previous forward reached the last layer, and a warning once past
+        the trained length (a method keeping original positions)."""
         spec = self.model_spec
         spec.check_layer(layer_idx, key_states)
         first, last = self.layers[0], self.layers[-1]
@@ -155,7 +144,7 @@ class CompressedCache(Cache):
         self._generated = bool(value)
 
     def reset(self) -> None:
-        """Empty every layer (``Cache.reset``): the cache is as built, for a new generation."""
+        """Empty every layer: the cache is as built, for a new generation."""
         super().reset()
         self.forward_pass.reset()
         self._generated = False
@@ -163,8 +152,7 @@ class CompressedCache(Cache):
 
     @property
     def compressed_layers(self) -> list[LayerView]:
-        """The layers, one per decoder layer, each built by this cache from its method's layer class (a
-        ``LayerView``: ``tests/test_layer_view.py``)."""
+        """The layers, one per decoder layer (each a ``LayerView``)."""
         return list(self.layers)
 
     def nbytes(self) -> int:
@@ -176,25 +164,24 @@ class CompressedCache(Cache):
         return sum(layer.metadata_nbytes() for layer in self.compressed_layers)
 
     def allocated_nbytes(self) -> int:
-        """Bytes allocated for keys and values, all layers together: ``nbytes()`` plus the room the layers keep
-        for coming tokens, after every forward at most one chunk per layer (``kvcompress.core.capacity``)."""
+        """Bytes allocated for keys and values: ``nbytes()`` plus the room kept for new tokens (``core.capacity``)."""
         return sum(layer.allocated_nbytes() for layer in self.compressed_layers)
 
     def allocated_metadata_nbytes(self) -> int:
-        """Bytes allocated for positions and method statistics: ``metadata_nbytes()`` plus the same room."""
+        """``metadata_nbytes()`` plus the same room."""
         return sum(layer.allocated_metadata_nbytes() for layer in self.compressed_layers)
 
     def tokens_seen(self) -> int:
         return self.compressed_layers[0].seen
 
     def tokens_stored(self) -> list[int]:
-        """Stored slots per layer (the physical length, the same for every head of a layer)."""
+        """Stored slots per layer."""
         return [layer.stored_length() for layer in self.compressed_layers]
 
     @contextmanager
     def deferred_compression(self) -> Iterator[CompressedCache]:
-        """Within this block one-shot methods do not compress; they compress once when it ends. Blocks nest: an
-        inner block (``prefill`` of several chunks inside a caller's block) leaves the compression to the outer."""
+        """Within this block one-shot methods do not compress; they compress once when it ends (an inner block leaves
+        it to the outer)."""
         outer = not any(layer.defer_compression for layer in self.compressed_layers)
         for layer in self.compressed_layers:
             layer.defer_compression = True
@@ -207,9 +194,8 @@ class CompressedCache(Cache):
 
     @contextmanager
     def more_prompt(self) -> Iterator[CompressedCache]:
-        """Declare the forwards within this block prompt chunks that more prompt chunks follow before a one-shot
-        method compresses (``prefill`` wraps every chunk but the last): a method whose statistics are those of the
-        latest forward only (SnapKV's observation window) skips computing them there. Inside a
+        """The forwards within this block are prompt chunks that more chunks follow (``prefill`` wraps every chunk
+        but the last): a method whose statistics are the latest forward's only skips them there. Inside a
         ``deferred_compression`` block only: a compression right after such a forward would find no statistics."""
         for layer in self.compressed_layers:
             layer.more_prompt = True
@@ -220,10 +206,8 @@ class CompressedCache(Cache):
                 layer.more_prompt = False
 
     def fork(self) -> CompressedCache:
-        """An independent copy of this cache, to continue on its own: a context compressed once, then one fork per
-        question. The fork holds copies of every tensor (its memory is the original's: ``nbytes()`` and the
-        buffers' capacity), shares only the method config and the model's config (both read-only), and starts
-        with no observers; what one evicts or appends afterwards never reaches the other. Fork outside autograd
+        """An independent copy of this cache (a context compressed once, then one fork per question): copies of every
+        tensor, only the method's and the model's configs shared (read-only), no observers. Fork outside autograd
         (a tensor that requires gradients cannot be copied) and outside a captured decoding graph."""
         memo: dict[int, object] = {id(self.config): self.config, id(self.model_check.config): self.model_check.config}
         for layer in self.compressed_layers:

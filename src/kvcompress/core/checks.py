@@ -1,7 +1,5 @@
 """Validation helpers for method configs: each raises ``ValueError`` naming the parameter, the value and what is
 allowed. Every range has an upper bound, so no parameter reaches torch's allocator or overflows an ``int64``.
-
-(Declared types are checked before ``validate`` runs, by ``kvcompress.core.contract.check_field_types``.)
 """
 
 from __future__ import annotations

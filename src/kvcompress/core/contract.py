@@ -1,11 +1,7 @@
 """The method contract: a frozen config with the paper's defaults that builds one ``Policy`` per layer.
 
-A policy decides what one cache layer keeps. It never stores keys itself: the layer (``kvcompress.core.layer``)
-owns keys, values, positions and the per-token state the policy asks for, and gathers them all when the
-policy returns a ``Selection``. What a policy may read and call on its layer is ``LayerView``, whatever the layer's
-storage. Attention statistics come from ``kvcompress.core.attention`` as ``AttentionStats``.
-
-This module imports nothing else of kvcompress: every method depends on it, and it depends on no method.
+A policy decides what one cache layer keeps; the layer (``core.layer``) stores keys, values, positions and the
+policy's per-token state. This module imports nothing else of kvcompress.
 """
 
 from __future__ import annotations
@@ -38,10 +34,8 @@ class StatsRequest:
 
 @dataclass
 class AttentionStats:
-    """Attention statistics of one forward of one layer, over the keys stored before eviction.
-
-    Shapes use ``G`` = query heads per KV head (grouped-query attention), so policies choose how to reduce a group.
-    """
+    """Attention statistics of one forward of one layer, over the keys stored before eviction (``G``: query heads
+    per KV head, so a policy chooses how to reduce a group)."""
 
     query_count: int  # queries in this forward
     received: torch.Tensor | None = None  # [B, H_kv, G, L] float32
@@ -54,14 +48,11 @@ class AttentionStats:
 class Keep:
     """A policy's eviction rule: keep, per sequence and KV head, the ``count`` highest-scoring real tokens.
 
-    ``scores`` ``[B, H_kv or 1, W]`` are over the layer's current view (``layer.token_idx`` etc.); ``count`` is an
-    int, or ``[B]`` per-sequence counts (one-shot ratios); ``protected`` ``[B, H_kv, W]`` tokens are kept first.
-    The layer evicts the rest, lowest score first; equal scores evict the older token first. Padding is never kept.
-
-    Two facts a rule may state, so the layer skips work while decoding: ``newest_kept``, how many of the newest
-    real tokens the rule keeps anyway (a recent window it protects, or scores that grow with recency: the forward's
-    own tokens then need no extra protection), and ``distinct``, that no two real tokens share a score (no tie to
-    break).
+    ``scores`` ``[B, H_kv or 1, W]`` are over the layer's view; ``count`` is an int, or ``[B]`` per-sequence counts
+    (one-shot ratios); ``protected`` ``[B, H_kv, W]`` tokens are kept first. The layer evicts the rest, lowest score
+    first, the older token first among equals; padding is never kept. Facts that spare work while decoding:
+    ``newest_kept``, how many newest real tokens the rule keeps anyway (a protected window, or scores growing with
+    recency: the forward's own tokens then need no protection), and ``distinct``, no two real tokens share a score.
     """
 
     scores: torch.Tensor
@@ -80,11 +71,8 @@ class KeepMask:
 
 @dataclass
 class Selection:
-    """What a layer keeps: ``indices`` ``[B, H_kv, K]`` into the layer's view, ascending per row.
-
-    ``valid`` ``[B, H_kv, K]`` marks slots that hold a real token; a sequence with fewer tokens than ``K`` (a
-    shorter prompt in a padded batch) fills the rest of its row with invalid slots.
-    """
+    """What a layer keeps: ``indices`` ``[B, H_kv, K]`` into the layer's view, ascending per row; ``valid``
+    ``[B, H_kv, K]`` marks those holding a real token (a shorter sequence fills its row with invalid slots)."""
 
     indices: torch.Tensor
     valid: torch.Tensor | None = None
@@ -98,25 +86,22 @@ class Selection:
 
 @runtime_checkable
 class LayerView(Protocol):
-    """What a policy may read and call on the layer it decides for, whatever the layer's storage: every cache layer
-    kind implements it (the slot layer ``CompressedLayer`` and its subclasses: LESS's, the cascade's rings, PoD's
-    shared keys). Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and
-    ``values`` ``[B, H_kv, W, d]``); ``state`` maps the names ``Policy.init_state`` returned to such views (written
-    in place). At a decoding step a ``Policy.batchable`` policy reads, through ``core.joint_eviction.StackedLayer``,
-    only ``policy``, ``device``, ``seen``, ``seen_step``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
-    ``ordered``, ``all_valid``, ``rows``, ``token_idx``, ``state``, ``new_index()`` and ``real_count()``.
+    """What a policy may read and call on its layer, whatever the layer's storage (every layer kind implements it).
 
-    A layer kind adds what only its own method reads (PoD's block peers, LESS's state): a policy reading those
-    names its layer class."""
+    Tensors are ``[B, H_kv, W]`` views over the ``W`` slots attention sees this forward (``keys`` and ``values``
+    ``[B, H_kv, W, d]``); ``state`` maps the names ``Policy.init_state`` returned to such views (written in place).
+    At a decoding step a ``Policy.batchable`` policy reads, through ``core.joint_eviction.StackedLayer``, only
+    ``policy``, ``device``, ``seen``, ``seen_step``, ``new_tokens``, ``occupied``, ``view_width``, ``dense``,
+    ``ordered``, ``all_valid``, ``rows``, ``token_idx``, ``state``, ``new_index()`` and ``real_count()``. A policy
+    reading more (PoD's block peers, LESS's state) names its layer class."""
 
     policy: Policy
     device: torch.device
     inv_freq: torch.Tensor | None  # the model's RoPE frequencies for this layer (None: not needed, or no RoPE)
     sliding_window: int | None  # the model's window on this layer (None: a global layer)
     seen: int  # tokens seen so far, padding included (the stream index of the next token)
-    # ``seen`` as a step computes with it: the int, or a device scalar the step advances in place while the layer is
-    # bound to a captured decoding step (``core.replay``); arithmetic serves both (``torch.arange`` does not: use
-    # ``core.slots.stream_range``), so a method never branches on replay
+    # ``seen`` as a step computes with it: the int, or a device scalar while bound to a captured step (``core.replay``);
+    # arithmetic serves both (not ``torch.arange``: ``core.slots.stream_range``), so no method branches on replay
     seen_step: int | torch.Tensor
     new_tokens: int  # tokens of this forward
     occupied: int  # slots holding a token, the most of any row
@@ -125,39 +110,15 @@ class LayerView(Protocol):
     all_valid: bool  # no padding stored: every slot in the view holds a real token
     ordered: bool  # the view is in stream order
     dense: bool  # the view is the occupied slots only, in stream order, the forward's tokens last
-
-    @property
-    def view_width(self) -> int:
-        """``W``: the slots attention sees (the views' last dimension)."""
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        """``(B, H_kv)``: sequences and KV heads (the views' first two dimensions)."""
-
-    @property
-    def token_idx(self) -> torch.Tensor:
-        """Each slot's token's stream index (``-1``: a free slot)."""
-
-    @property
-    def rope_pos(self) -> torch.Tensor:
-        """Each slot's RoPE position (the model's ``position_ids`` its key was rotated with)."""
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """Whether each slot holds a real token (``False``: padding or free)."""
-
-    @property
-    def rank(self) -> torch.Tensor:
-        """Each real token's rank among its sequence's real tokens (``-1``: padding or free)."""
-
-    @property
-    def keys(self) -> torch.Tensor: ...
-
-    @property
-    def values(self) -> torch.Tensor: ...
-
-    @property
-    def state(self): ...
+    view_width: int  # ``W``: the slots attention sees
+    rows: tuple[int, int]  # ``(B, H_kv)``
+    token_idx: torch.Tensor  # each slot's token's stream index (``-1``: a free slot)
+    rope_pos: torch.Tensor  # each slot's RoPE position (the ``position_ids`` its key was rotated with)
+    valid: torch.Tensor  # whether each slot holds a real token (False: padding or free)
+    rank: torch.Tensor  # each real token's rank among its sequence's real tokens (``-1``: padding or free)
+    keys: torch.Tensor
+    values: torch.Tensor
+    state: typing.Mapping[str, torch.Tensor]
 
     def new_index(self) -> torch.Tensor:
         """``[B, H_kv, q]`` positions of this forward's tokens in the views."""
@@ -174,14 +135,12 @@ class Policy:
     per_head: bool = True  # False: all KV heads of a layer keep the same tokens
     one_shot: bool = False  # True: compress once after the prompt, never while decoding
     # True: ``observe`` keeps only the latest forward's statistics (an observation window at the prompt's end), so a
-    # one-shot method needs none from the prompt chunks that more chunks follow (``CompressedCache.more_prompt``)
+    # one-shot method needs none from prompt chunks that more chunks follow (``CompressedCache.more_prompt``)
     latest_stats_only: bool = False
-    # True: at a decoding step ``observe`` and ``select`` work per row (sequence and KV head) on the layer's
-    # ``state``, ``token_idx`` and scalar bookkeeping only, and ``select`` returns ``None`` or a ``Keep`` with an int
-    # count, so a cache may run them once for all its layers stacked (``kvcompress.core.joint_eviction``)
+    # True: at a decoding step ``observe`` and ``select`` work per row on ``state``, ``token_idx`` and scalar
+    # bookkeeping only, ``select`` returning ``None`` or a ``Keep`` with an int count (``core.joint_eviction``)
     batchable: bool = False
-    # True: the layer needs the model's RoPE frequencies (``layer.inv_freq``) whatever its ``position_mode``
-    # (expected attention turns the prompt's queries back to their un-rotated form); None on a model without RoPE
+    # True: ``layer.inv_freq`` holds the model's RoPE frequencies whatever ``position_mode`` (None without RoPE)
     needs_rope: bool = False
 
     def __init__(self, config: MethodConfig, layer_idx: int) -> None:
@@ -192,12 +151,10 @@ class Policy:
     def wants_stats(self, layer: LayerView) -> bool:
         """Whether this forward's attention computes ``stats`` (and ``observe`` runs): not once a one-shot method
         compressed, nor for a prompt chunk that more chunks follow when only the latest forward's count."""
-        if not self.one_shot:
-            return True
-        return not (layer.compressed or (self.latest_stats_only and layer.more_prompt))
+        return not self.one_shot or not (layer.compressed or (self.latest_stats_only and layer.more_prompt))
 
     def init_state(self, layer: LayerView, keys: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token state for the new tokens (each ``[B, H_kv, q, ...]``), stored and gathered with them."""
+        """Per-token state for the new tokens (each ``[B, H_kv, q, ...]``), stored and moved with them."""
         return {}
 
     def observe(self, layer: LayerView, stats: AttentionStats | None) -> None:
@@ -216,9 +173,8 @@ class Policy:
         mask: torch.Tensor | None,
         scaling: float | None,
     ) -> tuple[torch.Tensor, AttentionStats | None] | None:
-        """Override the attention computation (``[B, H, q, d]`` output and statistics), or ``None`` for the
-        default (SDPA, or an exact chunked softmax when ``stats`` asks for statistics). Methods that change the
-        attention itself (log-n scaling, a low-rank state, logits shared across layers) implement this."""
+        """This layer's attention (``[B, H, q, d]`` output and statistics), or ``None`` for the default (SDPA, or the
+        exact chunked softmax when ``stats`` asks for statistics)."""
         return None
 
 
@@ -239,8 +195,8 @@ class MethodConfig:
 
     Every method also takes how its kept tokens are stored (keyword-only, after its own parameters): ``kv_bits``
     (16: the model's dtype; 8, 4 or 2: keys quantized per channel and values per token as in KIVI, arXiv
-    2402.02750, ``kvcompress.core.quantized_slots``), ``kv_group`` (tokens per key group and channels per value
-    group) and ``kv_residual`` (the newest tokens also kept exact; 0 or a multiple of ``kv_group``)."""
+    2402.02750, ``core.quantized_slots``), ``kv_group`` (tokens per key group and channels per value group) and
+    ``kv_residual`` (the newest tokens also kept exact; 0 or a multiple of ``kv_group``)."""
 
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -251,8 +207,7 @@ class MethodConfig:
     kv_residual: int = dataclasses.field(default=128, kw_only=True)  # KIVI's residual length R (exact newest tokens)
 
     def layer_class(self) -> type[LayerView] | None:
-        """The cache layer type this method stores tokens in, or ``None`` for the standard ``CompressedLayer``
-        (methods with their own storage layout return a subclass)."""
+        """The layer class of a method with its own storage (a ``CompressedLayer`` subclass); None: the standard."""
         return None
 
     def __post_init__(self) -> None:
@@ -270,12 +225,10 @@ class MethodConfig:
         """Called once with all the cache's layers, for methods whose layers read each other (PoD)."""
 
     def after_prefill(self, model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Called by ``kvcompress.generation.prefill`` once the prompt ``input_ids`` is in ``cache``: a method that
-        compresses with more passes of the model over the prompt's tokens (KVzip's reconstruction) does so here."""
+        """Called by ``generation.prefill`` once the prompt is in ``cache`` (KVzip's reconstruction passes)."""
 
 
 def check_storage(config: MethodConfig) -> None:
-    """``ValueError`` naming ``kv_bits``, ``kv_group`` or ``kv_residual`` when out of range."""
     if config.kv_bits not in KV_BITS:
         raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {config.kv_bits!r}")
     if not 1 <= config.kv_group <= MAX_KV_TOKENS:
@@ -288,8 +241,8 @@ def check_storage(config: MethodConfig) -> None:
 
 
 def check_field_types(config: MethodConfig) -> None:
-    """``ValueError`` unless every field of ``config`` holds a value of its declared type: booleans are ``bool``,
-    integers are not booleans or floats, floats are finite real numbers (integers allowed), tuples may be lists."""
+    """``ValueError`` unless every field holds its declared type: booleans are ``bool``, integers not booleans or
+    floats, floats finite real numbers (integers allowed), tuples may be lists."""
     for name, kind in _field_types(type(config)).items():
         value = getattr(config, name)
         if not _is_a(value, kind):
@@ -298,7 +251,7 @@ def check_field_types(config: MethodConfig) -> None:
 
 
 def _own_message(config: MethodConfig, name: str) -> str | None:
-    """The config's own ``validate`` message for a bad ``name`` (it states the allowed range), if it gives one."""
+    """The config's own ``validate`` message for a bad ``name`` (it states the range), if it gives one."""
     try:
         config.validate()
     except ValueError as error:

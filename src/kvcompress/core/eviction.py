@@ -1,9 +1,8 @@
 """Choosing victims: the lowest-scoring tokens of a ``Keep`` rule, without sorting while decoding.
 
 Scores are ranked in their own dtype (integers as float64 in a layer storing padding; elsewhere as integers, whose
-largest value stands for ``+inf``): padding first (``-inf``), then by score, protected tokens last (``+inf``);
-equal scores evict the older token first. One victim per row (a decoding step) is an
-``argmin``; several (a prompt chunk) a stable sort of one row of scores.
+largest value stands for ``+inf``): padding first, then by score, protected tokens last; equal scores evict the older
+token first. One victim per row (a decoding step) is an ``argmin``; several a stable sort.
 """
 
 from __future__ import annotations
@@ -20,13 +19,10 @@ _LAST = torch.iinfo(torch.long).max
 def protects_forward(policy: Policy, rule: Keep, new_tokens: int) -> bool:
     """Whether this forward's ``new_tokens`` rank above every unprotected token (below the rule's protected ones).
 
-    A decode-time method never evicts the tokens of the forward being processed (a question fed after a
-    compressed context, the token just decoded) while ``count`` leaves room for them; a forward longer than
-    ``count`` (a prompt chunk) is ranked by the rule like every other token. Not needed when the rule protects at
-    least as many newest tokens itself. Decided from Python integers only: no host synchronisation."""
-    if policy.one_shot or isinstance(rule.count, torch.Tensor):
-        return False
-    return rule.newest_kept < new_tokens <= rule.count
+    A decode-time method never evicts the tokens of the forward being processed (a question after a compressed
+    context, the token just decoded) while ``count`` leaves room for them; a longer forward (a prompt chunk) is
+    ranked like every other token. Not needed when the rule protects as many newest tokens itself."""
+    return not (policy.one_shot or isinstance(rule.count, torch.Tensor)) and rule.newest_kept < new_tokens <= rule.count
 
 
 def ranked_scores(rule: Keep, layer: LayerView, protect_new: bool = False) -> torch.Tensor:
@@ -49,8 +45,7 @@ def ranked_scores(rule: Keep, layer: LayerView, protect_new: bool = False) -> to
 def _ranked_all_valid(
     scores: torch.Tensor, protected: torch.Tensor | None, layer: LayerView, protect_new: bool
 ) -> torch.Tensor:
-    """``ranked_scores`` when every slot in the view holds a real token: two ops at most, integer scores kept as
-    integers (their largest values standing for ``+inf``)."""
+    """``ranked_scores`` when every slot in the view holds a real token: two ops at most."""
     shape = (*layer.rows, scores.shape[-1])
     ranked = scores.expand(shape)
     floating = ranked.is_floating_point()
@@ -97,7 +92,7 @@ def victims_of_rule(
         untied = layer.all_valid and (rule.distinct or layer.ordered)
         ranked = ranked_scores(rule, layer, protect_new)
         return lowest_victims(ranked, layer.token_idx, excess, layer.ordered, untied), None
-    # per-sequence counts (a one-shot ratio): runs once per prompt, so host syncs are fine here
+    # per-sequence counts (a one-shot ratio): once per prompt, so host syncs are fine
     most = int(count.max())
     excess = max(0, layer.occupied - most)
     ranked = ranked_scores(rule, layer)

@@ -1,29 +1,14 @@
 """``ForwardPass``: one forward of the model through a cache, and the work its layers share.
 
-A cache owns one ``ForwardPass`` for all its layers (a layer outside a cache has its own, of that layer alone). The
-model's forward runs the layers in order; the pass is opened by the first layer's ``update`` and closed after the
-last layer's attention:
-
-    update(first layer) ── open
-      layer 0: update ─ attention ─ eviction ──┐   ``cached(key, build)``: a table built by the first layer that
-      layer 1: update ─ attention ─ eviction ──┤   asks (rotation matrices, a decoding step's plan, random draws),
-      ...                                      │   read by the others;
-      layer L-1: update ─ attention ─ eviction ┘   ``at_end(key, job)``: work left for the end (the decoding step's
-    close: jobs in order of registration           evictions of every layer at once, LESS's folds)
-           (a job may register more), tables dropped
-
-Nothing a forward builds outlives it: the tables go at ``close``, so a forward's ``position_ids`` and the work
-derived from them are released. A forward that stopped before its last layer (an exception in the model) is closed
-when the next one opens: its jobs run then, before any layer stores a new token.
-
-Beside the per-forward work, ``stacked(name, tensors)`` keeps the layers' buffers of one kind as views of one
-buffer (``[layers · B, H_kv, C]`` along the batch, or along the heads), so an operation over every layer is one
-operation: the layers hold the views; when one replaces its buffer (growth, a reordered batch) the next call
-stacks them again, with one copy.
+A cache owns one ``ForwardPass`` for all its layers (a layer outside a cache has its own), open from the first
+layer's ``update`` to the end of the last layer's attention. Nothing a forward builds outlives it; a forward that
+stopped before its last layer (an exception in the model) is closed when the next one opens. ``stacked`` keeps the
+layers' buffers of one kind as views of one buffer, so an operation over every layer is one operation.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
@@ -41,8 +26,7 @@ class ForwardPass:
         self._tables: dict[Hashable, object] = {}  # this forward's shared work (``cached``)
         self._jobs: dict[Hashable, Callable[[], None]] = {}  # work for the end of this forward (``at_end``)
         self._stacks: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # name: (buffer, its slices)
-        # called as each forward opens, before any layer stores a token (a graph's binding watches for forwards
-        # that are not its own: ``core.replay``)
+        # called as each forward opens, before any layer stores a token (``core.replay``)
         self.on_open: Callable[[], None] | None = None
 
     @property
@@ -50,10 +34,9 @@ class ForwardPass:
         """Whether several layers run in this pass (a layer alone has nothing to share)."""
         return len(self.layers) > 1
 
-    # --- opening and closing -------------------------------------------------------------------------------
     def begin(self, layer: object) -> None:
-        """``layer`` takes this forward's tokens: the first layer opens a new forward (closing one that did not
-        reach its last layer); any layer opens one if none is open (a layer driven on its own)."""
+        """``layer`` takes this forward's tokens: the first layer opens a new forward (closing one left open); any
+        layer opens one if none is open."""
         if layer is self.layers[0] or not self.is_open:
             if self.is_open:
                 self.close()
@@ -62,7 +45,6 @@ class ForwardPass:
             self.is_open = True
 
     def end(self, layer: object) -> None:
-        """``layer``'s attention and eviction are done: after the last layer's, the forward closes."""
         if layer is self.layers[-1]:
             self.close()
 
@@ -75,17 +57,15 @@ class ForwardPass:
         self.is_open = False
 
     def reset(self) -> None:
-        """Drop everything: an open forward's jobs and tables, and the stacked buffers (the layers were emptied)."""
+        """Drop an open forward's jobs and tables, and the stacked buffers (the layers were emptied)."""
         self._jobs.clear()
         self._tables.clear()
         self._stacks.clear()
         self.is_open = False
 
-    # --- shared work -----------------------------------------------------------------------------------------
     def cached(self, key: Hashable, build: Callable[[], T]) -> T:
-        """``build()`` once per forward and ``key``; the stored result for the layers that follow. ``key`` names all
-        the result depends on beyond the forward's own inputs (its ``position_ids``, its number of tokens). Outside
-        a forward (a compression after the prompt, a batch reorder) nothing is kept: ``build()`` each time."""
+        """``build()`` once per forward and ``key`` (naming all the result depends on beyond the forward's own
+        inputs); outside a forward, each time."""
         if not self.is_open:
             return build()
         tables = self._tables
@@ -99,7 +79,7 @@ class ForwardPass:
             self._jobs[key] = job
 
     def run_now(self, key: Hashable) -> None:
-        """Run the job registered under ``key`` now, if any (something reads what it would write)."""
+        """Run the job registered under ``key`` now, if any."""
         job = self._jobs.pop(key, None)
         if job is not None:
             job()
@@ -107,16 +87,11 @@ class ForwardPass:
     def stacked(
         self, name: str, tensors: list[torch.Tensor], dim: int = 0, make: bool = True
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """``(buffer, slices)``: one buffer whose slices along ``dim`` are ``tensors``. The one made last time under
-        ``name`` while the tensors are still its slices; else a new one (one copy of the tensors, which must agree
-        in shape, dtype and device), whose slices the caller gives the layers in place of ``tensors`` (or ``None``
-        without ``make``)."""
+        """``(buffer, slices)``: one buffer whose slices along ``dim`` are ``tensors``: the one made last time under
+        ``name`` while the tensors are still its slices; else a new one (one copy of the tensors, which must agree),
+        whose slices the caller gives the layers in place of ``tensors`` (or ``None`` without ``make``)."""
         known = self._stacks.get(name)
-        if (
-            known is not None
-            and len(known[1]) == len(tensors)
-            and all(a is b for a, b in zip(tensors, known[1], strict=True))
-        ):
+        if known is not None and len(known[1]) == len(tensors) and all(map(operator.is_, tensors, known[1])):
             return known
         if not make:
             return None
@@ -127,7 +102,7 @@ class ForwardPass:
         return stacked
 
     def unstack(self, name: str) -> None:
-        """Forget the buffer stacked under ``name`` (the layers' buffers were replaced: it would only hold memory)."""
+        """Forget the buffer stacked under ``name`` (the layers replaced theirs)."""
         self._stacks.pop(name, None)
 
 
@@ -138,6 +113,6 @@ def agree(tensors: list[torch.Tensor]) -> bool:
 
 
 def from_host(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A tensor of Python ``values`` on ``device`` without waiting for it: built on the CPU and copied with
-    ``non_blocking`` (``torch.tensor(values, device=gpu)`` would make the host wait for the GPU's queue)."""
+    """A tensor of Python ``values`` on ``device``, copied without blocking (``torch.tensor(values, device=gpu)``
+    would wait for the GPU's queue)."""
     return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)

@@ -15,9 +15,8 @@ R = TypeVar("R")
 
 
 def without_grad(function: Callable[P, R]) -> Callable[P, R]:
-    """``function`` run without recording gradients. ``@torch.no_grad()`` builds and enters a context object at every
-    call, a few microseconds at every layer of every step; this enters one only where gradients are on (a forward
-    outside ``torch.no_grad`` or ``torch.inference_mode``) and otherwise calls ``function`` as it is."""
+    """``function`` run without recording gradients: a ``torch.no_grad`` context (microseconds per call) entered only
+    where gradients are on."""
 
     @functools.wraps(function)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -29,17 +28,12 @@ def without_grad(function: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.clone()
+def recorded_as_computed() -> contextlib.AbstractContextManager:
+    """Every tensor autograd saves inside this block is saved as a copy: a compressed cache writes its slots, rings
+    and states in place at later steps, which would otherwise change what an earlier step's backward reads. Callers
+    enter it only where gradients are on."""
+    return torch.autograd.graph.saved_tensors_hooks(torch.clone, _unchanged)
 
 
 def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def recorded_as_computed() -> contextlib.AbstractContextManager:
-    """Every tensor autograd saves for the backward pass inside this block is saved as a copy: a compressed cache
-    writes its slots, rings and states in place at later steps, which would otherwise change (and invalidate) what an
-    earlier step's backward reads. The backward pass then sees exactly the values of the forward. Callers enter it
-    only where gradients are on (``torch.is_grad_enabled()``): elsewhere nothing is saved and no context is needed."""
-    return torch.autograd.graph.saved_tensors_hooks(_snapshot, _unchanged)

@@ -1,17 +1,10 @@
 """A decoding step's evictions, run for every layer of a cache at once when the forward closes.
 
-At a decoding step a layer's eviction (its policy's statistics update, its keep rule, the victims) reads and writes
-that layer's bookkeeping only, and nothing reads it again before the layer's next forward. Per layer it is a dozen
-small operations, each costing far more than its arithmetic. So when every layer of a cache runs the same policy
-on slots of the same shape (``connect``), each layer leaves its eviction to the end of the forward
-(``ForwardPass.at_end``) and the policy runs once over all of them: the layers' stream indices and method state are
-views of one buffer per name (``ForwardPass.stacked``: ``[layers · B, H_kv, C]``, each layer's view contiguous;
-stacked again with one copy when a layer replaces its buffers), so the policy's operations on those stacked rows
-replace the same operations once per layer. Every operation is per row (a layer's sequence and KV head), so the
-victims are those each layer would choose alone; the layers then free them one by one as before.
-
-Only policies that declare ``Policy.batchable`` take this path, at decoding steps of layers without padding,
-observers or a sliding window; anything else evicts right after its own attention. A forward in which not every
+A layer's eviction at a decoding step (a dozen small operations) touches its own bookkeeping only, which nothing
+reads before its next forward. So layers with the same ``Policy.batchable`` policy (``connect``) leave it to the end
+of the forward, where the policy runs once over their stream indices and state, views of one ``[layers · B, H_kv,
+C]`` buffer per name (``ForwardPass.stacked``); every operation is per row, so each layer's victims are its own. A
+step with padding, observers or a sliding window evicts right after its attention; a forward in which not every
 layer deferred (or whose layers disagree in shape) evicts layer by layer at its end.
 """
 
@@ -35,19 +28,12 @@ def connect(layers: list) -> None:
 
 
 def defer_eviction(layer, stats: AttentionStats | None) -> bool:
-    """Leave ``layer``'s eviction of this forward to its end (``True``), or to the layer (a step this path does not
-    cover, or a layer outside an open forward of several layers)."""
+    """Leave ``layer``'s eviction of this forward to its end (``True``), or to the layer."""
     forward = layer.forward_pass
-    if not (forward.shared and forward.is_open and _covers(layer, stats)):
-        return False
-    forward.cached(JOB, list).append((layer, stats))
-    forward.at_end(JOB, lambda: evict_waiting(forward))
-    return True
-
-
-def _covers(layer, stats: AttentionStats | None) -> bool:
-    return (
-        layer.new_tokens == 1
+    covered = (
+        forward.shared
+        and forward.is_open
+        and layer.new_tokens == 1
         and layer.all_valid
         and not layer.observers
         and layer.sliding_window is None
@@ -55,6 +41,10 @@ def _covers(layer, stats: AttentionStats | None) -> bool:
         # statistics over every key, or none asked for (a score kept in the state: knorm's)
         and (stats.last_visible is None if stats is not None else not layer.policy.stats.any)
     )
+    if covered:
+        forward.cached(JOB, list).append((layer, stats))
+        forward.at_end(JOB, lambda: evict_waiting(forward))
+    return covered
 
 
 def evict_waiting(forward) -> None:
@@ -85,8 +75,8 @@ def _stacked(forward, layers: list) -> dict[str, torch.Tensor] | None:
     """The layers' stream indices and method state as stacked buffers (the layers' own made views of them), or
     ``None`` where the layers disagree in shape or bookkeeping."""
     first = layers[0]
-    agreed = _bookkeeping(first)
-    if any(_bookkeeping(layer) != agreed for layer in layers):
+    facts = [(x.seen, x.occupied, x.view_width, x.dense, x.ordered, tuple(x.slots.state)) for x in layers]
+    if any(fact != facts[0] for fact in facts):
         return None
     buffers = {}
     for name in ["token_idx", *(f"state.{name}" for name in first.slots.state)]:
@@ -96,7 +86,10 @@ def _stacked(forward, layers: list) -> dict[str, torch.Tensor] | None:
             return None
         for layer, tensor, view in zip(layers, tensors, views, strict=True):
             if tensor is not view:
-                _set_buffer(layer, name, view)
+                if name.startswith("state."):
+                    layer.slots.state[name[6:]] = view
+                else:
+                    layer.slots.tensors[name] = view
     return buffers
 
 
@@ -126,25 +119,12 @@ class StackedLayer:
 
 def _same_method(policy, first) -> bool:
     """Whether ``policy`` may run for ``first``'s layers too: batchable, of the same class and configuration, and
-    not one-shot (a one-shot policy selects once, over the prompt: it has no decoding-step evictions, and a prompt of
-    one token must not reach its selection as a decoding step)."""
+    not one-shot (a prompt of one token must not reach a one-shot selection as a decoding step)."""
     return policy.batchable and not policy.one_shot and type(policy) is type(first) and policy.config == first.config
-
-
-def _bookkeeping(layer: LayerView) -> tuple:
-    """What the layers evicting together must agree on at this step."""
-    return layer.seen, layer.occupied, layer.view_width, layer.dense, layer.ordered, tuple(layer.slots.state)
 
 
 def _buffer(layer: LayerView, name: str) -> torch.Tensor:
     return layer.slots.state[name[6:]] if name.startswith("state.") else layer.slots.tensors[name]
-
-
-def _set_buffer(layer: LayerView, name: str, tensor: torch.Tensor) -> None:
-    if name.startswith("state."):
-        layer.slots.state[name[6:]] = tensor
-    else:
-        layer.slots.tensors[name] = tensor
 
 
 def _stacked_stats(stats: list[AttentionStats | None]) -> AttentionStats | None:

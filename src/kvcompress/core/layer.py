@@ -1,26 +1,12 @@
 """The compressed cache layer: slots written in place, eviction by victims, no copy of the cache per step.
 
-Each ``CompressedLayer`` owns, per sequence and KV head, buffers of ``capacity`` slots (grown while the cache fills,
-given back after a forward that evicted: ``core.capacity``): keys and values ``[B, H_kv, C, d]`` and, per slot
-(``[B, H_kv, C]``):
-
-- ``token_idx``: the token's index in the stream (tokens seen so far, padding included), ``-1`` for a free slot;
-- ``rope_pos``: the RoPE position the key was rotated with (the model's ``position_ids``);
-- ``valid``: whether the slot holds a real token (left padding is stored but never counts against a budget);
-- ``rank``: the token's rank among its sequence's real tokens (sinks are the first ranks);
-- ``state``: the method's per-token statistics (accumulated attention, scores, ...).
-
-New tokens are written into free slots (``index_copy``/``scatter``); eviction marks the victims' slots free and
-moves nothing; the next token is written where the victim was. So slot order is stream order only while the layer
-is *dense* (before its first eviction, and after a compaction); a decoding layer at its budget is *holed*. One
-gather (a compaction) happens only after a multi-token forward that evicted, after a one-shot compression, when a
-holed layer receives a forward of another size, and after every eviction of layers that re-index positions inside
-the cache (``position_mode="cache"`` needs stream order).
-
-The tensors above are exposed as views over the slots attention sees (``view_width``: the occupied prefix of a dense
-layer, every slot of a holed one); ``kept()`` gives the stored tokens in stream order, for inspection.
-``get_seq_length()`` returns the tokens seen (what ``generate`` uses to place new tokens); ``stored_length()`` the
-slots in use.
+Each ``CompressedLayer`` owns ``core.slots.SlotBuffers``; left padding is stored but never counts against a budget.
+Eviction marks the victims' slots free and the next token is written where a victim was, so slot order is stream
+order only while the layer is *dense* (before its first eviction, and after a compaction); a decoding layer at its
+budget is *holed*. A compaction (one gather) happens only after a multi-token forward that evicted, a one-shot
+compression, a holed layer's forward of another size, and every eviction in ``position_mode="cache"`` (which needs
+stream order). ``get_seq_length()`` is the tokens seen (by which ``generate`` places new tokens); ``stored_length()``
+the slots in use.
 """
 
 from __future__ import annotations
@@ -38,9 +24,33 @@ from kvcompress.core.joint_eviction import defer_eviction
 from kvcompress.core.replay import SlotReplay
 from kvcompress.core.rope import counts_from, rotate_by
 from kvcompress.core.slots import SlotBuffers, StreamView
-from kvcompress.core.state_view import StateView
 
 LAYER_ATTRIBUTE = "_kvcompress_layer"
+
+
+class StateView:
+    """``layer.state``: the method's per-token tensors (``buffers``, every slot) as views through ``view``."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], view: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.buffers, self.view = buffers, view
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.view(self.buffers[name])
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self[name].copy_(value)  # broadcast over heads where ``value`` has one
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.buffers
+
+    def keys(self):
+        return self.buffers.keys()
+
+    def items(self):
+        return [(name, self[name]) for name in self.buffers]
+
+    def values(self):
+        return [self[name] for name in self.buffers]
 
 
 class CompressedLayer(SlotReplay, CacheLayerMixin):
@@ -58,25 +68,22 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.inv_freq = inv_freq
         self.seen = self.new_tokens = 0
         self.compressed = self.defer_compression = self.more_prompt = False
-        # called with this layer after each forward's attention and eviction (inspection, experiments)
+        # called with this layer after each forward's attention and eviction (inspection)
         self.observers: list[Callable[[CompressedLayer], None]] = []
-        # the forward this layer runs in: the cache's, shared by its layers (``core.forward``), or its own
-        self.forward_pass = ForwardPass([self])
-        self.joint_eviction = False  # the cache's layers may evict together at a decoding step (``joint_eviction``)
+        self.forward_pass = ForwardPass([self])  # the cache's, shared by its layers (``core.forward``), or its own
+        self.joint_eviction = False  # the cache's layers may evict together at a decoding step
         self.slots: SlotBuffers | None = None
         self.occupied = 0  # slots holding a token (real or padding), the same count in every row
         self.dense = True  # slots [0, occupied) hold tokens in stream order; the rest is free
         self.ordered = True  # the occupied slots are in stream order (a dense layer, or one with holes only)
-        self.all_valid = True  # no padding stored (then, while a forward runs, every slot in the view holds a token)
+        self.all_valid = True  # no padding stored (while a forward runs, every slot in the view holds a token)
         self.stream_positions = True  # every token so far came with its stream index as RoPE position
         self.max_chunk = 0  # largest forward so far (tokens)
         self._free: torch.Tensor | None = None  # [B, H, e] slots freed by the last eviction of a holed layer
-        # the slots in ``_free`` still hold their evicted token's bookkeeping: the next forward overwrites it (a
-        # decoding step frees nothing), anything else reading the slots marks them free first (``_settle``)
+        # ``_free`` still holds the victims' bookkeeping: the next token overwrites it, any other read frees it first
         self._stale = False
         self._new: torch.Tensor | None = None  # [B, H, q] slots of this forward's tokens (holed layer)
-        # the model's ``position_ids`` ``[B or 1, q]`` of this forward when they are exactly the new tokens' RoPE
-        # positions (the same tensor for every layer: work derived from it is shared, see ``core.forward``)
+        # the model's ``position_ids`` ``[B or 1, q]`` when they are exactly the new tokens' (shared by the layers)
         self.new_positions: torch.Tensor | None = None
 
     # --- views of the slots attention sees ---------------------------------------------------------------------
@@ -91,11 +98,11 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return tensor if width == tensor.shape[2] else tensor[:, :, :width]
 
     def _settle(self) -> None:
-        """Mark the last decoding step's victims free (deferred until something but the next write reads the slots)."""
+        """Mark the last decoding step's victims free."""
         self._stale = False
         self.slots.free_at(self._free)
 
-    def _only_none(self, value: None) -> None:  # transformers' layer base class initialises keys/values to None
+    def _only_none(self, value: None) -> None:  # transformers' base class sets keys/values to None
         if value is not None:
             raise AttributeError("keys and values are written through update()")
 
@@ -112,18 +119,16 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return StateView(self.slots.state, self._view)
 
     def real_count(self) -> torch.Tensor:
-        """``[B, 1]`` real tokens seen per sequence."""
         return self.slots.real_seen[:, None]
 
     def new_index(self) -> torch.Tensor:
-        """``[B, H, q]`` positions of this forward's tokens in the views."""
         if self._new is not None:
             return self._new
         shape = self.slots.token_idx.shape[:2]
         return torch.arange(self.occupied - self.new_tokens, self.occupied, device=self.device).expand(*shape, -1)
 
     def kept(self) -> StreamView:
-        """The stored tokens in stream order (keys, values, positions, validity, state): for inspection."""
+        """The stored tokens in stream order, for inspection."""
         if self._stale:
             self._settle()
         return self.slots.stream_view(self.view_width)
@@ -146,9 +151,11 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             self.compact()
         needed = self.occupied + count
         if needed > self.slots.capacity:
-            self.slots.grow(self._grown_capacity(needed))
+            budget = getattr(self.policy.config, "budget", None)
+            budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+            self.slots.grow(grown_capacity(self.slots.capacity, needed, self.max_chunk, budget))
         state = self.policy.init_state(self, key_states)
-        seen = self.seen_step  # (bound to a captured step: a device scalar, advanced in place; ``core.replay``)
+        seen = self.seen_step
         if self.seen_tensor is not None:
             seen = seen.add_(count) - count
         if self.dense:
@@ -168,14 +175,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return keys, values
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns for this forward's attention: every slot's keys and values (a layer whose
-        ``attend`` reads its storage itself may return stand-ins)."""
+        """What ``update`` returns: every slot's keys and values (a layer whose ``attend`` reads its storage itself
+        may return stand-ins)."""
         return self.keys, self.values
-
-    def _grown_capacity(self, needed: int) -> int:
-        budget = getattr(self.policy.config, "budget", None)
-        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
-        return grown_capacity(self.slots.capacity, needed, self.max_chunk, budget)
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         """Record the RoPE positions (``[B, q]``) and validity (``[B, q]``, True = real) of the new tokens."""
@@ -198,9 +200,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
 
     # --- eviction ------------------------------------------------------------------------------------------
     def after_attention(self, stats: AttentionStats | None, alone: bool = False) -> None:
-        """Update the method's statistics and evict; at a decoding step maybe with every layer unless ``alone``."""
+        """Update the method's statistics and evict (at a decoding step maybe with every layer, unless ``alone``)."""
         if self.policy.one_shot and self.compressed:
-            return  # compressed once: decoding appends (attention computed no statistics)
+            return  # compressed once: decoding appends
         if not alone and self.joint_eviction and defer_eviction(self, stats):
             return
         if self.policy.wants_stats(self):
@@ -214,7 +216,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             self.compact(shrink=True)
 
     def compress(self) -> None:
-        """Run a one-shot method's compression now (after a deferred, chunked prefill)."""
+        """Run a one-shot method's deferred compression now."""
         self.defer_compression = False
         if self.policy.one_shot and not self.compressed and self.is_initialized:
             self.compressed = True
@@ -238,10 +240,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.evict_mask(~keep & (self.token_idx >= 0))
 
     def evict(self, victims: torch.Tensor) -> None:
-        """Free the slots ``victims`` ``[B, H, e]`` (positions in the views), the same count in every row.
-
-        Decoding one token at a time at the budget, the freed slot takes the next token (no copy); otherwise the
-        layer is compacted and gives back the capacity it no longer needs (``core.capacity``)."""
+        """Free the slots ``victims`` ``[B, H, e]`` (positions in the views), the same count in every row: the next
+        token takes the slot while decoding one token at the budget; otherwise the layer compacts and shrinks."""
         self.before_eviction(victims, None)
         width = self.view_width
         self.occupied -= victims.shape[-1]
@@ -249,14 +249,14 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         was_dense, self.dense = self.dense, False
         if decoding and (not was_dense or self._at_capacity(width)):
             self._free = victims if self.free_buffer is None else self.free_buffer.copy_(victims)
-            self._stale = True  # the next token takes the slot: nothing to mark
+            self._stale = True
             return
         self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
         self.compact(shrink=not self.more_prompt)
 
     def _at_capacity(self, width: int) -> bool:
-        """Whether a dense layer of ``width`` slots has no room left (its next token then takes a victim's slot)."""
+        """Whether a dense layer of ``width`` slots has no room left."""
         return width == self.slots.capacity
 
     def evict_mask(self, dropped: torch.Tensor) -> None:
@@ -277,15 +277,15 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.compact(shrink=not self.more_prompt)
 
     def end_forward(self) -> None:
-        """Let go of the forward's ``position_ids``: none outlives it (nor what its layers shared: ``core.forward``)."""
+        """Let go of the forward's ``position_ids``: none outlives it."""
         self.new_positions = None
 
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Hook for layers that keep something of what they evict (LESS folds it into its low-rank state)."""
 
     def compact(self, shrink: bool = False) -> None:
-        """Gather the occupied slots to the front in stream order (one gather); ``shrink`` also returns the
-        unused capacity (keeping room for one token)."""
+        """Gather the occupied slots to the front in stream order; ``shrink`` also gives back the unused capacity
+        (keeping room for one token)."""
         if self.slots is None or self.slots.capacity == 0:
             return
         if self._stale:
@@ -307,10 +307,10 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
     def attention_mask(self, query_count: int, sliding_window: int | None = None) -> torch.Tensor | None:
         """Boolean ``[B, H_kv or 1, q, W]`` mask for the last ``query_count`` tokens, or ``None`` if all visible.
 
-        A key is visible if it is real and not in the query's future; a padding query sees itself only, so no
-        row is empty. ``None`` also for a plain causal prefill (a dense layer with no padding: the new tokens are the
-        last slots), whose mask is the same for every head and is built once per forward by the caller."""
-        if self.causal_prefix(sliding_window):
+        A key is visible if it is real and not in the query's future; a padding query sees itself only, so no row is
+        empty. ``None`` also for plain causal attention (dense, no padding: the new tokens are the last slots), whose
+        mask the caller builds once per forward."""
+        if self.dense and self.all_valid and sliding_window is None:
             return None
         every_slot_real = self.all_valid and self.occupied == self.view_width and sliding_window is None
         if query_count == 1 and every_slot_real:
@@ -324,13 +324,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             mask &= keys > queries - sliding_window
         return mask
 
-    def causal_prefix(self, sliding_window: int | None = None) -> bool:
-        """Whether the mask is plain causal (dense: the new tokens are the last slots, after every older token)."""
-        return self.dense and self.all_valid and sliding_window is None
-
     def positioned(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """In ``cache`` position mode, rotate queries and keys to their rank inside the cache (the layer is dense:
-        stored in stream order, so a real token's rank is the count of real tokens before it)."""
+        """In ``cache`` position mode, rotate queries and keys to their rank inside the cache (dense: a real token's
+        rank is the count of real tokens before it)."""
         if self.policy.position_mode != "cache" or self._ranks_are_positions():
             return query, key
         valid = self.valid
@@ -343,8 +339,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return rotate_by(query, query_delta, self.inv_freq), key
 
     def _ranks_are_positions(self) -> bool:
-        """Whether every stored key already sits at its rank: nothing dropped, no padding, and every position the
-        model gave was the token's stream index (checked once per forward, for all layers)."""
+        """Whether every stored key already sits at its rank: nothing dropped, no padding, and every position was the
+        token's stream index (checked once per forward)."""
         if not (self.dense and self.all_valid and self.occupied == self.seen and self.stream_positions):
             return False
         positions, first = self.new_positions, self.seen - self.new_tokens
@@ -356,7 +352,6 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
 
     # --- transformers' layer API ---------------------------------------------------------------------------
     def get_seq_length(self) -> int:
-        """Tokens seen (logical length); see the module docstring for why this is not the stored length."""
         return self.seen
 
     def stored_length(self) -> int:
@@ -394,19 +389,15 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         gone = "a compressed cache cannot be cropped: evicted tokens are gone"
         raise NotImplementedError(f"{gone} (assisted decoding and contrastive search need a DynamicCache)")
 
-    # --- accounting ----------------------------------------------------------------------------------------
+    # --- accounting (bytes of keys and values, or of bookkeeping and method state, stored or allocated) ------
     def kv_nbytes(self) -> int:
-        """Bytes of the stored tokens' keys and values (``occupied`` slots)."""
         return 0 if self.slots is None else self.occupied * self.slots.kv_bytes_per_slot()
 
     def allocated_nbytes(self) -> int:
-        """Bytes of the key and value buffers as allocated (``capacity`` slots: ``core.capacity``)."""
         return 0 if self.slots is None else self.slots.capacity * self.slots.kv_bytes_per_slot()
 
     def allocated_metadata_nbytes(self) -> int:
-        """Bytes of the bookkeeping and method state as allocated (``capacity`` slots)."""
         return 0 if self.slots is None else self.slots.capacity * self.slots.metadata_bytes_per_slot()
 
     def metadata_nbytes(self) -> int:
-        """Bytes of the bookkeeping stored beside the keys (positions, validity, method statistics)."""
         return 0 if self.slots is None else self.occupied * self.slots.metadata_bytes_per_slot()

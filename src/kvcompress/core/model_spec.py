@@ -1,10 +1,8 @@
 """What a cache was built for: the model's layer count, KV heads, head size, sliding windows and trained length.
 
-A ``CompressedCache`` records the ``ModelSpec`` of the model it was built for and refuses to store another model's
-keys (a ``ValueError`` naming both shapes) instead of silently filling a few of its layers or failing deep inside
-``transformers``. ``sliding_windows`` gives each layer's window (``None`` for global layers) the way transformers'
-own caches read it: ``layer_types`` where the config declares them (Gemma-3, Qwen2), else every layer when the
-config has a ``sliding_window`` (Mistral).
+A ``CompressedCache`` refuses another model's keys with a ``ValueError`` naming both shapes. Each layer's window is
+read as transformers' own caches do: ``layer_types`` where the config declares them, else every layer when the
+config has a ``sliding_window``.
 """
 
 from __future__ import annotations
@@ -40,14 +38,8 @@ class ModelSpec:
             head_dim = config.hidden_size // heads
         window = getattr(config, "sliding_window", None)
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types(config))
-        return cls(
-            type(model).__name__,
-            config.num_hidden_layers,
-            kv_heads,
-            head_dim,
-            windows,
-            getattr(config, "max_position_embeddings", None),
-        )
+        trained = getattr(config, "max_position_embeddings", None)
+        return cls(type(model).__name__, config.num_hidden_layers, kv_heads, head_dim, windows, trained)
 
     def describe(self) -> str:
         return f"{self.model} ({self.layers} layers, {self.kv_heads} KV heads of dimension {self.head_dim})"
@@ -80,28 +72,11 @@ class ModelSpec:
         )
 
 
-# what makes two models' keys and values interchangeable in a cache: the architecture and its configuration (the
-# shapes first, so a refusal names them first)
-ARCHITECTURE_FIELDS = (
-    "num_hidden_layers",
-    "num_key_value_heads",
-    "head_dim",
-    "model_type",
-    "hidden_size",
-    "num_attention_heads",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "partial_rotary_factor",
-    "sliding_window",
-    "layer_types",
-    "attention_bias",
-    "hidden_act",
-    "rms_norm_eps",
-    "tie_word_embeddings",
+# what makes two models' keys and values interchangeable in a cache (the shapes first, as a refusal names them)
+ARCHITECTURE_FIELDS = tuple(
+    "num_hidden_layers num_key_value_heads head_dim model_type hidden_size num_attention_heads intermediate_size "
+    "vocab_size max_position_embeddings rope_theta rope_parameters rope_scaling partial_rotary_factor sliding_window "
+    "layer_types attention_bias hidden_act rms_norm_eps tie_word_embeddings".split()
 )
 
 
@@ -112,9 +87,8 @@ def architecture(config: object) -> tuple:
 
 
 class ModelCheck:
-    """The model a cache was built for, as every forward through the cache checks it: the model's config is the
-    cache's model's own (one identity comparison), or one of the same architecture and configuration (then accepted:
-    a copy or a reload of the model); another model is refused with a ``ValueError`` naming both and what differs."""
+    """The model a cache was built for, as every forward checks it: the same config object, or one of the same
+    architecture (a copy or a reload); another model is refused with a ``ValueError`` naming what differs."""
 
     def __init__(self, model: nn.Module) -> None:
         self.config = model.config

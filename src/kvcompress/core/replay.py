@@ -1,21 +1,10 @@
 """Static decoding steps: what lets ``kvcompress.decode_graph`` capture a layer's decoding step once and replay it.
 
-A captured step (a CUDA graph, or ``make_fx``'s trace on the CPU) runs fixed kernels on fixed addresses with every
-Python number baked in, and runs no Python: whatever the step changes must live in tensors the step updates in place.
-A layer *bound* to a captured step (``ReplayBinding.bind``) is in its static form:
-
-- its capacity is fixed: a steady step (``replay_steady``) writes its token into the slot its victim left, so no
-  buffer grows and no shape changes;
-- its per-step numbers are device scalars the step advances in place (``replay_counters``: the slot layer's
-  ``seen_tensor``, the stream index of the next token; the circular ring's index and start), written once from the
-  Python integers when it is bound; its victims go to one buffer (``free_buffer``) the next step reads;
-- a method computes with ``layer.seen_step``: ``seen`` itself while the layer runs eagerly, ``seen_tensor`` while it is
-  bound; the same arithmetic serves both, so no method branches on replay.
-
-The Python integers of a bound layer (``seen``, the slots' lagging real-token count, the ring's counters) fall behind
-while the graph replays: the binding is then ``stale``, and the first read of a layer's ``seen`` (or a forward that
-is not the graph's, which also unbinds) reads every bound layer's counters with one host read and sets the integers
-from them (``sync_replayed``): one synchronisation when the user leaves the graph, none per step.
+A captured step runs fixed kernels on fixed addresses and no Python. A layer *bound* to one (``ReplayBinding.bind``)
+is in its static form: a steady step (``replay_steady``) writes its token into its victim's slot; its per-step
+numbers are device scalars the step advances (``replay_counters``); its victims go to one buffer (``free_buffer``).
+While the graph replays, the Python integers fall behind (the binding is ``stale``): the first read of a layer's
+``seen``, or a forward that is not the graph's (which also unbinds), sets them with one host read for all layers.
 """
 
 from __future__ import annotations
@@ -46,8 +35,8 @@ class ReplayBinding:
 
     @contextmanager
     def own_step(self) -> Iterator[None]:
-        """A step of the graph's own run in Python within this block (its first bound step, the capture): the
-        forward it opens keeps the layers bound."""
+        """The graph's own step runs in Python within this block (its first bound step, the capture): the forward it
+        opens keeps the layers bound."""
         self.stepping = True
         try:
             yield
@@ -55,7 +44,6 @@ class ReplayBinding:
             self.stepping = False
 
     def replayed(self) -> None:
-        """A replay ran: the device counters moved on, the Python integers did not."""
         self.stale = True
 
     def sync(self) -> None:
@@ -65,14 +53,12 @@ class ReplayBinding:
         self.stale = False
         layers = self._own()
         counters = [layer.replay_counters() for layer in layers]
-        values = torch.stack([c.reshape(()) for layer_counters in counters for c in layer_counters]).tolist()
-        start = 0
+        values = iter(torch.stack([c.reshape(()) for layer_counters in counters for c in layer_counters]).tolist())
         for layer, layer_counters in zip(layers, counters, strict=True):
-            layer.sync_replayed(values[start : start + len(layer_counters)])
-            start += len(layer_counters)
+            layer.sync_replayed([next(values) for _ in layer_counters])
 
     def unbind(self) -> None:
-        """Back to the eager form: the Python integers brought up to date, the device counters dropped."""
+        """Back to the eager form: the Python integers up to date, the device counters dropped."""
         if not self.bound:
             return
         self.sync()
@@ -90,7 +76,7 @@ class ReplayBinding:
         return [layer for layer in self.layers if layer.replay_binding is self]
 
     def _forward_opens(self) -> None:
-        """A forward opens on the cache: the graph's own steps keep the binding, any other leaves the graph."""
+        """A forward opens: the graph's own steps keep the binding, any other leaves the graph."""
         if not self.stepping:
             self.unbind()
 
@@ -104,7 +90,7 @@ class SlotReplay:
 
     def replay_steady(self) -> bool:
         """Whether the next decoding step runs the same operations as the last: one token per sequence into the
-        victim's slot (nothing grows), no padding stored, no sliding window."""
+        victim's slot, no padding stored, no sliding window."""
         return (
             self.is_initialized
             and not self.dense
@@ -117,7 +103,6 @@ class SlotReplay:
 
     @property
     def seen(self) -> int:
-        """Tokens seen so far, padding included (the stream index of the next token)."""
         binding = self.replay_binding
         if binding is not None and binding.stale:
             binding.sync()
@@ -129,11 +114,9 @@ class SlotReplay:
 
     @property
     def seen_step(self) -> int | torch.Tensor:
-        """``seen`` as a step computes with it: the integer, or while bound to a captured step its device scalar."""
         return self.seen if self.seen_tensor is None else self.seen_tensor
 
     def bind_replay_buffers(self, binding: ReplayBinding) -> None:
-        """The static form: the tokens seen as a device scalar, the victims' slots in one buffer."""
         self.replay_binding = binding
         if self.seen_tensor is None:
             self.seen_tensor = torch.tensor(self.seen, device=self.device)
@@ -142,11 +125,10 @@ class SlotReplay:
             self._free = self.free_buffer.copy_(self._free)
 
     def replay_counters(self) -> list[torch.Tensor]:
-        """The device scalars a static step advances in place."""
         return [self.seen_tensor]
 
     def sync_replayed(self, values: list[int]) -> None:
-        """The Python integers from ``replay_counters``' values: each replayed step stored one real token."""
+        """The Python integers from ``replay_counters``' values (each replayed step stored one real token)."""
         replayed = values[0] - self._seen
         self._seen = values[0]
         self.slots.add_real(replayed)
@@ -160,11 +142,9 @@ class SlotReplay:
 
 
 def last_index(tensor: torch.Tensor, index: int | torch.Tensor) -> torch.Tensor:
-    """``tensor[..., index]`` for an index computed from ``seen_step``: a view for an int, a gather for a device
-    scalar (indexing with a 0-dim tensor would read it back to the host)."""
-    if isinstance(index, int):
-        return tensor[..., index]
-    return tensor.index_select(-1, index.view(1))[..., 0]
+    """``tensor[..., index]`` for an index computed from ``seen_step`` (indexing with a 0-dim tensor would read it
+    back to the host)."""
+    return tensor[..., index] if isinstance(index, int) else tensor.index_select(-1, index.view(1))[..., 0]
 
 
 def put_last_index(tensor: torch.Tensor, index: int | torch.Tensor, value: torch.Tensor) -> None:

@@ -1,29 +1,18 @@
 """RoPE helpers: each layer's rotary frequencies, and re-rotating keys and queries already rotated at one position.
 
-Keys are stored rotated at the position they were written with (``original`` mode). Methods that re-index
-positions inside the cache (StreamingLLM, Cascading KV: ``cache`` mode) rotate a copy by the difference between
-the wanted and the stored position at attention time. Rotations compose, so ``R(a + d) x == R(d) R(a) x`` and the
-result equals rotating the un-rotated key at the new position (up to float rounding); the model's
-``attention_scaling`` factor (YaRN's, LongRoPE's) was applied once already and is not applied again.
-
-Each layer rotates with the frequencies of its own layer type (Gemma-3 names its buffers per type,
-``full_attention_inv_freq`` and ``sliding_attention_inv_freq``, with different bases and scalings), read from the
-model's own buffers, so every static RoPE type (``default``, ``linear``, ``yarn``, ``llama3``, ...) is exactly the
-model's. Only the first ``2 * len(inv_freq)`` dimensions are rotated (partial rotary: Phi-3's
-``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``), as the models' own ``apply_rotary_pos_emb`` does.
-``dynamic`` and ``longrope`` are refused in ``cache`` mode: they switch their frequencies when the sequence grows
-past the trained length, so a key the model rotated before the switch cannot be moved with the frequencies after
-it (nor the other way round), and the model itself would rotate cache ranks with short-sequence frequencies.
+Methods that re-index positions inside the cache (``cache`` mode) rotate a copy of the stored keys by the difference
+at attention time (rotations compose; the model's ``attention_scaling`` is not applied again). Each layer rotates
+with its own layer type's frequencies read from the model's buffers (Gemma-3's ``full_attention_inv_freq`` and
+``sliding_attention_inv_freq``), so every static RoPE type is exactly the model's; only the first
+``2 * len(inv_freq)`` dimensions rotate (partial rotary). ``dynamic`` and ``longrope`` are refused in ``cache`` mode:
+their frequencies switch past the trained length, so a key rotated before cannot be moved with those after.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
-PositionMode = Literal["original", "cache"]
 POSITION_MODES: tuple[str, ...] = ("original", "cache")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -45,10 +34,8 @@ def _rope_type(text_config, layer_type: str) -> str:
 
 
 def layer_inv_freqs(model: nn.Module) -> list[torch.Tensor]:
-    """The inverse frequencies ``[rotary_dim / 2]`` (float32, on the model's device) each decoder layer rotates with.
-
-    Raises ``ValueError`` for a model without rotary embeddings and for length-dependent RoPE types (see above).
-    """
+    """The inverse frequencies ``[rotary_dim / 2]`` (float32, on the model's device) each decoder layer rotates with;
+    ``ValueError`` for a model without rotary embeddings and for length-dependent RoPE types."""
     config = model.config.get_text_config()
     buffers = {name: buffer for name, buffer in model.named_buffers() if ".rotary_emb." in f".{name}"}
     found = []
@@ -90,11 +77,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    """Rotate ``x`` (``[..., L, head_dim]``, already RoPE-rotated) further by ``delta`` positions (``[..., L]``).
-
-    Only the first ``2 * len(inv_freq)`` dimensions rotate (partial rotary); the rest pass through. The angles are
-    computed as the model computes its own (float32) unless ``exact``: then in float64, so that a rotation by a large
-    ``delta`` (a position far into a stream) is as precise as one by a small one."""
+    """Rotate ``x`` (``[..., L, head_dim]``, already RoPE-rotated) further by ``delta`` positions (``[..., L]``), the
+    angles in float32 as the model's own unless ``exact`` (float64: a large ``delta`` as precise as a small one)."""
     rotary = 2 * inv_freq.shape[-1]
     if rotary < x.shape[-1]:
         rotated = rotate_by(x[..., :rotary], delta, inv_freq, exact)  # broadcast with ``delta``: pass the rest alike
@@ -108,7 +92,7 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, exac
 
 def turn_in_place(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the keys at the start of ``rows`` (``[..., d + more]``) in place by the angles whose ``cos`` and ``sin``
-    (``[..., h]``, broadcast against ``rows``) are given (``rotate_half`` convention; dimensions past ``2 h`` stay)."""
+    (``[..., h]``, broadcast against ``rows``) are given."""
     half = cos.shape[-1]
     first, second = rows[..., :half], rows[..., half : 2 * half]
     lost = first * sin

@@ -1,11 +1,10 @@
-"""RoPE rotations built once per forward and shared by every layer that rotates alike.
+"""RoPE rotations built once per forward and shared by every layer that rotates alike (the cascade's rings).
 
-A layer that stores keys at one position and attends at another (the circular sink cache) rotates a query or a key
-from the position the model rotated it with (``position_ids``) to a target position. Every layer of a forward gets
-the same ``position_ids`` tensor and layers in the same state want the same targets, so the rotations are built
-once, as one matrix per set of targets (``turn`` gives ``x`` rotated to each of the ``k`` targets in one matmul),
-and kept by the forward (``core.forward.ForwardPass.cached``) for the layers that follow.
-Nothing is read back to the host: the targets are Python integers and the positions stay on the device.
+A layer that stores keys at one position and attends at another rotates a query or a key from the position the
+model rotated it with (``position_ids``) to target positions (Python integers: nothing is read back to the host).
+All use the ``rotate_half`` convention; only the first ``2 len(inv_freq)`` dimensions rotate (partial rotary); the
+angles are computed in float64: a target can lie far from the position, and a float32 angle that large is off by
+~1e-5 rad, which the model's own rotations at the true positions are not.
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ def rotation_to(
     tag: Hashable = None,
 ) -> torch.Tensor:
     """``[B, 1, d, k d]``: for ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_to(...))``
-    holds ``x`` rotated to each of the ``targets`` (``rotate_half`` convention; only the first ``2 len(inv_freq)``
-    dimensions rotate), times ``scale``. The angles are computed in float64 (see ``_rotation_to``). Built once per
-    ``forward`` (for the layers that follow) where it is given; ``tag`` tells apart position tensors of one forward
-    (one per token where a forward's tokens are stepped in turn)."""
+    holds ``x`` rotated to each of the ``targets``, times ``scale``. Built once per ``forward`` where it is given;
+    ``tag`` tells apart position tensors of one forward (one per token where its tokens are stepped in turn)."""
     key = ("rotation-to", tag, targets, inv_freq.data_ptr(), dim, dtype, scale)
     build = lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale)  # noqa: E731
     return build() if forward is None else forward.cached(key, build)
@@ -40,8 +37,7 @@ def rotation_to(
 def rotation_to_tensor(
     position_ids: torch.Tensor, target: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``rotation_to`` of one target held on the device (a 0-dim integer tensor): the same matrix, built from a
-    number a replayed step reads where it is (``kvcompress.decode_graph``), not shared between forwards."""
+    """``rotation_to`` of one target held on the device (a 0-dim integer tensor: a replayed step's)."""
     return _rotation_to(position_ids, (target,), inv_freq, dim, dtype, 1.0)
 
 
@@ -55,9 +51,7 @@ def frames_along(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What ``turn_along`` needs to rotate each of the last ``q = len(targets)`` positions of ``position_ids``
     (``[rows, >= q]``) to its own ``k`` targets ``targets[m]``: ``cos``, ``sin`` ``[q rows, 1, k, d]`` (``m`` major,
-    then the rows; angles in float64, times ``scale``) and the dimension each output dimension pairs with. A
-    forward's tokens rotated at once, from a few bytes per token (``rotation_to``'s matrices are ``d`` times
-    larger)."""
+    times ``scale``) and the dimension each output dimension pairs with (``d`` times smaller than ``rotation_to``)."""
     rows, count = position_ids.shape[0], len(targets)
     positions = position_ids[:, -count:].t().reshape(-1)  # [q rows]
     per_row = torch.tensor(targets, device="cpu").repeat_interleave(rows, 0)  # [q rows, k]
@@ -72,8 +66,7 @@ def turn_along(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: torc
 
 
 def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[B, H, 1, d]`` rotated by ``rotation_to`` to each target: ``[B, H, k, d]`` (one matmul: the two
-    products of each output dimension, as the model's ``x cos + rotate_half(x) sin``, in ``x``'s dtype)."""
+    """``x`` ``[B, H, 1, d]`` rotated by ``rotation_to`` to each target: ``[B, H, k, d]`` (one matmul)."""
     batch, heads, _, dim = x.shape
     rows = rotation.shape[0]  # B, or 1 for position_ids shared by the batch
     return torch.bmm(x.reshape(rows, -1, dim), rotation.view(rows, dim, -1)).view(batch, heads, -1, dim)
@@ -94,10 +87,7 @@ def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Te
 
 def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, scale: float) -> tuple[torch.Tensor, ...]:
     """For turns by ``delta`` positions (``[...]`` integers): ``cos``, ``sin`` ``[..., d]`` (float64, times
-    ``scale``) and ``swap`` ``[d]`` such that output dimension ``j`` = ``x_j cos_j + x_swap(j) sin_j``
-    (``rotate_half`` convention; only the first ``2 len(inv_freq)`` dimensions rotate)."""
-    # float64 angles: a target can lie hundreds of positions from the query (a ring's frame), and a float32 angle
-    # that large is off by ~1e-5 rad, which is what the model's own rotations at the true positions are not
+    ``scale``) and ``swap`` ``[d]`` such that output dimension ``j`` = ``x_j cos_j + x_swap(j) sin_j``."""
     angles = delta.double()[..., None] * inv_freq.to(delta.device, torch.float64)  # [..., h]
     cos, sin = angles.cos(), angles.sin()
     half = cos.shape[-1]
@@ -112,9 +102,7 @@ def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, scale: float
 def frame_rotation(
     forward: ForwardPass, delta: int, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``[d, d]``: ``x @ M`` rotates ``x`` further by ``delta`` positions, whatever its position (angles in float64,
-    so a large ``delta`` is as precise as a small one). Shared by the layers of a forward (built on the spot
-    outside one)."""
+    """``[d, d]``: ``x @ M`` rotates ``x`` further by ``delta`` positions, shared by the layers of a forward."""
     key = ("frame", delta, inv_freq.data_ptr(), dim, dtype)
 
     def build() -> torch.Tensor:
@@ -125,15 +113,13 @@ def frame_rotation(
 
 
 def frame_rotation_at(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor), angles in float64 too."""
+    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor)."""
     angles = delta.double() * inv_freq.to(torch.float64)
     return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
 
 
 def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[..., d, d]`` rotation matrices from ``cos``, ``sin`` ``[..., h]``, input dimension ``i`` (rows) to output
-    ``j`` (columns): ``out[:h] = x[:h] cos - x[h:] sin``, ``out[h:] = x[h:] cos + x[:h] sin``; dimensions past
-    ``2 h`` pass through (partial rotary)."""
+    """``[..., d, d]`` rotation matrices (input dimensions in rows) from ``cos``, ``sin`` ``[..., h]``."""
     cos, sin = torch.diag_embed(cos), torch.diag_embed(sin)
     rotation = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
     rotary = rotation.shape[-1]

@@ -1,11 +1,8 @@
 """PyTorch's scaled dot-product attention as every kvcompress attention path calls it: never cuDNN's backend.
 
-On a CUDA device PyTorch may pick cuDNN's SDPA backend, which builds a cuDNN graph for each new key length; a
-compressed cache's key length changes every decoding step (the one-shot methods after their compression, PoD) or
-every prefill chunk. Measured on an H200 (torch 2.11, bfloat16, SmolLM2-135M's shapes): ~1.5 ms of host time per
-call against ~50 us when the length repeats, which made a SnapKV decoding step 3.3x a ``DynamicCache``'s whose
-length the benchmark keeps fixed. The flash and memory-efficient backends have no per-shape setup. Backends the
-user disabled stay disabled; elsewhere than CUDA the call is unchanged.
+On CUDA, cuDNN's SDPA backend builds a graph for each new key length, and a compressed cache's key length changes
+every step; the flash and memory-efficient backends have no per-shape setup. Backends the user disabled stay
+disabled; elsewhere than CUDA the call is unchanged.
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention output ``[B, H_q, q, d]`` and each row's float32 log-normaliser ``[B, H_q, q]`` in one pass.
 
-    ``key``/``value`` ``[B, H_kv, L, d]`` (grouped query heads in ``repeat_kv`` order); ``visible`` boolean
-    ``[B, H_kv or 1, q, L]``, or ``None`` for plain causal attention of the last ``q`` of ``L`` positions. On CPU
-    PyTorch's fused flash kernel returns both (it keeps the log-normalisers it computes anyway); plain causal
-    attention runs as two unmasked calls, the ``L - q`` earlier keys and the ``q`` newest ones causally, merged
-    by their log-normalisers (a quarter less CPU time than one call with a mask at KVzip's shapes). Elsewhere
-    ``chunked_softmax`` computes them from explicit float32 logits."""
+    ``key``/``value`` ``[B, H_kv, L, d]``; ``visible`` boolean ``[B, H_kv or 1, q, L]``, or ``None`` for plain
+    causal attention of the last ``q`` of ``L`` positions. On CPU PyTorch's fused flash kernel returns both; plain
+    causal attention runs as two unmasked calls (the ``L - q`` earlier keys, the ``q`` newest causally) merged by
+    their log-normalisers, faster than one masked call. Elsewhere ``chunked_softmax``."""
     if query.device.type != "cpu":
         parts = chunked_softmax(query, key, visible, scale, value=value, lse=True)
         return parts.output, parts.lse

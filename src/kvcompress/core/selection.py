@@ -21,16 +21,10 @@ def keep_top(
     newest_kept: int = 0,
     distinct: bool = False,
 ) -> Keep | None:
-    """The rule "keep, per sequence and head, the ``keep`` highest-scoring real tokens; ``protected`` first".
-
-    ``scores`` is ``[B, H_kv or 1, W]`` over the layer's view; ``keep`` an int or ``[B]`` counts. The layer evicts
-    the rest, lowest first, the older token first among equal scores (so selections are deterministic). ``None``
-    when the layer holds no more than ``keep`` tokens (nothing to evict). ``newest_kept`` and ``distinct``:
-    see ``Keep`` (facts about the rule that spare work, never change the selection).
-    """
-    if not isinstance(keep, torch.Tensor) and layer.occupied <= keep:
-        return None
-    return Keep(scores, keep, protected, newest_kept, distinct)
+    """The ``Keep`` rule of the ``keep`` (an int or ``[B]`` counts) highest ``scores``, ``protected`` first, or
+    ``None`` when the layer holds no more than ``keep`` tokens."""
+    nothing_to_evict = not isinstance(keep, torch.Tensor) and layer.occupied <= keep
+    return None if nothing_to_evict else Keep(scores, keep, protected, newest_kept, distinct)
 
 
 def sink_mask(layer: LayerView, sinks: int) -> torch.Tensor:
@@ -41,9 +35,7 @@ def sink_mask(layer: LayerView, sinks: int) -> torch.Tensor:
 
 
 def recent_mask(layer: LayerView, recent: int | torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, H_kv, W]``: the last ``recent`` real tokens of each sequence (an int, or ``[B]`` counts).
-
-    These are the newest real tokens seen; a method that protects them keeps them all stored."""
+    """Boolean ``[B, H_kv, W]``: the last ``recent`` real tokens seen of each sequence (an int, or ``[B]`` counts)."""
     if isinstance(recent, torch.Tensor):
         recent = recent[:, None, None]
     elif layer.all_valid:  # no padding: ranks are stream indices and every token seen is real

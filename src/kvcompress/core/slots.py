@@ -1,8 +1,8 @@
 """The slot buffers of one cache layer: keys, values and per-slot bookkeeping, written in place.
 
-A slot holds one token of one sequence and KV head. ``token_idx`` is ``-1`` in a free slot. Writes go to a range
-of slots (a dense layer appends) or to given slots (a holed layer refills the victims' slots); freeing marks slots;
-``compact`` gathers the occupied slots to the front in stream order; ``grow``/``shrink`` reallocate (copying once).
+A slot holds one token of one sequence and KV head. Writes go to a range of slots (a dense layer appends) or to
+given slots (a holed layer refills the victims'); freeing marks slots; ``compact`` gathers the occupied slots to the
+front in stream order; ``grow``/``shrink`` reallocate.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ class StreamView:
 
 
 class SlotBuffers:
-    """Keys ``[B, H, C, d]``, values, and per slot ``token_idx``/``rope_pos``/``rank`` (long), ``valid`` (bool) and
-    the method's state tensors ``[B, H, C, ...]``; ``real_seen`` ``[B]`` counts each sequence's real tokens.
-
-    ``key_heads`` (``[K]``, long): the KV heads whose keys are stored, keys then ``[B, K, C, d]`` (PoD keeps the keys
-    of some heads only); ``None``: every head's. Such buffers are written by ranges and compacted, never refilled
-    slot by slot (``write_at``)."""
+    """Keys ``[B, H, C, d]``, values, and per slot (``[B, H, C]``): ``token_idx`` (the token's stream index, padding
+    included; ``FREE``), ``rope_pos`` (the ``position_ids`` its key was rotated with), ``rank`` (among its
+    sequence's real tokens; ``FREE`` for padding), ``valid`` (a real token) and the method's state ``[B, H, C, ...]``;
+    ``real_seen`` ``[B]`` counts each sequence's real tokens. ``key_heads`` ``[K]``: the KV heads whose keys are
+    stored (PoD's), keys then ``[B, K, C, d]``, written by ranges only; ``None``: every head's."""
 
     writes_kv = True  # the writes store the keys and values given (False: a subclass stores them its own way)
 
@@ -50,7 +49,7 @@ class SlotBuffers:
         self.state = state
         self.real_seen = real_seen
         self.key_heads = key_heads
-        # writes a decoding step defers until something reads them (each would be one more op per layer and step):
+        # writes a decoding step defers until something reads them (each one op per layer and step):
         self._real_lag = 0  # real tokens written but not yet added to ``real_seen``
         self._default_rope: tuple[torch.Tensor, int] | None = None  # slots whose RoPE position is their stream index
         self._rank_is_token = False  # no padding stored: every rank equals its token index (written when read)
@@ -67,7 +66,7 @@ class SlotBuffers:
         self._real_seen, self._real_lag = value, 0
 
     def add_real(self, count: int) -> None:
-        """``count`` more real tokens than ``real_seen`` holds (steps replayed from a captured graph wrote them)."""
+        """``count`` more real tokens than ``real_seen`` holds (written by replayed steps)."""
         self._real_lag += count
 
     @property
@@ -81,8 +80,7 @@ class SlotBuffers:
         return self.tensors["rank"]
 
     def _write_lagging_rank(self) -> None:
-        """Write the ranks a layer without padding skipped: a real token's rank is then its stream index, and a
-        free slot holds ``FREE`` in both."""
+        """Write the ranks a layer without padding skipped: its stream index (``FREE`` in a free slot in both)."""
         if self._rank_is_token:
             self._rank_is_token = False
             self.tensors["rank"].copy_(self.tensors["token_idx"])
@@ -126,7 +124,6 @@ class SlotBuffers:
         self.tensors = {name: value for name, value in tensors.items() if not name.startswith("state.")}
         self.state = {name[6:]: value for name, value in tensors.items() if name.startswith("state.")}
 
-    # --- capacity ------------------------------------------------------------------------------------------
     def resize(self, capacity: int, keep: int) -> None:
         """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
         resized = {}
@@ -150,7 +147,6 @@ class SlotBuffers:
         self._put_all({name: fn(tensor) for name, tensor in self._all().items()})
         self.real_seen = fn(self.real_seen)
 
-    # --- writes --------------------------------------------------------------------------------------------
     def _new_state(self, name: str, value: torch.Tensor) -> torch.Tensor:
         if name not in self.state:
             self.state[name] = value.new_zeros(*value.shape[:2], self.capacity, *value.shape[3:])
@@ -165,10 +161,8 @@ class SlotBuffers:
         state: dict[str, torch.Tensor],
         no_padding: bool = False,
     ) -> None:
-        """Write ``q`` new tokens (stream indices ``seen ..``) into slots ``start .. start + q``, all real.
-
-        ``no_padding``: the layer never stored padding (then one token's bookkeeping is written as scalars and its
-        rank, its stream index, is left to ``_write_lagging_rank``)."""
+        """Write ``q`` new real tokens (stream indices ``seen ..``) into slots ``start .. start + q``. ``no_padding``:
+        the layer never stored padding (one token's bookkeeping written as scalars, its rank left lagging)."""
         count = keys.shape[2]
         stop = start + count
         if self.writes_kv:
@@ -198,10 +192,9 @@ class SlotBuffers:
         state: dict[str, torch.Tensor],
         reused_real: bool = False,
     ) -> None:
-        """Write ``q`` new tokens into the slots ``slots`` ``[B, H, q]`` (one per row and token), all real.
-
-        ``reused_real``: one token per row into slots that still hold an evicted real token, in a layer that never
-        stored padding (so the slot is already marked real, and a real token's rank is its stream index)."""
+        """Write ``q`` new real tokens into ``slots`` ``[B, H, q]``. ``reused_real``: one token per row into slots
+        still holding an evicted real token, in a layer that never stored padding (validity and rank left as they
+        are, the RoPE position deferred)."""
         count = keys.shape[2]
         if self.writes_kv:
             rows = slots[..., None].expand_as(keys)
@@ -244,7 +237,6 @@ class SlotBuffers:
             self.valid.scatter_(2, slots, real[:, None, :].expand(shape))
             self.rank.scatter_(2, slots, torch.where(real, rank, FREE)[:, None, :].expand(shape))
 
-    # --- freeing and compaction ----------------------------------------------------------------------------
     def free_at(self, slots: torch.Tensor) -> None:
         self.token_idx.scatter_(2, slots, FREE)
         self.rank.scatter_(2, slots, FREE)
@@ -257,7 +249,7 @@ class SlotBuffers:
 
     def compact(self, width: int, ordered: bool, shrink: bool) -> tuple[int, bool]:
         """Move the occupied slots of ``[0, width)`` to the front in stream order; returns the slots now in use
-        (the most of any row) and whether rows hold different counts (the shorter rows end with free slots)."""
+        (the most of any row) and whether rows hold different counts."""
         token_idx = self.token_idx[:, :, :width]
         occupied = token_idx >= 0
         counts = occupied.sum(-1)
@@ -270,9 +262,7 @@ class SlotBuffers:
             key = torch.where(occupied, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1, stable=True)[..., :used]
         for name, tensor in self._all().items():
-            index = self._rows_of(name, order)
-            index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
-            tensor[:, :, :used] = tensor[:, :, :width].gather(2, index)
+            tensor[:, :, :used] = self._gathered(tensor, name, order, width)
         self.token_idx[:, :, used:] = FREE
         self.rank[:, :, used:] = FREE
         self.valid[:, :, used:] = False
@@ -284,20 +274,16 @@ class SlotBuffers:
         token_idx = self.token_idx[:, :, :width]
         key = torch.where(token_idx >= 0, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1)[..., : int((token_idx >= 0).sum(-1).max()) if width else 0]
+        gathered = {name: self._gathered(tensor, name, order, width) for name, tensor in self._all().items()}
+        named = {name: tensor for name, tensor in gathered.items() if not name.startswith("state.")}
+        return StreamView(**named, state={name: gathered[f"state.{name}"] for name in self.state})
 
-        def take(tensor: torch.Tensor, name: str = "") -> torch.Tensor:
-            index = self._rows_of(name, order)
-            index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
-            return tensor[:, :, :width].gather(2, index)
+    def _gathered(self, tensor: torch.Tensor, name: str, order: torch.Tensor, width: int) -> torch.Tensor:
+        """The slots ``order`` ``[B, H, n]`` of ``tensor``'s first ``width`` (the stored key heads' rows for keys)."""
+        index = order if name != "keys" or self.key_heads is None else order.index_select(1, self.key_heads)
+        index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
+        return tensor[:, :, :width].gather(2, index)
 
-        named = {name: take(tensor, name) for name, tensor in self._all().items() if not name.startswith("state.")}
-        return StreamView(**named, state={name: take(value) for name, value in self.state.items()})
-
-    def _rows_of(self, name: str, order: torch.Tensor) -> torch.Tensor:
-        """``order`` ``[B, H, n]`` for the buffer ``name``: the rows of the stored key heads for the keys."""
-        return order if name != "keys" or self.key_heads is None else order.index_select(1, self.key_heads)
-
-    # --- accounting ----------------------------------------------------------------------------------------
     @staticmethod
     def _bytes_per_slot(tensor: torch.Tensor) -> int:
         return tensor.shape[0] * tensor.shape[1] * math.prod(tensor.shape[3:]) * tensor.element_size()
@@ -311,7 +297,7 @@ class SlotBuffers:
 
 
 def _per_slot(seen: int | torch.Tensor, slots: torch.Tensor) -> int | torch.Tensor:
-    """A stream index (an int, or a device scalar: a layer bound to a captured step) to scatter into ``slots``."""
+    """A stream index (an int, or a device scalar: ``layer.seen_step``) to scatter into ``slots``."""
     return seen if isinstance(seen, int) else seen.expand_as(slots)
 
 

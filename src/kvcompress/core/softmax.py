@@ -1,9 +1,6 @@
-"""The one exact softmax over stored keys, computed in query chunks, returning what the caller asks for.
-
-No ``T x T`` matrix per head is ever materialised: queries are processed in chunks of at most ``CHUNK_ELEMENTS``
-float32 logits. The caller asks for the attention output, the log-normaliser of each row, the (optionally
-weighted) mass each key receives, or the probability rows of the last queries. Used by the attention function
-(statistics for H2O, TOVA, ...), LESS (log-normalisers, the masked form) and NaCl (proxy scores).
+"""The one exact softmax over stored keys, in query chunks of at most ``CHUNK_ELEMENTS`` float32 logits (no
+``T x T`` matrix per head), giving what the caller asks for: the output, each row's log-normaliser, the (optionally
+weighted) mass each key receives, or the probability rows of the last queries.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ def grouped(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def row_chunks(
     rows: int, elements_per_row: int, budget: int | None = None, most: int | None = None
 ) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` bounds of row chunks holding at most ``budget`` (``CHUNK_ELEMENTS``) elements and ``most``
-    rows each."""
+    """``(start, stop)`` of row chunks of at most ``budget`` (``CHUNK_ELEMENTS``) elements and ``most`` rows."""
     step = max(1, (CHUNK_ELEMENTS if budget is None else budget) // max(1, elements_per_row))
     step = step if most is None else min(step, most)
     for start in range(0, rows, step):
@@ -72,13 +68,12 @@ def chunked_softmax(
 ) -> SoftmaxParts:
     """Softmax of ``query`` ``[B, H_q, q, d]`` over ``key`` ``[B, H_kv, L, d]`` (float32 logits), in query chunks.
 
-    ``mask=None`` with several queries is plain causal attention of the last ``q`` of ``L`` positions: a chunk of
-    queries then computes logits only against the keys up to its last query and masks only its diagonal block.
-
-    ``value`` ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the
-    mass each key receives, summed over rows (each row weighted by ``row_weight`` ``[B, q]`` if given; a row that
-    sees no key counts for nothing); ``last_n`` for the probability rows of the last ``n`` queries.
-    ``rows_see_keys``: the caller's mask leaves every row at least one key (no row to zero after the softmax).
+    ``mask=None`` with several queries is plain causal attention of the last ``q`` of ``L`` positions: a chunk then
+    computes logits only against the keys up to its last query and masks only its diagonal block. ``value``
+    ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the mass each key
+    receives, summed over rows (weighted by ``row_weight`` ``[B, q]`` if given; a row that sees no key counts for
+    nothing); ``last_n`` for the probability rows of the last ``n`` queries. ``rows_see_keys``: the mask leaves every
+    row a key (no row to zero after the softmax).
     """
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -136,7 +131,6 @@ def chunked_softmax(
 
 
 def _future(rows: int, device: torch.device) -> torch.Tensor:
-    """``[rows, rows]``: True where key ``j`` of a chunk's own block is after query ``i`` (hidden)."""
     return torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
 
 
@@ -149,8 +143,8 @@ def _one_query(
     received: bool,
     last_n: int,
 ) -> SoftmaxParts:
-    """``chunked_softmax`` for one query that sees every key (a decoding step): one row per query head, so the
-    probabilities are the received mass and the last row as they are (views, no sums)."""
+    """``chunked_softmax`` for one query that sees every key (a decoding step): the probabilities are the received
+    mass and the last row as they are."""
     batch, q_heads = query.shape[:2]
     kv_heads, length = key.shape[1], key.shape[2]
     logits = one_query_logits(query, key, scale)
@@ -172,9 +166,8 @@ def _one_query(
 
 
 def one_query_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale · q kᵀ`` ``[B H_kv, G, L]`` in float32 for one query per row, ``query`` ``[B, H_q, 1, D]`` and ``key``
-    ``[B, H_kv, L, D]``: one product that also scales (``baddbmm`` with ``beta = 0`` never reads its input, so an
-    uninitialised scalar stands in for it), instead of a product and a multiplication."""
+    """``scale · q kᵀ`` ``[B H_kv, G, L]`` in float32, ``query`` ``[B, H_q, 1, D]``, ``key`` ``[B, H_kv, L, D]``: one
+    product that also scales (``baddbmm`` with ``beta = 0`` never reads its input: an uninitialised scalar)."""
     batch, q_heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group_rows = query.reshape(batch * kv_heads, q_heads // kv_heads, dim)
@@ -184,8 +177,7 @@ def one_query_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> to
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """``[B, H, L, d]`` -> ``[B * H, L, d]`` (a view for the layers' slot views): batched 3D matmuls are faster
-    than broadcast 4D ones on CPU."""
+    """``[B, H, L, d]`` -> ``[B * H, L, d]``: batched 3D matmuls are faster than broadcast 4D ones on CPU."""
     return tensor.flatten(0, 1)
 
 
