@@ -103,10 +103,8 @@ class LayerKernels(nn.Module):
     def inference_weights(self) -> InferenceWeights:
         """The weights as ``phi_features`` and ``psi_features`` take them (detached; made once by a cache, whose
         kernels are frozen while it uses them)."""
-        transposed = lambda weight: weight.detach().mT.contiguous()  # noqa: E731
-        return InferenceWeights(
-            transposed(self.phi_w1), self.phi_w2.detach(), transposed(self.psi_w1), self.psi_w2.detach(), self.psi_mix()
-        )
+        weights = (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2)
+        return InferenceWeights(*(weight.detach() for weight in weights), self.psi_mix())
 
     def psi_mix(self) -> torch.Tensor:
         """``[H_kv, R, R]``: ψ's last steps as one matrix. With ``g = GELU(h W2)``, ``u = |s1| ⊙ g`` and
@@ -130,51 +128,51 @@ class LayerKernels(nn.Module):
 
 
 class InferenceWeights(NamedTuple):
-    """One layer's kernels in the form inference takes them: W1 per head transposed (``[H, hidden, D]``, see
-    ``head_major_mlp``), ψ's last steps as one matrix ``M`` (``LayerKernels.psi_mix``)."""
+    """One layer's kernels in the form inference takes them: the per-head weights as trained, ψ's last steps as one
+    matrix ``M`` (``LayerKernels.psi_mix``)."""
 
-    phi_w1_t: torch.Tensor
+    phi_w1: torch.Tensor
     phi_w2: torch.Tensor
-    psi_w1_t: torch.Tensor
+    psi_w1: torch.Tensor
     psi_w2: torch.Tensor
     psi_mix: torch.Tensor
 
     @property
     def phi(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.phi_w1_t, self.phi_w2
+        return self.phi_w1, self.phi_w2
 
     @property
     def psi(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.psi_w1_t, self.psi_w2, self.psi_mix
+        return self.psi_w1, self.psi_w2, self.psi_mix
 
 
-def phi_features(query: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def phi_features(query: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """φ without dropout: ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]`` for queries ``[B, H, S, D]`` and per-head
-    weights (``w1_t``: W1 transposed, ``LayerKernels.inference_weights``)."""
-    return _heads_second(phi_head_major(query, w1_t, w2), query)
+    weights (``LayerKernels.inference_weights``)."""
+    return _heads_second(phi_head_major(query, w1, w2), query)
 
 
-def phi_head_major(query: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def phi_head_major(query: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """``phi_features`` heads first, ``[H, B S, R]``, as the products leave it (a decoding step takes it so)."""
-    return head_major_mlp(query, w1_t, w2).abs_()
+    return head_major_mlp(query, w1, w2).abs_()
 
 
-def psi_features(key: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+def psi_features(key: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """ψ without dropout: ``|GELU(GELU(k W1) W2) M|`` ``[B, H, S, R]`` for keys ``[B, H, S, D]`` and per-head weights
-    (``w1_t``: W1 transposed; ``M``: ``LayerKernels.psi_mix``); the heads may be several layers' stacked."""
-    return _heads_second(torch.bmm(head_major_mlp(key, w1_t, w2), mix).abs_(), key)
+    (``M``: ``LayerKernels.psi_mix``); the heads may be several layers' stacked."""
+    return _heads_second(torch.bmm(head_major_mlp(key, w1, w2), mix).abs_(), key)
 
 
-def head_major_mlp(inputs: torch.Tensor, w1_t: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head weights ``w1_t``
-    ``[H, hidden, D]`` (W1 transposed) and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a
-    broadcast 4D matmul costs more than its arithmetic when decoding). The first product is taken as ``W1ᵀ xᵀ``:
-    with one row per head (a decoding step) that is a matrix-vector product, which a CPU BLAS runs faster than the
-    row-times-matrix ``x W1``. The GELUs run on PyTorch's own CPU kernel (``_gelu``)."""
+def head_major_mlp(inputs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head weights ``w1``
+    ``[H, D, hidden]`` and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a broadcast 4D
+    matmul costs more than its arithmetic when decoding). With one row per head (a decoding step) the first product
+    reads all of W1 for a few hundred outputs: on a CPU the row-times-matrix ``x W1`` runs it in about two thirds
+    of the time of the matrix-vector ``W1ᵀ xᵀ`` (MKL, one thread, W1 in the cache or not), so W1 is taken as
+    trained. The GELUs run on PyTorch's own CPU kernel (``_gelu``)."""
     batch, heads, length, dim = inputs.shape
     rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
-    hidden = _gelu(torch.bmm(w1_t, rows.mT))  # [H, hidden, B S]
-    return _gelu(torch.bmm(hidden.mT, w2))
+    return _gelu(torch.bmm(_gelu(torch.bmm(rows, w1)), w2))
 
 
 def _gelu(inputs: torch.Tensor) -> torch.Tensor:
