@@ -5,9 +5,10 @@
     python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention
 
 A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into each of
-``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5, pair level and head level) in turn, ``--reps`` times, one torch
-thread, under ``torch.no_grad`` as ``generate`` runs, in one forward (``prefill``'s default); prints each run's wall
-and CPU seconds (after one untimed full prefill) and each method's ratio of the CPU medians.
+``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5, pair level and head level) in turn,
+``--reps`` times, one torch thread, under ``torch.no_grad`` as ``generate`` runs, in one forward (``prefill``'s
+default); prints each run's wall and CPU seconds (after one untimed full prefill) and each method's ratio of the CPU
+medians.
 
 ``--attention`` instead times the attention alone, summed over the layers, on the model's own activations: each
 layer's reconstruction inputs are recorded during one KVzip prefill (its queries, the stored context's keys and
