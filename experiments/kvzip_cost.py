@@ -42,7 +42,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--attention", action="store_true", help="time the attention alone, summed over layers")
-    parser.add_argument("--methods", nargs="+", default=["kvzip:ratio=0.5", "kvzip:ratio=0.5,level=head"], help="method specs (method:key=value,...)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["kvzip:ratio=0.5", "kvzip:ratio=0.5,level=head"],
+        help="method specs (method:key=value,...)",
+    )
     args = parser.parse_args()
     try:
         specs = {spec: parse_method_spec(spec) for spec in args.methods}
