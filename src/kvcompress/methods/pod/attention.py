@@ -2,11 +2,11 @@
 softmax, or the Eq. 4 gate), reading the block start's query and keys lent earlier in the forward (``PoDLayer.step``).
 
 The explicit softmax, in query chunks, where statistics, ``tau`` or ``combine="lse"`` ask for it; else fused calls
-(``_fused``), Eq. 4 literally: one call over the proximal keys with the layer's logits, one over the distant keys
-with the block start's, each with its log-sum-exp (``attention_part``: the CPU's ``FLASH``, elsewhere explicit
-logits), merged by the gate. ``grouped_attention`` repeats no key per query head (the ring's step; CPU forwards
-when the sharing heads are whole groups), ``two_call_merge`` does (CPU, other layouts); ``mixed_sdpa`` is one
-masked SDPA over keys laid out twice (elsewhere, autograd). All equal the explicit mixed softmax (tests).
+(``_fused``): ``grouped_attention`` (the ring's step; CPU forwards when the sharing heads are whole groups) runs Eq. 4
+literally, one call over the proximal keys with the layer's logits and one over the distant keys with the block
+start's, each with its log-sum-exp (``attention_part``: the CPU's ``FLASH``, elsewhere explicit logits), repeating no
+key per query head; ``mixed_sdpa`` (other layouts, other devices, autograd) is one masked SDPA over keys laid out
+twice. All equal the explicit mixed softmax (tests).
 """
 
 from __future__ import annotations
@@ -104,11 +104,10 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
         own = (folded @ own_keys.transpose(-1, -2)).view(batch, q_heads, r1 - r0, length).float() * scale
         dist = torch.stack([(q[:, r0:r1] @ k.transpose(-1, -2)).float() * scale for q, k in sources], dim=1)
         prox_r, dist_r, own_s = prox_s[:, :, a:b], dist_s[:, :, a:b], own[:, share_idx]
-        allowed = dist_r
+        allowed, near = dist_r, own_s.masked_fill(~prox_r, -math.inf)
         if config.tau is not None or config.combine == "lse":
-            lse_p = own_s.masked_fill(~prox_r, -math.inf).logsumexp(-1)
             lse_d = dist.masked_fill(~dist_r, -math.inf).logsumexp(-1)
-            gate = torch.sigmoid(lse_p - lse_d)  # lse_d = -inf (no distant token) -> 1
+            gate = torch.sigmoid(near.logsumexp(-1) - lse_d)  # lse_d = -inf (no distant token) -> 1
             if config.tau is not None:
                 has_distant = dist_r.any(-1)
                 skip = has_distant & (gate >= config.tau)
@@ -116,16 +115,14 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
                 layer.gate_counts[1] += int(has_distant.sum())
                 allowed = dist_r & ~skip[..., None]
                 gate = torch.where(skip, torch.ones_like(gate), gate)
-        mixed_s = torch.where(prox_r, own_s, dist).masked_fill(~(prox_r | allowed), -math.inf)
+        far = dist.masked_fill(~allowed, -math.inf)
+        mixed_s = torch.where(prox_r, near, far)
         logits = own.masked_fill(~visible_q[:, :, a:b], -math.inf).index_copy(1, share_idx, mixed_s)
         probs = logits.softmax(dim=-1)
         out = None if fused else probs.to(value_q.dtype) @ value_q
-        if config.combine == "lse":
-            p_prox = own_s.masked_fill(~prox_r, -math.inf).softmax(-1).to(value_q.dtype)
-            p_dist = dist.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0).to(value_q.dtype)
-            shared_values = value_q[:, share_idx]
-            g = gate[..., None].to(value_q.dtype)
-            out = out.index_copy(1, share_idx, g * (p_prox @ shared_values) + (1 - g) * (p_dist @ shared_values))
+        if config.combine == "lse":  # Eq. 4: g o_P + (1 - g) o_D
+            o_p, o_d = (x.softmax(-1).nan_to_num(0.0).to(value_q.dtype) @ value_q[:, share_idx] for x in (near, far))
+            out = out.index_copy(1, share_idx, torch.lerp(o_d, o_p, gate[..., None].to(value_q.dtype)))
         outputs.append(out)
         if request.received:
             mass = probs.sum(dim=2)
@@ -158,11 +155,22 @@ def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: flo
         near_values = layer.heads_of(layer.values, "prox").gather(2, slot.expand(*slot.shape[:3], query.shape[-1]))
         near, dist, has_distant = (layer.prox_keys, near_values, biases.prox), biases.dist, biases.has_distant
         return grouped_attention(layer, layout, query, near, dist, has_distant, scale, full_mask, biases.split)
+    # the mixed softmax as one SDPA call: every key twice, [k_own, 0] and [0, k_start], against the query [q_own,
+    # q_start], the mask picking per (query, key) the own copy for proximal tokens (all visible ones at block-start
+    # heads) and the block-start copy for distant ones; the layer's values for both. No L x L float tensor.
     visible, proximal, distant = _masks(layer, queries, mask, config)
     keys_q, value_q, visible_q = (_grouped(t, q_heads) for t in (layer.own_keys(), layer.values, visible))
-    merge = two_call_merge if kernel else mixed_sdpa
+    share_idx, kv_of = layout.share_idx, layout.share_idx // (q_heads // proximal.shape[1])
     sources = _sources(layer, layout, query, config)
-    return merge(query, keys_q, value_q, visible_q, proximal, distant, layout.share_idx, sources, scale)
+    source_query = torch.zeros_like(query).index_copy(1, share_idx, torch.stack([q for q, _ in sources], dim=1))
+    zeros = torch.zeros_like(keys_q)
+    source_keys = zeros.index_copy(1, share_idx, torch.stack([k for _, k in sources], dim=1))
+    keys = torch.cat([torch.cat([keys_q, zeros], dim=-1), torch.cat([zeros, source_keys], dim=-1)], dim=2)
+    own_allowed = visible_q.index_copy(1, share_idx, proximal[:, kv_of])
+    dist_allowed = torch.zeros_like(own_allowed).index_copy(1, share_idx, distant[:, kv_of])
+    query, values = torch.cat([query, source_query], dim=-1), torch.cat([value_q, value_q], dim=2)
+    mask = torch.cat([own_allowed, dist_allowed], dim=-1)
+    return scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
 
 
 def _fuses(config: PoDConfig, request: StatsRequest) -> bool:
@@ -318,44 +326,4 @@ def _distant_part(query, keys, values, mask, scale: float, split) -> tuple[torch
     block = slice(stop, stop + mask.shape[-1])
     o_all, lse_all = attention_part(query, keys[:, :, first:stop], values[:, :, first:stop], None, scale)
     o_new, lse_new = attention_part(query, keys[:, :, block], values[:, :, block], mask, scale)
-    lse = torch.logaddexp(lse_all, lse_new)
-    output = o_all * (lse_all - lse).exp()[..., None] + o_new * (lse_new - lse).exp()[..., None]
-    return output.to(o_all.dtype), lse
-
-
-def two_call_merge(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
-    """Eq. 4 with keys repeated per query head (``[B, H_q, L, d]``): block-start heads by SDPA."""
-    batch, q_heads, queries, _ = query.shape
-    kv_of = share_idx // (q_heads // proximal.shape[1])
-    mask = visible_q.expand(batch, q_heads, queries, keys_q.shape[2])
-    out = scaled_dot_product_attention(query, keys_q, value_q, attn_mask=mask, scale=scale)
-    values = value_q[:, share_idx]
-    prox_bias = additive(proximal[:, kv_of], query.dtype)
-    o_prox, lse_prox = attention_part(query[:, share_idx], keys_q[:, share_idx], values, prox_bias, scale)
-    dist_mask = distant[:, kv_of]
-    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*sources, strict=True))
-    o_dist, lse_dist = attention_part(source_query, source_keys, values, additive(dist_mask, query.dtype), scale)
-    return out.index_copy(1, share_idx, gate_merge(o_prox, lse_prox, o_dist, lse_dist, dist_mask.any(-1)))
-
-
-def mixed_sdpa(query, keys_q, value_q, visible_q, proximal, distant, share_idx, sources, scale) -> torch.Tensor:
-    """The mixed softmax as one SDPA call: every key twice, ``[k_own, 0]`` and ``[0, k_start]``, against the query
-    ``[q_own, q_start]``, the mask picking per (query, key) the own copy for proximal tokens (all visible ones at
-    block-start heads) and the block-start copy for distant ones; the layer's values for both. No ``L x L`` float
-    tensor (autograd included)."""
-    batch, q_heads, queries, dim = query.shape
-    length = keys_q.shape[2]
-    heads = share_idx.shape[0]
-    kv_of = share_idx // (q_heads // proximal.shape[1])
-    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*sources, strict=True))
-    source_query = query.new_zeros(batch, q_heads, queries, dim).index_copy(1, share_idx, source_query)
-    source_keys = keys_q.new_zeros(batch, q_heads, length, dim).index_copy(1, share_idx, source_keys)
-    zeros = keys_q.new_zeros(batch, q_heads, length, dim)
-    keys = torch.cat([torch.cat([keys_q, zeros], dim=-1), torch.cat([zeros, source_keys], dim=-1)], dim=2)
-    own_allowed = visible_q.expand(batch, q_heads, queries, length)
-    own_allowed = own_allowed.index_copy(1, share_idx, proximal[:, kv_of].expand(batch, heads, queries, length))
-    dist_allowed = torch.zeros_like(own_allowed)
-    dist_allowed = dist_allowed.index_copy(1, share_idx, distant[:, kv_of].expand(batch, heads, queries, length))
-    query, values = torch.cat([query, source_query], dim=-1), torch.cat([value_q, value_q], dim=2)
-    mask = torch.cat([own_allowed, dist_allowed], dim=-1)
-    return scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return gate_merge(o_all, lse_all, o_new, lse_new, None), torch.logaddexp(lse_all, lse_new)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.capacity import grown_capacity
-from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
+from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy
 from kvcompress.core.eviction import protects_forward, victims_of_rule
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import counts_from
@@ -124,11 +124,6 @@ class PoDLayer(CompressedLayer):
         if self.slots is not None:
             self.keys = self.slots.tensors["keys"].narrow(2, 0, self.occupied)
             self.values = self.slots.tensors["values"].narrow(2, 0, self.occupied)
-
-    def evict(self, victims: torch.Tensor) -> None:
-        """Free the slots ``victims`` ``[B, H, e]`` and compact at once: PoD's slots keep no holes."""
-        dropped = torch.zeros(self.token_idx.shape, dtype=torch.bool, device=self.device)
-        self.evict_mask(dropped.scatter_(-1, victims, True))
 
     def query_layout(self, q_heads: int) -> QueryLayout:
         """The layout of the layer's ``q_heads`` query heads (made at its first attention)."""
@@ -310,23 +305,23 @@ class PoDLayer(CompressedLayer):
         super().after_attention(stats, alone)
         if self.ring is not None or not len(self.prox_heads) or not self.prox_slot.shape[-1]:
             return
-        config, slot = self.policy.config, self.prox_slot
-        safe = slot.clamp(min=0)
-        rope_pos = self.heads_of(self.rope_pos, "prox")
-        pos = rope_pos.gather(-1, safe)
-        real = (slot >= 0) & self.heads_of(self.valid, "prox").gather(-1, safe)
-        newest = rope_pos[..., -1:]
-        self._pack_proximal(real & ((pos < config.n_sink) | (newest - pos < config.n_recent)), slot)
+        config, (_, rope_pos, _, pos, real) = self.policy.config, self.proximal_entries()
+        near = (pos < config.n_sink) | (rope_pos[..., -1:] - pos < config.n_recent)
+        self._pack_proximal(real & near, self.prox_slot)
 
-    def apply(self, rule: BlockEviction | Keep | KeepMask | Selection | None) -> None:
-        """Evict as the block decided (``block_selection``), or as any rule (``CompressedLayer.apply``)."""
-        if not isinstance(rule, BlockEviction):
-            super().apply(rule)
-            return
-        if rule.invalid is not None:
+    def proximal_entries(self) -> tuple[torch.Tensor, ...]:
+        """The packed proximal keys' slots (-1 read as 0), the sharing heads' positions and validity ``[B, S, L]``,
+        each entry's position and whether it holds a real token ``[B, S, P]``."""
+        safe, rope_pos, valid = self.prox_slot.clamp(min=0), self.heads_of(self.rope_pos, "prox"), self.valid
+        valid = self.heads_of(valid, "prox")
+        return safe, rope_pos, valid, rope_pos.gather(-1, safe), (self.prox_slot >= 0) & valid.gather(-1, safe)
+
+    def apply(self, rule: BlockEviction | None) -> None:
+        """Evict as the block decided (``block_selection``, what PoD's policy selects), compacting at once."""
+        if rule is not None and rule.invalid is not None:
             self.slots.valid[:, :, : self.view_width] &= ~rule.invalid
             self.all_valid = False
-        if rule.dropped is not None:
+        if rule is not None and rule.dropped is not None:
             self.evict_mask(rule.dropped)
 
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:

@@ -36,11 +36,7 @@ class ProximalRing:
         config = layer.policy.config
         self.n_sink, self.n_recent = config.n_sink, config.n_recent
         self.position = position - 1
-        slot = layer.prox_slot
-        safe = slot.clamp(min=0)
-        rope_pos, valid = layer.heads_of(layer.rope_pos, "prox"), layer.heads_of(layer.valid, "prox")
-        pos = rope_pos.gather(-1, safe)
-        real = (slot >= 0) & valid.gather(-1, safe)
+        slot, (safe, rope_pos, valid, pos, real) = layer.prox_slot, layer.proximal_entries()
         sink = real & (pos < self.n_sink)
         # the sinks first, in their stored order, as many entries as a row holds at most (one host read per ring)
         self.sinks = int(sink.sum(-1).amax()) if sink.numel() else 0
