@@ -197,18 +197,12 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def grouped_biases(layer, proximal, distant, groups: int, dtype: torch.dtype) -> GroupedBiases:
-    """The sharing heads' biases from the layer's ``[B, H_kv or 1, q, L]`` proximal and distant masks."""
-    batch, shared = layer.prox_slot.shape[:2]
-    queries = proximal.shape[2]
-
-    def by_row(allowed: torch.Tensor) -> torch.Tensor:  # [B, S, q, n] -> [B, S, G q, n]
-        rows = allowed[:, :, None].expand(-1, -1, groups, -1, -1)
-        return rows.reshape(batch, shared, groups * queries, allowed.shape[-1])
-
+    """The sharing heads' biases from the layer's ``[B, H_kv, q, L]`` proximal and distant masks (each row repeated
+    for the ``groups`` query heads)."""
     slot = layer.prox_slot  # [B, S, P]: each stored proximal key's slot, -1 for none
-    gathered = layer.heads_of(proximal, "prox").gather(3, slot.clamp(min=0)[:, :, None].expand(-1, -1, queries, -1))
-    dist_mask = by_row(layer.heads_of(distant, "prox"))
-    prox_seen = by_row(gathered & (slot >= 0)[:, :, None])
+    index = slot.clamp(min=0)[:, :, None].expand(-1, -1, proximal.shape[2], -1)
+    prox_seen = (layer.heads_of(proximal, "prox").gather(3, index) & (slot >= 0)[:, :, None]).repeat(1, 1, groups, 1)
+    dist_mask = layer.heads_of(distant, "prox").repeat(1, 1, groups, 1)
     return GroupedBiases(additive(prox_seen, dtype), additive(dist_mask, dtype), dist_mask.any(-1))
 
 

@@ -4,9 +4,9 @@ across layers, proximal tokens exact.
 Each query attends to *proximal* tokens (the first ``n_sink`` and the ``n_recent`` most recent, itself included)
 with its layer's own logits, and to *distant* tokens (those between) with the logits of the lowest layer of its
 block: consecutive layers of similar attention (measured offline, grouped by Algorithm 1, ``grouping``) form a
-block per head. Values are always the layer's own, so distant keys are kept only at block-start layers. At a block
-start (and in a singleton block) attention is exactly dense. The two parts are joined exactly: one softmax over the
-mixed logits, or the paper's gate ``g = sigmoid(LSE_P - LSE_D)`` (Eq. 4), chosen by ``combine``.
+block per head. Values are always the layer's own, so distant keys are kept only at block-start layers, where
+attention is exactly dense. The two parts are joined exactly: one softmax over the mixed logits, or the paper's
+gate ``g = sigmoid(LSE_P - LSE_D)`` (Eq. 4), chosen by ``combine``.
 
 As in the paper: attention within a block (Eq. 3-4), its efficient inference's cache layout and decoding, the τ
 gate. Choices where the paper is silent or ambiguous:
@@ -18,41 +18,36 @@ gate. Choices where the paper is silent or ambiguous:
   KV head then keeps its distant keys at a layer that starts a block for any of its query heads.
 - Token groups by RoPE position (left padding not counted): ``j`` is proximal for query ``i`` iff ``pos_j <
   n_sink`` or ``pos_i - pos_j < n_recent``. After each forward a non-start KV head keeps the keys of its sinks and
-  last ``n_recent`` tokens, so the stored bytes are exactly ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s -
-  n_r)*d``.
+  last ``n_recent`` tokens: stored bytes ``L*H*n*d + L*H*min(n, n_s+n_r)*d + B*(n - n_s - n_r)*d``.
 - τ gate: at non-start query heads, a row with distant tokens whose ``g >= tau`` attends to its proximal tokens
   only; rows skipped / rows eligible are counted (``pod_stats``).
-- Composition with token selection (PoD + SnapKV, the paper's Table 1; how is not stated): ``base`` is any method
-  config; its policy selects tokens at each KV head's block-start layer and the block's other layers keep the same
-  tokens (a kept distant token: its key at the block start, its value everywhere), so the savings multiply as in
-  Table 4. Victims are chosen as every method's are (``kvcompress.core.eviction``).
-- Computation: a non-start layer's distant logits use the block start's query and keys held for one forward
-  (copied only where the block start evicts in it); layers whose query heads all start a block, and forwards with no
-  distant token, run plain SDPA. Every path equals the one softmax over the mixed logits (tests): an explicit
-  softmax in query chunks where statistics, ``tau`` or ``combine="lse"`` ask for it, else fused attention calls
-  joined by Eq. 4 (``attention``). Decoding one token per forward without padding (default ``combine``, no
-  ``tau``), the proximal keys live in a ring written in place (``ring``; it keeps a copy of its entries' values,
-  counted as metadata), each decoding token taken to be one position past the previous one (what ``generate``
-  gives). The saving reproduced is memory; the paper's compute saving (reusing the block start's softmax) was
-  tried on the CPU and not kept: multiplying the reused probabilities by each layer's values cost what the fused
-  calls did.
+- Composition with token selection (PoD + SnapKV, the paper's Table 1; how is not stated): ``base`` (any method
+  config) selects tokens at each KV head's block-start layer, the block's other layers keeping the same tokens (a
+  kept distant token: its key at the block start, its value everywhere), so the savings multiply as in Table 4.
+- Computation: a non-start layer reads the block start's query and keys held for one forward (copied only where
+  the block start evicts in it); layers whose query heads all start a block, and forwards with no distant token,
+  run plain SDPA; else an explicit softmax in query chunks where statistics, ``tau`` or ``combine="lse"`` ask for
+  it, fused attention calls joined by Eq. 4 otherwise (``attention``), all equal to the mixed softmax (tests).
+  Decoding one token per forward without padding (default ``combine``, no ``tau``), the proximal keys live in a
+  ring written in place (``ring``; its copy of its entries' values counted as metadata), each decoding token one
+  position past the previous one (what ``generate`` gives). The saving reproduced is memory: the paper's compute
+  saving (reusing the block start's softmax) was tried on the CPU and not kept, as multiplying the reused
+  probabilities by each layer's values cost what the fused calls did.
 - Positions: ``original`` only (keys keep their RoPE positions; distant tokens stay addressable, as in the paper).
 - Default grouping (no ``similarity``, ``starts`` or ``block_size``): the calibration shipped for the model
   (``kvcompress/data/pod``, matched by layer count; SmolLM2-135M: ``python -m kvcompress.train.pod_calibrate
   --samples 16 --length 1024``, Gutenberg tokens) grouped by Algorithm 1 at ``delta``; ``similarity`` also takes a
   shipped name (``"smollm2-135m"``).
-- Sliding-window layers of hybrid models (Gemma-3's; none in the paper) store at most their window, as every
-  method's do, and share only with layers of their kind: each block is split by kind (sliding window, or global),
-  each part sharing from its first layer (``grouping.split_by_kind``): a sliding layer keeps no key older than its
-  window, so it cannot lend distant keys to a global layer, and a global layer's keys would be read at slots a
-  sliding layer no longer has; two sliding layers keep the same tokens. Each part of a complete-linkage block is
-  still one. On a sliding layer a token is distant only between ``n_recent`` and the window (the paper's
-  ``n_recent``, 4080, exceeds Gemma-3's windows: sliding layers are then exact).
+- Sliding-window layers of hybrid models (Gemma-3's; none in the paper) store at most their window and share only
+  within their kind: each block is split by kind, each part (still a complete-linkage block) sharing from its first
+  layer (``grouping.split_by_kind``), as a sliding layer keeps no key older than its window (it cannot lend distant
+  keys to a global layer), a global layer's keys would be read at slots a sliding layer no longer has, and two
+  sliding layers keep the same tokens. On a sliding layer a token is distant only between ``n_recent`` and the
+  window (the paper's ``n_recent``, 4080, exceeds Gemma-3's windows: exact).
 - Budgets (``ratio`` or ``budget``, in KV bytes, ``budget``): PoD alone saves at most half the bytes (keys only),
-  so a request is met by composing with SnapKV (Table 1), window 32, once after the prompt, keeping per layer and
-  KV head the tokens that the block layout's share of stored keys and the proximal window allow (``n_recent``
-  defaults to 64 then, instead of the paper's 4080 for 32K contexts); ``budget_report(cache)`` gives the achieved
-  bytes.
+  so a request composes with SnapKV (Table 1), window 32, once after the prompt, keeping per layer and KV head the
+  tokens that the block layout's share of stored keys and the proximal window allow (``n_recent`` then defaults to
+  64, not the paper's 4080 for 32K contexts); ``budget_report(cache)`` gives the achieved bytes.
 - Quantized storage (``kv_bits`` below 16, ``quantized``): slot values and block-start keys in KIVI codes, the
   proximal keys exact, PoD's attention over the dequantized view.
 """

@@ -155,19 +155,15 @@ _SIMILARITY = ("a PoD similarity file", "write one with `kvcompress train pod-ca
 
 @functools.lru_cache(maxsize=8)
 def _load_similarity(path: str, mtime: float) -> dict:
-    if path.endswith(".json"):
-        data = require_keys(load_json(path, *_SIMILARITY), ("sim",), path, *_SIMILARITY)
-        try:
-            data["sim"] = torch.tensor(data["sim"], dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise damaged(Path(path), *_SIMILARITY, f"sim is not a [heads, layers, layers] array: {error}") from None
-    else:
-        data = require_keys(load_tensors(path, *_SIMILARITY), ("sim",), path, *_SIMILARITY)
-    sim = torch.as_tensor(data["sim"])
+    json = path.endswith(".json")
+    data = require_keys((load_json if json else load_tensors)(path, *_SIMILARITY), ("sim",), path, *_SIMILARITY)
+    try:
+        sim = data["sim"] = torch.as_tensor(data["sim"], dtype=torch.float64 if json else None)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise damaged(Path(path), *_SIMILARITY, f"sim is not a [heads, layers, layers] array: {error}") from None
     if sim.dim() != 3 or sim.shape[1] != sim.shape[2] or sim.shape[0] == 0:
         raise damaged(Path(path), *_SIMILARITY, f"sim has shape {list(sim.shape)}, not [heads, layers, layers]")
-    if not bool(torch.isfinite(sim).all()):
-        bad = int((~torch.isfinite(sim)).sum())
+    if bad := int((~torch.isfinite(sim)).sum()):
         raise damaged(Path(path), *_SIMILARITY, f"{bad} of {sim.numel()} similarities are NaN or infinite")
     return data
 
