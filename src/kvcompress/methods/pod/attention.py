@@ -53,14 +53,12 @@ def _grouped(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
 
 
-def _sources(layer: PoDLayer, layout: QueryLayout, query: torch.Tensor, config) -> list:
+def _sources(layer: PoDLayer, layout: QueryLayout, query: torch.Tensor) -> list:
     """Per sharing query head: its distant logits' query ``[B, q, d]`` and the block start's keys ``[B, L, d]``."""
     sources = []
     for h in layout.sharing:
-        start = layout.starts[h]
-        step = layer.shared_step(start)
-        source_query = step.query if config.query_source == "block_start" else query
-        sources.append((source_query[:, h], step.keys[:, layer.peers[start].full_pos[h // layout.groups]]))
+        source_query, keys = layer.shared_step(layout.starts[h], query)
+        sources.append((source_query[:, h], keys[:, layer.peers[layout.starts[h]].full_pos[h // layout.groups]]))
     return sources
 
 
@@ -88,7 +86,7 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
         fused_output = _fused(layer, layout, query, mask, config, scale)
         if not request.any:
             return fused_output, None
-    sources, share_idx = _sources(layer, layout, query, config), layout.share_idx
+    sources, share_idx = _sources(layer, layout, query), layout.share_idx
     last_n = min(request.last_queries, queries)
     first = queries - last_n if fused else 0  # rows whose softmax is written out
     visible, proximal, distant = _masks(layer, queries, mask, config, first)
@@ -161,7 +159,7 @@ def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: flo
     visible, proximal, distant = _masks(layer, queries, mask, config)
     keys_q, value_q, visible_q = (_grouped(t, q_heads) for t in (layer.own_keys(), layer.values, visible))
     share_idx, kv_of = layout.share_idx, layout.share_idx // (q_heads // proximal.shape[1])
-    sources = _sources(layer, layout, query, config)
+    sources = _sources(layer, layout, query)
     source_query = torch.zeros_like(query).index_copy(1, share_idx, torch.stack([q for q, _ in sources], dim=1))
     zeros = torch.zeros_like(keys_q)
     source_keys = zeros.index_copy(1, share_idx, torch.stack([k for _, k in sources], dim=1))
@@ -284,10 +282,9 @@ def grouped_attention(layer, layout, query, near, distant, has_distant, scale, f
     o_near, lse_near = attention_part(fold_heads(layer, query, "prox", groups), *near, scale)
     parts = []
     for first, count, head, start, row in layout.runs:
-        step = layer.shared_step(start)
-        source = step.query if layer.policy.config.query_source == "block_start" else query
+        source, keys = layer.shared_step(start, query)
         source = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups * queries, dim)
-        keys, values = step.keys.narrow(1, row, count), layer.values.narrow(1, head, count)
+        keys, values = keys.narrow(1, row, count), layer.values.narrow(1, head, count)
         mask = distant if distant.shape[1] == 1 else distant.narrow(1, first, count)
         parts.append(_distant_part(source, keys, values, mask, scale, split))
     o_far, lse_far = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))

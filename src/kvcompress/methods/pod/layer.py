@@ -1,10 +1,10 @@
 """PoD's cache layer (the method and its choices: ``config``).
 
-Slots hold every KV head's values but keys only for the KV heads starting a block here (``SlotBuffers.key_heads``);
-the other KV heads keep their proximal tokens' keys packed beside the slots (``prox_keys``, each entry's slot in
-``prox_slot``, -1: none), or in a ring while decoding (``ring``). The slots stay dense in stream order: an eviction
-compacts at once, the packed proximal keys following. A base method's victims are chosen at each KV head's
-block-start layer (``core.eviction.victims_of_rule``), and the block's layers drop the same slots.
+Slots hold every KV head's values ``[B, H, L, d]`` but keys ``[B, F, L, d]`` only for the F KV heads starting a block
+here (``SlotBuffers.key_heads``); the others keep their proximal tokens' keys packed beside the slots (``prox_keys``
+``[B, H - F, P, d]``, each entry's slot in ``prox_slot``, -1: none), or in a ring while decoding (``ring``). The
+slots stay dense in stream order: an eviction compacts at once, the packed proximal keys following. A base method's
+victims are chosen at each KV head's block-start layer (``core.eviction``), the block's layers dropping the same slots.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from kvcompress.methods.pod.ring import ProximalRing
 
 @dataclass
 class PoDStep:
-    """What a layer lends its blocks' later layers for one forward: its query and its full-key KV heads' keys (row
-    ``full_pos[g]`` for KV head ``g``)."""
+    """What a layer lends its blocks' later layers for one forward (``keys``: row ``full_pos[g]`` for KV head g)."""
 
     query: torch.Tensor  # [B, H_q, q, d]
     keys: torch.Tensor  # [B, F, L, d]
@@ -55,8 +54,7 @@ class QueryLayout:
 
 
 class PoDLayer(CompressedLayer):
-    """``values`` ``[B, H, L, d]``, ``keys`` ``[B, F, L, d]`` (the F KV heads starting a block here),
-    ``prox_keys`` ``[B, H - F, P, d]`` (the others' proximal keys)."""
+    """PoD's slot layer: every head's values, the block-start heads' keys, the others' proximal keys (module doc)."""
 
     # views of the occupied slots, set whenever the slots change (``_new_views``)
     keys: torch.Tensor | None = None
@@ -161,12 +159,13 @@ class PoDLayer(CompressedLayer):
             self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
         return self._head_index[key]
 
-    def shared_step(self, start: int) -> PoDStep:
-        """The step that layer ``start`` (a block start of this layer) lent in this forward."""
+    def shared_step(self, start: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distant logits' query (``query_source``: the block start's or ``query``) and the keys that layer
+        ``start`` (a block start of this layer) lent in this forward."""
         step = self.peers[start].step
         if step is None or step.keys.shape[2] != self.values.shape[2]:
             raise RuntimeError(f"pod: layer {start} (block start of layer {self.index}) has no matching step")
-        return step
+        return step.query if self.policy.config.query_source == "block_start" else query, step.keys
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Store the new tokens (values; keys where kept; proximal keys beside); return this step's keys (tagged
@@ -242,11 +241,9 @@ class PoDLayer(CompressedLayer):
         super().end_forward()
         if not self.peers:
             return
-        if self._releases is None:
-            last = {}
-            for layer in self.peers:
-                for start in set(layer.head_starts):
-                    last[start] = max(last.get(start, start), layer.index)
+        if self._releases is None:  # the starts whose last reader (a start reads itself) is this layer
+            starts = {start for layer in self.peers for start in layer.head_starts}
+            last = {start: max(layer.index for layer in self.peers if start in layer.head_starts) for start in starts}
             self._releases = [start for start, reader in last.items() if reader == self.index]
         for start in self._releases:
             self.peers[start].step = None
@@ -275,15 +272,11 @@ class PoDLayer(CompressedLayer):
         batch, heads, length, dim = self.values.shape
         if self.head_runs["full"] == (0, heads):
             return self.keys
-        out = self.keys.new_zeros(batch, heads, length, dim)
-        if len(self.full_heads):
-            out = out.index_copy(1, self.full_heads, self.keys)
-        if len(self.prox_heads):
-            slot = torch.where(self.prox_slot >= 0, self.prox_slot, length)
-            scattered = self.keys.new_zeros(batch, len(self.prox_heads), length + 1, dim)
-            scattered = scattered.scatter(2, slot[..., None].expand(*slot.shape, dim), self.prox_keys)
-            out = out.index_copy(1, self.prox_heads, scattered[:, :, :length])
-        return out
+        out = self.keys.new_zeros(batch, heads, length, dim).index_copy(1, self.full_heads, self.keys)
+        slot = torch.where(self.prox_slot >= 0, self.prox_slot, length)  # (some head is proximal here)
+        scattered = self.keys.new_zeros(batch, len(self.prox_heads), length + 1, dim)
+        scattered = scattered.scatter(2, slot[..., None].expand(*slot.shape, dim), self.prox_keys)
+        return out.index_copy(1, self.prox_heads, scattered[:, :, :length])
 
     def _pack_proximal(self, keep: torch.Tensor, slot: torch.Tensor) -> None:
         """Keep the proximal entries ``keep`` ``[B, H - S, P]``, re-packed to the max count."""
@@ -413,7 +406,14 @@ class PoDLayer(CompressedLayer):
             self._append_proximal(key)
             return
         if self.ring is None:
-            position = self.seen - 1 if position_ids is None else self._decoding_position(position_ids)
+            position = self.seen - 1
+            if position_ids is not None:  # the new token's position if every row has the same (one read per forward)
+                positions = position_ids[..., -1]
+                positions = positions[0] if position_ids.dim() == 3 else positions
+                smallest, largest = self.forward_pass.cached(
+                    "pod-decoding-position", lambda: torch.stack(torch.aminmax(positions)).tolist()
+                )
+                position = largest if largest == smallest else None
             if position is None:  # rows at different positions: the packed keys, from now on
                 self.ring_plan = False
                 self._append_proximal(key)
@@ -426,17 +426,6 @@ class PoDLayer(CompressedLayer):
     def ring_values(self) -> torch.Tensor:
         """``[B, S, W, d]``: the ring entries' values (the ring's copy)."""
         return self.ring.values
-
-    def _decoding_position(self, position_ids: torch.Tensor) -> int | None:
-        """The new token's position if every row has the same (one host read per forward)."""
-
-        def read() -> int | None:
-            positions = position_ids[..., -1]
-            positions = positions[0] if positions.dim() == 2 and position_ids.dim() == 3 else positions
-            largest, smallest = torch.stack([positions.max(), positions.min()]).tolist()
-            return largest if largest == smallest else None
-
-        return self.forward_pass.cached("pod-decoding-position", read)
 
     def leave_ring(self) -> None:
         """Turn the ring back into the packed proximal keys."""
