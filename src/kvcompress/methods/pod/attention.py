@@ -5,8 +5,9 @@ The explicit softmax, in query chunks, where statistics, ``tau`` or ``combine="l
 (``_fused``): ``grouped_attention`` (the ring's step; CPU forwards when the sharing heads are whole groups) runs Eq. 4
 literally, one call over the proximal keys with the layer's logits and one over the distant keys with the block
 start's, each with its log-sum-exp (``attention_part``: the CPU's ``FLASH``, elsewhere explicit logits), repeating no
-key per query head; ``mixed_sdpa`` (other layouts, other devices, autograd) is one masked SDPA over keys laid out
-twice. All equal the explicit mixed softmax (tests).
+key per query head; other layouts on the CPU make the same two calls with keys repeated per query head (2x faster
+than the one SDPA); elsewhere and under autograd, one masked SDPA over keys laid out twice. All equal the explicit
+mixed softmax (tests).
 """
 
 from __future__ import annotations
@@ -153,16 +154,23 @@ def _fused(layer: PoDLayer, layout: QueryLayout, query, mask, config, scale: flo
         near_values = layer.heads_of(layer.values, "prox").gather(2, slot.expand(*slot.shape[:3], query.shape[-1]))
         near, dist, has_distant = (layer.prox_keys, near_values, biases.prox), biases.dist, biases.has_distant
         return grouped_attention(layer, layout, query, near, dist, has_distant, scale, full_mask, biases.split)
-    # the mixed softmax as one SDPA call: every key twice, [k_own, 0] and [0, k_start], against the query [q_own,
-    # q_start], the mask picking per (query, key) the own copy for proximal tokens (all visible ones at block-start
-    # heads) and the block-start copy for distant ones; the layer's values for both. No L x L float tensor.
     visible, proximal, distant = _masks(layer, queries, mask, config)
     keys_q, value_q, visible_q = (_grouped(t, q_heads) for t in (layer.own_keys(), layer.values, visible))
     share_idx, kv_of = layout.share_idx, layout.share_idx // (q_heads // proximal.shape[1])
-    sources = _sources(layer, layout, query)
-    source_query = torch.zeros_like(query).index_copy(1, share_idx, torch.stack([q for q, _ in sources], dim=1))
+    source_query, source_keys = (torch.stack(part, dim=1) for part in zip(*_sources(layer, layout, query), strict=True))
+    if kernel:  # Eq. 4 by two calls with their log-sum-exp, keys repeated per query head; block-start heads by SDPA
+        out = scaled_dot_product_attention(query, keys_q, value_q, attn_mask=visible_q, scale=scale)
+        values, dist_mask = value_q[:, share_idx], distant[:, kv_of]
+        prox_bias = additive(proximal[:, kv_of], query.dtype)
+        o_prox, lse_prox = attention_part(query[:, share_idx], keys_q[:, share_idx], values, prox_bias, scale)
+        o_dist, lse_dist = attention_part(source_query, source_keys, values, additive(dist_mask, query.dtype), scale)
+        return out.index_copy(1, share_idx, gate_merge(o_prox, lse_prox, o_dist, lse_dist, dist_mask.any(-1)))
+    # elsewhere the mixed softmax as one SDPA call: every key twice, [k_own, 0] and [0, k_start], against the query
+    # [q_own, q_start], the mask picking per (query, key) the own copy for proximal tokens (all visible ones at
+    # block-start heads) and the block-start copy for distant ones; the layer's values for both. No L x L float tensor.
+    source_query = torch.zeros_like(query).index_copy(1, share_idx, source_query)
     zeros = torch.zeros_like(keys_q)
-    source_keys = zeros.index_copy(1, share_idx, torch.stack([k for _, k in sources], dim=1))
+    source_keys = zeros.index_copy(1, share_idx, source_keys)
     keys = torch.cat([torch.cat([keys_q, zeros], dim=-1), torch.cat([zeros, source_keys], dim=-1)], dim=2)
     own_allowed = visible_q.index_copy(1, share_idx, proximal[:, kv_of])
     dist_allowed = torch.zeros_like(own_allowed).index_copy(1, share_idx, distant[:, kv_of])
