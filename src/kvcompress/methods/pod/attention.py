@@ -76,7 +76,7 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
     scale = dim**-0.5 if scaling is None else scaling
     if layer.ring is not None:
         ring = layer.ring
-        near, distant = (ring.keys, layer.ring_values(), ring.bias), ring.distant(length)
+        near, distant = (ring.keys, layer.ring_values(), ring.bias), ring.dist[..., :length]
         return grouped_attention(layer, layout, query, near, distant, ring.has_distant(length), scale), None
     # a distant token needs a query at position n_sink + n_recent or beyond (the merges handle rows without one)
     if not layout.sharing or layer.max_position < config.n_sink + config.n_recent:

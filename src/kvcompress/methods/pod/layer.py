@@ -442,13 +442,12 @@ class PoDLayer(CompressedLayer):
         count, self._pending = self._pending, 0
         if not count:
             return
-        slots, stop = self.slots, self.occupied
-        first = self.seen - count
+        slots, span, first = self.slots, slice(self.occupied - count, self.occupied), self.seen - count
         index = torch.arange(first, self.seen, device=self.device)
-        slots.token_idx[:, :, stop - count : stop] = index
-        slots.rope_pos[:, :, stop - count : stop] = index + (self._pending_position - first)
-        slots.valid[:, :, stop - count : stop] = True
-        slots.rank[:, :, stop - count : stop] = index  # no padding stored: a real token's rank is its stream index
+        slots.token_idx[:, :, span] = index
+        slots.rope_pos[:, :, span] = index + (self._pending_position - first)
+        slots.valid[:, :, span] = True
+        slots.rank[:, :, span] = index  # no padding stored: a real token's rank is its stream index
         slots.real_seen += count
 
     # --- transformers' layer API and accounting ------------------------------------------------------------

@@ -87,16 +87,12 @@ class ProximalRing:
             self.bias.narrow(3, entry, 1).fill_(0.0)
             self.written[recent] = True
 
-    def distant(self, length: int) -> torch.Tensor:
-        """``[B, S, 1, length]``: the distant mask over the layer's ``length`` stored tokens (a view)."""
-        return self.dist[..., :length]
-
     def has_distant(self, length: int) -> torch.Tensor | None:
         """``[B, S, 1]`` rows that see a distant token, or None when all do (read once per ring: nothing is evicted
         while it lives)."""
         if self.always_distant:
             return None
-        has = (self.distant(length) == 0).any(-1)
+        has = (self.dist[..., :length] == 0).any(-1)
         if self.always_distant is None:
             self.always_distant = bool(has.all())
         return None if self.always_distant else has
