@@ -41,17 +41,13 @@ def kept_for_request(target: torch.Tensor, n_real: torch.Tensor, key_share: floa
 def budget_report(cache) -> dict[str, float]:
     """Achieved KV bytes against the request and the full cache (``full_bytes``: every token seen, every layer and
     KV head; ``requested_bytes``: ``ratio`` of that, or ``budget`` full tokens per layer and KV head)."""
-    config = cache.config
-    layers = cache.compressed_layers
+    config, layers = cache.config, cache.compressed_layers
     first = layers[0].values  # [B, H_kv, L, d]
     token_bytes = 2 * first.shape[0] * first.shape[1] * first.shape[-1] * first.element_size()
     full = sum(layer.seen for layer in layers) * token_bytes
-    if config.ratio is not None:
-        requested = config.ratio * full
-    elif config.budget is not None:
+    requested = config.ratio * full if config.ratio is not None else float(full)
+    if config.budget is not None:
         requested = config.budget * len(layers) * token_bytes
-    else:
-        requested = float(full)
     stored = cache.nbytes()
     return {
         "stored_bytes": stored,

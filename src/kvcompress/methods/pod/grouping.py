@@ -50,13 +50,8 @@ def group_layers(sim: torch.Tensor, delta: float) -> list[list[list[int]]]:
 
 def block_starts(blocks: Sequence[Sequence[Sequence[int]]]) -> Starts:
     """``starts[l][h]`` from per-head block lists."""
-    layers = sum(len(block) for block in blocks[0])
-    starts = [[0] * len(blocks) for _ in range(layers)]
-    for h, head_blocks in enumerate(blocks):
-        for block in head_blocks:
-            for layer in block:
-                starts[layer][h] = block[0]
-    return tuple(tuple(row) for row in starts)
+    per_head = [{layer: block[0] for block in head_blocks for layer in block} for head_blocks in blocks]
+    return tuple(tuple(head[layer] for head in per_head) for layer in range(len(per_head[0])))
 
 
 def uniform_starts(layers: int, heads: int, block_size: int) -> Starts:
@@ -99,11 +94,7 @@ def kv_key_rows(starts: Starts, kv_heads: int | None = None) -> int:
     if heads % kv_heads:
         raise ValueError(f"heads in starts ({heads}) must be a multiple of kv_heads ({kv_heads})")
     groups = heads // kv_heads
-    return sum(
-        any(row[g * groups + k] == layer for k in range(groups))
-        for layer, row in enumerate(starts)
-        for g in range(kv_heads)
-    )
+    return sum(layer in row[g * groups : (g + 1) * groups] for layer, row in enumerate(starts) for g in range(kv_heads))
 
 
 def kv_saving(
