@@ -93,9 +93,8 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
     visible, proximal, distant = _masks(layer, queries, mask, config, first)
     own_keys, visible_q = layer.own_keys(), _grouped(visible, q_heads)
     value_q = None if fused else _grouped(layer.values, q_heads)  # (the fused output stands: statistics only)
-    prox_s = _grouped(proximal, q_heads)[:, share_idx]
-    dist_s = _grouped(distant, q_heads)[:, share_idx]
-    outputs, last_rows, received = [], [], None
+    prox_s, dist_s = (_grouped(allowed, q_heads)[:, share_idx] for allowed in (proximal, distant))
+    outputs, last_rows, received = [], [], 0
     for a, b in row_chunks(queries - first, batch * q_heads * length):
         r0, r1 = first + a, first + b
         # each KV head's query heads folded into rows: no key repeated per query head
@@ -124,19 +123,16 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
             out = out.index_copy(1, share_idx, torch.lerp(o_d, o_p, gate[..., None].to(value_q.dtype)))
         outputs.append(out)
         if request.received:
-            mass = probs.sum(dim=2)
-            received = mass if received is None else received + mass
+            received = received + probs.sum(dim=2)
         if last_n and r1 > queries - last_n:
             last_rows.append(probs[:, :, max(r0, queries - last_n) - r0 :])
     output = fused_output if fused else torch.cat(outputs, dim=2)
-    stats = None
-    if request.any:
-        stats = AttentionStats(query_count=queries)
-        if request.received:
-            stats.received = received.view(batch, kv_heads, groups, length)
-        if last_n:
-            stats.last = torch.cat(last_rows, dim=2).view(batch, kv_heads, groups, last_n, length)
-            stats.last_visible = visible[:, :, queries - last_n - first :]
+    if not request.any:
+        return output, None
+    stats = AttentionStats(queries, received.view(batch, kv_heads, groups, length) if request.received else None)
+    if last_n:
+        stats.last = torch.cat(last_rows, dim=2).view(batch, kv_heads, groups, last_n, length)
+        stats.last_visible = visible[:, :, queries - last_n - first :]
     return output, stats
 
 
@@ -221,11 +217,10 @@ def stream_biases(layer, queries: int, groups: int, dtype: torch.dtype) -> Group
     config = layer.policy.config
     stored = layer.prox_slot.shape[-1]
     key = ("pod-stream-biases", layer.seen, queries, stored, groups, dtype, config.n_sink, config.n_recent)
-    return layer.forward_pass.cached(key, lambda: _stream(layer, queries, groups, dtype))
+    return layer.forward_pass.cached(key, lambda: _stream(layer, queries, groups, dtype, config))
 
 
-def _stream(layer, queries: int, groups: int, dtype: torch.dtype) -> GroupedBiases:
-    config = layer.policy.config
+def _stream(layer, queries: int, groups: int, dtype: torch.dtype, config) -> GroupedBiases:
     query_pos = torch.arange(layer.seen - queries, layer.seen, device=layer.device)[:, None]
 
     def near_and_far(key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [q, n] each
