@@ -2,13 +2,12 @@
 
 Packed proximal keys (``PoDLayer.prox_keys``) are trimmed after each forward (a host read per layer, masks rebuilt
 every step). Decoding without padding, one token enters the recent window per step and one leaves it, so the keys
-live in a ring instead: the first entries hold the stored sinks (no new token is a sink), entry ``sinks + pos %
-n_recent`` the recent token at ``pos``, overwriting the token just become distant, whose slot opens in the distant
-mask. A step writes one key, its value (a copy: no gather), one slot number and one mask entry, and reads nothing.
-
-Positions are read once, when the ring is built; each decoding token is then taken to be one position past the
-previous one (what ``generate`` gives). Several tokens, padding, an eviction or a batch reorder turn the ring back
-into the packed keys (``PoDLayer.leave_ring``).
+live in a ring: the stored sinks first (no new token is a sink), entry ``sinks + pos % n_recent`` the recent token
+at ``pos``, overwriting the token just become distant, whose slot opens in the distant mask. A step writes one key,
+its value (a copy: no gather), one slot number and one mask entry, and reads nothing. Positions are read once, when
+the ring is built; each decoding token is then taken to be one position past the previous one (what ``generate``
+gives). Several tokens, padding, an eviction or a batch reorder turn the ring back into the packed keys
+(``PoDLayer.leave_ring``).
 """
 
 from __future__ import annotations
