@@ -289,7 +289,13 @@ def grouped_attention(layer, layout, query, near, distant, has_distant, scale, f
         source = source.narrow(1, head * groups, count * groups).reshape(batch, count, groups * queries, dim)
         keys, values = keys.narrow(1, row, count), layer.values.narrow(1, head, count)
         mask = distant if distant.shape[1] == 1 else distant.narrow(1, first, count)
-        parts.append(_distant_part(source, keys, values, mask, scale, split))
+        if split is None:
+            parts.append(attention_part(source, keys, values, mask, scale))
+            continue
+        (low, high), block = split, slice(split[1], split[1] + mask.shape[-1])  # an unmasked call and a causal one
+        o_all, lse_all = attention_part(source, keys[:, :, low:high], values[:, :, low:high], None, scale)
+        o_new, lse_new = attention_part(source, keys[:, :, block], values[:, :, block], mask, scale)
+        parts.append((gate_merge(o_all, lse_all, o_new, lse_new, None), torch.logaddexp(lse_all, lse_new)))
     o_far, lse_far = parts[0] if len(parts) == 1 else (torch.cat(p, dim=1) for p in zip(*parts, strict=True))
     mixed = gate_merge(o_near, lse_near, o_far, lse_far, has_distant)  # [B, S, G q, d]
     if not layer.head_lists["full"]:
@@ -310,14 +316,3 @@ def grouped_attention(layer, layout, query, near, distant, has_distant, scale, f
     output = query.new_empty(batch, layer.values.shape[1], groups * queries, dim)
     output.index_copy_(1, layer.prox_heads, mixed).index_copy_(1, layer.full_heads, out)
     return output.reshape(batch, -1, queries, dim)
-
-
-def _distant_part(query, keys, values, mask, scale: float, split) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention_part`` over the distant keys (with ``split``: an unmasked call and a causal one, merged)."""
-    if split is None:
-        return attention_part(query, keys, values, mask, scale)
-    first, stop = split
-    block = slice(stop, stop + mask.shape[-1])
-    o_all, lse_all = attention_part(query, keys[:, :, first:stop], values[:, :, first:stop], None, scale)
-    o_new, lse_new = attention_part(query, keys[:, :, block], values[:, :, block], mask, scale)
-    return gate_merge(o_all, lse_all, o_new, lse_new, None), torch.logaddexp(lse_all, lse_new)
