@@ -74,8 +74,7 @@ def pod_attention(layer: PoDLayer, query: torch.Tensor, mask, scaling, config: P
     if layer.ring_plan is None:
         layer.ring_plan = ring_plan(layout, config) or False
     scale = dim**-0.5 if scaling is None else scaling
-    if layer.ring is not None:
-        ring = layer.ring
+    if (ring := layer.ring) is not None:
         near, distant = (ring.keys, layer.ring_values(), ring.bias), ring.dist[..., :length]
         return grouped_attention(layer, layout, query, near, distant, ring.has_distant(length), scale), None
     # a distant token needs a query at position n_sink + n_recent or beyond (the merges handle rows without one)

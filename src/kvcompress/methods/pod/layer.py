@@ -192,8 +192,7 @@ class PoDLayer(CompressedLayer):
             self.slots.tensors["keys"].narrow(2, start, count).copy_(full_keys)
             self.slots.tensors["values"].narrow(2, start, count).copy_(value_states)
         else:
-            if self._stale:
-                self._settle()
+            self._settle()
             self.slots.write_range(start, full_keys, value_states, self.seen, state, self.all_valid)
             if ring_step and self.ring is not None:  # (a base's state to write) the position the ring takes
                 self.slots.rope_pos[:, :, start].fill_(self.ring.position + 1)
@@ -214,8 +213,7 @@ class PoDLayer(CompressedLayer):
             self.forward_positions = position_ids  # (the position was stored by update, from the ring's count)
             self._write_ring(position_ids)
             return
-        if self._stale:
-            self._settle()  # the ring steps' bookkeeping first: the model's positions and padding go over it
+        self._settle()  # the ring steps' bookkeeping first: the model's positions and padding go over it
         super().register_new_tokens(position_ids, padding)
         config, forward = self.policy.config, self.forward_pass
         if self.max_position < config.n_sink + config.n_recent:  # past it, distant tokens may exist: no more reads
