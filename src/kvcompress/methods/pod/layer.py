@@ -97,17 +97,15 @@ class PoDLayer(CompressedLayer):
         groups = len(row) // kv_heads
         full = [g for g in range(kv_heads) if any(row[g * groups + k] == self.index for k in range(groups))]
         prox = [g for g in range(kv_heads) if g not in full]
-        self.full_heads = torch.tensor(full, dtype=torch.long, device=self.device)
-        self.prox_heads = torch.tensor(prox, dtype=torch.long, device=self.device)
+        self.full_heads, self.prox_heads = (torch.tensor(h, dtype=torch.long, device=self.device) for h in (full, prox))
         self.head_lists = {"full": full, "prox": prox}
         self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
         self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
-        batch, dim = key_states.shape[0], key_states.shape[-1]
         key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
         self.slots = self.empty_slots(self.heads_of(key_states, "full"), value_states, key_heads)
-        self.prox_keys = key_states.new_empty(batch, len(prox), 0, dim)
-        self.prox_slot = torch.zeros(batch, len(prox), 0, dtype=torch.long, device=self.device)
+        self.prox_keys = key_states.new_empty(key_states.shape[0], len(prox), 0, key_states.shape[-1])
+        self.prox_slot = torch.zeros(key_states.shape[0], len(prox), 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
         self._new_views()
 
