@@ -144,7 +144,7 @@ class LessConfig(MethodConfig):
         if self.kernels is None:
             return None
         loaded = self.kernels if isinstance(self.kernels, LessKernels) else load_kernels_once(self.kernels)
-        loaded.check_base({"name": self.base_config.name})
+        loaded.check_base(self.base_config.name)
         return loaded
 
     @property

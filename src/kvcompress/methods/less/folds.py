@@ -106,8 +106,7 @@ def _stacked_psi(forward, layers: list) -> tuple[torch.Tensor, ...]:
     for index, policy in enumerate(policies):
         own = policy.weights.psi
         if any(own[i] is not views[index] for i, (_, views) in enumerate(stacked)):
-            w1, w2, mix = (views[index] for _, views in stacked)
-            policy.weights = policy.weights._replace(psi_w1=w1, psi_w2=w2, psi_mix=mix)
+            policy.weights = policy.weights._replace(psi=tuple(views[index] for _, views in stacked))
     return tuple(buffer for buffer, _ in stacked)
 
 

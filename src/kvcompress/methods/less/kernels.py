@@ -1,18 +1,10 @@
-"""LESS kernels (φ, ψ): the modules, their files, and the kernels shipped with the package.
+"""LESS kernels (φ, ψ; ``kvcompress.methods.less.config``): the modules, their files, the kernel sets shipped.
 
-Paper: Dong et al., 2024, "Get More with LESS: Synthesizing Recurrence with KV Cache Compression for Efficient LLM
-Inference" (arXiv:2402.09398). The method itself is ``kvcompress.methods.less.config``; its policy and cache layer
-are ``policy`` and ``layer`` beside this module, the parallel (masked) form used by training is ``masked``.
-
-What lives here:
-
-- ``LayerKernels``: one layer's φ (per query head) and ψ (per KV head) in the official code's form:
-  ``φ(q) = |GELU(GELU(Dropout(q W1)) W2)|``, ``u = |s1| ⊙ GELU(GELU(Dropout(k W1)) W2)``,
-  ``ψ(k) = |u + (u W3) ⊙ s2|``; no biases, Xavier-uniform weights, ``s1 = s2 = 1e-4`` (the warm start),
-  dropout 0.3 in training only. GQA: ψ, and so the state ``H``, ``z``, are per KV head; φ is per query head.
-- ``LessKernels``: the kernels of every layer plus metadata (model shape, base policy, training settings), saved as
-  a directory with ``meta.json`` and one ``layer_XXX.pt`` per layer (training writes them one by one) and loaded
-  with ``load_kernels``, which raises a clear error when they do not fit the model or the base policy.
+``LayerKernels`` holds one layer's φ (per query head) and ψ (per KV head, like the state ``H``, ``z``) in the official
+code's form: ``φ(q) = |GELU(GELU(Dropout(q W1)) W2)|``, ``u = |s1| ⊙ GELU(GELU(Dropout(k W1)) W2)``,
+``ψ(k) = |u + (u W3) ⊙ s2|``; no biases, Xavier-uniform weights, ``s1 = s2 = 1e-4`` (the warm start), dropout 0.3 in
+training only. ``LessKernels`` is every layer's plus metadata (model shape, base policy, training), saved as a
+directory of ``meta.json`` and one ``layer_XXX.pt`` per layer (training writes them one by one).
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcompress.files import damaged, load_json, load_tensors, require_keys
+from kvcompress.files import damaged, load_json, load_tensors, require_keys, shipped_folder
 
 KERNEL_FORMAT = 1
 SHAPE = ("q_heads", "kv_heads", "head_dim", "rank", "hidden")  # a layer's shape, as its file and meta.json record it
@@ -45,16 +36,6 @@ KERNEL_REMEDY = (
 def layer_file(directory: str | os.PathLike[str], layer: int) -> Path:
     """Path of one layer's kernel file inside a kernel directory."""
     return Path(directory) / f"layer_{layer:03d}.pt"
-
-
-# ----------------------------------------------------------------------------------------------------- kernels
-
-
-def _xavier_(weight: torch.Tensor, generator: torch.Generator | None) -> None:
-    """Xavier-uniform per head: ``U(-a, a)``, ``a = sqrt(6 / (fan_in + fan_out))`` of one ``[in, out]`` slice."""
-    bound = math.sqrt(6.0 / (weight.shape[-2] + weight.shape[-1]))
-    with torch.no_grad():
-        weight.uniform_(-bound, bound, generator=generator)
 
 
 class LayerKernels(nn.Module):
@@ -82,8 +63,9 @@ class LayerKernels(nn.Module):
         self.psi_s1 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init), **cpu))  # code: scalingD
         self.psi_s2 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init), **cpu))  # code: scalingD2
         self.dropout = nn.Dropout(dropout)
-        for weight in (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2, self.psi_w3):
-            _xavier_(weight, generator)
+        for weight in (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2, self.psi_w3):  # Xavier-uniform per head
+            bound = math.sqrt(6.0 / (weight.shape[-2] + weight.shape[-1]))  # fan_in + fan_out of one [in, out] slice
+            nn.init.uniform_(weight, -bound, bound, generator=generator)
 
     def phi(self, query: torch.Tensor) -> torch.Tensor:
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
@@ -103,8 +85,8 @@ class LayerKernels(nn.Module):
     def inference_weights(self) -> InferenceWeights:
         """The weights as ``phi_features`` and ``psi_features`` take them (detached; made once by a cache, whose
         kernels are frozen while it uses them)."""
-        weights = (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2)
-        return InferenceWeights(*(weight.detach() for weight in weights), self.psi_mix())
+        phi, psi = (self.phi_w1.detach(), self.phi_w2.detach()), (self.psi_w1.detach(), self.psi_w2.detach())
+        return InferenceWeights(phi, (*psi, self.psi_mix()))
 
     def psi_mix(self) -> torch.Tensor:
         """``[H_kv, R, R]``: ψ's last steps as one matrix. With ``g = GELU(h W2)``, ``u = |s1| ⊙ g`` and
@@ -128,22 +110,10 @@ class LayerKernels(nn.Module):
 
 
 class InferenceWeights(NamedTuple):
-    """One layer's kernels in the form inference takes them: the per-head weights as trained, ψ's last steps as one
-    matrix ``M`` (``LayerKernels.psi_mix``)."""
+    """One layer's kernels as inference takes them: φ's ``(W1, W2)`` and ψ's ``(W1, W2, M)`` (``psi_mix``)."""
 
-    phi_w1: torch.Tensor
-    phi_w2: torch.Tensor
-    psi_w1: torch.Tensor
-    psi_w2: torch.Tensor
-    psi_mix: torch.Tensor
-
-    @property
-    def phi(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.phi_w1, self.phi_w2
-
-    @property
-    def psi(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.psi_w1, self.psi_w2, self.psi_mix
+    phi: tuple[torch.Tensor, ...]
+    psi: tuple[torch.Tensor, ...]
 
 
 def phi_features(query: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -203,21 +173,14 @@ class LessKernels:
     def hidden(self) -> int:
         return self.layers[0].hidden
 
-    def eval(self) -> LessKernels:
-        for layer in self.layers:
-            layer.eval()
-        return self
-
-    def check_base(self, base: dict[str, Any]) -> None:
-        """Raise if these kernels were trained with another eviction method than ``base`` (``{"name", ...}``)."""
+    def check_base(self, name: str) -> None:
+        """Raise if these kernels were trained with another eviction method than ``name``."""
         trained = self.meta.get("base")
-        if trained is None:
-            return
-        if trained.get("name") != base.get("name"):
+        if trained is not None and trained.get("name") != name:
             raise ValueError(
-                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with "
-                f"{base.get('name')!r}; the low-rank state must learn what that policy evicts (train kernels for "
-                f"{base.get('name')!r} with `python -m kvcompress.train.less --base {base.get('name')}`)"
+                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with {name!r}; the "
+                f"low-rank state must learn what that policy evicts (train kernels for {name!r} with "
+                f"`python -m kvcompress.train.less --base {name}`)"
             )
 
     def save(self, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Path:
@@ -278,11 +241,10 @@ def load_layer(directory: str | os.PathLike[str], index: int) -> tuple[LayerKern
         layer.load_state_dict({name: tensor.float() for name, tensor in payload["state_dict"].items()})
     except (TypeError, RuntimeError, AttributeError, ValueError) as error:
         raise damaged(path, KERNEL_FILE, KERNEL_REMEDY, error) from None
-    layer.eval()
-    return layer, {k: v for k, v in payload.items() if k != "state_dict"}
+    return layer.eval(), {k: v for k, v in payload.items() if k != "state_dict"}
 
 
-SHIPPED = Path(str(resources.files("kvcompress") / "data" / "less"))  # kernels that come with the package
+SHIPPED = shipped_folder("less")  # kernels that come with the package
 
 
 def shipped_kernels() -> list[str]:
@@ -317,18 +279,15 @@ def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False)
             f"LESS kernels in {str(directory)!r} are incomplete: layers {missing} are not trained yet "
             "(resume the training with the same command; it continues with the missing layers)"
         )
-    layers = []
-    for index in range(count):
-        if index in missing:
-            layers.append(zero_kernels(**{name: meta[name] for name in SHAPE}))
-        else:
-            layers.append(load_layer(directory, index)[0])
-    meta = dict(meta, missing_layers=missing)
-    return LessKernels(layers=layers, meta=meta)
+    layers = [
+        zero_kernels(**{name: meta[name] for name in SHAPE}) if index in missing else load_layer(directory, index)[0]
+        for index in range(count)
+    ]
+    return LessKernels(layers=layers, meta=dict(meta, missing_layers=missing))
 
 
 def load_kernels_once(directory: str | os.PathLike[str]) -> LessKernels:
-    """``load_kernels`` in eval mode, read once per process for a directory's current files (inference only:
+    """``load_kernels`` (eval mode), read once per process for a directory's current files (inference only:
     every cache built from the same directory shares these read-only modules)."""
     path = resolve_kernels(directory)
     return _load_kernels_at(str(path), (path / META_FILE).stat().st_mtime_ns)
@@ -336,7 +295,7 @@ def load_kernels_once(directory: str | os.PathLike[str]) -> LessKernels:
 
 @lru_cache(maxsize=4)
 def _load_kernels_at(path: str, mtime_ns: int) -> LessKernels:
-    return load_kernels(path).eval()
+    return load_kernels(path)
 
 
 def zero_kernels(q_heads: int, kv_heads: int, head_dim: int, rank: int = 8, hidden: int = 128) -> LayerKernels:

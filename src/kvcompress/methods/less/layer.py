@@ -98,8 +98,8 @@ class LessLayer(CompressedLayer):
 
     def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H_kv, e, D]`` of the slots ``index`` ``[B, H_kv, e]`` as attention reads them."""
-        keys, values = self.keys, self.values
-        return _take(keys, index), _take(values, index)
+        pair = self.keys, self.values
+        return tuple(tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1])) for tensor in pair)
 
     def reset(self) -> None:
         settle(self)
@@ -118,24 +118,23 @@ class LessLayer(CompressedLayer):
         if self.is_initialized:
             self.stored_low_rank, self.stored_ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
 
+    def state_nbytes(self, part: slice | int) -> int:
+        """Bytes of the state's ``H`` (``part = slice(-1)``) or ``z`` (``-1``), 0 before the first tokens: ``H`` counts
+        with the keys and values (it stands in for the evicted ones), ``z`` with the metadata."""
+        state = self.stored_low_rank
+        return 0 if state is None else state[..., part].numel() * state.element_size()
+
     def kv_nbytes(self) -> int:
-        """Stored keys and values plus the state ``H`` (it stands in for the evicted keys and values)."""
-        if not self.is_initialized:
-            return 0
-        return super().kv_nbytes() + self.stored_low_rank[..., :-1].numel() * self.stored_low_rank.element_size()
+        return super().kv_nbytes() + self.state_nbytes(slice(-1))
 
     def metadata_nbytes(self) -> int:
-        """Positions and statistics plus the normaliser ``z``."""
-        if not self.is_initialized:
-            return 0
-        return super().metadata_nbytes() + self.stored_low_rank[..., -1].numel() * self.stored_low_rank.element_size()
+        return super().metadata_nbytes() + self.state_nbytes(-1)
 
     def allocated_nbytes(self) -> int:
-        """The key and value buffers as allocated plus the state ``H`` (held whole, as stored)."""
-        return super().allocated_nbytes() + self.kv_nbytes() - super().kv_nbytes()
+        return super().allocated_nbytes() + self.state_nbytes(slice(-1))
 
     def allocated_metadata_nbytes(self) -> int:
-        return super().allocated_metadata_nbytes() + self.metadata_nbytes() - super().metadata_nbytes()
+        return super().allocated_metadata_nbytes() + self.state_nbytes(-1)
 
 
 class LessQuantizedLayer(LessLayer, QuantizedLayer):
@@ -158,8 +157,7 @@ class LessQuantizedLayer(LessLayer, QuantizedLayer):
         if not self._reads_codes:
             return super().attend(query, key, value, mask, scaling)
         policy = self.policy
-        if policy.kernels is None:  # set at the first attention
-            policy.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        policy.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
         request = policy.stats if policy.wants_stats(self) else StatsRequest()
         if not self.folded:  # nothing folded yet: exactly the base policy's attention
             return self.attend_codes(query, mask, scaling, request)
@@ -167,8 +165,3 @@ class LessQuantizedLayer(LessLayer, QuantizedLayer):
         return policy.with_low_rank(self, query, output, stats)
 
     read_slots = QuantizedLayer.read_slots
-
-
-def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``tensor`` ``[B, H, C, D]`` at the slots ``index`` ``[B, H, n]``."""
-    return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))

@@ -1,16 +1,11 @@
 """The parallel ("masked") form of LESS, used to train the kernels and to check them against real decoding.
 
-The parallel form. Eviction in a real cache is permanent, so a token's fate is one number:
-``evict_at[j]``, the first query row that no longer sees token ``j`` in the sparse cache (``S`` if never). Row
-``i`` attends exactly to ``{j <= i : evict_at[j] > i}`` and its state holds ``{j : evict_at[j] <= i}``; so
-``H_i`` is a cumulative sum of ``ψ(k_j)ᵀ v_j`` ordered by eviction row (``O(S R D)``, no ``S x S`` low-rank
-matrix), which equals the paper's masked form (§3.2: low-rank scores ``φ(Q)ψ(K)ᵀ`` on the evicted entries).
-``eviction_times`` finds ``evict_at`` by running the base policy's own cache layer token by token on the layer's
-queries and keys, with the statistics the real decode computes (softmax over the cached tokens only, the generation
-rule). So the masked form equals prefilling one token and decoding the rest through the real cache, for any
-evicting method, and training sees exactly the masks decoding will produce.
-- ``masked_forward``: logits of a whole window with every layer in the masked form (an attention function switched
-in for one forward), and ``capture_attention`` to record a layer's post-RoPE Q, K, V and its output after W_O.
+Eviction in a real cache is permanent, so a token's fate is one number, ``evict_at[j]``: the first query row that no
+longer sees token ``j`` (``S`` if none). Row ``i`` attends to ``{j <= i : evict_at[j] > i}`` and its state holds
+``{j : evict_at[j] <= i}``, so ``H_i`` is a cumulative sum of ``ψ(k_j)ᵀ v_j`` ordered by eviction row (``O(S R D)``,
+no ``S x S`` low-rank matrix): the paper's masked form (§3.2). ``eviction_times`` runs the base policy's own cache
+layer token by token, so training sees exactly the masks decoding will produce. ``masked_forward`` runs a model so
+(an attention function switched in for one forward); ``CaptureRun`` records each layer's post-RoPE Q, K, V.
 """
 
 from __future__ import annotations
@@ -99,9 +94,6 @@ def less_masked_attention(
     return mix_low_rank(lse, out, num, den)
 
 
-# ------------------------------------------------------------------------------------- base-policy simulation
-
-
 def eviction_times(
     policy: Any,
     query: torch.Tensor,
@@ -142,8 +134,6 @@ def eviction_times(
     return evict_at
 
 
-# ------------------------------------------------------------------------------- whole-model passes and capture
-
 LESS_ATTENTION = "kvcompress_less"
 
 
@@ -169,43 +159,33 @@ class MaskedRun:
     """Masked (parallel) form of a base policy, with LESS kernels or without (Baseline); ``policies=None``: full.
 
     ``policies[idx]`` is a base ``Policy`` for layer ``idx`` (a fresh cache layer is simulated per forward);
-    ``less`` a ``LessConfig`` whose kernels are used (``None``: sparse only). ``evictions`` keeps each layer's
-    ``evict_at`` of the last forward.
+    ``less`` a ``LessConfig`` whose kernels are used (``None``: sparse only).
     """
 
     policies: Sequence[Any] | None = None
     less: Any = None
-    evictions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __call__(self, layer_idx, query, key, value, scaling):
         if self.policies is None:
             return less_masked_attention(query, key, value, None, None, scaling).to(query.dtype)
         evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
-        self.evictions[layer_idx] = evict_at
-        kernels = None
-        if self.less is not None:
-            kernels = self.less.kernels_for(layer_idx, query.shape[1], key.shape[1], key.shape[-1])
+        shape = (query.shape[1], key.shape[1], key.shape[-1])
+        kernels = None if self.less is None else self.less.kernels_for(layer_idx, *shape)
         return less_masked_attention(query, key, value, evict_at, kernels, scaling).to(query.dtype)
 
 
 def _less_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    run: AttentionRun | None = kwargs.get("less_run")
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError("the masked LESS form takes unpadded windows (no attention_mask with padding)")
-    if run is None:
-        run = CaptureRun()
+    run: AttentionRun = kwargs.get("less_run") or CaptureRun()
     output = run(module.layer_idx, query, key, value, scaling)
     return output.transpose(1, 2).contiguous(), None
-
-
-def _no_mask(**_: object) -> None:
-    return None
 
 
 @contextmanager
 def less_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Switch ``model`` to the LESS masked-form attention function for the block, then back."""
-    register_attention(LESS_ATTENTION, _less_attention, _no_mask)
+    register_attention(LESS_ATTENTION, _less_attention, lambda **_: None)  # no mask: the runs make their own
     previous = model.config._attn_implementation
     model.set_attn_implementation(LESS_ATTENTION)
     try:

@@ -37,11 +37,8 @@ class LessPolicy(Policy):
     def __init__(self, config: LessConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.base = config.base_config.policy(layer_idx)
-        self.stats = self.base.stats
-        self.position_mode = self.base.position_mode
-        self.per_head = self.base.per_head
-        self.one_shot = self.base.one_shot
-        self.batchable = self.base.batchable  # (the fold happens in the layer's ``before_eviction``, per layer)
+        for name in ("stats", "position_mode", "per_head", "one_shot", "batchable"):  # as the base policy's
+            setattr(self, name, getattr(self.base, name))
         self.kernels: LayerKernels | None = None
         self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
         self.inert = False  # ψ ≡ 0 (its last matrix is zero, as in ``zero_kernels``): nothing is ever folded
@@ -71,8 +68,7 @@ class LessPolicy(Policy):
         return self.base.select(layer)
 
     def attend(self, layer, query, key, value, mask, scaling):
-        if self.kernels is None:  # set at the first attention
-            self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
         if query.shape[2] == 1 and mask is None:  # a decoding step that sees every stored key
