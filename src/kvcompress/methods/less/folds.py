@@ -1,13 +1,11 @@
-"""LESS's folds of one forward, gathered from its layers and done together when it closes.
+"""LESS's folds of one forward (``[H | z] += ψ(k)ᵀ [v | 1]``, Eqs. 4–5), gathered from its layers, done at its end.
 
-Each LESS layer folds what it evicts into its state (``[H | z] += ψ(k)ᵀ [v | 1]``, Eqs. 4–5). Per layer that is a
-dozen small operations (ψ is a two-layer MLP), each costing far more than its arithmetic on a decoding step. The
-state is read only by the layer's next attention, so the layers of a cache stage their evicted keys and values in
-the forward (``stage``) and the forward folds them all at its end (``ForwardPass.at_end``): ψ of every layer's
-victims as one batched MLP (the layers' ψ weights views of one buffer), one outer product, then one addition: the
-layers' states are views of one buffer where their shapes agree (``ForwardPass.stacked``), so the addition and the
-ratios ``H / z`` a decoding step reads (``LessLayer.ratio``) are one operation each for the whole cache. Anything
-that reads a state first folds what is staged (``settle``), so the order of additions is all that changes.
+Per layer a fold is a dozen small operations (ψ is a two-layer MLP), each costing far more than its arithmetic on a
+decoding step. A state is read only by its layer's next attention, so the layers stage their evicted keys and values
+(``stage``) and the forward folds them all when it closes: ψ as one batched MLP over every layer's victims (the ψ
+weights views of one buffer), one outer product, one addition and one ratio ``H / z`` (the states and ratios views
+of one buffer where their shapes agree). Whatever reads a state first folds what is staged (``settle``), so only the
+order of additions changes.
 """
 
 from __future__ import annotations
@@ -58,9 +56,8 @@ def fold_staged(forward) -> None:
 
 
 def fold(forward, staged: list) -> None:
-    """Add ``ψ(k)ᵀ [v | 1]`` of each ``(layer, keys, values, weight)`` in ``staged`` (keys and values ``[B, H_kv, e,
-    D]`` of one shape; ``weight`` ``[B, H_kv, e]``, 0 for slots that hold no token, or ``None``) to the layer's state:
-    ψ of them all as one batched MLP (several layers' ψ weights stacked), one outer product, one addition."""
+    """Add ``ψ(k)ᵀ [v | 1]`` of each ``(layer, keys, values, weight)`` in ``staged`` (as ``stage`` takes them, all of
+    one shape) to the layer's state."""
     layers = [layer for layer, *_ in staged]
     keys = _joined([keys for _, keys, _, _ in staged])  # [B, n * H_kv, e, D]
     values = _joined([values for _, _, values, _ in staged])

@@ -1,17 +1,11 @@
 """The LESS cache layer: a ``CompressedLayer`` that folds every token it evicts into a low-rank state first.
 
 Per sequence and KV head it keeps ``H`` ``[B, H_kv, R, D]`` and ``z`` ``[B, H_kv, R]`` (float32) side by side in one
-buffer ``low_rank`` ``[B, H_kv, R, D + 1]`` (``low_rank_h`` and ``low_rank_z`` are its views), so folding a token in
-(``[H | z] += ψ(k)ᵀ [v | 1]``, Eqs. 4–5) and reading the state (``φ(q) [H | z]``) are one matmul each.
-``before_eviction`` copies out the real tokens being evicted, then the layer frees their slots as usual; the tokens
-are folded at the end of the forward together with the other layers' (``kvcompress.methods.less.folds``), or at
-once for a layer outside a cache. The policy (``kvcompress.methods.less.policy``) reads the state in its attention
-term; a decoding step reads it as ``z`` and ``ratio`` = ``H / z`` (``kvcompress.methods.less.low_rank_slots``).
-
-With ``kv_bits`` below 16 the stored keys and values are quantized (``LessQuantizedLayer``: the quantized slot layer
-``core.quantized_layer`` with the same state): the base policy selects on what attention reads (the dequantized keys
-and values, exact in the residual window), and what is folded into ``H``, ``z`` is what attention read of the
-evicted tokens. The state itself stays float32 (it is ``R / 2`` tokens per KV head, not quantized).
+buffer ``[H | z]``, so folding tokens in (``+= ψ(k)ᵀ [v | 1]``, Eqs. 4–5) and reading the state (``φ(q) [H | z]``)
+are one matmul each. ``before_eviction`` copies out the real tokens being evicted before the layer frees their slots;
+``folds`` folds them. With ``kv_bits`` below 16 (``LessQuantizedLayer``) the stored tokens are quantized; the base
+policy selects on, and LESS folds, what attention reads (dequantized, exact in the residual window); the state stays
+float32 (it is ``R / 2`` tokens per KV head).
 """
 
 from __future__ import annotations
@@ -48,9 +42,8 @@ class LessLayer(CompressedLayer):
 
     @property
     def ratio(self) -> torch.Tensor | None:
-        """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``): each row of the state as one value vector
-        (``kvcompress.methods.less.low_rank_slots``). The forward's folds write every layer's at once. A working copy
-        the size of ``H``, derived from it: not counted again in ``kv_nbytes``."""
+        """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``), as a decoding step reads the state (``low_rank_slots``):
+        a working copy derived from ``H``, not counted again in ``kv_nbytes``."""
         low_rank = self.low_rank
         if self.stored_ratio is None and low_rank is not None:
             self.stored_ratio = state_ratio(low_rank)
@@ -138,17 +131,13 @@ class LessLayer(CompressedLayer):
 
 
 class LessQuantizedLayer(LessLayer, QuantizedLayer):
-    """LESS over quantized slots (``kv_bits`` below 16): the stored tokens in KIVI codes, the state ``H``, ``z`` in
-    float32; ``nbytes()`` counts the codes, their scales and minima, the residual window's exact tokens and ``H``.
+    """LESS over quantized slots (``kv_bits`` below 16): the stored tokens in KIVI codes, ``H``, ``z`` in float32.
 
-    A forward with no gradient reads the codes (``core.quantized_attention``, as the quantized slot layer does for
-    the default attention): the sparse part's output and log-normaliser from the codes, then Eq. 3 in its
-    log-sum-exp form (``LessPolicy.with_low_rank``) once something is folded, so no dequantized copy of the layer
-    is built. A decoding step thus mixes the state in by its log-normaliser instead of the 16-bit layer's one
-    softmax over the stored keys and the state's rows (``low_rank_slots``): the same Eq. 3, equal to float
-    rounding. The evicted tokens are read from the codes too (``QuantizedSlotBuffers.read_at``: what attention
-    read of them, bit for bit). A forward recorded for a backward pass attends over the dequantized view as the
-    16-bit layer does."""
+    A forward with no gradient reads the codes (``core.quantized_attention``): the sparse part's output and
+    log-normaliser, then Eq. 3 in log-sum-exp form (``LessPolicy.with_low_rank``), so a decoding step mixes the state
+    in by the log-normaliser, not by the 16-bit layer's one softmax (``low_rank_slots``): equal to float rounding. The
+    evicted tokens are read from the codes too (``QuantizedSlotBuffers.read_at``: what attention read, bit for bit).
+    A forward recorded for a backward pass attends over the dequantized view as the 16-bit layer does."""
 
     def codes_readable(self) -> bool:
         return not torch.is_grad_enabled() and self.policy.position_mode != "cache"

@@ -1,17 +1,15 @@
 """A decoding step's attention with LESS's state as ``R`` more slots of one softmax.
 
 Eq. 3 for one query, ``(Σ_i e^{s_i} v_i + φ(q) H) / (Σ_i e^{s_i} + φ(q) zᵀ)``, splits the state by its rows:
-``φ(q) H = Σ_r φ_r z_r (H_r / z_r)`` and ``φ(q) zᵀ = Σ_r φ_r z_r``. So it is one softmax over the stored keys'
-logits ``s_i`` and ``R`` more logits ``log(φ_r z_r)``, whose values are ``H_r / z_r`` (the ψ_r-weighted mean of
-the evicted values; ``LessLayer.ratio``): the softmax's own max keeps it safe for any logit size, and no
-log-normaliser or mix is computed. The base policy's statistics are the sparse softmax over the stored keys alone,
-from the same logits its own decoding step computes (``kvcompress.core.softmax``): bit for bit what the base policy
-would see, whatever the state holds (LESS's mass stays out of the policy's scores).
+``φ(q) H = Σ_r φ_r z_r (H_r / z_r)`` and ``φ(q) zᵀ = Σ_r φ_r z_r``. So it is one softmax over the stored keys' logits
+``s_i`` and ``R`` more logits ``log(φ_r z_r)`` whose values are ``H_r / z_r`` (``LessLayer.ratio``): the softmax's
+max keeps it safe for any logit size, with no log-normaliser or mix. The base policy's statistics are the softmax
+over the stored keys alone, from the logits its own decoding step computes: bit for bit what it would see.
 
-Choices: where ``z_r = 0`` the slot's logit is ``-inf`` and its value 0 (``z`` floored at float32's smallest
-normal number in the ratio), so it takes no mass. With an empty state the output equals the base policy's to float
-rounding, not bit for bit (its softmax runs over ``R`` more entries); kernels whose ψ is identically zero never fold
-(``LessPolicy.inert``), so they give the base policy's output bit for bit.
+Choices: where ``z_r = 0`` the slot's logit is ``-inf`` and its value 0 (``z`` floored at float32's smallest normal
+number in the ratio), so it takes no mass. An empty state gives the base policy's output to float rounding (the
+softmax runs over ``R`` more entries); kernels whose ψ is identically zero never fold (``LessPolicy.inert``), so
+they give it bit for bit.
 """
 
 from __future__ import annotations

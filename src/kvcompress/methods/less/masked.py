@@ -59,23 +59,18 @@ def low_rank_parallel(
     """``num = φ(q_i) H_i`` ``[B, H_q, n, D]`` and ``den = φ(q_i) z_iᵀ`` ``[B, H_q, n]`` for the last ``n`` rows ``i``
     (``phi_q`` ``[B, H_q, n, R]`` holds the features of those rows' queries; ``n = S`` for every row).
 
-    ``H_i = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ v_j`` (Eq. 6), built as a scatter of each token's outer product to its
-    eviction row followed by a cumulative sum over rows; differentiable in φ and ψ.
+    ``[H_i | z_i] = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ [v_j | 1]`` (Eq. 6), built as a scatter of each token's outer
+    product to its eviction row followed by a cumulative sum over rows; differentiable in φ and ψ.
     """
     batch, kv_heads, length, rank = psi_k.shape
-    dim = value.shape[-1]
-    rows = phi_q.shape[2]
+    q_heads, rows = phi_q.shape[1:3]
+    value = value.float()
     slot = evict_at.clamp(max=length)  # never evicted: row S, beyond the window
-    outer = psi_k[..., :, None] * value.float()[..., None, :]  # [B, Hkv, S, R, D]
-    state = outer.new_zeros(batch, kv_heads, length + 1, rank, dim)
-    state = state.scatter_add(2, slot[..., None, None].expand_as(outer), outer).cumsum(2)[:, :, :length]
-    norm = psi_k.new_zeros(batch, kv_heads, length + 1, rank)
-    norm = norm.scatter_add(2, slot[..., None].expand_as(psi_k), psi_k).cumsum(2)[:, :, :length]
-    f = grouped(phi_q, kv_heads)  # [B, Hkv, G, n, R]
-    num = torch.einsum("bkgsr,bksrd->bkgsd", f, state[:, :, length - rows :])
-    den = torch.einsum("bkgsr,bksr->bkgs", f, norm[:, :, length - rows :])
-    q_heads = phi_q.shape[1]
-    return num.reshape(batch, q_heads, rows, dim), den.reshape(batch, q_heads, rows)
+    outer = psi_k[..., :, None] * torch.cat([value, value.new_ones(*value.shape[:-1], 1)], -1)[..., None, :]
+    state = outer.new_zeros(batch, kv_heads, length + 1, rank, value.shape[-1] + 1)  # [B, Hkv, S + 1, R, D + 1]
+    state = state.scatter_add(2, slot[..., None, None].expand_as(outer), outer).cumsum(2)[:, :, length - rows : length]
+    read = torch.einsum("bkgsr,bksrd->bkgsd", grouped(phi_q, kv_heads), state).reshape(batch, q_heads, rows, -1)
+    return read[..., :-1], read[..., -1]
 
 
 def less_masked_attention(

@@ -1,15 +1,13 @@
 """LESS's policy: the base policy's decisions and statistics, plus the low-rank attention term.
 
-``mix_low_rank``: Eq. 3 in log-sum-exp form. The sparse part enters as its softmax output and log-normaliser,
-the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: the low-rank share of the mass is
-``w = den / (e^{lse_s} + den) = sigmoid(log den - lse_s)`` and ``out = out_s + w (num / den - out_s)``; equal to
-``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any logit size. Choice: ``den`` is floored at float32's smallest
-normal number (1.2e-38) instead of the official code's ``max(den, 1e-6)``. Where ``den == 0`` (nothing evicted,
-or ψ ≡ 0; ``num`` is then 0 too) the share is ``sigmoid(-87.3 - lse_s)``, below half a float32 step for any row
-with ``lse_s > -70``, so LESS equals its base policy exactly then; the official floor added a 1e-6 phantom mass.
-The log-normaliser comes from the same softmax as the output and the base policy's statistics (one pass over the
-stored keys). A decoding step whose query sees every stored key takes Eq. 3 as one softmax over the stored keys and
-the state's rows instead (``kvcompress.methods.less.low_rank_slots``): no log-normaliser, no mix.
+``mix_low_rank`` is Eq. 3 in log-sum-exp form: with the sparse softmax's output and log-normaliser ``lse_s`` and
+``num = φ(q) H``, ``den = φ(q) zᵀ``, the low-rank share of the mass is ``w = sigmoid(log den - lse_s)`` and
+``out = out_s + w (num / den - out_s)``: ``(φH + Σ e^s v) / (φzᵀ + Σ e^s)``, safe for any logit size. Choice:
+``den`` is floored at float32's smallest normal number (1.2e-38), not the official code's ``max(den, 1e-6)``: where
+``den == 0`` (nothing evicted, or ψ ≡ 0; ``num`` is 0 too) the share is ``sigmoid(-87.3 - lse_s)``, below half a
+float32 step for any row with ``lse_s > -70``, so LESS equals its base policy exactly (the official floor added a
+1e-6 phantom mass). A decoding step that sees every stored key takes Eq. 3 as one softmax instead
+(``low_rank_slots``).
 """
 
 from __future__ import annotations
