@@ -16,7 +16,7 @@ the base policy's statistics), Baseline+. Choices where the paper is silent or l
   policy's own GQA rule decides (our H2O sums the mass over a group's query heads).
 - Prompt: attends in full (the state is empty); what the base policy evicts after it, between the chunks of a
   chunked prefill and at every later step is folded into ``H, z`` before it is freed, every layer's at the end of
-  the forward (``folds``: a state is read only by its layer's next attention, so this is Algorithm 1's order).
+  the forward (``layer``: a state is read only by its layer's next attention, so this is Algorithm 1's order).
 - Positions: keys keep the RoPE position they were written with; a base re-indexing positions in the cache
   (``position_mode="cache"``) is refused, a base given by name is built with ``position_mode="original"`` (for
   ``base="streaming"`` the paper's Λ-masking).
@@ -153,7 +153,12 @@ class LessConfig(MethodConfig):
                     "they belong to another model"
                 )
             layer = kernels.layers[layer_idx]
-            layer.check_shape(q_heads, kv_heads, head_dim, layer_idx)
+            if (q_heads, kv_heads, head_dim) != (layer.q_heads, layer.kv_heads, layer.head_dim):
+                raise ValueError(
+                    f"LESS kernels of layer {layer_idx} were made for {layer.q_heads} query heads, {layer.kv_heads} "
+                    f"KV heads and head_dim {layer.head_dim}, but the model has {q_heads}, {kv_heads} and {head_dim}: "
+                    "they belong to another model (train kernels for this one with `python -m kvcompress.train.less`)"
+                )
             return layer
         if self.init == "zero":
             return zero_kernels(q_heads, kv_heads, head_dim, self.rank, self.hidden)

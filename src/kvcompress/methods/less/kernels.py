@@ -100,14 +100,6 @@ class LayerKernels(nn.Module):
         """Whether ψ is identically zero because ``psi_mix`` is (``zero_kernels``); one host read."""
         return not bool(self.psi_mix().any())
 
-    def check_shape(self, q_heads: int, kv_heads: int, head_dim: int, layer_idx: int) -> None:
-        if (q_heads, kv_heads, head_dim) != (self.q_heads, self.kv_heads, self.head_dim):
-            raise ValueError(
-                f"LESS kernels of layer {layer_idx} were made for {self.q_heads} query heads, {self.kv_heads} KV heads "
-                f"and head_dim {self.head_dim}, but the model has {q_heads}, {kv_heads} and {head_dim}: "
-                "they belong to another model (train kernels for this one with `python -m kvcompress.train.less`)"
-            )
-
 
 class InferenceWeights(NamedTuple):
     """One layer's kernels as inference takes them: φ's ``(W1, W2)`` and ψ's ``(W1, W2, M)`` (``psi_mix``)."""

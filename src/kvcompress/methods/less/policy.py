@@ -35,7 +35,8 @@ class LessPolicy(Policy):
     def __init__(self, config: LessConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.base = config.base_config.policy(layer_idx)
-        for name in ("stats", "position_mode", "per_head", "one_shot", "batchable"):  # as the base policy's
+        # the base policy's settings, and its methods to keep, observe and select
+        for name in ("stats", "position_mode", "per_head", "one_shot", "batchable", "init_state", "observe", "select"):
             setattr(self, name, getattr(self.base, name))
         self.kernels: LayerKernels | None = None
         self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
@@ -55,15 +56,6 @@ class LessPolicy(Policy):
             self.weights = kernels.inference_weights()
             self.kernels = kernels
         return self.kernels
-
-    def init_state(self, layer, keys):
-        return self.base.init_state(layer, keys)
-
-    def observe(self, layer, stats):
-        self.base.observe(layer, stats)
-
-    def select(self, layer):
-        return self.base.select(layer)
 
     def attend(self, layer, query, key, value, mask, scaling):
         self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
