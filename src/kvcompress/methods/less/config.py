@@ -22,10 +22,9 @@ the base policy's statistics), Baseline+. Choices where the paper is silent or l
   ``base="streaming"`` the paper's Λ-masking).
 - ``H, z`` in float32, counted in the cache's bytes (``H`` with the keys/values, ``z`` with the metadata); with a
   float32 model ``H`` is exactly ``R/2`` tokens per KV head.
-- ``den = φ(q) zᵀ = 0`` means no low-rank term: ``den`` floored at float32's smallest normal number, not the official
-  code's 1e-6 (``policy``); a decoding step that sees every stored key takes Eq. 3 as one softmax over them and the
-  state's ``R`` rows (``low_rank_slots``). Kernels with ψ ≡ 0 (``init="zero"``) never fold: LESS is then exactly its
-  base policy, as it is before the first eviction.
+- ``den = φ(q) zᵀ = 0`` means no low-rank term, not the official code's 1e-6 floor (``policy``); a decoding step
+  takes Eq. 3 as one softmax (``low_rank_slots``). Kernels with ψ ≡ 0 (``init="zero"``) never fold: LESS is then
+  exactly its base policy, as it is before the first eviction.
 - Quantized storage (``kv_bits`` below 16): the kept tokens in KIVI codes, ``H, z`` in float32; the base policy
   scores, and LESS folds, what attention reads (``LessQuantizedLayer``).
 - Untrained kernels (``kernels=None``): the paper's initialisation (scalars 1e-4: LESS ≈ its base policy); trained
@@ -120,9 +119,7 @@ class LessConfig(MethodConfig):
         """The evicting method's config (built from ``base``/``budget`` when ``base`` is a name)."""
         if isinstance(self.base, MethodConfig):
             return self.base
-        params: dict[str, object] = {}
-        if self.budget is not None:
-            params["budget"] = self.budget
+        params: dict[str, object] = {} if self.budget is None else {"budget": self.budget}
         if "position_mode" in {f.name for f in dataclasses.fields(METHODS[self.base])}:
             params["position_mode"] = "original"
         return make_config(self.base, **params)
@@ -135,12 +132,6 @@ class LessConfig(MethodConfig):
         loaded = self.kernels if isinstance(self.kernels, LessKernels) else load_kernels_once(self.kernels)
         loaded.check_base(self.base_config.name)
         return loaded
-
-    @property
-    def state_rank(self) -> int:
-        """R of the state ``H`` (from the trained kernels when given)."""
-        kernels = self.kernel_set
-        return self.rank if kernels is None else kernels.rank
 
     def kernels_for(self, layer_idx: int, q_heads: int, kv_heads: int, head_dim: int) -> LayerKernels:
         """Layer ``layer_idx``'s kernels (eval mode), checked against the model's head shape: the trained ones, or

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import namedtuple
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,15 +72,13 @@ class LayerKernels(nn.Module):
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
         if not self.training:
             return phi_features(query, *self.inference_weights().phi)
-        hidden = F.gelu(self.dropout(query.float() @ self.phi_w1))
-        return F.gelu(hidden @ self.phi_w2).abs()
+        return F.gelu(F.gelu(self.dropout(query.float() @ self.phi_w1)) @ self.phi_w2).abs()
 
     def psi(self, key: torch.Tensor) -> torch.Tensor:
         """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
         if not self.training:
             return psi_features(key, *self.inference_weights().psi)
-        hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
-        return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
+        return (F.gelu(F.gelu(self.dropout(key.float() @ self.psi_w1)) @ self.psi_w2) @ self.psi_mix()).abs()
 
     @torch.no_grad()
     def inference_weights(self) -> InferenceWeights:
@@ -101,11 +100,8 @@ class LayerKernels(nn.Module):
         return not bool(self.psi_mix().any())
 
 
-class InferenceWeights(NamedTuple):
-    """One layer's kernels as inference takes them: φ's ``(W1, W2)`` and ψ's ``(W1, W2, M)`` (``psi_mix``)."""
-
-    phi: tuple[torch.Tensor, ...]
-    psi: tuple[torch.Tensor, ...]
+# One layer's kernels as inference takes them: φ's ``(W1, W2)`` and ψ's ``(W1, W2, M)`` (``psi_mix``).
+InferenceWeights = namedtuple("InferenceWeights", "phi psi")
 
 
 def phi_features(query: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -126,12 +122,11 @@ def psi_features(key: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mix: tor
 
 
 def head_major_mlp(inputs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head weights ``w1``
-    ``[H, D, hidden]`` and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a broadcast 4D
-    matmul costs more than its arithmetic when decoding). With one row per head (a decoding step) the first product
-    reads all of W1 for a few hundred outputs: on a CPU the row-times-matrix ``x W1`` runs it in about two thirds
-    of the time of the matrix-vector ``W1ᵀ xᵀ`` (MKL, one thread, W1 in the cache or not), so W1 is taken as
-    trained. The GELUs run on PyTorch's own CPU kernel (``_gelu``)."""
+    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head ``w1`` ``[H, D, hidden]``
+    and ``w2`` ``[H, hidden, R]``: two 3D matmuls batched over the heads (a broadcast 4D matmul costs more than its
+    arithmetic when decoding). On a CPU a decoding step's row-times-matrix ``x W1`` (one row per head) takes about two
+    thirds of the time of ``W1ᵀ xᵀ`` (MKL, one thread, W1 in the cache or not), so W1 is taken as trained. The GELUs
+    run on PyTorch's own CPU kernel (``_gelu``)."""
     batch, heads, length, dim = inputs.shape
     rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
     return _gelu(torch.bmm(_gelu(torch.bmm(rows, w1)), w2))
@@ -157,14 +152,6 @@ class LessKernels:
     layers: list[LayerKernels]
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def rank(self) -> int:
-        return self.layers[0].rank
-
-    @property
-    def hidden(self) -> int:
-        return self.layers[0].hidden
-
     def check_base(self, name: str) -> None:
         """Raise if these kernels were trained with another eviction method than ``name``."""
         trained = self.meta.get("base")
@@ -179,8 +166,8 @@ class LessKernels:
         """Write ``meta.json`` and one file per layer (``dtype=torch.float16`` halves the size)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        meta = dict(self.meta)
-        meta.update(format=KERNEL_FORMAT, num_layers=len(self.layers), rank=self.rank, hidden=self.hidden)
+        first = self.layers[0]
+        meta = dict(self.meta, format=KERNEL_FORMAT, num_layers=len(self.layers), rank=first.rank, hidden=first.hidden)
         _write_json(directory / META_FILE, meta)
         for index, layer in enumerate(self.layers):
             save_layer(directory, index, layer, dtype=dtype)
@@ -198,8 +185,7 @@ def save_layer(
     path = layer_file(directory, index)
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in layer.state_dict().items()}
     shape = {name: getattr(layer, name) for name in SHAPE}
-    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state}
-    payload.update(extra or {})
+    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state, **(extra or {})}
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -279,8 +265,8 @@ def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False)
 
 
 def load_kernels_once(directory: str | os.PathLike[str]) -> LessKernels:
-    """``load_kernels`` (eval mode), read once per process for a directory's current files (inference only:
-    every cache built from the same directory shares these read-only modules)."""
+    """``load_kernels``, read once per process for a directory's current files (inference only: every cache built
+    from the same directory shares these read-only modules)."""
     path = resolve_kernels(directory)
     return _load_kernels_at(str(path), (path / META_FILE).stat().st_mtime_ns)
 
@@ -291,11 +277,8 @@ def _load_kernels_at(path: str, mtime_ns: int) -> LessKernels:
 
 
 def zero_kernels(q_heads: int, kv_heads: int, head_dim: int, rank: int = 8, hidden: int = 128) -> LayerKernels:
-    """Kernels with ``s1 = 0``, so ψ ≡ 0: the state stays empty and LESS is exactly its base policy."""
-    layer = LayerKernels(q_heads, kv_heads, head_dim, rank, hidden)
-    with torch.no_grad():
-        layer.psi_s1.zero_()
-    return layer.eval()
+    """Kernels with ``s1 = s2 = 0``, so ψ ≡ 0: the state stays empty and LESS is exactly its base policy."""
+    return LayerKernels(q_heads, kv_heads, head_dim, rank, hidden, scalar_init=0.0).eval()
 
 
 def init_kernels(

@@ -1,18 +1,14 @@
 """The LESS cache layer: a ``CompressedLayer`` that folds every token it evicts into a low-rank state first.
 
-Per sequence and KV head it keeps ``H`` ``[B, H_kv, R, D]`` and ``z`` ``[B, H_kv, R]`` (float32) side by side in one
-buffer ``[H | z]``, so folding tokens in (``+= ψ(k)ᵀ [v | 1]``, Eqs. 4–5) and reading the state (``φ(q) [H | z]``)
-are one matmul each. With ``kv_bits`` below 16 (``LessQuantizedLayer``) the stored tokens are quantized; the base
-policy selects on, and LESS folds, what attention reads (dequantized, exact in the residual window); the state stays
-float32 (it is ``R / 2`` tokens per KV head).
-
-``before_eviction`` copies out the real tokens being evicted before the layer frees their slots. Per layer a fold is
-a dozen small operations (ψ is a two-layer MLP), each costing far more than its arithmetic on a decoding step; a
-state is read only by its layer's next attention, so the layers stage their evicted keys and values (``stage``) and
-the forward folds them all when it closes: ψ as one batched MLP over every layer's victims (the ψ weights views of
-one buffer), one outer product, one addition and one ratio ``H / z`` (the states and ratios views of one buffer
-where their shapes agree). Whatever reads a state first folds what is staged (``settle``), so only the order of
-additions changes.
+Per sequence and KV head it keeps ``H`` ``[B, H_kv, R, D]`` and ``z`` ``[B, H_kv, R]`` in float32 (under quantized
+storage too: ``LessQuantizedLayer``) side by side in one buffer, so folding tokens in (``[H | z] += ψ(k)ᵀ [v | 1]``,
+Eqs. 4–5) and reading the state (``φ(q) [H | z]``) are one matmul each. ``before_eviction`` copies out the real
+tokens being evicted before their slots are freed. A fold is a dozen small operations per layer (ψ is a two-layer
+MLP), each costing far more than its arithmetic on a decoding step; a state is read only by its layer's next
+attention, so the layers stage their evicted keys and values (``stage``) and the forward folds them all when it
+closes: ψ as one batched MLP over every layer's victims (the ψ weights views of one buffer), one outer product, one
+addition and one ratio ``H / z`` (states and ratios views of one buffer where their shapes agree). Whatever reads a
+state first folds what is staged (``settle``), so only the order of additions changes.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ class LessLayer(CompressedLayer):
 
     def __init__(self, policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
-        # [H | z] and H / z as stored (the ratio None: to be computed), without what is staged; the folds add to
-        # the state and may replace both by views of the cache's stacked states and ratios
+        # [H | z] and H / z (None: to be computed) without what is staged; the folds may make them stacked views
         self.stored_low_rank: torch.Tensor | None = None
         self.stored_ratio: torch.Tensor | None = None
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
@@ -70,16 +65,15 @@ class LessLayer(CompressedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         batch, heads, _, dim = value_states.shape
-        rank = self.policy.config.state_rank
+        kernels = self.policy.config.kernel_set  # R: the trained kernels', else the config's
+        rank = self.policy.config.rank if kernels is None else kernels.layers[0].rank
         self.stored_low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
-        self.stored_ratio = None
 
     @without_grad
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ v`` and ``ψ(k)`` of the real tokens about to be evicted to ``H`` and ``z`` (Eqs. 4–5):
         the ``victims`` ``[B, H_kv, e]`` slots, or the ``dropped`` ``[B, H_kv, W]`` ones."""
-        kernels = self.policy.kernels
-        if kernels is None:  # evicting before any attention (not reached through the attention function)
+        if self.policy.kernels is None:  # evicting before any attention (not reached through the attention function)
             raise RuntimeError("LESS kernels are set at the layer's first attention; evict only after attention")
         if self.policy.inert:  # ψ ≡ 0: nothing to fold, the state stays empty
             return
@@ -93,9 +87,8 @@ class LessLayer(CompressedLayer):
             weight = evicted.gather(-1, victims)
         else:
             weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
-        keys, values = self.read_slots(victims)
         self.folded = True
-        stage(self, keys, values, weight)  # folded with the other layers' at the end of the forward, or now
+        stage(self, *self.read_slots(victims), weight)  # folded with the other layers' at the forward's end, or now
 
     def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H_kv, e, D]`` of the slots ``index`` ``[B, H_kv, e]`` as attention reads them."""
@@ -111,8 +104,7 @@ class LessLayer(CompressedLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.is_initialized:
-            indices = indices.to(self.device)
-            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices), None
+            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices.to(self.device)), None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
@@ -168,9 +160,8 @@ FOLDS = "less-folds"  # the forward's job and its staged folds
 
 
 def stage(layer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
-    """Leave ``layer``'s fold of its evicted ``keys``/``values`` ``[B, H_kv, e, D]`` (``weight`` ``[B, H_kv, e]``:
-    0 for slots that hold no token, ``None``: all real) to the end of the forward, or fold them now (a layer outside
-    an open forward of several layers)."""
+    """Leave ``layer``'s fold of its evicted ``keys``/``values`` ``[B, H_kv, e, D]`` (``weight`` ``[B, H_kv, e]``: 0
+    where no token, ``None``: all real) to the end of an open forward of several layers, else fold them now."""
     forward = layer.forward_pass
     if not (forward.shared and forward.is_open):
         fold(forward, [(layer, keys, values, weight)])
@@ -188,8 +179,7 @@ def settle(layer) -> None:
 
 @without_grad
 def fold_staged(forward) -> None:
-    """Fold everything staged in ``forward``: together where the layers' shapes agree (a decoding step), else one by
-    one."""
+    """Fold everything staged in ``forward``: together where the shapes agree (a decoding step), else one by one."""
     waiting = forward.cached(FOLDS, list)
     staged = list(waiting)
     waiting.clear()
@@ -205,21 +195,19 @@ def fold_staged(forward) -> None:
 def fold(forward, staged: list) -> None:
     """Add ``ψ(k)ᵀ [v | 1]`` of each ``(layer, keys, values, weight)`` in ``staged`` (as ``stage`` takes them, all of
     one shape) to the layer's state."""
-    layers = [layer for layer, *_ in staged]
-    keys = _joined([keys for _, keys, _, _ in staged])  # [B, n * H_kv, e, D]
-    values = _joined([values for _, _, values, _ in staged])
+    layers, keys, values, weights = zip(*staged, strict=True)
     psi = _stacked_psi(forward, layers) if len(layers) > 1 else layers[0].policy.weights.psi
-    features = psi_features(keys, *psi)
-    if staged[0][3] is not None:
-        features = features * _joined([weight for *_, weight in staged])[..., None]
-    _add(forward, layers, outer_update(features, values))
+    features = psi_features(_joined(keys), *psi)  # keys [B, n * H_kv, e, D]
+    if weights[0] is not None:
+        features = features * _joined(weights)[..., None]
+    _add(forward, layers, outer_update(features, _joined(values)))
 
 
-def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _joined(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
 
 
-def _add(forward, layers: list, update: torch.Tensor) -> None:
+def _add(forward, layers: tuple, update: torch.Tensor) -> None:
     """Add ``update`` ``[B, n * H_kv, R, D + 1]`` to the states of ``layers``: one addition and one ratio for the
     whole cache where every layer folded and the states are stacked (a decoding step), else one per layer."""
     every = len(layers) == len(forward.layers) and all(a is b for a, b in zip(layers, forward.layers, strict=True))
@@ -242,7 +230,7 @@ def _add(forward, layers: list, update: torch.Tensor) -> None:
         layer.stored_ratio = None
 
 
-def _stacked_psi(forward, layers: list) -> tuple[torch.Tensor, ...]:
+def _stacked_psi(forward, layers: tuple) -> tuple[torch.Tensor, ...]:
     """ψ's weights of ``layers`` stacked along the heads: the policies hold views of them (kernels are frozen)."""
     policies = [layer.policy for layer in layers]
     columns = zip(*(policy.weights.psi for policy in policies), strict=True)

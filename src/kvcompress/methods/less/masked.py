@@ -35,10 +35,8 @@ def sparse_attention(
     evict_at: torch.Tensor | None,
     scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention restricted to the cached tokens, in float32: ``(lse [B, H_q, S], out [B, H_q, S, D])``.
-
-    Row ``i`` sees ``{j <= i : evict_at[j] > i}`` (``evict_at`` ``[B, H_kv, S]``; ``None`` = nothing evicted).
-    """
+    """Causal attention over the cached tokens in float32, ``(lse [B, H_q, S], out [B, H_q, S, D])``: row ``i`` sees
+    ``{j <= i : evict_at[j] > i}`` (``evict_at`` ``[B, H_kv, S]``; ``None`` = nothing evicted)."""
     length = query.shape[2]
     idx = torch.arange(length, device=query.device)
 
@@ -57,11 +55,9 @@ def low_rank_parallel(
     phi_q: torch.Tensor, psi_k: torch.Tensor, value: torch.Tensor, evict_at: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``num = φ(q_i) H_i`` ``[B, H_q, n, D]`` and ``den = φ(q_i) z_iᵀ`` ``[B, H_q, n]`` for the last ``n`` rows ``i``
-    (``phi_q`` ``[B, H_q, n, R]`` holds the features of those rows' queries; ``n = S`` for every row).
-
-    ``[H_i | z_i] = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ [v_j | 1]`` (Eq. 6), built as a scatter of each token's outer
-    product to its eviction row followed by a cumulative sum over rows; differentiable in φ and ψ.
-    """
+    (``phi_q`` ``[B, H_q, n, R]``: those rows' features), with the state
+    ``[H_i | z_i] = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ [v_j | 1]`` (Eq. 6): each token's outer product scattered to its
+    eviction row, then summed over rows (differentiable in φ and ψ)."""
     batch, kv_heads, length, rank = psi_k.shape
     q_heads, rows = phi_q.shape[1:3]
     value = value.float()
@@ -90,19 +86,12 @@ def less_masked_attention(
 
 
 def eviction_times(
-    policy: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None = None,
+    policy: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None = None
 ) -> torch.Tensor:
     """Run ``policy``'s cache layer token by token over one layer's post-RoPE ``query`` ``[B, H_q, S, D]``,
     ``key``/``value`` ``[B, H_kv, S, D]`` (positions ``0..S-1``, no padding) and return ``evict_at`` ``[B, H_kv, S]``:
-    the first row whose query no longer sees each token (``S`` if kept to the end).
-
-    The statistics are those the real decode hands the policy (``attention_with_stats`` over the cached tokens plus
-    the current one), so the result equals the evictions of prefilling token 0 and decoding the rest one by one.
-    """
+    the first row whose query no longer sees each token (``S`` if kept to the end). The statistics are those the real
+    decode hands the policy, so these are the evictions of prefilling token 0 and decoding the rest one by one."""
     if policy.position_mode != "original":
         raise ValueError("the masked LESS form needs a base policy with position_mode='original'")
     batch, kv_heads, length, _ = key.shape
@@ -122,18 +111,15 @@ def eviction_times(
         layer.after_attention(stats)
         slots = torch.where(layer.token_idx >= 0, layer.token_idx, length)  # free slots land past the end
         kept = alive.new_zeros(batch, kv_heads, length + 1).scatter_(2, slots, layer.valid)[..., :length]
-        dropped = alive & ~kept
-        if bool(dropped.any()):
-            evict_at[dropped] = t + 1
-            alive &= kept
+        evict_at.masked_fill_(alive & ~kept, t + 1)
+        alive &= kept
     return evict_at
 
 
 LESS_ATTENTION = "kvcompress_less"
 
 
-# What the LESS attention function does for one forward (passed as the ``less_run`` model keyword):
-# ``run(layer_idx, query, key, value, scaling)`` -> the attention output ``[B, H_q, S, D]``.
+# The ``less_run`` model keyword: ``run(layer_idx, query, key, value, scaling)`` -> the output ``[B, H_q, S, D]``.
 AttentionRun = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
 
@@ -151,21 +137,18 @@ class CaptureRun:
 
 @dataclass
 class MaskedRun:
-    """Masked (parallel) form of a base policy, with LESS kernels or without (Baseline); ``policies=None``: full.
-
-    ``policies[idx]`` is a base ``Policy`` for layer ``idx`` (a fresh cache layer is simulated per forward);
-    ``less`` a ``LessConfig`` whose kernels are used (``None``: sparse only).
-    """
+    """Masked (parallel) form of the base ``policies`` (one per layer; ``None``: full) with the kernels of ``less``, a
+    ``LessConfig``, or without (``None``: Baseline)."""
 
     policies: Sequence[Any] | None = None
     less: Any = None
 
     def __call__(self, layer_idx, query, key, value, scaling):
-        if self.policies is None:
-            return less_masked_attention(query, key, value, None, None, scaling).to(query.dtype)
-        evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
-        shape = (query.shape[1], key.shape[1], key.shape[-1])
-        kernels = None if self.less is None else self.less.kernels_for(layer_idx, *shape)
+        evict_at = kernels = None
+        if self.policies is not None:
+            evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
+        if self.less is not None:
+            kernels = self.less.kernels_for(layer_idx, query.shape[1], key.shape[1], key.shape[-1])
         return less_masked_attention(query, key, value, evict_at, kernels, scaling).to(query.dtype)
 
 
@@ -173,8 +156,7 @@ def _less_attention(module, query, key, value, attention_mask, scaling=None, dro
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError("the masked LESS form takes unpadded windows (no attention_mask with padding)")
     run: AttentionRun = kwargs.get("less_run") or CaptureRun()
-    output = run(module.layer_idx, query, key, value, scaling)
-    return output.transpose(1, 2).contiguous(), None
+    return run(module.layer_idx, query, key, value, scaling).transpose(1, 2).contiguous(), None
 
 
 @contextmanager
@@ -201,7 +183,6 @@ def masked_run(config: Any, num_layers: int) -> MaskedRun:
     (Baseline, Baseline+), or ``full``."""
     if isinstance(config, FullConfig):
         return MaskedRun()
-    if isinstance(config, LessConfig):
-        base = config.base_config
-        return MaskedRun(policies=[base.policy(i) for i in range(num_layers)], less=config)
-    return MaskedRun(policies=[config.policy(i) for i in range(num_layers)])
+    less = config if isinstance(config, LessConfig) else None
+    base = config if less is None else less.base_config
+    return MaskedRun(policies=[base.policy(i) for i in range(num_layers)], less=less)
