@@ -105,8 +105,7 @@ InferenceWeights = namedtuple("InferenceWeights", "phi psi")
 
 
 def phi_features(query: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """φ without dropout: ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]`` for queries ``[B, H, S, D]`` and per-head
-    weights (``LayerKernels.inference_weights``)."""
+    """φ without dropout, ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]``, of queries ``[B, H, S, D]`` (per-head weights)."""
     return _heads_second(phi_head_major(query, w1, w2), query)
 
 
