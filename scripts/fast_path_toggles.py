@@ -35,7 +35,6 @@ import kvcompress.core.attention as attention
 import kvcompress.core.cache as cache
 import kvcompress.core.layer as core_layer
 import kvcompress.core.slots as slots
-import kvcompress.methods.less.folds as folds
 import kvcompress.methods.less.kernels as kernels
 import kvcompress.methods.less.layer as layer
 import kvcompress.methods.less.policy as policy
@@ -52,7 +51,7 @@ def pod_ring() -> None:
 
 
 def less_staged_folds() -> None:
-    layer.stage = lambda less_layer, *staged: folds.fold(less_layer.forward_pass, [(less_layer, *staged)])  # at once
+    layer.stage = lambda less_layer, *staged: layer.fold(less_layer.forward_pass, [(less_layer, *staged)])  # at once
 
 
 def less_slots() -> None:

@@ -25,7 +25,6 @@ from transformers import DynamicCache
 
 import kvcompress
 import kvcompress.core.attention as attention_module
-import kvcompress.methods.less.folds as folds_module
 import kvcompress.methods.less.layer as layer_module
 import kvcompress.methods.less.policy as policy_module
 from kvcompress.bench.common import random_prompt, set_threads
@@ -58,7 +57,7 @@ def wrap_parts(layers: int) -> None:
     policy_module.low_rank_slots_attention = timed("softmax over the stored keys and the state's rows", slots)
     evict = layer_module.LessLayer.before_eviction
     layer_module.LessLayer.before_eviction = timed("copy of the evicted tokens", evict)
-    folds_module.fold_staged = timed("folds (a step's, per layer)", folds_module.fold_staged, layers)
+    layer_module.fold_staged = timed("folds (a step's, per layer)", layer_module.fold_staged, layers)
     base_attention = attention_module.attention_with_stats
     attention_module.attention_with_stats = timed("softmax (H2O's own)", base_attention)
 

@@ -1,47 +1,35 @@
 """LESS, Low-rank Embedding Sidekick with Sparse policy (Dong et al., ICML 2024, arXiv:2402.09398).
 
-Idea: any eviction policy (H2O, Λ-masking = StreamingLLM sinks + recent with original positions, TOVA, ...) keeps
-deciding which tokens stay; LESS adds, per layer and KV head, a constant-size state ``H ∈ R^{R×D}``,
-``z ∈ R^R`` that absorbs every evicted key/value through a learned feature map ψ before it is freed
-(``H += ψ(k)ᵀ v``, ``z += ψ(k)``, Eqs. 4–6), and every query reads it through a second map φ: attention mixes the
-exact softmax mass of the cached tokens with ``φ(q) H / φ(q) zᵀ`` (Eq. 3), so evicted tokens still contribute a
-low-rank sketch of their attention. φ and ψ are tiny per-head MLPs trained per layer to make the attention block's
-output match the full cache (``kvcompress.train.less``). ``R = 8`` makes ``H`` as large as ``R/2 = 4`` cached tokens
-per KV head; ``baseline_plus`` gives the base policy those 4 tokens instead (the paper's Baseline+).
+Any eviction policy (H2O, Λ-masking = StreamingLLM sinks + recent with original positions, TOVA, ...) decides which
+tokens stay; LESS adds, per layer and KV head, a constant-size state ``H ∈ R^{R×D}``, ``z ∈ R^R`` that absorbs every
+evicted key/value through a learned feature map ψ before it is freed (``H += ψ(k)ᵀ v``, ``z += ψ(k)``, Eqs. 4–6);
+each query reads it through a second map φ: attention mixes the exact softmax mass of the cached tokens with
+``φ(q) H / φ(q) zᵀ`` (Eq. 3). φ and ψ are tiny per-head MLPs trained per layer to make the attention block's output
+match the full cache (``kvcompress.train.less``). ``R = 8`` makes ``H`` as large as ``R/2 = 4`` cached tokens per KV
+head; ``baseline_plus`` gives the base policy those 4 tokens instead (the paper's Baseline+).
 
-Implemented as in the paper and the authors' code: kernels in the official code's form
-(``kvcompress.methods.less.kernels``), the log-sum-exp form of Eq. 3, the state update at eviction (Eqs. 4–6,
-Algorithm 1), H2O scores from the softmax over cached tokens only (the LESS mass never enters the base policy's
-statistics), Baseline+.
+As in the paper and the authors' code: the kernels' form (``kernels``), Eq. 3 in log-sum-exp form, the state update
+at eviction (Eqs. 4–6, Algorithm 1), H2O scores from the softmax over cached tokens only (the LESS mass never enters
+the base policy's statistics), Baseline+. Choices where the paper is silent or leaves a choice:
 
-Choices where the paper is silent or leaves a choice:
-
-- GQA: ψ, ``H`` and ``z`` per KV head (so ``H`` still costs ``R/2`` tokens per KV head), φ per query head; the
-  base policy's own GQA rule decides (our H2O sums the mass over a group's query heads).
-- Prompt: the prompt attends in full (the state is empty); whatever the base policy evicts after it, and at
-  every later step, is folded into ``H, z`` before it is freed. A chunked prefill folds between chunks. Within a
-  forward the evicted keys and values are copied out at once and folded when the forward's last layer has evicted
-  (``kvcompress.methods.less.folds``): a layer's state is read only by its next attention, so this is Algorithm 1's
-  order with every layer's ψ computed in one batch.
-- Positions: keys keep the RoPE position they were written with; a base policy that re-indexes positions
-  inside the cache (``position_mode="cache"``) is refused. With the base given by name (``base="streaming"``) it is
-  built with ``position_mode="original"``: that is the paper's Λ-masking.
-- ``H, z`` are kept in float32 and counted in the cache's bytes (``H`` with the keys/values, ``z`` with the
-  metadata); with a float32 model ``H`` is exactly ``R/2`` tokens per KV head.
-- ``den = φ(q) zᵀ = 0`` means no low-rank term (not the official code's 1e-6 floor): ``den`` is floored at
-  float32's smallest normal number, which leaves an output unchanged to the last bit for any row whose
-  log-normaliser is above -70. A decoding step that sees every stored key takes Eq. 3 as one softmax over the
-  stored keys and the state's ``R`` rows (``kvcompress.methods.less.low_rank_slots``); an empty row there takes no
-  mass, and an empty state leaves the output equal to the base policy's to float rounding; the statistics are the
-  base policy's sparse softmax bit for bit, whatever the state holds. Kernels whose ψ is
-  identically zero (``init="zero"``) never fold, so LESS is then exactly its base policy; before the first
-  eviction the attention runs on the default path, statistics included.
-- Quantized storage (``kv_bits`` below 16, ``LessQuantizedLayer``): the kept tokens are stored in KIVI codes as
-  for any method, the state ``H``, ``z`` stays float32; the base policy scores, and LESS folds, the keys and
-  values attention reads (dequantized, exact in the residual window).
-- Untrained kernels (``kernels=None``) use the paper's initialisation (scalars 1e-4: LESS ≈ its base policy);
-  trained kernels are a directory written by ``python -m kvcompress.train.less`` and must match the model's shape
-  and the base method (the budget may differ: training and test sparsity are independent, Table 2).
+- GQA: ψ, ``H`` and ``z`` per KV head (``H`` still costs ``R/2`` tokens per KV head), φ per query head; the base
+  policy's own GQA rule decides (our H2O sums the mass over a group's query heads).
+- Prompt: attends in full (the state is empty); what the base policy evicts after it, between the chunks of a
+  chunked prefill and at every later step is folded into ``H, z`` before it is freed, every layer's at the end of
+  the forward (``layer``: a state is read only by its layer's next attention, so this is Algorithm 1's order).
+- Positions: keys keep the RoPE position they were written with; a base re-indexing positions in the cache
+  (``position_mode="cache"``) is refused, a base given by name is built with ``position_mode="original"`` (for
+  ``base="streaming"`` the paper's Λ-masking).
+- ``H, z`` in float32, counted in the cache's bytes (``H`` with the keys/values, ``z`` with the metadata); with a
+  float32 model ``H`` is exactly ``R/2`` tokens per KV head.
+- ``den = φ(q) zᵀ = 0`` means no low-rank term, not the official code's 1e-6 floor (``policy``); a decoding step
+  takes Eq. 3 as one softmax (``low_rank_slots``). Kernels with ψ ≡ 0 (``init="zero"``) never fold: LESS is then
+  exactly its base policy, as it is before the first eviction.
+- Quantized storage (``kv_bits`` below 16): the kept tokens in KIVI codes, ``H, z`` in float32; the base policy
+  scores, and LESS folds, what attention reads (``LessQuantizedLayer``).
+- Untrained kernels (``kernels=None``): the paper's initialisation (scalars 1e-4: LESS ≈ its base policy); trained
+  kernels are a directory written by ``python -m kvcompress.train.less``, matching the model's shape and the base
+  method (not the budget: training and test sparsity are independent, Table 2).
 - Budgets are tokens per layer and KV head, as for every method here (the paper's "5 %" is of the model's maximum
   context; our CPU experiments use a share of the evaluation window).
 """
@@ -131,9 +119,7 @@ class LessConfig(MethodConfig):
         """The evicting method's config (built from ``base``/``budget`` when ``base`` is a name)."""
         if isinstance(self.base, MethodConfig):
             return self.base
-        params: dict[str, object] = {}
-        if self.budget is not None:
-            params["budget"] = self.budget
+        params: dict[str, object] = {} if self.budget is None else {"budget": self.budget}
         if "position_mode" in {f.name for f in dataclasses.fields(METHODS[self.base])}:
             params["position_mode"] = "original"
         return make_config(self.base, **params)
@@ -144,14 +130,8 @@ class LessConfig(MethodConfig):
         if self.kernels is None:
             return None
         loaded = self.kernels if isinstance(self.kernels, LessKernels) else load_kernels_once(self.kernels)
-        loaded.check_base({"name": self.base_config.name})
+        loaded.check_base(self.base_config.name)
         return loaded
-
-    @property
-    def state_rank(self) -> int:
-        """R of the state ``H`` (from the trained kernels when given)."""
-        kernels = self.kernel_set
-        return self.rank if kernels is None else kernels.rank
 
     def kernels_for(self, layer_idx: int, q_heads: int, kv_heads: int, head_dim: int) -> LayerKernels:
         """Layer ``layer_idx``'s kernels (eval mode), checked against the model's head shape: the trained ones, or
@@ -164,7 +144,12 @@ class LessConfig(MethodConfig):
                     "they belong to another model"
                 )
             layer = kernels.layers[layer_idx]
-            layer.check_shape(q_heads, kv_heads, head_dim, layer_idx)
+            if (q_heads, kv_heads, head_dim) != (layer.q_heads, layer.kv_heads, layer.head_dim):
+                raise ValueError(
+                    f"LESS kernels of layer {layer_idx} were made for {layer.q_heads} query heads, {layer.kv_heads} "
+                    f"KV heads and head_dim {layer.head_dim}, but the model has {q_heads}, {kv_heads} and {head_dim}: "
+                    "they belong to another model (train kernels for this one with `python -m kvcompress.train.less`)"
+                )
             return layer
         if self.init == "zero":
             return zero_kernels(q_heads, kv_heads, head_dim, self.rank, self.hidden)

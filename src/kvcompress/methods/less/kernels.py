@@ -1,18 +1,10 @@
-"""LESS kernels (φ, ψ): the modules, their files, and the kernels shipped with the package.
+"""LESS kernels (φ, ψ; ``kvcompress.methods.less.config``): the modules, their files, the kernel sets shipped.
 
-Paper: Dong et al., 2024, "Get More with LESS: Synthesizing Recurrence with KV Cache Compression for Efficient LLM
-Inference" (arXiv:2402.09398). The method itself is ``kvcompress.methods.less.config``; its policy and cache layer
-are ``policy`` and ``layer`` beside this module, the parallel (masked) form used by training is ``masked``.
-
-What lives here:
-
-- ``LayerKernels``: one layer's φ (per query head) and ψ (per KV head) in the official code's form:
-  ``φ(q) = |GELU(GELU(Dropout(q W1)) W2)|``, ``u = |s1| ⊙ GELU(GELU(Dropout(k W1)) W2)``,
-  ``ψ(k) = |u + (u W3) ⊙ s2|``; no biases, Xavier-uniform weights, ``s1 = s2 = 1e-4`` (the warm start),
-  dropout 0.3 in training only. GQA: ψ, and so the state ``H``, ``z``, are per KV head; φ is per query head.
-- ``LessKernels``: the kernels of every layer plus metadata (model shape, base policy, training settings), saved as
-  a directory with ``meta.json`` and one ``layer_XXX.pt`` per layer (training writes them one by one) and loaded
-  with ``load_kernels``, which raises a clear error when they do not fit the model or the base policy.
+``LayerKernels`` holds one layer's φ (per query head) and ψ (per KV head, like the state ``H``, ``z``) in the official
+code's form: ``φ(q) = |GELU(GELU(Dropout(q W1)) W2)|``, ``u = |s1| ⊙ GELU(GELU(Dropout(k W1)) W2)``,
+``ψ(k) = |u + (u W3) ⊙ s2|``; no biases, Xavier-uniform weights, ``s1 = s2 = 1e-4`` (the warm start), dropout 0.3 in
+training only. ``LessKernels`` is every layer's plus metadata (model shape, base policy, training), saved as a
+directory of ``meta.json`` and one ``layer_XXX.pt`` per layer (training writes them one by one).
 """
 
 from __future__ import annotations
@@ -20,17 +12,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import namedtuple
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcompress.files import damaged, load_json, load_tensors, require_keys
+from kvcompress.files import damaged, load_json, load_tensors, require_keys, shipped_folder
 
 KERNEL_FORMAT = 1
 SHAPE = ("q_heads", "kv_heads", "head_dim", "rank", "hidden")  # a layer's shape, as its file and meta.json record it
@@ -45,16 +37,6 @@ KERNEL_REMEDY = (
 def layer_file(directory: str | os.PathLike[str], layer: int) -> Path:
     """Path of one layer's kernel file inside a kernel directory."""
     return Path(directory) / f"layer_{layer:03d}.pt"
-
-
-# ----------------------------------------------------------------------------------------------------- kernels
-
-
-def _xavier_(weight: torch.Tensor, generator: torch.Generator | None) -> None:
-    """Xavier-uniform per head: ``U(-a, a)``, ``a = sqrt(6 / (fan_in + fan_out))`` of one ``[in, out]`` slice."""
-    bound = math.sqrt(6.0 / (weight.shape[-2] + weight.shape[-1]))
-    with torch.no_grad():
-        weight.uniform_(-bound, bound, generator=generator)
 
 
 class LayerKernels(nn.Module):
@@ -82,29 +64,28 @@ class LayerKernels(nn.Module):
         self.psi_s1 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init), **cpu))  # code: scalingD
         self.psi_s2 = nn.Parameter(torch.full((kv_heads, 1, rank), float(scalar_init), **cpu))  # code: scalingD2
         self.dropout = nn.Dropout(dropout)
-        for weight in (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2, self.psi_w3):
-            _xavier_(weight, generator)
+        for weight in (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2, self.psi_w3):  # Xavier-uniform per head
+            bound = math.sqrt(6.0 / (weight.shape[-2] + weight.shape[-1]))  # fan_in + fan_out of one [in, out] slice
+            nn.init.uniform_(weight, -bound, bound, generator=generator)
 
     def phi(self, query: torch.Tensor) -> torch.Tensor:
         """Query features ``[B, H_q, S, R]`` (non-negative) of post-RoPE queries ``[B, H_q, S, D]``."""
         if not self.training:
             return phi_features(query, *self.inference_weights().phi)
-        hidden = F.gelu(self.dropout(query.float() @ self.phi_w1))
-        return F.gelu(hidden @ self.phi_w2).abs()
+        return F.gelu(F.gelu(self.dropout(query.float() @ self.phi_w1)) @ self.phi_w2).abs()
 
     def psi(self, key: torch.Tensor) -> torch.Tensor:
         """Key features ``[B, H_kv, S, R]`` (non-negative) of post-RoPE keys ``[B, H_kv, S, D]``."""
         if not self.training:
             return psi_features(key, *self.inference_weights().psi)
-        hidden = F.gelu(self.dropout(key.float() @ self.psi_w1))
-        return (F.gelu(hidden @ self.psi_w2) @ self.psi_mix()).abs()
+        return (F.gelu(F.gelu(self.dropout(key.float() @ self.psi_w1)) @ self.psi_w2) @ self.psi_mix()).abs()
 
     @torch.no_grad()
     def inference_weights(self) -> InferenceWeights:
         """The weights as ``phi_features`` and ``psi_features`` take them (detached; made once by a cache, whose
         kernels are frozen while it uses them)."""
-        weights = (self.phi_w1, self.phi_w2, self.psi_w1, self.psi_w2)
-        return InferenceWeights(*(weight.detach() for weight in weights), self.psi_mix())
+        phi, psi = (self.phi_w1.detach(), self.phi_w2.detach()), (self.psi_w1.detach(), self.psi_w2.detach())
+        return InferenceWeights(phi, (*psi, self.psi_mix()))
 
     def psi_mix(self) -> torch.Tensor:
         """``[H_kv, R, R]``: ψ's last steps as one matrix. With ``g = GELU(h W2)``, ``u = |s1| ⊙ g`` and
@@ -118,37 +99,13 @@ class LayerKernels(nn.Module):
         """Whether ψ is identically zero because ``psi_mix`` is (``zero_kernels``); one host read."""
         return not bool(self.psi_mix().any())
 
-    def check_shape(self, q_heads: int, kv_heads: int, head_dim: int, layer_idx: int) -> None:
-        if (q_heads, kv_heads, head_dim) != (self.q_heads, self.kv_heads, self.head_dim):
-            raise ValueError(
-                f"LESS kernels of layer {layer_idx} were made for {self.q_heads} query heads, {self.kv_heads} KV heads "
-                f"and head_dim {self.head_dim}, but the model has {q_heads}, {kv_heads} and {head_dim}: "
-                "they belong to another model (train kernels for this one with `python -m kvcompress.train.less`)"
-            )
 
-
-class InferenceWeights(NamedTuple):
-    """One layer's kernels in the form inference takes them: the per-head weights as trained, ψ's last steps as one
-    matrix ``M`` (``LayerKernels.psi_mix``)."""
-
-    phi_w1: torch.Tensor
-    phi_w2: torch.Tensor
-    psi_w1: torch.Tensor
-    psi_w2: torch.Tensor
-    psi_mix: torch.Tensor
-
-    @property
-    def phi(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.phi_w1, self.phi_w2
-
-    @property
-    def psi(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.psi_w1, self.psi_w2, self.psi_mix
+# One layer's kernels as inference takes them: φ's ``(W1, W2)`` and ψ's ``(W1, W2, M)`` (``psi_mix``).
+InferenceWeights = namedtuple("InferenceWeights", "phi psi")
 
 
 def phi_features(query: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """φ without dropout: ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]`` for queries ``[B, H, S, D]`` and per-head
-    weights (``LayerKernels.inference_weights``)."""
+    """φ without dropout, ``|GELU(GELU(q W1) W2)|`` ``[B, H, S, R]``, of queries ``[B, H, S, D]`` (per-head weights)."""
     return _heads_second(phi_head_major(query, w1, w2), query)
 
 
@@ -164,12 +121,11 @@ def psi_features(key: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mix: tor
 
 
 def head_major_mlp(inputs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head weights ``w1``
-    ``[H, D, hidden]`` and ``w2`` ``[H, hidden, R]``: the heads made the batch of two 3D matmuls (a broadcast 4D
-    matmul costs more than its arithmetic when decoding). With one row per head (a decoding step) the first product
-    reads all of W1 for a few hundred outputs: on a CPU the row-times-matrix ``x W1`` runs it in about two thirds
-    of the time of the matrix-vector ``W1ᵀ xᵀ`` (MKL, one thread, W1 in the cache or not), so W1 is taken as
-    trained. The GELUs run on PyTorch's own CPU kernel (``_gelu``)."""
+    """``GELU(GELU(x W1) W2)`` ``[H, B S, R]`` of ``inputs`` ``[B, H, S, D]`` with per-head ``w1`` ``[H, D, hidden]``
+    and ``w2`` ``[H, hidden, R]``: two 3D matmuls batched over the heads (a broadcast 4D matmul costs more than its
+    arithmetic when decoding). On a CPU a decoding step's row-times-matrix ``x W1`` (one row per head) takes about two
+    thirds of the time of ``W1ᵀ xᵀ`` (MKL, one thread, W1 in the cache or not), so W1 is taken as trained. The GELUs
+    run on PyTorch's own CPU kernel (``_gelu``)."""
     batch, heads, length, dim = inputs.shape
     rows = inputs.float().transpose(0, 1).reshape(heads, batch * length, dim)  # a view for one sequence
     return _gelu(torch.bmm(_gelu(torch.bmm(rows, w1)), w2))
@@ -195,37 +151,22 @@ class LessKernels:
     layers: list[LayerKernels]
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def rank(self) -> int:
-        return self.layers[0].rank
-
-    @property
-    def hidden(self) -> int:
-        return self.layers[0].hidden
-
-    def eval(self) -> LessKernels:
-        for layer in self.layers:
-            layer.eval()
-        return self
-
-    def check_base(self, base: dict[str, Any]) -> None:
-        """Raise if these kernels were trained with another eviction method than ``base`` (``{"name", ...}``)."""
+    def check_base(self, name: str) -> None:
+        """Raise if these kernels were trained with another eviction method than ``name``."""
         trained = self.meta.get("base")
-        if trained is None:
-            return
-        if trained.get("name") != base.get("name"):
+        if trained is not None and trained.get("name") != name:
             raise ValueError(
-                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with "
-                f"{base.get('name')!r}; the low-rank state must learn what that policy evicts (train kernels for "
-                f"{base.get('name')!r} with `python -m kvcompress.train.less --base {base.get('name')}`)"
+                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with {name!r}; the "
+                f"low-rank state must learn what that policy evicts (train kernels for {name!r} with "
+                f"`python -m kvcompress.train.less --base {name}`)"
             )
 
     def save(self, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Path:
         """Write ``meta.json`` and one file per layer (``dtype=torch.float16`` halves the size)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        meta = dict(self.meta)
-        meta.update(format=KERNEL_FORMAT, num_layers=len(self.layers), rank=self.rank, hidden=self.hidden)
+        first = self.layers[0]
+        meta = dict(self.meta, format=KERNEL_FORMAT, num_layers=len(self.layers), rank=first.rank, hidden=first.hidden)
         _write_json(directory / META_FILE, meta)
         for index, layer in enumerate(self.layers):
             save_layer(directory, index, layer, dtype=dtype)
@@ -243,8 +184,7 @@ def save_layer(
     path = layer_file(directory, index)
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in layer.state_dict().items()}
     shape = {name: getattr(layer, name) for name in SHAPE}
-    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state}
-    payload.update(extra or {})
+    payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state, **(extra or {})}
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -278,11 +218,10 @@ def load_layer(directory: str | os.PathLike[str], index: int) -> tuple[LayerKern
         layer.load_state_dict({name: tensor.float() for name, tensor in payload["state_dict"].items()})
     except (TypeError, RuntimeError, AttributeError, ValueError) as error:
         raise damaged(path, KERNEL_FILE, KERNEL_REMEDY, error) from None
-    layer.eval()
-    return layer, {k: v for k, v in payload.items() if k != "state_dict"}
+    return layer.eval(), {k: v for k, v in payload.items() if k != "state_dict"}
 
 
-SHIPPED = Path(str(resources.files("kvcompress") / "data" / "less"))  # kernels that come with the package
+SHIPPED = shipped_folder("less")  # kernels that come with the package
 
 
 def shipped_kernels() -> list[str]:
@@ -317,34 +256,28 @@ def load_kernels(directory: str | os.PathLike[str], allow_missing: bool = False)
             f"LESS kernels in {str(directory)!r} are incomplete: layers {missing} are not trained yet "
             "(resume the training with the same command; it continues with the missing layers)"
         )
-    layers = []
-    for index in range(count):
-        if index in missing:
-            layers.append(zero_kernels(**{name: meta[name] for name in SHAPE}))
-        else:
-            layers.append(load_layer(directory, index)[0])
-    meta = dict(meta, missing_layers=missing)
-    return LessKernels(layers=layers, meta=meta)
+    layers = [
+        zero_kernels(**{name: meta[name] for name in SHAPE}) if index in missing else load_layer(directory, index)[0]
+        for index in range(count)
+    ]
+    return LessKernels(layers=layers, meta=dict(meta, missing_layers=missing))
 
 
 def load_kernels_once(directory: str | os.PathLike[str]) -> LessKernels:
-    """``load_kernels`` in eval mode, read once per process for a directory's current files (inference only:
-    every cache built from the same directory shares these read-only modules)."""
+    """``load_kernels``, read once per process for a directory's current files (inference only: every cache built
+    from the same directory shares these read-only modules)."""
     path = resolve_kernels(directory)
     return _load_kernels_at(str(path), (path / META_FILE).stat().st_mtime_ns)
 
 
 @lru_cache(maxsize=4)
 def _load_kernels_at(path: str, mtime_ns: int) -> LessKernels:
-    return load_kernels(path).eval()
+    return load_kernels(path)
 
 
 def zero_kernels(q_heads: int, kv_heads: int, head_dim: int, rank: int = 8, hidden: int = 128) -> LayerKernels:
-    """Kernels with ``s1 = 0``, so ψ ≡ 0: the state stays empty and LESS is exactly its base policy."""
-    layer = LayerKernels(q_heads, kv_heads, head_dim, rank, hidden)
-    with torch.no_grad():
-        layer.psi_s1.zero_()
-    return layer.eval()
+    """Kernels with ``s1 = s2 = 0``, so ψ ≡ 0: the state stays empty and LESS is exactly its base policy."""
+    return LayerKernels(q_heads, kv_heads, head_dim, rank, hidden, scalar_init=0.0).eval()
 
 
 def init_kernels(

@@ -1,17 +1,14 @@
 """The LESS cache layer: a ``CompressedLayer`` that folds every token it evicts into a low-rank state first.
 
-Per sequence and KV head it keeps ``H`` ``[B, H_kv, R, D]`` and ``z`` ``[B, H_kv, R]`` (float32) side by side in one
-buffer ``low_rank`` ``[B, H_kv, R, D + 1]`` (``low_rank_h`` and ``low_rank_z`` are its views), so folding a token in
-(``[H | z] += ψ(k)ᵀ [v | 1]``, Eqs. 4–5) and reading the state (``φ(q) [H | z]``) are one matmul each.
-``before_eviction`` copies out the real tokens being evicted, then the layer frees their slots as usual; the tokens
-are folded at the end of the forward together with the other layers' (``kvcompress.methods.less.folds``), or at
-once for a layer outside a cache. The policy (``kvcompress.methods.less.policy``) reads the state in its attention
-term; a decoding step reads it as ``z`` and ``ratio`` = ``H / z`` (``kvcompress.methods.less.low_rank_slots``).
-
-With ``kv_bits`` below 16 the stored keys and values are quantized (``LessQuantizedLayer``: the quantized slot layer
-``core.quantized_layer`` with the same state): the base policy selects on what attention reads (the dequantized keys
-and values, exact in the residual window), and what is folded into ``H``, ``z`` is what attention read of the
-evicted tokens. The state itself stays float32 (it is ``R / 2`` tokens per KV head, not quantized).
+Per sequence and KV head it keeps ``H`` ``[B, H_kv, R, D]`` and ``z`` ``[B, H_kv, R]`` in float32 (under quantized
+storage too: ``LessQuantizedLayer``) side by side in one buffer, so folding tokens in (``[H | z] += ψ(k)ᵀ [v | 1]``,
+Eqs. 4–5) and reading the state (``φ(q) [H | z]``) are one matmul each. ``before_eviction`` copies out the real
+tokens being evicted before their slots are freed. A fold is a dozen small operations per layer (ψ is a two-layer
+MLP), each costing far more than its arithmetic on a decoding step; a state is read only by its layer's next
+attention, so the layers stage their evicted keys and values (``stage``) and the forward folds them all when it
+closes: ψ as one batched MLP over every layer's victims (the ψ weights views of one buffer), one outer product, one
+addition and one ratio ``H / z`` (states and ratios views of one buffer where their shapes agree). Whatever reads a
+state first folds what is staged (``settle``), so only the order of additions changes.
 """
 
 from __future__ import annotations
@@ -21,10 +18,11 @@ import dataclasses
 import torch
 
 from kvcompress.core.contract import StatsRequest
+from kvcompress.core.forward import agree
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
-from kvcompress.methods.less.folds import settle, stage
+from kvcompress.methods.less.kernels import psi_features
 from kvcompress.methods.less.low_rank_slots import state_ratio
 
 
@@ -33,12 +31,11 @@ class LessLayer(CompressedLayer):
 
     def __init__(self, policy, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__(policy, inv_freq)
-        # [H | z] and H / z as stored (the ratio None: to be computed), without what is staged; ``folds`` adds to
-        # the state and may replace both by views of the cache's stacked states and ratios
+        # [H | z] and H / z (None: to be computed) without what is staged; the folds may make them stacked views
         self.stored_low_rank: torch.Tensor | None = None
         self.stored_ratio: torch.Tensor | None = None
         self.folded = False  # something was evicted (and folded, or staged to be) since the last reset
-        self.staged = False  # evicted tokens wait to be folded at the end of the forward (``folds``)
+        self.staged = False  # evicted tokens wait to be folded at the end of the forward (``stage``)
 
     @property
     def low_rank(self) -> torch.Tensor | None:
@@ -48,9 +45,8 @@ class LessLayer(CompressedLayer):
 
     @property
     def ratio(self) -> torch.Tensor | None:
-        """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``): each row of the state as one value vector
-        (``kvcompress.methods.less.low_rank_slots``). The forward's folds write every layer's at once. A working copy
-        the size of ``H``, derived from it: not counted again in ``kv_nbytes``."""
+        """``H / z`` ``[B, H_kv, R, D]`` (0 where ``z = 0``), as a decoding step reads the state (``low_rank_slots``):
+        a working copy derived from ``H``, not counted again in ``kv_nbytes``."""
         low_rank = self.low_rank
         if self.stored_ratio is None and low_rank is not None:
             self.stored_ratio = state_ratio(low_rank)
@@ -69,16 +65,15 @@ class LessLayer(CompressedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         batch, heads, _, dim = value_states.shape
-        rank = self.policy.config.state_rank
+        kernels = self.policy.config.kernel_set  # R: the trained kernels', else the config's
+        rank = self.policy.config.rank if kernels is None else kernels.layers[0].rank
         self.stored_low_rank = torch.zeros(batch, heads, rank, dim + 1, dtype=torch.float32, device=self.device)
-        self.stored_ratio = None
 
     @without_grad
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ v`` and ``ψ(k)`` of the real tokens about to be evicted to ``H`` and ``z`` (Eqs. 4–5):
         the ``victims`` ``[B, H_kv, e]`` slots, or the ``dropped`` ``[B, H_kv, W]`` ones."""
-        kernels = self.policy.kernels
-        if kernels is None:  # evicting before any attention (not reached through the attention function)
+        if self.policy.kernels is None:  # evicting before any attention (not reached through the attention function)
             raise RuntimeError("LESS kernels are set at the layer's first attention; evict only after attention")
         if self.policy.inert:  # ψ ≡ 0: nothing to fold, the state stays empty
             return
@@ -92,14 +87,13 @@ class LessLayer(CompressedLayer):
             weight = evicted.gather(-1, victims)
         else:
             weight = None if self.all_valid else self.valid.gather(-1, victims)  # padding and free slots fold nothing
-        keys, values = self.read_slots(victims)
         self.folded = True
-        stage(self, keys, values, weight)  # folded with the other layers' at the end of the forward, or now
+        stage(self, *self.read_slots(victims), weight)  # folded with the other layers' at the forward's end, or now
 
     def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H_kv, e, D]`` of the slots ``index`` ``[B, H_kv, e]`` as attention reads them."""
-        keys, values = self.keys, self.values
-        return _take(keys, index), _take(values, index)
+        pair = self.keys, self.values
+        return tuple(tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1])) for tensor in pair)
 
     def reset(self) -> None:
         settle(self)
@@ -110,46 +104,40 @@ class LessLayer(CompressedLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.is_initialized:
-            indices = indices.to(self.device)
-            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices), None
+            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices.to(self.device)), None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
             self.stored_low_rank, self.stored_ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
 
+    def state_nbytes(self, part: slice | int) -> int:
+        """Bytes of the state's ``H`` (``part = slice(-1)``) or ``z`` (``-1``), 0 before the first tokens: ``H`` counts
+        with the keys and values (it stands in for the evicted ones), ``z`` with the metadata."""
+        state = self.stored_low_rank
+        return 0 if state is None else state[..., part].numel() * state.element_size()
+
     def kv_nbytes(self) -> int:
-        """Stored keys and values plus the state ``H`` (it stands in for the evicted keys and values)."""
-        if not self.is_initialized:
-            return 0
-        return super().kv_nbytes() + self.stored_low_rank[..., :-1].numel() * self.stored_low_rank.element_size()
+        return super().kv_nbytes() + self.state_nbytes(slice(-1))
 
     def metadata_nbytes(self) -> int:
-        """Positions and statistics plus the normaliser ``z``."""
-        if not self.is_initialized:
-            return 0
-        return super().metadata_nbytes() + self.stored_low_rank[..., -1].numel() * self.stored_low_rank.element_size()
+        return super().metadata_nbytes() + self.state_nbytes(-1)
 
     def allocated_nbytes(self) -> int:
-        """The key and value buffers as allocated plus the state ``H`` (held whole, as stored)."""
-        return super().allocated_nbytes() + self.kv_nbytes() - super().kv_nbytes()
+        return super().allocated_nbytes() + self.state_nbytes(slice(-1))
 
     def allocated_metadata_nbytes(self) -> int:
-        return super().allocated_metadata_nbytes() + self.metadata_nbytes() - super().metadata_nbytes()
+        return super().allocated_metadata_nbytes() + self.state_nbytes(-1)
 
 
 class LessQuantizedLayer(LessLayer, QuantizedLayer):
-    """LESS over quantized slots (``kv_bits`` below 16): the stored tokens in KIVI codes, the state ``H``, ``z`` in
-    float32; ``nbytes()`` counts the codes, their scales and minima, the residual window's exact tokens and ``H``.
+    """LESS over quantized slots (``kv_bits`` below 16): the stored tokens in KIVI codes, ``H``, ``z`` in float32.
 
-    A forward with no gradient reads the codes (``core.quantized_attention``, as the quantized slot layer does for
-    the default attention): the sparse part's output and log-normaliser from the codes, then Eq. 3 in its
-    log-sum-exp form (``LessPolicy.with_low_rank``) once something is folded, so no dequantized copy of the layer
-    is built. A decoding step thus mixes the state in by its log-normaliser instead of the 16-bit layer's one
-    softmax over the stored keys and the state's rows (``low_rank_slots``): the same Eq. 3, equal to float
-    rounding. The evicted tokens are read from the codes too (``QuantizedSlotBuffers.read_at``: what attention
-    read of them, bit for bit). A forward recorded for a backward pass attends over the dequantized view as the
-    16-bit layer does."""
+    A forward with no gradient reads the codes (``core.quantized_attention``): the sparse part's output and
+    log-normaliser, then Eq. 3 in log-sum-exp form (``LessPolicy.with_low_rank``), so a decoding step mixes the state
+    in by the log-normaliser, not by the 16-bit layer's one softmax (``low_rank_slots``): equal to float rounding. The
+    evicted tokens are read from the codes too (``QuantizedSlotBuffers.read_at``: what attention read, bit for bit).
+    A forward recorded for a backward pass attends over the dequantized view as the 16-bit layer does."""
 
     def codes_readable(self) -> bool:
         return not torch.is_grad_enabled() and self.policy.position_mode != "cache"
@@ -158,8 +146,7 @@ class LessQuantizedLayer(LessLayer, QuantizedLayer):
         if not self._reads_codes:
             return super().attend(query, key, value, mask, scaling)
         policy = self.policy
-        if policy.kernels is None:  # set at the first attention
-            policy.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        policy.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
         request = policy.stats if policy.wants_stats(self) else StatsRequest()
         if not self.folded:  # nothing folded yet: exactly the base policy's attention
             return self.attend_codes(query, mask, scaling, request)
@@ -169,6 +156,95 @@ class LessQuantizedLayer(LessLayer, QuantizedLayer):
     read_slots = QuantizedLayer.read_slots
 
 
-def _take(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``tensor`` ``[B, H, C, D]`` at the slots ``index`` ``[B, H, n]``."""
-    return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))
+FOLDS = "less-folds"  # the forward's job and its staged folds
+
+
+def stage(layer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None) -> None:
+    """Leave ``layer``'s fold of its evicted ``keys``/``values`` ``[B, H_kv, e, D]`` (``weight`` ``[B, H_kv, e]``: 0
+    where no token, ``None``: all real) to the end of an open forward of several layers, else fold them now."""
+    forward = layer.forward_pass
+    if not (forward.shared and forward.is_open):
+        fold(forward, [(layer, keys, values, weight)])
+        return
+    forward.cached(FOLDS, list).append((layer, keys, values, weight))
+    layer.staged = True
+    forward.at_end(FOLDS, lambda: fold_staged(forward))
+
+
+def settle(layer) -> None:
+    """Fold what is staged if some of it is ``layer``'s (about to be read); the others' folds come with it."""
+    if layer.staged:
+        layer.forward_pass.run_now(FOLDS)
+
+
+@without_grad
+def fold_staged(forward) -> None:
+    """Fold everything staged in ``forward``: together where the shapes agree (a decoding step), else one by one."""
+    waiting = forward.cached(FOLDS, list)
+    staged = list(waiting)
+    waiting.clear()
+    for layer, *_ in staged:
+        layer.staged = False
+    if len({(keys.shape, weight is None) for _, keys, _, weight in staged}) == 1:
+        fold(forward, staged)
+    else:
+        for item in staged:
+            fold(forward, [item])
+
+
+def fold(forward, staged: list) -> None:
+    """Add ``ψ(k)ᵀ [v | 1]`` of each ``(layer, keys, values, weight)`` in ``staged`` (as ``stage`` takes them, all of
+    one shape) to the layer's state."""
+    layers, keys, values, weights = zip(*staged, strict=True)
+    psi = _stacked_psi(forward, layers) if len(layers) > 1 else layers[0].policy.weights.psi
+    features = psi_features(_joined(keys), *psi)  # keys [B, n * H_kv, e, D]
+    if weights[0] is not None:
+        features = features * _joined(weights)[..., None]
+    _add(forward, layers, outer_update(features, _joined(values)))
+
+
+def _joined(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
+
+
+def _add(forward, layers: tuple, update: torch.Tensor) -> None:
+    """Add ``update`` ``[B, n * H_kv, R, D + 1]`` to the states of ``layers``: one addition and one ratio for the
+    whole cache where every layer folded and the states are stacked (a decoding step), else one per layer."""
+    every = len(layers) == len(forward.layers) and all(a is b for a, b in zip(layers, forward.layers, strict=True))
+    states = [layer.stored_low_rank for layer in layers] if every else []
+    if every and all(state is not None for state in states) and agree(states):
+        state, views = forward.stacked("less-state", states, dim=1)
+        ratios = [
+            state_ratio(own) if layer.stored_ratio is None else layer.stored_ratio
+            for layer, own in zip(layers, states, strict=True)
+        ]
+        ratio, ratio_views = forward.stacked("less-ratio", ratios, dim=1)
+        state.add_(update)
+        state_ratio(state, out=ratio)
+        for layer, view, ratio_view in zip(layers, views, ratio_views, strict=True):
+            layer.stored_low_rank, layer.stored_ratio = view, ratio_view
+        return
+    heads = update.shape[1] // len(layers)
+    for i, layer in enumerate(layers):
+        layer.stored_low_rank.add_(update[:, i * heads : (i + 1) * heads])
+        layer.stored_ratio = None
+
+
+def _stacked_psi(forward, layers: tuple) -> tuple[torch.Tensor, ...]:
+    """ψ's weights of ``layers`` stacked along the heads: the policies hold views of them (kernels are frozen)."""
+    policies = [layer.policy for layer in layers]
+    columns = zip(*(policy.weights.psi for policy in policies), strict=True)
+    stacked = [forward.stacked(f"less-psi-{i}", list(column)) for i, column in enumerate(columns)]
+    for index, policy in enumerate(policies):
+        own = policy.weights.psi
+        if any(own[i] is not views[index] for i, (_, views) in enumerate(stacked)):
+            policy.weights = policy.weights._replace(psi=tuple(views[index] for _, views in stacked))
+    return tuple(buffer for buffer, _ in stacked)
+
+
+def outer_update(features: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``ψ(k)ᵀ [v | 1]`` ``[B, H, R, D + 1]`` summed over the tokens of ``features`` ``[B, H, e, R]`` and
+    ``values`` ``[B, H, e, D]``: what the tokens add to ``[H | z]``."""
+    values = values.float()
+    ones = values.new_ones(*values.shape[:-1], 1)
+    return features.transpose(-1, -2) @ torch.cat([values, ones], dim=-1)

@@ -1,17 +1,13 @@
 """A decoding step's attention with LESS's state as ``R`` more slots of one softmax.
 
 Eq. 3 for one query, ``(Σ_i e^{s_i} v_i + φ(q) H) / (Σ_i e^{s_i} + φ(q) zᵀ)``, splits the state by its rows:
-``φ(q) H = Σ_r φ_r z_r (H_r / z_r)`` and ``φ(q) zᵀ = Σ_r φ_r z_r``. So it is one softmax over the stored keys'
-logits ``s_i`` and ``R`` more logits ``log(φ_r z_r)``, whose values are ``H_r / z_r`` (the ψ_r-weighted mean of
-the evicted values; ``LessLayer.ratio``): the softmax's own max keeps it safe for any logit size, and no
-log-normaliser or mix is computed. The base policy's statistics are the sparse softmax over the stored keys alone,
-from the same logits its own decoding step computes (``kvcompress.core.softmax``): bit for bit what the base policy
-would see, whatever the state holds (LESS's mass stays out of the policy's scores).
-
-Choices: where ``z_r = 0`` the slot's logit is ``-inf`` and its value 0 (``z`` floored at float32's smallest
-normal number in the ratio), so it takes no mass. With an empty state the output equals the base policy's to float
-rounding, not bit for bit (its softmax runs over ``R`` more entries); kernels whose ψ is identically zero never fold
-(``LessPolicy.inert``), so they give the base policy's output bit for bit.
+``φ(q) H = Σ_r φ_r z_r (H_r / z_r)`` and ``φ(q) zᵀ = Σ_r φ_r z_r``. So it is one softmax over the stored keys' logits
+``s_i`` and ``R`` more logits ``log(φ_r z_r)`` whose values are ``H_r / z_r`` (``LessLayer.ratio``): the softmax's
+max keeps it safe for any logit size, with no log-normaliser or mix. The base policy's statistics are the softmax
+over the stored keys alone, from the logits its own decoding step computes: bit for bit what it would see. Choices:
+where ``z_r = 0`` the slot's logit is ``-inf`` and its value 0 (``z`` floored at float32's smallest normal number in
+the ratio), so it takes no mass. An empty state gives the base policy's output to float rounding (the softmax runs
+over ``R`` more entries); kernels whose ψ is identically zero never fold (``LessPolicy.inert``): bit for bit.
 """
 
 from __future__ import annotations
@@ -32,13 +28,10 @@ def low_rank_slots_attention(
     ratio: torch.Tensor,
     request: StatsRequest,
 ) -> tuple[torch.Tensor, AttentionStats]:
-    """Eq. 3 for one query per row that sees every stored key, and the base policy's ``request``ed statistics.
-
-    ``query`` ``[B, H_q, 1, D]``, ``key``/``value`` ``[B, H_kv, L, D]`` (the stored slots, all visible),
-    ``features`` ``[H_q, B, R]`` = ``φ(q)`` heads first (as ``phi_head_major`` makes it), ``z`` ``[B, H_kv, R]`` and
-    ``ratio`` ``[B, H_kv, R, D]`` = ``H / z`` of the layer's state. Returns the output ``[B, H_q, 1, D]`` in the
-    query's dtype.
-    """
+    """Eq. 3 for one query per row that sees every stored key, and the base policy's ``request``ed statistics:
+    ``query`` ``[B, H_q, 1, D]``, ``key``/``value`` ``[B, H_kv, L, D]``, ``features`` ``[H_q, B, R]`` = ``φ(q)`` heads
+    first (``phi_head_major``), the state's ``z`` ``[B, H_kv, R]`` and ``ratio`` ``[B, H_kv, R, D]`` = ``H / z``; the
+    output ``[B, H_q, 1, D]`` in the query's dtype."""
     batch, q_heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     rows = batch * kv_heads

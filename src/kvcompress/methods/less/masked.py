@@ -1,16 +1,11 @@
 """The parallel ("masked") form of LESS, used to train the kernels and to check them against real decoding.
 
-The parallel form. Eviction in a real cache is permanent, so a token's fate is one number:
-``evict_at[j]``, the first query row that no longer sees token ``j`` in the sparse cache (``S`` if never). Row
-``i`` attends exactly to ``{j <= i : evict_at[j] > i}`` and its state holds ``{j : evict_at[j] <= i}``; so
-``H_i`` is a cumulative sum of ``ψ(k_j)ᵀ v_j`` ordered by eviction row (``O(S R D)``, no ``S x S`` low-rank
-matrix), which equals the paper's masked form (§3.2: low-rank scores ``φ(Q)ψ(K)ᵀ`` on the evicted entries).
-``eviction_times`` finds ``evict_at`` by running the base policy's own cache layer token by token on the layer's
-queries and keys, with the statistics the real decode computes (softmax over the cached tokens only, the generation
-rule). So the masked form equals prefilling one token and decoding the rest through the real cache, for any
-evicting method, and training sees exactly the masks decoding will produce.
-- ``masked_forward``: logits of a whole window with every layer in the masked form (an attention function switched
-in for one forward), and ``capture_attention`` to record a layer's post-RoPE Q, K, V and its output after W_O.
+Eviction in a real cache is permanent, so a token's fate is one number, ``evict_at[j]``: the first query row that no
+longer sees token ``j`` (``S`` if none). Row ``i`` attends to ``{j <= i : evict_at[j] > i}`` and its state holds
+``{j : evict_at[j] <= i}``, so ``H_i`` is a cumulative sum of ``ψ(k_j)ᵀ v_j`` ordered by eviction row (``O(S R D)``,
+no ``S x S`` low-rank matrix): the paper's masked form (§3.2). ``eviction_times`` runs the base policy's own cache
+layer token by token, so training sees exactly the masks decoding will produce. ``masked_forward`` runs a model so
+(an attention function switched in for one forward); ``CaptureRun`` records each layer's post-RoPE Q, K, V.
 """
 
 from __future__ import annotations
@@ -40,10 +35,8 @@ def sparse_attention(
     evict_at: torch.Tensor | None,
     scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention restricted to the cached tokens, in float32: ``(lse [B, H_q, S], out [B, H_q, S, D])``.
-
-    Row ``i`` sees ``{j <= i : evict_at[j] > i}`` (``evict_at`` ``[B, H_kv, S]``; ``None`` = nothing evicted).
-    """
+    """Causal attention over the cached tokens in float32, ``(lse [B, H_q, S], out [B, H_q, S, D])``: row ``i`` sees
+    ``{j <= i : evict_at[j] > i}`` (``evict_at`` ``[B, H_kv, S]``; ``None`` = nothing evicted)."""
     length = query.shape[2]
     idx = torch.arange(length, device=query.device)
 
@@ -62,25 +55,18 @@ def low_rank_parallel(
     phi_q: torch.Tensor, psi_k: torch.Tensor, value: torch.Tensor, evict_at: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``num = φ(q_i) H_i`` ``[B, H_q, n, D]`` and ``den = φ(q_i) z_iᵀ`` ``[B, H_q, n]`` for the last ``n`` rows ``i``
-    (``phi_q`` ``[B, H_q, n, R]`` holds the features of those rows' queries; ``n = S`` for every row).
-
-    ``H_i = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ v_j`` (Eq. 6), built as a scatter of each token's outer product to its
-    eviction row followed by a cumulative sum over rows; differentiable in φ and ψ.
-    """
+    (``phi_q`` ``[B, H_q, n, R]``: those rows' features), with the state
+    ``[H_i | z_i] = Σ_{j : evict_at[j] <= i} ψ(k_j)ᵀ [v_j | 1]`` (Eq. 6): each token's outer product scattered to its
+    eviction row, then summed over rows (differentiable in φ and ψ)."""
     batch, kv_heads, length, rank = psi_k.shape
-    dim = value.shape[-1]
-    rows = phi_q.shape[2]
+    q_heads, rows = phi_q.shape[1:3]
+    value = value.float()
     slot = evict_at.clamp(max=length)  # never evicted: row S, beyond the window
-    outer = psi_k[..., :, None] * value.float()[..., None, :]  # [B, Hkv, S, R, D]
-    state = outer.new_zeros(batch, kv_heads, length + 1, rank, dim)
-    state = state.scatter_add(2, slot[..., None, None].expand_as(outer), outer).cumsum(2)[:, :, :length]
-    norm = psi_k.new_zeros(batch, kv_heads, length + 1, rank)
-    norm = norm.scatter_add(2, slot[..., None].expand_as(psi_k), psi_k).cumsum(2)[:, :, :length]
-    f = grouped(phi_q, kv_heads)  # [B, Hkv, G, n, R]
-    num = torch.einsum("bkgsr,bksrd->bkgsd", f, state[:, :, length - rows :])
-    den = torch.einsum("bkgsr,bksr->bkgs", f, norm[:, :, length - rows :])
-    q_heads = phi_q.shape[1]
-    return num.reshape(batch, q_heads, rows, dim), den.reshape(batch, q_heads, rows)
+    outer = psi_k[..., :, None] * torch.cat([value, value.new_ones(*value.shape[:-1], 1)], -1)[..., None, :]
+    state = outer.new_zeros(batch, kv_heads, length + 1, rank, value.shape[-1] + 1)  # [B, Hkv, S + 1, R, D + 1]
+    state = state.scatter_add(2, slot[..., None, None].expand_as(outer), outer).cumsum(2)[:, :, length - rows : length]
+    read = torch.einsum("bkgsr,bksrd->bkgsd", grouped(phi_q, kv_heads), state).reshape(batch, q_heads, rows, -1)
+    return read[..., :-1], read[..., -1]
 
 
 def less_masked_attention(
@@ -99,23 +85,13 @@ def less_masked_attention(
     return mix_low_rank(lse, out, num, den)
 
 
-# ------------------------------------------------------------------------------------- base-policy simulation
-
-
 def eviction_times(
-    policy: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None = None,
+    policy: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None = None
 ) -> torch.Tensor:
     """Run ``policy``'s cache layer token by token over one layer's post-RoPE ``query`` ``[B, H_q, S, D]``,
     ``key``/``value`` ``[B, H_kv, S, D]`` (positions ``0..S-1``, no padding) and return ``evict_at`` ``[B, H_kv, S]``:
-    the first row whose query no longer sees each token (``S`` if kept to the end).
-
-    The statistics are those the real decode hands the policy (``attention_with_stats`` over the cached tokens plus
-    the current one), so the result equals the evictions of prefilling token 0 and decoding the rest one by one.
-    """
+    the first row whose query no longer sees each token (``S`` if kept to the end). The statistics are those the real
+    decode hands the policy, so these are the evictions of prefilling token 0 and decoding the rest one by one."""
     if policy.position_mode != "original":
         raise ValueError("the masked LESS form needs a base policy with position_mode='original'")
     batch, kv_heads, length, _ = key.shape
@@ -135,20 +111,15 @@ def eviction_times(
         layer.after_attention(stats)
         slots = torch.where(layer.token_idx >= 0, layer.token_idx, length)  # free slots land past the end
         kept = alive.new_zeros(batch, kv_heads, length + 1).scatter_(2, slots, layer.valid)[..., :length]
-        dropped = alive & ~kept
-        if bool(dropped.any()):
-            evict_at[dropped] = t + 1
-            alive &= kept
+        evict_at.masked_fill_(alive & ~kept, t + 1)
+        alive &= kept
     return evict_at
 
-
-# ------------------------------------------------------------------------------- whole-model passes and capture
 
 LESS_ATTENTION = "kvcompress_less"
 
 
-# What the LESS attention function does for one forward (passed as the ``less_run`` model keyword):
-# ``run(layer_idx, query, key, value, scaling)`` -> the attention output ``[B, H_q, S, D]``.
+# The ``less_run`` model keyword: ``run(layer_idx, query, key, value, scaling)`` -> the output ``[B, H_q, S, D]``.
 AttentionRun = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
 
@@ -166,46 +137,32 @@ class CaptureRun:
 
 @dataclass
 class MaskedRun:
-    """Masked (parallel) form of a base policy, with LESS kernels or without (Baseline); ``policies=None``: full.
-
-    ``policies[idx]`` is a base ``Policy`` for layer ``idx`` (a fresh cache layer is simulated per forward);
-    ``less`` a ``LessConfig`` whose kernels are used (``None``: sparse only). ``evictions`` keeps each layer's
-    ``evict_at`` of the last forward.
-    """
+    """Masked (parallel) form of the base ``policies`` (one per layer; ``None``: full) with the kernels of ``less``, a
+    ``LessConfig``, or without (``None``: Baseline)."""
 
     policies: Sequence[Any] | None = None
     less: Any = None
-    evictions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __call__(self, layer_idx, query, key, value, scaling):
-        if self.policies is None:
-            return less_masked_attention(query, key, value, None, None, scaling).to(query.dtype)
-        evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
-        self.evictions[layer_idx] = evict_at
-        kernels = None
+        evict_at = kernels = None
+        if self.policies is not None:
+            evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
         if self.less is not None:
             kernels = self.less.kernels_for(layer_idx, query.shape[1], key.shape[1], key.shape[-1])
         return less_masked_attention(query, key, value, evict_at, kernels, scaling).to(query.dtype)
 
 
 def _less_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    run: AttentionRun | None = kwargs.get("less_run")
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError("the masked LESS form takes unpadded windows (no attention_mask with padding)")
-    if run is None:
-        run = CaptureRun()
-    output = run(module.layer_idx, query, key, value, scaling)
-    return output.transpose(1, 2).contiguous(), None
-
-
-def _no_mask(**_: object) -> None:
-    return None
+    run: AttentionRun = kwargs.get("less_run") or CaptureRun()
+    return run(module.layer_idx, query, key, value, scaling).transpose(1, 2).contiguous(), None
 
 
 @contextmanager
 def less_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Switch ``model`` to the LESS masked-form attention function for the block, then back."""
-    register_attention(LESS_ATTENTION, _less_attention, _no_mask)
+    register_attention(LESS_ATTENTION, _less_attention, lambda **_: None)  # no mask: the runs make their own
     previous = model.config._attn_implementation
     model.set_attn_implementation(LESS_ATTENTION)
     try:
@@ -226,7 +183,6 @@ def masked_run(config: Any, num_layers: int) -> MaskedRun:
     (Baseline, Baseline+), or ``full``."""
     if isinstance(config, FullConfig):
         return MaskedRun()
-    if isinstance(config, LessConfig):
-        base = config.base_config
-        return MaskedRun(policies=[base.policy(i) for i in range(num_layers)], less=config)
-    return MaskedRun(policies=[config.policy(i) for i in range(num_layers)])
+    less = config if isinstance(config, LessConfig) else None
+    base = config if less is None else less.base_config
+    return MaskedRun(policies=[base.policy(i) for i in range(num_layers)], less=less)

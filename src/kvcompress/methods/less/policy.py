@@ -1,15 +1,12 @@
 """LESS's policy: the base policy's decisions and statistics, plus the low-rank attention term.
 
-``mix_low_rank``: Eq. 3 in log-sum-exp form. The sparse part enters as its softmax output and log-normaliser,
-the low-rank part as ``num = φ(q) H`` and ``den = φ(q) zᵀ``: the low-rank share of the mass is
-``w = den / (e^{lse_s} + den) = sigmoid(log den - lse_s)`` and ``out = out_s + w (num / den - out_s)``; equal to
-``(φH + Σ e^s v) / (φzᵀ + Σ e^s)`` but safe for any logit size. Choice: ``den`` is floored at float32's smallest
-normal number (1.2e-38) instead of the official code's ``max(den, 1e-6)``. Where ``den == 0`` (nothing evicted,
-or ψ ≡ 0; ``num`` is then 0 too) the share is ``sigmoid(-87.3 - lse_s)``, below half a float32 step for any row
-with ``lse_s > -70``, so LESS equals its base policy exactly then; the official floor added a 1e-6 phantom mass.
-The log-normaliser comes from the same softmax as the output and the base policy's statistics (one pass over the
-stored keys). A decoding step whose query sees every stored key takes Eq. 3 as one softmax over the stored keys and
-the state's rows instead (``kvcompress.methods.less.low_rank_slots``): no log-normaliser, no mix.
+``mix_low_rank`` is Eq. 3 in log-sum-exp form: with the sparse softmax's output and log-normaliser ``lse_s`` and
+``num = φ(q) H``, ``den = φ(q) zᵀ``, the low-rank share of the mass is ``w = sigmoid(log den - lse_s)`` and
+``out = out_s + w (num / den - out_s)``: ``(φH + Σ e^s v) / (φzᵀ + Σ e^s)``, safe for any logit size. Choice:
+``den`` is floored at float32's smallest normal number (1.2e-38), not the official code's ``max(den, 1e-6)``: where
+``den == 0`` (nothing evicted, or ψ ≡ 0; ``num`` is 0 too) the share is ``sigmoid(-87.3 - lse_s)``, below half a
+float32 step for any row with ``lse_s > -70``, so LESS equals its base policy exactly (the official floor added a
+1e-6 phantom mass). A decoding step that sees every stored key takes Eq. 3 as one softmax (``low_rank_slots``).
 """
 
 from __future__ import annotations
@@ -37,42 +34,29 @@ class LessPolicy(Policy):
     def __init__(self, config: LessConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.base = config.base_config.policy(layer_idx)
-        self.stats = self.base.stats
-        self.position_mode = self.base.position_mode
-        self.per_head = self.base.per_head
-        self.one_shot = self.base.one_shot
-        self.batchable = self.base.batchable  # (the fold happens in the layer's ``before_eviction``, per layer)
+        # the base policy's settings, and its methods to keep, observe and select
+        for name in ("stats", "position_mode", "per_head", "one_shot", "batchable", "init_state", "observe", "select"):
+            setattr(self, name, getattr(self.base, name))
         self.kernels: LayerKernels | None = None
         self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
         self.inert = False  # ψ ≡ 0 (its last matrix is zero, as in ``zero_kernels``): nothing is ever folded
         self.request = dataclasses.replace(self.stats, lse=True)  # what ``attend`` asks of the softmax
 
     def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
-        """This layer's kernels on ``device`` (the model's): a copy where the loaded or built ones are elsewhere,
-        so kernels shared between caches stay where they are. Kernels are frozen while a cache uses them: the
-        weights in the form inference takes them are made here, once (``weights``)."""
+        """This layer's kernels on ``device``, copied there if elsewhere (shared kernels stay where they are), and
+        their ``weights`` as inference takes them, made once (kernels are frozen while a cache uses them)."""
         if self.kernels is None:
             kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
             self.inert = kernels.psi_is_zero()  # read where the kernels were made or loaded, before any copy
-            if kernels.phi_w1.device != device:  # each tensor copied straight to ``device`` (no copy where it is)
-                memo = {id(t): _moved(t, device) for t in (*kernels.parameters(), *kernels.buffers())}
+            if kernels.phi_w1.device != device:  # each parameter copied straight to ``device`` (none where it is)
+                memo = {id(p): nn.Parameter(p.to(device).detach(), p.requires_grad) for p in kernels.parameters()}
                 kernels = copy.deepcopy(kernels, memo)
             self.weights = kernels.inference_weights()
             self.kernels = kernels
         return self.kernels
 
-    def init_state(self, layer, keys):
-        return self.base.init_state(layer, keys)
-
-    def observe(self, layer, stats):
-        self.base.observe(layer, stats)
-
-    def select(self, layer):
-        return self.base.select(layer)
-
     def attend(self, layer, query, key, value, mask, scaling):
-        if self.kernels is None:  # set at the first attention
-            self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)
+        self.layer_kernels(query.shape[1], key.shape[1], key.shape[-1], query.device)  # set at the first attention
         if not layer.folded:
             return None  # nothing folded yet: exactly the base policy's attention
         if query.shape[2] == 1 and mask is None:  # a decoding step that sees every stored key
@@ -84,9 +68,8 @@ class LessPolicy(Policy):
         return self.with_low_rank(layer, query, output, stats)
 
     def with_low_rank(self, layer, query, output, stats):
-        """Eq. 3 from the sparse attention's ``output`` ``[B, H_q, q, D]`` and its statistics (``stats.lse``, the
-        log-normaliser, required) and the layer's state: the output in the query's dtype and the base policy's
-        statistics (``None`` if it asks for none)."""
+        """Eq. 3 from the sparse attention's ``output`` ``[B, H_q, q, D]``, its ``stats`` (``lse`` required) and the
+        layer's state: the output in the query's dtype and the base policy's statistics (``None`` if it asks none)."""
         features = phi_features(query, *self.weights.phi)  # [B, H_q, q, R]
         kv_heads = layer.low_rank.shape[1]
         state = head_matmul(grouped(features, kv_heads).flatten(2, 3), layer.low_rank)  # [B, H_kv, G q, D + 1]
@@ -98,16 +81,8 @@ class LessPolicy(Policy):
 def mix_low_rank(
     lse_sparse: torch.Tensor, out_sparse: torch.Tensor, num: torch.Tensor, den: torch.Tensor
 ) -> torch.Tensor:
-    """Eq. 3 in log-sum-exp form (float32).
-
-    ``lse_sparse`` ``[...]`` and ``out_sparse`` ``[..., D]``: log-normaliser and softmax output of the cached tokens;
-    ``num`` ``[..., D]`` = ``φ(q) H`` and ``den`` ``[...]`` = ``φ(q) zᵀ`` of the low-rank state.
-    """
+    """Eq. 3 in log-sum-exp form (float32) from the cached tokens' log-normaliser ``lse_sparse`` ``[...]`` and softmax
+    output ``out_sparse`` ``[..., D]`` and the state's ``num = φ(q) H`` ``[..., D]`` and ``den = φ(q) zᵀ`` ``[...]``."""
     safe_den = den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # finite logs and gradients at den = 0
     share = torch.sigmoid(safe_den.log() - lse_sparse[..., None])
     return torch.lerp(out_sparse, num / safe_den, share)
-
-
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    moved = tensor.to(device).detach()
-    return nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
