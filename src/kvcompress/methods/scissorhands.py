@@ -70,13 +70,9 @@ class ScissorhandsPolicy(Policy):
             layer.state["score"] = layer.token_idx.double() - LOW_WEIGHT * window.sum(dim=-1).double()
 
     def select(self, layer):
-        recent = self.recent
+        recent = self.config.budget // 4 if self.config.recent is None else self.config.recent
         protected = recent_mask(layer, recent)
         return keep_top(layer, layer.state["score"], self.config.budget, protected, newest_kept=recent, distinct=True)
-
-    @property
-    def recent(self) -> int:
-        return self.config.budget // 4 if self.config.recent is None else self.config.recent
 
 
 @dataclass(frozen=True)

@@ -111,8 +111,6 @@ class BuzzConfig(MethodConfig):
             check_int_range(self.window, "window", 0)
         if self.threshold is not None:
             check_int_range(self.threshold, "threshold", 1)
-        if self.threshold is not None and self.tw_ratio is not None:
-            raise ValueError(
-                "give either threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)"
-            )
+            if self.tw_ratio is not None:
+                raise ValueError("give threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)")
         self.resolved()  # raises for a budget too small for the sinks and stride

@@ -185,10 +185,7 @@ def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
 
 def descending_rank(values: torch.Tensor) -> torch.Tensor:
     """Rank of each entry along the last dim, largest first; equal values rank the earlier entry first."""
-    order = values.sort(dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order).contiguous())
-    return ranks
+    return values.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1)  # the inverse permutation
 
 
 def gumbel(seed: int, stream: int, heads: int, positions: torch.Tensor) -> torch.Tensor:
