@@ -72,14 +72,9 @@ class CascadeConfig(MethodConfig):
     policy_class = CascadePolicy
 
     @property
-    def window(self) -> int:
-        """``|C|``: the slots of all cascades together."""
-        return self.budget - self.sinks
-
-    @property
     def width(self) -> int:
-        """``W = floor(|C| / N)``: the slots of one cascade."""
-        return self.window // self.cascades
+        """``W = floor(|C| / N)``: the slots of one cascade (``|C| = budget - sinks``, all cascades together)."""
+        return (self.budget - self.sinks) // self.cascades
 
     @property
     def used_budget(self) -> int:

@@ -146,10 +146,9 @@ class NaClPolicy(Policy):
         if not config.head_wise:
             scores = scores.mean(dim=1, keepdim=True)
         valid = layer.valid[:, :heads]
-        device = valid.device
 
         def per_sequence(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(s, name) for s in splits], device=device)[:, None, None]
+            return torch.tensor([getattr(s, name) for s in splits], device=valid.device)[:, None, None]
 
         rank = valid.cumsum(-1) - 1
         from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1
