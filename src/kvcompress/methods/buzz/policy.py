@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,15 +11,12 @@ from kvcompress.core.contract import KeepMask, Policy, StatsRequest
 from kvcompress.methods.buzz.params import small_stride
 from kvcompress.methods.nacl.policy import reduce_groups
 
-if TYPE_CHECKING:  # annotations only: the config module imports this one
-    from kvcompress.methods.buzz.config import BuzzConfig
-
 
 class BuzzPolicy(Policy):
     stats = StatsRequest(received=True)
     position_mode = property(lambda self: self.config.position_mode)
 
-    def __init__(self, config: BuzzConfig, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.sinks, self.window, self.threshold, self.stride = config.resolved()
         new_stride, old_stride = self.stride, small_stride(self.stride)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -13,9 +13,6 @@ from kvcompress.core.contract import AttentionStats, Policy, Selection, StatsReq
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
 from kvcompress.core.softmax import chunked_softmax
-
-if TYPE_CHECKING:  # annotations only: the config module imports this one
-    from kvcompress.methods.nacl.config import NaClConfig
 
 PROXY_CHUNK_ELEMENTS = 1 << 20  # proxy-score logits per chunk (4 MiB of float32), whatever the prompt length
 
@@ -38,7 +35,7 @@ class NaClPolicy(Policy):
 
     one_shot = True
 
-    def __init__(self, config: NaClConfig, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.per_head = config.head_wise
         self.splits: list[NaClSplit] = []  # the split of each sequence, fixed when the layer compresses
