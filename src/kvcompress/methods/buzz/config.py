@@ -89,8 +89,7 @@ class BuzzConfig(MethodConfig):
     def peak_tokens(self) -> int:
         """The most tokens a layer stores per head after a forward (``k + w + T``; with ``prefill_mode="loop"``,
         and with ``"single"`` whenever one pass suffices); the step that triggers an eviction attends one more."""
-        sinks, window, threshold, _ = self.resolved()
-        return sinks + window + threshold
+        return sum(self.resolved()[:3])
 
     def validate(self) -> None:
         check_int_range(self.sinks, "sinks", 0)

@@ -560,5 +560,4 @@ class CascadeLayer(RingDecode, CompressedLayer):
             return 0
         return self._meta.nbytes + self._score.nbytes + len(self._rings) * (2 * self.cascades + 2) * 8
 
-    def allocated_metadata_nbytes(self) -> int:
-        return self.metadata_nbytes()
+    allocated_metadata_nbytes = metadata_nbytes
