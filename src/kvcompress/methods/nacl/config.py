@@ -128,10 +128,8 @@ class NaClConfig(MethodConfig):
     def proxy_bounds(self, n_tokens: int) -> tuple[int, int]:
         """Proxy queries ``[start, stop)`` among a sequence's ``n_tokens`` real prompt tokens (at least one)."""
         if self.proxy_span is not None:
-            start, stop = self.proxy_span
-            start = start + n_tokens if start < 0 else start
-            stop = n_tokens if stop is None else stop + n_tokens if stop < 0 else stop
-            start = min(max(start, 0), max(0, n_tokens - 1))
+            start, stop, _ = slice(*self.proxy_span).indices(n_tokens)  # a negative index counts from the end
+            start = min(start, max(0, n_tokens - 1))
             return (start, min(max(stop, start + 1), n_tokens))
         if self.proxy_tokens is not None:
             window = self.proxy_tokens
