@@ -101,8 +101,7 @@ class NaClPolicy(Policy):
             self.clear_proxies()
             return None
         with record_function("kvcompress.nacl.scores"):
-            scores = self.proxy_scores(layer)
-        layer.state["score"] = scores
+            layer.state["score"] = scores = self.proxy_scores(layer)
         self.clear_proxies()
         with record_function("kvcompress.nacl.select"):
             return self.hybrid_selection(layer, scores, self.splits, event=0)
@@ -204,6 +203,5 @@ class NaClGreedyPolicy(NaClPolicy):
         layer.state["score"].add_(reduce_groups(stats.received, self.config.gqa_reduce))
 
     def select(self, layer):
-        n_real = layer.valid[:, 0].sum(-1)
-        splits = [self.config.split(int(n)) for n in n_real]
+        splits = [self.config.split(n) for n in layer.valid[:, 0].sum(-1).tolist()]
         return self.hybrid_selection(layer, layer.state["score"], splits, event=0)
