@@ -60,8 +60,7 @@ class ScissorhandsPolicy(Policy):
         history, window = self.config.history, layer.state["low"]
         if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
             column = (layer.seen_step - 1) % history  # (an int, or a device scalar: ``core.replay``)
-            score = layer.state["score"]
-            score.add_(last_index(window, column), alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
+            layer.state["score"].add_(last_index(window, column), alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
             put_last_index(window, column, low[..., 0])
         else:
             rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` queries
