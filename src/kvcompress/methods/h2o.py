@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_int_range
+from kvcompress.core.checks import check_budget, check_number
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top, recent_mask
 
@@ -50,6 +50,4 @@ class H2OConfig(MethodConfig):
 
     def validate(self) -> None:
         check_budget(self.budget)
-        if not 0 <= self.heavy_ratio <= 1:
-            raise ValueError(f"heavy_ratio must be in [0, 1], got {self.heavy_ratio!r}")
-        check_int_range(self.heavy, "heavy tokens (budget * heavy_ratio)", 0, self.budget)
+        check_number(self.heavy_ratio, "heavy_ratio", 0, 1)

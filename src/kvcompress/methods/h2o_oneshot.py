@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcompress.core.checks import check_number
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.selection import keep_top, recent_mask
 from kvcompress.methods.h2o import H2OPolicy
@@ -40,5 +41,4 @@ class OneShotH2OConfig(MethodConfig):
 
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
-        if isinstance(self.heavy_ratio, bool) or not 0 <= self.heavy_ratio <= 1:
-            raise ValueError(f"heavy_ratio must be in [0, 1], got {self.heavy_ratio!r}")
+        check_number(self.heavy_ratio, "heavy_ratio", 0, 1)

@@ -24,21 +24,17 @@ from kvcompress.core.selection import keep_top, recent_mask
 
 class KnormPolicy(Policy):
     batchable = True  # the score is the stored state: a decoding step's selection runs for all layers at once
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.one_shot = config.one_shot
+    one_shot = property(lambda self: self.config.one_shot)
 
     def init_state(self, layer, keys):
         return {"negative_norm": -keys.float().norm(dim=-1)}
 
     def select(self, layer):
-        budget = self.config.budget
-        recent = self.config.recent
+        budget, recent = self.config.budget, self.config.recent  # (recent <= budget)
         if not self.one_shot and layer.new_tokens <= budget:
             recent = max(recent, layer.new_tokens)  # this forward's tokens are the newest: never evicted
-        protected = recent_mask(layer, min(recent, budget)) if recent else None
-        return keep_top(layer, layer.state["negative_norm"], budget, protected, newest_kept=min(recent, budget))
+        protected = recent_mask(layer, recent) if recent else None
+        return keep_top(layer, layer.state["negative_norm"], budget, protected, newest_kept=recent)
 
 
 @dataclass(frozen=True)
@@ -56,5 +52,3 @@ class KnormConfig(MethodConfig):
     def validate(self) -> None:
         check_budget(self.budget)
         check_int_range(self.recent, "recent", 0, self.budget, "budget")  # (more would keep the newest tokens only)
-        if not isinstance(self.one_shot, bool):
-            raise ValueError(f"one_shot must be True or False, got {self.one_shot!r}")

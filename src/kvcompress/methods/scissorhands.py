@@ -60,8 +60,7 @@ class ScissorhandsPolicy(Policy):
         history, window = self.config.history, layer.state["low"]
         if low.shape[-1] == 1:  # one query: the count changes by the new bit minus the one it overwrites
             column = (layer.seen_step - 1) % history  # (an int, or a device scalar: ``core.replay``)
-            score = layer.state["score"]
-            score.add_(last_index(window, column), alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
+            layer.state["score"].add_(last_index(window, column), alpha=LOW_WEIGHT).add_(low[..., 0], alpha=-LOW_WEIGHT)
             put_last_index(window, column, low[..., 0])
         else:
             rows_kept = min(low.shape[-1], history)  # the window holds the last ``history`` queries
@@ -70,13 +69,9 @@ class ScissorhandsPolicy(Policy):
             layer.state["score"] = layer.token_idx.double() - LOW_WEIGHT * window.sum(dim=-1).double()
 
     def select(self, layer):
-        recent = self.recent
+        recent = self.config.budget // 4 if self.config.recent is None else self.config.recent
         protected = recent_mask(layer, recent)
         return keep_top(layer, layer.state["score"], self.config.budget, protected, newest_kept=recent, distinct=True)
-
-    @property
-    def recent(self) -> int:
-        return self.config.budget // 4 if self.config.recent is None else self.config.recent
 
 
 @dataclass(frozen=True)

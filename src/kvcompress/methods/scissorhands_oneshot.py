@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_int_range
+from kvcompress.core.checks import check_int_range, check_number
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.selection import keep_top, recent_mask
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
@@ -43,5 +43,4 @@ class OneShotScissorhandsConfig(MethodConfig):
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
         check_int_range(self.history, "history", 1)
-        if isinstance(self.recent_share, bool) or not 0 <= self.recent_share <= 1:
-            raise ValueError(f"recent_share must be in [0, 1], got {self.recent_share!r}")
+        check_number(self.recent_share, "recent_share", 0, 1)

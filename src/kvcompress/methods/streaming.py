@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_bool, check_budget, check_choice, check_int_range
+from kvcompress.core.checks import check_budget, check_choice, check_int_range
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.rope import POSITION_MODES
@@ -26,10 +26,7 @@ from kvcompress.methods.cascade.circular import CircularSinkLayer, QuantizedCirc
 
 class StreamingPolicy(Policy):
     per_head = False
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        self.position_mode = config.position_mode
+    position_mode = property(lambda self: self.config.position_mode)
 
     def select(self, layer):
         budget, sinks = self.config.budget, self.config.sinks  # scores are stream indices: see window
@@ -61,4 +58,3 @@ class StreamingConfig(MethodConfig):
         check_budget(self.budget)
         check_int_range(self.sinks, "sinks", 0, self.budget, "budget")
         check_choice(self.position_mode, "position_mode", POSITION_MODES)
-        check_bool(self.circular, "circular")

@@ -25,12 +25,9 @@ class TOVAPolicy(Policy):
     stats = StatsRequest(last_queries=1)
     per_head = False
     batchable = True  # a decoding step's scores are per row: run for all layers at once
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx)
-        # the current query's attention [B, 1, L] over the layer's view, from ``observe`` to ``select`` in the same
-        # forward: a score that is never accumulated needs no per-slot state
-        self.current: torch.Tensor | None = None
+    # the current query's attention [B, 1, L] over the layer's view, from ``observe`` to ``select`` in the same
+    # forward: a score that is never accumulated needs no per-slot state
+    current: torch.Tensor | None = None
 
     def observe(self, layer, stats):
         self.current = stats.last[:, :, :, -1].mean(dim=(1, 2))[:, None]

@@ -89,8 +89,7 @@ class BuzzConfig(MethodConfig):
     def peak_tokens(self) -> int:
         """The most tokens a layer stores per head after a forward (``k + w + T``; with ``prefill_mode="loop"``,
         and with ``"single"`` whenever one pass suffices); the step that triggers an eviction attends one more."""
-        sinks, window, threshold, _ = self.resolved()
-        return sinks + window + threshold
+        return sum(self.resolved()[:3])
 
     def validate(self) -> None:
         check_int_range(self.sinks, "sinks", 0)
@@ -111,8 +110,6 @@ class BuzzConfig(MethodConfig):
             check_int_range(self.window, "window", 0)
         if self.threshold is not None:
             check_int_range(self.threshold, "threshold", 1)
-        if self.threshold is not None and self.tw_ratio is not None:
-            raise ValueError(
-                "give either threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)"
-            )
+            if self.tw_ratio is not None:
+                raise ValueError("give threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)")
         self.resolved()  # raises for a budget too small for the sinks and stride

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from kvcompress.core.checks import check_choice, check_int_range
+
 
 def small_stride(stride: int) -> int:
     """ŝ = ⌊(s + 1) / 2⌋, the interval-sampling stride of old tokens."""
@@ -24,30 +26,22 @@ def small_stride(stride: int) -> int:
 
 def theorem_ratio(stride: int) -> float:
     """T / w from Theorem 3.1 (Eq. 6): ``(s² + 1) / (s + 1)`` for odd ``s``, ``s − 1`` for even ``s``."""
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 3:
-        raise ValueError(f"stride must be an integer >= 3 (s <= 2 never shrinks the cache), got {stride!r}")
+    check_int_range(stride, "stride", 3)  # s <= 2 never shrinks the cache
     return (stride * stride + 1) / (stride + 1) if stride % 2 else float(stride - 1)
 
 
-def middle_after_eviction(old: int, new: int, stride: int, old_stride: int | None = None) -> int:
+def middle_after_eviction(old: int, new: int, stride: int) -> int:
     """Old tokens after one eviction: ``⌈n_old / ŝ⌉ + ⌈n_new / s⌉``."""
-    old_stride = small_stride(stride) if old_stride is None else old_stride
-    return -(-old // old_stride) + -(-new // stride)
-
-
-@lru_cache(maxsize=4096)
-def steady_cycle(threshold: int, stride: int, old_stride: int | None = None, cycles: int = 200) -> tuple[int, ...]:
-    """Middle lengths right after each eviction in steady decoding (the last 8 cycles of ``cycles``)."""
-    old, after = 0, []
-    for _ in range(cycles):
-        old = middle_after_eviction(old, threshold + 1 - old, stride, old_stride)
-        after.append(old)
-    return tuple(after[-8:])
+    return -(-old // small_stride(stride)) + -(-new // stride)
 
 
 def steady_sizes(sinks: int, window: int, threshold: int, stride: int) -> tuple[float, int, int]:
-    """(average, minimum, peak) stored length per layer and head in steady decoding."""
-    cycle = steady_cycle(threshold, stride)
+    """(average, minimum, peak) stored length per layer and head in steady decoding, from the middle lengths right
+    after each eviction (the last 8 of 200 cycles)."""
+    after = [0]
+    for _ in range(200):
+        after.append(middle_after_eviction(after[-1], threshold + 1 - after[-1], stride))
+    cycle = after[-8:]
     steps = sum(threshold - a + 1 for a in cycle)  # a cycle holds a', a' + 1, ..., T after its steps
     total = sum((a + threshold) * (threshold - a + 1) / 2 for a in cycle)
     return sinks + window + total / steps, sinks + window + min(cycle), sinks + window + threshold
@@ -66,8 +60,7 @@ def buzz_params(
     """(k, w, T, s) whose steady-state ``kind`` stored length is closest to ``budget``. Peak: the largest ``w`` with
     ``k + w + T <= budget``. Average: the ``w`` whose simulated average is nearest (ties to the smaller ``w``), from
     the guess ``w = (B − k) / (1.5 + r/2)`` (``k + w + (a* + T) / 2`` with ``a* = w``, ``T = r w``)."""
-    if kind not in ("average", "peak"):
-        raise ValueError(f"budget_kind must be one of average, peak; got {kind!r}")
+    check_choice(kind, "budget_kind", ("average", "peak"))
     ratio = theorem_ratio(stride) if tw_ratio is None else tw_ratio
     if budget < sinks + 1 + threshold_for(1, stride, ratio):
         raise ValueError(

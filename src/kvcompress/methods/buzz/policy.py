@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import KeepMask, Policy, StatsRequest
 from kvcompress.methods.buzz.params import small_stride
-
-if TYPE_CHECKING:  # annotations only: the config module imports this one
-    from kvcompress.methods.buzz.config import BuzzConfig
+from kvcompress.methods.nacl.policy import reduce_groups
 
 
 class BuzzPolicy(Policy):
     stats = StatsRequest(received=True)
+    position_mode = property(lambda self: self.config.position_mode)
 
-    def __init__(self, config: BuzzConfig, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        self.position_mode = config.position_mode
         self.sinks, self.window, self.threshold, self.stride = config.resolved()
         new_stride, old_stride = self.stride, small_stride(self.stride)
         self.new_stride, self.old_stride = (old_stride, new_stride) if config.swap_strides else (new_stride, old_stride)
@@ -33,9 +30,7 @@ class BuzzPolicy(Policy):
         }
 
     def observe(self, layer, stats):
-        reduce = self.config.group_reduce
-        received = stats.received
-        group = received.amax(dim=2) if reduce == "max" else received.mean(2) if reduce == "mean" else received.sum(2)
+        group = reduce_groups(stats.received, self.config.group_reduce)
         if self.config.score_mode == "current":
             layer.state["score"] = group.clone()
         else:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_bool, check_budget, check_choice, check_int_range
+from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_number
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
@@ -72,14 +72,9 @@ class CascadeConfig(MethodConfig):
     policy_class = CascadePolicy
 
     @property
-    def window(self) -> int:
-        """``|C|``: the slots of all cascades together."""
-        return self.budget - self.sinks
-
-    @property
     def width(self) -> int:
-        """``W = floor(|C| / N)``: the slots of one cascade."""
-        return self.window // self.cascades
+        """``W = floor(|C| / N)``: the slots of one cascade (``|C| = budget - sinks``, all cascades together)."""
+        return (self.budget - self.sinks) // self.cascades
 
     @property
     def used_budget(self) -> int:
@@ -119,10 +114,8 @@ class CascadeConfig(MethodConfig):
                 f"base ** (cascades - 1) must stay below 2**62 (the last cascade's acceptance stride), "
                 f"got base={self.base}, cascades={self.cascades}"
             )
-        if self.gamma is not None and (isinstance(self.gamma, bool) or not 0.0 <= float(self.gamma) < 1.0):
-            raise ValueError(f"gamma must be a number in [0, 1) or None (exp(-N ln(100) / |C|)), got {self.gamma!r}")
+        if self.gamma is not None:
+            check_number(self.gamma, "gamma", 0, 1, open_high=True, meaning=" or None (exp(-N ln(100) / |C|))")
         check_choice(self.reduction, "reduction", ("mean", "median", "max"))
         check_choice(self.tie, "tie", ("incoming", "resident"))
         check_choice(self.prefill, "prefill", ("exact", "chunked"))
-        check_bool(self.select_tokens, "select_tokens")
-        check_bool(self.eager_fill, "eager_fill")

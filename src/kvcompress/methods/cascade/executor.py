@@ -43,12 +43,10 @@ def _wins(arriving: torch.Tensor, resident: torch.Tensor, tie: str) -> torch.Ten
 
 
 def apply_moves(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
-    (_batch_wide if columns.written.dim() == 1 else _per_sequence)(buffers, columns, tie, new)
+    (_batch_wide if columns.written.dim() == 1 else _per_sequence)(*buffers, *new, columns, tie)
 
 
-def _batch_wide(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
-    kv, meta, score = buffers
-    new_kv, new_meta, new_score = new
+def _batch_wide(kv, meta, score, new_kv, new_meta, new_score, columns: Columns, tie: str) -> None:
     batch, heads, scratch, width = kv.shape[0], kv.shape[1], kv.shape[2] - 1, kv.shape[3]
     read, written, take, fresh = columns.read, columns.written, columns.take, columns.k
     if take is not None:
@@ -82,9 +80,7 @@ def _batch_wide(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
     score.scatter_(1, slots, score_items)
 
 
-def _per_sequence(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
-    kv, meta, score = buffers
-    new_kv, new_meta, new_score = new
+def _per_sequence(kv, meta, score, new_kv, new_meta, new_score, columns: Columns, tie: str) -> None:
     batch, heads, scratch, width = kv.shape[0], kv.shape[1], kv.shape[2] - 1, kv.shape[3]
     read, written = columns.read, columns.written
     count = read.shape[1]

@@ -47,10 +47,6 @@ class _Pending:
         return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
 
 
-def _always(arriving: int, resident: int) -> bool:
-    return True  # no token selection: the arriving token always wins
-
-
 class CascadeLayer(RingDecode, CompressedLayer):
     """``rule``: the ``CascadePolicy`` driving the storage (the layer's policy unless another method runs on it, as
     ``streaming`` does); ``attend_first``: attend, then insert."""
@@ -194,9 +190,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
         are decided on the host (scores read once), each sequence playing its own moves (the layouts stay equal)."""
         count, before, slots, layout = kv.shape[2], self._rings, self.capacity, self._layout
         needs = self.rule.needs_scores
+        wins = None if needs else lambda *_: True  # no token selection: the arriving token always wins
         in_step = self._in_step and self._forward_unpadded
         if in_step and (count == 1 or not needs):  # the same moves for every sequence and layer of the forward
-            wins = None if needs else _always
             key = ("cascade-play", before[0], count, slots, needs, id(self.rule.config))
             plan = self.forward_pass.cached(key, lambda: schedule.play(layout, before[0], range(count), slots, wins))
             self._set_shared(plan[0])
@@ -214,7 +210,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
                     host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
                 return _wins(host[0][row][arriving], host[0][row][resident], self.rule.config.tie)
 
-            decide = (lambda b: partial(host_wins, b)) if needs and count > 1 else lambda b: None if needs else _always
+            decide = (lambda b: partial(host_wins, b)) if needs and count > 1 else lambda b: wins
             plans = [schedule.play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
             self._rings = [plan[0] for plan in plans]
             columns = self._sequence_columns(before, plans)
@@ -506,14 +502,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
         filler = torch.arange(ordered.shape[1], device=self.device) - empty.sum(1, keepdim=True)
         return torch.where(empty, filler, ordered)[:, None].expand(-1, self._kv.shape[1], -1)
 
-    @property
-    def occupied(self) -> int:
-        """Slots holding a token, the most of any row (a host read; the rings never read it)."""
-        return self.stored_length()
-
-    @occupied.setter
-    def occupied(self, value: int) -> None:
-        """(The generic layer's initialisation and reset write 0 here: nothing to keep.)"""
+    # slots holding a token, the most of any row (a host read; the rings never read it); the generic layer's
+    # initialisation and reset write 0 here: nothing to keep
+    occupied = property(lambda self: self.stored_length(), lambda self, value: None)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
@@ -569,5 +560,4 @@ class CascadeLayer(RingDecode, CompressedLayer):
             return 0
         return self._meta.nbytes + self._score.nbytes + len(self._rings) * (2 * self.cascades + 2) * 8
 
-    def allocated_metadata_nbytes(self) -> int:
-        return self.metadata_nbytes()
+    allocated_metadata_nbytes = metadata_nbytes

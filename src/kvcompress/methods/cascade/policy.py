@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvcompress.core.contract import Policy
-
-if TYPE_CHECKING:  # annotations only: the config module imports this one
-    from kvcompress.methods.cascade.config import CascadeConfig
 
 
 class CascadePolicy(Policy):
@@ -18,7 +13,7 @@ class CascadePolicy(Policy):
     position_mode = "cache"  # ranks inside the cache (the cache computes the model's RoPE frequencies for it)
     per_head = False  # homogeneous heads: every KV head keeps the same tokens
 
-    def __init__(self, config: CascadeConfig, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.gamma = config.ema_gamma
         # the EMA matters only where branch (d) compares scores

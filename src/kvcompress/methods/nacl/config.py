@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio, check_seed
+from kvcompress.core.checks import check_choice, check_int_range, check_number, check_ratio, check_seed
 from kvcompress.core.contract import MethodConfig, Policy
-from kvcompress.core.selection import ratio_budget
 from kvcompress.methods.nacl.policy import NaClGreedyPolicy, NaClPolicy, NaClSplit
+from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
 
 # Table 4 (Appx A.6): kept ratio -> (Protect Proxy, No-protect Proxy window, Proxy-Tokens Eviction, Random Eviction),
 # all fractions of the prompt; the official code's first release used the 20 % row.
@@ -109,9 +109,7 @@ class NaClConfig(MethodConfig):
         return protect, (random if self.random_share is None else self.random_share)
 
     def kept_tokens(self, n_tokens: int) -> int:
-        if self.budget is not None:
-            return min(self.budget, n_tokens)
-        return min(n_tokens, int(ratio_budget(torch.tensor(n_tokens, device="cpu"), self.ratio)))  # host arithmetic
+        return int(kept_per_sequence(torch.tensor(n_tokens, device="cpu"), self.ratio, self.budget))  # on the host
 
     def split(self, n_tokens: int) -> NaClSplit:
         """How a prompt of ``n_tokens`` real tokens is split (the kept count is exact)."""
@@ -130,10 +128,8 @@ class NaClConfig(MethodConfig):
     def proxy_bounds(self, n_tokens: int) -> tuple[int, int]:
         """Proxy queries ``[start, stop)`` among a sequence's ``n_tokens`` real prompt tokens (at least one)."""
         if self.proxy_span is not None:
-            start, stop = self.proxy_span
-            start = start + n_tokens if start < 0 else start
-            stop = n_tokens if stop is None else stop + n_tokens if stop < 0 else stop
-            start = min(max(start, 0), max(0, n_tokens - 1))
+            start, stop, _ = slice(*self.proxy_span).indices(n_tokens)  # a negative index counts from the end
+            start = min(start, max(0, n_tokens - 1))
             return (start, min(max(stop, start + 1), n_tokens))
         if self.proxy_tokens is not None:
             window = self.proxy_tokens
@@ -147,16 +143,10 @@ class NaClConfig(MethodConfig):
 
     def validate(self) -> None:
         check_choice(self.preset, "preset", ("table4", "official-128k"))
-        if (self.budget is None) == (self.ratio is None):
-            raise ValueError("nacl needs exactly one of ratio (in (0, 1]) or budget (tokens, >= 1)")
-        if self.budget is not None:
-            check_budget(self.budget)
-        if self.ratio is not None:
-            check_ratio(self.ratio)
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
         for name in ("protect_share", "random_share"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not 0 <= value <= 1):
-                raise ValueError(f"{name} must be a share of the budget in [0, 1] or None (preset), got {value!r}")
+            if getattr(self, name) is not None:
+                check_number(getattr(self, name), name, 0, 1, meaning=" (a share of the budget) or None (preset)")
         if self.proxy_ratio is not None:
             check_ratio(self.proxy_ratio, "proxy_ratio")
         if self.proxy_tokens is not None:
@@ -172,9 +162,7 @@ class NaClConfig(MethodConfig):
         if self.sinks is not None:
             check_int_range(self.sinks, "sinks", 0)
         check_choice(self.gqa_reduce, "gqa_reduce", ("mean", "sum", "max"))
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
-            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
+        check_number(self.temperature, "temperature", 0, math.inf, open_low=True, open_high=True)
         check_choice(self.sampling, "sampling", ("softmax", "uniform"))
         check_choice(self.eviction, "eviction", ("one_shot", "greedy"))
         if self.eviction == "greedy" and self.budget is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -13,9 +13,6 @@ from kvcompress.core.contract import AttentionStats, Policy, Selection, StatsReq
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
 from kvcompress.core.softmax import chunked_softmax
-
-if TYPE_CHECKING:  # annotations only: the config module imports this one
-    from kvcompress.methods.nacl.config import NaClConfig
 
 PROXY_CHUNK_ELEMENTS = 1 << 20  # proxy-score logits per chunk (4 MiB of float32), whatever the prompt length
 
@@ -38,7 +35,7 @@ class NaClPolicy(Policy):
 
     one_shot = True
 
-    def __init__(self, config: NaClConfig, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.per_head = config.head_wise
         self.splits: list[NaClSplit] = []  # the split of each sequence, fixed when the layer compresses
@@ -104,8 +101,7 @@ class NaClPolicy(Policy):
             self.clear_proxies()
             return None
         with record_function("kvcompress.nacl.scores"):
-            scores = self.proxy_scores(layer)
-        layer.state["score"] = scores
+            layer.state["score"] = scores = self.proxy_scores(layer)
         self.clear_proxies()
         with record_function("kvcompress.nacl.select"):
             return self.hybrid_selection(layer, scores, self.splits, event=0)
@@ -146,10 +142,9 @@ class NaClPolicy(Policy):
         if not config.head_wise:
             scores = scores.mean(dim=1, keepdim=True)
         valid = layer.valid[:, :heads]
-        device = valid.device
 
         def per_sequence(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(s, name) for s in splits], device=device)[:, None, None]
+            return torch.tensor([getattr(s, name) for s in splits], device=valid.device)[:, None, None]
 
         rank = valid.cumsum(-1) - 1
         from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1
@@ -185,10 +180,7 @@ def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
 
 def descending_rank(values: torch.Tensor) -> torch.Tensor:
     """Rank of each entry along the last dim, largest first; equal values rank the earlier entry first."""
-    order = values.sort(dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order).contiguous())
-    return ranks
+    return values.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1)  # the inverse permutation
 
 
 def gumbel(seed: int, stream: int, heads: int, positions: torch.Tensor) -> torch.Tensor:
@@ -211,6 +203,5 @@ class NaClGreedyPolicy(NaClPolicy):
         layer.state["score"].add_(reduce_groups(stats.received, self.config.gqa_reduce))
 
     def select(self, layer):
-        n_real = layer.valid[:, 0].sum(-1)
-        splits = [self.config.split(int(n)) for n in n_real]
+        splits = [self.config.split(n) for n in layer.valid[:, 0].sum(-1).tolist()]
         return self.hybrid_selection(layer, layer.state["score"], splits, event=0)
