@@ -48,10 +48,7 @@ def kvcompress_attention(
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
     padding = _padding(layer, attention_mask, query.shape[2])
     positions = kwargs.get("position_ids")
-    if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
-        with recorded_as_computed():
-            output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
-    else:
+    with recorded_as_computed():  # a backward pass reads what this step saw, whatever later steps write in place
         output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
 
@@ -186,22 +183,20 @@ def attention_with_stats(
         last_visible = causal_mask(last_n, length, query.device)
     elif last_n and mask is not None:
         last_visible = mask[:, :, queries - last_n :]
-    stats = AttentionStats(query_count=queries)
     options = {"last_n": last_n, "rows_see_keys": rows_see_keys}
+    received = lse = None
     if request.received or request.lse:
         parts = chunked_softmax(
             query, key, mask, scaling, value=value, lse=request.lse, received=request.received, **options
         )
-        output, stats.received, stats.lse, last = parts.output, parts.received, parts.lse, parts.last
+        output, received, lse, last = parts.output, parts.received, parts.lse, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
         parts = chunked_softmax(query, key, last_visible, scaling, value=value, **options)
         output, last = parts.output, parts.last
     else:
         output = sdpa(query, key, value, mask if causal is None else causal, scaling)
         last = chunked_softmax(query[:, :, queries - last_n :], key, last_visible, scaling, **options).last
-    if last_n:
-        stats.last, stats.last_visible = last, last_visible
-    return output, stats
+    return output, AttentionStats(queries, received, last, last_visible, lse)
 
 
 def register_attention(name: str, attention: Callable, mask: Callable) -> None:

@@ -108,10 +108,8 @@ class CompressedCache(Cache):
             self._check_forward(layer_idx, key_states)
         layer = self.layers[layer_idx]
         layer.forward_pass.begin(layer)
-        if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
-            with recorded_as_computed():
-                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        with recorded_as_computed():
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Once per forward: the shapes match, the previous forward reached the last layer, and a warning once past

@@ -254,10 +254,9 @@ def _own_message(config: MethodConfig, name: str) -> str | None:
     """The config's own ``validate`` message for a bad ``name`` (it states the range), if it gives one."""
     try:
         config.validate()
-    except ValueError as error:
-        return str(error) if str(error).startswith(f"{name} ") else None
-    except Exception:  # validate may fail in any way on a value of the wrong type
-        return None
+    except Exception as error:  # validate may fail in any way on a value of the wrong type
+        if isinstance(error, ValueError) and str(error).startswith(f"{name} "):
+            return str(error)
     return None
 
 
@@ -277,9 +276,7 @@ def _is_a(value: object, kind: object) -> bool:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
         return isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            return False
+    if origin is tuple and isinstance(value, (tuple, list)):
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_is_a(item, args[0]) for item in value)
         return len(value) == len(args) and all(map(_is_a, value, args))

@@ -80,16 +80,14 @@ def _stacked(forward, layers: list) -> dict[str, torch.Tensor] | None:
         return None
     buffers = {}
     for name in ["token_idx", *(f"state.{name}" for name in first.slots.state)]:
-        tensors = [_buffer(layer, name) for layer in layers]
+        homes = [(x.slots.state, name[6:]) if name.startswith("state.") else (x.slots.tensors, name) for x in layers]
+        tensors = [home[key] for home, key in homes]
         buffers[name], views = forward.stacked(f"{JOB}.{name}", tensors) if agree(tensors) else (None, None)
         if views is None:
             return None
-        for layer, tensor, view in zip(layers, tensors, views, strict=True):
+        for (home, key), tensor, view in zip(homes, tensors, views, strict=True):
             if tensor is not view:
-                if name.startswith("state."):
-                    layer.slots.state[name[6:]] = view
-                else:
-                    layer.slots.tensors[name] = view
+                home[key] = view
     return buffers
 
 
@@ -121,10 +119,6 @@ def _same_method(policy, first) -> bool:
     """Whether ``policy`` may run for ``first``'s layers too: batchable, of the same class and configuration, and
     not one-shot (a prompt of one token must not reach a one-shot selection as a decoding step)."""
     return policy.batchable and not policy.one_shot and type(policy) is type(first) and policy.config == first.config
-
-
-def _buffer(layer: LayerView, name: str) -> torch.Tensor:
-    return layer.slots.state[name[6:]] if name.startswith("state.") else layer.slots.tensors[name]
 
 
 def _stacked_stats(stats: list[AttentionStats | None]) -> AttentionStats | None:

@@ -11,7 +11,7 @@ the slots in use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -28,7 +28,7 @@ from kvcompress.core.slots import SlotBuffers, StreamView
 LAYER_ATTRIBUTE = "_kvcompress_layer"
 
 
-class StateView:
+class StateView(Mapping):
     """``layer.state``: the method's per-token tensors (``buffers``, every slot) as views through ``view``."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], view: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -40,17 +40,11 @@ class StateView:
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         self[name].copy_(value)  # broadcast over heads where ``value`` has one
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.buffers
+    def __iter__(self):
+        return iter(self.buffers)
 
-    def keys(self):
-        return self.buffers.keys()
-
-    def items(self):
-        return [(name, self[name]) for name in self.buffers]
-
-    def values(self):
-        return [self[name] for name in self.buffers]
+    def __len__(self) -> int:
+        return len(self.buffers)
 
 
 class CompressedLayer(SlotReplay, CacheLayerMixin):
@@ -207,13 +201,10 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             return
         if self.policy.wants_stats(self):
             self.policy.observe(self, stats)
-        if self.policy.one_shot:
-            if self.defer_compression or self.new_tokens < 2:
-                return
-            self.compressed = True
-        self.apply(self.policy.select(self))
-        if self.policy.one_shot:
-            self.compact(shrink=True)
+        if not self.policy.one_shot:
+            self.apply(self.policy.select(self))
+        elif not (self.defer_compression or self.new_tokens < 2):
+            self.compress()
 
     def compress(self) -> None:
         """Run a one-shot method's deferred compression now."""

@@ -48,12 +48,9 @@ class ModelSpec:
         """Raise ``ValueError`` if keys ``[B, H_kv, q, d]`` for layer ``layer_idx`` cannot come from this model."""
         heads, dim = key_states.shape[1], key_states.shape[-1]
         if layer_idx >= self.layers:
-            found = f"a model with more than {self.layers} layers (layer index {layer_idx})"
-        elif self.kv_heads is not None and layer_idx == 0 and (heads, dim) != (self.kv_heads, self.head_dim):
-            found = f"a model with {heads} KV heads of dimension {dim}"
-        else:
-            return
-        self.refuse(found)
+            self.refuse(f"a model with more than {self.layers} layers (layer index {layer_idx})")
+        if self.kv_heads is not None and layer_idx == 0 and (heads, dim) != (self.kv_heads, self.head_dim):
+            self.refuse(f"a model with {heads} KV heads of dimension {dim}")
 
     def refuse(self, found: str) -> None:
         raise ValueError(

@@ -104,26 +104,16 @@ def frame_rotation(
 ) -> torch.Tensor:
     """``[d, d]``: ``x @ M`` rotates ``x`` further by ``delta`` positions, shared by the layers of a forward."""
     key = ("frame", delta, inv_freq.data_ptr(), dim, dtype)
-
-    def build() -> torch.Tensor:
-        angles = delta * inv_freq.to(torch.float64)
-        return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
-
-    return forward.cached(key, build)
+    return forward.cached(key, lambda: frame_rotation_at(delta, inv_freq, dim, dtype))
 
 
-def frame_rotation_at(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor)."""
-    angles = delta.double() * inv_freq.to(torch.float64)
-    return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
-
-
-def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[..., d, d]`` rotation matrices (input dimensions in rows) from ``cos``, ``sin`` ``[..., h]``."""
-    cos, sin = torch.diag_embed(cos), torch.diag_embed(sin)
+def frame_rotation_at(delta: int | torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor), or of an int, not shared."""
+    angles = inv_freq.to(torch.float64) * delta
+    cos, sin = torch.diag_embed(angles.cos()), torch.diag_embed(angles.sin())
     rotation = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
     rotary = rotation.shape[-1]
     if rotary < dim:
         rotation = torch.nn.functional.pad(rotation, (0, dim - rotary, 0, dim - rotary))
         rotation[..., rotary:, rotary:] = torch.eye(dim - rotary, device=rotation.device)
-    return rotation
+    return rotation.to(dtype)

@@ -84,7 +84,6 @@ def chunked_softmax(
     keys_t = _flat(key).transpose(1, 2)  # a view: the query heads of a group are folded into rows, never keys copied
     values = None if value is None else _flat(value)
     causal = mask is None and queries > 1
-    parts = SoftmaxParts()
     outputs, lses, last_rows = [], [], []
     mass = torch.zeros(batch, kv_heads, groups, length, device=query.device) if received else None
     chunks = row_chunks(queries, batch * q_heads * length, chunk_elements, CAUSAL_ROWS if causal else None)
@@ -95,11 +94,13 @@ def chunked_softmax(
         # the queries scaled, not the logits: rows x d values instead of rows x L (as SDPA does)
         logits = torch.bmm(group_rows * scale, keys_t[:, :, :seen]).view(batch, kv_heads, groups, rows, seen).float()
         if causal:  # only the chunk's own keys can be in a query's future: the block right of the diagonal
-            logits[..., seen - rows :].masked_fill_(_future(rows, query.device), float("-inf"))
+            future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)
+            logits[..., seen - rows :].masked_fill_(future, float("-inf"))
         elif mask is not None:  # None: one query that sees every key
             rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
-        row_lse = logits.logsumexp(dim=-1) if lse else None
+        if lse:
+            lses.append(logits.logsumexp(dim=-1))
         if logits.requires_grad:  # recorded for a backward pass: the same values, computed out of place
             probs = logits.softmax(dim=-1)
             probs = probs if mask is None or rows_see_keys else probs.nan_to_num(0.0)
@@ -110,8 +111,6 @@ def chunked_softmax(
         if values is not None:
             flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, seen)
             outputs.append(torch.bmm(flat, values[:, :seen]).view(batch, kv_heads, groups, rows, -1))
-        if lse:
-            lses.append(row_lse)
         if received and row_weight is None:
             mass[..., :seen].add_(probs.sum(dim=-2))
         elif received:  # the weighted column sums as one product: no weighted copy of the probabilities
@@ -120,18 +119,12 @@ def chunked_softmax(
         if last_n and stop > queries - last_n:
             rows_kept = probs[:, :, :, max(start, queries - last_n) - start :]
             last_rows.append(torch.nn.functional.pad(rows_kept, (0, length - seen)))
-    if value is not None:
-        parts.output = _joined(outputs, 3).reshape(batch, q_heads, queries, -1)
-    if lse:
-        parts.lse = _joined(lses, -1).reshape(batch, q_heads, queries)
-    parts.received = mass
-    if last_rows:
-        parts.last = _joined(last_rows, 3)
-    return parts
-
-
-def _future(rows: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
+    return SoftmaxParts(
+        None if value is None else _joined(outputs, 3).reshape(batch, q_heads, queries, -1),
+        _joined(lses, -1).reshape(batch, q_heads, queries) if lse else None,
+        mass,
+        _joined(last_rows, 3) if last_rows else None,
+    )
 
 
 def _one_query(
