@@ -47,9 +47,8 @@ def kvcompress_attention(
     if layer is None:
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
     padding = _padding(layer, attention_mask, query.shape[2])
-    positions = kwargs.get("position_ids")
     with recorded_as_computed():  # a backward pass reads what this step saw, whatever later steps write in place
-        output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
+        output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -73,19 +72,17 @@ def attend_layer(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``."""
-    queries = query.shape[2]
     forward = layer.forward_pass
     if not forward.is_open:  # a layer driven on its own
         forward.begin(layer)
     layer.register_new_tokens(position_ids, padding)
     query, key = layer.positioned(query, key)
-    mask = layer.attention_mask(queries, sliding_window)
-    request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+    mask = layer.attention_mask(query.shape[2], sliding_window)
     custom = layer.attend(query, key, value, mask, scaling)
-    if custom is not None:
-        output, stats = custom
-    else:
-        output, stats = layer_attention(query, key, value, mask, scaling, request, position_ids, forward)
+    if custom is None:
+        request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+        custom = layer_attention(query, key, value, mask, scaling, request, position_ids, forward)
+    output, stats = custom
     layer.after_attention(stats)
     layer.expire_window()
     for observer in layer.observers:

@@ -19,17 +19,6 @@ from kvcompress.core.model_spec import ModelCheck, ModelSpec
 from kvcompress.core.quantized_layer import quantized_layer_class
 from kvcompress.core.rope import has_rotary, layer_inv_freqs
 
-
-def layer_class_for(config: MethodConfig, window: int | None) -> type[CompressedLayer]:
-    """The layer class of ``config``'s method on a layer with this sliding ``window`` (``None``: a global layer):
-    there the config's ``sliding_layer_class(window)``, else the layer class's, else the usual class."""
-    layer_class = config.layer_class() or CompressedLayer
-    if window is not None:
-        by_config = getattr(config, "sliding_layer_class", None)
-        layer_class = by_config(window) if by_config else getattr(layer_class, "sliding_layer_class", layer_class)
-    return quantized_layer_class(config, layer_class)  # (the layer itself at kv_bits=16)
-
-
 HOOKED = "_kvcompress_input_check"
 
 
@@ -84,7 +73,11 @@ class CompressedCache(Cache):
         inv_freqs = layer_inv_freqs(model) if needs_rope else [None] * spec.layers
         layers = []
         for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):
-            layers.append(layer_class_for(config, window)(policy, inv_freq))
+            layer_class = config.layer_class() or CompressedLayer
+            if window is not None:  # a sliding layer's: the config's ``sliding_layer_class(window)``, else the class's
+                sliding = getattr(config, "sliding_layer_class", None)
+                layer_class = sliding(window) if sliding else getattr(layer_class, "sliding_layer_class", layer_class)
+            layers.append(quantized_layer_class(config, layer_class)(policy, inv_freq))  # (itself at kv_bits=16)
             layers[-1].sliding_window = window
         super().__init__(layers=layers)
         self.config = config

@@ -33,9 +33,7 @@ class ModelSpec:
         config = model.config.get_text_config()
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None)
-        if head_dim is None and heads:
-            head_dim = config.hidden_size // heads
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
         window = getattr(config, "sliding_window", None)
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types(config))
         trained = getattr(config, "max_position_embeddings", None)

@@ -18,7 +18,7 @@ from kvcompress.core.forward import ForwardPass
 
 def rotation_to(
     position_ids: torch.Tensor,
-    targets: tuple[int, ...],
+    targets: tuple[int | torch.Tensor, ...],
     inv_freq: torch.Tensor,
     dim: int,
     dtype: torch.dtype,
@@ -27,18 +27,25 @@ def rotation_to(
     tag: Hashable = None,
 ) -> torch.Tensor:
     """``[B, 1, d, k d]``: for ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_to(...))``
-    holds ``x`` rotated to each of the ``targets``, times ``scale``. Built once per ``forward`` where it is given;
-    ``tag`` tells apart position tensors of one forward (one per token where its tokens are stepped in turn)."""
+    holds ``x`` rotated to each of the ``targets`` (ints, or 0-dim integer tensors: a replayed step's), times
+    ``scale``. Built once per ``forward`` where it is given; ``tag`` tells apart position tensors of one forward (one
+    per token where its tokens are stepped in turn)."""
+
+    def build() -> torch.Tensor:
+        positions = position_ids[..., -1].reshape(-1)
+        delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
+        cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)  # [B, k, d]
+        index = torch.arange(dim, device=cos.device)
+        # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry
+        # by entry (no dense intermediates); sin first, so that a pass-through dimension (swap(j) = j, sin 0) keeps
+        # its cos
+        rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
+        rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
+        rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
+        return rotation.view(cos.shape[0], 1, dim, -1)
+
     key = ("rotation-to", tag, targets, inv_freq.data_ptr(), dim, dtype, scale)
-    build = lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale)  # noqa: E731
     return build() if forward is None else forward.cached(key, build)
-
-
-def rotation_to_tensor(
-    position_ids: torch.Tensor, target: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``rotation_to`` of one target held on the device (a 0-dim integer tensor: a replayed step's)."""
-    return _rotation_to(position_ids, (target,), inv_freq, dim, dtype, 1.0)
 
 
 def frames_along(
@@ -70,19 +77,6 @@ def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     batch, heads, _, dim = x.shape
     rows = rotation.shape[0]  # B, or 1 for position_ids shared by the batch
     return torch.bmm(x.reshape(rows, -1, dim), rotation.view(rows, dim, -1)).view(batch, heads, -1, dim)
-
-
-def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Tensor:
-    positions = position_ids[..., -1].reshape(-1)
-    delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
-    cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)  # [B, k, d]
-    index = torch.arange(dim, device=cos.device)
-    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry by
-    # entry (no dense intermediates); sin first, so that a pass-through dimension (swap(j) = j, sin 0) keeps its cos
-    rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
-    rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
-    rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
-    return rotation.view(cos.shape[0], 1, dim, -1)
 
 
 def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, scale: float) -> tuple[torch.Tensor, ...]:

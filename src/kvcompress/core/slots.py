@@ -99,9 +99,7 @@ class SlotBuffers:
         tensors = {
             "keys": key_states.new_empty(batch, heads, 0, key_states.shape[-1]),
             "values": value_states.new_empty(batch, heads, 0, value_states.shape[-1]),
-            "token_idx": torch.empty(batch, heads, 0, **long),
-            "rope_pos": torch.empty(batch, heads, 0, **long),
-            "rank": torch.empty(batch, heads, 0, **long),
+            **{name: torch.empty(batch, heads, 0, **long) for name in ("token_idx", "rope_pos", "rank")},
             "valid": torch.empty(batch, heads, 0, dtype=torch.bool, device=key_states.device),
         }
         return cls(tensors, {}, torch.zeros(batch, **long))

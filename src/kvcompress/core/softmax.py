@@ -101,13 +101,11 @@ def chunked_softmax(
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
         if lse:
             lses.append(logits.logsumexp(dim=-1))
-        if logits.requires_grad:  # recorded for a backward pass: the same values, computed out of place
-            probs = logits.softmax(dim=-1)
-            probs = probs if mask is None or rows_see_keys else probs.nan_to_num(0.0)
-        else:
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
-            if mask is not None and not rows_see_keys:
-                probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
+        # in place, as logits are not needed, unless recorded for a backward pass (the same values, out of place)
+        grad = logits.requires_grad
+        probs = logits.softmax(dim=-1) if grad else torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+        if mask is not None and not rows_see_keys:  # a row that sees nothing is all zero
+            probs = probs.nan_to_num(0.0) if grad else probs.nan_to_num_(0.0)
         if values is not None:
             flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, seen)
             outputs.append(torch.bmm(flat, values[:, :seen]).view(batch, kv_heads, groups, rows, -1))
