@@ -79,9 +79,8 @@ class Selection:
 
     def as_mask(self, width: int) -> torch.Tensor:
         """The kept slots as a ``[B, H_kv, width]`` mask."""
-        shape = (*self.indices.shape[:2], width)
-        kept = torch.ones_like(self.indices, dtype=torch.bool) if self.valid is None else self.valid
-        return torch.zeros(shape, dtype=torch.bool, device=self.indices.device).scatter_(2, self.indices, kept)
+        mask = self.indices.new_zeros(*self.indices.shape[:2], width, dtype=torch.bool)
+        return mask.scatter_(2, self.indices, True if self.valid is None else self.valid)
 
 
 @runtime_checkable

@@ -125,9 +125,5 @@ def _stacked_stats(stats: list[AttentionStats | None]) -> AttentionStats | None:
     """The layers' statistics of one query, stacked along the batch (``None`` where the policy asks for none)."""
     if stats[0] is None:
         return None
-
-    def joined(name: str) -> torch.Tensor | None:
-        parts = [getattr(s, name) for s in stats]
-        return None if parts[0] is None else torch.cat(parts)
-
-    return AttentionStats(query_count=1, received=joined("received"), last=joined("last"), lse=joined("lse"))
+    names = [name for name in ("received", "last", "lse") if getattr(stats[0], name) is not None]
+    return AttentionStats(1, **{name: torch.cat([getattr(s, name) for s in stats]) for name in names})

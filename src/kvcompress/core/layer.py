@@ -298,10 +298,9 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         if every_slot_real and (self.dense or query_count == 1):
             return None
         heads = 1 if not self.policy.per_head else self.slots.token_idx.shape[1]
-        token_idx, valid = self.token_idx[:, :heads], self.valid[:, :heads]
-        keys = token_idx[:, :, None, :]
+        keys = self.token_idx[:, :heads, None, :]
         queries = torch.arange(self.seen - query_count, self.seen, device=self.device)[None, None, :, None]
-        mask = (keys <= queries) & (valid[:, :, None, :] | (keys == queries))
+        mask = (keys <= queries) & (self.valid[:, :heads, None, :] | (keys == queries))
         if sliding_window is not None:
             mask &= keys > queries - sliding_window
         return mask
@@ -326,10 +325,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         if not (self.dense and self.all_valid and self.occupied == self.seen and self.stream_positions):
             return False
         positions, first = self.new_positions, self.seen - self.new_tokens
-        key = ("stream-positions", first)
-        self.stream_positions = positions is not None and self.forward_pass.cached(
-            key, lambda: counts_from(positions, first)
-        )
+        read = lambda: counts_from(positions, first)  # noqa: E731
+        self.stream_positions = positions is not None and self.forward_pass.cached(("stream-positions", first), read)
         return self.stream_positions
 
     # --- transformers' layer API ---------------------------------------------------------------------------

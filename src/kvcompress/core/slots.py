@@ -126,11 +126,9 @@ class SlotBuffers:
         """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
         resized = {}
         for name, tensor in self._all().items():
-            fresh = tensor.new_zeros(*tensor.shape[:2], capacity, *tensor.shape[3:])
-            fresh[:, :, :keep] = tensor[:, :, :keep]
-            resized[name] = fresh
-        for name in ("token_idx", "rank"):
-            resized[name][:, :, keep:] = FREE
+            fill = FREE if name in ("token_idx", "rank") else 0
+            resized[name] = tensor.new_full((*tensor.shape[:2], capacity, *tensor.shape[3:]), fill)
+            resized[name][:, :, :keep] = tensor[:, :, :keep]
         self._put_all(resized)
 
     def grow(self, capacity: int) -> None:
