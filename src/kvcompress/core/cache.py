@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -114,7 +115,13 @@ class CompressedCache(Cache):
             spec.refuse(f"a model whose forward stopped before layer {spec.layers - 1}")
         seen = first.get_seq_length() + key_states.shape[2]
         if self._warn_after is not None and seen > self._warn_after:
-            spec.warn_past_trained_length(seen, self.config.name)
+            warnings.warn(
+                f"{spec.model} was trained on {spec.max_positions} positions and {self.config.name!r} keeps original "
+                f"positions: after {seen} tokens the model sees positions it was not trained on and its predictions "
+                "degrade (use a method re-indexing positions inside the cache, e.g. streaming or cascade)",
+                UserWarning,
+                stacklevel=3,
+            )
             self._warn_after = None
 
     # transformers' ``generate`` marks a cache handed to it with ``cache._is_user_defined = True`` when it starts:

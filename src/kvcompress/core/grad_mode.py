@@ -34,8 +34,4 @@ def recorded_as_computed() -> contextlib.AbstractContextManager:
     gradients are off, nothing (a null context)."""
     if not torch.is_grad_enabled():
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(torch.clone, _unchanged)
-
-
-def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+    return torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda tensor: tensor)

@@ -177,7 +177,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.new_positions = position_ids if exact and position_ids.device == self.device else None
         if position_ids is not None:
             positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
-            positions = positions.to(self.device)
+            positions = positions if positions.device == self.device else positions.to(self.device)
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
         # the caller passes ``padding`` only when some new token is padding

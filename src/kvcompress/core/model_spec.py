@@ -7,7 +7,6 @@ config has a ``sliding_window``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,16 +53,6 @@ class ModelSpec:
         raise ValueError(
             f"this cache was built for {self.describe()} and is used with {found}: build one cache per model "
             "with kvcompress.cache_for(model, method, ...)"
-        )
-
-    def warn_past_trained_length(self, seen: int, method: str) -> None:
-        """Warn that a method keeping original positions now rotates keys past the trained length."""
-        warnings.warn(
-            f"{self.model} was trained on {self.max_positions} positions and {method!r} keeps original positions: "
-            f"after {seen} tokens the model sees positions it was not trained on and its predictions degrade (use a "
-            "method re-indexing positions inside the cache, e.g. streaming or cascade)",
-            UserWarning,
-            stacklevel=4,
         )
 
 
