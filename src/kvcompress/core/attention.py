@@ -144,14 +144,13 @@ def sdpa(
 def _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window) -> tuple[torch.Tensor, None]:
     """A prepared model with an ordinary cache (or none): causal and padding mask."""
     queries, length = query.shape[2], key.shape[2]
-    query_idx = torch.arange(length - queries, length, device=query.device)[:, None]
-    key_idx = torch.arange(length, device=query.device)[None, :]
-    mask = key_idx <= query_idx
+    query_idx = torch.arange(length - queries, length, device=query.device)[None, None, :, None]
+    key_idx = torch.arange(length, device=query.device)
+    mask = key_idx <= query_idx  # [1, 1, q, L]
     if sliding_window is not None:
         mask = mask & (key_idx > query_idx - sliding_window)
-    mask = mask[None, None]
     if attention_mask is not None and attention_mask.dim() == 2:
-        mask = mask & (attention_mask[:, None, None, -length:].bool() | (key_idx == query_idx)[None, None])
+        mask = mask & (attention_mask[:, None, None, -length:].bool() | (key_idx == query_idx))
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
     return sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
@@ -171,8 +170,7 @@ def attention_with_stats(
     ``causal``: the additive mask SDPA takes when ``mask`` is ``None``, see ``causal_bias``).
 
     Mass received (or the rows' log-normalisers) needs every query's probabilities: the chunked softmax gives output
-    and mass together. Rows of the last ``n`` queries alone need only that ``n x L`` block, computed beside SDPA.
-    """
+    and mass together. Rows of the last ``n`` queries alone need only that ``n x L`` block, computed beside SDPA."""
     queries, length = query.shape[2], key.shape[2]
     last_n = min(request.last_queries, queries)
     last_visible = None  # (one query with no mask sees every key)

@@ -52,8 +52,7 @@ class Keep:
     (one-shot ratios); ``protected`` ``[B, H_kv, W]`` tokens are kept first. The layer evicts the rest, lowest score
     first, the older token first among equals; padding is never kept. Facts that spare work while decoding:
     ``newest_kept``, how many newest real tokens the rule keeps anyway (a protected window, or scores growing with
-    recency: the forward's own tokens then need no protection), and ``distinct``, no two real tokens share a score.
-    """
+    recency: the forward's own tokens then need no protection); ``distinct``: no two real tokens share a score."""
 
     scores: torch.Tensor
     count: int | torch.Tensor
@@ -184,8 +183,7 @@ STORAGE_FIELDS = ("kv_bits", "kv_group", "kv_residual")  # every method's; liste
 
 def method_fields(config_class: type) -> list[dataclasses.Field]:
     """A config class's fields, its method's own first, then the storage fields every method takes."""
-    fields = dataclasses.fields(config_class)
-    return [f for f in fields if f.name not in STORAGE_FIELDS] + [f for f in fields if f.name in STORAGE_FIELDS]
+    return sorted(dataclasses.fields(config_class), key=lambda field: field.name in STORAGE_FIELDS)  # (stable)
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,7 @@ def chunked_softmax(
     ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the mass each key
     receives, summed over rows (weighted by ``row_weight`` ``[B, q]`` if given; a row that sees no key counts for
     nothing); ``last_n`` for the probability rows of the last ``n`` queries. ``rows_see_keys``: the mask leaves every
-    row a key (no row to zero after the softmax).
-    """
+    row a key (no row to zero after the softmax)."""
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
@@ -139,21 +138,16 @@ def _one_query(
     batch, q_heads = query.shape[:2]
     kv_heads, length = key.shape[1], key.shape[2]
     logits = one_query_logits(query, key, scale)
-    parts = SoftmaxParts()
     top = logits.amax(dim=-1) if lse else None
     probs = logits.softmax(dim=-1)
+    row_lse = None
     if lse and logits.requires_grad:  # recorded for a backward pass: the same values, out of place
-        parts.lse = (top - probs.amax(dim=-1).log()).view(batch, q_heads, 1)
+        row_lse = (top - probs.amax(dim=-1).log()).view(batch, q_heads, 1)
     elif lse:  # a row's largest probability is e^(max logit - lse) >= 1 / L: no underflow, half logsumexp's ops
-        parts.lse = top.sub_(probs.amax(dim=-1).log_()).view(batch, q_heads, 1)
-    if value is not None:
-        parts.output = torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)
+        row_lse = top.sub_(probs.amax(dim=-1).log_()).view(batch, q_heads, 1)
+    output = None if value is None else torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)
     probs = probs.view(batch, kv_heads, -1, length)
-    if received:
-        parts.received = probs
-    if last_n:
-        parts.last = probs.unsqueeze(3)
-    return parts
+    return SoftmaxParts(output, row_lse, probs if received else None, probs.unsqueeze(3) if last_n else None)
 
 
 def one_query_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
