@@ -208,6 +208,5 @@ class CompressedCache(Cache):
         tensor, only the method's and the model's configs shared (read-only), no observers. Fork outside autograd
         (a tensor that requires gradients cannot be copied) and outside a captured decoding graph."""
         memo: dict[int, object] = {id(self.config): self.config, id(self.model_check.config): self.model_check.config}
-        for layer in self.compressed_layers:
-            memo[id(layer.observers)] = []
+        memo.update({id(layer.observers): [] for layer in self.compressed_layers})
         return copy.deepcopy(self, memo)

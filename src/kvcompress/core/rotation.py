@@ -36,9 +36,8 @@ def rotation_to(
         delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
         cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)  # [B, k, d]
         index = torch.arange(dim, device=cos.device)
-        # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry
-        # by entry (no dense intermediates); sin first, so that a pass-through dimension (swap(j) = j, sin 0) keeps
-        # its cos
+        # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj, rows the input dimensions; written entry
+        # by entry (no dense intermediates), sin first: a pass-through dimension (swap(j) = j, sin 0) keeps its cos
         rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
         rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
         rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
