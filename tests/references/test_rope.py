@@ -1,7 +1,7 @@
 """``rotate_by`` (the re-rotation behind ``position_mode="cache"``) against transformers' own rotary embedding.
 
 A vector rotated by the model (its ``rotary_emb`` cos/sin and its ``apply_rotary_pos_emb``) at position ``a`` and
-then moved by ``d`` with ``rotate_by`` and the frequencies the library reads from the model (``find_inv_freq``)
+then moved by ``d`` with ``rotate_by`` and the frequencies the library reads from the model (``layer_inv_freqs``)
 equals the vector the model rotates at ``a + d`` (``attention_scaling``, e.g. YaRN's, applied once). Checked for
 every static RoPE type (``default``, ``linear``, ``llama3``, ``yarn``), for partial rotary (Phi-3's
 ``partial_rotary_factor``: only the rotary dimensions move) and for per-layer-type frequencies (Gemma-3's sliding
@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial_rotary_pos_emb
 
 import kvcompress
-from kvcompress.core.rope import find_inv_freq, rotate_by
+from kvcompress.core.rope import layer_inv_freqs, rotate_by
 from kvcompress.generation import cache_argument
 
 ROPE_TYPES = {
@@ -81,7 +81,7 @@ def test_rotate_by_moves_a_model_rotated_vector_like_the_model_itself(rope, tiny
     def rotate(x, positions):
         return apply_rotary_pos_emb(x, x, *rotary(x, positions))[0]
 
-    assert_moves_like_the_model(rotate, find_inv_freq(model))
+    assert_moves_like_the_model(rotate, layer_inv_freqs(model)[0])
 
 
 def test_rotate_by_moves_only_the_rotary_dimensions_of_a_partial_rotary_model():
@@ -89,7 +89,7 @@ def test_rotate_by_moves_only_the_rotary_dimensions_of_a_partial_rotary_model():
     with torch.random.fork_rng(devices=[]):
         model = Phi3ForCausalLM(config).eval()
     rotary = model.model.rotary_emb
-    inv_freq = find_inv_freq(model)
+    inv_freq = layer_inv_freqs(model)[0]
     assert 2 * inv_freq.shape[-1] == 8  # half of the 16 dimensions rotate
 
     def rotate(x, positions):
@@ -110,13 +110,13 @@ def test_rotate_by_uses_each_layer_types_frequencies():
     with torch.random.fork_rng(devices=[]):
         model = Gemma3ForCausalLM(config).eval()
     rotary = model.model.rotary_emb
-    assert not torch.equal(find_inv_freq(model, 0), find_inv_freq(model, 1))  # two bases: the test can tell
+    assert not torch.equal(layer_inv_freqs(model)[0], layer_inv_freqs(model)[1])  # two bases: the test can tell
     for layer, layer_type in enumerate(config.layer_types):
 
         def rotate(x, positions, layer_type=layer_type):
             return apply_rotary_pos_emb(x, x, *rotary(x, positions, layer_type))[0]
 
-        assert_moves_like_the_model(rotate, find_inv_freq(model, layer))
+        assert_moves_like_the_model(rotate, layer_inv_freqs(model)[layer])
 
 
 @pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))

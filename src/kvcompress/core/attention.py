@@ -47,12 +47,8 @@ def kvcompress_attention(
     if layer is None:
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
     padding = _padding(layer, attention_mask, query.shape[2])
-    positions = kwargs.get("position_ids")
-    if torch.is_grad_enabled():  # a backward pass reads what this step saw, whatever later steps write in place
-        with recorded_as_computed():
-            output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
-    else:
-        output = attend_layer(layer, query, key, value, padding, positions, scaling, sliding_window)
+    with recorded_as_computed():  # a backward pass reads what this step saw, whatever later steps write in place
+        output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -76,19 +72,17 @@ def attend_layer(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One layer's step after ``layer.update``: record positions and padding, attend, evict; ``[B, H, q, d]``."""
-    queries = query.shape[2]
     forward = layer.forward_pass
     if not forward.is_open:  # a layer driven on its own
         forward.begin(layer)
     layer.register_new_tokens(position_ids, padding)
     query, key = layer.positioned(query, key)
-    mask = layer.attention_mask(queries, sliding_window)
-    request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+    mask = layer.attention_mask(query.shape[2], sliding_window)
     custom = layer.attend(query, key, value, mask, scaling)
-    if custom is not None:
-        output, stats = custom
-    else:
-        output, stats = layer_attention(query, key, value, mask, scaling, request, position_ids, forward)
+    if custom is None:
+        request = layer.policy.stats if layer.policy.wants_stats(layer) else StatsRequest()
+        custom = layer_attention(query, key, value, mask, scaling, request, position_ids, forward)
+    output, stats = custom
     layer.after_attention(stats)
     layer.expire_window()
     for observer in layer.observers:
@@ -150,14 +144,13 @@ def sdpa(
 def _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window) -> tuple[torch.Tensor, None]:
     """A prepared model with an ordinary cache (or none): causal and padding mask."""
     queries, length = query.shape[2], key.shape[2]
-    query_idx = torch.arange(length - queries, length, device=query.device)[:, None]
-    key_idx = torch.arange(length, device=query.device)[None, :]
-    mask = key_idx <= query_idx
+    query_idx = torch.arange(length - queries, length, device=query.device)[None, None, :, None]
+    key_idx = torch.arange(length, device=query.device)
+    mask = key_idx <= query_idx  # [1, 1, q, L]
     if sliding_window is not None:
         mask = mask & (key_idx > query_idx - sliding_window)
-    mask = mask[None, None]
     if attention_mask is not None and attention_mask.dim() == 2:
-        mask = mask & (attention_mask[:, None, None, -length:].bool() | (key_idx == query_idx)[None, None])
+        mask = mask & (attention_mask[:, None, None, -length:].bool() | (key_idx == query_idx))
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
     return sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
@@ -177,8 +170,7 @@ def attention_with_stats(
     ``causal``: the additive mask SDPA takes when ``mask`` is ``None``, see ``causal_bias``).
 
     Mass received (or the rows' log-normalisers) needs every query's probabilities: the chunked softmax gives output
-    and mass together. Rows of the last ``n`` queries alone need only that ``n x L`` block, computed beside SDPA.
-    """
+    and mass together. Rows of the last ``n`` queries alone need only that ``n x L`` block, computed beside SDPA."""
     queries, length = query.shape[2], key.shape[2]
     last_n = min(request.last_queries, queries)
     last_visible = None  # (one query with no mask sees every key)
@@ -186,22 +178,20 @@ def attention_with_stats(
         last_visible = causal_mask(last_n, length, query.device)
     elif last_n and mask is not None:
         last_visible = mask[:, :, queries - last_n :]
-    stats = AttentionStats(query_count=queries)
     options = {"last_n": last_n, "rows_see_keys": rows_see_keys}
+    received = lse = None
     if request.received or request.lse:
         parts = chunked_softmax(
             query, key, mask, scaling, value=value, lse=request.lse, received=request.received, **options
         )
-        output, stats.received, stats.lse, last = parts.output, parts.received, parts.lse, parts.last
+        output, received, lse, last = parts.output, parts.received, parts.lse, parts.last
     elif last_n == queries:  # a decoding step: one softmax gives the output and the rows
         parts = chunked_softmax(query, key, last_visible, scaling, value=value, **options)
         output, last = parts.output, parts.last
     else:
         output = sdpa(query, key, value, mask if causal is None else causal, scaling)
         last = chunked_softmax(query[:, :, queries - last_n :], key, last_visible, scaling, **options).last
-    if last_n:
-        stats.last, stats.last_visible = last, last_visible
-    return output, stats
+    return output, AttentionStats(queries, received, last, last_visible, lse)
 
 
 def register_attention(name: str, attention: Callable, mask: Callable) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,17 +19,6 @@ from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.model_spec import ModelCheck, ModelSpec
 from kvcompress.core.quantized_layer import quantized_layer_class
 from kvcompress.core.rope import has_rotary, layer_inv_freqs
-
-
-def layer_class_for(config: MethodConfig, window: int | None) -> type[CompressedLayer]:
-    """The layer class of ``config``'s method on a layer with this sliding ``window`` (``None``: a global layer):
-    there the config's ``sliding_layer_class(window)``, else the layer class's, else the usual class."""
-    layer_class = config.layer_class() or CompressedLayer
-    if window is not None:
-        by_config = getattr(config, "sliding_layer_class", None)
-        layer_class = by_config(window) if by_config else getattr(layer_class, "sliding_layer_class", layer_class)
-    return quantized_layer_class(config, layer_class)  # (the layer itself at kv_bits=16)
-
 
 HOOKED = "_kvcompress_input_check"
 
@@ -84,7 +74,11 @@ class CompressedCache(Cache):
         inv_freqs = layer_inv_freqs(model) if needs_rope else [None] * spec.layers
         layers = []
         for policy, inv_freq, window in zip(policies, inv_freqs, spec.windows, strict=True):
-            layers.append(layer_class_for(config, window)(policy, inv_freq))
+            layer_class = config.layer_class() or CompressedLayer
+            if window is not None:  # a sliding layer's: the config's ``sliding_layer_class(window)``, else the class's
+                sliding = getattr(config, "sliding_layer_class", None)
+                layer_class = sliding(window) if sliding else getattr(layer_class, "sliding_layer_class", layer_class)
+            layers.append(quantized_layer_class(config, layer_class)(policy, inv_freq))  # (itself at kv_bits=16)
             layers[-1].sliding_window = window
         super().__init__(layers=layers)
         self.config = config
@@ -108,10 +102,8 @@ class CompressedCache(Cache):
             self._check_forward(layer_idx, key_states)
         layer = self.layers[layer_idx]
         layer.forward_pass.begin(layer)
-        if torch.is_grad_enabled():  # (see ``recorded_as_computed``)
-            with recorded_as_computed():
-                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        with recorded_as_computed():
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_forward(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Once per forward: the shapes match, the previous forward reached the last layer, and a warning once past
@@ -123,7 +115,13 @@ class CompressedCache(Cache):
             spec.refuse(f"a model whose forward stopped before layer {spec.layers - 1}")
         seen = first.get_seq_length() + key_states.shape[2]
         if self._warn_after is not None and seen > self._warn_after:
-            spec.warn_past_trained_length(seen, self.config.name)
+            warnings.warn(
+                f"{spec.model} was trained on {spec.max_positions} positions and {self.config.name!r} keeps original "
+                f"positions: after {seen} tokens the model sees positions it was not trained on and its predictions "
+                "degrade (use a method re-indexing positions inside the cache, e.g. streaming or cascade)",
+                UserWarning,
+                stacklevel=3,
+            )
             self._warn_after = None
 
     # transformers' ``generate`` marks a cache handed to it with ``cache._is_user_defined = True`` when it starts:
@@ -210,6 +208,5 @@ class CompressedCache(Cache):
         tensor, only the method's and the model's configs shared (read-only), no observers. Fork outside autograd
         (a tensor that requires gradients cannot be copied) and outside a captured decoding graph."""
         memo: dict[int, object] = {id(self.config): self.config, id(self.model_check.config): self.model_check.config}
-        for layer in self.compressed_layers:
-            memo[id(layer.observers)] = []
+        memo.update({id(layer.observers): [] for layer in self.compressed_layers})
         return copy.deepcopy(self, memo)

@@ -52,8 +52,7 @@ class Keep:
     (one-shot ratios); ``protected`` ``[B, H_kv, W]`` tokens are kept first. The layer evicts the rest, lowest score
     first, the older token first among equals; padding is never kept. Facts that spare work while decoding:
     ``newest_kept``, how many newest real tokens the rule keeps anyway (a protected window, or scores growing with
-    recency: the forward's own tokens then need no protection), and ``distinct``, no two real tokens share a score.
-    """
+    recency: the forward's own tokens then need no protection); ``distinct``: no two real tokens share a score."""
 
     scores: torch.Tensor
     count: int | torch.Tensor
@@ -79,9 +78,8 @@ class Selection:
 
     def as_mask(self, width: int) -> torch.Tensor:
         """The kept slots as a ``[B, H_kv, width]`` mask."""
-        shape = (*self.indices.shape[:2], width)
-        kept = torch.ones_like(self.indices, dtype=torch.bool) if self.valid is None else self.valid
-        return torch.zeros(shape, dtype=torch.bool, device=self.indices.device).scatter_(2, self.indices, kept)
+        mask = self.indices.new_zeros(*self.indices.shape[:2], width, dtype=torch.bool)
+        return mask.scatter_(2, self.indices, True if self.valid is None else self.valid)
 
 
 @runtime_checkable
@@ -185,8 +183,7 @@ STORAGE_FIELDS = ("kv_bits", "kv_group", "kv_residual")  # every method's; liste
 
 def method_fields(config_class: type) -> list[dataclasses.Field]:
     """A config class's fields, its method's own first, then the storage fields every method takes."""
-    fields = dataclasses.fields(config_class)
-    return [f for f in fields if f.name not in STORAGE_FIELDS] + [f for f in fields if f.name in STORAGE_FIELDS]
+    return sorted(dataclasses.fields(config_class), key=lambda field: field.name in STORAGE_FIELDS)  # (stable)
 
 
 @dataclass(frozen=True)
@@ -254,10 +251,9 @@ def _own_message(config: MethodConfig, name: str) -> str | None:
     """The config's own ``validate`` message for a bad ``name`` (it states the range), if it gives one."""
     try:
         config.validate()
-    except ValueError as error:
-        return str(error) if str(error).startswith(f"{name} ") else None
-    except Exception:  # validate may fail in any way on a value of the wrong type
-        return None
+    except Exception as error:  # validate may fail in any way on a value of the wrong type
+        if isinstance(error, ValueError) and str(error).startswith(f"{name} "):
+            return str(error)
     return None
 
 
@@ -277,9 +273,7 @@ def _is_a(value: object, kind: object) -> bool:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
         return isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            return False
+    if origin is tuple and isinstance(value, (tuple, list)):
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_is_a(item, args[0]) for item in value)
         return len(value) == len(args) and all(map(_is_a, value, args))

@@ -97,11 +97,7 @@ def victims_of_rule(
     excess = max(0, layer.occupied - most)
     ranked = ranked_scores(rule, layer)
     width = ranked.shape[-1]
-    order = (
-        lowest_victims(ranked, layer.token_idx, width, layer.ordered)
-        if width > 1
-        else ranked.new_zeros(*ranked.shape[:2], width, dtype=torch.long)
-    )
+    order = lowest_victims(ranked, layer.token_idx, width, layer.ordered)
     place = torch.empty_like(order).scatter_(-1, order, torch.arange(width, device=order.device).expand_as(order))
     invalidate = (place >= excess) & (place < excess + (most - count)[:, None, None])
     return (order[..., :excess] if excess else None), invalidate

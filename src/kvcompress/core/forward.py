@@ -68,10 +68,9 @@ class ForwardPass:
         inputs); outside a forward, each time."""
         if not self.is_open:
             return build()
-        tables = self._tables
-        if key not in tables:
-            tables[key] = build()
-        return tables[key]
+        if key not in self._tables:
+            self._tables[key] = build()
+        return self._tables[key]
 
     def at_end(self, key: Hashable, job: Callable[[], None]) -> None:
         """Run ``job()`` when the forward closes; a ``key`` registered already keeps its first job."""

@@ -30,10 +30,8 @@ def without_grad(function: Callable[P, R]) -> Callable[P, R]:
 
 def recorded_as_computed() -> contextlib.AbstractContextManager:
     """Every tensor autograd saves inside this block is saved as a copy: a compressed cache writes its slots, rings
-    and states in place at later steps, which would otherwise change what an earlier step's backward reads. Callers
-    enter it only where gradients are on."""
-    return torch.autograd.graph.saved_tensors_hooks(torch.clone, _unchanged)
-
-
-def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+    and states in place at later steps, which would otherwise change what an earlier step's backward reads. Where
+    gradients are off, nothing (a null context)."""
+    if not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda tensor: tensor)

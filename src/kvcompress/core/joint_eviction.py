@@ -80,16 +80,14 @@ def _stacked(forward, layers: list) -> dict[str, torch.Tensor] | None:
         return None
     buffers = {}
     for name in ["token_idx", *(f"state.{name}" for name in first.slots.state)]:
-        tensors = [_buffer(layer, name) for layer in layers]
+        homes = [(x.slots.state, name[6:]) if name.startswith("state.") else (x.slots.tensors, name) for x in layers]
+        tensors = [home[key] for home, key in homes]
         buffers[name], views = forward.stacked(f"{JOB}.{name}", tensors) if agree(tensors) else (None, None)
         if views is None:
             return None
-        for layer, tensor, view in zip(layers, tensors, views, strict=True):
+        for (home, key), tensor, view in zip(homes, tensors, views, strict=True):
             if tensor is not view:
-                if name.startswith("state."):
-                    layer.slots.state[name[6:]] = view
-                else:
-                    layer.slots.tensors[name] = view
+                home[key] = view
     return buffers
 
 
@@ -123,17 +121,9 @@ def _same_method(policy, first) -> bool:
     return policy.batchable and not policy.one_shot and type(policy) is type(first) and policy.config == first.config
 
 
-def _buffer(layer: LayerView, name: str) -> torch.Tensor:
-    return layer.slots.state[name[6:]] if name.startswith("state.") else layer.slots.tensors[name]
-
-
 def _stacked_stats(stats: list[AttentionStats | None]) -> AttentionStats | None:
     """The layers' statistics of one query, stacked along the batch (``None`` where the policy asks for none)."""
     if stats[0] is None:
         return None
-
-    def joined(name: str) -> torch.Tensor | None:
-        parts = [getattr(s, name) for s in stats]
-        return None if parts[0] is None else torch.cat(parts)
-
-    return AttentionStats(query_count=1, received=joined("received"), last=joined("last"), lse=joined("lse"))
+    names = [name for name in ("received", "last", "lse") if getattr(stats[0], name) is not None]
+    return AttentionStats(1, **{name: torch.cat([getattr(s, name) for s in stats]) for name in names})

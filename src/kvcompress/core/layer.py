@@ -11,7 +11,7 @@ the slots in use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -28,7 +28,7 @@ from kvcompress.core.slots import SlotBuffers, StreamView
 LAYER_ATTRIBUTE = "_kvcompress_layer"
 
 
-class StateView:
+class StateView(Mapping):
     """``layer.state``: the method's per-token tensors (``buffers``, every slot) as views through ``view``."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], view: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -40,25 +40,17 @@ class StateView:
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         self[name].copy_(value)  # broadcast over heads where ``value`` has one
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.buffers
+    def __iter__(self):
+        return iter(self.buffers)
 
-    def keys(self):
-        return self.buffers.keys()
-
-    def items(self):
-        return [(name, self[name]) for name in self.buffers]
-
-    def values(self):
-        return [self[name] for name in self.buffers]
+    def __len__(self) -> int:
+        return len(self.buffers)
 
 
 class CompressedLayer(SlotReplay, CacheLayerMixin):
     """One decoder layer's compressed KV store, driven by a method ``Policy``."""
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
+    is_sliding = False  # (transformers' mixin: not compileable, not croppable)
     holds_codes = False  # True: a layer storing quantized keys and values (``core.quantized_layer``)
     sliding_window: int | None = None  # the model's window on this layer (set by the cache; None: global layer)
 
@@ -92,15 +84,15 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         return self.occupied if self.dense else self.slots.capacity
 
     def _view(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._stale:
-            self._settle()
+        self._settle()
         width = self.view_width
         return tensor if width == tensor.shape[2] else tensor[:, :, :width]
 
     def _settle(self) -> None:
-        """Mark the last decoding step's victims free."""
-        self._stale = False
-        self.slots.free_at(self._free)
+        """Mark the last decoding step's victims free, if not yet."""
+        if self._stale:
+            self._stale = False
+            self.slots.free_at(self._free)
 
     def _only_none(self, value: None) -> None:  # transformers' base class sets keys/values to None
         if value is not None:
@@ -129,8 +121,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
 
     def kept(self) -> StreamView:
         """The stored tokens in stream order, for inspection."""
-        if self._stale:
-            self._settle()
+        self._settle()
         return self.slots.stream_view(self.view_width)
 
     # --- storage -------------------------------------------------------------------------------------------
@@ -181,20 +172,17 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
 
     def register_new_tokens(self, position_ids: torch.Tensor | None, padding: torch.Tensor | None) -> None:
         """Record the RoPE positions (``[B, q]``) and validity (``[B, q]``, True = real) of the new tokens."""
-        count = self.new_tokens
-        positions = None
+        count, positions = self.new_tokens, None
         exact = position_ids is not None and position_ids.shape[-1] == count and position_ids.dim() == 2
         self.new_positions = position_ids if exact and position_ids.device == self.device else None
         if position_ids is not None:
             positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
-            if positions.device != self.device:
-                positions = positions.to(self.device)
+            positions = positions if positions.device == self.device else positions.to(self.device)
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
-        real = None
-        if padding is not None:  # the caller passes it only when some new token is padding
-            real = padding[:, -count:].to(self.device, torch.bool)
-            self.all_valid = False
+        # the caller passes ``padding`` only when some new token is padding
+        real = None if padding is None else padding[:, -count:].to(self.device, torch.bool)
+        self.all_valid = self.all_valid and padding is None
         one = self.dense and count == 1 and real is None  # one token appended: its slot as an integer
         self.slots.register(self.occupied - 1 if one else self.new_index(), positions, real)
 
@@ -207,13 +195,10 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             return
         if self.policy.wants_stats(self):
             self.policy.observe(self, stats)
-        if self.policy.one_shot:
-            if self.defer_compression or self.new_tokens < 2:
-                return
-            self.compressed = True
-        self.apply(self.policy.select(self))
-        if self.policy.one_shot:
-            self.compact(shrink=True)
+        if not self.policy.one_shot:
+            self.apply(self.policy.select(self))
+        elif not (self.defer_compression or self.new_tokens < 2):
+            self.compress()
 
     def compress(self) -> None:
         """Run a one-shot method's deferred compression now."""
@@ -288,8 +273,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         (keeping room for one token)."""
         if self.slots is None or self.slots.capacity == 0:
             return
-        if self._stale:
-            self._settle()
+        self._settle()
         if not self.dense:
             self.occupied, ragged = self.slots.compact(self.view_width, self.ordered, shrink)
             self.all_valid = self.all_valid and not ragged
@@ -310,16 +294,13 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         A key is visible if it is real and not in the query's future; a padding query sees itself only, so no row is
         empty. ``None`` also for plain causal attention (dense, no padding: the new tokens are the last slots), whose
         mask the caller builds once per forward."""
-        if self.dense and self.all_valid and sliding_window is None:
-            return None
         every_slot_real = self.all_valid and self.occupied == self.view_width and sliding_window is None
-        if query_count == 1 and every_slot_real:
+        if every_slot_real and (self.dense or query_count == 1):
             return None
         heads = 1 if not self.policy.per_head else self.slots.token_idx.shape[1]
-        token_idx, valid = self.token_idx[:, :heads], self.valid[:, :heads]
-        keys = token_idx[:, :, None, :]
+        keys = self.token_idx[:, :heads, None, :]
         queries = torch.arange(self.seen - query_count, self.seen, device=self.device)[None, None, :, None]
-        mask = (keys <= queries) & (valid[:, :, None, :] | (keys == queries))
+        mask = (keys <= queries) & (self.valid[:, :heads, None, :] | (keys == queries))
         if sliding_window is not None:
             mask &= keys > queries - sliding_window
         return mask
@@ -344,10 +325,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         if not (self.dense and self.all_valid and self.occupied == self.seen and self.stream_positions):
             return False
         positions, first = self.new_positions, self.seen - self.new_tokens
-        key = ("stream-positions", first)
-        self.stream_positions = positions is not None and self.forward_pass.cached(
-            key, lambda: counts_from(positions, first)
-        )
+        read = lambda: counts_from(positions, first)  # noqa: E731
+        self.stream_positions = positions is not None and self.forward_pass.cached(("stream-positions", first), read)
         return self.stream_positions
 
     # --- transformers' layer API ---------------------------------------------------------------------------

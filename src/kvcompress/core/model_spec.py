@@ -7,7 +7,6 @@ config has a ``sliding_window``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +32,7 @@ class ModelSpec:
         config = model.config.get_text_config()
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None)
-        if head_dim is None and heads:
-            head_dim = config.hidden_size // heads
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
         window = getattr(config, "sliding_window", None)
         windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types(config))
         trained = getattr(config, "max_position_embeddings", None)
@@ -48,27 +45,14 @@ class ModelSpec:
         """Raise ``ValueError`` if keys ``[B, H_kv, q, d]`` for layer ``layer_idx`` cannot come from this model."""
         heads, dim = key_states.shape[1], key_states.shape[-1]
         if layer_idx >= self.layers:
-            found = f"a model with more than {self.layers} layers (layer index {layer_idx})"
-        elif self.kv_heads is not None and layer_idx == 0 and (heads, dim) != (self.kv_heads, self.head_dim):
-            found = f"a model with {heads} KV heads of dimension {dim}"
-        else:
-            return
-        self.refuse(found)
+            self.refuse(f"a model with more than {self.layers} layers (layer index {layer_idx})")
+        if self.kv_heads is not None and layer_idx == 0 and (heads, dim) != (self.kv_heads, self.head_dim):
+            self.refuse(f"a model with {heads} KV heads of dimension {dim}")
 
     def refuse(self, found: str) -> None:
         raise ValueError(
             f"this cache was built for {self.describe()} and is used with {found}: build one cache per model "
             "with kvcompress.cache_for(model, method, ...)"
-        )
-
-    def warn_past_trained_length(self, seen: int, method: str) -> None:
-        """Warn that a method keeping original positions now rotates keys past the trained length."""
-        warnings.warn(
-            f"{self.model} was trained on {self.max_positions} positions and {method!r} keeps original positions: "
-            f"after {seen} tokens the model sees positions it was not trained on and its predictions degrade (use a "
-            "method re-indexing positions inside the cache, e.g. streaming or cascade)",
-            UserWarning,
-            stacklevel=4,
         )
 
 

@@ -47,8 +47,7 @@ class QuantizedLayer(CompressedLayer):
         self.is_initialized = True
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._stale:
-            self._settle()
+        self._settle()
         self.slots.stream_seen = self.seen  # (a pass taken back, KVzip's reconstruction, rewinds ``seen``)
         return self.slots.view(self.view_width)
 
@@ -70,8 +69,7 @@ class QuantizedLayer(CompressedLayer):
         self._reads_codes, self._ring_read = self.codes_readable(), None
         if not self._reads_codes:
             return super().attended()
-        if self._stale:
-            self._settle()
+        self._settle()
         self.slots.stream_seen = self.seen
         batch, heads = self.slots.token_idx.shape[:2]
         width = self.view_width
@@ -143,8 +141,7 @@ class QuantizedLayer(CompressedLayer):
     def read_slots(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H_kv, n, d]`` of the slots ``index`` ``[B, H_kv, n]`` as attention reads them, from
         the codes (``QuantizedSlotBuffers.read_at``), with the exact window's slots this step's attention found."""
-        if self._stale:
-            self._settle()
+        self._settle()
         self.slots.stream_seen = self.seen
         slots, width, read = self.slots, self.view_width, self._ring_read
         same = read is not None and read[:2] == (width, self.seen)

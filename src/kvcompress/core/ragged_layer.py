@@ -50,8 +50,7 @@ class RaggedLayer(CompressedLayer):
         slot layout is read in place, not compacted first (no second copy of the layer while it moves)."""
         if not (isinstance(rule, KeepMask) and self.policy.one_shot and self.slots is not None):
             return super().apply(rule)
-        if self._stale:
-            self._settle()
+        self._settle()
         if not (self.dense and self.ordered):  # (a one-shot layer has only appended: its slots are in stream order)
             super().apply(rule)
             return self.to_ragged()
@@ -62,8 +61,7 @@ class RaggedLayer(CompressedLayer):
     def to_ragged(self, kept: torch.Tensor | None = None) -> None:
         """Move the real tokens ``kept`` ``[B, H, W]`` marks (default: every real token stored) into a ragged pool
         and drop the slot buffers (once, after compression)."""
-        if self._stale:
-            self._settle()
+        self._settle()
         slots, width = self.slots, self.view_width
         kept = slots.valid[:, :, :width] if kept is None else kept
         record, owns = self._shared_record(slots.keys.shape[0])

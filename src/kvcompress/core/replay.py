@@ -91,15 +91,9 @@ class SlotReplay:
     def replay_steady(self) -> bool:
         """Whether the next decoding step runs the same operations as the last: one token per sequence into the
         victim's slot, no padding stored, no sliding window."""
-        return (
-            self.is_initialized
-            and not self.dense
-            and self._free is not None
-            and self._free.shape[-1] == 1
-            and self.all_valid
-            and self.sliding_window is None
-            and self.occupied < self.slots.capacity
-        )
+        if self._free is None:  # (set only when a one-token step left one victim a row in a holed layer)
+            return False
+        return self.all_valid and self.sliding_window is None and self.occupied < self.slots.capacity
 
     @property
     def seen(self) -> int:

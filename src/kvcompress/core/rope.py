@@ -66,11 +66,6 @@ def has_rotary(model: nn.Module) -> bool:
     return any(".rotary_emb." in f".{name}" for name, _ in model.named_buffers())
 
 
-def find_inv_freq(model: nn.Module, layer_idx: int = 0) -> torch.Tensor:
-    """The inverse frequencies layer ``layer_idx`` rotates with (see ``layer_inv_freqs``)."""
-    return layer_inv_freqs(model)[layer_idx]
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -18,7 +18,7 @@ from kvcompress.core.forward import ForwardPass
 
 def rotation_to(
     position_ids: torch.Tensor,
-    targets: tuple[int, ...],
+    targets: tuple[int | torch.Tensor, ...],
     inv_freq: torch.Tensor,
     dim: int,
     dtype: torch.dtype,
@@ -27,18 +27,24 @@ def rotation_to(
     tag: Hashable = None,
 ) -> torch.Tensor:
     """``[B, 1, d, k d]``: for ``x`` ``[B, H, 1, d]`` rotated at ``position_ids[b, -1]``, ``turn(x, rotation_to(...))``
-    holds ``x`` rotated to each of the ``targets``, times ``scale``. Built once per ``forward`` where it is given;
-    ``tag`` tells apart position tensors of one forward (one per token where its tokens are stepped in turn)."""
+    holds ``x`` rotated to each of the ``targets`` (ints, or 0-dim integer tensors: a replayed step's), times
+    ``scale``. Built once per ``forward`` where it is given; ``tag`` tells apart position tensors of one forward (one
+    per token where its tokens are stepped in turn)."""
+
+    def build() -> torch.Tensor:
+        positions = position_ids[..., -1].reshape(-1)
+        delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
+        cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)  # [B, k, d]
+        index = torch.arange(dim, device=cos.device)
+        # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj, rows the input dimensions; written entry
+        # by entry (no dense intermediates), sin first: a pass-through dimension (swap(j) = j, sin 0) keeps its cos
+        rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
+        rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
+        rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
+        return rotation.view(cos.shape[0], 1, dim, -1)
+
     key = ("rotation-to", tag, targets, inv_freq.data_ptr(), dim, dtype, scale)
-    build = lambda: _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale)  # noqa: E731
     return build() if forward is None else forward.cached(key, build)
-
-
-def rotation_to_tensor(
-    position_ids: torch.Tensor, target: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``rotation_to`` of one target held on the device (a 0-dim integer tensor: a replayed step's)."""
-    return _rotation_to(position_ids, (target,), inv_freq, dim, dtype, 1.0)
 
 
 def frames_along(
@@ -72,19 +78,6 @@ def turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.reshape(rows, -1, dim), rotation.view(rows, dim, -1)).view(batch, heads, -1, dim)
 
 
-def _rotation_to(position_ids, targets, inv_freq, dim, dtype, scale) -> torch.Tensor:
-    positions = position_ids[..., -1].reshape(-1)
-    delta = torch.stack([target - positions for target in targets], 1)  # [B, k]
-    cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)  # [B, k, d]
-    index = torch.arange(dim, device=cos.device)
-    # output dimension j (of target f) = x_j cos_fj + x_swap(j) sin_fj: rows are input dimensions. Written entry by
-    # entry (no dense intermediates); sin first, so that a pass-through dimension (swap(j) = j, sin 0) keeps its cos
-    rotation = torch.zeros(cos.shape[0], dim, cos.shape[1], dim, dtype=dtype, device=cos.device)  # [B, d, k, d]
-    rotation[:, swap, :, index] = sin.permute(2, 0, 1).to(dtype)
-    rotation[:, index, :, index] = cos.permute(2, 0, 1).to(dtype)
-    return rotation.view(cos.shape[0], 1, dim, -1)
-
-
 def _cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, scale: float) -> tuple[torch.Tensor, ...]:
     """For turns by ``delta`` positions (``[...]`` integers): ``cos``, ``sin`` ``[..., d]`` (float64, times
     ``scale``) and ``swap`` ``[d]`` such that output dimension ``j`` = ``x_j cos_j + x_swap(j) sin_j``."""
@@ -104,26 +97,16 @@ def frame_rotation(
 ) -> torch.Tensor:
     """``[d, d]``: ``x @ M`` rotates ``x`` further by ``delta`` positions, shared by the layers of a forward."""
     key = ("frame", delta, inv_freq.data_ptr(), dim, dtype)
-
-    def build() -> torch.Tensor:
-        angles = delta * inv_freq.to(torch.float64)
-        return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
-
-    return forward.cached(key, build)
+    return forward.cached(key, lambda: frame_rotation_at(delta, inv_freq, dim, dtype))
 
 
-def frame_rotation_at(delta: torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor)."""
-    angles = delta.double() * inv_freq.to(torch.float64)
-    return _matrix(angles.cos(), angles.sin(), dim).to(dtype)
-
-
-def _matrix(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[..., d, d]`` rotation matrices (input dimensions in rows) from ``cos``, ``sin`` ``[..., h]``."""
-    cos, sin = torch.diag_embed(cos), torch.diag_embed(sin)
+def frame_rotation_at(delta: int | torch.Tensor, inv_freq: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``frame_rotation`` of a ``delta`` held on the device (a 0-dim integer tensor), or of an int, not shared."""
+    angles = inv_freq.to(torch.float64) * delta
+    cos, sin = torch.diag_embed(angles.cos()), torch.diag_embed(angles.sin())
     rotation = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
     rotary = rotation.shape[-1]
     if rotary < dim:
         rotation = torch.nn.functional.pad(rotation, (0, dim - rotary, 0, dim - rotary))
         rotation[..., rotary:, rotary:] = torch.eye(dim - rotary, device=rotation.device)
-    return rotation
+    return rotation.to(dtype)

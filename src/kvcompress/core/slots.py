@@ -99,9 +99,7 @@ class SlotBuffers:
         tensors = {
             "keys": key_states.new_empty(batch, heads, 0, key_states.shape[-1]),
             "values": value_states.new_empty(batch, heads, 0, value_states.shape[-1]),
-            "token_idx": torch.empty(batch, heads, 0, **long),
-            "rope_pos": torch.empty(batch, heads, 0, **long),
-            "rank": torch.empty(batch, heads, 0, **long),
+            **{name: torch.empty(batch, heads, 0, **long) for name in ("token_idx", "rope_pos", "rank")},
             "valid": torch.empty(batch, heads, 0, dtype=torch.bool, device=key_states.device),
         }
         return cls(tensors, {}, torch.zeros(batch, **long))
@@ -128,11 +126,9 @@ class SlotBuffers:
         """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
         resized = {}
         for name, tensor in self._all().items():
-            fresh = tensor.new_zeros(*tensor.shape[:2], capacity, *tensor.shape[3:])
-            fresh[:, :, :keep] = tensor[:, :, :keep]
-            resized[name] = fresh
-        for name in ("token_idx", "rank"):
-            resized[name][:, :, keep:] = FREE
+            fill = FREE if name in ("token_idx", "rank") else 0
+            resized[name] = tensor.new_full((*tensor.shape[:2], capacity, *tensor.shape[3:]), fill)
+            resized[name][:, :, :keep] = tensor[:, :, :keep]
         self._put_all(resized)
 
     def grow(self, capacity: int) -> None:

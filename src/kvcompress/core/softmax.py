@@ -73,8 +73,7 @@ def chunked_softmax(
     ``[B, H_kv, L, d]`` asks for the output; ``lse`` for the row log-normalisers; ``received`` for the mass each key
     receives, summed over rows (weighted by ``row_weight`` ``[B, q]`` if given; a row that sees no key counts for
     nothing); ``last_n`` for the probability rows of the last ``n`` queries. ``rows_see_keys``: the mask leaves every
-    row a key (no row to zero after the softmax).
-    """
+    row a key (no row to zero after the softmax)."""
     batch, q_heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
@@ -84,7 +83,6 @@ def chunked_softmax(
     keys_t = _flat(key).transpose(1, 2)  # a view: the query heads of a group are folded into rows, never keys copied
     values = None if value is None else _flat(value)
     causal = mask is None and queries > 1
-    parts = SoftmaxParts()
     outputs, lses, last_rows = [], [], []
     mass = torch.zeros(batch, kv_heads, groups, length, device=query.device) if received else None
     chunks = row_chunks(queries, batch * q_heads * length, chunk_elements, CAUSAL_ROWS if causal else None)
@@ -95,23 +93,21 @@ def chunked_softmax(
         # the queries scaled, not the logits: rows x d values instead of rows x L (as SDPA does)
         logits = torch.bmm(group_rows * scale, keys_t[:, :, :seen]).view(batch, kv_heads, groups, rows, seen).float()
         if causal:  # only the chunk's own keys can be in a query's future: the block right of the diagonal
-            logits[..., seen - rows :].masked_fill_(_future(rows, query.device), float("-inf"))
+            future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)
+            logits[..., seen - rows :].masked_fill_(future, float("-inf"))
         elif mask is not None:  # None: one query that sees every key
             rows_mask = mask(start, stop) if callable(mask) else mask[:, :, start:stop]
             logits.masked_fill_(~rows_mask[:, :, None], float("-inf"))  # logits is this chunk's own tensor
-        row_lse = logits.logsumexp(dim=-1) if lse else None
-        if logits.requires_grad:  # recorded for a backward pass: the same values, computed out of place
-            probs = logits.softmax(dim=-1)
-            probs = probs if mask is None or rows_see_keys else probs.nan_to_num(0.0)
-        else:
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: logits are not needed
-            if mask is not None and not rows_see_keys:
-                probs = probs.nan_to_num_(0.0)  # a row that sees nothing is all zero
+        if lse:
+            lses.append(logits.logsumexp(dim=-1))
+        # in place, as logits are not needed, unless recorded for a backward pass (the same values, out of place)
+        grad = logits.requires_grad
+        probs = logits.softmax(dim=-1) if grad else torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+        if mask is not None and not rows_see_keys:  # a row that sees nothing is all zero
+            probs = probs.nan_to_num(0.0) if grad else probs.nan_to_num_(0.0)
         if values is not None:
             flat = probs.to(values.dtype).view(batch * kv_heads, groups * rows, seen)
             outputs.append(torch.bmm(flat, values[:, :seen]).view(batch, kv_heads, groups, rows, -1))
-        if lse:
-            lses.append(row_lse)
         if received and row_weight is None:
             mass[..., :seen].add_(probs.sum(dim=-2))
         elif received:  # the weighted column sums as one product: no weighted copy of the probabilities
@@ -120,18 +116,12 @@ def chunked_softmax(
         if last_n and stop > queries - last_n:
             rows_kept = probs[:, :, :, max(start, queries - last_n) - start :]
             last_rows.append(torch.nn.functional.pad(rows_kept, (0, length - seen)))
-    if value is not None:
-        parts.output = _joined(outputs, 3).reshape(batch, q_heads, queries, -1)
-    if lse:
-        parts.lse = _joined(lses, -1).reshape(batch, q_heads, queries)
-    parts.received = mass
-    if last_rows:
-        parts.last = _joined(last_rows, 3)
-    return parts
-
-
-def _future(rows: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
+    return SoftmaxParts(
+        None if value is None else _joined(outputs, 3).reshape(batch, q_heads, queries, -1),
+        _joined(lses, -1).reshape(batch, q_heads, queries) if lse else None,
+        mass,
+        _joined(last_rows, 3) if last_rows else None,
+    )
 
 
 def _one_query(
@@ -148,21 +138,16 @@ def _one_query(
     batch, q_heads = query.shape[:2]
     kv_heads, length = key.shape[1], key.shape[2]
     logits = one_query_logits(query, key, scale)
-    parts = SoftmaxParts()
     top = logits.amax(dim=-1) if lse else None
     probs = logits.softmax(dim=-1)
+    row_lse = None
     if lse and logits.requires_grad:  # recorded for a backward pass: the same values, out of place
-        parts.lse = (top - probs.amax(dim=-1).log()).view(batch, q_heads, 1)
+        row_lse = (top - probs.amax(dim=-1).log()).view(batch, q_heads, 1)
     elif lse:  # a row's largest probability is e^(max logit - lse) >= 1 / L: no underflow, half logsumexp's ops
-        parts.lse = top.sub_(probs.amax(dim=-1).log_()).view(batch, q_heads, 1)
-    if value is not None:
-        parts.output = torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)
+        row_lse = top.sub_(probs.amax(dim=-1).log_()).view(batch, q_heads, 1)
+    output = None if value is None else torch.bmm(probs.to(value.dtype), _flat(value)).view(batch, q_heads, 1, -1)
     probs = probs.view(batch, kv_heads, -1, length)
-    if received:
-        parts.received = probs
-    if last_n:
-        parts.last = probs.unsqueeze(3)
-    return parts
+    return SoftmaxParts(output, row_lse, probs if received else None, probs.unsqueeze(3) if last_n else None)
 
 
 def one_query_logits(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:

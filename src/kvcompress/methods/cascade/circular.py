@@ -12,7 +12,7 @@ import torch
 
 from kvcompress.core.contract import Policy
 from kvcompress.core.layer import CompressedLayer
-from kvcompress.core.rotation import frame_rotation_at, rotation_to_tensor, turn
+from kvcompress.core.rotation import frame_rotation_at, rotation_to, turn
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.methods.cascade.config import CascadeConfig
 from kvcompress.methods.cascade.layer import CascadeLayer
@@ -46,7 +46,7 @@ class CircularSinkLayer(CascadeLayer):
             seen, spare = self.seen_tensor, self.capacity
             dest = ((seen - self.sinks).remainder(self.width) + self.sinks).view(1)  # the full ring's oldest token
             tag = ("replay-rotation", self.inv_freq.data_ptr(), dim)
-            build = lambda dtype: rotation_to_tensor(pending.source, seen, self.inv_freq, dim, dtype)  # noqa: E731
+            build = lambda dtype: rotation_to(pending.source, (seen,), self.inv_freq, dim, dtype)  # noqa: E731
             rotation = lambda dtype: forward.cached((*tag, dtype), lambda: build(dtype))  # noqa: E731
         else:
             seen, dest = self._shared.seen, moves.dests[0]  # a sink, an append or the oldest ring token's slot
