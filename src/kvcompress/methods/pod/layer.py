@@ -101,7 +101,6 @@ class PoDLayer(CompressedLayer):
         self.head_lists = {"full": full, "prox": prox}
         self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
-        self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
         key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
         self.slots = self.empty_slots(self.heads_of(key_states, "full"), value_states, key_heads)
         self.prox_keys = key_states.new_empty(key_states.shape[0], len(prox), 0, key_states.shape[-1])
@@ -147,15 +146,9 @@ class PoDLayer(CompressedLayer):
             runs = tuple(tuple(run) for run in runs)
         if self.head_runs["full"] is not None and self.head_runs["prox"] is not None:
             ordered = "full-first" if not prox or (full and full[-1] < prox[0]) else "shared-first"
-        self.layout = QueryLayout(groups, starts, sharing, self.head_index(sharing), runs, ordered)
+        share_idx = torch.tensor(sharing, dtype=torch.long, device=self.device)  # (once: no host copy per forward)
+        self.layout = QueryLayout(groups, starts, sharing, share_idx, runs, ordered)
         return self.layout
-
-    def head_index(self, heads: list[int]) -> torch.Tensor:
-        """``heads`` as a device tensor, made once (a copy from the host each forward would wait for the GPU)."""
-        key = tuple(heads)
-        if key not in self._head_index:
-            self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
-        return self._head_index[key]
 
     def shared_step(self, start: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distant logits' query (``query_source``: the block start's or ``query``) and the keys that layer
