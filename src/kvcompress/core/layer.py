@@ -355,14 +355,16 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.slots.map_batch(lambda t: t.index_select(0, indices.to(self.device)))
-            self._free = None if self._free is None else self._free.index_select(0, indices.to(self.device))
+        self.move_batch(lambda t: t.index_select(0, indices.to(self.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.move_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def move_batch(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch operation (select, repeat) to everything stored per sequence."""
         if self.is_initialized:
-            self.slots.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-            self._free = None if self._free is None else self._free.repeat_interleave(repeats, dim=0)
+            self.slots.map_batch(move)
+            self._free = None if self._free is None else move(self._free)
 
     def crop(self, tokens_to_remove: int) -> None:
         gone = "a compressed cache cannot be cropped: evicted tokens are gone"

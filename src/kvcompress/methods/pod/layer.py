@@ -179,7 +179,6 @@ class PoDLayer(CompressedLayer):
             if not self._pending:
                 self._pending_position = self.ring.position + 1  # the ring takes one position per step
             self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
-            self._stale = True
             self.slots.tensors["keys"].narrow(2, start, count).copy_(full_keys)
             self.slots.tensors["values"].narrow(2, start, count).copy_(value_states)
         else:
@@ -427,7 +426,6 @@ class PoDLayer(CompressedLayer):
     def _settle(self) -> None:
         """Write the ring steps' bookkeeping into the last ``_pending`` slots: stream indices, consecutive positions,
         all real (PoD compacts at once: no evicted slot waits)."""
-        self._stale = False
         count, self._pending = self._pending, 0
         if not count:
             return
@@ -446,18 +444,10 @@ class PoDLayer(CompressedLayer):
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self.layout = None
         self.step = self.last_eviction = self.keys = self.values = None
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def move_batch(self, move) -> None:
+        """The packed proximal keys and their slots follow the slots' batch rows."""
         self.leave_ring()
-        super().batch_select_indices(indices)
-        self._batch_moved(lambda tensor: tensor.index_select(0, indices.to(self.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.leave_ring()
-        super().batch_repeat_interleave(repeats)
-        self._batch_moved(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def _batch_moved(self, move) -> None:
-        """The packed proximal keys and their slots follow the slots' batch rows (``move``)."""
+        super().move_batch(move)
         self._new_views()
         if self.is_initialized:
             self.prox_keys, self.prox_slot = move(self.prox_keys), move(self.prox_slot)
