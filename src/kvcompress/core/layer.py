@@ -12,6 +12,7 @@ the slots in use.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -45,6 +46,15 @@ class StateView(Mapping):
 
     def __len__(self) -> int:
         return len(self.buffers)
+
+
+class Eviction(NamedTuple):
+    """Slots to evict: ``victims`` ``[B, H, e]`` freed (the same count in every row), ``invalid`` ``[B, H, W]`` left
+    stored but no longer counted, ``dropped`` ``[B, H, W]`` freed (counts may differ between rows); None: none."""
+
+    victims: torch.Tensor | None = None
+    invalid: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None
 
 
 class CompressedLayer(SlotReplay, CacheLayerMixin):
@@ -208,21 +218,28 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             self.apply(self.policy.select(self))
             self.compact(shrink=True)
 
-    def apply(self, rule: Keep | KeepMask | Selection | None) -> None:
-        """Evict what ``rule`` does not keep: the lowest-scoring tokens of a ``Keep``, the ``False`` slots of a
-        ``KeepMask``, or everything outside a ``Selection``'s indices."""
+    def apply(self, rule: Keep | KeepMask | Selection | Eviction | None) -> None:
+        """Evict what ``rule`` does not keep (``eviction_of``), or what an ``Eviction`` names."""
         if rule is None:
             return
-        if isinstance(rule, Keep):
-            victims, invalidate = victims_of_rule(rule, self, protects_forward(self.policy, rule, self.new_tokens))
-            if invalidate is not None and bool(invalidate.any()):  # per-sequence counts: once per prompt
-                self.slots.valid[:, :, : self.view_width] &= ~invalidate
-                self.all_valid = False
-            if victims is not None:
-                self.evict(victims)
-            return
-        keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
-        self.evict_mask(~keep & (self.token_idx >= 0))
+        victims, invalid, dropped = rule if isinstance(rule, Eviction) else self.eviction_of(rule, self.policy)
+        if invalid is not None:
+            self.slots.valid[:, :, : self.view_width] &= ~invalid
+            self.all_valid = False
+        if victims is not None:
+            self.evict(victims)
+        if dropped is not None:
+            self.evict_mask(dropped)
+
+    def eviction_of(self, rule: Keep | KeepMask | Selection, policy: Policy) -> Eviction:
+        """What ``rule`` (``policy``'s) evicts: the lowest-scoring tokens of a ``Keep``, the ``False`` slots of a
+        ``KeepMask``, or the occupied slots outside a ``Selection``'s indices."""
+        if not isinstance(rule, Keep):
+            keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
+            return Eviction(dropped=~keep & (self.token_idx >= 0))
+        victims, invalid = victims_of_rule(rule, self, protects_forward(policy, rule, self.new_tokens))
+        # per-sequence counts (once per prompt): the tokens a sequence keeping fewer than the longest stops counting
+        return Eviction(victims, invalid if invalid is not None and bool(invalid.any()) else None)
 
     def evict(self, victims: torch.Tensor) -> None:
         """Free the slots ``victims`` ``[B, H, e]`` (positions in the views), the same count in every row: the next
@@ -355,14 +372,16 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.slots.map_batch(lambda t: t.index_select(0, indices.to(self.device)))
-            self._free = None if self._free is None else self._free.index_select(0, indices.to(self.device))
+        self.move_batch(lambda t: t.index_select(0, indices.to(self.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.move_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def move_batch(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch operation (select, repeat) to everything stored per sequence."""
         if self.is_initialized:
-            self.slots.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-            self._free = None if self._free is None else self._free.repeat_interleave(repeats, dim=0)
+            self.slots.map_batch(move)
+            self._free = None if self._free is None else move(self._free)
 
     def crop(self, tokens_to_remove: int) -> None:
         gone = "a compressed cache cannot be cropped: evicted tokens are gone"

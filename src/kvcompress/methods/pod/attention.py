@@ -264,14 +264,8 @@ def gate_merge(o_near, lse_near, o_far, lse_far, has_distant: torch.Tensor | Non
 
 def fold_heads(layer, query: torch.Tensor, kind: str, groups: int) -> torch.Tensor:
     """The query heads of the KV heads of ``kind``, each KV head's ``G`` folded into rows: ``[B, n, G q, d]``."""
-    batch, _, queries, dim = query.shape
-    run = layer.head_runs[kind]
-    if run is not None:
-        heads = query.narrow(1, run[0] * groups, run[1] * groups)
-    else:
-        index = [h * groups + k for h in layer.head_lists[kind] for k in range(groups)]
-        heads = query.index_select(1, layer.head_index(index))
-    return heads.reshape(batch, -1, groups * queries, dim)
+    batch, heads, queries, dim = query.shape
+    return layer.heads_of(query.reshape(batch, heads // groups, groups * queries, dim), kind)
 
 
 def grouped_attention(layer, layout, query, near, distant, has_distant, scale, full_mask=None, split=None):

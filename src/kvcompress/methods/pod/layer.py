@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.capacity import grown_capacity
-from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy
-from kvcompress.core.eviction import protects_forward, victims_of_rule
-from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
+from kvcompress.core.contract import AttentionStats, Policy
+from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer, Eviction
 from kvcompress.core.rope import counts_from
 from kvcompress.core.slots import SlotBuffers
 from kvcompress.methods.pod.budget import kept_for_request
@@ -29,15 +28,6 @@ class PoDStep:
 
     query: torch.Tensor  # [B, H_q, q, d]
     keys: torch.Tensor  # [B, F, L, d]
-
-
-@dataclass
-class BlockEviction:
-    """What a block's layers drop, per KV head as its block start decided: ``dropped`` ``[B, H_kv, W]`` slots are
-    freed; ``invalid`` ones (a sequence keeping fewer than the longest) stay stored but no longer count."""
-
-    dropped: torch.Tensor | None
-    invalid: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -69,7 +59,7 @@ class PoDLayer(CompressedLayer):
         self.peers: list[PoDLayer] = []
         self.head_starts: tuple[int, ...] = ()
         self.step: PoDStep | None = None
-        self.last_eviction: BlockEviction | None = None
+        self.last_eviction: Eviction | None = None
         self.key_share = 1.0  # share of (layer, KV head) pairs storing distant keys (set by the config's connect)
         self.max_position = -1  # largest RoPE position given so far, read back only while below a full window
         self.on_stream = True  # every token stored at its stream index and position, no padding (``stream_biases``)
@@ -101,7 +91,6 @@ class PoDLayer(CompressedLayer):
         self.head_lists = {"full": full, "prox": prox}
         self.head_runs = {"full": _run(full), "prox": _run(prox)}  # (first, count) where the heads are consecutive
         self.full_pos = [full.index(g) if g in full else -1 for g in range(kv_heads)]
-        self._head_index: dict[tuple[int, ...], torch.Tensor] = {}
         key_heads = None if self.head_runs["full"] == (0, kv_heads) else self.full_heads
         self.slots = self.empty_slots(self.heads_of(key_states, "full"), value_states, key_heads)
         self.prox_keys = key_states.new_empty(key_states.shape[0], len(prox), 0, key_states.shape[-1])
@@ -147,15 +136,9 @@ class PoDLayer(CompressedLayer):
             runs = tuple(tuple(run) for run in runs)
         if self.head_runs["full"] is not None and self.head_runs["prox"] is not None:
             ordered = "full-first" if not prox or (full and full[-1] < prox[0]) else "shared-first"
-        self.layout = QueryLayout(groups, starts, sharing, self.head_index(sharing), runs, ordered)
+        share_idx = torch.tensor(sharing, dtype=torch.long, device=self.device)  # (once: no host copy per forward)
+        self.layout = QueryLayout(groups, starts, sharing, share_idx, runs, ordered)
         return self.layout
-
-    def head_index(self, heads: list[int]) -> torch.Tensor:
-        """``heads`` as a device tensor, made once (a copy from the host each forward would wait for the GPU)."""
-        key = tuple(heads)
-        if key not in self._head_index:
-            self._head_index[key] = torch.tensor(key, dtype=torch.long, device=self.device)
-        return self._head_index[key]
 
     def shared_step(self, start: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distant logits' query (``query_source``: the block start's or ``query``) and the keys that layer
@@ -186,7 +169,6 @@ class PoDLayer(CompressedLayer):
             if not self._pending:
                 self._pending_position = self.ring.position + 1  # the ring takes one position per step
             self._pending += count  # stream indices, positions and validity follow when read (``_settle``)
-            self._stale = True
             self.slots.tensors["keys"].narrow(2, start, count).copy_(full_keys)
             self.slots.tensors["values"].narrow(2, start, count).copy_(value_states)
         else:
@@ -305,14 +287,6 @@ class PoDLayer(CompressedLayer):
         valid = self.heads_of(valid, "prox")
         return safe, rope_pos, valid, rope_pos.gather(-1, safe), (self.prox_slot >= 0) & valid.gather(-1, safe)
 
-    def apply(self, rule: BlockEviction | None) -> None:
-        """Evict as the block decided (``block_selection``, what PoD's policy selects), compacting at once."""
-        if rule is not None and rule.invalid is not None:
-            self.slots.valid[:, :, : self.view_width] &= ~rule.invalid
-            self.all_valid = False
-        if rule is not None and rule.dropped is not None:
-            self.evict_mask(rule.dropped)
-
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         self.leave_ring()
 
@@ -333,7 +307,7 @@ class PoDLayer(CompressedLayer):
         super().compact(shrink)
         self._new_views()
 
-    def block_selection(self, base: Policy) -> BlockEviction | None:
+    def block_selection(self, base: Policy) -> Eviction | None:
         """The base method's eviction, per KV head as its block-start layer decided it earlier in this forward."""
         kv_heads = self.rows[1]
         groups = len(self.head_starts) // kv_heads
@@ -354,10 +328,10 @@ class PoDLayer(CompressedLayer):
             none = torch.zeros(self.rows[0], self.view_width, dtype=torch.bool, device=self.device)
             return torch.stack([none if p is None else p[:, g] for g, p in enumerate(parts)], dim=1)
 
-        self.last_eviction = BlockEviction(per_head("dropped"), per_head("invalid"))
+        self.last_eviction = Eviction(None, per_head("invalid"), per_head("dropped"))
         return self.last_eviction
 
-    def _own_eviction(self, base: Policy) -> BlockEviction | None:
+    def _own_eviction(self, base: Policy) -> Eviction | None:
         """This block start's eviction under ``base``: a ``Keep`` rule's victims, or the slots a ``KeepMask`` or
         ``Selection`` leaves out (with ``ratio``/``budget``, keeping the count ``budget`` plans)."""
         config, keep = self.policy.config, {}
@@ -366,19 +340,10 @@ class PoDLayer(CompressedLayer):
             target = n_real * config.ratio if config.ratio is not None else torch.full_like(n_real, config.budget)
             keep = {"keep": kept_for_request(target, n_real, self.key_share, config.n_sink + config.n_recent)}
         rule = base.select(self, **keep)
-        if rule is None:
-            return None
-        occupied = self.token_idx >= 0
-        if isinstance(rule, Keep):
-            victims, invalid = victims_of_rule(rule, self, protects_forward(base, rule, self.new_tokens))
-            if invalid is not None and not bool(invalid.any()):  # per-sequence counts: once per prompt
-                invalid = None
-            if victims is None and invalid is None:
-                return None
-            dropped = None if victims is None else torch.zeros_like(occupied).scatter_(-1, victims, True)
-            return BlockEviction(dropped, invalid)
-        keep_mask = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
-        return BlockEviction(~keep_mask & occupied, None)
+        victims, invalid, dropped = Eviction() if rule is None else self.eviction_of(rule, base)
+        if victims is not None:
+            dropped = torch.zeros_like(self.token_idx, dtype=torch.bool).scatter_(-1, victims, True)
+        return None if dropped is None and invalid is None else Eviction(None, invalid, dropped)
 
     # --- the proximal keys in a ring while decoding (``ring.py``) ------------------------------------------------
     def _ring_step(self, count: int, key_states: torch.Tensor) -> bool:
@@ -434,7 +399,6 @@ class PoDLayer(CompressedLayer):
     def _settle(self) -> None:
         """Write the ring steps' bookkeeping into the last ``_pending`` slots: stream indices, consecutive positions,
         all real (PoD compacts at once: no evicted slot waits)."""
-        self._stale = False
         count, self._pending = self._pending, 0
         if not count:
             return
@@ -453,18 +417,10 @@ class PoDLayer(CompressedLayer):
         self.prox_keys = self.prox_slot = self.ring = self._ring_key = self.ring_plan = self.layout = None
         self.step = self.last_eviction = self.keys = self.values = None
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def move_batch(self, move) -> None:
+        """The packed proximal keys and their slots follow the slots' batch rows."""
         self.leave_ring()
-        super().batch_select_indices(indices)
-        self._batch_moved(lambda tensor: tensor.index_select(0, indices.to(self.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.leave_ring()
-        super().batch_repeat_interleave(repeats)
-        self._batch_moved(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def _batch_moved(self, move) -> None:
-        """The packed proximal keys and their slots follow the slots' batch rows (``move``)."""
+        super().move_batch(move)
         self._new_views()
         if self.is_initialized:
             self.prox_keys, self.prox_slot = move(self.prox_keys), move(self.prox_slot)
