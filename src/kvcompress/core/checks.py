@@ -32,12 +32,20 @@ def check_seed(value: object, name: str = "seed") -> None:
 
 
 def check_number(
-    value: object, name: str, low: float, high: float, *, open_low: bool = False, meaning: str = ""
+    value: object,
+    name: str,
+    low: float,
+    high: float,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    meaning: str = "",
 ) -> None:
-    """A finite real number in the interval from ``low`` (excluded where ``open_low``) to ``high``."""
+    """A finite real number between ``low`` and ``high``, each excluded where ``open_low`` / ``open_high``."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
-    if not (ok and (low < value if open_low else low <= value) and value <= high):
-        raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}]{meaning}, got {value!r}")
+    if not (ok and (low < value if open_low else low <= value) and (value < high if open_high else value <= high)):
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}{meaning}, got {value!r}")
 
 
 def check_ratio(ratio: object, name: str = "ratio") -> None:
