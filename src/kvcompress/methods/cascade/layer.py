@@ -27,8 +27,7 @@ from kvcompress.core.slots import StreamView
 from kvcompress.methods.cascade import schedule
 from kvcompress.methods.cascade.executor import Columns, _wins, apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
-from kvcompress.methods.cascade.ring_decode import RingDecode
-from kvcompress.methods.cascade.ring_moves import STACKED
+from kvcompress.methods.cascade.ring_decode import STACKED, RingDecode
 
 
 @dataclass
@@ -55,7 +54,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
-        self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_moves``)
+        self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_decode``)
         super().__init__(policy, inv_freq)
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
@@ -361,39 +360,34 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return torch.cat([stored.expand(-1, count, -1), causal], 2)
 
     def _attention(self, queries, rank, visible, real, scale, chunk=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Un-rotated queries ``[B, H_kv, G, q, d]`` at ranks ``rank`` ``[B, q]`` over the stored keys at their ranks
-        and, given ``chunk`` ``[B, H_kv, q, dk + dv]`` (keys un-rotated), its own keys at ``rank``. Without scores:
-        one SDPA; with them the explicit softmax and the EMA in closed form, query ``m`` weighted ``(1 - gamma)
-        gamma^(real queries after m)``. Returns ``[B, H_kv, G, q, d_v]`` and the chunk's initial scores (or None)."""
+        """Un-rotated queries ``[B, H_kv, G, q, d]`` at ranks ``rank`` ``[B, q]`` over the stored keys turned from their
+        angles to their ranks (their frame's offset, ``schedule.offsets``) and, given ``chunk`` ``[B, H_kv, q, dk +
+        dv]`` (keys un-rotated), its own keys at ``rank``. Without scores: one SDPA; with them the explicit softmax and
+        the EMA in closed form, query ``m`` weighted ``(1 - gamma) gamma^(real queries after m)``. Returns ``[B, H_kv,
+        G, q, d_v]`` and the chunk's initial scores (or None)."""
         batch, kv_heads, groups, count, dim = queries.shape
-        rows, slots, values = groups * count, self.capacity, self._v
-        turned = queries if self.inv_freq is None else rotate_by(queries, rank[:, None, None], self.inv_freq)
-        turned = turned.reshape(batch, kv_heads, rows, dim)
+        slots, keys, values = self.capacity, self._k, self._v
+        if self.inv_freq is not None:
+            queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
+            sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
+            turns = self._offsets().repeat_interleave(sizes, 1, output_size=slots)
+            keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
         if chunk is not None:
             chunk_keys = chunk[..., :dim]
             if self.inv_freq is not None:
                 chunk_keys = rotate_by(chunk_keys, rank[:, None], self.inv_freq)
-            values = torch.cat([values, chunk[..., dim:].to(values.dtype)], 2)
+            keys, values = torch.cat([keys, chunk_keys], 2), torch.cat([values, chunk[..., dim:].to(values.dtype)], 2)
         if not self.rule.needs_scores:
-            keys = self._k
-            if self.inv_freq is not None:  # from its angle to its rank: its frame's offset (``schedule.offsets``)
-                sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
-                turns = self._offsets().repeat_interleave(sizes, 1, output_size=slots)
-                keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
-            if chunk is not None:
-                keys = torch.cat([keys, chunk_keys], 2)
-            turned = turned.reshape(batch, kv_heads * groups, count, dim)
+            turned = queries.reshape(batch, kv_heads * groups, count, dim)
             if groups > 1:  # heads repeated here: SDPA's ``enable_gqa`` takes the CPU's math path (q x L weights)
                 keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
             output = scaled_dot_product_attention(turned, keys, values, attn_mask=visible[:, None], scale=scale)
             return output.view(batch, kv_heads, groups, count, -1), None
-        logits = self._cache_logits(queries, rank)
-        if chunk is not None:
-            own = (turned @ chunk_keys.transpose(-1, -2)).view(batch, kv_heads, groups, count, count)
-            logits = torch.cat([logits, own], -1)
+        logits = queries.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
         # (in place: ``logits`` is this call's own tensor, and a chunk's rows are its largest buffer)
-        probs = logits.float().mul_(scale).masked_fill_(~visible[:, None, None], float("-inf")).softmax(-1)
-        output = probs.to(self._kv.dtype).reshape(batch, kv_heads, rows, -1) @ values
+        logits = logits.float().mul_(scale).view(batch, kv_heads, groups, count, -1)
+        probs = logits.masked_fill_(~visible[:, None, None], float("-inf")).softmax(-1)
+        output = probs.to(self._kv.dtype).reshape(batch, kv_heads, groups * count, -1) @ values
         gamma, received = self.rule.gamma, self.rule.reduce_heads(probs)  # [B, q, L (+ q)]
         later = real.sum(1, keepdim=True) - real.long().cumsum(1)  # real queries after query m
         weight = real * (1.0 - gamma) * gamma ** later.float()  # [B, q]
@@ -403,35 +397,20 @@ class CascadeLayer(RingDecode, CompressedLayer):
         scores = None if chunk is None else torch.einsum("bq,bqj->bj", weight, received[:, :, slots:])
         return output.view(batch, kv_heads, groups, count, -1), scores
 
-    def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
-        ``[B, n]``: each query turned to every frame (``schedule.offsets``), one matmul per frame."""
-        keys = self._k
-        batch, kv_heads, groups, count, dim = query.shape
-        if self.inv_freq is None:
-            logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
-            return logits.view(batch, kv_heads, groups, count, self.capacity)
-        at = top[:, :, None] - self._offsets()[:, None, :]  # [B, n, 1 + N]
-        turned = rotate_by(query[:, :, :, :, None, :], at[:, None, None], self.inv_freq, exact=True)  # [B,H,G,n,F,d]
-        bounds = [0, self.sinks] + [self.sinks + (i + 1) * self.width for i in range(self.cascades)]
-        blocks = [
-            turned[:, :, :, :, frame].reshape(batch, kv_heads, -1, dim) @ keys[:, :, lo:hi].transpose(-1, -2)
-            for frame, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
-            if hi > lo
-        ]
-        return torch.cat(blocks, -1).view(batch, kv_heads, groups, count, self.capacity)
-
     def _fold_scores(self, probs: torch.Tensor) -> None:
-        """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` of one query's ``probs`` ``[B, H_kv, G, L]`` over the
-        first ``L`` slots (sinks have no score)."""
-        gamma = self.rule.gamma
-        cascade = self._score[:, self.sinks : probs.shape[-1]]
-        if self.rule.config.reduction == "mean":  # the sum, with 1 / heads folded into the EMA weight
-            received = probs[..., self.sinks :].flatten(1, 2).sum(1)
-            weight = (1.0 - gamma) / (probs.shape[1] * probs.shape[2])
-        else:
-            received, weight = self.rule.reduce_heads(probs[..., self.sinks :]), 1.0 - gamma
-        cascade.mul_(gamma).add_(received, alpha=weight)
+        """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` of one query's ``probs`` ``[B, H_kv, G, L]`` (or ``[B H_kv,
+        G, L]``) over the first ``L`` slots (sinks have no score); with the mean over heads (the paper's) one
+        ``baddbmm_`` (the row of ones shared by a forward's layers)."""
+        batch, stored, gamma = self._score.shape[0], probs.shape[-1], self.rule.gamma
+        if self.rule.config.reduction != "mean":
+            received = self.rule.reduce_heads(probs.reshape(batch, self._kv.shape[1], -1, stored)[..., self.sinks :])
+            self._score[:, self.sinks : stored].mul_(gamma).add_(received, alpha=1.0 - gamma)
+            return
+        rows = probs.reshape(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
+        key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
+        ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
+        cascade = self._score[:, None, self.sinks : stored]
+        cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
 
     def after_attention(self, stats: AttentionStats | None) -> None:
         """Driven by hand (tests, benchmarks): insert tokens that did not attend, fold ``stats.received`` ``[B, H_kv,
@@ -540,7 +519,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
             setattr(self, name, reorder(getattr(self, name)))
 
     def _leave_group(self) -> None:
-        """Give up the cascade layers' stacked buffers (``ring_moves``): this layer's are about to be replaced."""
+        """Give up the cascade layers' stacked buffers (``ring_decode``): this layer's are about to be replaced."""
         if self.ring_layers is not None:
             for name in STACKED:
                 self.forward_pass.unstack(name)
