@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompress.methods.cascade.schedule import Layout, Rings, advance, offsets, ranks, slot_angle
+from kvcompress.methods.cascade.schedule import Layout, Rings, advance, offsets, slot_angle
+from tests.helpers import ranks
 from tests.references.cascade_schedule import CascadeLists
 
 

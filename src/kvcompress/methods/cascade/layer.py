@@ -424,13 +424,11 @@ class CascadeLayer(RingDecode, CompressedLayer):
         raise NotImplementedError("a cascade layer evicts while inserting; it takes no Selection")
 
     # --- views in stream order (the ``CompressedLayer`` contract), batch operations, accounting -------------------
-    def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``."""
+    def _angles(self) -> torch.Tensor:
+        """Each slot's key angle ``[B, slots]`` (``schedule.slot_angle``)."""
         slots, layout = self.capacity, self._layout
-        rank, angle = schedule.ranks, schedule.slot_angle
-        values = [rank(layout, r)[:slots] + [angle(layout, r, s) for s in range(slots)] for r in self._rows()]
-        table = from_host(values, self.device).expand(len(self._rings), -1)
-        return table[:, :slots], table[:, slots:]
+        values = [[schedule.slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
+        return from_host(values, self.device).expand(len(self._rings), -1)
 
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
@@ -456,7 +454,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         keys = self._gathered(self._k, order)
         if self.inv_freq is None:
             return keys
-        turn = (self._pos - self._slot_numbers()[1]).gather(1, order)  # from the stored angle to the model's position
+        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     keys = property(_keys, _drop)

@@ -114,21 +114,6 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
     return Rings(p + 1, tuple(count), tuple(passed_by), width), Moves(tuple(dests), select, passed)
 
 
-def ranks(layout: Layout, rings: Rings) -> list[int]:
-    """Per slot, the rank of its token among the stored ones in stream order (``-1``: empty): sinks first, then the
-    rings from the oldest (last) to the newest, each in ring order."""
-    rank = [-1] * layout.slots
-    n_sink = min(rings.seen, layout.sinks)
-    rank[:n_sink] = range(n_sink)
-    older = sum(rings.count)
-    for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True)):
-        older -= count
-        first = layout.sinks + i * layout.width
-        for order in range(count):
-            rank[first + (start + order) % layout.width] = n_sink + older + order
-    return rank
-
-
 def sink_shift(layout: Layout, rings: Rings) -> int:
     """The sinks' angle minus their index: the oldest ring's first slot plus the tokens it overwrote."""
     last = layout.cascades - 1
