@@ -78,7 +78,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
         self._rings: list[schedule.Rings] = [schedule.Rings.empty(self._layout)] * batch
-        self._offsets_cached: tuple | None = None
         self.is_initialized = True
 
     @property
@@ -97,14 +96,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     def _rows(self) -> list[schedule.Rings]:
         return self._rings[:1] if self._in_step else self._rings
-
-    def _offsets(self) -> torch.Tensor:
-        """``schedule.offsets`` ``[B, 1 + N]`` (made when the layouts change)."""
-        cached = self._offsets_cached
-        if cached is None or cached[0] is not self._rings:
-            rows = [schedule.offsets(self._layout, r) for r in self._rows()]
-            cached = self._offsets_cached = (self._rings, from_host(rows, self.device).expand(len(self._rings), -1))
-        return cached[1]
 
     _k = property(lambda self: self._kv[:, :, : self.capacity, : self._key_dim])  # keys at their angles
     _v = property(lambda self: self._kv[:, :, : self.capacity, self._key_dim :])
@@ -219,8 +210,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sync_sinks(before)
 
     def _apply_moves(self, buffers, columns: Columns, tie: str, new) -> None:
-        """(A hook: the quantized layer notes the slots written.)"""
-        apply_moves(buffers, columns, tie, new)
+        apply_moves(buffers, columns, tie, new)  # (a hook: the quantized layer notes the slots written)
 
     def _columns(self, before: schedule.Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
         """The batch's move tables (``None``: no move), built once per forward for the layers in the same state: the
@@ -369,8 +359,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
         slots, keys, values = self.capacity, self._k, self._v
         if self.inv_freq is not None:
             queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
+            offsets = from_host([schedule.offsets(self._layout, r) for r in self._rows()], self.device)
             sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
-            turns = self._offsets().repeat_interleave(sizes, 1, output_size=slots)
+            turns = offsets.expand(len(self._rings), -1).repeat_interleave(sizes, 1, output_size=slots)
             keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
         if chunk is not None:
             chunk_keys = chunk[..., :dim]
@@ -465,11 +456,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
     rows = property(lambda self: (self._tok.shape[0], self._kv.shape[1]))
     view_width = property(lambda self: self._tok.shape[1] if self.is_initialized else 0)
 
-    @property
-    def rank(self) -> torch.Tensor:
-        """Each real token's rank among the stored real tokens of its sequence (``-1``: no token)."""
-        valid = self.valid
-        return torch.where(valid, valid.cumsum(-1) - 1, -1)
+    # each real token's rank among the stored ones of its sequence (the empty slots, first, at ``-1``)
+    rank = property(lambda self: self.valid.cumsum(-1) - 1)
 
     @property
     def token_idx(self) -> torch.Tensor:
@@ -479,19 +467,15 @@ class CascadeLayer(RingDecode, CompressedLayer):
         filler = torch.arange(ordered.shape[1], device=self.device) - empty.sum(1, keepdim=True)
         return torch.where(empty, filler, ordered)[:, None].expand(-1, self._kv.shape[1], -1)
 
-    # slots holding a token, the most of any row (a host read; the rings never read it); the generic layer's
-    # initialisation and reset write 0 here: nothing to keep
-    occupied = property(lambda self: self.stored_length(), lambda self, value: None)
+    # occupied slots of the fullest sequence (the generic layer's ``stored_length``: a host read for accounting, the
+    # rings never read it); the generic layer's initialisation and reset write 0 here: nothing to keep
+    occupied = property(lambda self: int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0, lambda *_: None)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
 
     def kept(self) -> StreamView:
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
-
-    def stored_length(self) -> int:
-        """Occupied slots of the fullest sequence (a host read: for accounting, not the decoding path)."""
-        return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
 
     def reset(self) -> None:
         self._drop(None)
