@@ -46,10 +46,7 @@ class Step:
     runs: tuple[Run, ...]  # the stored slots seen in each frame, in slot order
     logit: torch.Tensor | None  # [stored]: each slot's logit among every frame's (None: one matmul per run)
     empty: torch.Tensor | None  # [stored] slots between the runs (None: none, or per-run logits)
-
-    @property
-    def stored(self) -> int:
-        return self.runs[-1][1]
+    stored: int  # the slots up to the last stored one
 
 
 class RingDecode:
@@ -117,7 +114,7 @@ class RingDecode:
             logit, empty = self.forward_pass.cached(key, build)
             angle = move_turn(self._layout, rings, after, fresh, slots + 1, slots)  # (a new item's turn: its angle)
             sinks = [sinks_after(self._layout, rings, after)]
-            steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty))
+            steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty, runs[-1][1]))
             rings = after
         return steps
 
