@@ -169,7 +169,7 @@ def ranks(layout, rings) -> list[int]:
     """Per slot of a cascade layout (``methods.cascade.schedule``), the rank of its token among the stored ones in
     stream order (``-1``: empty): sinks first, then the rings from the oldest (last) to the newest, each in ring
     order."""
-    rank = [-1] * layout.slots
+    rank = [-1] * layout_slots(layout)
     n_sink = min(rings.seen, layout.sinks)
     rank[:n_sink] = range(n_sink)
     older = sum(rings.count)
@@ -179,3 +179,8 @@ def ranks(layout, rings) -> list[int]:
         for order in range(count):
             rank[first + (start + order) % layout.width] = n_sink + older + order
     return rank
+
+
+def layout_slots(layout) -> int:
+    """The slots of a cascade layout (``methods.cascade.schedule.Layout``): sinks and rings."""
+    return layout.sinks + layout.cascades * layout.width

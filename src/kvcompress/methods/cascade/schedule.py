@@ -37,10 +37,6 @@ class Layout:
     eager_until: int = 0
 
     @property
-    def slots(self) -> int:
-        return self.sinks + self.cascades * self.width
-
-    @property
     def fill(self) -> int:
         """The sinks' angle shift while the rings are empty (``sink_shift``)."""
         return (self.cascades - 1) * self.width
