@@ -160,7 +160,7 @@ def per_sequence_path(layer, on: bool = True) -> None:
 
     def leaving(*args) -> None:
         initialize(*args)
-        layer._leave_step()
+        layer._in_step = False  # the schedule runs once per sequence from now on
 
     layer.lazy_initialization = leaving
 

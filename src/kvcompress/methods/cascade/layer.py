@@ -88,12 +88,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
     def _set_shared(self, rings: schedule.Rings) -> None:
         self._rings = [rings] * len(self._rings)
 
-    def _leave_step(self) -> None:
-        """Run the schedule once per sequence from now on (padding, a reordered batch)."""
-        if self._in_step:
-            self._in_step = False
-            self._rings = list(self._rings)
-
     def _rows(self) -> list[schedule.Rings]:
         return self._rings[:1] if self._in_step else self._rings
 
@@ -188,7 +182,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         else:
             tokens = [range(count)] * len(before)
             if not in_step:
-                self._leave_step()
+                self._in_step = False  # the schedule runs once per sequence from now on
                 tokens = [[m for m, is_real in enumerate(row) if is_real] for row in real.tolist()]
             host: list = []  # the pool's scores on the host, read at the first selection decided there
 
@@ -492,7 +486,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         """The sequences ``rows`` (a reordered or repeated batch): the schedule runs once per sequence from now on."""
         if not self.is_initialized:
             return
-        self._leave_step()
+        self._in_step = False
         self._leave_group()
         self._rings = [self._rings[row] for row in rows]  # (``indices`` read on the host: one read per reorder)
         for name in ("_kv", "_meta", "_score", "_sink_keys"):
