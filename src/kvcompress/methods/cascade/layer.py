@@ -122,7 +122,9 @@ class CascadeLayer(RingDecode, CompressedLayer):
             positions = position_ids if position_ids.shape[-1] == count else position_ids[..., -count:]
             if positions.dim() == 3:  # multimodal RoPE sections: the text positions are the first
                 positions = positions[0]
-            pending.pos = positions.to(self.device, torch.long).expand(self._kv.shape[0], -1)
+            if positions.device != self.device or positions.dtype != torch.long:
+                positions = positions.to(self.device, torch.long)
+            pending.pos = positions.expand(self._kv.shape[0], -1)
             pending.source = position_ids if position_ids.dim() == 2 else None
         if padding is not None:
             pending.real = padding[:, -count:].to(self.device, torch.bool)
