@@ -103,7 +103,7 @@ def test_a_full_cascade_decodes_in_one_frame_per_ring():
     torch.testing.assert_close(fast_logits, reference_logits, rtol=1e-4, atol=1e-4)
     layer, stored = fast.layers[0], params["budget"]
     assert max(layer._shared.passed) > layer.width  # ring 0 wrapped more than once
-    targets, runs = layer._frames(stored - 1)
+    targets, runs = layer._frames(stored - 1, layer._shared)
     width = layer.width
     assert len(targets) == params["cascades"]  # one frame per ring, the sinks in the oldest ring's
     rings = [(2 + i * width, 2 + (i + 1) * width) for i in range(params["cascades"])]

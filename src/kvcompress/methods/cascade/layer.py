@@ -41,9 +41,7 @@ class _Pending:
     real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
     source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (None: not given as such)
 
-    @property
-    def tok(self) -> torch.Tensor:
-        return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
+    tok = property(lambda self: torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device))
 
 
 class CascadeLayer(RingDecode, CompressedLayer):
@@ -60,8 +58,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         config = self.rule.config
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
         self.full_capacity = self.capacity = config.used_budget  # one ring starts smaller and grows (``_grow``)
-        eager_until = self.full_capacity if config.eager_fill else 0
-        self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
+        eager = self.full_capacity if config.eager_fill else 0  # (every ring accepts below: ``eager_fill``)
+        self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager)
         self._pending: _Pending | None = None
         self._forward_unpadded = True
 
@@ -80,10 +78,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._rings: list[schedule.Rings] = [schedule.Rings.empty(self._layout)] * batch
         self.is_initialized = True
 
-    @property
-    def _shared(self) -> schedule.Rings:
-        """The layout of every sequence while the batch is in step."""
-        return self._rings[0]
+    _shared = property(lambda self: self._rings[0])  # the layout of every sequence while the batch is in step
 
     def _set_shared(self, rings: schedule.Rings) -> None:
         self._rings = [rings] * len(self._rings)

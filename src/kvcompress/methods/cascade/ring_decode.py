@@ -133,10 +133,9 @@ class RingDecode:
             empty[lo:hi] = [False] * (hi - lo)
         return from_host(logit, self.device), from_host(empty, self.device, torch.bool) if any(empty) else None
 
-    def _frames(self, top: int, rings: Rings | None = None) -> tuple[tuple[int, ...], list[Run]]:
-        """A query at rank ``top`` of ``rings`` (default: the batch's): its rotation targets, one per ring (the sinks
-        share the oldest ring's), and the runs of stored slots in slot order."""
-        rings = self._shared if rings is None else rings
+    def _frames(self, top: int, rings: Rings) -> tuple[tuple[int, ...], list[Run]]:
+        """A query at rank ``top`` of ``rings``: its rotation targets, one per ring (the sinks share the oldest
+        ring's), and the runs of stored slots in slot order."""
         sinks, width = self.sinks, self._layout.width
         offset = offsets(self._layout, rings)
         n_sink = min(rings.seen, sinks)
