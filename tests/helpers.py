@@ -160,6 +160,27 @@ def per_sequence_path(layer, on: bool = True) -> None:
 
     def leaving(*args) -> None:
         initialize(*args)
-        layer._leave_step()
+        layer._in_step = False  # the schedule runs once per sequence from now on
 
     layer.lazy_initialization = leaving
+
+
+def ranks(layout, rings) -> list[int]:
+    """Per slot of a cascade layout (``methods.cascade.schedule``), the rank of its token among the stored ones in
+    stream order (``-1``: empty): sinks first, then the rings from the oldest (last) to the newest, each in ring
+    order."""
+    rank = [-1] * layout_slots(layout)
+    n_sink = min(rings.seen, layout.sinks)
+    rank[:n_sink] = range(n_sink)
+    older = sum(rings.count)
+    for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True)):
+        older -= count
+        first = layout.sinks + i * layout.width
+        for order in range(count):
+            rank[first + (start + order) % layout.width] = n_sink + older + order
+    return rank
+
+
+def layout_slots(layout) -> int:
+    """The slots of a cascade layout (``methods.cascade.schedule.Layout``): sinks and rings."""
+    return layout.sinks + layout.cascades * layout.width

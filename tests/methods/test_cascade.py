@@ -13,7 +13,7 @@ from kvcompress.core.contract import AttentionStats
 from kvcompress.generation import cache_argument, prefill, stream_nll
 from kvcompress.methods.cascade.layer import CascadeLayer
 from kvcompress.registry import make_config
-from tests.helpers import cache_logits, needs_smollm2, own_logits, per_sequence_path
+from tests.helpers import cache_logits, needs_smollm2, own_logits, per_sequence_path, ranks
 
 
 def cascade_tokens(layer) -> list[list[list[int]]]:
@@ -249,7 +249,7 @@ def test_without_selection_the_incoming_token_always_wins():
 def test_ranks_are_consecutive_in_stream_order():
     layer = hand_layer(budget=10, sinks=2, cascades=4)
     push(layer, 23)
-    rank, occupied = layer._slot_numbers()[0], layer._tok >= 0  # (each slot's rank, per schedule.ranks)
+    rank, occupied = torch.tensor([ranks(layer._layout, layer._rings[0])[: layer.capacity]]), layer._tok >= 0
     by_token = sorted(zip(layer._tok[0][occupied[0]].tolist(), rank[0][occupied[0]].tolist(), strict=True))
     assert [r for _, r in by_token] == list(range(len(by_token)))
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompress.methods.cascade.schedule import Layout, Rings, advance, offsets, ranks, slot_angle
+from kvcompress.methods.cascade.schedule import Layout, Rings, advance, offsets, slot_angle
+from tests.helpers import layout_slots, ranks
 from tests.references.cascade_schedule import CascadeLists
 
 
 def angles(layout: Layout, rings: Rings) -> list[int]:
     """Per slot, the angle its key is stored at (empty slots: the angle a token written there would take)."""
-    return [slot_angle(layout, rings, slot) for slot in range(layout.slots)]
+    return [slot_angle(layout, rings, slot) for slot in range(layout_slots(layout))]
 
 
 def frame_of_slot(layout: Layout) -> list[int]:
@@ -41,7 +42,7 @@ def wins(arriving: int, resident: int) -> bool:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_the_moves_keep_what_algorithm_1_keeps(layout):
     reference = CascadeLists(layout.sinks, layout.width, layout.cascades, layout.base, layout.eager_until)
-    rings, slots = Rings.empty(layout), [-1] * layout.slots
+    rings, slots = Rings.empty(layout), [-1] * layout_slots(layout)
     for token in range(300):
         reference.insert(token, wins)
         rings, moves = advance(layout, rings)
@@ -59,7 +60,9 @@ def test_the_moves_keep_what_algorithm_1_keeps(layout):
         stored = reference.sinks + [t for ring in reversed(reference.rings) for t in ring]
         rank = ranks(layout, rings)
         assert sorted(stored) == stored  # (sinks, then the oldest ring ... the newest: stream order)
-        assert [slots[slot] for slot in sorted(range(layout.slots), key=rank.__getitem__) if rank[slot] >= 0] == stored
+        assert [
+            slots[slot] for slot in sorted(range(layout_slots(layout)), key=rank.__getitem__) if rank[slot] >= 0
+        ] == stored
         assert rings.stored(layout) == len(stored)
 
 
@@ -77,7 +80,7 @@ def test_a_selection_is_only_ever_the_last_column_and_each_ring_is_written_once(
 def test_a_key_keeps_its_angle_in_its_ring_and_each_frame_gives_the_ranks(layout):
     """The angle convention: a token's angle changes only when it moves to another ring (or, for a sink, with the
     oldest ring's frame), and rank = angle + the offset of the slot's frame for every stored token."""
-    rings, slots, where = Rings.empty(layout), [-1] * layout.slots, {}
+    rings, slots, where = Rings.empty(layout), [-1] * layout_slots(layout), {}
     frame = frame_of_slot(layout)
     for token in range(200):
         before = angles(layout, rings)

@@ -13,7 +13,7 @@ import torch
 
 import kvcompress
 from kvcompress.generation import cache_argument
-from kvcompress.methods.cascade import ring_decode, ring_moves
+from kvcompress.methods.cascade import ring_decode
 from kvcompress.models.testing import tiny_model
 from tests.helpers import per_sequence_path
 
@@ -103,7 +103,7 @@ def test_a_full_cascade_decodes_in_one_frame_per_ring():
     torch.testing.assert_close(fast_logits, reference_logits, rtol=1e-4, atol=1e-4)
     layer, stored = fast.layers[0], params["budget"]
     assert max(layer._shared.passed) > layer.width  # ring 0 wrapped more than once
-    targets, runs = layer._frames(stored - 1)
+    targets, runs = layer._frames(stored - 1, layer._shared)
     width = layer.width
     assert len(targets) == params["cascades"]  # one frame per ring, the sinks in the oldest ring's
     rings = [(2 + i * width, 2 + (i + 1) * width) for i in range(params["cascades"])]
@@ -115,24 +115,24 @@ def test_a_full_cascade_decodes_in_one_frame_per_ring():
 def moved(monkeypatch) -> list[bool]:
     """The decisions, one per in-step decoding step: did the first layer move every layer's tokens?"""
     decisions = []
-    move_all = ring_moves._move_all
-    monkeypatch.setattr(ring_moves, "_move_all", lambda *a: decisions.append(move_all(*a)) or decisions[-1])
+    move_all = ring_decode._move_all
+    monkeypatch.setattr(ring_decode, "_move_all", lambda *a: decisions.append(move_all(*a)) or decisions[-1])
     return decisions
 
 
 def stacked(cache) -> bool:
-    """Whether the cascade layers' buffers are views of one buffer per tensor (``ring_moves``)."""
+    """Whether the cascade layers' buffers are views of one buffer per tensor (``ring_decode``)."""
     buffers = [(layer._kv, layer._meta, layer._score) for layer in cache.layers]
     found = [
         cache.forward_pass.stacked(name, [b[i] for b in buffers], make=False)
-        for i, name in enumerate(ring_moves.STACKED)
+        for i, name in enumerate(ring_decode.STACKED)
     ]
     return all(item is not None for item in found)
 
 
 def test_a_decoding_step_moves_every_layer_at_once_until_the_batch_is_reordered(moved):
     """The cascade layers of one cache share a buffer and the first layer of a decoding step moves the old tokens of
-    all of them (``ring_moves``); reordering the batch (beam search) gives the shared buffer up and each layer moves
+    all of them (``ring_decode``); reordering the batch (beam search) gives the shared buffer up and each layer moves
     its own. Both keep what the per-sequence path keeps."""
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
@@ -183,10 +183,10 @@ def test_a_reset_cache_shares_its_buffer_again_and_odd_layers_stay_alone(moved):
     assert not stacked(cache)
     second = cache.layers[1]
     second._kv = second._kv[:, :1].clone()  # another shape (one KV head)
-    ring_moves.stack_rings(cache.layers)
+    ring_decode.stack_rings(cache.layers)
     assert not stacked(cache)
     second._kv = cache.layers[0]._kv.clone()
-    ring_moves.stack_rings(cache.layers)
+    ring_decode.stack_rings(cache.layers)
     assert stacked(cache)
 
 

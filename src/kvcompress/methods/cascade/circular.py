@@ -97,10 +97,9 @@ class CircularSinkLayer(CascadeLayer):
 
     def sync_replayed(self, values: list[int]) -> None:
         """Each replayed step took one real token into the full ring, overwriting one."""
-        replayed = values[0] - self._shared.seen
+        self._seen += values[0] - self._shared.seen
         width = self._layout.width
         self._set_shared(Rings(values[0], (width,), (values[0] - self.sinks - width,), width))
-        self._seen += replayed
 
     def replay_state(self) -> tuple:
         return (self._kv, self.capacity, self._in_step, self._forward_unpadded, self._shared.count[0])

@@ -94,7 +94,7 @@ class CascadeConfig(MethodConfig):
         return CascadeLayer if self.kv_bits == 16 else QuantizedCascadeLayer
 
     def connect(self, layers: list[CompressedLayer]) -> None:
-        """The cascade layers (``N > 1``) share one buffer: a decoding step moves all their tokens (``ring_moves``)."""
+        """The cascade layers (``N > 1``) share one buffer: a decoding step moves all their tokens (``ring_decode``)."""
         rings = [layer for layer in layers if isinstance(layer, CascadeLayer) and layer.cascades > 1]
         if len(rings) > 1:
             for layer in rings:

@@ -14,11 +14,6 @@ import torch
 
 from kvcompress.core.rope import turn_in_place
 
-# kv [n, H, slots + 1, dk + dv], meta [n, slots + 1, 2], score [n, slots + 1] (None: no scores kept)
-Buffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-# the new tokens: kv [n, H, q, dk + dv] (None: the caller writes them), meta [n, q, 2], score [n, q] (None: 0)
-New = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]
-
 
 @dataclass(frozen=True)
 class Columns:
@@ -42,7 +37,9 @@ def _wins(arriving: torch.Tensor, resident: torch.Tensor, tie: str) -> torch.Ten
     return arriving >= resident if tie == "incoming" else arriving > resident
 
 
-def apply_moves(buffers: Buffers, columns: Columns, tie: str, new: New) -> None:
+def apply_moves(buffers: tuple, columns: Columns, tie: str, new: tuple) -> None:
+    """``buffers``: kv ``[n, H, slots + 1, dk + dv]``, meta ``[n, slots + 1, 2]``, score ``[n, slots + 1]`` (None: no
+    scores kept); ``new`` tokens: kv ``[n, H, q, dk + dv]`` (None: the caller writes them), meta, score (None: 0)."""
     (_batch_wide if columns.written.dim() == 1 else _per_sequence)(*buffers, *new, columns, tie)
 
 

@@ -27,8 +27,7 @@ from kvcompress.core.slots import StreamView
 from kvcompress.methods.cascade import schedule
 from kvcompress.methods.cascade.executor import Columns, _wins, apply_moves
 from kvcompress.methods.cascade.policy import CascadePolicy
-from kvcompress.methods.cascade.ring_decode import RingDecode
-from kvcompress.methods.cascade.ring_moves import STACKED
+from kvcompress.methods.cascade.ring_decode import STACKED, RingDecode
 
 
 @dataclass
@@ -42,9 +41,7 @@ class _Pending:
     real: torch.Tensor | None = None  # [B, q] bool; None = every token is real
     source: torch.Tensor | None = None  # the model's ``position_ids`` ``[B or 1, q]`` (None: not given as such)
 
-    @property
-    def tok(self) -> torch.Tensor:
-        return torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device)
+    tok = property(lambda self: torch.arange(self.first, self.first + self.keys.shape[2], device=self.keys.device))
 
 
 class CascadeLayer(RingDecode, CompressedLayer):
@@ -55,14 +52,14 @@ class CascadeLayer(RingDecode, CompressedLayer):
 
     def __init__(self, policy: Policy, inv_freq: torch.Tensor | None = None, rule: CascadePolicy | None = None) -> None:
         self._kv: torch.Tensor | None = None
-        self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_moves``)
+        self.ring_layers: list | None = None  # the cache's cascade layers (``CascadeConfig.connect``, ``ring_decode``)
         super().__init__(policy, inv_freq)
         self.rule: CascadePolicy = rule or policy
         config = self.rule.config
         self.sinks, self.cascades, self.width = config.sinks, config.cascades, config.width
         self.full_capacity = self.capacity = config.used_budget  # one ring starts smaller and grows (``_grow``)
-        eager_until = self.full_capacity if config.eager_fill else 0
-        self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager_until)
+        eager = self.full_capacity if config.eager_fill else 0  # (every ring accepts below: ``eager_fill``)
+        self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager)
         self._pending: _Pending | None = None
         self._forward_unpadded = True
 
@@ -79,33 +76,15 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sink_keys = key_states.new_zeros(batch, heads, self.sinks, key_dim)  # at angle j: the sinks' copy
         self._in_step = True
         self._rings: list[schedule.Rings] = [schedule.Rings.empty(self._layout)] * batch
-        self._offsets_cached: tuple | None = None
         self.is_initialized = True
 
-    @property
-    def _shared(self) -> schedule.Rings:
-        """The layout of every sequence while the batch is in step."""
-        return self._rings[0]
+    _shared = property(lambda self: self._rings[0])  # the layout of every sequence while the batch is in step
 
     def _set_shared(self, rings: schedule.Rings) -> None:
         self._rings = [rings] * len(self._rings)
 
-    def _leave_step(self) -> None:
-        """Run the schedule once per sequence from now on (padding, a reordered batch)."""
-        if self._in_step:
-            self._in_step = False
-            self._rings = list(self._rings)
-
     def _rows(self) -> list[schedule.Rings]:
         return self._rings[:1] if self._in_step else self._rings
-
-    def _offsets(self) -> torch.Tensor:
-        """``schedule.offsets`` ``[B, 1 + N]`` (made when the layouts change)."""
-        cached = self._offsets_cached
-        if cached is None or cached[0] is not self._rings:
-            rows = [schedule.offsets(self._layout, r) for r in self._rows()]
-            cached = self._offsets_cached = (self._rings, from_host(rows, self.device).expand(len(self._rings), -1))
-        return cached[1]
 
     _k = property(lambda self: self._kv[:, :, : self.capacity, : self._key_dim])  # keys at their angles
     _v = property(lambda self: self._kv[:, :, : self.capacity, self._key_dim :])
@@ -200,7 +179,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         else:
             tokens = [range(count)] * len(before)
             if not in_step:
-                self._leave_step()
+                self._in_step = False  # the schedule runs once per sequence from now on
                 tokens = [[m for m, is_real in enumerate(row) if is_real] for row in real.tolist()]
             host: list = []  # the pool's scores on the host, read at the first selection decided there
 
@@ -220,8 +199,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._sync_sinks(before)
 
     def _apply_moves(self, buffers, columns: Columns, tie: str, new) -> None:
-        """(A hook: the quantized layer notes the slots written.)"""
-        apply_moves(buffers, columns, tie, new)
+        apply_moves(buffers, columns, tie, new)  # (a hook: the quantized layer notes the slots written)
 
     def _columns(self, before: schedule.Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
         """The batch's move tables (``None``: no move), built once per forward for the layers in the same state: the
@@ -361,39 +339,35 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return torch.cat([stored.expand(-1, count, -1), causal], 2)
 
     def _attention(self, queries, rank, visible, real, scale, chunk=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Un-rotated queries ``[B, H_kv, G, q, d]`` at ranks ``rank`` ``[B, q]`` over the stored keys at their ranks
-        and, given ``chunk`` ``[B, H_kv, q, dk + dv]`` (keys un-rotated), its own keys at ``rank``. Without scores:
-        one SDPA; with them the explicit softmax and the EMA in closed form, query ``m`` weighted ``(1 - gamma)
-        gamma^(real queries after m)``. Returns ``[B, H_kv, G, q, d_v]`` and the chunk's initial scores (or None)."""
+        """Un-rotated queries ``[B, H_kv, G, q, d]`` at ranks ``rank`` ``[B, q]`` over the stored keys turned from their
+        angles to their ranks (their frame's offset, ``schedule.offsets``) and, given ``chunk`` ``[B, H_kv, q, dk +
+        dv]`` (keys un-rotated), its own keys at ``rank``. Without scores: one SDPA; with them the explicit softmax and
+        the EMA in closed form, query ``m`` weighted ``(1 - gamma) gamma^(real queries after m)``. Returns ``[B, H_kv,
+        G, q, d_v]`` and the chunk's initial scores (or None)."""
         batch, kv_heads, groups, count, dim = queries.shape
-        rows, slots, values = groups * count, self.capacity, self._v
-        turned = queries if self.inv_freq is None else rotate_by(queries, rank[:, None, None], self.inv_freq)
-        turned = turned.reshape(batch, kv_heads, rows, dim)
+        slots, keys, values = self.capacity, self._k, self._v
+        if self.inv_freq is not None:
+            queries = rotate_by(queries, rank[:, None, None], self.inv_freq)
+            offsets = from_host([schedule.offsets(self._layout, r) for r in self._rows()], self.device)
+            sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
+            turns = offsets.expand(len(self._rings), -1).repeat_interleave(sizes, 1, output_size=slots)
+            keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
         if chunk is not None:
             chunk_keys = chunk[..., :dim]
             if self.inv_freq is not None:
                 chunk_keys = rotate_by(chunk_keys, rank[:, None], self.inv_freq)
-            values = torch.cat([values, chunk[..., dim:].to(values.dtype)], 2)
+            keys, values = torch.cat([keys, chunk_keys], 2), torch.cat([values, chunk[..., dim:].to(values.dtype)], 2)
         if not self.rule.needs_scores:
-            keys = self._k
-            if self.inv_freq is not None:  # from its angle to its rank: its frame's offset (``schedule.offsets``)
-                sizes = from_host([self.sinks] + [self.width] * self.cascades, self.device)
-                turns = self._offsets().repeat_interleave(sizes, 1, output_size=slots)
-                keys = rotate_by(keys, turns[:, None], self.inv_freq, exact=True)
-            if chunk is not None:
-                keys = torch.cat([keys, chunk_keys], 2)
-            turned = turned.reshape(batch, kv_heads * groups, count, dim)
+            turned = queries.reshape(batch, kv_heads * groups, count, dim)
             if groups > 1:  # heads repeated here: SDPA's ``enable_gqa`` takes the CPU's math path (q x L weights)
                 keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
             output = scaled_dot_product_attention(turned, keys, values, attn_mask=visible[:, None], scale=scale)
             return output.view(batch, kv_heads, groups, count, -1), None
-        logits = self._cache_logits(queries, rank)
-        if chunk is not None:
-            own = (turned @ chunk_keys.transpose(-1, -2)).view(batch, kv_heads, groups, count, count)
-            logits = torch.cat([logits, own], -1)
+        logits = queries.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
         # (in place: ``logits`` is this call's own tensor, and a chunk's rows are its largest buffer)
-        probs = logits.float().mul_(scale).masked_fill_(~visible[:, None, None], float("-inf")).softmax(-1)
-        output = probs.to(self._kv.dtype).reshape(batch, kv_heads, rows, -1) @ values
+        logits = logits.float().mul_(scale).view(batch, kv_heads, groups, count, -1)
+        probs = logits.masked_fill_(~visible[:, None, None], float("-inf")).softmax(-1)
+        output = probs.to(self._kv.dtype).reshape(batch, kv_heads, groups * count, -1) @ values
         gamma, received = self.rule.gamma, self.rule.reduce_heads(probs)  # [B, q, L (+ q)]
         later = real.sum(1, keepdim=True) - real.long().cumsum(1)  # real queries after query m
         weight = real * (1.0 - gamma) * gamma ** later.float()  # [B, q]
@@ -403,35 +377,20 @@ class CascadeLayer(RingDecode, CompressedLayer):
         scores = None if chunk is None else torch.einsum("bq,bqj->bj", weight, received[:, :, slots:])
         return output.view(batch, kv_heads, groups, count, -1), scores
 
-    def _cache_logits(self, query: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, H_kv, G, n, S + |C|]`` of un-rotated queries ``[B, H_kv, G, n, d]`` at ranks ``top``
-        ``[B, n]``: each query turned to every frame (``schedule.offsets``), one matmul per frame."""
-        keys = self._k
-        batch, kv_heads, groups, count, dim = query.shape
-        if self.inv_freq is None:
-            logits = query.reshape(batch, kv_heads, groups * count, dim) @ keys.transpose(-1, -2)
-            return logits.view(batch, kv_heads, groups, count, self.capacity)
-        at = top[:, :, None] - self._offsets()[:, None, :]  # [B, n, 1 + N]
-        turned = rotate_by(query[:, :, :, :, None, :], at[:, None, None], self.inv_freq, exact=True)  # [B,H,G,n,F,d]
-        bounds = [0, self.sinks] + [self.sinks + (i + 1) * self.width for i in range(self.cascades)]
-        blocks = [
-            turned[:, :, :, :, frame].reshape(batch, kv_heads, -1, dim) @ keys[:, :, lo:hi].transpose(-1, -2)
-            for frame, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))
-            if hi > lo
-        ]
-        return torch.cat(blocks, -1).view(batch, kv_heads, groups, count, self.capacity)
-
     def _fold_scores(self, probs: torch.Tensor) -> None:
-        """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` of one query's ``probs`` ``[B, H_kv, G, L]`` over the
-        first ``L`` slots (sinks have no score)."""
-        gamma = self.rule.gamma
-        cascade = self._score[:, self.sinks : probs.shape[-1]]
-        if self.rule.config.reduction == "mean":  # the sum, with 1 / heads folded into the EMA weight
-            received = probs[..., self.sinks :].flatten(1, 2).sum(1)
-            weight = (1.0 - gamma) / (probs.shape[1] * probs.shape[2])
-        else:
-            received, weight = self.rule.reduce_heads(probs[..., self.sinks :]), 1.0 - gamma
-        cascade.mul_(gamma).add_(received, alpha=weight)
+        """EMA step ``mu <- gamma mu + (1 - gamma) rho(s)`` of one query's ``probs`` ``[B, H_kv, G, L]`` (or ``[B H_kv,
+        G, L]``) over the first ``L`` slots (sinks have no score); with the mean over heads (the paper's) one
+        ``baddbmm_`` (the row of ones shared by a forward's layers)."""
+        batch, stored, gamma = self._score.shape[0], probs.shape[-1], self.rule.gamma
+        if self.rule.config.reduction != "mean":
+            received = self.rule.reduce_heads(probs.reshape(batch, self._kv.shape[1], -1, stored)[..., self.sinks :])
+            self._score[:, self.sinks : stored].mul_(gamma).add_(received, alpha=1.0 - gamma)
+            return
+        rows = probs.reshape(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
+        key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
+        ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
+        cascade = self._score[:, None, self.sinks : stored]
+        cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
 
     def after_attention(self, stats: AttentionStats | None) -> None:
         """Driven by hand (tests, benchmarks): insert tokens that did not attend, fold ``stats.received`` ``[B, H_kv,
@@ -445,13 +404,11 @@ class CascadeLayer(RingDecode, CompressedLayer):
         raise NotImplementedError("a cascade layer evicts while inserting; it takes no Selection")
 
     # --- views in stream order (the ``CompressedLayer`` contract), batch operations, accounting -------------------
-    def _slot_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's rank among the stored tokens (``-1``: empty) and its key's angle, ``[B, slots]``."""
+    def _angles(self) -> torch.Tensor:
+        """Each slot's key angle ``[B, slots]`` (``schedule.slot_angle``)."""
         slots, layout = self.capacity, self._layout
-        rank, angle = schedule.ranks, schedule.slot_angle
-        values = [rank(layout, r)[:slots] + [angle(layout, r, s) for s in range(slots)] for r in self._rows()]
-        table = from_host(values, self.device).expand(len(self._rings), -1)
-        return table[:, :slots], table[:, slots:]
+        values = [[schedule.slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
+        return from_host(values, self.device).expand(len(self._rings), -1)
 
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
@@ -477,7 +434,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         keys = self._gathered(self._k, order)
         if self.inv_freq is None:
             return keys
-        turn = (self._pos - self._slot_numbers()[1]).gather(1, order)  # from the stored angle to the model's position
+        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     keys = property(_keys, _drop)
@@ -488,11 +445,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
     rows = property(lambda self: (self._tok.shape[0], self._kv.shape[1]))
     view_width = property(lambda self: self._tok.shape[1] if self.is_initialized else 0)
 
-    @property
-    def rank(self) -> torch.Tensor:
-        """Each real token's rank among the stored real tokens of its sequence (``-1``: no token)."""
-        valid = self.valid
-        return torch.where(valid, valid.cumsum(-1) - 1, -1)
+    # each real token's rank among the stored ones of its sequence (the empty slots, first, at ``-1``)
+    rank = property(lambda self: self.valid.cumsum(-1) - 1)
 
     @property
     def token_idx(self) -> torch.Tensor:
@@ -502,19 +456,15 @@ class CascadeLayer(RingDecode, CompressedLayer):
         filler = torch.arange(ordered.shape[1], device=self.device) - empty.sum(1, keepdim=True)
         return torch.where(empty, filler, ordered)[:, None].expand(-1, self._kv.shape[1], -1)
 
-    # slots holding a token, the most of any row (a host read; the rings never read it); the generic layer's
-    # initialisation and reset write 0 here: nothing to keep
-    occupied = property(lambda self: self.stored_length(), lambda self, value: None)
+    # occupied slots of the fullest sequence (the generic layer's ``stored_length``: a host read for accounting, the
+    # rings never read it); the generic layer's initialisation and reset write 0 here: nothing to keep
+    occupied = property(lambda self: int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0, lambda *_: None)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.view_width + query_length, 0  # (the mask is built from the slots: any size, no host read)
 
     def kept(self) -> StreamView:
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
-
-    def stored_length(self) -> int:
-        """Occupied slots of the fullest sequence (a host read: for accounting, not the decoding path)."""
-        return int((self._tok >= 0).sum(-1).max()) if self.is_initialized else 0
 
     def reset(self) -> None:
         self._drop(None)
@@ -533,14 +483,14 @@ class CascadeLayer(RingDecode, CompressedLayer):
         """The sequences ``rows`` (a reordered or repeated batch): the schedule runs once per sequence from now on."""
         if not self.is_initialized:
             return
-        self._leave_step()
+        self._in_step = False
         self._leave_group()
         self._rings = [self._rings[row] for row in rows]  # (``indices`` read on the host: one read per reorder)
         for name in ("_kv", "_meta", "_score", "_sink_keys"):
             setattr(self, name, reorder(getattr(self, name)))
 
     def _leave_group(self) -> None:
-        """Give up the cascade layers' stacked buffers (``ring_moves``): this layer's are about to be replaced."""
+        """Give up the cascade layers' stacked buffers (``ring_decode``): this layer's are about to be replaced."""
         if self.ring_layers is not None:
             for name in STACKED:
                 self.forward_pass.unstack(name)

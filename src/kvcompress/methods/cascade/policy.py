@@ -8,8 +8,6 @@ from kvcompress.core.contract import Policy
 
 
 class CascadePolicy(Policy):
-    """(The ``CascadeLayer`` does the storage and the attention.)"""
-
     position_mode = "cache"  # ranks inside the cache (the cache computes the model's RoPE frequencies for it)
     per_head = False  # homogeneous heads: every KV head keeps the same tokens
 

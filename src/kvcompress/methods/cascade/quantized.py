@@ -61,7 +61,7 @@ between forwards (working memory, as the slot layer's decoding step's float32 bu
 per decoding step the codes of one value (and of one key per move with several rings) are written, and a key
 group (one ring) every ``kv_group`` steps. A quantized ring does not replay as a captured CUDA graph
 (``replay_steady`` is False: ``DecodeGraph`` decodes it eagerly), and the decoding steps of several cascade layers
-move their tokens one layer at a time (``ring_moves`` stacks buffers that live across steps).
+move their tokens one layer at a time (``ring_decode`` stacks buffers that live across steps).
 """
 
 from __future__ import annotations

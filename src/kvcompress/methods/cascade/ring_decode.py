@@ -4,8 +4,13 @@ Each token's step (the executor's tables, the sinks' update, the query's frames)
 first layer (``ForwardPass.cached``). The query is turned to one target per ring (``schedule.offsets``; one token:
 a rotation matrix, ``core.rotation``; several: elementwise), then one matmul and an index give every frame's logits
 for every slot (or one matmul per run of slots, past the ``DENSE_*`` limits), one softmax in slot order (empty slots
-at ``-inf``), one matmul with the values and one for the EMA. In a decoding step the first layer moves every layer's
-old tokens (``ring_moves``) and each layer writes its new key and value.
+at ``-inf``), one matmul with the values and one for the EMA.
+
+In a decoding step the schedule depends only on the token count, so while every cascade layer is in the same in-step
+state the forward's first one moves the old tokens of all of them (one gather, rotation and scatter per tensor) and
+each layer writes its new key and value. The layers' buffers are then views of one buffer per tensor
+(``ForwardPass.stacked``, ``[L B, ...]``), stacked at the end of the first in-step forward finding them apart, given
+back when a layer replaces its buffers.
 """
 
 from __future__ import annotations
@@ -14,11 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.forward import from_host
+from kvcompress.core.forward import agree, from_host
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frames_along, rotation_to, turn, turn_along
-from kvcompress.methods.cascade.executor import Columns
-from kvcompress.methods.cascade.ring_moves import moved_every_ring
+from kvcompress.methods.cascade.executor import Columns, apply_moves
 from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
@@ -42,10 +46,7 @@ class Step:
     runs: tuple[Run, ...]  # the stored slots seen in each frame, in slot order
     logit: torch.Tensor | None  # [stored]: each slot's logit among every frame's (None: one matmul per run)
     empty: torch.Tensor | None  # [stored] slots between the runs (None: none, or per-run logits)
-
-    @property
-    def stored(self) -> int:
-        return self.runs[-1][1]
+    stored: int  # the slots up to the last stored one
 
 
 class RingDecode:
@@ -94,7 +95,7 @@ class RingDecode:
             probs = logits.view(batch * kv_heads, -1, step.stored).softmax(-1)
             outputs.append(torch.bmm(probs.to(values.dtype), values))
             if self.rule.needs_scores:
-                self._fold_step(probs)
+                self._fold_scores(probs)
         self._forward_unpadded = True
         return (outputs[0] if count == 1 else torch.stack(outputs, 2)).view(batch, q_heads, count, -1)
 
@@ -113,7 +114,7 @@ class RingDecode:
             logit, empty = self.forward_pass.cached(key, build)
             angle = move_turn(self._layout, rings, after, fresh, slots + 1, slots)  # (a new item's turn: its angle)
             sinks = [sinks_after(self._layout, rings, after)]
-            steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty))
+            steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty, runs[-1][1]))
             rings = after
         return steps
 
@@ -132,10 +133,9 @@ class RingDecode:
             empty[lo:hi] = [False] * (hi - lo)
         return from_host(logit, self.device), from_host(empty, self.device, torch.bool) if any(empty) else None
 
-    def _frames(self, top: int, rings: Rings | None = None) -> tuple[tuple[int, ...], list[Run]]:
-        """A query at rank ``top`` of ``rings`` (default: the batch's): its rotation targets, one per ring (the sinks
-        share the oldest ring's), and the runs of stored slots in slot order."""
-        rings = self._shared if rings is None else rings
+    def _frames(self, top: int, rings: Rings) -> tuple[tuple[int, ...], list[Run]]:
+        """A query at rank ``top`` of ``rings``: its rotation targets, one per ring (the sinks share the oldest
+        ring's), and the runs of stored slots in slot order."""
         sinks, width = self.sinks, self._layout.width
         offset = offsets(self._layout, rings)
         n_sink = min(rings.seen, sinks)
@@ -199,18 +199,6 @@ class RingDecode:
             views = self._views = (self._kv, stored, rows[..., :dim].transpose(1, 2), rows[..., dim:])
         return views[2], views[3]
 
-    def _fold_step(self, probs: torch.Tensor) -> None:
-        """``_fold_scores`` of ``probs`` ``[B H_kv, G, stored]``; with the mean over heads (the paper's) one
-        ``baddbmm_`` (the row of ones shared by the forward's layers)."""
-        batch, stored, gamma = self._score.shape[0], probs.shape[-1], self.rule.gamma
-        if self.rule.config.reduction != "mean":
-            return self._fold_scores(probs.view(batch, self._kv.shape[1], -1, stored))
-        rows = probs.view(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
-        key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
-        ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
-        cascade = self._score[:, None, self.sinks : stored]
-        cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
-
     def _rotation(self, pending, targets: tuple[int, ...], dim: int, dtype: torch.dtype, scale: float = 1.0):
         """``rotation_to`` from the pending token's position to ``targets``, shared by a forward's layers."""
         tag = (pending.first, pending.keys.shape[2])
@@ -221,3 +209,53 @@ class RingDecode:
         key = ("new-meta", pending.first, pending.keys.shape[2], self.device)
         build = lambda: torch.stack([pending.tok.expand_as(pending.pos), pending.pos], -1)  # noqa: E731
         return self.forward_pass.cached(key, build)
+
+
+STACKED = ("ring-kv", "ring-meta", "ring-score")  # the names of the cascade layers' stacked buffers
+
+
+def moved_every_ring(layer, step, meta: torch.Tensor) -> bool:
+    """Whether the forward's first layer moved every cascade layer's old tokens for ``step``; ``meta`` ``[B, 1, 2]``:
+    the new token's slot record."""
+    forward, rings = layer.forward_pass, layer.ring_layers
+    return forward.cached(("ring-moves", step.before), lambda: _move_all(rings, layer, step, meta))
+
+
+def _move_all(rings: list, trigger, step, meta: torch.Tensor) -> bool:
+    if trigger is not rings[0] or not all(_ready(layer, trigger, step.before) for layer in rings):
+        return False
+    forward, per_layer = trigger.forward_pass, [(layer._kv, layer._meta, layer._score) for layer in rings]
+    joint = [forward.stacked(name, [buffers[i] for buffers in per_layer], make=False) for i, name in enumerate(STACKED)]
+    if any(found is None for found in joint):  # not views of one buffer yet: stacked once this forward is over
+        forward.at_end("ring-stack", lambda: stack_rings(rings))
+        return False
+    kv, meta_buffer, score = (buffer for buffer, _ in joint)  # [L B, ...]
+    new_meta = meta.expand(len(rings), -1, -1, -1).flatten(0, 1)  # [L B, 1, 2]
+    buffers = (kv, meta_buffer, score if trigger.rule.needs_scores else None)
+    apply_moves(buffers, step.columns, trigger.rule.config.tie, (None, new_meta, None))
+    return True
+
+
+def stack_rings(rings: list) -> None:
+    """Make the cascade layers' buffers views of one buffer per tensor (one copy) where they agree in shape."""
+    if not all(layer.is_initialized and layer._kv is not None for layer in rings):
+        return
+    forward = rings[0].forward_pass
+    per_layer = [(layer._kv, layer._meta, layer._score) for layer in rings]
+    if not all(agree([buffers[i] for buffers in per_layer]) for i in range(len(STACKED))):
+        return
+    views = [forward.stacked(name, [buffers[i] for buffers in per_layer])[1] for i, name in enumerate(STACKED)]
+    for layer, kv, meta, score in zip(rings, *views, strict=True):
+        layer._kv, layer._meta, layer._score = kv, meta, score
+
+
+def _ready(layer, trigger, state) -> bool:
+    """Whether ``layer`` takes this step in the trigger's state (whose counters moved on already)."""
+    return (
+        layer.is_initialized
+        and layer._kv is not None
+        and layer._in_step
+        and layer._forward_unpadded
+        and getattr(layer, "_sliding_window", None) is None
+        and (layer is trigger or (layer._pending is None and layer._shared == state))
+    )

@@ -37,10 +37,6 @@ class Layout:
     eager_until: int = 0
 
     @property
-    def slots(self) -> int:
-        return self.sinks + self.cascades * self.width
-
-    @property
     def fill(self) -> int:
         """The sinks' angle shift while the rings are empty (``sink_shift``)."""
         return (self.cascades - 1) * self.width
@@ -112,21 +108,6 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
             select = True
             break
     return Rings(p + 1, tuple(count), tuple(passed_by), width), Moves(tuple(dests), select, passed)
-
-
-def ranks(layout: Layout, rings: Rings) -> list[int]:
-    """Per slot, the rank of its token among the stored ones in stream order (``-1``: empty): sinks first, then the
-    rings from the oldest (last) to the newest, each in ring order."""
-    rank = [-1] * layout.slots
-    n_sink = min(rings.seen, layout.sinks)
-    rank[:n_sink] = range(n_sink)
-    older = sum(rings.count)
-    for i, (count, start) in enumerate(zip(rings.count, rings.start, strict=True)):
-        older -= count
-        first = layout.sinks + i * layout.width
-        for order in range(count):
-            rank[first + (start + order) % layout.width] = n_sink + older + order
-    return rank
 
 
 def sink_shift(layout: Layout, rings: Rings) -> int:
