@@ -9,7 +9,7 @@ files in two:
 
 (a) modules implementing behaviour that existed at ``BASE``, rewritten or not, renamed or not (``forward.py``
     replaces ``forward_cache.py`` and ``layer_batch.py``; ``joint_eviction.py`` is the old ``LayerBatch``'s joint
-    eviction; cascade's ``schedule.py``, ``executor.py``, ``ring_moves.py`` replace ``ring_angles.py``,
+    eviction; cascade's ``schedule.py``, ``executor.py`` and ``ring_decode.py``'s moves replace ``ring_angles.py``,
     ``ring_insert.py``, ``ring_group.py``). Hooks that shared modules (``cache.py``, ``contract.py``, ...) grew for
     the new behaviour stay counted here, which favours ``BASE``;
 (b) modules added for behaviour that did not exist at ``BASE``, listed in ``NEW_BEHAVIOUR`` with the reason.
