@@ -4,15 +4,48 @@ allowed. Every range has an upper bound, so no parameter reaches torch's allocat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MAX_TOKENS = 2**20  # token counts (budgets, windows, sinks, histories): the longest context a cache is built for
 MAX_SEED = 2**63 - 1  # seeds are hashed as int64
 
 
-def check_budget(budget: object, name: str = "budget") -> None:
+Check = Callable[[object, str, object], None]  # (value, field name, config): raises ValueError
+
+
+def param(default: Any, check: Check) -> Any:
+    """A config field checked by ``check`` before the config's own ``validate`` (cross-field rules); a field whose
+    default is None may always be None."""
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def ints(low: int, high: int | str = MAX_TOKENS) -> Check:
+    """An integer in ``[low, high]``; ``high`` may name the field that bounds it (``"budget"``; None: no bound)."""
+
+    def check(value: object, name: str, config: object) -> None:
+        bound = getattr(config, high) if isinstance(high, str) else high
+        named = isinstance(high, str) and bound is not None
+        check_int_range(value, name, low, MAX_TOKENS if bound is None else bound, high if named else "")
+
+    return check
+
+
+def number(low: float, high: float, ends: str = "[]", meaning: str = "") -> Check:
+    """A finite number between ``low`` and ``high``, each included where ``ends`` has a square bracket."""
+    return lambda value, name, config: check_number(value, name, low, high, ends[0] == "(", ends[1] == ")", meaning)
+
+
+def one_of(*choices: str, default: str | None = None) -> Any:
+    """A text field, one of ``choices``; its default is the first unless given."""
+    return param(choices[0] if default is None else default, lambda value, name, c: check_choice(value, name, choices))
+
+
+def check_budget(budget: object, name: str = "budget", config: object = None) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_TOKENS:
         raise ValueError(
             f"{name} must be an integer in [1, {MAX_TOKENS}] (tokens kept per layer and KV head), got {budget!r}"
@@ -27,20 +60,21 @@ def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS, 
         raise ValueError(f"{name} must be an integer in [{low}, {upper}], got {value!r}")
 
 
-def check_seed(value: object, name: str = "seed") -> None:
+def check_seed(value: object, name: str = "seed", config: object = None) -> None:
     check_int_range(value, name, 0, MAX_SEED)
 
 
 def check_number(
-    value: object, name: str, low: float, high: float, *, open_low: bool = False, meaning: str = ""
+    value: object, name: str, low: float, high: float, open_low: bool = False, open_high: bool = False, meaning=""
 ) -> None:
-    """A finite real number in the interval from ``low`` (excluded where ``open_low``) to ``high``."""
+    """A finite real number in the interval from ``low`` to ``high`` (open at an end where asked)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
-    if not (ok and (low < value if open_low else low <= value) and value <= high):
-        raise ValueError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}]{meaning}, got {value!r}")
+    if not (ok and (low < value if open_low else low <= value) and (value < high if open_high else value <= high)):
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}{meaning}, got {value!r}")
 
 
-def check_ratio(ratio: object, name: str = "ratio") -> None:
+def check_ratio(ratio: object, name: str = "ratio", config: object = None) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"{name} must be a fraction of the prompt in (0, 1], got {ratio!r}")
 
@@ -50,7 +84,7 @@ def check_choice(value: object, name: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def check_bool(value: object, name: str) -> None:
+def check_bool(value: object, name: str, config: object = None) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
