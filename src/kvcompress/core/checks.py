@@ -36,8 +36,7 @@ def ints(low: int, high: int | str = MAX_TOKENS) -> Check:
 
 
 def number(low: float, high: float, ends: str = "[]", meaning: str = "") -> Check:
-    """A finite number between ``low`` and ``high``, each included where ``ends`` has a square bracket."""
-    return lambda value, name, config: check_number(value, name, low, high, ends[0] == "(", ends[1] == ")", meaning)
+    return lambda value, name, config: check_number(value, name, low, high, ends, meaning)
 
 
 def one_of(*choices: str, default: str | None = None) -> Any:
@@ -64,14 +63,11 @@ def check_seed(value: object, name: str = "seed", config: object = None) -> None
     check_int_range(value, name, 0, MAX_SEED)
 
 
-def check_number(
-    value: object, name: str, low: float, high: float, open_low: bool = False, open_high: bool = False, meaning=""
-) -> None:
-    """A finite real number in the interval from ``low`` to ``high`` (open at an end where asked)."""
+def check_number(value: object, name: str, low: float, high: float, ends: str = "[]", meaning: str = "") -> None:
+    """A finite real number between ``low`` and ``high``, each included where ``ends`` has a square bracket."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
-    if not (ok and (low < value if open_low else low <= value) and (value < high if open_high else value <= high)):
-        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        raise ValueError(f"{name} must be a number in {interval}{meaning}, got {value!r}")
+    if not ok or value < low or value > high or (value == low and ends[0] == "(") or (value == high and ends[1] == ")"):
+        raise ValueError(f"{name} must be a number in {ends[0]}{low}, {high}{ends[1]}{meaning}, got {value!r}")
 
 
 def check_ratio(ratio: object, name: str = "ratio", config: object = None) -> None:

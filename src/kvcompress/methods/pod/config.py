@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcompress.core.checks import check_path, ints, one_of, param
+from kvcompress.core.checks import check_path, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.files import shipped_json
 from kvcompress.methods.oneshot import check_ratio_or_budget
@@ -113,7 +113,7 @@ class PoDConfig(MethodConfig):
 
     similarity: str | None = None  # pod-calibrate file (per-head 1-JS layer similarity) to run Algorithm 1 on
     delta: float = 0.5  # Algorithm 1 threshold: a layer joins a block if sim >= delta with every member (paper 0.5)
-    target_saving: float | None = None  # instead of delta: the largest delta with saving(inf) >= this fraction
+    target_saving: float | None = param(None, number(0, 0.5, "[)"))  # or: the largest delta with saving(inf) >= this
     starts: tuple[tuple[int, ...], ...] | None = None  # explicit block starts [layer][KV or query head]
     block_size: int | None = param(None, ints(1))  # uniform blocks of this many layers, no calibration (1 = dense)
     grouping: str = one_of("kv_head", "query_head")  # per KV head (default, saves keys under GQA) or paper's literal
@@ -134,10 +134,6 @@ class PoDConfig(MethodConfig):
         sources = sum(x is not None for x in (self.similarity, self.starts, self.block_size))
         if sources > 1:
             raise ValueError("pod takes exactly one of similarity (a pod-calibrate file), starts or block_size")
-        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
-            raise ValueError(f"delta must be a number (similarity threshold, usually in [0, 1]); got {self.delta!r}")
-        if self.target_saving is not None and not 0 <= self.target_saving < 0.5:
-            raise ValueError(f"target_saving must be in [0, 0.5) (keys only); got {self.target_saving!r}")
         if self.similarity is not None and shipped_json("pod", str(self.similarity)) is None:
             check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
             load_similarity(self.similarity)  # read now (once per file): a bad file is refused before a model loads
