@@ -7,9 +7,12 @@ number of tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvcompress.core.checks import check_budget, check_ratio
+from kvcompress.core.contract import MethodConfig
 from kvcompress.core.selection import ratio_budget
 
 
@@ -27,3 +30,14 @@ def check_ratio_or_budget(method: str, ratio: object, budget: object) -> None:
         check_budget(budget)
     else:
         check_ratio(ratio)
+
+
+@dataclass(frozen=True)
+class OneShotConfig(MethodConfig):
+    """The budget of a one-shot config: ``ratio`` or ``budget``, exactly one."""
+
+    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = None  # or: tokens kept per layer and KV head
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)
