@@ -13,14 +13,11 @@ from typing import Any
 
 MAX_TOKENS = 2**20  # token counts (budgets, windows, sinks, histories): the longest context a cache is built for
 MAX_SEED = 2**63 - 1  # seeds are hashed as int64
-
-
 Check = Callable[[object, str, object], None]  # (value, field name, config): raises ValueError
 
 
 def param(default: Any, check: Check) -> Any:
-    """A config field checked by ``check`` before the config's own ``validate`` (cross-field rules); a field whose
-    default is None may always be None."""
+    """A config field ``check`` validates before ``validate`` (skipped for None where None is the default)."""
     return dataclasses.field(default=default, metadata={"check": check})
 
 

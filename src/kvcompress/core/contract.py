@@ -213,8 +213,7 @@ class MethodConfig:
         check_declared(self)
 
     def validate(self) -> None:
-        """Cross-field rules, after each field's own check (``core.checks.param``): ``ValueError`` naming the
-        parameter and its allowed range."""
+        """Cross-field rules, after each field's own check: ``ValueError`` naming the parameter and what is allowed."""
 
     def policy(self, layer_idx: int) -> Policy:
         return self.policy_class(self, layer_idx)

@@ -122,7 +122,7 @@ class PoDConfig(MethodConfig):
     ratio: float | None = None  # KV bytes kept, as a fraction of the full cache's (composes with SnapKV)
     budget: int | None = None  # or: KV bytes per layer and KV head, in full tokens (a token = its key + value)
     query_source: str = one_of("block_start", "own")  # distant logits: v1 (paper Eq. 3) or v2 query
-    tau: float | None = None  # gate: skip distant tokens at non-start heads when proximal mass >= tau (None: never)
+    tau: float | None = param(None, number(0, 1))  # None: off; non-start heads drop distant keys at proximal mass >= it
     combine: str = one_of("softmax", "lse")  # one softmax over mixed logits or Eq. 4 gate; equal
     base: MethodConfig | None = field(default=None, compare=True)  # token-selection method composed with PoD
 
@@ -147,8 +147,6 @@ class PoDConfig(MethodConfig):
             object.__setattr__(self, "base", SnapKVConfig(ratio=1.0, window=32))  # kept count: budget.py
         if self.n_recent is None:
             object.__setattr__(self, "n_recent", 64 if self.budgeted else 4080)
-        if self.tau is not None and (isinstance(self.tau, bool) or not 0 <= self.tau <= 1):
-            raise ValueError(f"tau must be None or a number in [0, 1]; got {self.tau!r}")
         if self.base is not None:
             if not isinstance(self.base, MethodConfig) or isinstance(self.base, PoDConfig):
                 raise ValueError(f"base must be a token-selection method config (e.g. SnapKVConfig); got {self.base!r}")
