@@ -56,10 +56,6 @@ def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS, 
         raise ValueError(f"{name} must be an integer in [{low}, {upper}], got {value!r}")
 
 
-def check_seed(value: object, name: str = "seed", config: object = None) -> None:
-    check_int_range(value, name, 0, MAX_SEED)
-
-
 def check_number(value: object, name: str, low: float, high: float, ends: str = "[]", meaning: str = "") -> None:
     """A finite real number between ``low`` and ``high``, each included where ``ends`` has a square bracket."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
@@ -75,11 +71,6 @@ def check_ratio(ratio: object, name: str = "ratio", config: object = None) -> No
 def check_choice(value: object, name: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def check_bool(value: object, name: str, config: object = None) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_path(value: object, name: str, kind: str, what: str) -> None:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.core.checks import check_seed, ints, number, param
+from kvcompress.core.checks import MAX_SEED, ints, number, param
 from kvcompress.core.contract import Policy
 from kvcompress.core.rope import rotate_by
 from kvcompress.methods.allocation import ScorerConfig, allocated_keep
@@ -196,7 +196,7 @@ class CompactorConfig(ScorerConfig):
     chunk_size: int = param(256, ints(1))  # tokens per chunk of the non-causal attention
     sketch_dimension: int = param(48, ints(1, 4096))  # columns of the Gaussian sketch of the keys
     blending: float | None = param(None, number(0, 1e6))  # leverage term's weight (None: the removed fraction, kvpress)
-    seed: int = param(0, check_seed)  # layer i's sketch is drawn from a generator seeded with seed + i
+    seed: int = param(0, ints(0, MAX_SEED))  # layer i's sketch is drawn from a generator seeded with seed + i
 
     name = "compactor"
     paper = "https://arxiv.org/abs/2507.08143"

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_bool, ints, number, param
+from kvcompress.core.checks import ints, number, param
 from kvcompress.core.contract import Policy
 from kvcompress.core.rope import rotate_by, rotate_half
 from kvcompress.core.selection import sink_mask
@@ -140,8 +140,8 @@ class ExpectedAttentionConfig(ScorerConfig):
 
     n_future_positions: int = param(512, ints(1))  # future positions the query statistics are rotated to (averaged)
     n_sink: int = param(4, ints(0))  # first tokens always kept, their queries and keys left out of the statistics
-    use_covariance: bool = param(True, check_bool)  # the queries' covariance term (False: the mean alone)
-    use_vnorm: bool = param(True, check_bool)  # multiply by the value's L2 norm
+    use_covariance: bool = True  # the queries' covariance term (False: the mean alone)
+    use_vnorm: bool = True  # multiply by the value's L2 norm
     epsilon: float = param(0.0, number(0, 1e6))  # added to the expected attention before the value norm
 
     name = "expected_attention"

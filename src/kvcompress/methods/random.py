@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_seed, param
+from kvcompress.core.checks import MAX_SEED, check_budget, ints, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.forward import ForwardPass
 from kvcompress.core.hashing import hash_uniform
@@ -62,7 +62,7 @@ class RandomConfig(MethodConfig):
     """Keep a uniformly random subset of the tokens seen."""
 
     budget: int = param(1024, check_budget)  # tokens kept per layer and KV head
-    seed: int = param(0, check_seed)  # seed of the per-token draws
+    seed: int = param(0, ints(0, MAX_SEED))  # seed of the per-token draws
 
     name = "random"
     paper = "-"

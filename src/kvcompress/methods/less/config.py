@@ -41,7 +41,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_choice, check_seed, ints, one_of, param
+from kvcompress.core.checks import MAX_SEED, check_choice, ints, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.methods.less.kernels import (
     LayerKernels,
@@ -72,7 +72,7 @@ class LessConfig(MethodConfig):
     init: str = one_of(*INITS)  # untrained: Xavier, scalars 1e-4 (≈ base) or ψ ≡ 0 (= base)
     rank: int = param(8, ints(1, MAX_RANK))  # R: features of φ, ψ = rows of H (untrained kernels; trained carry theirs)
     hidden: int = param(128, ints(1, MAX_HIDDEN))  # R': kernel MLPs' width (paper 512 for D = 128; 128 ample at D = 64)
-    seed: int = param(0, check_seed)  # seed of the untrained kernels' initialisation
+    seed: int = param(0, ints(0, MAX_SEED))  # seed of the untrained kernels' initialisation
 
     name = "less"
     paper = "https://arxiv.org/abs/2402.09398"

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_ratio, check_seed, ints, number, one_of, param
+from kvcompress.core.checks import MAX_SEED, check_ratio, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.methods.nacl.policy import NaClGreedyPolicy, NaClPolicy, NaClSplit
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
@@ -82,7 +82,7 @@ class NaClConfig(MethodConfig):
     eviction: str = one_of("one_shot", "greedy")  # paper or Table 3 "− Global Eviction" (needs budget)
     decode_interval: int | None = param(None, ints(1))  # re-evict every m decode steps (Alg. 1 l. 26-27); None: never
     min_evict_len: int | None = param(None, ints(0))  # shorter prompts are not evicted; None = preset (0; 128K: 2048)
-    seed: int = param(0, check_seed)  # seed of the random part (streams per layer and KV head)
+    seed: int = param(0, ints(0, MAX_SEED))  # seed of the random part (streams per layer and KV head)
 
     name = "nacl"
     paper = "https://arxiv.org/abs/2408.03675"
