@@ -252,18 +252,12 @@ def check_field_types(config: MethodConfig) -> None:
     for name, kind in _field_types(type(config)).items():
         value = getattr(config, name)
         if not _is_a(value, kind):
-            described = f"{name} must be {_describe(kind)}, got {reprlib.repr(value)}"
-            raise ValueError(_own_message(config, name) or described)
-
-
-def _own_message(config: MethodConfig, name: str) -> str | None:
-    """The config's own ``validate`` message for a bad ``name`` (it states the range), if it gives one."""
-    try:
-        check_declared(config)
-    except Exception as error:  # validate may fail in any way on a value of the wrong type
-        if isinstance(error, ValueError) and str(error).startswith(f"{name} "):
-            return str(error)
-    return None
+            try:  # the config's own message states the range
+                check_declared(config)
+            except Exception as error:  # validate may fail in any way on a value of the wrong type
+                if isinstance(error, ValueError) and str(error).startswith(f"{name} "):
+                    raise
+            raise ValueError(f"{name} must be {_describe(kind)}, got {reprlib.repr(value)}")
 
 
 @functools.cache
