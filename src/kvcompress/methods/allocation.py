@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import ints, number, one_of, param
+from kvcompress.core.checks import check_budget, ints, number, one_of, param
 from kvcompress.core.contract import Keep, KeepMask
 from kvcompress.core.eviction import lowest_victims, ranked_scores
 from kvcompress.core.layer import CompressedLayer
@@ -54,7 +54,7 @@ ALLOCATIONS = ("uniform", "pyramid", "adakv")
 class ScorerConfig(OneShotConfig):
     """The budget fields of a one-shot scorer (its own fields follow them)."""
 
-    budget: int | None = None  # or: tokens kept per layer and KV head (on average under pyramid or adakv)
+    budget: int | None = param(None, check_budget)  # or: tokens per layer and KV head (on average: pyramid, adakv)
     allocation: str = one_of(*ALLOCATIONS)  # per layer (pyramid), per head (adakv); methods/allocation.py
     beta: int = param(20, ints(1, 10_000))  # pyramid's steepness (kvpress PyramidKVPress)
     alpha_safeguard: float = param(0.2, number(0, 1))  # adakv: a head keeps this share of its uniform count (kvpress)

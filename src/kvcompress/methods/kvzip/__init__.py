@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_path, ints, one_of, param
+from kvcompress.core.checks import check_budget, check_path, check_ratio, ints, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.methods.duo.patterns import load_pattern, resolve_path, shipped_path
@@ -123,8 +123,8 @@ class KVzipPolicy(Policy):
 class KVzipConfig(MethodConfig):
     """Pairs scored by the attention the model pays them while it reconstructs the context; once, query-agnostic."""
 
-    ratio: float | None = None  # kept fraction of the context, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head (on average under global/layer, level=head)
+    ratio: float | None = param(None, check_ratio)  # kept fraction of the context, in (0, 1] (give this or budget)
+    budget: int | None = param(None, check_budget)  # or: tokens per layer and KV head (mean: global/layer, level=head)
     level: str = one_of(*LEVELS)  # pair: this context's pairs scored by reconstruction; head: calibrated head scores
     allocation: str = one_of(*ALLOCATIONS)  # pair level: over all layers and heads, a layer's heads, or uniform
     n_sink: int = param(4, ints(0))  # first tokens always kept

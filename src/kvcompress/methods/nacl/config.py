@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import MAX_SEED, check_ratio, ints, number, one_of, param
+from kvcompress.core.checks import MAX_SEED, check_budget, check_ratio, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.methods.nacl.policy import NaClGreedyPolicy, NaClPolicy, NaClSplit
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
@@ -65,8 +65,8 @@ EPS = 1e-9  # guards floors against float error (0.1 * 700 = 70.00000000000001 i
 class NaClConfig(MethodConfig):
     """Proxy-token top-k + random possibility sampling, per KV head, once after the prompt."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1]; 0.1/0.2/0.3 use Table 4 (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head (split with the 20 % row's proportions)
+    ratio: float | None = param(None, check_ratio)  # kept fraction of the prompt; 0.1/0.2/0.3 use Table 4 (or budget)
+    budget: int | None = param(None, check_budget)  # or: tokens per layer and KV head (split as the 20 % row)
     preset: str = one_of("table4", "official-128k")  # paper (Appx A.6) or official code's 128K setting (ratio 0.2)
     protect_share: float | None = param(None, SHARE)  # budget share of sinks + recent (Protect Proxy); None = preset
     random_share: float | None = param(None, SHARE)  # share of the rest sampled (C_r / (C_p + C_r)); None = preset
@@ -144,12 +144,11 @@ class NaClConfig(MethodConfig):
 
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
-        if self.proxy_span is not None:
-            span = self.proxy_span
-            if not isinstance(span, (tuple, list)) or len(span) != 2 or not isinstance(span[0], int):
-                raise ValueError(f"proxy_span must be (start, stop) token indices, stop int or None; got {span!r}")
-            if span[1] is not None and not isinstance(span[1], int):
-                raise ValueError(f"proxy_span stop must be an integer or None, got {span[1]!r}")
+        span = self.proxy_span
+        if span is not None and not (isinstance(span, (tuple, list)) and len(span) == 2 and isinstance(span[0], int)):
+            raise ValueError(f"proxy_span must be (start, stop) token indices, stop int or None; got {span!r}")
+        if span is not None and span[1] is not None and not isinstance(span[1], int):
+            raise ValueError(f"proxy_span stop must be an integer or None, got {span[1]!r}")
         if sum(x is not None for x in (self.proxy_ratio, self.proxy_tokens, self.proxy_span)) > 1:
             raise ValueError("give at most one of proxy_ratio, proxy_tokens, proxy_span")
         if self.eviction == "greedy" and self.budget is None:

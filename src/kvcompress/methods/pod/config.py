@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcompress.core.checks import check_path, ints, number, one_of, param
+from kvcompress.core.checks import check_budget, check_path, check_ratio, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.files import shipped_json
 from kvcompress.methods.oneshot import check_ratio_or_budget
@@ -119,8 +119,8 @@ class PoDConfig(MethodConfig):
     grouping: str = one_of("kv_head", "query_head")  # per KV head (default, saves keys under GQA) or paper's literal
     n_sink: int = param(16, ints(0))  # n_s: first tokens always proximal (paper 16)
     n_recent: int | None = param(None, ints(1))  # n_r: newest tokens (query included); None: paper 4080, 64 at a budget
-    ratio: float | None = None  # KV bytes kept, as a fraction of the full cache's (composes with SnapKV)
-    budget: int | None = None  # or: KV bytes per layer and KV head, in full tokens (a token = its key + value)
+    ratio: float | None = param(None, check_ratio)  # KV bytes kept, as a fraction of the full cache's (via SnapKV)
+    budget: int | None = param(None, check_budget)  # or: KV bytes per layer and KV head in full tokens (key + value)
     query_source: str = one_of("block_start", "own")  # distant logits: v1 (paper Eq. 3) or v2 query
     tau: float | None = param(None, number(0, 1))  # None: off; non-start heads drop distant keys at proximal mass >= it
     combine: str = one_of("softmax", "lse")  # one softmax over mixed logits or Eq. 4 gate; equal
