@@ -1,6 +1,6 @@
-"""Validation helpers for method configs: each raises ``ValueError`` naming the parameter, the value and what is
-allowed. Every range has an upper bound, so no parameter reaches torch's allocator or overflows an ``int64``.
-"""
+"""Validation of method configs, each field's check declared with it (``param``, ``ints``, ``number``, ``one_of``):
+``ValueError`` naming the parameter, the value and what is allowed. Every range has an upper bound, so no parameter
+reaches torch's allocator or overflows an ``int64``."""
 
 from __future__ import annotations
 
@@ -49,8 +49,7 @@ def check_budget(budget: object, name: str = "budget", config: object = None) ->
 
 
 def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS, high_name: str = "") -> None:
-    """An integer in ``[low, high]``; the default upper bound is ``MAX_TOKENS`` (token counts). ``high_name`` says
-    where an upper bound set by another parameter comes from (``"budget"``)."""
+    """An integer in ``[low, high]``; ``high_name`` says which parameter sets the upper bound (``"budget"``)."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         upper = f"{high_name} = {high}" if high_name else str(high)
         raise ValueError(f"{name} must be an integer in [{low}, {upper}], got {value!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, ints, one_of, param
+from kvcompress.core.checks import ints, one_of, param
 from kvcompress.core.rope import POSITION_MODES
 from kvcompress.core.selection import keep_top, sink_mask
 from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
@@ -26,9 +26,8 @@ class OneShotStreamingPolicy(StreamingPolicy):
 
 @dataclass(frozen=True)
 class OneShotStreamingConfig(OneShotConfig):
-    """Attention sinks + the most recent prompt tokens, once after the prompt."""
+    """Attention sinks + the most recent prompt tokens (``budget`` counts the sinks), once after the prompt."""
 
-    budget: int | None = param(None, check_budget)  # or: tokens kept per layer, sinks included
     sinks: int = param(4, ints(0))  # first tokens always kept (the paper's 4 attention sinks)
     position_mode: str = one_of(*POSITION_MODES, default="cache")  # re-indexed in the cache (paper) or kept
 

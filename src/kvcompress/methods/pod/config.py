@@ -131,8 +131,7 @@ class PoDConfig(MethodConfig):
     policy_class = PoDPolicy
 
     def validate(self) -> None:
-        sources = sum(x is not None for x in (self.similarity, self.starts, self.block_size))
-        if sources > 1:
+        if sum(x is not None for x in (self.similarity, self.starts, self.block_size)) > 1:
             raise ValueError("pod takes exactly one of similarity (a pod-calibrate file), starts or block_size")
         if self.similarity is not None and shipped_json("pod", str(self.similarity)) is None:
             check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
