@@ -210,10 +210,10 @@ class MethodConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         check_storage(self)
-        self.validate()
+        check_declared(self)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the parameter and its allowed range."""
+        """Cross-field rules, after each field's own check: ``ValueError`` naming the parameter and what is allowed."""
 
     def policy(self, layer_idx: int) -> Policy:
         return self.policy_class(self, layer_idx)
@@ -237,24 +237,27 @@ def check_storage(config: MethodConfig) -> None:
         )
 
 
+def check_declared(config: MethodConfig) -> None:
+    """Each field's declared check (``core.checks.param``; None passes where it is the default), then ``validate``."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if "check" in field.metadata and not (value is None and field.default is None):
+            field.metadata["check"](value, field.name, config)
+    config.validate()
+
+
 def check_field_types(config: MethodConfig) -> None:
     """``ValueError`` unless every field holds its declared type: booleans are ``bool``, integers not booleans or
     floats, floats finite real numbers (integers allowed), tuples may be lists."""
     for name, kind in _field_types(type(config)).items():
         value = getattr(config, name)
         if not _is_a(value, kind):
-            described = f"{name} must be {_describe(kind)}, got {reprlib.repr(value)}"
-            raise ValueError(_own_message(config, name) or described)
-
-
-def _own_message(config: MethodConfig, name: str) -> str | None:
-    """The config's own ``validate`` message for a bad ``name`` (it states the range), if it gives one."""
-    try:
-        config.validate()
-    except Exception as error:  # validate may fail in any way on a value of the wrong type
-        if isinstance(error, ValueError) and str(error).startswith(f"{name} "):
-            return str(error)
-    return None
+            try:  # the config's own message states the range
+                check_declared(config)
+            except Exception as error:  # validate may fail in any way on a value of the wrong type
+                if isinstance(error, ValueError) and str(error).startswith(f"{name} "):
+                    raise
+            raise ValueError(f"{name} must be {_describe(kind)}, got {reprlib.repr(value)}")
 
 
 @functools.cache

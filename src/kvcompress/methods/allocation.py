@@ -39,41 +39,29 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_choice, check_int_range, check_number
-from kvcompress.core.contract import Keep, KeepMask, MethodConfig
+from kvcompress.core.checks import check_budget, ints, number, one_of, param
+from kvcompress.core.contract import Keep, KeepMask
 from kvcompress.core.eviction import lowest_victims, ranked_scores
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.selection import keep_top
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
 
 ALLOCATIONS = ("uniform", "pyramid", "adakv")
 
 
 @dataclass(frozen=True)
-class ScorerConfig(MethodConfig):
+class ScorerConfig(OneShotConfig):
     """The budget fields of a one-shot scorer (its own fields follow them)."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head (on average under pyramid or adakv)
-    allocation: str = "uniform"  # uniform, pyramid (per layer) or adakv (per head), see methods/allocation.py
-    beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
-    alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
+    budget: int | None = param(None, check_budget)  # or: tokens per layer and KV head (on average: pyramid, adakv)
+    allocation: str = one_of(*ALLOCATIONS)  # per layer (pyramid), per head (adakv); methods/allocation.py
+    beta: int = param(20, ints(1, 10_000))  # pyramid's steepness (kvpress PyramidKVPress)
+    alpha_safeguard: float = param(0.2, number(0, 1))  # adakv: a head keeps this share of its uniform count (kvpress)
     ragged: bool = True  # adakv: heads store their own counts (False: one slot buffer as wide as the fullest head)
-
-    def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)
-        check_allocation(self)
 
     def layer_class(self):
         return allocated_layer_class(self)
-
-
-def check_allocation(config) -> None:
-    """Validate a scorer config's ``allocation``, ``beta`` and ``alpha_safeguard`` fields."""
-    check_choice(config.allocation, "allocation", ALLOCATIONS)
-    check_int_range(config.beta, "beta", 1, 10_000)
-    check_number(config.alpha_safeguard, "alpha_safeguard", 0, 1)
 
 
 def allocated_layer_class(config) -> type[CompressedLayer] | None:

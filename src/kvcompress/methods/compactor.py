@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.core.checks import check_int_range, check_number, check_seed
+from kvcompress.core.checks import MAX_SEED, ints, number, param
 from kvcompress.core.contract import Policy
 from kvcompress.core.rope import rotate_by
 from kvcompress.methods.allocation import ScorerConfig, allocated_keep
@@ -191,23 +191,13 @@ class CompactorPolicy(Policy):
 class CompactorConfig(ScorerConfig):
     """Keys scored by their approximate leverage blended with non-causal chunked attention, once."""
 
-    sink_size_start: int = 8  # first prompt tokens always kept, left out of the scores
-    sink_size_end: int = 4  # last prompt tokens always kept, left out of the scores
-    chunk_size: int = 256  # tokens per chunk of the non-causal attention
-    sketch_dimension: int = 48  # columns of the Gaussian sketch of the keys
-    blending: float | None = None  # weight of the leverage term (None: the removed fraction, kvpress's default)
-    seed: int = 0  # layer i's sketch is drawn from a generator seeded with seed + i
+    sink_size_start: int = param(8, ints(0))  # first prompt tokens always kept, left out of the scores
+    sink_size_end: int = param(4, ints(0))  # last prompt tokens always kept, left out of the scores
+    chunk_size: int = param(256, ints(1))  # tokens per chunk of the non-causal attention
+    sketch_dimension: int = param(48, ints(1, 4096))  # columns of the Gaussian sketch of the keys
+    blending: float | None = param(None, number(0, 1e6))  # leverage term's weight (None: the removed fraction, kvpress)
+    seed: int = param(0, ints(0, MAX_SEED))  # layer i's sketch is drawn from a generator seeded with seed + i
 
     name = "compactor"
     paper = "https://arxiv.org/abs/2507.08143"
     policy_class = CompactorPolicy
-
-    def validate(self) -> None:
-        super().validate()
-        check_int_range(self.sink_size_start, "sink_size_start", 0)
-        check_int_range(self.sink_size_end, "sink_size_end", 0)
-        check_int_range(self.chunk_size, "chunk_size", 1)
-        check_int_range(self.sketch_dimension, "sketch_dimension", 1, 4096)
-        if self.blending is not None:
-            check_number(self.blending, "blending", 0, 1e6)
-        check_seed(self.seed)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_bool, check_int_range, check_number
+from kvcompress.core.checks import ints, number, param
 from kvcompress.core.contract import Policy
 from kvcompress.core.rope import rotate_by, rotate_half
 from kvcompress.core.selection import sink_mask
@@ -138,20 +138,12 @@ class ExpectedAttentionPolicy(Policy):
 class ExpectedAttentionConfig(ScorerConfig):
     """Keys scored by the attention future queries are expected to pay them, times the value norm; once."""
 
-    n_future_positions: int = 512  # future positions the query statistics are rotated to (averaged)
-    n_sink: int = 4  # first tokens always kept, their queries and keys left out of the statistics
+    n_future_positions: int = param(512, ints(1))  # future positions the query statistics are rotated to (averaged)
+    n_sink: int = param(4, ints(0))  # first tokens always kept, their queries and keys left out of the statistics
     use_covariance: bool = True  # the queries' covariance term (False: the mean alone)
     use_vnorm: bool = True  # multiply by the value's L2 norm
-    epsilon: float = 0.0  # added to the expected attention before the value norm
+    epsilon: float = param(0.0, number(0, 1e6))  # added to the expected attention before the value norm
 
     name = "expected_attention"
     paper = "https://arxiv.org/abs/2510.00636"
     policy_class = ExpectedAttentionPolicy
-
-    def validate(self) -> None:
-        super().validate()
-        check_int_range(self.n_future_positions, "n_future_positions", 1)
-        check_int_range(self.n_sink, "n_sink", 0)
-        check_bool(self.use_covariance, "use_covariance")
-        check_bool(self.use_vnorm, "use_vnorm")
-        check_number(self.epsilon, "epsilon", 0, 1e6)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_number
+from kvcompress.core.checks import check_budget, number, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top, recent_mask
 
@@ -37,8 +37,8 @@ class H2OPolicy(Policy):
 class H2OConfig(MethodConfig):
     """Heavy hitters by accumulated attention + recent window, per KV head."""
 
-    budget: int = 1024  # tokens kept per layer and KV head
-    heavy_ratio: float = 0.5  # share of the budget given to heavy hitters; the rest is the recent window
+    budget: int = param(1024, check_budget)  # tokens kept per layer and KV head
+    heavy_ratio: float = param(0.5, number(0, 1))  # budget share of the heavy hitters; the rest is the recent window
 
     name = "h2o"
     paper = "https://arxiv.org/abs/2306.14048"
@@ -47,7 +47,3 @@ class H2OConfig(MethodConfig):
     @property
     def heavy(self) -> int:
         return int(self.budget * self.heavy_ratio)
-
-    def validate(self) -> None:
-        check_budget(self.budget)
-        check_number(self.heavy_ratio, "heavy_ratio", 0, 1)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_number
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.checks import number, param
 from kvcompress.core.selection import keep_top, recent_mask
 from kvcompress.methods.h2o import H2OPolicy
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
 
 
 class OneShotH2OPolicy(H2OPolicy):
@@ -28,17 +27,11 @@ class OneShotH2OPolicy(H2OPolicy):
 
 
 @dataclass(frozen=True)
-class OneShotH2OConfig(MethodConfig):
+class OneShotH2OConfig(OneShotConfig):
     """Heavy hitters by attention accumulated over the whole prompt + recent window, once after the prompt."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head
-    heavy_ratio: float = 0.5  # share of the kept tokens chosen by accumulated attention; the rest are recent
+    heavy_ratio: float = param(0.5, number(0, 1))  # share kept by accumulated attention; the rest are recent
 
     name = "h2o_oneshot"
     paper = "https://arxiv.org/abs/2306.14048"
     policy_class = OneShotH2OPolicy
-
-    def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)
-        check_number(self.heavy_ratio, "heavy_ratio", 0, 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, check_int_range
+from kvcompress.core.checks import check_budget, ints, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.selection import keep_top, recent_mask
 
@@ -41,14 +41,10 @@ class KnormPolicy(Policy):
 class KnormConfig(MethodConfig):
     """Keep the lowest-norm keys (plus the newest tokens while decoding)."""
 
-    budget: int = 1024  # tokens kept per layer and KV head
-    recent: int = 8  # newest tokens always kept (the paper has none; 0 = norm only)
+    budget: int = param(1024, check_budget)  # tokens kept per layer and KV head
+    recent: int = param(8, ints(0, "budget"))  # newest tokens always kept (the paper has none; 0 = norm only)
     one_shot: bool = False  # True: compress the prompt once, append while decoding (the paper, kvpress)
 
     name = "knorm"
     paper = "https://arxiv.org/abs/2406.11430"
     policy_class = KnormPolicy
-
-    def validate(self) -> None:
-        check_budget(self.budget)
-        check_int_range(self.recent, "recent", 0, self.budget, "budget")  # (more would keep the newest tokens only)

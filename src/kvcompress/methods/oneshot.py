@@ -7,9 +7,12 @@ number of tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvcompress.core.checks import check_budget, check_ratio
+from kvcompress.core.checks import check_budget, check_ratio, param
+from kvcompress.core.contract import MethodConfig
 from kvcompress.core.selection import ratio_budget
 
 
@@ -23,7 +26,14 @@ def kept_per_sequence(n_real: torch.Tensor, ratio: float | None, budget: int | N
 def check_ratio_or_budget(method: str, ratio: object, budget: object) -> None:
     if (budget is None) == (ratio is None):
         raise ValueError(f"{method} needs exactly one of ratio (in (0, 1]) or budget (tokens, >= 1)")
-    if budget is not None:
-        check_budget(budget)
-    else:
-        check_ratio(ratio)
+
+
+@dataclass(frozen=True)
+class OneShotConfig(MethodConfig):
+    """The budget of a one-shot config: ``ratio`` or ``budget``, exactly one."""
+
+    ratio: float | None = param(None, check_ratio)  # kept fraction of the prompt, in (0, 1] (give this or budget)
+    budget: int | None = param(None, check_budget)  # or: tokens kept per layer and KV head
+
+    def validate(self) -> None:
+        check_ratio_or_budget(self.name, self.ratio, self.budget)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.checks import check_budget, ints, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.keydiff import keydiff_scores
@@ -73,15 +73,10 @@ class PeriodicPolicy(Policy):
 class PeriodicConfig(MethodConfig):
     """Every ``interval`` decoding steps, the whole cache compressed back to ``budget`` tokens by a key scorer."""
 
-    budget: int = 2048  # tokens kept per layer and KV head after each compression (kvpress target_size)
-    interval: int = 512  # decoding steps between compressions (kvpress compression_interval)
-    scorer: str = "keydiff"  # keydiff or knorm
+    budget: int = param(2048, check_budget)  # kept per layer and KV head after each compression (kvpress target_size)
+    interval: int = param(512, ints(1))  # decoding steps between compressions (kvpress compression_interval)
+    scorer: str = one_of(*SCORERS)  # keydiff or knorm
 
     name = "periodic"
     paper = "https://github.com/NVIDIA/kvpress"
     policy_class = PeriodicPolicy
-
-    def validate(self) -> None:
-        check_budget(self.budget)
-        check_int_range(self.interval, "interval", 1)
-        check_choice(self.scorer, "scorer", tuple(SCORERS))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_seed
+from kvcompress.core.checks import MAX_SEED, check_budget, ints, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.forward import ForwardPass
 from kvcompress.core.hashing import hash_uniform
@@ -61,13 +61,9 @@ class RandomPolicy(Policy):
 class RandomConfig(MethodConfig):
     """Keep a uniformly random subset of the tokens seen."""
 
-    budget: int = 1024  # tokens kept per layer and KV head
-    seed: int = 0  # seed of the per-token draws
+    budget: int = param(1024, check_budget)  # tokens kept per layer and KV head
+    seed: int = param(0, ints(0, MAX_SEED))  # seed of the per-token draws
 
     name = "random"
     paper = "-"
     policy_class = RandomPolicy
-
-    def validate(self) -> None:
-        check_budget(self.budget)
-        check_seed(self.seed)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget, check_int_range
+from kvcompress.core.checks import check_budget, ints, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.replay import last_index, put_last_index
 from kvcompress.core.selection import keep_top, recent_mask
@@ -78,16 +78,10 @@ class ScissorhandsPolicy(Policy):
 class ScissorhandsConfig(MethodConfig):
     """Evict the tokens most often below average attention within a history window."""
 
-    budget: int = 1024  # tokens kept per layer and KV head
-    history: int = 256  # queries in the history window
-    recent: int | None = None  # newest tokens always kept; None = budget // 4
+    budget: int = param(1024, check_budget)  # tokens kept per layer and KV head
+    history: int = param(256, ints(1, MAX_HISTORY))  # queries in the history window
+    recent: int | None = param(None, ints(0, "budget"))  # newest tokens always kept; None = budget // 4
 
     name = "scissorhands"
     paper = "https://arxiv.org/abs/2305.17118"
     policy_class = ScissorhandsPolicy
-
-    def validate(self) -> None:
-        check_budget(self.budget)
-        check_int_range(self.history, "history", 1, MAX_HISTORY)
-        if self.recent is not None:
-            check_int_range(self.recent, "recent", 0, self.budget, "budget")

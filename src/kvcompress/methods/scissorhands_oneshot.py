@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_int_range, check_number
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.checks import ints, number, param
 from kvcompress.core.selection import keep_top, recent_mask
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
 from kvcompress.methods.scissorhands import ScissorhandsPolicy
 
 
@@ -28,19 +27,12 @@ class OneShotScissorhandsPolicy(ScissorhandsPolicy):
 
 
 @dataclass(frozen=True)
-class OneShotScissorhandsConfig(MethodConfig):
+class OneShotScissorhandsConfig(OneShotConfig):
     """Evict the prompt tokens most often below average attention in the last queries, once after the prompt."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head
-    history: int = 256  # last prompt queries whose rows are counted
-    recent_share: float = 0.25  # share of the kept tokens that are the most recent ones
+    history: int = param(256, ints(1))  # last prompt queries whose rows are counted
+    recent_share: float = param(0.25, number(0, 1))  # share of the kept tokens that are the most recent ones
 
     name = "scissorhands_oneshot"
     paper = "https://arxiv.org/abs/2305.17118"
     policy_class = OneShotScissorhandsPolicy
-
-    def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)
-        check_int_range(self.history, "history", 1)
-        check_number(self.recent_share, "recent_share", 0, 1)

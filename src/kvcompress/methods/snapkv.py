@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_ratio
+from kvcompress.core.checks import check_budget, check_ratio, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top, ratio_budget, recent_mask
-from kvcompress.methods.allocation import allocated_keep, allocated_layer_class, check_allocation
+from kvcompress.methods.allocation import ALLOCATIONS, allocated_keep, allocated_layer_class
 
 
 class SnapKVPolicy(Policy):
@@ -67,14 +67,14 @@ class SnapKVPolicy(Policy):
 class SnapKVConfig(MethodConfig):
     """Observation-window voting with pooling, top-k per KV head, once after the prompt."""
 
-    budget: int | None = None  # tokens kept per layer and KV head (give this or ratio)
-    ratio: float | None = None  # fraction of the prompt kept, in (0, 1] (give this or budget)
-    window: int = 32  # observation window: last prompt tokens that vote, always kept
-    kernel: int = 7  # pooling width (odd)
-    pooling: str = "max"  # "max" or "avg"
-    allocation: str = "uniform"  # uniform, pyramid (PyramidKV, per layer) or adakv (per head), methods/allocation.py
-    beta: int = 20  # pyramid's steepness (kvpress PyramidKVPress)
-    alpha_safeguard: float = 0.2  # adakv: share of a head's uniform count it always keeps (kvpress AdaKVPress)
+    budget: int | None = param(None, check_budget)  # tokens kept per layer and KV head (give this or ratio)
+    ratio: float | None = param(None, check_ratio)  # fraction of the prompt kept, in (0, 1] (give this or budget)
+    window: int = param(32, ints(1, "budget"))  # observation window: last prompt tokens that vote, always kept
+    kernel: int = param(7, ints(1))  # pooling width (odd)
+    pooling: str = one_of("max", "avg")  # "max" or "avg"
+    allocation: str = one_of(*ALLOCATIONS)  # pyramid: PyramidKV, per layer; adakv: per head (allocation.py)
+    beta: int = param(20, ints(1, 10_000))  # pyramid's steepness (kvpress PyramidKVPress)
+    alpha_safeguard: float = param(0.2, number(0, 1))  # adakv: a head keeps this share of its uniform count (kvpress)
     ragged: bool = True  # adakv: heads store their own counts (False: one slot buffer as wide as the fullest head)
 
     name = "snapkv"
@@ -84,17 +84,8 @@ class SnapKVConfig(MethodConfig):
     def validate(self) -> None:
         if (self.budget is None) == (self.ratio is None):
             raise ValueError("snapkv needs exactly one of budget (tokens, >= 1) or ratio (in (0, 1])")
-        if self.budget is not None:
-            check_budget(self.budget)
-            check_int_range(self.window, "window", 1, self.budget, "budget")
-        else:
-            check_ratio(self.ratio)
-            check_int_range(self.window, "window", 1)
-        check_int_range(self.kernel, "kernel", 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel}")
-        check_choice(self.pooling, "pooling", ("max", "avg"))
-        check_allocation(self)
 
     def layer_class(self):
         return allocated_layer_class(self)

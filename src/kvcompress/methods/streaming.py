@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range
+from kvcompress.core.checks import check_budget, ints, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.rope import POSITION_MODES
@@ -40,9 +40,9 @@ class StreamingPolicy(Policy):
 class StreamingConfig(MethodConfig):
     """Attention sinks + recent window."""
 
-    budget: int = 1024  # tokens kept per layer and KV head, sinks included
-    sinks: int = 4  # first tokens always kept (the paper's 4 attention sinks)
-    position_mode: str = "cache"  # "cache": re-index positions inside the cache (paper); "original": keep them
+    budget: int = param(1024, check_budget)  # tokens kept per layer and KV head, sinks included
+    sinks: int = param(4, ints(0, "budget"))  # first tokens always kept (the paper's 4 attention sinks)
+    position_mode: str = one_of(*POSITION_MODES, default="cache")  # re-indexed in the cache (paper) or kept
     circular: bool = True  # store in a ring buffer where it applies (fast); False: the generic layer (reference)
 
     name = "streaming"
@@ -53,8 +53,3 @@ class StreamingConfig(MethodConfig):
         if self.circular and self.position_mode == "cache" and self.sinks < self.budget:
             return CircularSinkLayer if self.kv_bits == 16 else QuantizedCircularSinkLayer
         return CompressedLayer
-
-    def validate(self) -> None:
-        check_budget(self.budget)
-        check_int_range(self.sinks, "sinks", 0, self.budget, "budget")
-        check_choice(self.position_mode, "position_mode", POSITION_MODES)

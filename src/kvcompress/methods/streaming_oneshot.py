@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_choice, check_int_range
-from kvcompress.core.contract import MethodConfig
+from kvcompress.core.checks import ints, one_of, param
 from kvcompress.core.rope import POSITION_MODES
 from kvcompress.core.selection import keep_top, sink_mask
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
 from kvcompress.methods.streaming import StreamingPolicy
 
 
@@ -26,19 +25,12 @@ class OneShotStreamingPolicy(StreamingPolicy):
 
 
 @dataclass(frozen=True)
-class OneShotStreamingConfig(MethodConfig):
-    """Attention sinks + the most recent prompt tokens, once after the prompt."""
+class OneShotStreamingConfig(OneShotConfig):
+    """Attention sinks + the most recent prompt tokens (``budget`` counts the sinks), once after the prompt."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer, sinks included
-    sinks: int = 4  # first tokens always kept (the paper's 4 attention sinks)
-    position_mode: str = "cache"  # "cache": re-index positions inside the cache (paper); "original": keep them
+    sinks: int = param(4, ints(0))  # first tokens always kept (the paper's 4 attention sinks)
+    position_mode: str = one_of(*POSITION_MODES, default="cache")  # re-indexed in the cache (paper) or kept
 
     name = "streaming_oneshot"
     paper = "https://arxiv.org/abs/2309.17453"
     policy_class = OneShotStreamingPolicy
-
-    def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)
-        check_int_range(self.sinks, "sinks", 0)
-        check_choice(self.position_mode, "position_mode", POSITION_MODES)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_budget
+from kvcompress.core.checks import check_budget, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.core.selection import keep_top
 
@@ -41,11 +41,8 @@ class TOVAPolicy(Policy):
 class TOVAConfig(MethodConfig):
     """Evict the token with the lowest current attention, averaged over heads."""
 
-    budget: int = 1024  # tokens kept per layer
+    budget: int = param(1024, check_budget)  # tokens kept per layer
 
     name = "tova"
     paper = "https://arxiv.org/abs/2401.06104"
     policy_class = TOVAPolicy
-
-    def validate(self) -> None:
-        check_budget(self.budget)

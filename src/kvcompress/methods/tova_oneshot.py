@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.contract import MethodConfig
 from kvcompress.core.selection import keep_top
-from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
 from kvcompress.methods.tova import TOVAPolicy
 
 
@@ -36,15 +35,9 @@ class OneShotTOVAPolicy(TOVAPolicy):
 
 
 @dataclass(frozen=True)
-class OneShotTOVAConfig(MethodConfig):
+class OneShotTOVAConfig(OneShotConfig):
     """Top tokens by the last prompt token's attention, averaged over heads, once after the prompt."""
-
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer
 
     name = "tova_oneshot"
     paper = "https://arxiv.org/abs/2401.06104"
     policy_class = OneShotTOVAPolicy
-
-    def validate(self) -> None:
-        check_ratio_or_budget(self.name, self.ratio, self.budget)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget
+from kvcompress.core.checks import check_budget, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.selection import keep_top
 
@@ -25,11 +25,8 @@ class WindowPolicy(Policy):
 class WindowConfig(MethodConfig):
     """Keep the ``budget`` most recent tokens per layer."""
 
-    budget: int = 1024  # tokens kept per layer and KV head
+    budget: int = param(1024, check_budget)  # tokens kept per layer and KV head
 
     name = "window"
     paper = "https://arxiv.org/abs/2309.17453"
     policy_class = WindowPolicy
-
-    def validate(self) -> None:
-        check_budget(self.budget)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompress.core.checks import MAX_TOKENS, check_budget, check_choice, check_int_range, check_number
+from kvcompress.core.checks import MAX_TOKENS, check_budget, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.rope import POSITION_MODES
 from kvcompress.methods.buzz.params import buzz_params, threshold_for
@@ -57,22 +57,22 @@ DEFAULT_WINDOW = 160  # the official code's recent_size, used when neither budge
 class BuzzConfig(MethodConfig):
     """Sinks + beehive (local-max sampled new tokens, interval-sampled old tokens) + window, per KV head."""
 
-    budget: int | None = None  # target stored length per layer and head; sets window and threshold (``buzz_params``)
-    budget_kind: str = "peak"  # what budget bounds: "peak" (k + w + T, stored after any forward) or "average" (paper)
-    sinks: int = 4  # k: first tokens, never evicted (paper: "1 to 5"; code: 4)
-    window: int | None = None  # w: most recent tokens, never evicted; None: from budget, else 160 (code default)
-    threshold: int | None = None  # T: evict when old + new > T; None: Theorem 3.1, T = round(r(s) · w)
-    tw_ratio: float | None = None  # T / w used when threshold is None (the Table A sweep); None: Theorem 3.1
-    stride: int = 5  # s: hive size for new tokens; old tokens use ŝ = (s + 1) // 2 (paper and code: 5)
-    score_mode: str = "accumulated"  # "accumulated" (H2O-style, the paper's BUZZ) or "current" (this forward only)
-    group_reduce: str = "sum"  # how the query heads of one KV head combine received attention: sum, mean, max
+    budget: int | None = param(None, check_budget)  # stored length per layer and head; sets w and T (buzz_params)
+    budget_kind: str = one_of("average", "peak", default="peak")  # k + w + T after any forward, or the paper's average
+    sinks: int = param(4, ints(0))  # k: first tokens, never evicted (paper: "1 to 5"; code: 4)
+    window: int | None = param(None, ints(0))  # w: newest tokens, never evicted; None: from budget, else 160 (code)
+    threshold: int | None = param(None, ints(1))  # T: evict when old + new > T; None: Theorem 3.1, T = round(r(s) · w)
+    tw_ratio: float | None = param(None, number(0, MAX_TOKENS, "(]", " (T / w)"))  # T / w (Table A); None: Thm 3.1
+    stride: int = param(5, ints(3))  # s: hive size for new tokens; old tokens use ŝ = (s + 1) // 2 (paper and code: 5)
+    score_mode: str = one_of("accumulated", "current")  # H2O-style (the paper's BUZZ) or this forward only
+    group_reduce: str = one_of("sum", "mean", "max")  # query heads of a KV head combine received attention
     local_max: bool = True  # False: interval sampling for new tokens too (Fig. 8b ablation)
     swap_strides: bool = False  # True: new tokens sampled with ŝ, old with s (Fig. 8a ablation)
-    prefill_mode: str = "loop"  # "loop": sample until old + new <= T (Remark 2); "single": one pass per forward
+    prefill_mode: str = one_of("loop", "single")  # sample until old + new <= T (Remark 2) or once per forward
     log_n: bool = False  # "BUZZ with log n": scale logits by ln(n) / ln(log_n_base), n = keys attended (Eq. 7-8)
-    log_n_base: int = 512  # n at which log-n scaling is the identity (the paper's pre-training length)
+    log_n_base: int = param(512, ints(2))  # n at which log-n scaling is the identity (the paper's pre-training length)
     log_n_per_row: bool = False  # n = keys each query row may see, instead of the keys of the call (code)
-    position_mode: str = "original"  # "original": keys keep their RoPE positions; "cache": re-indexed in the cache
+    position_mode: str = one_of(*POSITION_MODES)  # keys keep their RoPE positions or are re-indexed in the cache
 
     name = "buzz"
     paper = "https://arxiv.org/abs/2410.23079"
@@ -92,24 +92,8 @@ class BuzzConfig(MethodConfig):
         return sum(self.resolved()[:3])
 
     def validate(self) -> None:
-        check_int_range(self.sinks, "sinks", 0)
-        check_int_range(self.stride, "stride", 3)  # s <= 2 keeps every new token (s = 1) or never shrinks (s = 2)
-        check_choice(self.budget_kind, "budget_kind", ("average", "peak"))
-        check_choice(self.score_mode, "score_mode", ("accumulated", "current"))
-        check_choice(self.group_reduce, "group_reduce", ("sum", "mean", "max"))
-        check_choice(self.prefill_mode, "prefill_mode", ("loop", "single"))
-        check_choice(self.position_mode, "position_mode", POSITION_MODES)
-        check_int_range(self.log_n_base, "log_n_base", 2)
-        if self.tw_ratio is not None:
-            check_number(self.tw_ratio, "tw_ratio", 0, MAX_TOKENS, open_low=True, meaning=" (T / w)")
-        if self.budget is not None:
-            check_budget(self.budget)
-            if self.window is not None or self.threshold is not None:
-                raise ValueError("give either budget or window/threshold, not both (budget sets window and threshold)")
-        if self.window is not None:
-            check_int_range(self.window, "window", 0)
-        if self.threshold is not None:
-            check_int_range(self.threshold, "threshold", 1)
-            if self.tw_ratio is not None:
-                raise ValueError("give threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)")
+        if self.budget is not None and (self.window is not None or self.threshold is not None):
+            raise ValueError("give either budget or window/threshold, not both (budget sets window and threshold)")
+        if self.threshold is not None and self.tw_ratio is not None:
+            raise ValueError("give threshold or tw_ratio, not both (tw_ratio sets threshold = tw_ratio * window)")
         self.resolved()  # raises for a budget too small for the sinks and stride

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_budget, check_choice, check_int_range, check_number
+from kvcompress.core.checks import check_budget, check_int_range, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.methods.cascade.layer import CascadeLayer
@@ -56,16 +56,16 @@ from kvcompress.methods.cascade.quantized import QuantizedCascadeLayer
 class CascadeConfig(MethodConfig):
     """Sinks + N cascading circular sub-caches with attention-EMA token selection."""
 
-    budget: int = 2052  # tokens stored per layer and KV head: sinks + |C| (paper: S = 4, |C| = 2048)
+    budget: int = param(2052, check_budget)  # per layer and KV head: sinks + |C| (paper: S = 4, |C| = 2048)
     sinks: int = 4  # S attention sinks, never evicted, in addition to the cascades (paper: 4)
     cascades: int = 4  # N sub-caches of |C| / N slots each (paper: 4; 2 for MMLU; ablation 1, 2, 4, 8)
-    base: int = 2  # cascade i accepts every base^i-th token (paper: 2; ablation 3, 4)
-    gamma: float | None = None  # EMA coefficient; None = exp(-N ln(100) / |C|) (paper Eq. 14)
-    reduction: str = "mean"  # head reduction of attention before the EMA: mean (paper default), median, max
-    tie: str = "incoming"  # equal scores in a selection: "incoming" token wins (authors' code), "resident" (Alg. 1)
+    base: int = param(2, ints(2))  # cascade i accepts every base^i-th token (paper: 2; ablation 3, 4)
+    gamma: float | None = param(None, number(0, 1, "[)", " or None (exp(-N ln(100) / |C|))"))  # EMA (paper Eq. 14)
+    reduction: str = one_of("mean", "median", "max")  # head reduction before the EMA (paper: mean)
+    tie: str = one_of("incoming", "resident")  # equal scores: incoming wins (authors' code), or resident (Alg. 1)
     select_tokens: bool = True  # False: no token selection, the incoming token always wins (Tab. 3 ablation)
     eager_fill: bool = False  # True: every cascade accepts until the cache is full (later official code, not v1)
-    prefill: str = "exact"  # multi-token forwards: "exact" = as token by token (v1); "chunked" = later variant
+    prefill: str = one_of("exact", "chunked")  # multi-token forwards: as token by token (v1) or later variant
 
     name = "cascade"
     paper = "https://arxiv.org/abs/2406.17808"
@@ -105,17 +105,10 @@ class CascadeConfig(MethodConfig):
         return CompressedLayer if self.budget >= window else self.layer_class()
 
     def validate(self) -> None:
-        check_budget(self.budget)
         check_int_range(self.sinks, "sinks", 0, self.budget - 1, "budget - 1")
         check_int_range(self.cascades, "cascades", 1, self.budget - self.sinks, "budget - sinks")
-        check_int_range(self.base, "base", 2)
         if (self.cascades - 1) * math.log2(self.base) >= 62:
             raise ValueError(
                 f"base ** (cascades - 1) must stay below 2**62 (the last cascade's acceptance stride), "
                 f"got base={self.base}, cascades={self.cascades}"
             )
-        if self.gamma is not None:
-            check_number(self.gamma, "gamma", 0, 1, open_high=True, meaning=" or None (exp(-N ln(100) / |C|))")
-        check_choice(self.reduction, "reduction", ("mean", "median", "max"))
-        check_choice(self.tie, "tie", ("incoming", "resident"))
-        check_choice(self.prefill, "prefill", ("exact", "chunked"))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcompress.core.checks import check_int_range, check_number, check_path
+from kvcompress.core.checks import check_path, ints, number, param
 from kvcompress.core.contract import KeepMask, MethodConfig, Policy
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.selection import recent_mask, sink_mask
@@ -93,11 +93,11 @@ class DuoPolicy(Policy):
 class DuoConfig(MethodConfig):
     """DuoAttention: retrieval heads keep everything, streaming heads their sinks and recent window (once)."""
 
-    head_compression_ratio: float | None = None  # share of (layer, KV head) pairs made streaming (None: 0.5)
-    threshold: float | None = None  # or: a head scored below this is streaming (the authors' rule)
+    head_compression_ratio: float | None = param(None, number(0, 1))  # streaming share of all KV heads (None: 0.5)
+    threshold: float | None = param(None, number(-1e9, 1e9))  # or: a head scored below it streams (authors' rule)
     pattern: str | None = None  # head scores: a shipped name or a duo-calibrate / full_attention_heads.tsv file
-    sink_size: int | None = None  # first tokens a streaming head keeps (None: the pattern's)
-    recent_size: int | None = None  # last prompt tokens a streaming head keeps (None: the pattern's)
+    sink_size: int | None = param(None, ints(0))  # first tokens a streaming head keeps (None: the pattern's)
+    recent_size: int | None = param(None, ints(0))  # last prompt tokens a streaming head keeps (None: the pattern's)
     ragged: bool = True  # heads store their own counts (False: one slot buffer as wide as the fullest head)
 
     name = "duo"
@@ -107,16 +107,9 @@ class DuoConfig(MethodConfig):
     def validate(self) -> None:
         if self.threshold is not None and self.head_compression_ratio is not None:
             raise ValueError("duo takes head_compression_ratio or threshold, not both")
-        if self.head_compression_ratio is not None:
-            check_number(self.head_compression_ratio, "head_compression_ratio", 0, 1)
-        if self.threshold is not None:
-            check_number(self.threshold, "threshold", -1e9, 1e9)
         if self.pattern is not None and shipped_path(str(self.pattern)) is None:
             check_path(self.pattern, "pattern", "file", f"a head pattern from `{CALIBRATE}`")
             load_pattern(str(self.pattern))  # read now: a bad file is refused before a model loads
-        for name in ("sink_size", "recent_size"):
-            if getattr(self, name) is not None:
-                check_int_range(getattr(self, name), name, 0)
 
     @property
     def ratio(self) -> float:

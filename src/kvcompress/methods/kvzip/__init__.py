@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_choice, check_int_range, check_path
+from kvcompress.core.checks import check_budget, check_path, check_ratio, ints, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.methods.duo.patterns import load_pattern, resolve_path, shipped_path
@@ -123,18 +123,18 @@ class KVzipPolicy(Policy):
 class KVzipConfig(MethodConfig):
     """Pairs scored by the attention the model pays them while it reconstructs the context; once, query-agnostic."""
 
-    ratio: float | None = None  # kept fraction of the context, in (0, 1] (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head (on average under global/layer, level=head)
-    level: str = "pair"  # pair: this context's pairs scored by reconstruction; head: calibrated head scores
-    allocation: str = "global"  # pair level: global (all layers and heads), layer (heads of a layer) or uniform
-    n_sink: int = 4  # first tokens always kept
-    chunk_size: int = 2048  # context tokens reconstructed per forward
-    prefix: int = 0  # first context tokens not reconstructed (a chat template's header, as kvpress skips it)
+    ratio: float | None = param(None, check_ratio)  # kept fraction of the context, in (0, 1] (give this or budget)
+    budget: int | None = param(None, check_budget)  # or: tokens per layer and KV head (mean: global/layer, level=head)
+    level: str = one_of(*LEVELS)  # pair: this context's pairs scored by reconstruction; head: calibrated head scores
+    allocation: str = one_of(*ALLOCATIONS)  # pair level: over all layers and heads, a layer's heads, or uniform
+    n_sink: int = param(4, ints(0))  # first tokens always kept
+    chunk_size: int = param(2048, ints(1))  # context tokens reconstructed per forward
+    prefix: int = param(0, ints(0))  # first context tokens not reconstructed (a chat template's header, kvpress)
     tokenizer: str | None = None  # folder of the model's tokenizer (None: the model's name_or_path)
     ragged: bool = True  # global/layer/head: heads store their own counts (False: one slot buffer, the fullest's)
     pattern: str | None = None  # head level: head scores, a shipped name or a kvzip-calibrate file (None: shipped)
-    sink_size: int | None = None  # head level: first tokens a streaming head keeps (None: the file's)
-    recent_size: int | None = None  # head level: last prompt tokens a streaming head keeps (None: the file's)
+    sink_size: int | None = param(None, ints(0))  # head level: first tokens a streaming head keeps (None: the file's)
+    recent_size: int | None = param(None, ints(0))  # head level: last prompt tokens a streaming head keeps (None: file)
 
     name = "kvzip"
     paper = "https://arxiv.org/abs/2505.23416"
@@ -142,7 +142,6 @@ class KVzipConfig(MethodConfig):
 
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
-        check_choice(self.level, "level", LEVELS)
         unused = HEAD_ONLY if self.level == "pair" else PAIR_ONLY
         for name in unused:
             default = type(self).__dataclass_fields__[name].default
@@ -154,13 +153,6 @@ class KVzipConfig(MethodConfig):
         if self.pattern is not None and shipped_path(str(self.pattern), KIND) is None:
             check_path(self.pattern, "pattern", "file", f"KVzip head scores from `{CALIBRATE}`")
             load_pattern(str(self.pattern), KIND)  # read now: a bad file is refused before a model loads
-        for name in ("sink_size", "recent_size"):
-            if getattr(self, name) is not None:
-                check_int_range(getattr(self, name), name, 0)
-        check_choice(self.allocation, "allocation", ALLOCATIONS)
-        check_int_range(self.n_sink, "n_sink", 0)
-        check_int_range(self.chunk_size, "chunk_size", 1)
-        check_int_range(self.prefix, "prefix", 0)
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"tokenizer must be the folder of a tokenizer or None, got {self.tokenizer!r}")
 

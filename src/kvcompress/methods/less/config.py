@@ -41,7 +41,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from kvcompress.core.checks import check_choice, check_int_range, check_seed
+from kvcompress.core.checks import MAX_SEED, check_choice, ints, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.methods.less.kernels import (
     LayerKernels,
@@ -69,10 +69,10 @@ class LessConfig(MethodConfig):
     base: str | MethodConfig = "h2o"  # the evicting method (registry name or config); "streaming" = Λ-masking
     budget: int | None = None  # tokens kept per layer and KV head by the base method given by name (None: its default)
     kernels: str | os.PathLike[str] | LessKernels | None = None  # trained kernels (directory) or None: untrained
-    init: str = "paper"  # untrained kernels: "paper" (Xavier, scalars 1e-4, ≈ base) or "zero" (ψ ≡ 0, = base)
-    rank: int = 8  # R: features of φ, ψ = rows of H (untrained kernels; trained ones carry their own)
-    hidden: int = 128  # R': hidden width of the kernel MLPs (paper 512 for D = 128; 128 ample for D = 64)
-    seed: int = 0  # seed of the untrained kernels' initialisation
+    init: str = one_of(*INITS)  # untrained: Xavier, scalars 1e-4 (≈ base) or ψ ≡ 0 (= base)
+    rank: int = param(8, ints(1, MAX_RANK))  # R: features of φ, ψ = rows of H (untrained kernels; trained carry theirs)
+    hidden: int = param(128, ints(1, MAX_HIDDEN))  # R': kernel MLPs' width (paper 512 for D = 128; 128 ample at D = 64)
+    seed: int = param(0, ints(0, MAX_SEED))  # seed of the untrained kernels' initialisation
 
     name = "less"
     paper = "https://arxiv.org/abs/2402.09398"
@@ -90,10 +90,6 @@ class LessConfig(MethodConfig):
             raise ValueError(f"base must be a method name or a method config, got {self.base!r}")
         elif self.budget is not None:
             raise ValueError("budget is taken from the base config when base is a config; leave budget=None")
-        check_choice(self.init, "init", INITS)
-        check_int_range(self.rank, "rank", 1, MAX_RANK)
-        check_int_range(self.hidden, "hidden", 1, MAX_HIDDEN)
-        check_seed(self.seed)
         if isinstance(self.kernels, (str, os.PathLike)):
             try:
                 resolve_kernels(self.kernels)

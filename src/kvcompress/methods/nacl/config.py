@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.core.checks import check_choice, check_int_range, check_number, check_ratio, check_seed
+from kvcompress.core.checks import MAX_SEED, check_budget, check_ratio, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy
 from kvcompress.methods.nacl.policy import NaClGreedyPolicy, NaClPolicy, NaClSplit
 from kvcompress.methods.oneshot import check_ratio_or_budget, kept_per_sequence
@@ -57,6 +57,7 @@ TABLE4: dict[float, tuple[float, float, float, float]] = {
 OFFICIAL_128K: tuple[float, float, float, float] = (0.01, 0.01, 0.12, 0.07)
 PRESET_SINKS = {"table4": 4, "official-128k": 256}
 PRESET_MIN_EVICT = {"table4": 0, "official-128k": 2048}
+SHARE = number(0, 1, "[]", " (a share of the budget) or None (preset)")  # protect_share, random_share
 EPS = 1e-9  # guards floors against float error (0.1 * 700 = 70.00000000000001 is fine, 0.29 * 100 is not)
 
 
@@ -64,24 +65,24 @@ EPS = 1e-9  # guards floors against float error (0.1 * 700 = 70.00000000000001 i
 class NaClConfig(MethodConfig):
     """Proxy-token top-k + random possibility sampling, per KV head, once after the prompt."""
 
-    ratio: float | None = None  # kept fraction of the prompt, in (0, 1]; 0.1/0.2/0.3 use Table 4 (give this or budget)
-    budget: int | None = None  # or: tokens kept per layer and KV head (split with the 20 % row's proportions)
-    preset: str = "table4"  # "table4" (paper, Appx A.6) or "official-128k" (official code's 128K setting, ratio 0.2)
-    protect_share: float | None = None  # share of the budget kept as sinks + recent ("Protect Proxy"); None = preset
-    random_share: float | None = None  # share of the rest that is sampled (C_r / (C_p + C_r)); None = preset
-    proxy_ratio: float | None = None  # proxy window, last fraction of the prompt ("No-protect Proxy"); None = preset
-    proxy_tokens: int | None = None  # proxy window in tokens (the last ones), instead of proxy_ratio
+    ratio: float | None = param(None, check_ratio)  # kept fraction of the prompt; 0.1/0.2/0.3 use Table 4 (or budget)
+    budget: int | None = param(None, check_budget)  # or: tokens per layer and KV head (split as the 20 % row)
+    preset: str = one_of("table4", "official-128k")  # paper (Appx A.6) or official code's 128K setting (ratio 0.2)
+    protect_share: float | None = param(None, SHARE)  # budget share of sinks + recent (Protect Proxy); None = preset
+    random_share: float | None = param(None, SHARE)  # share of the rest sampled (C_r / (C_p + C_r)); None = preset
+    proxy_ratio: float | None = param(None, check_ratio)  # proxy window, last part of the prompt (No-protect Proxy)
+    proxy_tokens: int | None = param(None, ints(1))  # proxy window in tokens (the last ones), instead of proxy_ratio
     proxy_span: tuple[int, int | None] | None = None  # explicit proxies [start, stop) of the prompt; < 0 from the end
-    sinks: int | None = None  # first tokens inside the protected part; None = preset (4; official 128K: 256)
+    sinks: int | None = param(None, ints(0))  # first tokens in the protected part; None = preset (4; 128K: 256)
     proxy_causal: bool = True  # proxy rows see only earlier keys, as in the prefill (official code: False)
-    gqa_reduce: str = "mean"  # how the query heads of a KV group combine their scores: mean, sum or max
-    temperature: float = 1.0  # sampling probabilities softmax(score / temperature) (paper: 1)
-    sampling: str = "softmax"  # "softmax" (paper) or "uniform" (Table 3 "− Probability Sampling")
+    gqa_reduce: str = one_of("mean", "sum", "max")  # how a KV group's query heads combine scores
+    temperature: float = param(1.0, number(0, math.inf, "()"))  # softmax(score / temperature), paper: 1
+    sampling: str = one_of("softmax", "uniform")  # paper or Table 3 "− Probability Sampling"
     head_wise: bool = True  # False: one selection per layer shared by all heads (Table 3 "− Head-wise Eviction")
-    eviction: str = "one_shot"  # "one_shot" (paper) or "greedy" (Table 3 "− Global Eviction"; needs budget)
-    decode_interval: int | None = None  # re-evict every m decode steps (Algorithm 1 l. 26-27); None = never (code)
-    min_evict_len: int | None = None  # prompts this short are not evicted; None = preset (0; official 128K: 2048)
-    seed: int = 0  # seed of the random part (streams per layer and KV head)
+    eviction: str = one_of("one_shot", "greedy")  # paper or Table 3 "− Global Eviction" (needs budget)
+    decode_interval: int | None = param(None, ints(1))  # re-evict every m decode steps (Alg. 1 l. 26-27); None: never
+    min_evict_len: int | None = param(None, ints(0))  # shorter prompts are not evicted; None = preset (0; 128K: 2048)
+    seed: int = param(0, ints(0, MAX_SEED))  # seed of the random part (streams per layer and KV head)
 
     name = "nacl"
     paper = "https://arxiv.org/abs/2408.03675"
@@ -142,35 +143,15 @@ class NaClConfig(MethodConfig):
         return (max(0, n_tokens - max(1, window)), n_tokens)
 
     def validate(self) -> None:
-        check_choice(self.preset, "preset", ("table4", "official-128k"))
         check_ratio_or_budget(self.name, self.ratio, self.budget)
-        for name in ("protect_share", "random_share"):
-            if getattr(self, name) is not None:
-                check_number(getattr(self, name), name, 0, 1, meaning=" (a share of the budget) or None (preset)")
-        if self.proxy_ratio is not None:
-            check_ratio(self.proxy_ratio, "proxy_ratio")
-        if self.proxy_tokens is not None:
-            check_int_range(self.proxy_tokens, "proxy_tokens", 1)
-        if self.proxy_span is not None:
-            span = self.proxy_span
-            if not isinstance(span, (tuple, list)) or len(span) != 2 or not isinstance(span[0], int):
-                raise ValueError(f"proxy_span must be (start, stop) token indices, stop int or None; got {span!r}")
-            if span[1] is not None and not isinstance(span[1], int):
-                raise ValueError(f"proxy_span stop must be an integer or None, got {span[1]!r}")
+        span = self.proxy_span
+        if span is not None and not (isinstance(span, (tuple, list)) and len(span) == 2 and isinstance(span[0], int)):
+            raise ValueError(f"proxy_span must be (start, stop) token indices, stop int or None; got {span!r}")
+        if span is not None and span[1] is not None and not isinstance(span[1], int):
+            raise ValueError(f"proxy_span stop must be an integer or None, got {span[1]!r}")
         if sum(x is not None for x in (self.proxy_ratio, self.proxy_tokens, self.proxy_span)) > 1:
             raise ValueError("give at most one of proxy_ratio, proxy_tokens, proxy_span")
-        if self.sinks is not None:
-            check_int_range(self.sinks, "sinks", 0)
-        check_choice(self.gqa_reduce, "gqa_reduce", ("mean", "sum", "max"))
-        check_number(self.temperature, "temperature", 0, math.inf, open_low=True, open_high=True)
-        check_choice(self.sampling, "sampling", ("softmax", "uniform"))
-        check_choice(self.eviction, "eviction", ("one_shot", "greedy"))
         if self.eviction == "greedy" and self.budget is None:
             raise ValueError("eviction='greedy' needs budget (tokens kept while the prompt streams in), not ratio")
-        if self.decode_interval is not None:
-            check_int_range(self.decode_interval, "decode_interval", 1)
-            if self.eviction == "greedy":
-                raise ValueError("decode_interval applies to eviction='one_shot' (greedy evicts at every step)")
-        if self.min_evict_len is not None:
-            check_int_range(self.min_evict_len, "min_evict_len", 0)
-        check_seed(self.seed)
+        if self.decode_interval is not None and self.eviction == "greedy":
+            raise ValueError("decode_interval applies to eviction='one_shot' (greedy evicts at every step)")

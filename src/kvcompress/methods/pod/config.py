@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcompress.core.checks import check_choice, check_int_range, check_path
+from kvcompress.core.checks import check_budget, check_path, check_ratio, ints, number, one_of, param
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.files import shipped_json
 from kvcompress.methods.oneshot import check_ratio_or_budget
@@ -113,17 +113,17 @@ class PoDConfig(MethodConfig):
 
     similarity: str | None = None  # pod-calibrate file (per-head 1-JS layer similarity) to run Algorithm 1 on
     delta: float = 0.5  # Algorithm 1 threshold: a layer joins a block if sim >= delta with every member (paper 0.5)
-    target_saving: float | None = None  # instead of delta: the largest delta with saving(inf) >= this fraction
+    target_saving: float | None = param(None, number(0, 0.5, "[)"))  # or: the largest delta with saving(inf) >= this
     starts: tuple[tuple[int, ...], ...] | None = None  # explicit block starts [layer][KV or query head]
-    block_size: int | None = None  # uniform blocks of this many layers, no calibration (1 = dense)
-    grouping: str = "kv_head"  # "kv_head" (default, saves keys under GQA) or "query_head" (paper's literal reading)
-    n_sink: int = 16  # n_s: first tokens always proximal (paper 16)
-    n_recent: int | None = None  # n_r: newest tokens, the query included, proximal (None: paper 4080; 64 at a budget)
-    ratio: float | None = None  # KV bytes kept, as a fraction of the full cache's (composes with SnapKV)
-    budget: int | None = None  # or: KV bytes per layer and KV head, in full tokens (a token = its key + value)
-    query_source: str = "block_start"  # distant logits: "block_start" (v1, paper Eq. 3) or "own" (v2) query
-    tau: float | None = None  # gate: skip distant tokens at non-start heads when proximal mass >= tau (None: never)
-    combine: str = "softmax"  # "softmax" (one softmax over mixed logits) or "lse" (Eq. 4 two-part gate); equal
+    block_size: int | None = param(None, ints(1))  # uniform blocks of this many layers, no calibration (1 = dense)
+    grouping: str = one_of("kv_head", "query_head")  # per KV head (default, saves keys under GQA) or paper's literal
+    n_sink: int = param(16, ints(0))  # n_s: first tokens always proximal (paper 16)
+    n_recent: int | None = param(None, ints(1))  # n_r: newest tokens (query included); None: paper 4080, 64 at a budget
+    ratio: float | None = param(None, check_ratio)  # KV bytes kept, as a fraction of the full cache's (via SnapKV)
+    budget: int | None = param(None, check_budget)  # or: KV bytes per layer and KV head in full tokens (key + value)
+    query_source: str = one_of("block_start", "own")  # distant logits: v1 (paper Eq. 3) or v2 query
+    tau: float | None = param(None, number(0, 1))  # None: off; non-start heads drop distant keys at proximal mass >= it
+    combine: str = one_of("softmax", "lse")  # one softmax over mixed logits or Eq. 4 gate; equal
     base: MethodConfig | None = field(default=None, compare=True)  # token-selection method composed with PoD
 
     name = "pod"
@@ -131,23 +131,14 @@ class PoDConfig(MethodConfig):
     policy_class = PoDPolicy
 
     def validate(self) -> None:
-        sources = sum(x is not None for x in (self.similarity, self.starts, self.block_size))
-        if sources > 1:
+        if sum(x is not None for x in (self.similarity, self.starts, self.block_size)) > 1:
             raise ValueError("pod takes exactly one of similarity (a pod-calibrate file), starts or block_size")
-        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
-            raise ValueError(f"delta must be a number (similarity threshold, usually in [0, 1]); got {self.delta!r}")
-        if self.target_saving is not None and not 0 <= self.target_saving < 0.5:
-            raise ValueError(f"target_saving must be in [0, 0.5) (keys only); got {self.target_saving!r}")
-        if self.block_size is not None:
-            check_int_range(self.block_size, "block_size", 1)
         if self.similarity is not None and shipped_json("pod", str(self.similarity)) is None:
             check_path(self.similarity, "similarity", "file", "a similarity file from `kvcompress train pod-calibrate`")
             load_similarity(self.similarity)  # read now (once per file): a bad file is refused before a model loads
         if self.starts is not None:
             object.__setattr__(self, "starts", tuple(tuple(int(s) for s in row) for row in self.starts))
             check_starts(self.starts)
-        check_choice(self.grouping, "grouping", ("kv_head", "query_head"))
-        check_int_range(self.n_sink, "n_sink", 0)
         if self.budgeted:
             if self.base is not None:
                 raise ValueError("pod takes ratio/budget or base, not both (a budget composes with SnapKV itself)")
@@ -155,11 +146,6 @@ class PoDConfig(MethodConfig):
             object.__setattr__(self, "base", SnapKVConfig(ratio=1.0, window=32))  # kept count: budget.py
         if self.n_recent is None:
             object.__setattr__(self, "n_recent", 64 if self.budgeted else 4080)
-        check_int_range(self.n_recent, "n_recent", 1)
-        check_choice(self.query_source, "query_source", ("block_start", "own"))
-        if self.tau is not None and (isinstance(self.tau, bool) or not 0 <= self.tau <= 1):
-            raise ValueError(f"tau must be None or a number in [0, 1]; got {self.tau!r}")
-        check_choice(self.combine, "combine", ("softmax", "lse"))
         if self.base is not None:
             if not isinstance(self.base, MethodConfig) or isinstance(self.base, PoDConfig):
                 raise ValueError(f"base must be a token-selection method config (e.g. SnapKVConfig); got {self.base!r}")
