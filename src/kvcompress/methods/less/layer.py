@@ -22,6 +22,7 @@ from kvcompress.core.forward import agree
 from kvcompress.core.grad_mode import without_grad
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.quantized_layer import QuantizedLayer
+from kvcompress.core.softmax import _joined
 from kvcompress.methods.less.kernels import psi_features
 from kvcompress.methods.less.low_rank_slots import state_ratio
 
@@ -197,14 +198,10 @@ def fold(forward, staged: list) -> None:
     one shape) to the layer's state."""
     layers, keys, values, weights = zip(*staged, strict=True)
     psi = _stacked_psi(forward, layers) if len(layers) > 1 else layers[0].policy.weights.psi
-    features = psi_features(_joined(keys), *psi)  # keys [B, n * H_kv, e, D]
+    features = psi_features(_joined(keys, 1), *psi)  # keys [B, n * H_kv, e, D]
     if weights[0] is not None:
-        features = features * _joined(weights)[..., None]
-    _add(forward, layers, outer_update(features, _joined(values)))
-
-
-def _joined(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
+        features = features * _joined(weights, 1)[..., None]
+    _add(forward, layers, outer_update(features, _joined(values, 1)))
 
 
 def _add(forward, layers: tuple, update: torch.Tensor) -> None:

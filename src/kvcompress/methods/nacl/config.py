@@ -145,10 +145,9 @@ class NaClConfig(MethodConfig):
     def validate(self) -> None:
         check_ratio_or_budget(self.name, self.ratio, self.budget)
         span = self.proxy_span
-        if span is not None and not (isinstance(span, (tuple, list)) and len(span) == 2 and isinstance(span[0], int)):
+        pair = isinstance(span, (tuple, list)) and len(span) == 2 and isinstance(span[0], int)
+        if span is not None and not (pair and (span[1] is None or isinstance(span[1], int))):
             raise ValueError(f"proxy_span must be (start, stop) token indices, stop int or None; got {span!r}")
-        if span is not None and span[1] is not None and not isinstance(span[1], int):
-            raise ValueError(f"proxy_span stop must be an integer or None, got {span[1]!r}")
         if sum(x is not None for x in (self.proxy_ratio, self.proxy_tokens, self.proxy_span)) > 1:
             raise ValueError("give at most one of proxy_ratio, proxy_tokens, proxy_span")
         if self.eviction == "greedy" and self.budget is None:
