@@ -126,9 +126,9 @@ def test_state_equals_direct_sum_over_evicted_tokens(tiny_llama):
             assert len(evicted) == 36 - 10
             psi = kernels.psi(keys[:, :, evicted])[0, head]  # [n, R]
             expected_h = psi.T @ values[0, head, evicted]
-            torch.testing.assert_close(layer.low_rank_h[0, head], expected_h, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(layer.low_rank[..., :-1][0, head], expected_h, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(layer.low_rank_z[0, head], psi.sum(0), rtol=1e-4, atol=1e-5)
-        assert layer.low_rank_h.shape == (1, 2, 8, 16) and layer.low_rank_z.shape == (1, 2, 8)
+        assert layer.low_rank[..., :-1].shape == (1, 2, 8, 16) and layer.low_rank_z.shape == (1, 2, 8)
 
 
 def test_folds_done_together_at_the_end_of_a_forward_equal_folding_layer_by_layer(tiny_llama):
@@ -405,7 +405,7 @@ def test_per_head_budgets_fold_only_what_each_head_evicts(kv_bits, tiny_llama, m
             for owner, keys, values, evicted in records
             if owner is layer
         )
-        torch.testing.assert_close(layer.low_rank_h, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.low_rank[..., :-1], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_features_equal_the_training_form():

@@ -87,21 +87,21 @@ def test_the_state_folds_what_attention_read(monkeypatch):
         before_eviction(layer, victims, dropped)
 
     monkeypatch.setattr(LessLayer, "before_eviction", recording)
-    states = [torch.zeros_like(layer.low_rank_h) if layer.is_initialized else None for layer in cache.layers]
+    states = [torch.zeros_like(layer.low_rank[..., :-1]) if layer.is_initialized else None for layer in cache.layers]
     folds = 0
     with torch.no_grad():
         for start, stop in [(0, 16), (16, 32), *[(t, t + 1) for t in range(32, 60)]]:
             records.clear()
             model(ids[:, start:stop], **cache_argument(model, cache), use_cache=True)
             for index, layer in enumerate(cache.layers):
-                expected = torch.zeros_like(layer.low_rank_h) if states[index] is None else states[index]
+                expected = torch.zeros_like(layer.low_rank[..., :-1]) if states[index] is None else states[index]
                 for owner, keys, values, evicted in records:
                     if owner is layer:
                         psi = layer.policy.kernels.psi(keys) * evicted[..., None]  # [B, H_kv, W, R]
                         expected = expected + psi.transpose(2, 3) @ values
                         folds += 1
-                torch.testing.assert_close(layer.low_rank_h, expected, rtol=1e-4, atol=1e-5)
-                states[index] = layer.low_rank_h.clone()
+                torch.testing.assert_close(layer.low_rank[..., :-1], expected, rtol=1e-4, atol=1e-5)
+                states[index] = layer.low_rank[..., :-1].clone()
     assert folds > 28 * len(cache.layers)
 
 

@@ -19,11 +19,6 @@ from functools import lru_cache
 from kvcompress.core.checks import check_choice, check_int_range
 
 
-def small_stride(stride: int) -> int:
-    """ŝ = ⌊(s + 1) / 2⌋, the interval-sampling stride of old tokens."""
-    return (stride + 1) // 2
-
-
 def theorem_ratio(stride: int) -> float:
     """T / w from Theorem 3.1 (Eq. 6): ``(s² + 1) / (s + 1)`` for odd ``s``, ``s − 1`` for even ``s``."""
     check_int_range(stride, "stride", 3)  # s <= 2 never shrinks the cache
@@ -32,7 +27,7 @@ def theorem_ratio(stride: int) -> float:
 
 def middle_after_eviction(old: int, new: int, stride: int) -> int:
     """Old tokens after one eviction: ``⌈n_old / ŝ⌉ + ⌈n_new / s⌉``."""
-    return -(-old // small_stride(stride)) + -(-new // stride)
+    return -(-old // ((stride + 1) // 2)) + -(-new // stride)  # ŝ = ⌊(s + 1) / 2⌋
 
 
 def steady_sizes(sinks: int, window: int, threshold: int, stride: int) -> tuple[float, int, int]:

@@ -8,7 +8,6 @@ import torch
 
 from kvcompress.core.attention import attention_with_stats
 from kvcompress.core.contract import KeepMask, Policy, StatsRequest
-from kvcompress.methods.buzz.params import small_stride
 from kvcompress.methods.nacl.policy import reduce_groups
 
 
@@ -19,7 +18,7 @@ class BuzzPolicy(Policy):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.sinks, self.window, self.threshold, self.stride = config.resolved()
-        new_stride, old_stride = self.stride, small_stride(self.stride)
+        new_stride, old_stride = self.stride, (self.stride + 1) // 2  # s and ŝ
         self.new_stride, self.old_stride = (old_stride, new_stride) if config.swap_strides else (new_stride, old_stride)
 
     def init_state(self, layer, keys):

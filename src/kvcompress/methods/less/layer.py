@@ -54,11 +54,6 @@ class LessLayer(CompressedLayer):
         return self.stored_ratio
 
     @property
-    def low_rank_h(self) -> torch.Tensor | None:
-        """``H`` ``[B, H_kv, R, D]``: the sum of ``ψ(k)ᵀ v`` over the evicted tokens (a view of ``low_rank``)."""
-        return None if self.low_rank is None else self.low_rank[..., :-1]
-
-    @property
     def low_rank_z(self) -> torch.Tensor | None:
         """``z`` ``[B, H_kv, R]``: the sum of ``ψ(k)`` over the evicted tokens (a view of ``low_rank``)."""
         return None if self.low_rank is None else self.low_rank[..., -1]

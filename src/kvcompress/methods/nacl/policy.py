@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from kvcompress.core.attention import attention_with_stats
-from kvcompress.core.contract import AttentionStats, Policy, Selection, StatsRequest
+from kvcompress.core.contract import Policy, Selection, StatsRequest
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
 from kvcompress.core.softmax import chunked_softmax
@@ -52,10 +52,20 @@ class NaClPolicy(Policy):
         return {"score": torch.zeros(keys.shape[:3], device=keys.device)}
 
     def attend(self, layer, query, key, value, mask, scaling):
-        """Prefill: buffer the proxy candidates, attention stays SDPA. Decode: re-evict every ``m`` steps."""
+        """Prefill: buffer the queries that can still be proxies, attention stays SDPA. Decode: re-evict every ``m``
+        steps."""
         if not layer.compressed:
             with record_function("kvcompress.nacl.buffer"):
-                self._buffer_proxy_queries(layer, query, scaling)
+                count = layer.new_tokens
+                if layer.seen == count:  # first forward of this (possibly reset) layer
+                    self.clear_proxies()
+                rows = torch.arange(layer.seen - count, layer.seen, device=query.device)
+                if self.proxy_query is not None:
+                    query = torch.cat([self.proxy_query, query], dim=2)
+                    rows = torch.cat([self.proxy_rows, rows])
+                wanted = self._proxy_row_mask(layer, rows).any(0)
+                self.proxy_query, self.proxy_rows = query[:, :, wanted], rows[wanted]
+                self.proxy_scaling = scaling
             return None
         interval = self.config.decode_interval
         if interval is None or not self.splits:
@@ -63,24 +73,15 @@ class NaClPolicy(Policy):
         self.decode_steps += layer.new_tokens
         if self.decode_steps < interval:
             return None
+        # Algorithm 1 lines 26-27: the same rule scored by this query's attention row, down to the prefill's budget
         output, stats = attention_with_stats(query, key, value, mask, scaling, StatsRequest(last_queries=1))
-        selection = self.reselect(layer, stats)
+        self.decode_steps = 0
+        self.decode_events += 1
+        scores = reduce_groups(stats.last[:, :, :, -1], self.config.gqa_reduce)
+        selection = self.hybrid_selection(layer, scores, self.splits, event=self.decode_events)
         if selection is not None:
             layer.apply(selection)  # the output above saw every key; eviction follows the attention as usual
         return output, None
-
-    # --- prefill: keep the queries that can still be proxies ------------------------------------------------
-    def _buffer_proxy_queries(self, layer, query, scaling):
-        count = layer.new_tokens
-        if layer.seen == count:  # first forward of this (possibly reset) layer
-            self.clear_proxies()
-        rows = torch.arange(layer.seen - count, layer.seen, device=query.device)
-        if self.proxy_query is not None:
-            query = torch.cat([self.proxy_query, query], dim=2)
-            rows = torch.cat([self.proxy_rows, rows])
-        wanted = self._proxy_row_mask(layer, rows).any(0)
-        self.proxy_query, self.proxy_rows = query[:, :, wanted], rows[wanted]
-        self.proxy_scaling = scaling
 
     def _proxy_row_mask(self, layer, rows: torch.Tensor) -> torch.Tensor:
         """``[B, n]``: which stream rows are proxy queries of each sequence (before compression: stored == stream).
@@ -125,14 +126,6 @@ class NaClPolicy(Policy):
             query, keys, mask, self.proxy_scaling, received=True, row_weight=weight, chunk_elements=PROXY_CHUNK_ELEMENTS
         )
         return reduce_groups(parts.received, self.config.gqa_reduce)
-
-    # --- Algorithm 1 lines 26-27: optional re-eviction while decoding ---------------------------------------
-    def reselect(self, layer, stats: AttentionStats) -> Selection | None:
-        """The same rule scored by the current query's attention row, back down to the prefill's budget."""
-        self.decode_steps = 0
-        self.decode_events += 1
-        scores = reduce_groups(stats.last[:, :, :, -1], self.config.gqa_reduce)
-        return self.hybrid_selection(layer, scores, self.splits, event=self.decode_events)
 
     # --- protected + top-C_p + sampled C_r, per sequence and head -------------------------------------------
     def hybrid_selection(self, layer, scores: torch.Tensor, splits: list[NaClSplit], event: int) -> Selection | None:
