@@ -122,11 +122,18 @@ class LessConfig(MethodConfig):
 
     @property
     def kernel_set(self) -> LessKernels | None:
-        """The trained kernels (a directory's files are read once per process), or ``None`` for untrained ones."""
+        """The trained kernels (a directory's files are read once per process), or ``None`` for untrained ones;
+        refused if trained with another base method."""
         if self.kernels is None:
             return None
         loaded = self.kernels if isinstance(self.kernels, LessKernels) else load_kernels_once(self.kernels)
-        loaded.check_base(self.base_config.name)
+        trained, name = loaded.meta.get("base"), self.base_config.name
+        if trained is not None and trained.get("name") != name:
+            raise ValueError(
+                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with {name!r}; the "
+                f"low-rank state must learn what that policy evicts (train kernels for {name!r} with "
+                f"`python -m kvcompress.train.less --base {name}`)"
+            )
         return loaded
 
     def kernels_for(self, layer_idx: int, q_heads: int, kv_heads: int, head_dim: int) -> LayerKernels:

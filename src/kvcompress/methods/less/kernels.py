@@ -151,16 +151,6 @@ class LessKernels:
     layers: list[LayerKernels]
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def check_base(self, name: str) -> None:
-        """Raise if these kernels were trained with another eviction method than ``name``."""
-        trained = self.meta.get("base")
-        if trained is not None and trained.get("name") != name:
-            raise ValueError(
-                f"LESS kernels were trained with base policy {trained.get('name')!r} but are used with {name!r}; the "
-                f"low-rank state must learn what that policy evicts (train kernels for {name!r} with "
-                f"`python -m kvcompress.train.less --base {name}`)"
-            )
-
     def save(self, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Path:
         """Write ``meta.json`` and one file per layer (``dtype=torch.float16`` halves the size)."""
         directory = Path(directory)

@@ -10,7 +10,7 @@ layer token by token, so training sees exactly the masks decoding will produce. 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,23 +135,6 @@ class CaptureRun:
         return scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=groups > 1)
 
 
-@dataclass
-class MaskedRun:
-    """Masked (parallel) form of the base ``policies`` (one per layer; ``None``: full) with the kernels of ``less``, a
-    ``LessConfig``, or without (``None``: Baseline)."""
-
-    policies: Sequence[Any] | None = None
-    less: Any = None
-
-    def __call__(self, layer_idx, query, key, value, scaling):
-        evict_at = kernels = None
-        if self.policies is not None:
-            evict_at = eviction_times(self.policies[layer_idx], query, key, value, scaling)
-        if self.less is not None:
-            kernels = self.less.kernels_for(layer_idx, query.shape[1], key.shape[1], key.shape[-1])
-        return less_masked_attention(query, key, value, evict_at, kernels, scaling).to(query.dtype)
-
-
 def _less_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError("the masked LESS form takes unpadded windows (no attention_mask with padding)")
@@ -178,11 +161,19 @@ def masked_forward(model: nn.Module, input_ids: torch.Tensor, run: AttentionRun)
         return model(input_ids=input_ids, use_cache=False, less_run=run).logits
 
 
-def masked_run(config: Any, num_layers: int) -> MaskedRun:
-    """A ``MaskedRun`` for a method config: a ``LessConfig`` (base policy + kernels), another evicting config
-    (Baseline, Baseline+), or ``full``."""
-    if isinstance(config, FullConfig):
-        return MaskedRun()
+def masked_run(config: Any, num_layers: int) -> AttentionRun:
+    """The masked (parallel) form of a method config: a ``LessConfig`` (its base policy's evictions + its kernels),
+    another evicting config (Baseline, Baseline+: evictions only), or ``full`` (neither)."""
     less = config if isinstance(config, LessConfig) else None
     base = config if less is None else less.base_config
-    return MaskedRun(policies=[base.policy(i) for i in range(num_layers)], less=less)
+    policies = None if isinstance(config, FullConfig) else [base.policy(i) for i in range(num_layers)]
+
+    def run(layer_idx, query, key, value, scaling):
+        evict_at = kernels = None
+        if policies is not None:
+            evict_at = eviction_times(policies[layer_idx], query, key, value, scaling)
+        if less is not None:
+            kernels = less.kernels_for(layer_idx, query.shape[1], key.shape[1], key.shape[-1])
+        return less_masked_attention(query, key, value, evict_at, kernels, scaling).to(query.dtype)
+
+    return run
