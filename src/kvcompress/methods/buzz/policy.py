@@ -66,10 +66,7 @@ class BuzzPolicy(Policy):
         elif self.config.prefill_mode == "loop":  # extra passes thin the (all old) survivors by old_stride each
             kept = survivors.sum(-1, keepdim=True)
             every = torch.ones_like(kept)
-            while True:
-                over = kept > limit
-                if not bool(over.any()):
-                    break
+            while bool((over := kept > limit).any()):
                 every = torch.where(over, every * self.old_stride, every)
                 kept = torch.where(over, -(-kept // self.old_stride), kept)
             survivors &= (survivors.cumsum(-1) - 1) % every == 0

@@ -96,11 +96,7 @@ class NaClConfig(MethodConfig):
         """The preset's (protect, proxy window, top-k, random) fractions of the prompt, or None (generic split)."""
         if self.preset == "official-128k":
             return OFFICIAL_128K
-        if self.ratio is not None:
-            for ratio, row in TABLE4.items():
-                if abs(ratio - self.ratio) < 1e-9:
-                    return row
-        return None
+        return next((row for r, row in TABLE4.items() if self.ratio is not None and abs(r - self.ratio) < EPS), None)
 
     def shares(self) -> tuple[float, float]:
         """(protected share of the budget, random share of the rest)."""
