@@ -57,7 +57,6 @@ from kvcompress.registry import METHODS, make_config
 
 logger = logging.getLogger(__name__)
 
-INITS: tuple[str, ...] = ("paper", "zero")
 MAX_RANK = 1024  # R: the state H costs R/2 tokens per KV head
 MAX_HIDDEN = 16384  # R': the kernel MLPs hold q_heads * R' * (D + R) weights per layer
 
@@ -69,7 +68,7 @@ class LessConfig(MethodConfig):
     base: str | MethodConfig = "h2o"  # the evicting method (registry name or config); "streaming" = Λ-masking
     budget: int | None = None  # tokens kept per layer and KV head by the base method given by name (None: its default)
     kernels: str | os.PathLike[str] | LessKernels | None = None  # trained kernels (directory) or None: untrained
-    init: str = one_of(*INITS)  # untrained: Xavier, scalars 1e-4 (≈ base) or ψ ≡ 0 (= base)
+    init: str = one_of("paper", "zero")  # untrained: Xavier, scalars 1e-4 (≈ base) or ψ ≡ 0 (= base)
     rank: int = param(8, ints(1, MAX_RANK))  # R: features of φ, ψ = rows of H (untrained kernels; trained carry theirs)
     hidden: int = param(128, ints(1, MAX_HIDDEN))  # R': kernel MLPs' width (paper 512 for D = 128; 128 ample at D = 64)
     seed: int = param(0, ints(0, MAX_SEED))  # seed of the untrained kernels' initialisation
