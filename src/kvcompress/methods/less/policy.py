@@ -34,13 +34,23 @@ class LessPolicy(Policy):
     def __init__(self, config: LessConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.base = config.base_config.policy(layer_idx)
-        # the base policy's settings, and its methods to keep, observe and select
-        for name in ("stats", "position_mode", "per_head", "one_shot", "batchable", "init_state", "observe", "select"):
+        # the base policy's settings; its methods are called below (a bound method held as an attribute is code in the
+        # policy's state, which a saved cache refuses)
+        for name in ("stats", "position_mode", "per_head", "one_shot", "batchable"):
             setattr(self, name, getattr(self.base, name))
         self.kernels: LayerKernels | None = None
         self.weights: InferenceWeights | None = None  # ``LayerKernels.inference_weights``, made once
         self.inert = False  # ψ ≡ 0 (its last matrix is zero, as in ``zero_kernels``): nothing is ever folded
         self.request = dataclasses.replace(self.stats, lse=True)  # what ``attend`` asks of the softmax
+
+    def init_state(self, layer, keys):
+        return self.base.init_state(layer, keys)
+
+    def observe(self, layer, stats):
+        self.base.observe(layer, stats)
+
+    def select(self, layer):
+        return self.base.select(layer)
 
     def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
         """This layer's kernels on ``device``, copied there if elsewhere (shared kernels stay where they are), and
