@@ -13,6 +13,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 import kvcompress
 from kvcompress.core.attention import padding_mask_passthrough
 from kvcompress.generation import cache_argument, prefill
+from kvcompress.methods.h2o import H2OConfig
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.methods.pod.grouping import (
     block_starts,
@@ -115,7 +116,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     causal = j <= i
     proximal = causal & ((j < cfg["ns"]) | (i - j < cfg["nr"]))
     distant = causal & ~proximal
-    outputs = []
+    outputs, probs = [], []
     for h in range(q_heads):
         row = cfg["starts"][layer]
         start = row[h] if len(row) == q_heads else row[h // groups]
@@ -132,14 +133,16 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
                 lse_d = dist.masked_fill(~distant, -math.inf).logsumexp(-1)
                 skip = distant.any(-1) & (torch.sigmoid(lse_p - lse_d) >= cfg["tau"])
                 logits = logits.masked_fill(skip[..., None] & distant, -math.inf)
-        outputs.append(logits.softmax(-1) @ value[:, h])
+        probs.append(logits.softmax(-1))
+        outputs.append(probs[-1] @ value[:, h])
+    cfg["probs"][layer] = torch.stack(probs, 1)  # [B, H_q, L, L]: the rows each query head's output used
     return torch.stack(outputs, 1).transpose(1, 2).contiguous(), None
 
 
 def reference_logits(model, ids, starts=STARTS, v1=True, tau=None):
     AttentionInterface.register("pod_reference", reference_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("pod_reference", padding_mask_passthrough)
-    REFERENCE.update(starts=starts, ns=NS, nr=NR, v1=v1, tau=tau, qk={})
+    REFERENCE.update(starts=starts, ns=NS, nr=NR, v1=v1, tau=tau, qk={}, probs={})
     model.set_attn_implementation("pod_reference")
     try:
         with torch.no_grad():
@@ -303,6 +306,35 @@ def test_tau_reference_matches_at_intermediate_threshold(model):
 
 
 # --- check 3: composition with SnapKV ---------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [{}, {"tau": 0.5}, {"combine": "lse"}, {"tau": 0.3, "combine": "lse"}])
+def test_received_mass_at_block_start_heads_is_their_own_attention(model, params):
+    """A base that accumulates received attention (H2O) at a layer where some KV heads start a block and others
+    share (layer 1 under ``STARTS``): the mass of the start heads is the plain causal attention they pay, whatever
+    ``tau`` and ``combine`` do to the sharing heads' softmax, over a prefill and three decoding steps (nothing
+    evicted: the budget holds every token). The reference sums the eager reference's own softmax rows."""
+    ids = ids_of(40, seed=5)
+    cache = kvcompress.cache_for(
+        model, "pod", starts=STARTS, n_sink=NS, n_recent=NR, base=H2OConfig(budget=64), **params
+    )
+    with torch.no_grad():
+        model(ids[:, :37], **cache_argument(model, cache))
+        for t in range(37, 40):
+            model(ids[:, t : t + 1], **cache_argument(model, cache))
+    reference_logits(model, ids, tau=params.get("tau"))
+    groups = 2
+    checked = 0
+    for layer_idx, row in enumerate(STARTS):
+        layer = cache.compressed_layers[layer_idx]
+        mass = torch.zeros(1, len(row), 40).scatter_(-1, layer.token_idx, layer.state["mass"])
+        for kv_head, start in enumerate(row):
+            if start != layer_idx:  # a sharing head's mass is never read: its block start's selection stands
+                continue
+            rows = REFERENCE["probs"][layer_idx][:, kv_head * groups : (kv_head + 1) * groups]
+            torch.testing.assert_close(mass[:, kv_head], rows.sum(dim=(1, 2)).float(), rtol=1e-4, atol=1e-5)
+            checked += 1
+    assert checked == 5  # layer 0's and 3's two heads, layer 1's head 0 (beside a sharing head 1)
+
+
 def test_pod_with_snapkv_keeps_one_token_set_per_block_and_counts_bytes(model):
     ids = ids_of(60, seed=12)
     base = SnapKVConfig(budget=24, window=4)
