@@ -12,6 +12,9 @@ from kvcompress.models import tiny_model
 
 torch.set_num_threads(1)
 os.environ.pop(DATA_ENV, None)  # tasks read the books shipped with the package; a test that needs more says so
+# pytest-xdist's workers start with COLUMNS=80, which rich's Console (built when the CLI is imported) would keep
+# for good; without it the width follows COLUMNS as each CLI test sets it, as in a single process.
+os.environ.pop("COLUMNS", None)
 
 
 def tiny(kind: str):
