@@ -77,19 +77,15 @@ class BuzzPolicy(Policy):
     def attend(self, layer, query, key, value, mask, scaling):
         if not self.config.log_n:
             return None
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if self.config.log_n_per_row:
+        if not self.config.log_n_per_row:
+            n = layer.valid[:, 0].sum(-1, keepdim=True)  # [B, 1] real keys of each sequence in this call
+        elif mask is None:
             queries, length = query.shape[2], key.shape[2]
-            if mask is None:
-                n = torch.arange(length - queries + 1, length + 1, device=query.device).expand(query.shape[0], queries)
-            else:
-                n = mask[:, 0].sum(-1)  # [B, q]; every KV head sees as many real keys
-            factor = n[:, None, :, None]
+            n = torch.arange(length - queries + 1, length + 1, device=query.device).expand(query.shape[0], queries)
         else:
-            n = layer.valid[:, 0].sum(-1)  # [B] real keys of each sequence in this call
-            factor = n[:, None, None, None]
-        factor = factor.to(torch.float64).log() / math.log(self.config.log_n_base)
-        return attention_with_stats(query * factor.to(query.dtype), key, value, mask, scale, self.stats)
+            n = mask[:, 0].sum(-1)  # [B, q]; every KV head sees as many real keys
+        factor = n[:, None, :, None].to(torch.float64).log() / math.log(self.config.log_n_base)
+        return attention_with_stats(query * factor.to(query.dtype), key, value, mask, scaling, self.stats)
 
 
 def local_max(score: torch.Tensor, new: torch.Tensor, new_rank: torch.Tensor, stride: int) -> torch.Tensor:

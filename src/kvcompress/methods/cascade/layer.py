@@ -467,27 +467,20 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
 
     def reset(self) -> None:
+        super().reset()
         self._drop(None)
         self._pending = None
-        self.is_initialized = False
-        self.seen = self.new_tokens = 0
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reorder(indices.tolist(), lambda tensor: tensor.index_select(0, indices.to(tensor.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        rows = [row for row in range(len(self._rings)) for _ in range(repeats)] if self.is_initialized else []
-        self._reorder(rows, lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def _reorder(self, rows: list[int], reorder) -> None:
-        """The sequences ``rows`` (a reordered or repeated batch): the schedule runs once per sequence from now on."""
+    def move_batch(self, move) -> None:
+        """A reordered or repeated batch: the schedule runs once per sequence from now on."""
         if not self.is_initialized:
             return
         self._in_step = False
         self._leave_group()
-        self._rings = [self._rings[row] for row in rows]  # (``indices`` read on the host: one read per reorder)
+        rows = move(torch.arange(len(self._rings), device=self.device)).tolist()  # (one host read per reorder)
+        self._rings = [self._rings[row] for row in rows]
         for name in ("_kv", "_meta", "_score", "_sink_keys"):
-            setattr(self, name, reorder(getattr(self, name)))
+            setattr(self, name, move(getattr(self, name)))
 
     def _leave_group(self) -> None:
         """Give up the cascade layers' stacked buffers (``ring_decode``): this layer's are about to be replaced."""

@@ -166,9 +166,7 @@ def _last_rows_of_a_dense_layer(layer, rows: torch.Tensor) -> bool:
 
 def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
     """``[B, H_kv, G, L]`` -> ``[B, H_kv, L]`` over the query heads sharing a KV head."""
-    if how == "mean":
-        return scores.mean(dim=2)
-    return scores.sum(dim=2) if how == "sum" else scores.amax(dim=2)
+    return getattr(scores, "amax" if how == "max" else how)(dim=2)  # "sum", "mean" or "max"
 
 
 def descending_rank(values: torch.Tensor) -> torch.Tensor:
