@@ -48,18 +48,14 @@ class BuzzPolicy(Policy):
         evict = count - k - w > limit
         if not bool(evict.any()):
             return None
-        sink = valid & (rank < k)
-        window = valid & (rank >= count - w)
-        middle = valid & ~sink & ~window
+        middle = valid & (rank >= k) & (rank < count - w)  # neither a sink nor in the window
         old = old & middle
         new = middle & ~old
         n_old = old.sum(-1, keepdim=True)
         keep_old = old & ((rank - k) % self.old_stride == 0)
         new_rank = rank - k - n_old
-        if self.config.local_max:
-            keep_new = new & local_max(score, new, new_rank, self.new_stride)
-        else:
-            keep_new = new & (new_rank % self.new_stride == 0)
+        stride = self.new_stride
+        keep_new = local_max(score, new, new_rank, stride) if self.config.local_max else new & (new_rank % stride == 0)
         survivors = keep_old | keep_new
         if limit == 0:  # a forward of exactly w + T tokens: the middle gives all its room to it
             survivors = torch.zeros_like(survivors)
@@ -70,7 +66,7 @@ class BuzzPolicy(Policy):
                 every = torch.where(over, every * self.old_stride, every)
                 kept = torch.where(over, -(-kept // self.old_stride), kept)
             survivors &= (survivors.cumsum(-1) - 1) % every == 0
-        keep = torch.where(evict, sink | window | survivors, valid)
+        keep = torch.where(evict, (valid & ~middle) | survivors, valid)
         layer.state["old"] = torch.where(evict, survivors, layer.state["old"])
         return KeepMask(keep)
 

@@ -88,17 +88,16 @@ class NaClPolicy(Policy):
         A row wanted now may stop being wanted as the prompt grows, never the reverse: trimming is safe."""
         valid = layer.valid[:, 0]
         rank = valid.cumsum(-1) - 1  # rank of each token among the sequence's real tokens
-        n_real = valid.sum(-1)
-        bounds = torch.tensor([self.config.proxy_bounds(int(n)) for n in n_real], device=valid.device)
+        bounds = torch.tensor([self.config.proxy_bounds(n) for n in valid.sum(-1).tolist()], device=valid.device)
         row_rank = rank[:, rows]
         return valid[:, rows] & (row_rank >= bounds[:, :1]) & (row_rank < bounds[:, 1:])
 
     # --- the one eviction ----------------------------------------------------------------------------------
     def select(self, layer):
-        n_real = layer.valid[:, 0].sum(-1)
-        self.splits = [self.config.split(int(n)) for n in n_real]
+        n_real = layer.valid[:, 0].sum(-1).tolist()  # (one host read)
+        self.splits = [self.config.split(n) for n in n_real]
         self.decode_steps = self.decode_events = 0
-        if all(s.kept >= int(n) for s, n in zip(self.splits, n_real, strict=True)) or self.proxy_query is None:
+        if all(s.kept >= n for s, n in zip(self.splits, n_real, strict=True)) or self.proxy_query is None:
             self.clear_proxies()
             return None
         with record_function("kvcompress.nacl.scores"):
@@ -110,16 +109,14 @@ class NaClPolicy(Policy):
     def proxy_scores(self, layer) -> torch.Tensor:
         """``[B, H_kv, L]`` float32: per KV head, the summed softmax rows of the proxy queries (Eq. proxy-score),
         in chunks of proxy rows (at most ``chunk x L`` logits per head)."""
-        rows = self.proxy_rows
+        rows, causal = self.proxy_rows, self.config.proxy_causal
         key_visible, key_idx = layer.valid[:, :, None, :], layer.token_idx[:, :, None, :]
 
         def visible(start: int, stop: int) -> torch.Tensor:
-            if not self.config.proxy_causal:
-                return key_visible
-            return key_visible & (key_idx <= rows[start:stop][None, None, :, None])
+            return key_visible & (key_idx <= rows[start:stop][None, None, :, None]) if causal else key_visible
 
         mask, weight = visible, self._proxy_row_mask(layer, rows)
-        if self.config.proxy_causal and _last_rows_of_a_dense_layer(layer, rows):
+        if causal and _last_rows_of_a_dense_layer(layer, rows):
             mask, weight = None, None  # plain causal attention of the last rows: only the diagonal block is masked
         query, keys = self.proxy_query.float(), layer.keys.float()
         parts = chunked_softmax(
