@@ -404,12 +404,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
         raise NotImplementedError("a cascade layer evicts while inserting; it takes no Selection")
 
     # --- views in stream order (the ``CompressedLayer`` contract), batch operations, accounting -------------------
-    def _angles(self) -> torch.Tensor:
-        """Each slot's key angle ``[B, slots]`` (``schedule.slot_angle``)."""
-        slots, layout = self.capacity, self._layout
-        values = [[schedule.slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
-        return from_host(values, self.device).expand(len(self._rings), -1)
-
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
 
@@ -434,7 +428,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         keys = self._gathered(self._k, order)
         if self.inv_freq is None:
             return keys
-        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
+        angles = [[schedule.slot_angle(self._layout, r, s) for s in range(self.capacity)] for r in self._rows()]
+        turn = (self._pos - from_host(angles, self.device)).gather(1, order)  # from the stored angle to the position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     keys = property(_keys, _drop)

@@ -78,9 +78,8 @@ class NaClPolicy(Policy):
         self.decode_steps = 0
         self.decode_events += 1
         scores = reduce_groups(stats.last[:, :, :, -1], self.config.gqa_reduce)
-        selection = self.hybrid_selection(layer, scores, self.splits, event=self.decode_events)
-        if selection is not None:
-            layer.apply(selection)  # the output above saw every key; eviction follows the attention as usual
+        # the output above saw every key; eviction follows the attention as usual
+        layer.apply(self.hybrid_selection(layer, scores, self.splits, event=self.decode_events))
         return output, None
 
     def _proxy_row_mask(self, layer, rows: torch.Tensor) -> torch.Tensor:
@@ -129,8 +128,7 @@ class NaClPolicy(Policy):
         """Keep, per sequence and KV head, sinks + recent + top-``C_p`` + ``C_r`` sampled (all, if not evicting)."""
         config = self.config
         heads = scores.shape[1] if config.head_wise else 1
-        if not config.head_wise:
-            scores = scores.mean(dim=1, keepdim=True)
+        scores = scores if config.head_wise else scores.mean(dim=1, keepdim=True)
         valid = layer.valid[:, :heads]
 
         def per_sequence(name: str) -> torch.Tensor:
