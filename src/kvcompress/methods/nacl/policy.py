@@ -182,8 +182,7 @@ class NaClGreedyPolicy(NaClPolicy):
     one_shot = False
     stats = StatsRequest(received=True)
 
-    def attend(self, layer, query, key, value, mask, scaling):
-        return None
+    attend = Policy.attend  # the default attention: no proxy queries buffered (every query scores)
 
     def observe(self, layer, stats):
         layer.state["score"].add_(reduce_groups(stats.received, self.config.gqa_reduce))
