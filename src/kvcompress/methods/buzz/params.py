@@ -66,11 +66,8 @@ def buzz_params(
         window = max(1, math.floor((budget - sinks) / (1 + ratio)) + 1)
         while window > 1 and sinks + window + threshold_for(window, stride, ratio) > budget:
             window -= 1
-        return sinks, window, threshold_for(window, stride, ratio), stride
-    guess = max(1, round((budget - sinks) / (1.5 + ratio / 2)))
-    candidates = range(max(1, guess - 6), guess + 7)
-    best = min(
-        candidates,
-        key=lambda w: (abs(steady_sizes(sinks, w, threshold_for(w, stride, ratio), stride)[0] - budget), w),
-    )
-    return sinks, best, threshold_for(best, stride, ratio), stride
+    else:
+        guess = max(1, round((budget - sinks) / (1.5 + ratio / 2)))
+        average = lambda w: steady_sizes(sinks, w, threshold_for(w, stride, ratio), stride)[0]  # noqa: E731
+        window = min(range(max(1, guess - 6), guess + 7), key=lambda w: (abs(average(w) - budget), w))
+    return sinks, window, threshold_for(window, stride, ratio), stride

@@ -48,18 +48,14 @@ class BuzzPolicy(Policy):
         evict = count - k - w > limit
         if not bool(evict.any()):
             return None
-        sink = valid & (rank < k)
-        window = valid & (rank >= count - w)
-        middle = valid & ~sink & ~window
+        middle = valid & (rank >= k) & (rank < count - w)  # neither a sink nor in the window
         old = old & middle
         new = middle & ~old
         n_old = old.sum(-1, keepdim=True)
         keep_old = old & ((rank - k) % self.old_stride == 0)
         new_rank = rank - k - n_old
-        if self.config.local_max:
-            keep_new = new & local_max(score, new, new_rank, self.new_stride)
-        else:
-            keep_new = new & (new_rank % self.new_stride == 0)
+        stride = self.new_stride
+        keep_new = local_max(score, new, new_rank, stride) if self.config.local_max else new & (new_rank % stride == 0)
         survivors = keep_old | keep_new
         if limit == 0:  # a forward of exactly w + T tokens: the middle gives all its room to it
             survivors = torch.zeros_like(survivors)
@@ -70,26 +66,22 @@ class BuzzPolicy(Policy):
                 every = torch.where(over, every * self.old_stride, every)
                 kept = torch.where(over, -(-kept // self.old_stride), kept)
             survivors &= (survivors.cumsum(-1) - 1) % every == 0
-        keep = torch.where(evict, sink | window | survivors, valid)
+        keep = torch.where(evict, (valid & ~middle) | survivors, valid)
         layer.state["old"] = torch.where(evict, survivors, layer.state["old"])
         return KeepMask(keep)
 
     def attend(self, layer, query, key, value, mask, scaling):
         if not self.config.log_n:
             return None
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        if self.config.log_n_per_row:
+        if not self.config.log_n_per_row:
+            n = layer.valid[:, 0].sum(-1, keepdim=True)  # [B, 1] real keys of each sequence in this call
+        elif mask is None:
             queries, length = query.shape[2], key.shape[2]
-            if mask is None:
-                n = torch.arange(length - queries + 1, length + 1, device=query.device).expand(query.shape[0], queries)
-            else:
-                n = mask[:, 0].sum(-1)  # [B, q]; every KV head sees as many real keys
-            factor = n[:, None, :, None]
+            n = torch.arange(length - queries + 1, length + 1, device=query.device).expand(query.shape[0], queries)
         else:
-            n = layer.valid[:, 0].sum(-1)  # [B] real keys of each sequence in this call
-            factor = n[:, None, None, None]
-        factor = factor.to(torch.float64).log() / math.log(self.config.log_n_base)
-        return attention_with_stats(query * factor.to(query.dtype), key, value, mask, scale, self.stats)
+            n = mask[:, 0].sum(-1)  # [B, q]; every KV head sees as many real keys
+        factor = n[:, None, :, None].to(torch.float64).log() / math.log(self.config.log_n_base)
+        return attention_with_stats(query * factor.to(query.dtype), key, value, mask, scaling, self.stats)
 
 
 def local_max(score: torch.Tensor, new: torch.Tensor, new_rank: torch.Tensor, stride: int) -> torch.Tensor:

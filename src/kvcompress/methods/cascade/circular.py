@@ -50,7 +50,7 @@ class CircularSinkLayer(CascadeLayer):
             rotation = lambda dtype: forward.cached((*tag, dtype), lambda: build(dtype))  # noqa: E731
         else:
             seen, dest = self._shared.seen, moves.dests[0]  # a sink, an append or the oldest ring token's slot
-            spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
+            spare = self.capacity if self._shared.count[0] == self._layout.width else dest  # (full: the scratch slot)
             rotation = lambda dtype: self._rotation(pending, (seen,), dim, dtype)  # noqa: E731
         self._kv[:, :, spare : spare + 1, :dim] = turn(pending.keys, rotation(pending.keys.dtype))  # (no out=: graphs)
         self._kv[:, :, spare : spare + 1, dim:] = pending.values

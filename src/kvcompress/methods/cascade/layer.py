@@ -404,12 +404,6 @@ class CascadeLayer(RingDecode, CompressedLayer):
         raise NotImplementedError("a cascade layer evicts while inserting; it takes no Selection")
 
     # --- views in stream order (the ``CompressedLayer`` contract), batch operations, accounting -------------------
-    def _angles(self) -> torch.Tensor:
-        """Each slot's key angle ``[B, slots]`` (``schedule.slot_angle``)."""
-        slots, layout = self.capacity, self._layout
-        values = [[schedule.slot_angle(layout, r, s) for s in range(slots)] for r in self._rows()]
-        return from_host(values, self.device).expand(len(self._rings), -1)
-
     def _order(self) -> torch.Tensor:
         return self._tok.argsort(dim=1, stable=True)  # empty slots (-1) first, then stream order
 
@@ -434,7 +428,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         keys = self._gathered(self._k, order)
         if self.inv_freq is None:
             return keys
-        turn = (self._pos - self._angles()).gather(1, order)  # from the stored angle to the model's position
+        angles = [[schedule.slot_angle(self._layout, r, s) for s in range(self.capacity)] for r in self._rows()]
+        turn = (self._pos - from_host(angles, self.device)).gather(1, order)  # from the stored angle to the position
         return rotate_by(keys, turn[:, None], self.inv_freq, exact=True)
 
     keys = property(_keys, _drop)
@@ -467,27 +462,20 @@ class CascadeLayer(RingDecode, CompressedLayer):
         return StreamView(self.keys, self.values, self.token_idx, self.rope_pos, self.valid, self.rank, self.state)
 
     def reset(self) -> None:
+        super().reset()
         self._drop(None)
         self._pending = None
-        self.is_initialized = False
-        self.seen = self.new_tokens = 0
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reorder(indices.tolist(), lambda tensor: tensor.index_select(0, indices.to(tensor.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        rows = [row for row in range(len(self._rings)) for _ in range(repeats)] if self.is_initialized else []
-        self._reorder(rows, lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-
-    def _reorder(self, rows: list[int], reorder) -> None:
-        """The sequences ``rows`` (a reordered or repeated batch): the schedule runs once per sequence from now on."""
+    def move_batch(self, move) -> None:
+        """A reordered or repeated batch: the schedule runs once per sequence from now on."""
         if not self.is_initialized:
             return
         self._in_step = False
         self._leave_group()
-        self._rings = [self._rings[row] for row in rows]  # (``indices`` read on the host: one read per reorder)
+        rows = move(torch.arange(len(self._rings), device=self.device)).tolist()  # (one host read per reorder)
+        self._rings = [self._rings[row] for row in rows]
         for name in ("_kv", "_meta", "_score", "_sink_keys"):
-            setattr(self, name, reorder(getattr(self, name)))
+            setattr(self, name, move(getattr(self, name)))
 
     def _leave_group(self) -> None:
         """Give up the cascade layers' stacked buffers (``ring_decode``): this layer's are about to be replaced."""

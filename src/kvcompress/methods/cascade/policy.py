@@ -19,9 +19,7 @@ class CascadePolicy(Policy):
 
     def reduce_heads(self, probs: torch.Tensor) -> torch.Tensor:
         """Reduce attention ``[B, H_kv, G, ..., L]`` over all query heads (``H_kv x G``) to ``[B, ..., L]``."""
-        flat = probs.flatten(1, 2)
-        if self.config.reduction == "mean":
-            return flat.mean(1)
-        if self.config.reduction == "max":
-            return flat.amax(1)
-        return flat.median(1).values  # lower median for an even head count
+        flat, how = probs.flatten(1, 2), self.config.reduction
+        if how == "median":
+            return flat.median(1).values  # lower median for an even head count
+        return getattr(flat, "amax" if how == "max" else how)(1)  # "mean" or "max"

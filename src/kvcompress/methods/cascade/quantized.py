@@ -237,7 +237,7 @@ class QuantizedRings:
         bits, sinks, dim, before = self.bits, self.sinks, self._key_dim, self._shared
         after, moves = advance(self._layout, before)
         seen, dest = before.seen, moves.dests[0]
-        spare = self.capacity if moves.passed else dest  # the ring is full: the scratch slot until attended
+        spare = self.capacity if before.count[0] == self._layout.width else dest  # a full ring: the scratch slot
         view = self._code_views(spare)
         if view.key_codes is not None:
             unpack_into(view.key_codes, bits, view.key_out)
@@ -555,15 +555,15 @@ class QuantizedRings:
                 codes[name] = _padded(codes[name], old, groups + 1)
             codes["keys"] = _padded(codes["keys"], old * self.group, (groups + 1) * self.group)
 
-    def _reorder(self, rows: list[int], reorder) -> None:
+    def move_batch(self, move) -> None:
         if not self.is_initialized:
             return
         if not self._live:
             self._kv = self._kv[:, :1, :1, :1]  # (the stand-in: nothing to reorder)
-        super()._reorder(rows, reorder)
+        super().move_batch(move)
         for name, tensor in self._codes.items():
-            self._codes[name] = reorder(tensor)
-        self._exact, self._sink_exact = reorder(self._exact), reorder(self._sink_exact)
+            self._codes[name] = move(tensor)
+        self._exact, self._sink_exact = move(self._exact), move(self._sink_exact)
         self._code_view_cache = None
         self._base = list(self._rows())
         if not self._live:

@@ -16,6 +16,7 @@ back when a layer replaces its buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -104,15 +105,11 @@ class RingDecode:
         rings, slots, steps = self._shared, self.capacity, []
         for _ in range(count):
             plan = play(self._layout, rings, (0,), slots, None if self.rule.needs_scores else lambda a, r: True)
-            after, moves, _ = plan
-            fresh = next(dest for dest, item in moves if item > slots)
-            columns = self._columns(rings, plan, 1, rotated=True)
+            after, columns = plan[0], self._columns(rings, plan, 1, rotated=True)  # (one token: always a move)
             targets, runs = self._frames(after.stored(self._layout) - 1, after)
-            frames = len(targets)
-            key = ("slot-logits", tuple(runs), frames, rows, self.device)
-            build = lambda runs=runs, frames=frames: self._slot_logits(runs, frames, rows)  # noqa: E731
-            logit, empty = self.forward_pass.cached(key, build)
-            angle = move_turn(self._layout, rings, after, fresh, slots + 1, slots)  # (a new item's turn: its angle)
+            key = ("slot-logits", tuple(runs), len(targets), rows, self.device)
+            logit, empty = self.forward_pass.cached(key, partial(self._slot_logits, runs, len(targets), rows))
+            angle = move_turn(self._layout, rings, after, columns.fresh, slots + 1, slots)  # (a new item's: its angle)
             sinks = [sinks_after(self._layout, rings, after)]
             steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty, runs[-1][1]))
             rings = after
@@ -122,10 +119,8 @@ class RingDecode:
         """Within ``DENSE_*`` (``rows``: batch x query heads): per slot, its logit's index among every frame's
         (``frame * stored + slot``) and the empty slots between the runs (or None). Else ``None, None``: per run."""
         stored, device = runs[-1][1], self.device.type
-        limit = DENSE_MULTIPLY_ADDS.get(device)
-        if frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"]):
-            return None, None
-        if limit is not None and rows * frames * stored * self._key_dim > limit:
+        wide = frames * stored > DENSE_FRAME_SLOTS.get(device, DENSE_FRAME_SLOTS["cpu"])
+        if wide or rows * frames * stored * self._key_dim > DENSE_MULTIPLY_ADDS.get(device, float("inf")):
             return None, None
         logit, empty = list(range(stored)), [True] * stored  # (an empty slot's logit: any, it is masked)
         for lo, hi, index in runs:

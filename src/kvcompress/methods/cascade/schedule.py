@@ -72,7 +72,6 @@ class Moves:
 
     dests: tuple[int, ...]
     select: bool = False
-    passed: int = 0  # the first ``passed`` columns overwrote their ring's oldest token (b)
 
     @property
     def reads(self) -> tuple[int, ...]:
@@ -88,7 +87,7 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
     count, passed_by, start = list(rings.count), list(rings.passed), list(rings.start)
     eager = p < layout.eager_until
     dests: list[int] = []
-    select, passed = False, 0
+    select = False
     for i in range(layout.cascades):
         first = sinks + i * width
         if eager or (p - sinks) % layout.base**i == 0:
@@ -98,7 +97,6 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
                 break
             dests.append(first + start[i])  # (b) overwrite the oldest, pass it on
             passed_by[i] += 1
-            passed += 1
         elif count[i] == 0:  # (c) an empty ring takes the token
             dests.append(first + start[i])
             count[i] = 1
@@ -107,13 +105,12 @@ def advance(layout: Layout, rings: Rings) -> tuple[Rings, Moves]:
             dests.append(first + (start[i] + count[i] - 1) % width)
             select = True
             break
-    return Rings(p + 1, tuple(count), tuple(passed_by), width), Moves(tuple(dests), select, passed)
+    return Rings(p + 1, tuple(count), tuple(passed_by), width), Moves(tuple(dests), select)
 
 
 def sink_shift(layout: Layout, rings: Rings) -> int:
     """The sinks' angle minus their index: the oldest ring's first slot plus the tokens it overwrote."""
-    last = layout.cascades - 1
-    return last * layout.width + rings.passed[last]
+    return layout.fill + rings.passed[-1]
 
 
 def offsets(layout: Layout, rings: Rings) -> tuple[int, ...]:

@@ -98,13 +98,6 @@ class NaClConfig(MethodConfig):
             return OFFICIAL_128K
         return next((row for r, row in TABLE4.items() if self.ratio is not None and abs(r - self.ratio) < EPS), None)
 
-    def shares(self) -> tuple[float, float]:
-        """(protected share of the budget, random share of the rest)."""
-        row = self.preset_fractions()
-        protect, random = (0.1, 2 / 3) if row is None else (row[0] / (row[0] + row[2] + row[3]), row[3] / sum(row[2:]))
-        protect = protect if self.protect_share is None else self.protect_share
-        return protect, (random if self.random_share is None else self.random_share)
-
     def kept_tokens(self, n_tokens: int) -> int:
         return int(kept_per_sequence(torch.tensor(n_tokens, device="cpu"), self.ratio, self.budget))  # on the host
 
@@ -115,10 +108,12 @@ class NaClConfig(MethodConfig):
         min_len = PRESET_MIN_EVICT[self.preset] if self.min_evict_len is None else self.min_evict_len
         if kept >= n_tokens or n_tokens <= min_len:
             return NaClSplit(n_tokens, n_tokens, 0, 0, 0, proxy[1] - proxy[0])
-        protect_share, random_share = self.shares()
+        row = self.preset_fractions()  # the protected share of the budget, the random share of the rest
+        shares = (0.1, 2 / 3) if row is None else (row[0] / (row[0] + row[2] + row[3]), row[3] / sum(row[2:]))
+        protect_share = shares[0] if self.protect_share is None else self.protect_share
         protected = max(min(2, kept), math.floor(protect_share * kept + EPS))
         rest = kept - protected
-        random = math.floor(random_share * rest + 0.5)
+        random = math.floor((shares[1] if self.random_share is None else self.random_share) * rest + 0.5)
         sinks = min(PRESET_SINKS[self.preset] if self.sinks is None else self.sinks, max(0, protected - 1))
         return NaClSplit(kept, sinks, protected - sinks, rest - random, random, proxy[1] - proxy[0])
 

@@ -78,9 +78,8 @@ class NaClPolicy(Policy):
         self.decode_steps = 0
         self.decode_events += 1
         scores = reduce_groups(stats.last[:, :, :, -1], self.config.gqa_reduce)
-        selection = self.hybrid_selection(layer, scores, self.splits, event=self.decode_events)
-        if selection is not None:
-            layer.apply(selection)  # the output above saw every key; eviction follows the attention as usual
+        # the output above saw every key; eviction follows the attention as usual
+        layer.apply(self.hybrid_selection(layer, scores, self.splits, event=self.decode_events))
         return output, None
 
     def _proxy_row_mask(self, layer, rows: torch.Tensor) -> torch.Tensor:
@@ -88,17 +87,16 @@ class NaClPolicy(Policy):
         A row wanted now may stop being wanted as the prompt grows, never the reverse: trimming is safe."""
         valid = layer.valid[:, 0]
         rank = valid.cumsum(-1) - 1  # rank of each token among the sequence's real tokens
-        n_real = valid.sum(-1)
-        bounds = torch.tensor([self.config.proxy_bounds(int(n)) for n in n_real], device=valid.device)
+        bounds = torch.tensor([self.config.proxy_bounds(n) for n in valid.sum(-1).tolist()], device=valid.device)
         row_rank = rank[:, rows]
         return valid[:, rows] & (row_rank >= bounds[:, :1]) & (row_rank < bounds[:, 1:])
 
     # --- the one eviction ----------------------------------------------------------------------------------
     def select(self, layer):
-        n_real = layer.valid[:, 0].sum(-1)
-        self.splits = [self.config.split(int(n)) for n in n_real]
+        n_real = layer.valid[:, 0].sum(-1).tolist()  # (one host read)
+        self.splits = [self.config.split(n) for n in n_real]
         self.decode_steps = self.decode_events = 0
-        if all(s.kept >= int(n) for s, n in zip(self.splits, n_real, strict=True)) or self.proxy_query is None:
+        if all(s.kept >= n for s, n in zip(self.splits, n_real, strict=True)) or self.proxy_query is None:
             self.clear_proxies()
             return None
         with record_function("kvcompress.nacl.scores"):
@@ -110,16 +108,14 @@ class NaClPolicy(Policy):
     def proxy_scores(self, layer) -> torch.Tensor:
         """``[B, H_kv, L]`` float32: per KV head, the summed softmax rows of the proxy queries (Eq. proxy-score),
         in chunks of proxy rows (at most ``chunk x L`` logits per head)."""
-        rows = self.proxy_rows
+        rows, causal = self.proxy_rows, self.config.proxy_causal
         key_visible, key_idx = layer.valid[:, :, None, :], layer.token_idx[:, :, None, :]
 
         def visible(start: int, stop: int) -> torch.Tensor:
-            if not self.config.proxy_causal:
-                return key_visible
-            return key_visible & (key_idx <= rows[start:stop][None, None, :, None])
+            return key_visible & (key_idx <= rows[start:stop][None, None, :, None]) if causal else key_visible
 
         mask, weight = visible, self._proxy_row_mask(layer, rows)
-        if self.config.proxy_causal and _last_rows_of_a_dense_layer(layer, rows):
+        if causal and _last_rows_of_a_dense_layer(layer, rows):
             mask, weight = None, None  # plain causal attention of the last rows: only the diagonal block is masked
         query, keys = self.proxy_query.float(), layer.keys.float()
         parts = chunked_softmax(
@@ -132,8 +128,7 @@ class NaClPolicy(Policy):
         """Keep, per sequence and KV head, sinks + recent + top-``C_p`` + ``C_r`` sampled (all, if not evicting)."""
         config = self.config
         heads = scores.shape[1] if config.head_wise else 1
-        if not config.head_wise:
-            scores = scores.mean(dim=1, keepdim=True)
+        scores = scores if config.head_wise else scores.mean(dim=1, keepdim=True)
         valid = layer.valid[:, :heads]
 
         def per_sequence(name: str) -> torch.Tensor:
@@ -166,9 +161,7 @@ def _last_rows_of_a_dense_layer(layer, rows: torch.Tensor) -> bool:
 
 def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
     """``[B, H_kv, G, L]`` -> ``[B, H_kv, L]`` over the query heads sharing a KV head."""
-    if how == "mean":
-        return scores.mean(dim=2)
-    return scores.sum(dim=2) if how == "sum" else scores.amax(dim=2)
+    return getattr(scores, "amax" if how == "max" else how)(dim=2)  # "sum", "mean" or "max"
 
 
 def descending_rank(values: torch.Tensor) -> torch.Tensor:
@@ -189,8 +182,7 @@ class NaClGreedyPolicy(NaClPolicy):
     one_shot = False
     stats = StatsRequest(received=True)
 
-    def attend(self, layer, query, key, value, mask, scaling):
-        return None
+    attend = Policy.attend  # the default attention: no proxy queries buffered (every query scores)
 
     def observe(self, layer, stats):
         layer.state["score"].add_(reduce_groups(stats.received, self.config.gqa_reduce))
