@@ -97,33 +97,16 @@ class LessLayer(CompressedLayer):
         self.stored_low_rank = self.stored_ratio = None
         self.folded = False
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
+    def move_batch(self, move) -> None:
+        super().move_batch(move)
         if self.is_initialized:
-            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices.to(self.device)), None
+            self.stored_low_rank, self.stored_ratio = move(self.low_rank), None
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.is_initialized:
-            self.stored_low_rank, self.stored_ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
-
-    def state_nbytes(self, part: slice | int) -> int:
-        """Bytes of the state's ``H`` (``part = slice(-1)``) or ``z`` (``-1``), 0 before the first tokens: ``H`` counts
-        with the keys and values (it stands in for the evicted ones), ``z`` with the metadata."""
+    def side_nbytes(self, metadata: bool) -> int:
+        """Bytes of the state's ``H``, or of ``z`` (``metadata``), 0 before the first tokens: ``H`` counts with the
+        keys and values (it stands in for the evicted ones), ``z`` with the metadata."""
         state = self.stored_low_rank
-        return 0 if state is None else state[..., part].numel() * state.element_size()
-
-    def kv_nbytes(self) -> int:
-        return super().kv_nbytes() + self.state_nbytes(slice(-1))
-
-    def metadata_nbytes(self) -> int:
-        return super().metadata_nbytes() + self.state_nbytes(-1)
-
-    def allocated_nbytes(self) -> int:
-        return super().allocated_nbytes() + self.state_nbytes(slice(-1))
-
-    def allocated_metadata_nbytes(self) -> int:
-        return super().allocated_metadata_nbytes() + self.state_nbytes(-1)
+        return 0 if state is None else state[..., -1 if metadata else slice(-1)].numel() * state.element_size()
 
 
 class LessQuantizedLayer(LessLayer, QuantizedLayer):
