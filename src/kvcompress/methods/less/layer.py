@@ -179,7 +179,8 @@ def fold(forward, staged: list) -> None:
     features = psi_features(_joined(keys, 1), *psi)  # keys [B, n * H_kv, e, D]
     if weights[0] is not None:
         features = features * _joined(weights, 1)[..., None]
-    _add(forward, layers, outer_update(features, _joined(values, 1)))
+    values = _joined(values, 1).float()
+    _add(forward, layers, features.transpose(-1, -2) @ torch.cat([values, values.new_ones(*values.shape[:-1], 1)], -1))
 
 
 def _add(forward, layers: tuple, update: torch.Tensor) -> None:
@@ -215,11 +216,3 @@ def _stacked_psi(forward, layers: tuple) -> tuple[torch.Tensor, ...]:
         if any(own[i] is not views[index] for i, (_, views) in enumerate(stacked)):
             policy.weights = policy.weights._replace(psi=tuple(views[index] for _, views in stacked))
     return tuple(buffer for buffer, _ in stacked)
-
-
-def outer_update(features: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``ψ(k)ᵀ [v | 1]`` ``[B, H, R, D + 1]`` summed over the tokens of ``features`` ``[B, H, e, R]`` and
-    ``values`` ``[B, H, e, D]``: what the tokens add to ``[H | z]``."""
-    values = values.float()
-    ones = values.new_ones(*values.shape[:-1], 1)
-    return features.transpose(-1, -2) @ torch.cat([values, ones], dim=-1)
