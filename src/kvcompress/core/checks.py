@@ -5,12 +5,11 @@ reaches torch's allocator or overflows an ``int64``."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from kvcompress.core.contract import finite
 
 MAX_TOKENS = 2**20  # token counts (budgets, windows, sinks, histories): the longest context a cache is built for
 MAX_SEED = 2**63 - 1  # seeds are hashed as int64
@@ -58,7 +57,7 @@ def check_int_range(value: object, name: str, low: int, high: int = MAX_TOKENS, 
 
 def check_number(value: object, name: str, low: float, high: float, ends: str = "[]", meaning: str = "") -> None:
     """A finite real number between ``low`` and ``high``, each included where ``ends`` has a square bracket."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and finite(value)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
     if not ok or value < low or value > high or (value == low and ends[0] == "(") or (value == high and ends[1] == ")"):
         raise ValueError(f"{name} must be a number in {ends[0]}{low}, {high}{ends[1]}{meaning}, got {value!r}")
 
@@ -81,3 +80,10 @@ def check_path(value: object, name: str, kind: str, what: str) -> None:
     if not (path.is_file() if kind == "file" else path.is_dir()):
         state = "is not a file" if path.is_dir() else "is not a folder" if path.exists() else "does not exist"
         raise ValueError(f"{name}={str(value)!r} {state}; give the path of {what}")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False

@@ -275,7 +275,7 @@ def _is_a(value: object, kind: object) -> bool:
     if kind is int:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and finite(value)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
     if origin is tuple and isinstance(value, (tuple, list)):
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_is_a(item, args[0]) for item in value)
@@ -284,7 +284,7 @@ def _is_a(value: object, kind: object) -> bool:
     return isinstance(value, kind) if isinstance(kind, type) else True
 
 
-def finite(value: numbers.Real) -> bool:
+def _finite(value: numbers.Real) -> bool:
     try:
         return math.isfinite(value)
     except OverflowError:  # an integer too large for a float
