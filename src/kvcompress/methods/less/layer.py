@@ -153,7 +153,7 @@ def stage(layer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor 
 def settle(layer) -> None:
     """Fold what is staged if some of it is ``layer``'s (about to be read); the others' folds come with it."""
     if layer.staged:
-        layer.forward_pass.run_now(FOLDS)
+        fold_staged(layer.forward_pass)
 
 
 @without_grad
