@@ -46,19 +46,14 @@ def kvcompress_attention(
     sliding_window = kwargs.get("sliding_window")
     if layer is None:
         return _uncompressed_attention(query, key, value, attention_mask, scaling, sliding_window)
-    padding = _padding(layer, attention_mask, query.shape[2])
+    queries, padding = query.shape[2], None  # the new tokens' [B, q] 2D padding mask where some is padding
+    if attention_mask is not None and attention_mask.dim() == 2:  # (one host read per forward)
+        real = ("all-real", queries, attention_mask.shape[-1])
+        if not layer.forward_pass.cached(real, lambda: bool(attention_mask[:, -queries:].all())):
+            padding = attention_mask[:, -queries:]
     with recorded_as_computed():  # a backward pass reads what this step saw, whatever later steps write in place
         output = attend_layer(layer, query, key, value, padding, kwargs.get("position_ids"), scaling, sliding_window)
     return output.transpose(1, 2).contiguous(), None
-
-
-def _padding(layer: CompressedLayer, attention_mask: torch.Tensor | None, queries: int) -> torch.Tensor | None:
-    """The new tokens' ``[B, q]`` 2D padding mask, or ``None`` if all are real (one host read per forward)."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return None
-    key = ("all-real", queries, attention_mask.shape[-1])
-    all_real = layer.forward_pass.cached(key, lambda: bool(attention_mask[:, -queries:].all()))
-    return None if all_real else attention_mask[:, -queries:]
 
 
 def attend_layer(

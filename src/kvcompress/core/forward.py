@@ -77,12 +77,6 @@ class ForwardPass:
         if key not in self._jobs:
             self._jobs[key] = job
 
-    def run_now(self, key: Hashable) -> None:
-        """Run the job registered under ``key`` now, if any."""
-        job = self._jobs.pop(key, None)
-        if job is not None:
-            job()
-
     def stacked(
         self, name: str, tensors: list[torch.Tensor], dim: int = 0, make: bool = True
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

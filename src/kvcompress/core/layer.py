@@ -389,13 +389,21 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
 
     # --- accounting (bytes of keys and values, or of bookkeeping and method state, stored or allocated) ------
     def kv_nbytes(self) -> int:
-        return 0 if self.slots is None else self.occupied * self.slots.kv_bytes_per_slot()
+        return self.side_nbytes(False) + (0 if self.slots is None else self.occupied * self.slots.kv_bytes_per_slot())
 
     def allocated_nbytes(self) -> int:
-        return 0 if self.slots is None else self.slots.capacity * self.slots.kv_bytes_per_slot()
+        slots = self.slots
+        return self.side_nbytes(False) + (0 if slots is None else slots.capacity * slots.kv_bytes_per_slot())
 
     def allocated_metadata_nbytes(self) -> int:
-        return 0 if self.slots is None else self.slots.capacity * self.slots.metadata_bytes_per_slot()
+        slots = self.slots
+        return self.side_nbytes(True) + (0 if slots is None else slots.capacity * slots.metadata_bytes_per_slot())
 
     def metadata_nbytes(self) -> int:
-        return 0 if self.slots is None else self.occupied * self.slots.metadata_bytes_per_slot()
+        slots = self.slots
+        return self.side_nbytes(True) + (0 if slots is None else self.occupied * slots.metadata_bytes_per_slot())
+
+    def side_nbytes(self, metadata: bool) -> int:
+        """Bytes a layer holds beside its slots, in both stored and allocated counts: with the keys and values
+        (PoD's proximal keys, LESS's ``H``) or with the metadata (``metadata``); none here."""
+        return 0

@@ -185,22 +185,24 @@ class QuantizedLayer(CompressedLayer):
     def kv_nbytes(self) -> int:
         """Codes, value parameters, key-group parameters of the stored tokens, and the exact residual window."""
         if self.slots is None:
-            return 0
+            return self.side_nbytes(False)
         slots = self.slots
         return (
             self.occupied * slots.kv_bytes_per_slot()
             + slots.key_params_nbytes(self.occupied)
             + slots.ring_nbytes(False)
+            + self.side_nbytes(False)
         )
 
     def allocated_nbytes(self) -> int:
         if self.slots is None:
-            return 0
+            return self.side_nbytes(False)
         slots = self.slots
         return (
             slots.capacity * slots.kv_bytes_per_slot()
             + slots.key_params_nbytes(slots.capacity)
             + slots.ring_nbytes(True)
+            + self.side_nbytes(False)
         )
 
 

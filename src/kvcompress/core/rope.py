@@ -26,21 +26,16 @@ def layer_types(text_config) -> list[str]:
     return [kind] * text_config.num_hidden_layers
 
 
-def _rope_type(text_config, layer_type: str) -> str:
-    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-    if isinstance(params.get(layer_type), dict):
-        params = params[layer_type]
-    return params.get("rope_type", params.get("type", "default"))
-
-
 def layer_inv_freqs(model: nn.Module) -> list[torch.Tensor]:
     """The inverse frequencies ``[rotary_dim / 2]`` (float32, on the model's device) each decoder layer rotates with;
     ``ValueError`` for a model without rotary embeddings and for length-dependent RoPE types."""
     config = model.config.get_text_config()
     buffers = {name: buffer for name, buffer in model.named_buffers() if ".rotary_emb." in f".{name}"}
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     found = []
     for layer_type in layer_types(config):
-        rope_type = _rope_type(config, layer_type)
+        params = rope[layer_type] if isinstance(rope.get(layer_type), dict) else rope  # per layer type, or shared
+        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type in LENGTH_DEPENDENT_ROPE:
             raise ValueError(
                 f"{type(model).__name__} uses rope_type={rope_type!r}, whose frequencies change with the sequence "

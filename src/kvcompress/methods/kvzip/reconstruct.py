@@ -117,7 +117,7 @@ def score_chunk(
     groups = query_heads // heads
     scale = dim**-0.5 if scaling is None else scaling
     whole = sinks == 0 and start == 0 and end == length
-    own_output, own_lse = attention_with_lse(query, own_key, own_value, None, scale)
+    own_output, own_lse = attention_with_lse(query, own_key, own_value, scale)
     keys, values = key.float().transpose(-1, -2), value.float()  # [B, H, d, n], [B, H, n, d]
     output = torch.empty_like(query)
     block = query_block(query_heads, columns)

@@ -97,33 +97,16 @@ class LessLayer(CompressedLayer):
         self.stored_low_rank = self.stored_ratio = None
         self.folded = False
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
+    def move_batch(self, move) -> None:
+        super().move_batch(move)
         if self.is_initialized:
-            self.stored_low_rank, self.stored_ratio = self.low_rank.index_select(0, indices.to(self.device)), None
+            self.stored_low_rank, self.stored_ratio = move(self.low_rank), None
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.is_initialized:
-            self.stored_low_rank, self.stored_ratio = self.low_rank.repeat_interleave(repeats, dim=0), None
-
-    def state_nbytes(self, part: slice | int) -> int:
-        """Bytes of the state's ``H`` (``part = slice(-1)``) or ``z`` (``-1``), 0 before the first tokens: ``H`` counts
-        with the keys and values (it stands in for the evicted ones), ``z`` with the metadata."""
+    def side_nbytes(self, metadata: bool) -> int:
+        """Bytes of the state's ``H``, or of ``z`` (``metadata``), 0 before the first tokens: ``H`` counts with the
+        keys and values (it stands in for the evicted ones), ``z`` with the metadata."""
         state = self.stored_low_rank
-        return 0 if state is None else state[..., part].numel() * state.element_size()
-
-    def kv_nbytes(self) -> int:
-        return super().kv_nbytes() + self.state_nbytes(slice(-1))
-
-    def metadata_nbytes(self) -> int:
-        return super().metadata_nbytes() + self.state_nbytes(-1)
-
-    def allocated_nbytes(self) -> int:
-        return super().allocated_nbytes() + self.state_nbytes(slice(-1))
-
-    def allocated_metadata_nbytes(self) -> int:
-        return super().allocated_metadata_nbytes() + self.state_nbytes(-1)
+        return 0 if state is None else state[..., -1 if metadata else slice(-1)].numel() * state.element_size()
 
 
 class LessQuantizedLayer(LessLayer, QuantizedLayer):
@@ -170,7 +153,7 @@ def stage(layer, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor 
 def settle(layer) -> None:
     """Fold what is staged if some of it is ``layer``'s (about to be read); the others' folds come with it."""
     if layer.staged:
-        layer.forward_pass.run_now(FOLDS)
+        fold_staged(layer.forward_pass)
 
 
 @without_grad
@@ -196,7 +179,8 @@ def fold(forward, staged: list) -> None:
     features = psi_features(_joined(keys, 1), *psi)  # keys [B, n * H_kv, e, D]
     if weights[0] is not None:
         features = features * _joined(weights, 1)[..., None]
-    _add(forward, layers, outer_update(features, _joined(values, 1)))
+    values = _joined(values, 1).float()
+    _add(forward, layers, features.transpose(-1, -2) @ torch.cat([values, values.new_ones(*values.shape[:-1], 1)], -1))
 
 
 def _add(forward, layers: tuple, update: torch.Tensor) -> None:
@@ -232,11 +216,3 @@ def _stacked_psi(forward, layers: tuple) -> tuple[torch.Tensor, ...]:
         if any(own[i] is not views[index] for i, (_, views) in enumerate(stacked)):
             policy.weights = policy.weights._replace(psi=tuple(views[index] for _, views in stacked))
     return tuple(buffer for buffer, _ in stacked)
-
-
-def outer_update(features: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``ψ(k)ᵀ [v | 1]`` ``[B, H, R, D + 1]`` summed over the tokens of ``features`` ``[B, H, e, R]`` and
-    ``values`` ``[B, H, e, D]``: what the tokens add to ``[H | z]``."""
-    values = values.float()
-    ones = values.new_ones(*values.shape[:-1], 1)
-    return features.transpose(-1, -2) @ torch.cat([values, ones], dim=-1)

@@ -63,7 +63,6 @@ from kvcompress.methods.oneshot import check_ratio_or_budget
 from kvcompress.methods.pod.attention import pod_attention
 from kvcompress.methods.pod.budget import default_similarity
 from kvcompress.methods.pod.grouping import (
-    Starts,
     check_starts,
     kv_key_rows,
     load_similarity,
@@ -162,21 +161,17 @@ class PoDConfig(MethodConfig):
     def layer_class(self) -> type[PoDLayer]:
         return PoDLayer if self.kv_bits == 16 else PoDQuantizedLayer
 
-    def resolve_starts(self, layers: int) -> Starts:
-        """Block starts ``[layer][head]`` for a model with ``layers`` layers."""
-        if self.starts is not None:
-            starts = self.starts
-        elif self.block_size is not None:
-            starts = uniform_starts(layers, 1, self.block_size)
-        else:
-            source = self.similarity if self.similarity is not None else default_similarity(layers)
+    def connect(self, layers: list[PoDLayer]) -> None:
+        """Each layer's block starts ``[head]``: ``starts``, uniform blocks or Algorithm 1's, split by layer kind."""
+        starts = self.starts
+        if starts is None and self.block_size is not None:
+            starts = uniform_starts(len(layers), 1, self.block_size)
+        elif starts is None:
+            source = self.similarity if self.similarity is not None else default_similarity(len(layers))
             sim_file = load_similarity(shipped_json("pod", str(source)) or source)
             starts = starts_from_similarity(sim_file, self.delta, self.target_saving, self.grouping)
-        check_starts(starts, layers)
-        return starts
-
-    def connect(self, layers: list[PoDLayer]) -> None:
-        starts = split_by_kind(self.resolve_starts(len(layers)), [layer.sliding_window for layer in layers])
+        check_starts(starts, len(layers))
+        starts = split_by_kind(starts, [layer.sliding_window for layer in layers])
         for index, layer in enumerate(layers):
             layer.connect_block(layers, index, starts[index])
             layer.key_share = kv_key_rows(starts) / (len(starts) * len(starts[0]))

@@ -425,24 +425,12 @@ class PoDLayer(CompressedLayer):
         if self.is_initialized:
             self.prox_keys, self.prox_slot = move(self.prox_keys), move(self.prox_slot)
 
-    def _proximal_nbytes(self, metadata: bool = False) -> int:
+    def side_nbytes(self, metadata: bool) -> int:
         """The packed proximal keys, or their slots (``metadata``; the ring's bookkeeping while it lives)."""
         if metadata and self.ring is not None:
             return self.ring.metadata_nbytes()
         tensor = self.prox_slot if metadata else self.prox_keys
         return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-    def kv_nbytes(self) -> int:
-        return super().kv_nbytes() + self._proximal_nbytes()
-
-    def allocated_nbytes(self) -> int:
-        return super().allocated_nbytes() + self._proximal_nbytes()
-
-    def metadata_nbytes(self) -> int:
-        return super().metadata_nbytes() + self._proximal_nbytes(metadata=True)
-
-    def allocated_metadata_nbytes(self) -> int:
-        return super().allocated_metadata_nbytes() + self._proximal_nbytes(metadata=True)
 
 
 def _run(heads: list[int]) -> tuple[int, int] | None:
