@@ -68,20 +68,6 @@ class KeepMask:
     keep: torch.Tensor
 
 
-@dataclass
-class Selection:
-    """What a layer keeps: ``indices`` ``[B, H_kv, K]`` into the layer's view, ascending per row; ``valid``
-    ``[B, H_kv, K]`` marks those holding a real token (a shorter sequence fills its row with invalid slots)."""
-
-    indices: torch.Tensor
-    valid: torch.Tensor | None = None
-
-    def as_mask(self, width: int) -> torch.Tensor:
-        """The kept slots as a ``[B, H_kv, width]`` mask."""
-        mask = self.indices.new_zeros(*self.indices.shape[:2], width, dtype=torch.bool)
-        return mask.scatter_(2, self.indices, True if self.valid is None else self.valid)
-
-
 @runtime_checkable
 class LayerView(Protocol):
     """What a policy may read and call on its layer, whatever the layer's storage (every layer kind implements it).
@@ -158,7 +144,7 @@ class Policy:
     def observe(self, layer: LayerView, stats: AttentionStats | None) -> None:
         """Fold this forward's attention statistics into the per-token state."""
 
-    def select(self, layer: LayerView) -> Keep | KeepMask | Selection | None:
+    def select(self, layer: LayerView) -> Keep | KeepMask | None:
         """Return what to keep (usually a ``Keep`` rule: the layer picks the victims), or ``None`` for everything."""
         return None
 

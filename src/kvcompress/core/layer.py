@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcompress.core.capacity import grown_capacity
-from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy, Selection
+from kvcompress.core.contract import AttentionStats, Keep, KeepMask, Policy
 from kvcompress.core.eviction import protects_forward, victims_of_rule
 from kvcompress.core.forward import ForwardPass
 from kvcompress.core.joint_eviction import defer_eviction
@@ -218,7 +218,7 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             self.apply(self.policy.select(self))
             self.compact(shrink=True)
 
-    def apply(self, rule: Keep | KeepMask | Selection | Eviction | None) -> None:
+    def apply(self, rule: Keep | KeepMask | Eviction | None) -> None:
         """Evict what ``rule`` does not keep (``eviction_of``), or what an ``Eviction`` names."""
         if rule is None:
             return
@@ -231,12 +231,11 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
         if dropped is not None:
             self.evict_mask(dropped)
 
-    def eviction_of(self, rule: Keep | KeepMask | Selection, policy: Policy) -> Eviction:
-        """What ``rule`` (``policy``'s) evicts: the lowest-scoring tokens of a ``Keep``, the ``False`` slots of a
-        ``KeepMask``, or the occupied slots outside a ``Selection``'s indices."""
-        if not isinstance(rule, Keep):
-            keep = rule.keep if isinstance(rule, KeepMask) else rule.as_mask(self.view_width)
-            return Eviction(dropped=~keep & (self.token_idx >= 0))
+    def eviction_of(self, rule: Keep | KeepMask, policy: Policy) -> Eviction:
+        """What ``rule`` (``policy``'s) evicts: the lowest-scoring tokens of a ``Keep``, the occupied ``False`` slots
+        of a ``KeepMask``."""
+        if isinstance(rule, KeepMask):
+            return Eviction(dropped=~rule.keep & (self.token_idx >= 0))
         victims, invalid = victims_of_rule(rule, self, protects_forward(policy, rule, self.new_tokens))
         # per-sequence counts (once per prompt): the tokens a sequence keeping fewer than the longest stops counting
         return Eviction(victims, invalid if invalid is not None and bool(invalid.any()) else None)

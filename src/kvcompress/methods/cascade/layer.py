@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from kvcompress.core.contract import AttentionStats, Policy, Selection
+from kvcompress.core.contract import AttentionStats, Policy
 from kvcompress.core.forward import from_host
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.rope import rotate_by
@@ -400,8 +400,8 @@ class CascadeLayer(RingDecode, CompressedLayer):
         if stats is not None and stats.received is not None and self.rule.needs_scores:
             self._fold_scores(stats.received.float())
 
-    def apply(self, selection: Selection) -> None:
-        raise NotImplementedError("a cascade layer evicts while inserting; it takes no Selection")
+    def apply(self, rule) -> None:
+        raise NotImplementedError("a cascade layer evicts while inserting; it takes no eviction rule")
 
     # --- views in stream order (the ``CompressedLayer`` contract), batch operations, accounting -------------------
     def _order(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from kvcompress.core.attention import attention_with_stats
-from kvcompress.core.contract import Policy, Selection, StatsRequest
+from kvcompress.core.contract import Keep, Policy, StatsRequest
 from kvcompress.core.hashing import hash_uniform
 from kvcompress.core.selection import keep_top
 from kvcompress.core.softmax import chunked_softmax
@@ -124,7 +124,7 @@ class NaClPolicy(Policy):
         return reduce_groups(parts.received, self.config.gqa_reduce)
 
     # --- protected + top-C_p + sampled C_r, per sequence and head -------------------------------------------
-    def hybrid_selection(self, layer, scores: torch.Tensor, splits: list[NaClSplit], event: int) -> Selection | None:
+    def hybrid_selection(self, layer, scores: torch.Tensor, splits: list[NaClSplit], event: int) -> Keep | None:
         """Keep, per sequence and KV head, sinks + recent + top-``C_p`` + ``C_r`` sampled (all, if not evicting)."""
         config = self.config
         heads = scores.shape[1] if config.head_wise else 1

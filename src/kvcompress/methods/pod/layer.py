@@ -332,8 +332,8 @@ class PoDLayer(CompressedLayer):
         return self.last_eviction
 
     def _own_eviction(self, base: Policy) -> Eviction | None:
-        """This block start's eviction under ``base``: a ``Keep`` rule's victims, or the slots a ``KeepMask`` or
-        ``Selection`` leaves out (with ``ratio``/``budget``, keeping the count ``budget`` plans)."""
+        """This block start's eviction under ``base``: a ``Keep`` rule's victims, or the slots a ``KeepMask``
+        leaves out (with ``ratio``/``budget``, keeping the count ``budget`` plans)."""
         config, keep = self.policy.config, {}
         if config.budgeted:
             n_real = self.valid.sum(-1).amax(1)
