@@ -94,23 +94,41 @@ def leverage_scores(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
     return (sketched * solved.transpose(-2, -1)).sum(-1).clamp_min(0)
 
 
+LOGIT_FLOOR = 60.0  # logits further than this below their row's maximum are raised to it before the softmax
+
+
 def noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``[H_q, S]``: per key, the attention it receives from its chunk's queries (``[H_q, S, d]``, keys repeated to the
-    query heads), every query seeing every key of its chunk; the last chunk zero-padded as kvpress pads it."""
-    heads, length, dim = keys.shape
-    padded = math.ceil(length / chunk) * chunk
-    pad = padded - length
-    if pad:
-        queries = torch.cat([queries, queries.new_zeros(heads, pad, dim)], dim=1)
-        keys = torch.cat([keys, keys.new_zeros(heads, pad, dim)], dim=1)
-    count = padded // chunk
-    dots = queries.view(heads, count, chunk, dim) @ keys.view(heads, count, chunk, dim).transpose(-2, -1)
-    if pad:
-        padding = torch.arange(chunk, device=dots.device) >= chunk - pad  # the last chunk's padding positions
-        dots[:, -1].masked_fill_(padding[:, None], 0)
-        dots[:, -1].masked_fill_(padding[None, :], -1e-9)
-    attention = torch.softmax(dots.float(), dim=-1)
-    return attention.sum(dim=-2).reshape(heads, padded)[:, :length]
+    """``[H, S]``: per key of ``keys`` ``[H, S, d]``, the attention it receives from its chunk's queries
+    ``[H, G, S, d]`` (the ``G`` query heads of each KV head), averaged over the ``G`` heads; every query sees every
+    key of its chunk, the last chunk zero-padded as kvpress pads it.
+
+    Computed one chunk at a time (all heads together), so that each chunk's float32 logits, softmax and sums stay in
+    the processor's cache: the ``G`` query heads of a KV head are one ``[G * chunk, chunk]`` product against their
+    shared keys (no repeated keys), the softmax is taken in place and its rows summed. Two shortcuts, exact to float32
+    rounding: logits more than ``LOGIT_FLOOR`` (60) below their row's maximum are raised to that floor before the
+    softmax (their probability, at most ``e^-60`` of the row's largest, vanishes beside it either way, and exponentials
+    that small would be subnormal floats, which are many times slower on CPUs); and the last chunk's padding queries,
+    whose logits are all 0 (zero queries), each give every key of the chunk ``1 / chunk_size``, added as that constant
+    rather than computed. The padding keys get logit 0 (zero keys; kvpress writes ``-1e-9``, the same float32
+    probabilities)."""
+    heads, groups, length, dim = queries.shape
+    received = torch.empty(heads, length, dtype=torch.float32, device=keys.device)
+    for start in range(0, length, chunk):  # ceil(S / chunk_size) chunks, once per layer and prompt
+        end = min(start + chunk, length)
+        width = end - start
+        block = keys[:, start:end]
+        if width < chunk:  # the last chunk: zero keys as its padding
+            block = torch.cat([block, block.new_zeros(heads, chunk - width, dim)], dim=1)
+        rows = queries[:, :, start:end].reshape(heads, groups * width, dim)
+        dots = torch.matmul(rows, block.transpose(-2, -1)).float()  # [H, G * width, chunk]
+        torch.maximum(dots, dots.amax(dim=-1, keepdim=True).sub_(LOGIT_FLOOR), out=dots)
+        dots = torch.softmax(dots, dim=-1)
+        torch.sum(dots[..., :width], dim=-2, out=received[:, start:end])
+    received /= groups
+    pad = -length % chunk
+    if pad:  # the padding queries of the last chunk: 1 / chunk_size to each of its keys
+        received[:, length - (chunk - pad) :] += pad / chunk
+    return received
 
 
 def z_scored(scores: torch.Tensor) -> torch.Tensor:
@@ -122,10 +140,8 @@ def z_scored(scores: torch.Tensor) -> torch.Tensor:
 def attention_scores(queries, keys, values, chunk: int) -> torch.Tensor:
     """``[H, S]`` z-scored non-causal attention of the KV heads' ``keys``, ``values`` ``[H, S, d]``, queries
     ``[H_q, S, d]``."""
-    heads = keys.shape[0]
-    groups = queries.shape[0] // heads
-    received = noncausal_attention(queries, keys.repeat_interleave(groups, dim=0), chunk)
-    received = received.view(heads, groups, -1).mean(dim=1)
+    heads, length, dim = keys.shape
+    received = noncausal_attention(queries.view(heads, -1, length, dim), keys, chunk)
     scores = received * values.norm(dim=-1)
     scores = F.avg_pool1d(scores[:, None], kernel_size=3, padding=1, stride=1)[:, 0]
     return z_scored(scores)
@@ -149,7 +165,8 @@ class CompactorPolicy(Policy):
 
     def select(self, layer):
         config = self.config
-        queries = torch.cat(self.queries, dim=2)  # stream order: position t holds token t's queries
+        # stream order: position t holds token t's queries (a prompt in one forward: its queries as they are)
+        queries = self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
         self.queries = []
         keys, valid = layer.keys, layer.valid
         batch, heads, width, dim = keys.shape
@@ -175,15 +192,16 @@ class CompactorPolicy(Policy):
             scores[b, :, middle] = self.sequence_scores(layer, queries[b], b, middle, blending)
         return allocated_keep(self, layer, scores, protected)
 
+    @torch.no_grad()  # the scores only choose what is kept: no gradient passes through that choice
     def sequence_scores(self, layer, queries, b, middle, blending: float) -> torch.Tensor:
         """``[H, S]`` blended scores of one sequence's tokens between the sinks (slots ``middle``)."""
-        keys, values = layer.keys[b][:, middle], layer.values[b][:, middle]
+        keys, values = layer.keys[b].index_select(1, middle), layer.values[b].index_select(1, middle)
         plain = keys
         if layer.inv_freq is not None:
             plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
         leverage = z_scored(leverage_scores(plain.float(), self.sketch))
         tokens = layer.token_idx[b, 0, middle]
-        attention = attention_scores(queries[:, tokens], keys, values, self.config.chunk_size)
+        attention = attention_scores(queries.index_select(1, tokens), keys, values, self.config.chunk_size)
         return blending * leverage + attention
 
 
