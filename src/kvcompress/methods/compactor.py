@@ -6,8 +6,9 @@ Each KV head scores its prompt tokens by two z-scored terms, ``blending * levera
 - **Leverage** (kvpress ``LeverageScorePress``): the head's un-rotated (pre-RoPE) keys ``K`` ``[S, d]`` are centred
   over the tokens and sketched from the right by a Gaussian ``Phi`` ``[d, k]`` (entries ``N(0, 1/k)``,
   ``k = sketch_dimension``), ``X = (K - mean K) Phi``; the score of token ``i`` is ``x_i^T (X^T X + j I)^-1 x_i``
-  (clamped at 0), through a Cholesky factor of the symmetrised Gram matrix with jitter ``j = 0.01`` (raised tenfold,
-  up to five tries, while the factorisation fails), as kvpress computes it. Outlying keys score high.
+  through the Cholesky factor ``L`` of the symmetrised Gram matrix with jitter ``j = 0.01`` (raised tenfold, up to
+  five tries, while the factorisation fails), as kvpress factors it; computed as ``|L^-1 x_i|^2`` (one triangular
+  solve, never negative; kvpress solves with both factors and clamps at 0). Outlying keys score high.
 - **Non-causal attention** (kvpress ``NonCausalAttnPress``): the prompt is cut into chunks of ``chunk_size`` tokens;
   within a chunk every query attends to every key (future ones too), ``softmax(q . k)`` over the chunk's keys (the
   logits unscaled, as kvpress writes them), rotated queries and keys; each key's attention is summed over the
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 
 from kvcompress.core.checks import MAX_SEED, ints, number, param
 from kvcompress.core.contract import Policy
-from kvcompress.core.rope import rotate_by
+from kvcompress.core.rope import counts_from, rotate_by
 from kvcompress.methods.allocation import ScorerConfig, allocated_keep
 from kvcompress.methods.oneshot import kept_per_sequence
 
@@ -90,11 +91,15 @@ def leverage_scores(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
     transposed = sketched.transpose(-2, -1)
     gram = transposed @ sketched
     factor = cholesky_with_jitter(0.5 * (gram + gram.transpose(-2, -1)))
-    solved = torch.cholesky_solve(transposed, factor, upper=False)  # (X^T X)^-1 X^T, [H, k, S]
-    return (sketched * solved.transpose(-2, -1)).sum(-1).clamp_min(0)
+    # x^T (L L^T)^-1 x = |L^-1 x|^2: one triangular solve (kvpress solves with both factors and clamps at 0)
+    solved = torch.linalg.solve_triangular(factor, transposed, upper=False)  # L^-1 X^T, [H, k, S]
+    return solved.square().sum(-2)
 
 
 LOGIT_FLOOR = 60.0  # logits further than this below their row's maximum are raised to it before the softmax
+# chunks taken together while their float32 logits stay within these many (at least one chunk): 4 MiB on CPU, within
+# a core's cache; 128 MiB elsewhere, a few kernel launches per layer however long the prompt
+CPU_BLOCK_LOGITS, BLOCK_LOGITS = 1 << 20, 1 << 25
 
 
 def noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -102,33 +107,53 @@ def noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, chunk: int) -
     ``[H, G, S, d]`` (the ``G`` query heads of each KV head), averaged over the ``G`` heads; every query sees every
     key of its chunk, the last chunk zero-padded as kvpress pads it.
 
-    Computed one chunk at a time (all heads together), so that each chunk's float32 logits, softmax and sums stay in
-    the processor's cache: the ``G`` query heads of a KV head are one ``[G * chunk, chunk]`` product against their
-    shared keys (no repeated keys), the softmax is taken in place and its rows summed. Two shortcuts, exact to float32
-    rounding: logits more than ``LOGIT_FLOOR`` (60) below their row's maximum are raised to that floor before the
-    softmax (their probability, at most ``e^-60`` of the row's largest, vanishes beside it either way, and exponentials
-    that small would be subnormal floats, which are many times slower on CPUs); and the last chunk's padding queries,
-    whose logits are all 0 (zero queries), each give every key of the chunk ``1 / chunk_size``, added as that constant
-    rather than computed. The padding keys get logit 0 (zero keys; kvpress writes ``-1e-9``, the same float32
-    probabilities)."""
+    The ``G`` query heads of a KV head are one ``[G * chunk, chunk]`` product against their shared keys (no repeated
+    keys), all heads together, as many chunks at a time as keep their float32 logits within ``CPU_BLOCK_LOGITS``
+    floats on CPU (one chunk of 256 tokens for a small model: the logits, softmax and sums stay in the processor's
+    cache) or ``BLOCK_LOGITS`` elsewhere. Two shortcuts, exact to float32 rounding: logits more than ``LOGIT_FLOOR``
+    (60) below their row's maximum are raised to that floor before the softmax (their probability, at most ``e^-60``
+    of the row's largest, vanishes beside it either way, and exponentials that small would be subnormal floats, many
+    times slower on CPUs); and the last chunk's padding queries, whose logits are all 0 (zero queries), each give
+    every key of the chunk ``1 / chunk_size``, added as that constant rather than computed. The padding keys get logit
+    0 (zero keys; kvpress writes ``-1e-9``, the same float32 probabilities)."""
     heads, groups, length, dim = queries.shape
     received = torch.empty(heads, length, dtype=torch.float32, device=keys.device)
-    for start in range(0, length, chunk):  # ceil(S / chunk_size) chunks, once per layer and prompt
-        end = min(start + chunk, length)
-        width = end - start
-        block = keys[:, start:end]
-        if width < chunk:  # the last chunk: zero keys as its padding
-            block = torch.cat([block, block.new_zeros(heads, chunk - width, dim)], dim=1)
-        rows = queries[:, :, start:end].reshape(heads, groups * width, dim)
-        dots = torch.matmul(rows, block.transpose(-2, -1)).float()  # [H, G * width, chunk]
-        torch.maximum(dots, dots.amax(dim=-1, keepdim=True).sub_(LOGIT_FLOOR), out=dots)
-        dots = torch.softmax(dots, dim=-1)
-        torch.sum(dots[..., :width], dim=-2, out=received[:, start:end])
-    received /= groups
-    pad = -length % chunk
-    if pad:  # the padding queries of the last chunk: 1 / chunk_size to each of its keys
-        received[:, length - (chunk - pad) :] += pad / chunk
-    return received
+    whole = length // chunk  # full chunks; then the rest, padded
+    budget = CPU_BLOCK_LOGITS if keys.device.type == "cpu" else BLOCK_LOGITS
+    per = max(1, budget // (heads * groups * chunk * chunk))
+    for first in range(0, whole, per):  # a few blocks once per layer and prompt
+        count = min(per, whole - first)
+        start, end = first * chunk, (first + count) * chunk
+        block = received_in_chunks(
+            queries[:, :, start:end].unflatten(2, (count, chunk)), keys[:, start:end].unflatten(1, (count, chunk))
+        )
+        received[:, start:end] = block.flatten(1)
+    start = whole * chunk
+    if start < length:  # the last chunk: zero keys as its padding, and its padding queries' constant
+        width = length - start
+        padded = torch.cat([keys[:, start:], keys.new_zeros(heads, chunk - width, dim)], dim=1)
+        block = received_in_chunks(queries[:, :, None, start:], padded[:, None])
+        received[:, start:] = block[:, 0] + groups * (chunk - width) / chunk
+    return received.div_(groups)
+
+
+def received_in_chunks(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[H, n, w]``: the attention each of the first ``w`` keys of ``n`` chunks (``keys`` ``[H, n, c, d]``, ``c >= w``)
+    receives from the chunk's ``queries`` ``[H, G, n, w, d]``, summed over the ``G`` heads and the ``w`` queries."""
+    heads, groups, count, width, dim = queries.shape
+    rows = queries.transpose(1, 2).reshape(heads, count, groups * width, dim)
+    dots = torch.matmul(rows, keys.transpose(-2, -1)).float()  # [H, n, G * w, c]
+    torch.maximum(dots, dots.amax(dim=-1, keepdim=True).sub_(LOGIT_FLOOR), out=dots)
+    return torch.softmax(dots, dim=-1)[..., :width].sum(dim=-2)
+
+
+def gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(1, index)`` (``index`` non-empty), or a view of ``x`` when ``index`` is a run ``i, i + 1, ...``
+    (a prompt prefilled without padding: nothing copied; two host reads, once per layer and prompt)."""
+    first = int(index[0])
+    if counts_from(index[None], first):
+        return x.narrow(1, first, index.numel())
+    return x.index_select(1, index)
 
 
 def z_scored(scores: torch.Tensor) -> torch.Tensor:
@@ -141,7 +166,7 @@ def attention_scores(queries, keys, values, chunk: int) -> torch.Tensor:
     """``[H, S]`` z-scored non-causal attention of the KV heads' ``keys``, ``values`` ``[H, S, d]``, queries
     ``[H_q, S, d]``."""
     heads, length, dim = keys.shape
-    received = noncausal_attention(queries.view(heads, -1, length, dim), keys, chunk)
+    received = noncausal_attention(queries.unflatten(0, (heads, -1)), keys, chunk)
     scores = received * values.norm(dim=-1)
     scores = F.avg_pool1d(scores[:, None], kernel_size=3, padding=1, stride=1)[:, 0]
     return z_scored(scores)
@@ -195,13 +220,13 @@ class CompactorPolicy(Policy):
     @torch.no_grad()  # the scores only choose what is kept: no gradient passes through that choice
     def sequence_scores(self, layer, queries, b, middle, blending: float) -> torch.Tensor:
         """``[H, S]`` blended scores of one sequence's tokens between the sinks (slots ``middle``)."""
-        keys, values = layer.keys[b].index_select(1, middle), layer.values[b].index_select(1, middle)
+        keys, values = gathered(layer.keys[b], middle), gathered(layer.values[b], middle)
         plain = keys
         if layer.inv_freq is not None:
             plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
         leverage = z_scored(leverage_scores(plain.float(), self.sketch))
         tokens = layer.token_idx[b, 0, middle]
-        attention = attention_scores(queries.index_select(1, tokens), keys, values, self.config.chunk_size)
+        attention = attention_scores(gathered(queries, tokens), keys, values, self.config.chunk_size)
         return blending * leverage + attention
 
 
