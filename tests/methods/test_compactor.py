@@ -36,10 +36,12 @@ def test_a_reset_in_the_middle_of_a_chunked_prompt_forgets_its_queries(tiny_llam
 def test_gathered_views_a_run_of_slots_and_copies_any_other_index():
     x = torch.arange(2 * 10 * 3.0).view(2, 10, 3)
     run, holes = torch.arange(2, 7), torch.tensor([1, 2, 4, 5])
-    viewed = gathered(x, run)
+    viewed, doubled = gathered(run, x, 2 * x)
     assert torch.equal(viewed, x[:, 2:7]) and viewed.data_ptr() == x[:, 2:].data_ptr()  # a view, nothing copied
-    assert torch.equal(gathered(x, holes), x[:, [1, 2, 4, 5]])
-    assert torch.equal(gathered(x, torch.tensor([3, 3, 4])), x[:, [3, 3, 4]])  # a repeat is not a run
+    assert torch.equal(doubled, 2 * x[:, 2:7])
+    copied, doubled = gathered(holes, x, 2 * x)
+    assert torch.equal(copied, x[:, [1, 2, 4, 5]]) and torch.equal(doubled, 2 * x[:, [1, 2, 4, 5]])
+    assert torch.equal(gathered(torch.tensor([3, 3, 4]), x)[0], x[:, [3, 3, 4]])  # a repeat is not a run
 
 
 @pytest.mark.parametrize("block", [1, 2 * (2 * 2 * 5 * 5), 1 << 20])  # 1 chunk, 2 chunks, all per block

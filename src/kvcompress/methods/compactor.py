@@ -147,13 +147,14 @@ def received_in_chunks(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tenso
     return torch.softmax(dots, dim=-1)[..., :width].sum(dim=-2)
 
 
-def gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(1, index)`` (``index`` non-empty), or a view of ``x`` when ``index`` is a run ``i, i + 1, ...``
-    (a prompt prefilled without padding: nothing copied; two host reads, once per layer and prompt)."""
+def gathered(index: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``tensors`` ``.index_select(1, index)`` (``index`` non-empty), or a view of it when ``index`` is a run
+    ``i, i + 1, ...`` (a sequence's real tokens as a fresh cache holds its prompt, left padding or not: nothing copied;
+    two host reads, once per layer and prompt)."""
     first = int(index[0])
     if counts_from(index[None], first):
-        return x.narrow(1, first, index.numel())
-    return x.index_select(1, index)
+        return tuple(x.narrow(1, first, index.numel()) for x in tensors)
+    return tuple(x.index_select(1, index) for x in tensors)
 
 
 def z_scored(scores: torch.Tensor) -> torch.Tensor:
@@ -220,13 +221,14 @@ class CompactorPolicy(Policy):
     @torch.no_grad()  # the scores only choose what is kept: no gradient passes through that choice
     def sequence_scores(self, layer, queries, b, middle, blending: float) -> torch.Tensor:
         """``[H, S]`` blended scores of one sequence's tokens between the sinks (slots ``middle``)."""
-        keys, values = gathered(layer.keys[b], middle), gathered(layer.values[b], middle)
+        keys, values = gathered(middle, layer.keys[b], layer.values[b])
         plain = keys
         if layer.inv_freq is not None:
             plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
         leverage = z_scored(leverage_scores(plain.float(), self.sketch))
         tokens = layer.token_idx[b, 0, middle]
-        attention = attention_scores(gathered(queries, tokens), keys, values, self.config.chunk_size)
+        (queries,) = gathered(tokens, queries)
+        attention = attention_scores(queries, keys, values, self.config.chunk_size)
         return blending * leverage + attention
 
 
