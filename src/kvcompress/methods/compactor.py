@@ -6,8 +6,9 @@ Each KV head scores its prompt tokens by two z-scored terms, ``blending * levera
 - **Leverage** (kvpress ``LeverageScorePress``): the head's un-rotated (pre-RoPE) keys ``K`` ``[S, d]`` are centred
   over the tokens and sketched from the right by a Gaussian ``Phi`` ``[d, k]`` (entries ``N(0, 1/k)``,
   ``k = sketch_dimension``), ``X = (K - mean K) Phi``; the score of token ``i`` is ``x_i^T (X^T X + j I)^-1 x_i``
-  (clamped at 0), through a Cholesky factor of the symmetrised Gram matrix with jitter ``j = 0.01`` (raised tenfold,
-  up to five tries, while the factorisation fails), as kvpress computes it. Outlying keys score high.
+  through the Cholesky factor ``L`` of the symmetrised Gram matrix with jitter ``j = 0.01`` (raised tenfold, up to
+  five tries, while the factorisation fails), as kvpress factors it; computed as ``|L^-1 x_i|^2`` (one triangular
+  solve, never negative; kvpress solves with both factors and clamps at 0). Outlying keys score high.
 - **Non-causal attention** (kvpress ``NonCausalAttnPress``): the prompt is cut into chunks of ``chunk_size`` tokens;
   within a chunk every query attends to every key (future ones too), ``softmax(q . k)`` over the chunk's keys (the
   logits unscaled, as kvpress writes them), rotated queries and keys; each key's attention is summed over the
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 
 from kvcompress.core.checks import MAX_SEED, ints, number, param
 from kvcompress.core.contract import Policy
-from kvcompress.core.rope import rotate_by
+from kvcompress.core.rope import counts_from, rotate_by
 from kvcompress.methods.allocation import ScorerConfig, allocated_keep
 from kvcompress.methods.oneshot import kept_per_sequence
 
@@ -90,27 +91,70 @@ def leverage_scores(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
     transposed = sketched.transpose(-2, -1)
     gram = transposed @ sketched
     factor = cholesky_with_jitter(0.5 * (gram + gram.transpose(-2, -1)))
-    solved = torch.cholesky_solve(transposed, factor, upper=False)  # (X^T X)^-1 X^T, [H, k, S]
-    return (sketched * solved.transpose(-2, -1)).sum(-1).clamp_min(0)
+    # x^T (L L^T)^-1 x = |L^-1 x|^2: one triangular solve (kvpress solves with both factors and clamps at 0)
+    solved = torch.linalg.solve_triangular(factor, transposed, upper=False)  # L^-1 X^T, [H, k, S]
+    return solved.square().sum(-2)
+
+
+LOGIT_FLOOR = 60.0  # logits further than this below their row's maximum are raised to it before the softmax
+# chunks taken together while their float32 logits stay within these many (at least one chunk): 4 MiB on CPU, within
+# a core's cache; 128 MiB elsewhere, a few kernel launches per layer however long the prompt
+CPU_BLOCK_LOGITS, BLOCK_LOGITS = 1 << 20, 1 << 25
 
 
 def noncausal_attention(queries: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``[H_q, S]``: per key, the attention it receives from its chunk's queries (``[H_q, S, d]``, keys repeated to the
-    query heads), every query seeing every key of its chunk; the last chunk zero-padded as kvpress pads it."""
-    heads, length, dim = keys.shape
-    padded = math.ceil(length / chunk) * chunk
-    pad = padded - length
-    if pad:
-        queries = torch.cat([queries, queries.new_zeros(heads, pad, dim)], dim=1)
-        keys = torch.cat([keys, keys.new_zeros(heads, pad, dim)], dim=1)
-    count = padded // chunk
-    dots = queries.view(heads, count, chunk, dim) @ keys.view(heads, count, chunk, dim).transpose(-2, -1)
-    if pad:
-        padding = torch.arange(chunk, device=dots.device) >= chunk - pad  # the last chunk's padding positions
-        dots[:, -1].masked_fill_(padding[:, None], 0)
-        dots[:, -1].masked_fill_(padding[None, :], -1e-9)
-    attention = torch.softmax(dots.float(), dim=-1)
-    return attention.sum(dim=-2).reshape(heads, padded)[:, :length]
+    """``[H, S]``: per key of ``keys`` ``[H, S, d]``, the attention it receives from its chunk's queries
+    ``[H, G, S, d]`` (the ``G`` query heads of each KV head), averaged over the ``G`` heads; every query sees every
+    key of its chunk, the last chunk zero-padded as kvpress pads it.
+
+    The ``G`` query heads of a KV head are one ``[G * chunk, chunk]`` product against their shared keys (no repeated
+    keys), all heads together, as many chunks at a time as keep their float32 logits within ``CPU_BLOCK_LOGITS``
+    floats on CPU (one chunk of 256 tokens for a small model: the logits, softmax and sums stay in the processor's
+    cache) or ``BLOCK_LOGITS`` elsewhere. Two shortcuts, exact to float32 rounding: logits more than ``LOGIT_FLOOR``
+    (60) below their row's maximum are raised to that floor before the softmax (their probability, at most ``e^-60``
+    of the row's largest, vanishes beside it either way, and exponentials that small would be subnormal floats, many
+    times slower on CPUs); and the last chunk's padding queries, whose logits are all 0 (zero queries), each give
+    every key of the chunk ``1 / chunk_size``, added as that constant rather than computed. The padding keys get logit
+    0 (zero keys; kvpress writes ``-1e-9``, the same float32 probabilities)."""
+    heads, groups, length, dim = queries.shape
+    received = torch.empty(heads, length, dtype=torch.float32, device=keys.device)
+    whole = length // chunk  # full chunks; then the rest, padded
+    budget = CPU_BLOCK_LOGITS if keys.device.type == "cpu" else BLOCK_LOGITS
+    per = max(1, budget // (heads * groups * chunk * chunk))
+    for first in range(0, whole, per):  # a few blocks once per layer and prompt
+        count = min(per, whole - first)
+        start, end = first * chunk, (first + count) * chunk
+        block = received_in_chunks(
+            queries[:, :, start:end].unflatten(2, (count, chunk)), keys[:, start:end].unflatten(1, (count, chunk))
+        )
+        received[:, start:end] = block.flatten(1)
+    start = whole * chunk
+    if start < length:  # the last chunk: zero keys as its padding, and its padding queries' constant
+        width = length - start
+        padded = torch.cat([keys[:, start:], keys.new_zeros(heads, chunk - width, dim)], dim=1)
+        block = received_in_chunks(queries[:, :, None, start:], padded[:, None])
+        received[:, start:] = block[:, 0] + groups * (chunk - width) / chunk
+    return received.div_(groups)
+
+
+def received_in_chunks(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[H, n, w]``: the attention each of the first ``w`` keys of ``n`` chunks (``keys`` ``[H, n, c, d]``, ``c >= w``)
+    receives from the chunk's ``queries`` ``[H, G, n, w, d]``, summed over the ``G`` heads and the ``w`` queries."""
+    heads, groups, count, width, dim = queries.shape
+    rows = queries.transpose(1, 2).reshape(heads, count, groups * width, dim)
+    dots = torch.matmul(rows, keys.transpose(-2, -1)).float()  # [H, n, G * w, c]
+    torch.maximum(dots, dots.amax(dim=-1, keepdim=True).sub_(LOGIT_FLOOR), out=dots)
+    return torch.softmax(dots, dim=-1)[..., :width].sum(dim=-2)
+
+
+def gathered(index: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``tensors`` ``.index_select(1, index)`` (``index`` non-empty), or a view of it when ``index`` is a run
+    ``i, i + 1, ...`` (a sequence's real tokens as a fresh cache holds its prompt, left padding or not: nothing copied;
+    two host reads, once per layer and prompt)."""
+    first = int(index[0])
+    if counts_from(index[None], first):
+        return tuple(x.narrow(1, first, index.numel()) for x in tensors)
+    return tuple(x.index_select(1, index) for x in tensors)
 
 
 def z_scored(scores: torch.Tensor) -> torch.Tensor:
@@ -122,10 +166,8 @@ def z_scored(scores: torch.Tensor) -> torch.Tensor:
 def attention_scores(queries, keys, values, chunk: int) -> torch.Tensor:
     """``[H, S]`` z-scored non-causal attention of the KV heads' ``keys``, ``values`` ``[H, S, d]``, queries
     ``[H_q, S, d]``."""
-    heads = keys.shape[0]
-    groups = queries.shape[0] // heads
-    received = noncausal_attention(queries, keys.repeat_interleave(groups, dim=0), chunk)
-    received = received.view(heads, groups, -1).mean(dim=1)
+    heads, length, dim = keys.shape
+    received = noncausal_attention(queries.unflatten(0, (heads, -1)), keys, chunk)
     scores = received * values.norm(dim=-1)
     scores = F.avg_pool1d(scores[:, None], kernel_size=3, padding=1, stride=1)[:, 0]
     return z_scored(scores)
@@ -149,7 +191,8 @@ class CompactorPolicy(Policy):
 
     def select(self, layer):
         config = self.config
-        queries = torch.cat(self.queries, dim=2)  # stream order: position t holds token t's queries
+        # stream order: position t holds token t's queries (a prompt in one forward: its queries as they are)
+        queries = self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
         self.queries = []
         keys, valid = layer.keys, layer.valid
         batch, heads, width, dim = keys.shape
@@ -175,15 +218,17 @@ class CompactorPolicy(Policy):
             scores[b, :, middle] = self.sequence_scores(layer, queries[b], b, middle, blending)
         return allocated_keep(self, layer, scores, protected)
 
+    @torch.no_grad()  # the scores only choose what is kept: no gradient passes through that choice
     def sequence_scores(self, layer, queries, b, middle, blending: float) -> torch.Tensor:
         """``[H, S]`` blended scores of one sequence's tokens between the sinks (slots ``middle``)."""
-        keys, values = layer.keys[b][:, middle], layer.values[b][:, middle]
+        keys, values = gathered(middle, layer.keys[b], layer.values[b])
         plain = keys
         if layer.inv_freq is not None:
             plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
         leverage = z_scored(leverage_scores(plain.float(), self.sketch))
         tokens = layer.token_idx[b, 0, middle]
-        attention = attention_scores(queries[:, tokens], keys, values, self.config.chunk_size)
+        (queries,) = gathered(tokens, queries)
+        attention = attention_scores(queries, keys, values, self.config.chunk_size)
         return blending * leverage + attention
 
 
