@@ -238,3 +238,37 @@ def test_kvzip_head_scores_are_the_reference_scores_max_over_tokens_then_context
     )
     prefill(tiny_llama, token_ids(1, 30, seed=3), cache)
     assert sum(int(layer.valid.sum()) for layer in cache.compressed_layers) < 4 * 30
+
+
+def test_kvzip_scores_of_widely_spread_logits_equal_the_float64_softmax():
+    """Logits spread far beyond ``LOGIT_FLOOR`` within a row (a real model's reach 150-300): the scores and the
+    attention output equal a float64 softmax over the context and the reconstruction's own causal keys wherever a
+    probability is above ``exp(-LOGIT_FLOOR)`` of its row's largest; below, a score stays below that bound."""
+    from types import SimpleNamespace
+
+    from kvcompress.methods.kvzip.reconstruct import LOGIT_FLOOR, score_chunk
+
+    generator = torch.Generator().manual_seed(3)
+    batch, kv_heads, groups, n, q, dim = 1, 2, 3, 40, 7, 8
+    query = torch.randn(batch, kv_heads * groups, q, dim, generator=generator) * 12
+    key, value = (torch.randn(batch, kv_heads, n, dim, generator=generator) * 12 for _ in range(2))
+    own_key, own_value = (torch.randn(batch, kv_heads, q, dim, generator=generator) for _ in range(2))
+    policy = SimpleNamespace(scoring=(n, 0, n, 0), scores=torch.zeros(batch, kv_heads, n))
+    output = score_chunk(policy, query, key, value, own_key, own_value, scaling=None)
+
+    grouped = query.double().view(batch, kv_heads, groups * q, dim) * dim**-0.5
+    context = grouped @ key.double().transpose(-1, -2)  # [B, H_kv, G*q, n]
+    own = (grouped @ own_key.double().transpose(-1, -2)).view(batch, kv_heads, groups, q, q)
+    own = own.masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), -math.inf).view(batch, kv_heads, groups * q, q)
+    probs = torch.cat([context, own], -1).softmax(-1)
+    assert float((context.amax(-1) - context.amin(-1)).max()) > 3 * LOGIT_FLOOR  # the floor acts
+    want = probs[..., :n].view(batch, kv_heads, groups, q, n).amax(dim=(2, 3))
+    want_output = probs @ torch.cat([value.double(), own_value.double()], 2)
+    bound = math.exp(-LOGIT_FLOOR) * probs.amax(-1).max()
+    above = want > bound
+    # float32 logits of magnitude |l| carry about |l| * eps of rounding, so exp of them that much relative error
+    rtol = 8 * torch.finfo(torch.float32).eps * float(context.abs().max())
+    torch.testing.assert_close(policy.scores[above].double(), want[above], rtol=rtol, atol=0)
+    assert bool((policy.scores[~above] <= bound * 1.01).all()) and int((~above).sum()) > 0
+    got_output = output.view(batch, kv_heads, groups * q, dim).double()
+    torch.testing.assert_close(got_output, want_output, rtol=rtol, atol=rtol)

@@ -41,7 +41,8 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   float32, a block of queries at a time (about 8 MiB of logits over the context, 16 to 256 queries), so the peak
   is a block's logits, not the chunk's; the same logits give the scores and the context part of the
   reconstruction's attention output (one query-key product per layer, as the attention alone needs;
-  ``score_chunk``). Once
+  ``score_chunk``); logits more than 87 below their row's largest count as 87 below it (probabilities under
+  ``exp(-87)`` of the row's largest, kept out of float32's slow subnormal range). Once
   every chunk ran, the first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score
   plus one): never evicted.
 - Budget (``allocation``): ``global`` (kvpress's default and the official code's ``--level pair``: non-uniform
