@@ -166,7 +166,7 @@ def z_scored(scores: torch.Tensor) -> torch.Tensor:
 def attention_scores(queries, keys, values, chunk: int) -> torch.Tensor:
     """``[H, S]`` z-scored non-causal attention of the KV heads' ``keys``, ``values`` ``[H, S, d]``, queries
     ``[H_q, S, d]``."""
-    heads, length, dim = keys.shape
+    heads = keys.shape[0]
     received = noncausal_attention(queries.unflatten(0, (heads, -1)), keys, chunk)
     scores = received * values.norm(dim=-1)
     scores = F.avg_pool1d(scores[:, None], kernel_size=3, padding=1, stride=1)[:, 0]
