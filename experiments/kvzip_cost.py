@@ -3,6 +3,7 @@
     python -m experiments.kvzip_cost --tokens 1024 --reps 3
     python -m experiments.kvzip_cost --tokens 1024 --reps 3 --methods keydiff:ratio=0.5 snapkv:ratio=0.5
     python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention
+    python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention --block-mib 8 1
 
 A book shipped with the package (its first ``--tokens`` tokens) is prefilled into a full cache and into each of
 ``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5, pair level and head level) in turn,
@@ -15,12 +16,14 @@ layer's reconstruction inputs are recorded during one KVzip prefill (its queries
 values, its own keys and values), then, interleaved ``--reps`` times, the prefill's attention of that layer (PyTorch's
 fused kernel, causal over the context: the queries' last ``tokens`` rows against the context) and the
 reconstruction's attention with its scores (``score_chunk``; the last layer scores only, as in the forward); prints
-the CPU-time medians and a full prefill's for scale.
+the CPU-time medians and a full prefill's for scale. ``--block-mib`` times the reconstruction's attention at each
+of these sizes of its block of logits (``kvcompress.methods.kvzip.reconstruct.BLOCK_BYTES``, in MiB), in turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 import types
@@ -29,6 +32,7 @@ import torch
 
 import kvcompress
 import kvcompress.methods.kvzip as kvzip_method
+import kvcompress.methods.kvzip.reconstruct as reconstruct
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import prefill
 from kvcompress.methods.kvzip.reconstruct import score_chunk
@@ -42,6 +46,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--attention", action="store_true", help="time the attention alone, summed over layers")
+    parser.add_argument(
+        "--block-mib",
+        type=float,
+        nargs="+",
+        default=[reconstruct.BLOCK_BYTES / 2**20],
+        help="with --attention: the reconstruction's block of logits, MiB (several: each timed in turn)",
+    )
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -66,7 +77,7 @@ def main() -> None:
         return time.perf_counter() - wall, time.process_time() - cpu
 
     if args.attention:
-        attention(model, ids, args.reps, run)
+        attention(model, ids, args.reps, run, args.block_mib)
         return
     runs: dict[str, list[tuple[float, float]]] = {"full": [], **{spec: [] for spec in specs}}
     run("full")  # warm-up, not counted (the first forward of a process is slower)
@@ -82,7 +93,7 @@ def main() -> None:
         print(f"{ids.shape[1]} tokens: {spec} / full, CPU time medians: {ratio:.2f}")
 
 
-def attention(model, ids: torch.Tensor, reps: int, run) -> None:
+def attention(model, ids: torch.Tensor, reps: int, run, blocks: list[float]) -> None:
     """The prefill's and the reconstruction's attention, summed over the layers (see the module docstring)."""
     recorded = []
 
@@ -104,33 +115,37 @@ def attention(model, ids: torch.Tensor, reps: int, run) -> None:
             scale = query.shape[-1] ** -0.5
             flash(query[:, :, -tokens:], key, value, 0.0, True, scale=scale)
 
-    def reconstruction_attention() -> None:
+    def reconstruction_attention(block: float) -> None:
+        reconstruct.BLOCK_BYTES = int(block * 2**20)
         for scoring, query, key, value, own_key, own_value, scaling, attend in recorded:
             policy = types.SimpleNamespace(scoring=scoring, scores=torch.zeros(*key.shape[:3]))
             score_chunk(policy, query, key, value, own_key, own_value, scaling, attend)
 
-    times: dict[str, list[float]] = {"full prefill": [], "prefill attention": [], "reconstruction attention": []}
-    for _ in range(reps):
-        times["full prefill"].append(run("full")[1])
-        for name, job in (
-            ("prefill attention", prefill_attention),
-            ("reconstruction attention", reconstruction_attention),
-        ):
-            cpu = time.process_time()
-            with torch.no_grad():
-                job()
-            times[name].append(time.process_time() - cpu)
+    default = reconstruct.BLOCK_BYTES
+    jobs = {"prefill attention": prefill_attention}
+    for block in blocks:
+        name = "reconstruction attention" + ("" if len(blocks) == 1 else f", {block:g} MiB blocks")
+        jobs[name] = functools.partial(reconstruction_attention, block)
+    times: dict[str, list[float]] = {"full prefill": [], **{name: [] for name in jobs}}
+    try:
+        for rep in range(reps):
+            times["full prefill"].append(run("full")[1])
+            for name, job in list(jobs.items())[:: 1 if rep % 2 == 0 else -1]:  # alternating which goes first
+                cpu = time.process_time()
+                with torch.no_grad():
+                    job()
+                times[name].append(time.process_time() - cpu)
+    finally:
+        reconstruct.BLOCK_BYTES = default
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(
         f"{tokens} tokens, {len(recorded)} layer calls, CPU s medians of {reps}:",
         {k: round(v, 3) for k, v in medians.items()},
     )
-    full = medians["full prefill"]
-    print(
-        f"attention share of a full prefill f = {medians['prefill attention'] / full:.3f}; reconstruction attention "
-        f"{medians['reconstruction attention'] / medians['prefill attention']:.2f}x the prefill's, "
-        f"{medians['reconstruction attention'] / full:.3f} of a full prefill"
-    )
+    full, own = medians["full prefill"], medians["prefill attention"]
+    print(f"attention share of a full prefill f = {own / full:.3f}")
+    for name in list(jobs)[1:]:
+        print(f"{name}: {medians[name] / own:.2f}x the prefill's, {medians[name] / full:.3f} of a full prefill")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
   (causal), as kvpress subsamples it (with one chunk and no prefix: the whole context, the model's own attention).
   The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
-  float32, a block of queries at a time (about 8 MiB of logits over the context, 16 to 256 queries), so the peak
+  float32, a block of queries at a time (about 1 MiB of logits over the context, 16 to 256 queries), so the peak
   is a block's logits, not the chunk's; the same logits give the scores and the context part of the
   reconstruction's attention output (one query-key product per layer, as the attention alone needs;
   ``score_chunk``); logits more than 87 below their row's largest count as 87 below it (probabilities under
