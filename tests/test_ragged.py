@@ -195,12 +195,65 @@ def test_decoding_step_equals_attention_over_each_rows_tokens():
     assert len(capacities) > 1  # the pool grew while stepping
 
 
-def test_a_ragged_cache_refuses_to_reorder_the_batch(tiny_llama):
-    context, mask, _ = inputs(tiny_llama, padded=False)
-    cache = kvcompress.cache_for(tiny_llama, "keydiff", ratio=0.5, allocation="adakv")
-    prefill(tiny_llama, context, cache, mask)
-    with pytest.raises(ValueError, match="ragged=False"):
-        cache.reorder_cache(torch.tensor([1, 0]))
+BATCH_MOVES = {  # method and parameters: a per-head allocation, KVzip's budgets over every head, 4-bit codes
+    "snapkv-adakv": ("snapkv", SCORERS["snapkv"]),
+    "kvzip-global": ("kvzip", {"ratio": 0.5, "allocation": "global", "tokenizer": tiny_tokenizer_dir()}),
+    "keydiff-adakv-kv4": ("keydiff", {**SCORERS["keydiff"], "kv_bits": 4, "kv_group": 8, "kv_residual": 16}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BATCH_MOVES))
+def test_a_ragged_cache_repeats_and_reorders_its_batch(case, tiny_llama):
+    """Beam search's moves of the batch between decoding steps (``batch_repeat_interleave(2)``, then
+    ``reorder_cache`` repeating one sequence and dropping a copy of the other) leave the cache a cache of the moved
+    batch would be: its tokens, positions and ranks per row, and its logits over the next steps (the tolerance of
+    the module docstring: the batches differ in size, so products may be summed in another order)."""
+    method, params = BATCH_MOVES[case]
+    context, mask, question = inputs(tiny_llama, padded=method != "kvzip")
+    order = torch.tensor([1, 0, 0, 0])  # [0, 0, 1, 1] after the repeat, then [3, 0, 0, 1]
+    moved = kvcompress.cache_for(tiny_llama, method, **params)
+    _, tokens = run(tiny_llama, moved, context, mask, question, 20)  # rows fill blocks and take new ones
+    moved.batch_repeat_interleave(2)
+    moved.reorder_cache(torch.tensor([3, 0, 0, 1]))
+    fresh = kvcompress.cache_for(tiny_llama, method, **params)  # the moved batch from the start
+    fresh_mask = None if mask is None else mask[order]
+    _, fresh_tokens = run(tiny_llama, fresh, context[order], fresh_mask, question[order], 20)
+    assert torch.equal(fresh_tokens, tokens[order])
+    for a, b in zip(moved.compressed_layers, fresh.compressed_layers, strict=True):
+        assert a.ragged and a.pool.batch == 4 and b.ragged
+        assert kept_tokens(a) == kept_tokens(b)
+        ours, theirs = a.kept(), b.kept()
+        assert torch.equal(ours.valid, theirs.valid)
+        assert torch.equal(ours.rope_pos[ours.valid], theirs.rope_pos[theirs.valid])
+        assert torch.equal(ours.rank[ours.valid], theirs.rank[theirs.valid])
+        assert a.pool.used == int(a.pool.row_blocks.sum()) <= a.pool.capacity  # each row owns its copies
+    assert sum(layer.pool.owns_record for layer in moved.compressed_layers) == 1
+    mask = None if mask is None else torch.cat([mask[order], torch.ones(4, 6 + 20, dtype=mask.dtype)], 1)
+    token = tokens[order, -1:]
+    for _ in range(20):  # past a block's worth: rows take new blocks after the move
+        mask = None if mask is None else torch.cat([mask, torch.ones_like(token)], 1)
+        ours = tiny_llama(token, attention_mask=mask, **cache_argument(tiny_llama, moved)).logits[:, -1]
+        theirs = tiny_llama(token, attention_mask=mask, **cache_argument(tiny_llama, fresh)).logits[:, -1]
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+        token = theirs.argmax(-1, keepdim=True)
+
+
+def test_beam_search_over_a_ragged_cache_returns_the_slot_layouts_beams(tiny_qwen2):
+    """``generate`` with beams and several returned sequences (it repeats the prompt's batch, then reorders the
+    cache at every step) gives the slot layout's sequences and scores."""
+    context, _, _ = inputs(tiny_qwen2, padded=False)
+    results = {}
+    for ragged in (True, False):
+        cache = kvcompress.cache_for(tiny_qwen2, "snapkv", ragged=ragged, **SCORERS["snapkv"])
+        settings = {"num_beams": 3, "num_return_sequences": 2, "do_sample": False, "max_new_tokens": 24}
+        out = tiny_qwen2.generate(
+            context, **cache_argument(tiny_qwen2, cache), **settings, output_scores=True, return_dict_in_generate=True
+        )
+        results[ragged] = out
+        if ragged:
+            assert all(layer.ragged and layer.pool.batch == 6 for layer in cache.compressed_layers)
+    assert torch.equal(results[True].sequences, results[False].sequences)
+    torch.testing.assert_close(results[True].sequences_scores, results[False].sequences_scores, rtol=1e-4, atol=1e-5)
 
 
 def test_pool_follows_the_model_dtype():

@@ -92,20 +92,13 @@ class RaggedPool:
         # [R] places filled per row: its empty leading slots (``offsets``) and its tokens (host; plus ``_lag``
         # single-token steps)
         self.counts = self.offsets + counts
-        blocks = -(-self.counts // self.block)  # ceil
-        self.row_blocks = blocks.copy()  # [R] blocks owned per row (host)
-        self.used = int(blocks.sum())
-        width = max(1, int(blocks.max()) if self.rows else 1)
-        self.table = np.zeros((self.rows, width), dtype=np.int64)  # [R, width] block ids of each row, in order
-        starts = np.cumsum(blocks) - blocks  # a row's blocks are side by side at first
-        for column in range(width):  # (once, at conversion: a loop over block columns, not heads or tokens)
-            self.table[:, column] = starts + column
+        self._lay_out(-(-self.counts // self.block))  # ceil
         capacity = self.used + self.rows  # room for one more block per row before the first growth
         self.device, self.dtype = like.device, like.dtype
         # allocated, not written: ``from_rows`` writes the owned blocks, ``_take_blocks`` clears a block taken
         self._allocate(capacity, like, head_dim, value_dim)
         self.owner = torch.empty(capacity, dtype=torch.long, device=self.device)
-        self.owner[: self.used] = torch.from_numpy(np.repeat(np.arange(self.rows), blocks)).to(self.device)
+        self._own()
         self.bias = like.new_empty(capacity, 1, self.block)
         self.token = torch.empty(capacity, self.block, dtype=INDEX, device=self.device)
         self.record = record  # positions and ranks by stream index (shared by the cache's pools)
@@ -113,6 +106,18 @@ class RaggedPool:
         self._lag = 0  # single-token forwards since ``counts`` was last written
         self._follow(self.counts)
         self._views()
+
+    def _lay_out(self, blocks: np.ndarray) -> None:
+        """Give the rows ``blocks`` ``[R]`` blocks each, side by side in row order (``row_blocks``, ``used`` and the
+        ``table`` ``[R, width]`` of each row's block ids, in order; host)."""
+        self.row_blocks, self.used = blocks.copy(), int(blocks.sum())
+        width = max(1, int(blocks.max()) if self.rows else 1)
+        self.table = (np.cumsum(blocks) - blocks)[:, None] + np.arange(width)
+
+    def _own(self) -> None:
+        """Write the owner of each block ``_lay_out`` gave out."""
+        owners = np.repeat(np.arange(self.rows), self.row_blocks)
+        self.owner[: self.used] = torch.from_numpy(owners).to(self.device)
 
     def _plan(self, counts: np.ndarray) -> tuple[int, np.ndarray]:
         """Tokens per block, and the empty slots each row starts with (none: a row's first token in its first
@@ -309,6 +314,35 @@ class RaggedPool:
         for name in self.BLOCK_TENSORS:
             setattr(self, name, grown(getattr(self, name)))
         self._views()
+
+    # --- the batch -----------------------------------------------------------------------------------------
+    def move_batch(self, sequences: np.ndarray) -> None:
+        """Hold, as sequence ``i``, a copy of sequence ``sequences[i]`` ``[B']`` (a selection, reordering or
+        repetition of the batch: beam search, ``num_return_sequences``). Each new row gets copies of its old row's
+        blocks, side by side as after the move into the pool, plus room for one more block per row; the record
+        moves once, with the pool that counts it. Like a ``DynamicCache``'s ``index_select``, it copies what is
+        held (once per call, not per step of a decoding without reordering)."""
+        source = self.rows_of(sequences)
+        held = np.arange(self.table.shape[1]) < self.row_blocks[source][:, None]
+        taken = torch.from_numpy(self.table[source][held]).to(self.device)  # the old blocks, in their new order
+        self.counts, self._lag = (self.counts + self._lag)[source], 0
+        self.offsets = self.offsets[source]
+        self.batch, self.rows = len(sequences), len(source)
+        self._lay_out(self.row_blocks[source])
+        for name in self.BLOCK_TENSORS:
+            tensor = getattr(self, name)
+            fresh = tensor.new_empty((self.used + self.rows, *tensor.shape[1:]))
+            fresh[: self.used] = tensor.index_select(0, taken)
+            setattr(self, name, fresh)
+        self._own()
+        self._follow(self.counts)
+        self._views()
+        if self.owns_record:
+            self.record.move_batch(torch.from_numpy(sequences).to(self.device))
+
+    def rows_of(self, sequences: np.ndarray) -> np.ndarray:
+        """The rows ``b * H + h`` of the sequences ``sequences``, in their order."""
+        return (sequences[:, None] * self.heads + np.arange(self.heads)).reshape(-1)
 
     @property
     def real_seen(self) -> torch.Tensor:

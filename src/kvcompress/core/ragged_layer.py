@@ -12,8 +12,8 @@ the prompt in the model's dtype, so the method scores it as at 16 bits).
 A forward after the move writes its tokens into the pool in ``update`` (returning them to the model as they came,
 so the attention function finds the layer) and attends in ``attend``; nothing else of the slot machinery runs.
 ``token_idx``, ``valid``, ``keys`` and the other views stay available for inspection as copies ``[B, H, W]`` padded
-to the fullest head (``W``), never used by a step. A batch cannot be reordered or repeated once ragged (beam search,
-``num_return_sequences > 1``): that raises, naming the method to use instead. On a model's sliding-window layers the
+to the fullest head (``W``), never used by a step. Beam search and ``num_return_sequences > 1`` reorder or repeat
+the batch: the pool copies the blocks of the sequence each new one comes from. On a model's sliding-window layers the
 slot layer is used (its tokens expire by age).
 """
 
@@ -178,17 +178,13 @@ class RaggedLayer(CompressedLayer):
         super().reset()
         self.pool, self._flat = None, None
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._refuse_batch_change() if self.ragged else super().batch_select_indices(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._refuse_batch_change() if self.ragged else super().batch_repeat_interleave(repeats)
-
-    def _refuse_batch_change(self) -> None:
-        raise ValueError(
-            f"{self.policy.config.name} with per-head budgets stores its heads ragged, which cannot reorder or repeat "
-            "the batch (beam search, num_return_sequences > 1): pass ragged=False to keep the slot layout"
-        )
+    def move_batch(self, move) -> None:
+        """Select, reorder or repeat the batch (``move`` applied to each per-sequence tensor): the pool copies the
+        blocks of the sequence each new one comes from (``RaggedPool.move_batch``; one host read of their indices)."""
+        if not self.ragged:
+            return super().move_batch(move)
+        self.pool.move_batch(move(torch.arange(self.pool.batch, device=self.device)).cpu().numpy())
+        self.occupied = int(self.pool.row_counts().max()) if self.pool.rows else 0
 
     # --- accounting ----------------------------------------------------------------------------------------
     def kv_nbytes(self) -> int:

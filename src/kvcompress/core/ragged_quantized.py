@@ -117,6 +117,24 @@ class QuantizedRaggedPool(RaggedPool):
         for name in ("keys", "values", "key_scale", "key_min", "value_scale", "value_min"):
             getattr(self, name)[taken].zero_()
 
+    def move_batch(self, sequences: np.ndarray) -> None:
+        """``RaggedPool.move_batch``, with each row's window: its exact ring and virtual indices are copied, and the
+        ring's targets (pool slots) follow their blocks to where the copies lie."""
+        held = np.arange(self.table.shape[1]) < self.row_blocks[:, None]
+        place = np.zeros(self.used, dtype=np.int64)  # each owned block's place among its row's blocks
+        place[self.table[held]] = np.nonzero(held)[1]
+        source = self.rows_of(sequences)
+        rows = torch.from_numpy(source).to(self.device)
+        target = self.ring_target[rows]  # a slot + 1 of the old blocks (0: none)
+        super().move_batch(sequences)
+        self.shift = self.shift[source]
+        self.first_virtual = self.first_virtual[rows]
+        self.ring_keys, self.ring_values = self.ring_keys[rows], self.ring_values[rows]
+        slot = (target - 1).clamp(min=0)
+        column = torch.from_numpy(place).to(self.device)[slot // self.block]
+        moved = torch.from_numpy(self.table).to(self.device).gather(1, column) * self.block + slot % self.block
+        self.ring_target = torch.where(target > 0, moved + 1, 0)
+
     @property
     def head_dim(self) -> int:
         return self.key_scale.shape[-1]

@@ -90,6 +90,11 @@ class StreamRecord:
             self._real_seen = self._real_seen + real.long().sum(-1)
         self._write(first, positions, rank)
 
+    def move_batch(self, sequences: torch.Tensor) -> None:
+        """Hold, as sequence ``i``, a copy of sequence ``sequences[i]``'s record (``RaggedPool.move_batch``)."""
+        self.positions, self.rank = self.positions[sequences], self.rank[sequences]
+        self._real_seen = self._real_seen[sequences]
+
     def _write(self, first: int, positions: torch.Tensor, rank: torch.Tensor) -> None:
         stop = first + positions.shape[1]
         if stop > self.positions.shape[1]:

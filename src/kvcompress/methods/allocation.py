@@ -29,8 +29,8 @@ and KV head, so the layer holds the sum of its heads' counts plus at most one bl
 at most 1/32 of a head's mean count: ~1.6 % slack on average). ``CompressedCache.nbytes()`` reports the blocks held;
 the layer then only appends, and a decoding step attends over every head's blocks at once (batched products and a
 per-head segment softmax, no loop over heads). ``ragged=False`` keeps the slot layout instead: one buffer as wide
-as the layer's fullest head, the shorter heads' extra slots masked (the bytes of heads x the fullest head). A
-ragged cache cannot reorder or repeat its batch (beam search, ``num_return_sequences > 1``): ``ragged=False`` can.
+as the layer's fullest head, the shorter heads' extra slots masked (the bytes of heads x the fullest head). Beam
+search and ``num_return_sequences > 1`` work on both: a ragged cache copies each new sequence's blocks.
 """
 
 from __future__ import annotations
