@@ -18,7 +18,7 @@ from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.ragged_stream import StreamRecord
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models import tiny_model
-from tests.helpers import kept_tokens, tiny_tokenizer_dir
+from tests.helpers import duo_pattern_file, kept_tokens, tiny_tokenizer_dir
 
 SCORERS = {
     "snapkv": {"ratio": 0.5, "window": 4, "allocation": "adakv"},
@@ -195,10 +195,12 @@ def test_decoding_step_equals_attention_over_each_rows_tokens():
     assert len(capacities) > 1  # the pool grew while stepping
 
 
-BATCH_MOVES = {  # method and parameters: a per-head allocation, KVzip's budgets over every head, 4-bit codes
-    "snapkv-adakv": ("snapkv", SCORERS["snapkv"]),
-    "kvzip-global": ("kvzip", {"ratio": 0.5, "allocation": "global", "tokenizer": tiny_tokenizer_dir()}),
-    "keydiff-adakv-kv4": ("keydiff", {**SCORERS["keydiff"], "kv_bits": 4, "kv_group": 8, "kv_residual": 16}),
+BATCH_MOVES = {  # method and parameters (made when a test runs): a per-head allocation, KVzip's budgets over every
+    # head, 4-bit codes, DuoAttention's retrieval and streaming heads
+    "snapkv-adakv": lambda: ("snapkv", SCORERS["snapkv"]),
+    "kvzip-global": lambda: ("kvzip", {"ratio": 0.5, "allocation": "global", "tokenizer": tiny_tokenizer_dir()}),
+    "keydiff-adakv-kv4": lambda: ("keydiff", {**SCORERS["keydiff"], "kv_bits": 4, "kv_group": 8, "kv_residual": 16}),
+    "duo": lambda: ("duo", {"pattern": duo_pattern_file(), "sink_size": 2, "recent_size": 6}),
 }
 
 
@@ -208,7 +210,7 @@ def test_a_ragged_cache_repeats_and_reorders_its_batch(case, tiny_llama):
     ``reorder_cache`` repeating one sequence and dropping a copy of the other) leave the cache a cache of the moved
     batch would be: its tokens, positions and ranks per row, and its logits over the next steps (the tolerance of
     the module docstring: the batches differ in size, so products may be summed in another order)."""
-    method, params = BATCH_MOVES[case]
+    method, params = BATCH_MOVES[case]()
     context, mask, question = inputs(tiny_llama, padded=method != "kvzip")
     order = torch.tensor([1, 0, 0, 0])  # [0, 0, 1, 1] after the repeat, then [3, 0, 0, 1]
     moved = kvcompress.cache_for(tiny_llama, method, **params)
