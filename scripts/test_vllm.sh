@@ -4,7 +4,7 @@
 # it out). The longest file is test_vllm_equivalence.py (10 engines on the 30-layer model, 8-16 min of test time).
 # CI runs `bash scripts/test_vllm.sh -n 2 --dist loadfile`: the files in 2 processes (pytest-xdist), each engine on one
 # thread, the longest files first (--no-loadscope-reorder, see tests/vllm/conftest.py); it took 12-24 min on 2 cores
-# shared with other jobs (load 0.5-3.5), the spread being the other jobs' load. On a shared machine, -n 3 also works.
+# shared with other jobs (load 0.5-5.7), the spread being the other jobs' load. On a shared machine, -n 3 also works.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/vllm_env.sh

@@ -25,7 +25,7 @@ ENGINE_SCRIPT = Path(__file__).with_name("engine.py")
 # pytest-xdist's ``--dist loadfile`` hands whole files to the processes in collection order when
 # ``--no-loadscope-reorder`` is given (``scripts/test_vllm.sh`` passes it; by default it orders files by their number
 # of tests, which put tensor_parallel last, running alone for several minutes while the other process waited).
-# Longest first, the wall time came to 1.04 times the test time per process (1.16 in file-count order, two runs).
+# Longest first, the wall time came to 1.04 times the test time per process (1.16 in file-count order; two runs each).
 LONGEST_FIRST = (
     "test_vllm_equivalence.py",
     "test_vllm_tensor_parallel.py",
