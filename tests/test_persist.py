@@ -162,6 +162,21 @@ def test_damaged_files_and_foreign_classes_are_refused_without_running_them(tiny
         kvcompress.load_cache(crafted, tiny_llama)
 
 
+def test_a_cache_recorded_for_a_backward_pass_is_refused_at_fork_in_one_line(tiny_llama):
+    """A forward with gradients enabled leaves keys and values with autograd history, which PyTorch cannot copy:
+    ``fork`` says so and what to do, as ``save_cache`` does."""
+    ids = torch.randint(3, tiny_llama.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=12)
+    tiny_llama(ids, **cache_argument(tiny_llama, cache))
+    with pytest.raises(ValueError, match=r"^cannot fork a cache .* under torch.no_grad\(\)") as refused:
+        cache.fork()
+    assert "\n" not in str(refused.value)
+    with torch.no_grad():
+        cache = kvcompress.cache_for(tiny_llama, "h2o", budget=12)
+        tiny_llama(ids, **cache_argument(tiny_llama, cache))
+    cache.fork()  # the same cache filled without gradients forks
+
+
 def test_caches_holding_modules_are_refused_at_save(tiny_llama, tmp_path):
     cache = kvcompress.cache_for(tiny_llama, "less", budget=12)
     with torch.no_grad():

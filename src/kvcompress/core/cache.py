@@ -205,8 +205,17 @@ class CompressedCache(Cache):
 
     def fork(self) -> CompressedCache:
         """An independent copy of this cache (a context compressed once, then one fork per question): copies of every
-        tensor, only the method's and the model's configs shared (read-only), no observers. Fork outside autograd
-        (a tensor that requires gradients cannot be copied) and outside a captured decoding graph."""
+        tensor, only the method's and the model's configs shared (read-only), no observers. Fork outside autograd (a
+        cache filled with gradients enabled is refused: its tensors cannot be copied) and outside a captured decoding
+        graph."""
         memo: dict[int, object] = {id(self.config): self.config, id(self.model_check.config): self.model_check.config}
         memo.update({id(layer.observers): [] for layer in self.compressed_layers})
-        return copy.deepcopy(self, memo)
+        try:
+            return copy.deepcopy(self, memo)
+        except RuntimeError as error:  # PyTorch copies only tensors without autograd history ("graph leaves")
+            if "graph leaves" not in str(error):
+                raise
+            raise ValueError(
+                "cannot fork a cache whose keys and values were recorded for a backward pass (a forward ran with "
+                "gradients enabled): fill it under torch.no_grad(), as generate() does, to fork it"
+            ) from None
