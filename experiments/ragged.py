@@ -5,6 +5,7 @@ holding the same total tokens.
     python -m experiments.ragged memory --tokens 2048
     python -m experiments.ragged decode --tokens 2048 --pairs 32
     python -m experiments.ragged memory --tokens 16384 --methods none full snapkv-adakv duo kvzip kvzip-head --no-slots
+    python -m experiments.ragged memory --tokens 4096 --chunk 512 --methods full compactor-adakv --no-slots
     python -m experiments.ragged decode-ab --tokens 2048 --pairs 40
     MALLOC_MMAP_THRESHOLD_=65536 python -m experiments.ragged phases snapkv-adakv --tokens 8192
 
@@ -82,6 +83,8 @@ METHODS = {
     # KVzip's context-independent head level: the shipped head scores, duo's split and window (128 sinks, 256
     # recent), at most half of the prompt's pairs kept (its ratio is the kept share: kvzip/head.py)
     "kvzip-head": ("kvzip", {"ratio": 0.5, "level": "head"}),
+    # Compactor with per-head budgets: prefilled in chunks (``--chunk``), it scores each attention chunk as it comes in
+    "compactor-adakv": ("compactor", {"ratio": 0.5, "allocation": "adakv"}),
 }
 DUO_WINDOW = 128 + 256
 

@@ -1,6 +1,7 @@
 """Compactor's own mechanics beyond the reference kept sets (tests/references): the prompt's queries it holds until
-it compresses belong to the current prompt only; a run of slots is read as a view, any other index copied; the
-non-causal attention taken a block of chunks at a time is the padded softmax."""
+it compresses belong to the current prompt only; a prompt fed in chunks is scored chunk by chunk as it comes in, to
+the scores it would get at its end, holding a bounded number of queries; a run of slots is read as a view, any other
+index copied; the non-causal attention taken a block of chunks at a time is the padded softmax."""
 
 from __future__ import annotations
 
@@ -31,6 +32,56 @@ def test_a_reset_in_the_middle_of_a_chunked_prompt_forgets_its_queries(tiny_llam
     prefill(tiny_llama, prompt, fresh, chunk_size=5)
     assert kept(cache) == kept(fresh)
     assert cache.tokens_stored() == [10, 10]
+
+
+SEQUENCE_SCORES = compactor.CompactorPolicy.sequence_scores
+SCORE_CHUNKS = compactor.CompactorPolicy.score_completed_chunks
+EARLY = {"ratio": 0.5, "chunk_size": 4, "sink_size_start": 2, "sink_size_end": 3}
+
+
+def chunked_scores(model, monkeypatch, prefill_chunk: int, early: bool, held: list | None = None):
+    """The scores every layer's select gives each sequence, after a prefill in chunks of ``prefill_chunk`` of a batch
+    of two 41-token prompts (the second's first 9 tokens padding), with or without the chunks scored early;
+    ``held``: receives the queries each layer holds after each of its early scorings."""
+    scores = []
+
+    def recorded(self, *args):
+        scores.append(SEQUENCE_SCORES(self, *args))
+        return scores[-1]
+
+    def scored_early(self, layer):
+        if early:
+            SCORE_CHUNKS(self, layer)
+        if held is not None:
+            held.append(sum(q.shape[2] for q in self.queries))
+
+    monkeypatch.setattr(compactor.CompactorPolicy, "sequence_scores", recorded)
+    monkeypatch.setattr(compactor.CompactorPolicy, "score_completed_chunks", scored_early)
+    ids = torch.randint(3, 128, (2, 41), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    cache = kvcompress.cache_for(model, "compactor", **EARLY)
+    prefill(model, ids, cache, attention_mask=mask, chunk_size=prefill_chunk)
+    return scores, kept(cache)
+
+
+# 6: a last forward longer than the end sinks; 2: shorter, so the end sinks' first token came in an earlier forward
+@pytest.mark.parametrize("prefill_chunk", [6, 2])
+def test_a_chunked_prompt_is_scored_chunk_by_chunk_to_the_scores_it_gets_at_its_end(
+    prefill_chunk, tiny_llama, monkeypatch
+):
+    late, late_kept = chunked_scores(tiny_llama, monkeypatch, prefill_chunk, early=False)
+    held: list[int] = []
+    early, early_kept = chunked_scores(tiny_llama, monkeypatch, prefill_chunk, early=True, held=held)
+    assert len(early) == len(late) == 2 * 2  # two layers, two sequences
+    for got, expected in zip(early, late, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert early_kept == late_kept
+    # between forwards a layer holds the queries of fewer than a chunk and the end sinks (no more can be scored
+    # yet), never the prompt's: each of the forwards but the last scored what it completed and dropped the rest
+    forwards = -(-41 // prefill_chunk)
+    assert len(held) == 2 * (forwards - 1)
+    assert max(held) == EARLY["chunk_size"] + EARLY["sink_size_end"] - 1
 
 
 def test_gathered_views_a_run_of_slots_and_copies_any_other_index():

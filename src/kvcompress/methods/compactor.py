@@ -31,9 +31,14 @@ Choices where the sources leave room:
   matrix for a batch of one float32 sequence.
 - The keys: kvpress recomputes the pre-RoPE keys from the layer's input; here the stored keys are turned back by
   their RoPE position (exact up to float rounding; a model without RoPE takes its keys as they are). The queries
-  are the model's own rotated queries of the prompt, which the layer holds from the prompt's forwards until it
-  compresses (a prompt prefilled in chunks thus holds ``H_q / H_kv`` times its keys' bytes of queries per layer
-  until then; a single prefill holds one layer's queries at a time). Leverage and attention run in float32.
+  are the model's own rotated queries of the prompt. A prompt in one forward is scored from that forward's queries.
+  A prompt fed in chunks (``kvcompress.generation.prefill``) scores each attention chunk as soon as its tokens are
+  all in and it cannot hold one of the last ``sink_size_end`` tokens (its end at most ``sink_size_end`` tokens
+  before the newest), and drops the queries no chunk still needs: a layer holds at most a chunk, the end sinks and
+  one forward's queries, not the prompt's (``H_q / H_kv`` times its keys' bytes). A chunk's attention needs its own
+  queries and keys only, so its scores are the same, to float rounding, whenever it is taken; with quantized storage
+  (``kv_bits``) the keys are read as that forward's attention read them (its newest tokens not yet quantized).
+  Leverage and attention run in float32.
 - The last chunk, shorter than ``chunk_size``, is padded with zero queries and keys, as kvpress pads it: its real
   queries' softmax counts the padding keys with logit 0 (kvpress's ``-1e-9`` fill), and its padding queries, whose
   logits are all 0, spread ``1 / chunk_size`` over every key of the chunk; both kept, as kvpress computes them.
@@ -163,11 +168,9 @@ def z_scored(scores: torch.Tensor) -> torch.Tensor:
     return (scores - scores.mean()) / spread
 
 
-def attention_scores(queries, keys, values, chunk: int) -> torch.Tensor:
-    """``[H, S]`` z-scored non-causal attention of the KV heads' ``keys``, ``values`` ``[H, S, d]``, queries
-    ``[H_q, S, d]``."""
-    heads = keys.shape[0]
-    received = noncausal_attention(queries.unflatten(0, (heads, -1)), keys, chunk)
+def attention_scores(received: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[H, S]`` z-scored non-causal attention from the attention each key ``received`` ``[H, S]``
+    (``noncausal_attention``) and the values ``[H, S, d]``."""
     scores = received * values.norm(dim=-1)
     scores = F.avg_pool1d(scores[:, None], kernel_size=3, padding=1, stride=1)[:, 0]
     return z_scored(scores)
@@ -179,21 +182,58 @@ class CompactorPolicy(Policy):
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
-        self.queries: list[torch.Tensor] = []  # the prompt's rotated queries, [B, H_q, q, d] per forward
         self.sketch: torch.Tensor | None = None
+        self.forget_prompt()
+
+    def forget_prompt(self) -> None:
+        """Drop what the prompt's forwards left: held queries and the attention of the chunks scored early."""
+        # the prompt's rotated queries, [B, H_q, q, d] per forward, stream order from stream index ``query_start``
+        self.queries: list[torch.Tensor] = []
+        self.query_start = 0
+        self.early: list[list[torch.Tensor]] = []  # per sequence: the attention [H, c] of its first chunks, in order
 
     def attend(self, layer, query, key, value, mask, scaling):
         if layer.seen == layer.new_tokens:  # the first forward of a new or reset cache
-            self.queries = []
+            self.forget_prompt()
         if not layer.compressed:
             self.queries.append(query.detach())
+            if layer.more_prompt:  # a prompt chunk that more follow: score the attention chunks it completed
+                self.score_completed_chunks(layer)
         return None
+
+    @torch.no_grad()
+    def score_completed_chunks(self, layer) -> None:
+        """Take the non-causal attention of every chunk of the middle tokens whose tokens are all in and that cannot
+        hold one of the last ``sink_size_end`` prompt tokens, then drop the queries no chunk needs any more (host
+        reads once per layer and prompt chunk)."""
+        config, chunk = self.config, self.config.chunk_size
+        valid, token_idx = layer.valid[:, 0], layer.token_idx[:, 0]
+        if not self.early:
+            self.early = [[] for _ in range(valid.shape[0])]
+        queries = self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
+        keys, heads = layer.keys, layer.rows[1]
+        needed = []  # per sequence: the first stream index whose queries a chunk still needs
+        for b, early in enumerate(self.early):
+            slots = valid[b].nonzero().squeeze(-1)  # the real tokens, stream order (nothing evicted yet)
+            first = config.sink_size_start + len(early) * chunk  # the first middle token not scored yet
+            count = max(0, (slots.numel() - config.sink_size_end - first) // chunk)  # completed chunks
+            if count:
+                run = slots[first : first + count * chunk]
+                (own,) = gathered(token_idx[b, run] - self.query_start, queries[b])
+                (chunk_keys,) = gathered(run, keys[b])
+                received = noncausal_attention(own.unflatten(0, (heads, -1)), chunk_keys, chunk)
+                early.extend(received.split(chunk, dim=1))
+                first += count * chunk
+            needed.append(int(token_idx[b, slots[first]]) if first < slots.numel() else layer.seen)
+        drop = min(needed) - self.query_start
+        if drop > 0:  # a copy of the rest, so the dropped queries' memory is freed
+            self.queries = [queries[:, :, drop:].clone()]
+            self.query_start += drop
 
     def select(self, layer):
         config = self.config
-        # stream order: position t holds token t's queries (a prompt in one forward: its queries as they are)
+        # stream order: position query_start + t holds token t's queries (a prompt in one forward: its queries)
         queries = self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
-        self.queries = []
         keys, valid = layer.keys, layer.valid
         batch, heads, width, dim = keys.shape
         if self.sketch is None or self.sketch.device != keys.device:
@@ -216,6 +256,7 @@ class CompactorPolicy(Policy):
             if blending is None:  # the removed fraction
                 blending = 1 - config.ratio if config.ratio is not None else 1 - keep / n
             scores[b, :, middle] = self.sequence_scores(layer, queries[b], b, middle, blending)
+        self.forget_prompt()
         return allocated_keep(self, layer, scores, protected)
 
     @torch.no_grad()  # the scores only choose what is kept: no gradient passes through that choice
@@ -226,9 +267,14 @@ class CompactorPolicy(Policy):
         if layer.inv_freq is not None:
             plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
         leverage = z_scored(leverage_scores(plain.float(), self.sketch))
-        tokens = layer.token_idx[b, 0, middle]
-        (queries,) = gathered(tokens, queries)
-        attention = attention_scores(queries, keys, values, self.config.chunk_size)
+        early = self.early[b] if self.early else []  # the first chunks, scored while the prompt came in
+        received = early[:]
+        start = sum(part.shape[1] for part in early)
+        if start < middle.numel():
+            (own,) = gathered(layer.token_idx[b, 0, middle[start:]] - self.query_start, queries)
+            heads = keys.shape[0]
+            received.append(noncausal_attention(own.unflatten(0, (heads, -1)), keys[:, start:], self.config.chunk_size))
+        attention = attention_scores(torch.cat(received, dim=1), values)
         return blending * leverage + attention
 
 
