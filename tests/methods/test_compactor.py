@@ -78,9 +78,9 @@ def test_a_chunked_prompt_is_scored_chunk_by_chunk_to_the_scores_it_gets_at_its_
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert early_kept == late_kept
     # between forwards a layer holds the queries of fewer than a chunk and the end sinks (no more can be scored
-    # yet), never the prompt's: each of the forwards but the last scored what it completed and dropped the rest
+    # yet), never the prompt's: each forward scored what it completed and dropped the rest
     forwards = -(-41 // prefill_chunk)
-    assert len(held) == 2 * (forwards - 1)
+    assert len(held) == 2 * forwards
     assert max(held) == EARLY["chunk_size"] + EARLY["sink_size_end"] - 1
 
 

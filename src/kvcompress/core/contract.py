@@ -91,6 +91,7 @@ class LayerView(Protocol):
     occupied: int  # slots holding a token, the most of any row
     compressed: bool  # a one-shot method has compressed this layer
     more_prompt: bool  # this forward is a prompt chunk that more chunks follow (``CompressedCache.more_prompt``)
+    defer_compression: bool  # a one-shot method compresses when the prompt's forwards end, not after this one
     all_valid: bool  # no padding stored: every slot in the view holds a real token
     ordered: bool  # the view is in stream order
     dense: bool  # the view is the occupied slots only, in stream order, the forward's tokens last

@@ -197,7 +197,7 @@ class CompactorPolicy(Policy):
             self.forget_prompt()
         if not layer.compressed:
             self.queries.append(query.detach())
-            if layer.more_prompt:  # a prompt chunk that more follow: score the attention chunks it completed
+            if layer.defer_compression:  # a prompt in several forwards: score the attention chunks this one completed
                 self.score_completed_chunks(layer)
         return None
 
