@@ -162,6 +162,11 @@ def gathered(index: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor,
     return tuple(x.index_select(1, index) for x in tensors)
 
 
+def scored(parts: list[torch.Tensor]) -> int:
+    """Tokens covered by the attention ``parts`` ``[H, n]`` taken so far."""
+    return sum(part.shape[1] for part in parts)
+
+
 def z_scored(scores: torch.Tensor) -> torch.Tensor:
     """``scores`` less their mean over the unbiased standard deviation (at least ``1e-6``; 1 for a single score)."""
     spread = scores.std().clamp_min(1e-6) if scores.numel() > 1 else scores.new_ones(())
@@ -190,7 +195,7 @@ class CompactorPolicy(Policy):
         # the prompt's rotated queries, [B, H_q, q, d] per forward, stream order from stream index ``query_start``
         self.queries: list[torch.Tensor] = []
         self.query_start = 0
-        self.early: list[list[torch.Tensor]] = []  # per sequence: the attention [H, c] of its first chunks, in order
+        self.early: list[list[torch.Tensor]] = []  # per sequence: the attention [H, n] of its first chunks, in order
 
     def attend(self, layer, query, key, value, mask, scaling):
         if layer.seen == layer.new_tokens:  # the first forward of a new or reset cache
@@ -201,6 +206,16 @@ class CompactorPolicy(Policy):
                 self.score_completed_chunks(layer)
         return None
 
+    def held_queries(self) -> torch.Tensor:
+        """The queries held ``[B, H_q, q, d]``: position ``t`` holds stream index ``query_start + t``'s."""
+        return self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
+
+    def received(self, queries: torch.Tensor, tokens: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[H, n]``: ``noncausal_attention`` of one sequence's ``keys`` ``[H, n, d]`` (consecutive chunks from a
+        chunk's start) and the queries of their stream indices ``tokens`` ``[n]`` among its held ``queries``."""
+        (own,) = gathered(tokens - self.query_start, queries)
+        return noncausal_attention(own.unflatten(0, (keys.shape[0], -1)), keys, self.config.chunk_size)
+
     @torch.no_grad()
     def score_completed_chunks(self, layer) -> None:
         """Take the non-causal attention of every chunk of the middle tokens whose tokens are all in and that cannot
@@ -210,19 +225,16 @@ class CompactorPolicy(Policy):
         valid, token_idx = layer.valid[:, 0], layer.token_idx[:, 0]
         if not self.early:
             self.early = [[] for _ in range(valid.shape[0])]
-        queries = self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
-        keys, heads = layer.keys, layer.rows[1]
+        queries, keys = self.held_queries(), layer.keys
         needed = []  # per sequence: the first stream index whose queries a chunk still needs
         for b, early in enumerate(self.early):
             slots = valid[b].nonzero().squeeze(-1)  # the real tokens, stream order (nothing evicted yet)
-            first = config.sink_size_start + len(early) * chunk  # the first middle token not scored yet
+            first = config.sink_size_start + scored(early)  # the first middle token not scored yet
             count = max(0, (slots.numel() - config.sink_size_end - first) // chunk)  # completed chunks
             if count:
                 run = slots[first : first + count * chunk]
-                (own,) = gathered(token_idx[b, run] - self.query_start, queries[b])
                 (chunk_keys,) = gathered(run, keys[b])
-                received = noncausal_attention(own.unflatten(0, (heads, -1)), chunk_keys, chunk)
-                early.extend(received.split(chunk, dim=1))
+                early.append(self.received(queries[b], token_idx[b, run], chunk_keys))
                 first += count * chunk
             needed.append(int(token_idx[b, slots[first]]) if first < slots.numel() else layer.seen)
         drop = min(needed) - self.query_start
@@ -232,8 +244,7 @@ class CompactorPolicy(Policy):
 
     def select(self, layer):
         config = self.config
-        # stream order: position query_start + t holds token t's queries (a prompt in one forward: its queries)
-        queries = self.queries[0] if len(self.queries) == 1 else torch.cat(self.queries, dim=2)
+        queries = self.held_queries()
         keys, valid = layer.keys, layer.valid
         batch, heads, width, dim = keys.shape
         if self.sketch is None or self.sketch.device != keys.device:
@@ -267,13 +278,10 @@ class CompactorPolicy(Policy):
         if layer.inv_freq is not None:
             plain = rotate_by(keys, -layer.rope_pos[b, 0, middle], layer.inv_freq)
         leverage = z_scored(leverage_scores(plain.float(), self.sketch))
-        early = self.early[b] if self.early else []  # the first chunks, scored while the prompt came in
-        received = early[:]
-        start = sum(part.shape[1] for part in early)
+        received = list(self.early[b]) if self.early else []  # the first chunks, scored while the prompt came in
+        start = scored(received)
         if start < middle.numel():
-            (own,) = gathered(layer.token_idx[b, 0, middle[start:]] - self.query_start, queries)
-            heads = keys.shape[0]
-            received.append(noncausal_attention(own.unflatten(0, (heads, -1)), keys[:, start:], self.config.chunk_size))
+            received.append(self.received(queries, layer.token_idx[b, 0, middle[start:]], keys[:, start:]))
         attention = attention_scores(torch.cat(received, dim=1), values)
         return blending * leverage + attention
 
