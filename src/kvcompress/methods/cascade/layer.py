@@ -25,7 +25,7 @@ from kvcompress.core.rotation import frame_rotation, frame_rotation_at
 from kvcompress.core.sdpa import scaled_dot_product_attention
 from kvcompress.core.slots import StreamView
 from kvcompress.methods.cascade import schedule
-from kvcompress.methods.cascade.executor import Columns, _wins, apply_moves
+from kvcompress.methods.cascade.executor import Columns, Executor, arrival_wins
 from kvcompress.methods.cascade.policy import CascadePolicy
 from kvcompress.methods.cascade.ring_decode import STACKED, RingDecode
 
@@ -187,19 +187,19 @@ class CascadeLayer(RingDecode, CompressedLayer):
                 if not host:
                     fresh = kv.new_zeros(kv.shape[0], count, dtype=torch.float32) if scores is None else scores
                     host.append(torch.cat([self._score[:, : slots + 1], fresh.float()], 1).tolist())
-                return _wins(host[0][row][arriving], host[0][row][resident], self.rule.config.tie)
+                return arrival_wins(host[0][row][arriving], host[0][row][resident], self.rule.config.tie)
 
             decide = (lambda b: partial(host_wins, b)) if needs and count > 1 else lambda b: wins
             plans = [schedule.play(layout, before[b], mine, slots, decide(b)) for b, mine in enumerate(tokens)]
             self._rings = [plan[0] for plan in plans]
             columns = self._sequence_columns(before, plans)
         if columns is not None:
-            buffers = (self._kv, self._meta, self._score if needs else None)
-            self._apply_moves(buffers, columns, self.rule.config.tie, (kv, meta, scores))
+            executor = Executor(self._kv, self._meta, self._score if needs else None, self.rule.config.tie)
+            self._apply_moves(executor, columns, (kv, meta, scores))
         self._sync_sinks(before)
 
-    def _apply_moves(self, buffers, columns: Columns, tie: str, new) -> None:
-        apply_moves(buffers, columns, tie, new)  # (a hook: the quantized layer notes the slots written)
+    def _apply_moves(self, executor: Executor, columns: Columns, new: tuple) -> None:
+        executor.apply(columns, *new)  # (a hook: the quantized layer notes the slots written)
 
     def _columns(self, before: schedule.Rings, plan: tuple, count: int, rotated: bool = False) -> Columns | None:
         """The batch's move tables (``None``: no move), built once per forward for the layers in the same state: the
@@ -218,9 +218,12 @@ class CascadeLayer(RingDecode, CompressedLayer):
         def build() -> Columns:
             take = None if taken == list(range(count)) else from_host(taken, self.device)
             read = from_host([item for _, item in stored], self.device)
-            written = from_host([dest for dest, _ in fresh + stored], self.device)
+            dests = [dest for dest, _ in fresh + stored]
+            written = from_host(dests, self.device)
             cos, sin = self._turn_table(turns, (len(turns), 1, 1))
-            return Columns(read, written, cos, sin, select, take, len(fresh), fresh[0][0] if fresh else -1)
+            lost = from_host([*dests[:-1], slots], self.device) if select else None  # (slots: the scratch slot)
+            first = fresh[0][0] if fresh else -1
+            return Columns(read, written, cos, sin, select, take, len(fresh), first, lost, dests[-1])
 
         return self.forward_pass.cached(key, build)
 

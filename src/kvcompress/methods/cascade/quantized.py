@@ -395,8 +395,8 @@ class QuantizedRings:
             and (self.capacity >= self.full_capacity or self.seen + 1 <= self.capacity)  # (the ring does not grow)
         )
 
-    def _apply_moves(self, buffers, columns, tie, new) -> None:
-        super()._apply_moves(buffers, columns, tie, new)
+    def _apply_moves(self, executor, columns, new) -> None:
+        super()._apply_moves(executor, columns, new)
         if not self.per_channel:
             written = columns.written
             self._written.append(written[None] if written.dim() == 1 else written)

@@ -23,7 +23,7 @@ import torch
 from kvcompress.core.forward import agree, from_host
 from kvcompress.core.rope import rotate_by
 from kvcompress.core.rotation import frames_along, rotation_to, turn, turn_along
-from kvcompress.methods.cascade.executor import Columns, apply_moves
+from kvcompress.methods.cascade.executor import Columns, Executor
 from kvcompress.methods.cascade.schedule import Rings, move_turn, offsets, play, sinks_after
 
 Run = tuple[int, int, int]  # slots [lo, hi) whose keys the query sees in frame ``index``
@@ -42,7 +42,7 @@ class Step:
     after: Rings
     columns: Columns | None  # the executor's tables (the new key comes at its angle already)
     angle: int  # the new key's angle
-    sinks: list  # ``schedule.sinks_after``, for the batch
+    sinks: list | None  # ``schedule.sinks_after``, for the batch (None: no change)
     targets: tuple[int, ...]  # the query's rotation targets, one per frame
     runs: tuple[Run, ...]  # the stored slots seen in each frame, in slot order
     logit: torch.Tensor | None  # [stored]: each slot's logit among every frame's (None: one matmul per run)
@@ -75,15 +75,16 @@ class RingDecode:
         items, turned = self._rotated(query, pending, steps, scale)
         meta = self._shared_meta(pending)
         grouped = count == 1 and self.ring_layers is not None
-        buffers, tie = (self._kv, self._meta, self._score if self.rule.needs_scores else None), self.rule.config.tie
+        executor = Executor(self._kv, self._meta, self._score if self.rule.needs_scores else None, self.rule.config.tie)
         outputs = []
         for m, step in enumerate(steps):
             if grouped and moved_every_ring(self, step, meta):
                 self._kv[:, :, step.columns.fresh : step.columns.fresh + 1] = items[m]  # the rest moved for all
             elif step.columns is not None:
-                self._apply_moves(buffers, step.columns, tie, (items[m], meta[:, m : m + 1], None))
-            self._set_shared(step.after)
-            self._sync_sinks([step.before], step.sinks)
+                self._apply_moves(executor, step.columns, (items[m], meta[:, m : m + 1]))
+            if step.sinks is not None:
+                self._set_shared(step.after)
+                self._sync_sinks([step.before], step.sinks)
             keys_t, values = self._step_views(step.stored)
             if step.logit is not None:
                 logits = torch.bmm(turned[m], keys_t).view(rows, -1)  # every frame's logits for every slot
@@ -97,6 +98,7 @@ class RingDecode:
             outputs.append(torch.bmm(probs.to(values.dtype), values))
             if self.rule.needs_scores:
                 self._fold_scores(probs)
+        self._set_shared(steps[-1].after)
         self._forward_unpadded = True
         return (outputs[0] if count == 1 else torch.stack(outputs, 2)).view(batch, q_heads, count, -1)
 
@@ -110,7 +112,8 @@ class RingDecode:
             key = ("slot-logits", tuple(runs), len(targets), rows, self.device)
             logit, empty = self.forward_pass.cached(key, partial(self._slot_logits, runs, len(targets), rows))
             angle = move_turn(self._layout, rings, after, columns.fresh, slots + 1, slots)  # (a new item's: its angle)
-            sinks = [sinks_after(self._layout, rings, after)]
+            copy, shift = sinks_after(self._layout, rings, after)
+            sinks = [(copy, shift)] if copy or shift is not None else None  # (None: the sinks stay as they are)
             steps.append(Step(rings, after, columns, angle, sinks, targets, tuple(runs), logit, empty, runs[-1][1]))
             rings = after
         return steps
@@ -226,8 +229,8 @@ def _move_all(rings: list, trigger, step, meta: torch.Tensor) -> bool:
         return False
     kv, meta_buffer, score = (buffer for buffer, _ in joint)  # [L B, ...]
     new_meta = meta.expand(len(rings), -1, -1, -1).flatten(0, 1)  # [L B, 1, 2]
-    buffers = (kv, meta_buffer, score if trigger.rule.needs_scores else None)
-    apply_moves(buffers, step.columns, trigger.rule.config.tie, (None, new_meta, None))
+    executor = Executor(kv, meta_buffer, score if trigger.rule.needs_scores else None, trigger.rule.config.tie)
+    executor.apply(step.columns, None, new_meta)
     return True
 
 
