@@ -173,7 +173,7 @@ class RingDecode:
         along = self.forward_pass.cached(key, build)
         shift = from_host([step.angle for step in steps], self.device)[None, :] - pending.pos
         keys = rotate_by(pending.keys, shift[:, None], self.inv_freq, exact=True)
-        items = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3)[:, :, :, None]
+        items = torch.cat([keys, pending.values.to(keys.dtype)], -1).permute(2, 0, 1, 3).contiguous()[:, :, :, None]
         per_row = along[0].shape[0] // count  # position rows: 1 or B
         queries = query.permute(2, 0, 1, 3).reshape(count * per_row, -1, dim)  # [q rows, B H / rows, d]
         return items, turn_along(queries, *along).view(count, batch * kv_heads, -1, dim)
