@@ -1,6 +1,8 @@
 """A one-shot method's prefill and compression against a full prefill, CPU time, interleaved in one process.
 
     python -m experiments.kvzip_cost --tokens 1024 --reps 3
+    python -m experiments.kvzip_cost --model DIR --random-weights --device cuda --dtype bfloat16 --tokens 8192 \
+        --methods kvzip:ratio=0.5 --block-mib 64 512
     python -m experiments.kvzip_cost --tokens 1024 --reps 3 --methods keydiff:ratio=0.5 snapkv:ratio=0.5
     python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention
     python -m experiments.kvzip_cost --tokens 1024 --reps 5 --attention --block-mib 8 1
@@ -9,7 +11,11 @@ A book shipped with the package (its first ``--tokens`` tokens) is prefilled int
 ``--methods`` (``method:key=value,...`` each; default KVzip at ratio 0.5, pair level and head level) in turn,
 ``--reps`` times, one torch thread, under ``torch.no_grad`` as ``generate`` runs, in one forward (``prefill``'s
 default); prints each run's wall and CPU seconds (after one untimed full prefill) and each method's ratio of the CPU
-medians.
+medians. On a CUDA device each run ends with ``torch.cuda.synchronize()`` and the ratio is of the wall-time medians
+(the host's CPU time is not the device's); ``--random-weights`` takes a folder holding the model's ``config.json``
+and its tokenizer (KVzip's reconstruction prompt is tokenized), the weights drawn at random (a run's time depends on
+the shapes, not the weights). Without ``--attention``, several ``--block-mib`` sizes time each KVzip spec once per
+size (``kvcompress.methods.kvzip.reconstruct.BLOCK_BYTES``, ``GPU_BLOCK_BYTES`` on a GPU).
 
 ``--attention`` instead times the attention alone, summed over the layers, on the model's own activations: each
 layer's reconstruction inputs are recorded during one KVzip prefill (its queries, the stored context's keys and
@@ -29,10 +35,12 @@ import time
 import types
 
 import torch
+from transformers import AutoTokenizer
 
 import kvcompress
 import kvcompress.methods.kvzip as kvzip_method
 import kvcompress.methods.kvzip.reconstruct as reconstruct
+from kvcompress.bench.common import load_bench_model
 from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import prefill
 from kvcompress.methods.kvzip.reconstruct import score_chunk
@@ -51,8 +59,11 @@ def main() -> None:
         type=float,
         nargs="+",
         default=[reconstruct.BLOCK_BYTES / 2**20],
-        help="with --attention: the reconstruction's block of logits, MiB (several: each timed in turn)",
+        help="the reconstruction's block of logits, MiB (several: each timed in turn)",
     )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--random-weights", action="store_true", help="--model: a folder with config and tokenizer")
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -64,33 +75,56 @@ def main() -> None:
         specs = {spec: parse_method_spec(spec) for spec in args.methods}
     except ValueError as error:
         parser.error(f"--methods: {error}")
+    if args.attention and args.device != "cpu":
+        parser.error(f"--attention: times PyTorch's CPU attention kernel, so needs --device cpu, got {args.device!r}")
     torch.set_num_threads(1)
-    model, tokenizer = load_model(args.model)
-    text = " ".join(gutenberg_books()[1].text.split()[: args.tokens])
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
+    if args.random_weights:
+        model, _ = load_bench_model(args.model, args.device, args.dtype, random_weights=True)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    else:
+        model, tokenizer = load_model(args.model, args.dtype)
+        model = model.to(args.device)
+    text = " ".join(" ".join(book.text.split()) for book in gutenberg_books()[1:]).split()
+    ids = tokenizer(" ".join(text[: args.tokens]), return_tensors="pt").input_ids[:, : args.tokens].to(model.device)
+    if ids.shape[1] < args.tokens:
+        parser.error(f"--tokens: the shipped books give {ids.shape[1]} tokens, got {args.tokens}")
+    cuda = model.device.type == "cuda"
 
-    def run(method: str, **params: object) -> tuple[float, float]:
+    def run(method: str, block: float | None = None, **params: object) -> tuple[float, float]:
         cache = kvcompress.cache_for(model, method, **params)
+        setattr(reconstruct, block_name, int((block or default_block) * 2**20))
         wall, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad():
             prefill(model, ids, cache)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - wall, time.process_time() - cpu
 
+    block_name = "BLOCK_BYTES" if model.device.type == "cpu" else "GPU_BLOCK_BYTES"  # (query_block's)
+    default_block = getattr(reconstruct, block_name) / 2**20
     if args.attention:
         attention(model, ids, args.reps, run, args.block_mib)
         return
-    runs: dict[str, list[tuple[float, float]]] = {"full": [], **{spec: [] for spec in specs}}
+    jobs: dict[str, tuple[str, float | None, dict]] = {"full": ("full", None, {})}
+    for spec, (method, params) in specs.items():
+        blocks = args.block_mib if method == "kvzip" and len(args.block_mib) > 1 else [None]
+        for block in blocks:
+            jobs[spec + ("" if block is None else f" ({block:g} MiB blocks)")] = (method, block, params)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
     run("full")  # warm-up, not counted (the first forward of a process is slower)
-    for _ in range(args.reps):
-        runs["full"].append(run("full"))
-        for spec, (method, params) in specs.items():
-            runs[spec].append(run(method, **params))
+    try:
+        for _ in range(args.reps):
+            for name, (method, block, params) in jobs.items():
+                runs[name].append(run(method, block, **params))
+    finally:
+        setattr(reconstruct, block_name, int(default_block * 2**20))
     for name, times in runs.items():
-        print(name, "wall", [round(w, 2) for w, _ in times], "cpu", [round(c, 2) for _, c in times])
-    full = statistics.median(c for _, c in runs["full"])
-    for spec in specs:
-        ratio = statistics.median(c for _, c in runs[spec]) / full
-        print(f"{ids.shape[1]} tokens: {spec} / full, CPU time medians: {ratio:.2f}")
+        print(name, "wall", [round(w, 3) for w, _ in times], "cpu", [round(c, 3) for _, c in times])
+    clock = 0 if cuda else 1  # on a GPU the wall time (each run synchronised); on a CPU the CPU time
+    full = statistics.median(t[clock] for t in runs["full"])
+    for name in list(jobs)[1:]:
+        ratio = statistics.median(t[clock] for t in runs[name]) / full
+        print(f"{ids.shape[1]} tokens: {name} / full, {'wall' if cuda else 'CPU'} time medians: {ratio:.2f}")
 
 
 def attention(model, ids: torch.Tensor, reps: int, run, blocks: list[float]) -> None:

@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
-# The checks a lent CUDA machine runs (docs/results/performance.md, section 0b): the CUDA tests, then the decode
-# and generate benchmarks in bfloat16 with SmolLM2-135M's architecture and random weights (a step's time depends on
-# the shapes, not on the weights, and the GGUF weights do not travel).
+# The checks a lent CUDA machine runs (docs/results/performance.md, "On a GPU"), in one call, most needed first,
+# each under its own time limit so that one slow part cannot take the rest's time:
+#   1. the CUDA tests (tests/gpu: equivalence, device and dtype, no host sync, DecodeGraph's replay per method);
+#   2. KVzip's prefill and compression against a full prefill (experiments.kvzip_cost), SmolLM2-135M's and
+#      Qwen2.5-Coder-0.5B's shapes, at two sizes of the reconstruction's block of logits (64 MiB and the default 512 MiB);
+#   3. DecodeGraph's replayed steps against eager ones (kvcompress.bench.graph_decode), every graphed method;
+#   4. the eager decoding step of every decode-time method (kvcompress.bench.speed --sections decode,full).
+# Benchmarks run in bfloat16 with random weights (a step's time depends on the shapes, not on the weights, and the
+# GGUF weights do not travel).
 #
-#   OUT=runs/gpu bash scripts/gpu_check.sh [decode methods]
+#   OUT=runs/gpu bash scripts/gpu_check.sh            # ~8 minutes on an H200 at most (the limits below)
 #
-# A machine without the network gets the missing packages as wheels in .whl/ (pip download, see the device notes),
-# and the model's config.json in .gpu/smollm2-135m/ (save it with
-# python -c "from kvcompress.models import load_model; load_model('smollm2-135m')[0].config.save_pretrained('.gpu/smollm2-135m')").
+# A machine without the network gets the missing packages as wheels in .whl/ (pip download, see the device notes;
+# transformers 5.24.0 takes the huggingface_hub such a machine has), and each model's config and tokenizer in
+# .gpu/NAME/ (save them with
+# python -c "from kvcompress.models import load_model; m, t = load_model('NAME'); m.config.save_pretrained('.gpu/NAME'); t.save_pretrained('.gpu/NAME')"
+# for NAME smollm2-135m and qwen2.5-coder-0.5b).
 set -o pipefail
 OUT=${OUT:-runs/gpu}
-METHODS=${1:-window,streaming,h2o,tova,scissorhands,random,knorm,buzz}
 source "$(dirname "$0")/gpu_env.sh"
-python3 -m pytest tests/gpu -q -rxXf -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
-bench() {
-    date +"%T bench $*"
-    python3 -m kvcompress.bench.speed --model .gpu/smollm2-135m --random-weights --device cuda --dtype bfloat16 "$@"
+SMOL=.gpu/smollm2-135m
+QWEN=.gpu/qwen2.5-coder-0.5b
+LOAD=(--random-weights --device cuda --dtype bfloat16)
+part() {  # part SECONDS NAME COMMAND...: one part, stopped at its limit
+    local limit=$1 name=$2
+    shift 2
+    date +"%T $name (at most ${limit}s)"
+    timeout "$limit" "$@" || echo "$name: exit $? (124: stopped at its ${limit}s limit)"
 }
-bench --sections decode,full --methods "$METHODS" --steps 16 --out "$OUT/decode"
-# the cascade at 2K only: its exact prefill runs token by token, thousands of small kernels per token on a GPU (an
-# 8K prompt took most of a 7-minute run on an H100)
-bench --sections decode --methods cascade --prompts 2048 --steps 16 --out "$OUT/cascade"
-bench --sections generate --rounds 2 --out "$OUT/generate"
-# the same decoding steps replayed as CUDA graphs (kvcompress.decode_graph), beside their eager rows
-python3 -m kvcompress.bench.graph_decode --model .gpu/smollm2-135m --random-weights --device cuda --dtype bfloat16 \
-    --steps 16 --out "$OUT/graph"
+part 150 tests python3 -m pytest tests/gpu -q -rxXf -p no:cacheprovider
+for model in $SMOL $QWEN; do
+    part 75 "kvzip cost $model" python3 -m experiments.kvzip_cost --model $model "${LOAD[@]}" --tokens 8192 --reps 3 \
+        --methods kvzip:ratio=0.5 snapkv:ratio=0.5 keydiff:ratio=0.5 --block-mib 64 512
+done
+part 120 graph python3 -m kvcompress.bench.graph_decode --model $SMOL "${LOAD[@]}" \
+    --methods window,h2o,tova,knorm,random,scissorhands,less,streaming --prompts 2048 --steps 12 \
+    --generate-prompts 1024 --rounds 1 --out "$OUT/graph"
+# the cascade at 2K only: its exact prefill runs token by token, thousands of small kernels per token on a GPU
+part 120 decode python3 -m kvcompress.bench.speed --model $SMOL "${LOAD[@]}" --sections decode,full --prompts 2048 \
+    --steps 12 --out "$OUT/decode"
+date +"%T done"

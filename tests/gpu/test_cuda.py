@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SYNC_FREE = {"streaming", "window", "h2o", "tova", "knorm", "random", "snapkv", "scissorhands", "less", "nacl"}
 SYNC_FREE |= {"cascade"}
 SYNC_FREE |= {"h2o_oneshot", "scissorhands_oneshot", "streaming_oneshot", "tova_oneshot"}
+SYNC_FREE |= {"compactor", "expected_attention", "keydiff"}  # one-shot scorers (seen so on an H200)
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +59,26 @@ class GpuCheck(DeviceCheck):
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         wrong = [t.device for t in tensors if t.device != self.device and not (t.dim() == 0 and not t.is_cuda)]
+        if wrong and func.name() == "aten::_to_copy" and _on_the_gpu(args[0]):
+            return out  # a host read (a count for the host's bookkeeping): a wait, not work on the wrong device;
+            # test_a_decoding_step_never_waits_for_the_gpu is the check that a decoding step has none
         if wrong or "_for_cpu" in func.name():
             self.problems.append(f"{func.name()} -> {wrong} at {_library_frame()}")
         return out
 
 
-# once per cache, not per step: LESS kernels are built on the CPU (their random initialisation uses a CPU generator);
-# per forward, the Python values of a table are lifted on the CPU and copied without blocking (``from_host``)
-BUILT_ON_THE_CPU = ("/kvcompress/methods/less/kernels.py", "/kvcompress/core/forward.py")
+# once per cache, not per step: LESS kernels and Compactor's sketch are drawn on the CPU (a CPU generator: the same
+# values on every device); the host's values of a table are lifted on the CPU and copied without blocking
+# (``from_host``)
+BUILT_ON_THE_CPU = (
+    "/kvcompress/methods/less/kernels.py",
+    "/kvcompress/methods/compactor.py:77",
+    "/kvcompress/core/forward.py",
+)
+
+
+def _on_the_gpu(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.is_cuda
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

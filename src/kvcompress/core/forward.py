@@ -105,7 +105,8 @@ def agree(tensors: list[torch.Tensor]) -> bool:
     return all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
 
 
-def from_host(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A tensor of Python ``values`` on ``device``, copied without blocking (``torch.tensor(values, device=gpu)``
-    would wait for the GPU's queue)."""
-    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
+def from_host(values, device: torch.device, dtype: torch.dtype | None = torch.long) -> torch.Tensor:
+    """A tensor of host ``values`` (a list of Python numbers, or a NumPy array) on ``device``, copied without
+    blocking (``torch.tensor(values, device=gpu)`` would wait for the GPU's queue); ``dtype`` None keeps a NumPy
+    array's own."""
+    return torch.as_tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)

@@ -67,6 +67,10 @@ def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         return
     width = packed.shape[-1]
     mask = (1 << bits) - 1  # (Python numbers: a tensor made of one is two more operations a call)
+    if out.device.type != "cpu":  # CUDA's bitwise kernels write integer outputs only: unpack, then convert
+        for index in range(runs):
+            out[..., index * width : (index + 1) * width] = unpacked_part(packed, bits, index)
+        return
     for index in range(runs):
         target = out[..., index * width : (index + 1) * width]
         if index == 0:

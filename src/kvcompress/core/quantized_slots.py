@@ -189,11 +189,11 @@ class QuantizedSlotBuffers(SlotBuffers):
             entry = (seen + count - 1) % self.residual
             ring_keys[:, :, entry] = keys[:, :, -1]
             ring_values[:, :, entry] = values[:, :, -1]
-            if isinstance(slots, int):
-                self.ring_slot[:, :, entry] = slots + count - 1
+            if isinstance(slots, int):  # (fill_: a Python number assigned by index is a host copy that waits)
+                self.ring_slot[:, :, entry].fill_(slots + count - 1)
             else:
                 self.ring_slot[:, :, entry] = slots[:, :, -1]
-            self.ring_token[entry] = seen + count - 1
+            self.ring_token[entry : entry + 1].fill_(seen + count - 1)
             return
         entries = torch.arange(seen + count - kept, seen + count, device=keys.device) % self.residual
         self.ring_token.index_copy_(0, entries, torch.arange(seen + count - kept, seen + count, device=keys.device))

@@ -50,6 +50,7 @@ import math
 import numpy as np
 import torch
 
+from kvcompress.core.forward import from_host
 from kvcompress.core.ragged_stream import INDEX, StreamRecord
 from kvcompress.core.softmax import CHUNK_ELEMENTS
 
@@ -117,7 +118,7 @@ class RaggedPool:
     def _own(self) -> None:
         """Write the owner of each block ``_lay_out`` gave out."""
         owners = np.repeat(np.arange(self.rows), self.row_blocks)
-        self.owner[: self.used] = torch.from_numpy(owners).to(self.device)
+        self.owner[: self.used] = from_host(owners, self.device, None)
 
     def _plan(self, counts: np.ndarray) -> tuple[int, np.ndarray]:
         """Tokens per block, and the empty slots each row starts with (none: a row's first token in its first
@@ -173,9 +174,9 @@ class RaggedPool:
         flat_values = values.contiguous().view(rows * capacity, values.shape[-1])
         flat_token = token_idx.contiguous().view(rows * capacity)
         counts = counts.to(pool.device)
-        offsets = torch.from_numpy(pool.offsets).to(pool.device)
+        offsets = from_host(pool.offsets, pool.device, None)
         ends = np.cumsum(pool.row_blocks)
-        first_block = torch.from_numpy(pool.table[:, 0]).to(pool.device)
+        first_block = from_host(pool.table[:, 0], pool.device, None)
         slot = torch.arange(pool.block, device=pool.device)
         step = max(1, CONVERSION_ELEMENTS // max(1, width))
         for top in range(0, rows, step):  # (once per compression: chunks of rows bound the temporaries)
@@ -258,8 +259,7 @@ class RaggedPool:
         self.counts = after
         place = before[:, None] + np.arange(count)  # [R, q] a token's place in its row
         block = np.take_along_axis(self.table, place // self.block, axis=1)
-        flat = torch.from_numpy((block * self.block + place % self.block).reshape(-1))
-        flat = flat.to(self.device, non_blocking=True)
+        flat = from_host((block * self.block + place % self.block).reshape(-1), self.device, None)
         self._follow(after)
         return flat
 
@@ -269,7 +269,7 @@ class RaggedPool:
         last = np.take_along_axis(self.table, np.maximum(self.row_blocks - 1, 0)[:, None], axis=1)[:, 0]
         has_room = (within > 0) & (self.row_blocks > 0)
         self._room = int((self.block - within).min()) if bool(has_room.all()) else 0
-        self._next = torch.from_numpy(last * self.block + within).to(self.device, non_blocking=True)
+        self._next = from_host(last * self.block + within, self.device, None)
 
     def row_counts(self) -> np.ndarray:
         """``[R]`` tokens per row (host)."""
@@ -289,7 +289,7 @@ class RaggedPool:
             self.table = np.pad(self.table, ((0, 0), (0, grown - self.table.shape[1])))
         self.table[rows, column] = ids
         taken = slice(self.used, self.used + total)
-        self.owner[taken] = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        self.owner[taken] = from_host(rows, self.device, None)
         self._clear(taken)
         self.bias[taken].fill_(float("-inf"))
         self.token[taken].fill_(EMPTY)
@@ -324,7 +324,7 @@ class RaggedPool:
         held (once per call, not per step of a decoding without reordering)."""
         source = self.rows_of(sequences)
         held = np.arange(self.table.shape[1]) < self.row_blocks[source][:, None]
-        taken = torch.from_numpy(self.table[source][held]).to(self.device)  # the old blocks, in their new order
+        taken = from_host(self.table[source][held], self.device, None)  # the old blocks, in their new order
         self.counts, self._lag = (self.counts + self._lag)[source], 0
         self.offsets = self.offsets[source]
         self.batch, self.rows = len(sequences), len(source)
@@ -338,7 +338,7 @@ class RaggedPool:
         self._follow(self.counts)
         self._views()
         if self.owns_record:
-            self.record.move_batch(torch.from_numpy(sequences).to(self.device))
+            self.record.move_batch(from_host(sequences, self.device, None))
 
     def rows_of(self, sequences: np.ndarray) -> np.ndarray:
         """The rows ``b * H + h`` of the sequences ``sequences``, in their order."""
@@ -477,12 +477,12 @@ class RaggedPool:
         stream order and padded with empty slots: for inspection (a copy of the pool, never used by a step)."""
         counts = self.row_counts()
         width = int(counts.max()) if self.rows else 0
-        offsets = torch.from_numpy(self.offsets).to(self.device)[:, None]
+        offsets = from_host(self.offsets, self.device, None)[:, None]
         place = offsets + torch.arange(width, device=self.device)  # [R, W] (past a row's empty leading slots)
-        table = torch.from_numpy(self.table).to(self.device)
+        table = from_host(self.table, self.device, None)
         column = (place // self.block).clamp(max=table.shape[1] - 1)
         flat = table.gather(1, column) * self.block + place % self.block  # [R, W]
-        filled = place < offsets + torch.from_numpy(counts).to(self.device)[:, None]
+        filled = place < offsets + from_host(counts, self.device, None)[:, None]
         flat = torch.where(filled, flat, 0)
         keys, values = self.read_blocks()
 

@@ -52,6 +52,7 @@ import math
 import numpy as np
 import torch
 
+from kvcompress.core.forward import from_host
 from kvcompress.core.kivi import (
     dequantize_keys,
     packed_width,
@@ -91,7 +92,7 @@ class QuantizedRaggedPool(RaggedPool):
         super().__init__(batch, heads, head_dim, value_dim, counts, like, record, owns_record)
         # each row's virtual index minus its place (a multiple of ``group``), and its first token's virtual index
         self.shift = seen - self.counts  # [R] (host)
-        self.first_virtual = torch.from_numpy(seen - (self.counts - self.offsets)).to(self.device)  # [R]
+        self.first_virtual = from_host(seen - (self.counts - self.offsets), self.device, None)  # [R]
         self.ring_keys = like.new_zeros(self.rows, residual, head_dim)
         self.ring_values = like.new_zeros(self.rows, residual, value_dim)
         self.ring_target = torch.zeros(self.rows, residual, dtype=torch.long, device=self.device)
@@ -124,15 +125,15 @@ class QuantizedRaggedPool(RaggedPool):
         place = np.zeros(self.used, dtype=np.int64)  # each owned block's place among its row's blocks
         place[self.table[held]] = np.nonzero(held)[1]
         source = self.rows_of(sequences)
-        rows = torch.from_numpy(source).to(self.device)
+        rows = from_host(source, self.device, None)
         target = self.ring_target[rows]  # a slot + 1 of the old blocks (0: none)
         super().move_batch(sequences)
         self.shift = self.shift[source]
         self.first_virtual = self.first_virtual[rows]
         self.ring_keys, self.ring_values = self.ring_keys[rows], self.ring_values[rows]
         slot = (target - 1).clamp(min=0)
-        column = torch.from_numpy(place).to(self.device)[slot // self.block]
-        moved = torch.from_numpy(self.table).to(self.device).gather(1, column) * self.block + slot % self.block
+        column = from_host(place, self.device, None)[slot // self.block]
+        moved = from_host(self.table, self.device, None).gather(1, column) * self.block + slot % self.block
         self.ring_target = torch.where(target > 0, moved + 1, 0)
 
     @property
@@ -165,7 +166,7 @@ class QuantizedRaggedPool(RaggedPool):
         if not self.residual:
             return
         owner = self.owner[start:stop][:, None]
-        virtual = place + torch.from_numpy(self.shift).to(self.device)[owner]
+        virtual = place + from_host(self.shift, self.device, None)[owner]
         exact = (filled & (virtual >= self.window_start(self.stream))).view(-1)  # (one host read, once)
         column = (owner * self.residual + virtual.remainder(self.residual)).view(-1)[exact]
         self.ring_keys.view(-1, self.head_dim).index_copy_(0, column, keys.view(-1, keys.shape[-1])[exact])
@@ -222,12 +223,11 @@ class QuantizedRaggedPool(RaggedPool):
         column = np.take_along_axis(self.table, np.maximum(place, 0) // self.block, axis=1)
         key_group = (column * self.block + np.maximum(place, 0) % self.block) // group  # [R, n]
         every = bool(held.all())
-        target = torch.from_numpy(key_group[held] if not every else key_group.reshape(-1))
-        target = target.to(self.device, non_blocking=True)
+        target = from_host(key_group[held] if not every else key_group.reshape(-1), self.device, None)
         pick = None
         if not every:
             rows, index = np.nonzero(held)
-            pick = torch.from_numpy(rows * count + index).to(self.device, non_blocking=True)
+            pick = from_host(rows * count + index, self.device, None)
 
         def members(exact_ring: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
             """``[R, n * group, d]``: each member's exact copy (zeros where none)."""

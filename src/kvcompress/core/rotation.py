@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 import torch
 
-from kvcompress.core.forward import ForwardPass
+from kvcompress.core.forward import ForwardPass, from_host
 
 
 def rotation_to(
@@ -60,8 +60,8 @@ def frames_along(
     times ``scale``) and the dimension each output dimension pairs with (``d`` times smaller than ``rotation_to``)."""
     rows, count = position_ids.shape[0], len(targets)
     positions = position_ids[:, -count:].t().reshape(-1)  # [q rows]
-    per_row = torch.tensor(targets, device="cpu").repeat_interleave(rows, 0)  # [q rows, k]
-    delta = per_row.to(position_ids.device, non_blocking=True) - positions[:, None]
+    per_row = from_host(targets, position_ids.device).repeat_interleave(rows, 0)  # [q rows, k]
+    delta = per_row - positions[:, None]
     cos, sin, swap = _cos_sin(delta, inv_freq, dim, scale)
     return cos[:, None].to(dtype), sin[:, None].to(dtype), swap
 

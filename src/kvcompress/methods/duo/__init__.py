@@ -41,6 +41,7 @@ import torch
 
 from kvcompress.core.checks import check_path, ints, number, param
 from kvcompress.core.contract import KeepMask, MethodConfig, Policy
+from kvcompress.core.forward import from_host
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.selection import recent_mask, sink_mask
 from kvcompress.methods.duo.patterns import (
@@ -75,7 +76,7 @@ class DuoPolicy(Policy):
                 f"model has {heads}: it was calibrated for another model; calibrate this one with `{CALIBRATE}`"
             )
         if self._mask is None or self._mask.device != layer.token_idx.device:
-            self._mask = torch.from_numpy(self.streaming).to(layer.token_idx.device)
+            self._mask = from_host(self.streaming, layer.token_idx.device, None)
         return self._mask
 
     def streaming_rows(self, layer) -> torch.Tensor:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcompress.core.forward import from_host
 from kvcompress.methods.duo import DuoPolicy
 from kvcompress.methods.duo.patterns import PatternKind, ratio_for
 
@@ -88,4 +89,4 @@ class KVzipHeadPolicy(DuoPolicy):
             streaming_count(config.kept_share(n), n, self.sink_size, self.recent_size, self.total) for n in lengths
         ]
         rows = self.ranks[None, :] < np.asarray(counts)[:, None]
-        return torch.from_numpy(rows).to(layer.device)[:, :, None]
+        return from_host(rows, layer.device, None)[:, :, None]

@@ -21,6 +21,11 @@ OVERLAP = 8  # tokens of the previous chunk repeated after a later chunk's promp
 # elementwise passes (row maxima, exp, sums, scores) run in a core's cache (1 MiB: 5-20 % less time than 8 MiB
 # for the reconstruction's attention of SmolLM2-135M and Qwen2.5-Coder-0.5B on a CPU with 2 MiB of L2)
 BLOCK_BYTES = 2**20
+# the same on a GPU, where every operation is a kernel launch of about the same host time whatever its size: a block
+# as large as memory comfortably allows, so that a 2,048-token chunk over an 8K context is a few blocks, not hundreds
+# (SmolLM2-135M's shapes in bfloat16 on an H200: 1 MiB blocks made the prefill and compression 181x a full
+# prefill, 64 MiB 26x; ``experiments.kvzip_cost --device cuda``)
+GPU_BLOCK_BYTES = 2**29
 LOGIT_FLOOR = 87.0  # logits further below their row's maximum count as that far (exp stays a normal float32)
 STOP = ("kvzip", "last layer scored")  # the reconstruction forward's job after its last layer (``stop_forward``)
 
@@ -82,10 +87,12 @@ def reconstruction_chunks(
     return chunks
 
 
-def query_block(query_heads: int, columns: int) -> int:
+def query_block(query_heads: int, columns: int, on_cpu: bool = True) -> int:
     """Reconstruction queries whose logits over ``columns`` context keys are computed at once: about
-    ``BLOCK_BYTES`` of float32 logits, 16 to 256 queries."""
-    return max(16, min(256, BLOCK_BYTES // (4 * query_heads * max(1, columns))))
+    ``BLOCK_BYTES`` of float32 logits, 16 to 256 queries, on a CPU; ``GPU_BLOCK_BYTES``, at least 16, elsewhere."""
+    if on_cpu:
+        return max(16, min(256, BLOCK_BYTES // (4 * query_heads * max(1, columns))))
+    return max(16, GPU_BLOCK_BYTES // (4 * query_heads * max(1, columns)))
 
 
 def score_chunk(
@@ -128,7 +135,7 @@ def score_chunk(
     own_output, own_lse = attention_with_lse(query, own_key, own_value, scale)
     keys, values = key.float().transpose(-1, -2), value.float()  # [B, H, d, n], [B, H, n, d]
     output = torch.empty_like(query)
-    block = query_block(query_heads, columns)
+    block = query_block(query_heads, columns, query.device.type == "cpu")
     best = None
     for row in range(0, count, block):
         stop = min(count, row + block)
