@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvcompress.core.contract import KeepMask
+from kvcompress.core.forward import from_host
 from kvcompress.core.sdpa import attention_with_lse
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.allocation import heads_share, places
@@ -78,11 +79,11 @@ def reconstruction_chunks(
     for start in range(prefix, length, chunk_size):
         end = min(length, start + chunk_size)
         prompt = first if start == prefix else later
-        lead = torch.tensor(prompt, dtype=context.dtype, device=context.device).expand(context.shape[0], -1)
+        lead = from_host(prompt, context.device, context.dtype).expand(context.shape[0], -1)
         parts = [lead]
         if start > prefix:  # the previous chunk's last tokens
             parts.append(context[:, start - min(OVERLAP, chunk_size) : start])
-        parts += [torch.tensor(suffix, dtype=context.dtype, device=context.device).expand(context.shape[0], -1)]
+        parts += [from_host(suffix, context.device, context.dtype).expand(context.shape[0], -1)]
         chunks.append((start, end, torch.cat([*parts, context[:, start:end]], dim=1)))
     return chunks
 
