@@ -3,7 +3,8 @@
 # each under its own time limit so that one slow part cannot take the rest's time:
 #   1. the CUDA tests (tests/gpu: equivalence, device and dtype, no host sync, DecodeGraph's replay per method);
 #   2. KVzip's prefill and compression against a full prefill (experiments.kvzip_cost), SmolLM2-135M's and
-#      Qwen2.5-Coder-0.5B's shapes, at two sizes of the reconstruction's block of logits (64 MiB and the default 512 MiB);
+#      Qwen2.5-Coder-0.5B's shapes, at two sizes of the reconstruction's block of logits (64 MiB and the
+#      default 512 MiB);
 #   3. DecodeGraph's replayed steps against eager ones (kvcompress.bench.graph_decode), every graphed method;
 #   4. the eager decoding step of every decode-time method (kvcompress.bench.speed --sections decode,full).
 # Benchmarks run in bfloat16 with random weights (a step's time depends on the shapes, not on the weights, and the
