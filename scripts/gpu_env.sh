@@ -1,4 +1,4 @@
-# Sourced by the scripts a lent CUDA machine runs (gpu_check.sh, gpu_graph_check.sh): the packages it lacks, from
+# Sourced by the scripts a lent CUDA machine runs (gpu_check.sh): the packages it lacks, from
 # the wheels in .whl/ (pip download, see the device notes), then PYTHONPATH and the machine's line.
 mkdir -p "$OUT"
 if [ -d .whl ]; then
