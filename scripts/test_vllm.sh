@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build .venv-vllm (scripts/vllm_env.sh) and run the vLLM plugin's test suite in it (real CPU engines: SmolLM2, and
 # Qwen2.5-Coder-0.5B for tensor parallelism 2: 16 engine starts, 5-9 min of test time; pass -m "not slow" to leave
-# it out). The longest file is test_vllm_equivalence.py (10 engines on the 30-layer model, 8-16 min of test time).
+# it out). The longest file is test_vllm_tensor_parallel.py (Qwen2.5-Coder-0.5B cut to 4 layers over 2 ranks).
 # CI runs `bash scripts/test_vllm.sh -n 2 --dist loadfile`: the files in 2 processes (pytest-xdist), each engine on one
-# thread, the longest files first (--no-loadscope-reorder, see tests/vllm/conftest.py); it took 12-24 min on 2 cores
-# shared with other jobs (load 0.5-5.7), the spread being the other jobs' load. On a shared machine, -n 3 also works.
+# thread, the longest files first (--no-loadscope-reorder, see tests/vllm/conftest.py); it took 10 min on 2 idle
+# cores (193 tests; longer under other jobs' load). On a shared machine, -n 3 also works.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/vllm_env.sh

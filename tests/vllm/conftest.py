@@ -20,18 +20,19 @@ from safetensors.torch import load_file, save_file
 ENGINE_SCRIPT = Path(__file__).with_name("engine.py")
 
 # The modules with engines, longest first: seconds of test time each took in one run of the suite (2 processes on 2
-# shared cores, load 1.5-3.5): equivalence 964 (its reference run 146), tensor_parallel 450, blocks 322,
-# policy_checks 230, preemption 194, one_pass 113, serve 74, snapkv_keys 58; the others about a second together.
+# shared cores, load 1.5-3.5): tensor_parallel 450, blocks 322, policy_checks 230, preemption 194, one_pass 113,
+# serve 74, snapkv_keys 58; the others about a second together; equivalence 113 alone on the idle machine (964 in
+# that run, on the 30-layer model, before it took the two-layer one).
 # pytest-xdist's ``--dist loadfile`` hands whole files to the processes in collection order when
 # ``--no-loadscope-reorder`` is given (``scripts/test_vllm.sh`` passes it; by default it orders files by their number
 # of tests, which put tensor_parallel last, running alone for several minutes while the other process waited).
 # Longest first, the wall time came to 1.04 times the test time per process (1.16 in file-count order; two runs each).
 LONGEST_FIRST = (
-    "test_vllm_equivalence.py",
     "test_vllm_tensor_parallel.py",
     "test_vllm_blocks.py",
     "test_vllm_policy_checks.py",
     "test_vllm_preemption.py",
+    "test_vllm_equivalence.py",
     "test_vllm_one_pass.py",
     "test_vllm_serve.py",
     "test_vllm_snapkv_keys.py",
@@ -64,10 +65,12 @@ SHORT_LAYERS = 2
 def short_model_dir(model_dir, tmp_path_factory) -> str:
     """SmolLM2-135M's first ``SHORT_LAYERS`` layers (its own weights, tokenizer and head), as a model folder.
 
-    For the tests of block mechanics (live blocks, reuse of freed blocks): a decode step of the 30-layer model
-    costs about 120 ms of CPU here, of which vLLM's own per-step work is about 30 ms, so this model runs the
-    2K-token test about 4x faster. What they check (block counts, bitwise equal log-probabilities with and
-    without reuse) does not depend on the depth; equivalence with vLLM's own output uses the full model.
+    For the tests of block mechanics and of equivalence with vLLM's own output (live blocks, reuse of freed blocks,
+    greedy tokens equal to vLLM's own run of this model): a decode step of the 30-layer model costs about 120 ms of
+    CPU here, of which vLLM's own per-step work is about 30 ms, so this model runs the 2K-token test about 4x
+    faster and the equivalence module's ten engines in 6-9 s each instead of about 80. What they check (block
+    counts, bitwise equal log-probabilities with and without reuse, equal tokens) does not depend on the depth;
+    the policy checks, the server and SnapKV's kept keys run the full model.
     """
     return cut_layers(Path(model_dir), SHORT_LAYERS, tmp_path_factory.mktemp(f"smollm2-{SHORT_LAYERS}-layers"))
 

@@ -1,6 +1,8 @@
 """With a budget at least the request's length, the plugin changes nothing: greedy outputs equal vLLM's own.
 
-Engines (SmolLM2-135M): every policy and scoring mode at a ten-block budget. The prompts straddle block boundaries
+Engines (SmolLM2-135M's first two layers, ``short_model_dir``: what is checked, greedy tokens equal to vLLM's own
+run of the same model, does not depend on the depth, and a budget of four blocks fails it): every policy and
+scoring mode at a ten-block budget. The prompts straddle block boundaries
 (127-129, 255-257, 1151-1153 tokens) and reach the budget exactly (1232 prompt + 48 generated tokens = 1280, ten
 blocks); 1200 tokens under snapkv's 1280 is a prompt of ten blocks whose observation window sits in its last block,
 which an earlier version compressed anyway.
@@ -46,20 +48,20 @@ POLICIES = [
 
 
 @pytest.fixture(scope="module")
-def prompts(model_dir):
-    ids = AutoTokenizer.from_pretrained(model_dir)(prompt(1400, seed=11)).input_ids
+def prompts(short_model_dir):
+    ids = AutoTokenizer.from_pretrained(short_model_dir)(prompt(1400, seed=11)).input_ids
     assert len(ids) >= max(BOUNDARY_LENGTHS)
     return CONCURRENT + [{"prompt_token_ids": ids[:n]} for n in BOUNDARY_LENGTHS]
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, prompts, tmp_path_factory):
-    return reference_outputs(model_dir, [prompts], MAX_TOKENS, tmp_path_factory.mktemp("reference"), 1536)[0]
+def reference(short_model_dir, prompts, tmp_path_factory):
+    return reference_outputs(short_model_dir, [prompts], MAX_TOKENS, tmp_path_factory.mktemp("reference"), 1536)[0]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["-".join(map(str, p.values())) for p in POLICIES])
-def test_budget_covering_the_request_gives_vllms_own_greedy_output(policy, model_dir, prompts, reference):
-    llm = make_llm(model_dir, policy, max_model_len=1536)
+def test_budget_covering_the_request_gives_vllms_own_greedy_output(policy, short_model_dir, prompts, reference):
+    llm = make_llm(short_model_dir, policy, max_model_len=1536)
     assert type(manager(llm)).__name__ == "BlockEvictionManager"  # the policy is really in place
     try:
         outputs = greedy(llm, prompts, MAX_TOKENS)
