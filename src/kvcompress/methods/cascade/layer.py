@@ -62,6 +62,7 @@ class CascadeLayer(RingDecode, CompressedLayer):
         self._layout = schedule.Layout(self.sinks, self.width, self.cascades, config.base, eager)
         self._pending: _Pending | None = None
         self._forward_unpadded = True
+        self._fold: tuple | None = None  # ``_fold_scores``'s row of ones and the scores' view
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, count, key_dim = key_states.shape
@@ -390,10 +391,11 @@ class CascadeLayer(RingDecode, CompressedLayer):
             self._score[:, self.sinks : stored].mul_(gamma).add_(received, alpha=1.0 - gamma)
             return
         rows = probs.reshape(batch, -1, stored)[..., self.sinks :]  # [B, H_kv G, stored - S]
-        key = ("ones", *rows.shape[:2], rows.dtype, rows.device)
-        ones = self.forward_pass.cached(key, lambda: rows.new_ones(batch, 1, rows.shape[1]))
-        cascade = self._score[:, None, self.sinks : stored]
-        cascade.baddbmm_(ones, rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
+        fold = self._fold  # (the row of ones and the scores' view, kept while the buffer and ``stored`` stay)
+        if fold is None or fold[0] is not self._score or fold[1] != stored or fold[2].shape[2] != rows.shape[1]:
+            ones = rows.new_ones(batch, 1, rows.shape[1])
+            fold = self._fold = (self._score, stored, ones, self._score[:, None, self.sinks : stored])
+        fold[3].baddbmm_(fold[2], rows, beta=gamma, alpha=(1.0 - gamma) / rows.shape[1])
 
     def after_attention(self, stats: AttentionStats | None) -> None:
         """Driven by hand (tests, benchmarks): insert tokens that did not attend, fold ``stats.received`` ``[B, H_kv,
