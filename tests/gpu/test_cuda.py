@@ -68,8 +68,7 @@ class GpuCheck(DeviceCheck):
 
 
 # once per cache, not per step: LESS kernels and Compactor's sketch are drawn on the CPU (a CPU generator: the same
-# values on every device); a table's host values are lifted on the CPU and copied without blocking (``from_host``),
-# and read back by ``to_host`` (a wait, which test_a_decoding_step_never_waits_for_the_gpu rules out while decoding)
+# values on every device); a table's host values are lifted on the CPU and copied without blocking (``from_host``)
 BUILT_ON_THE_CPU = (
     "/kvcompress/methods/less/kernels.py",
     "/kvcompress/methods/compactor.py:77",

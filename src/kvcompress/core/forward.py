@@ -12,7 +12,6 @@ import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
-import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -111,8 +110,3 @@ def from_host(values, device: torch.device, dtype: torch.dtype | None = torch.lo
     blocking (``torch.tensor(values, device=gpu)`` would wait for the GPU's queue); ``dtype`` None keeps a NumPy
     array's own."""
     return torch.as_tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
-
-
-def to_host(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor``'s values as a NumPy array on the host (a host read: it waits for the device's queue)."""
-    return tensor.cpu().numpy()

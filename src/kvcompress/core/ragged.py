@@ -50,7 +50,7 @@ import math
 import numpy as np
 import torch
 
-from kvcompress.core.forward import from_host, to_host
+from kvcompress.core.forward import from_host
 from kvcompress.core.ragged_stream import INDEX, StreamRecord
 from kvcompress.core.softmax import CHUNK_ELEMENTS
 
@@ -166,7 +166,8 @@ class RaggedPool:
         rows, width = batch * heads, valid.shape[-1]
         valid = valid.reshape(rows, width)
         counts = valid.sum(-1)
-        pool = cls(batch, heads, head_dim, values.shape[-1], to_host(counts), keys, record, owns_record, **options)
+        sizes = np.asarray(counts.tolist())  # (a host read: the pool's size)
+        pool = cls(batch, heads, head_dim, values.shape[-1], sizes, keys, record, owns_record, **options)
         if not pool.used:
             return pool
         # the slot buffers as one row of slots each (views: a slot layer's buffers are contiguous)

@@ -19,10 +19,10 @@ slot layer is used (its tokens expire by age).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvcompress.core.contract import AttentionStats, KeepMask
-from kvcompress.core.forward import to_host
 from kvcompress.core.layer import LAYER_ATTRIBUTE, CompressedLayer
 from kvcompress.core.ragged import RaggedPool
 from kvcompress.core.ragged_quantized import QuantizedRaggedPool
@@ -184,7 +184,7 @@ class RaggedLayer(CompressedLayer):
         blocks of the sequence each new one comes from (``RaggedPool.move_batch``; one host read of their indices)."""
         if not self.ragged:
             return super().move_batch(move)
-        self.pool.move_batch(to_host(move(torch.arange(self.pool.batch, device=self.device))))
+        self.pool.move_batch(np.asarray(move(torch.arange(self.pool.batch, device=self.device)).tolist()))
         self.occupied = int(self.pool.row_counts().max()) if self.pool.rows else 0
 
     # --- accounting ----------------------------------------------------------------------------------------

@@ -57,13 +57,7 @@ class Executor:
     def __init__(self, kv: torch.Tensor, meta: torch.Tensor, score: torch.Tensor | None, tie: str) -> None:
         self.kv, self.meta, self.score, self.tie = kv, meta, score, tie
         self.by_column = kv.permute(2, 0, 1, 3)  # [slots + 1, n, H, dk + dv]: a column's rows are contiguous
-        self.zeros: dict[int, torch.Tensor] = {}  # arriving items' initial scores [n, k], never written
-
-    def _zeros(self, k: int) -> torch.Tensor:
-        zeros = self.zeros.get(k)
-        if zeros is None:
-            zeros = self.zeros[k] = self.score.new_zeros(self.score.shape[0], k)
-        return zeros
+        self.zeros: dict[int, torch.Tensor] = {}
 
     def apply(self, columns: Columns, new_kv, new_meta: torch.Tensor, new_score=None) -> None:
         """The new tokens: kv ``[n, H, q, dk + dv]`` (None: the caller writes them), meta ``[n, q, 2]``, score
@@ -87,7 +81,9 @@ class Executor:
         meta_items = torch.cat([new_meta, meta.index_select(1, read)], 1)  # [n, m, 2]
         written = columns.written
         if score is not None:
-            arriving_score = self._zeros(k) if new_score is None else new_score.float()
+            if new_score is None and k not in self.zeros:  # the arriving items' scores: zeros made once, never written
+                self.zeros[k] = score.new_zeros(score.shape[0], k)
+            arriving_score = self.zeros[k] if new_score is None else new_score.float()
             score_items = torch.cat([arriving_score, score.index_select(1, read)], 1)
         if columns.select:  # the last column writes the scratch slot where the arriving item loses
             wins = arrival_wins(score_items[:, -1], score[:, columns.last], self.tie)  # [n]
