@@ -16,7 +16,7 @@
 # transformers 5.24.0 takes the huggingface_hub such a machine has), and each model's config and tokenizer in
 # .gpu/NAME/ (save them with
 # python -c "from kvcompress.models import load_model; m, t = load_model('NAME'); m.config.save_pretrained('.gpu/NAME'); t.save_pretrained('.gpu/NAME')"
-# for NAME smollm2-135m and qwen2.5-coder-0.5b).
+# for NAME smollm2-135m and qwen2.5-coder-0.5b). Both folders are ignored by git: the device call carries them.
 set -o pipefail
 OUT=${OUT:-runs/gpu}
 source "$(dirname "$0")/gpu_env.sh"
