@@ -36,6 +36,7 @@ ROOTS = ("src/kvcompress/core", "src/kvcompress/methods")
 # Path (relative to src/kvcompress; a folder means every file under it) -> the behaviour it adds since BASE.
 NEW_BEHAVIOUR = {
     "core/capacity.py": "issue 50's own new requirement: capacity given back after evicting, allocated bytes",
+    "core/fused_attention.py": "KVzip's reconstruction: fused attention with each row's log-normaliser (53152ad)",
     "core/kivi.py": "quantized storage (kv_bits < 16): KIVI's quantizer",
     "core/quantized_slots.py": "quantized storage: slots holding codes",
     "core/quantized_layer.py": "quantized storage: the slot layer over quantized slots",

@@ -3,8 +3,7 @@
 # each under its own time limit so that one slow part cannot take the rest's time:
 #   1. the CUDA tests (tests/gpu: equivalence, device and dtype, no host sync, DecodeGraph's replay per method);
 #   2. KVzip's prefill and compression against a full prefill (experiments.kvzip_cost), SmolLM2-135M's and
-#      Qwen2.5-Coder-0.5B's shapes, at two sizes of the reconstruction's block of logits (64 MiB and the
-#      default 512 MiB);
+#      Qwen2.5-Coder-0.5B's shapes, 8K tokens in the default 2K chunks and in one chunk, beside SnapKV's and KeyDiff's;
 #   3. DecodeGraph's replayed steps against eager ones (kvcompress.bench.graph_decode), every graphed method;
 #   4. the eager decoding step of every decode-time method (kvcompress.bench.speed --sections decode,full).
 # Benchmarks run in bfloat16 with random weights (a step's time depends on the shapes, not on the weights, and the
@@ -32,7 +31,7 @@ part() {  # part SECONDS NAME COMMAND...: one part, stopped at its limit
 part 150 tests python3 -m pytest tests/gpu -q -rxXf -p no:cacheprovider
 for model in $SMOL $QWEN; do
     part 75 "kvzip cost $model" python3 -m experiments.kvzip_cost --model $model "${LOAD[@]}" --tokens 8192 --reps 3 \
-        --methods kvzip:ratio=0.5 snapkv:ratio=0.5 keydiff:ratio=0.5 --block-mib 64 512
+        --methods kvzip:ratio=0.5 kvzip:ratio=0.5,chunk_size=8192 snapkv:ratio=0.5 keydiff:ratio=0.5
 done
 part 120 graph python3 -m kvcompress.bench.graph_decode --model $SMOL "${LOAD[@]}" \
     --methods window,h2o,tova,knorm,random,scissorhands,less,streaming --prompts 2048 --steps 12 \

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcompress
+from kvcompress.core.fused_attention import attention_with_lse
 from kvcompress.generation import cache_argument
 from kvcompress.methods.compactor import sketch_matrix
 from kvcompress.models import tiny_model
@@ -51,6 +52,24 @@ def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("method", sorted(NO_EVICTION))
 def test_budget_above_length_reproduces_model_logits_on_cuda(method, cuda_models):
     assert_reproduces_model_logits(cuda_models[torch.float32], method, _ids(1, 37))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "every-key"])
+def test_attention_with_lse_on_cuda_equals_the_cpus(causal, dtype):
+    """The memory-efficient kernel's output and log-normalisers (KVzip's reconstruction attention on a GPU, grouped
+    query heads as rows or over repeated keys) equal the CPU's fused kernel's on the same values."""
+    generator = torch.Generator().manual_seed(3)
+    batch, kv_heads, groups, queries, dim = 2, 2, 3, 37, 64
+    length = queries if causal else 101
+    shapes = [(batch, kv_heads * groups, queries, dim), *[(batch, kv_heads, length, dim)] * 2]
+    inputs = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+    want_output, want_lse = attention_with_lse(*(t.float() for t in inputs), 0.125, causal=causal)
+    output, lse = attention_with_lse(*(t.cuda() for t in inputs), 0.125, causal=causal)
+    assert output.dtype == dtype and lse.dtype == torch.float32 and lse.shape == want_lse.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # (bfloat16's and float16's output rounding)
+    torch.testing.assert_close(output.float().cpu(), want_output, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-4)
 
 
 class GpuCheck(DeviceCheck):

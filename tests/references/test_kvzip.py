@@ -130,6 +130,22 @@ def test_kvzip_scores_in_query_blocks_as_in_one(case, tiny_llama, tokenizer_dir,
     assert got == want
 
 
+@pytest.mark.parametrize("case", ["global", "layer"])
+def test_kvzip_scores_beside_the_fused_attention_keep_the_reference_pairs(case, tiny_llama, tokenizer_dir, monkeypatch):
+    """A chunk covering the whole context scored beside the fused attention (as on a GPU) instead of from the
+    attention's explicit logits (as on a CPU) keeps the reference's pairs too (several chunks take that way on every
+    device: the chunked cases above)."""
+    monkeypatch.setattr("kvcompress.methods.kvzip.reconstruct.EXPLICIT_LOGITS_DEVICES", ())
+    params, chunk = CASES[case]
+    ids = token_ids(2, 30, seed=11)
+    cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, **params)
+    prefill(tiny_llama, ids, cache)
+    got = [kept_sets(layer) for layer in cache.compressed_layers]
+    for b in range(2):
+        want = reference_kept(reference_scores(ids[b].tolist(), chunk), params.get("allocation", "global"), 0.5)
+        assert [layer[b] for layer in got] == want, f"sequence {b}"
+
+
 @pytest.mark.parametrize("params", [{"ratio": 0.5}, {"ratio": 0.5, "allocation": "uniform", "chunk_size": 16}])
 def test_kvzip_reconstruction_stores_nothing(params, tiny_llama, tokenizer_dir):
     """While the reconstruction runs, every layer holds the context alone: its buffers do not grow and its token
@@ -240,20 +256,34 @@ def test_kvzip_head_scores_are_the_reference_scores_max_over_tokens_then_context
     assert sum(int(layer.valid.sum()) for layer in cache.compressed_layers) < 4 * 30
 
 
-def test_kvzip_scores_of_widely_spread_logits_equal_the_float64_softmax():
-    """Logits spread far beyond ``LOGIT_FLOOR`` within a row (a real model's reach 150-300): the scores and the
-    attention output equal a float64 softmax over the context and the reconstruction's own causal keys wherever a
-    probability is above ``exp(-LOGIT_FLOOR)`` of its row's largest; below, a score stays below that bound."""
+# (context length, start, end, sinks) of a chunk: the whole context, or a later chunk's subsample
+SCORINGS = {"whole": (40, 0, 40, 0), "subsample": (40, 16, 32, 4)}
+
+
+@pytest.mark.parametrize(
+    ("scoring", "explicit"),
+    [("whole", True), ("whole", False), ("subsample", False)],
+    ids=["whole-explicit-logits", "whole-beside-fused-attention", "subsample"],
+)
+def test_kvzip_scores_of_widely_spread_logits_equal_the_float64_softmax(scoring, explicit, monkeypatch):
+    """Logits spread far beyond ``LOGIT_FLOOR`` within a row (a real model's reach 150-300): the scores equal a
+    float64 softmax over the scored subsample (the first ``sinks`` context tokens, the chunk's, the reconstruction's
+    own causal keys; the whole context: the attention's own) wherever a probability is above ``exp(-LOGIT_FLOOR)`` of
+    its row's largest (below, a score stays below that bound), and the output the float64 attention over the whole
+    context and the own keys; both ways of scoring (a several-chunk subsample takes the fused one on every device)."""
     from types import SimpleNamespace
 
     from kvcompress.methods.kvzip.reconstruct import LOGIT_FLOOR, score_chunk
 
+    if not explicit:
+        monkeypatch.setattr("kvcompress.methods.kvzip.reconstruct.EXPLICIT_LOGITS_DEVICES", ())
+    length, start, end, sinks = SCORINGS[scoring]
     generator = torch.Generator().manual_seed(3)
-    batch, kv_heads, groups, n, q, dim = 1, 2, 3, 40, 7, 8
+    batch, kv_heads, groups, n, q, dim = 1, 2, 3, length, 7, 8
     query = torch.randn(batch, kv_heads * groups, q, dim, generator=generator) * 12
     key, value = (torch.randn(batch, kv_heads, n, dim, generator=generator) * 12 for _ in range(2))
     own_key, own_value = (torch.randn(batch, kv_heads, q, dim, generator=generator) for _ in range(2))
-    policy = SimpleNamespace(scoring=(n, 0, n, 0), scores=torch.zeros(batch, kv_heads, n))
+    policy = SimpleNamespace(scoring=SCORINGS[scoring], scores=torch.zeros(batch, kv_heads, n))
     output = score_chunk(policy, query, key, value, own_key, own_value, scaling=None)
 
     grouped = query.double().view(batch, kv_heads, groups * q, dim) * dim**-0.5
@@ -261,14 +291,17 @@ def test_kvzip_scores_of_widely_spread_logits_equal_the_float64_softmax():
     own = (grouped @ own_key.double().transpose(-1, -2)).view(batch, kv_heads, groups, q, q)
     own = own.masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), -math.inf).view(batch, kv_heads, groups * q, q)
     probs = torch.cat([context, own], -1).softmax(-1)
+    subsample = torch.cat([context[..., :sinks], context[..., start:end], own], -1).softmax(-1)
     assert float((context.amax(-1) - context.amin(-1)).max()) > 3 * LOGIT_FLOOR  # the floor acts
-    want = probs[..., :n].view(batch, kv_heads, groups, q, n).amax(dim=(2, 3))
+    want = subsample[..., sinks : sinks + end - start].reshape(batch, kv_heads, groups, q, -1).amax(dim=(2, 3))
     want_output = probs @ torch.cat([value.double(), own_value.double()], 2)
-    bound = math.exp(-LOGIT_FLOOR) * probs.amax(-1).max()
+    bound = math.exp(-LOGIT_FLOOR) * subsample.amax(-1).max()
+    got = policy.scores[..., start:end].double()
     above = want > bound
     # float32 logits of magnitude |l| carry about |l| * eps of rounding, so exp of them that much relative error
     rtol = 8 * torch.finfo(torch.float32).eps * float(context.abs().max())
-    torch.testing.assert_close(policy.scores[above].double(), want[above], rtol=rtol, atol=0)
-    assert bool((policy.scores[~above] <= bound * 1.01).all()) and int((~above).sum()) > 0
+    torch.testing.assert_close(got[above], want[above], rtol=rtol, atol=0)
+    assert bool((got[~above] <= bound * 1.01).all()) and int((~above).sum()) > 0
+    assert not policy.scores[..., :start].any() and not policy.scores[..., end:].any()  # other chunks' columns
     got_output = output.view(batch, kv_heads, groups * q, dim).double()
     torch.testing.assert_close(got_output, want_output, rtol=rtol, atol=rtol)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvcompress.core.softmax import chunked_softmax
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -29,17 +28,3 @@ def _enabled_backends_but_cudnn() -> list[SDPBackend]:
         (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
     )
     return [backend for backend, on in enabled if on] or [SDPBackend.MATH]
-
-
-def attention_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of ``query`` ``[B, H_q, q, d]`` over its own ``q`` keys and values ``[B, H_kv, q, d]``: the
-    output ``[B, H_q, q, d]`` and each row's float32 log-normaliser ``[B, H_q, q]`` in one pass (on CPU PyTorch's
-    fused flash kernel returns both; elsewhere ``chunked_softmax``)."""
-    if query.device.type != "cpu":
-        parts = chunked_softmax(query, key, None, scale, value=value, lse=True)
-        return parts.output, parts.lse
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    output, lse = flash(query, key, value, 0.0, True, scale=scale)[:2]
-    return output, lse.float()

@@ -38,11 +38,13 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   the first ``min(n_sink, start)`` cached tokens, that chunk's own context tokens and the reconstruction tokens
   (causal), as kvpress subsamples it (with one chunk and no prefix: the whole context, the model's own attention).
   The logit scale is the model's attention scaling (``1/sqrt(d)`` for every model kvpress supports). Computed in
-  float32, a block of queries at a time (about 1 MiB of logits over the context, 16 to 256 queries), so the peak
-  is a block's logits, not the chunk's; the same logits give the scores and the context part of the
-  reconstruction's attention output (one query-key product per layer, as the attention alone needs;
-  ``score_chunk``); logits more than 87 below their row's largest count as 87 below it (probabilities under
-  ``exp(-87)`` of the row's largest, kept out of float32's slow subnormal range). Once
+  float32, a block of queries at a time (about 1 MiB of logits on a CPU, 16 to 256 queries), so the peak is a
+  block's logits, not the chunk's (``score_chunk``). With one chunk covering the context, on a CPU, the same
+  logits give the scores and the context part of the reconstruction's attention output (one query-key product per
+  layer, as the attention alone needs; logits more than 87 below their row's largest count as 87 below it,
+  probabilities under ``exp(-87)`` of the row's largest, kept out of float32's slow subnormal range); with several
+  chunks, or on a GPU, the attention runs in PyTorch's fused kernels, which return each row's log-normaliser, and
+  the scores come from a product over the scored columns alone. Once
   every chunk ran, the first ``n_sink`` tokens score above every probability (kvpress 0.5.5: the largest score
   plus one): never evicted.
 - Budget (``allocation``): ``global`` (kvpress's default and the official code's ``--level pair``: non-uniform
@@ -65,7 +67,8 @@ Choices, each kvpress's where kvpress decides (the paper's official code is the 
   attention costs about three times the prefill's (every query over the whole stored context, a square, plus its
   own tokens causally, where the prefill's is one triangle; the scores need every query-key logit of the
   square): with a share ``f`` of a prefill's time in attention, prefill and compression cost about ``2 + 2f``
-  prefills.
+  prefills (a context of several chunks: the scores' product covers a chunk's columns, the attention's the
+  context's).
 - Batches: sequences of one length (no padding); each sequence is ranked on its own. Models with sliding-window
   layers (Mistral's, Gemma-3's) are refused when the cache is built.
 """

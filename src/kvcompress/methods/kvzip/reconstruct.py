@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from kvcompress.core.contract import KeepMask
 from kvcompress.core.forward import from_host
-from kvcompress.core.sdpa import attention_with_lse
+from kvcompress.core.fused_attention import attention_with_lse
 from kvcompress.core.selection import keep_top
 from kvcompress.methods.allocation import heads_share, places
 from kvcompress.methods.oneshot import kept_per_sequence
@@ -27,6 +27,12 @@ BLOCK_BYTES = 2**20
 # (SmolLM2-135M's shapes in bfloat16 on an H200: 1 MiB blocks made the prefill and compression 181x a full
 # prefill, 64 MiB 26x; ``experiments.kvzip_cost --device cuda``)
 GPU_BLOCK_BYTES = 2**29
+# devices where a chunk covering the whole context is scored from the attention's own explicit logits (one query-key
+# product for both); elsewhere, and for every chunk of a longer context, beside PyTorch's fused attention
+# (``score_chunk``). On a CPU the products dominate: SmolLM2-135M's 1,024-token reconstruction attention took 1.08x
+# the time beside the fused kernel (one more product); with several chunks (4,096 tokens in 2,048-token chunks)
+# 0.87x. On a GPU the explicit logits' elementwise passes dominate (``experiments.kvzip_cost --device cuda``).
+EXPLICIT_LOGITS_DEVICES = ("cpu",)
 LOGIT_FLOOR = 87.0  # logits further below their row's maximum count as that far (exp stays a normal float32)
 STOP = ("kvzip", "last layer scored")  # the reconstruction forward's job after its last layer (``stop_forward``)
 
@@ -113,26 +119,43 @@ def score_chunk(
     of a context token of the chunk is the largest probability any query of its KV head's group gives it under a
     softmax over the first ``sinks`` context tokens, the chunk's own context tokens and the reconstruction tokens
     (kvpress's subsample); with one chunk covering the context and no prefix that softmax is the attention's own.
+    The largest probability is ``exp`` of the largest logit minus its row's log-normaliser (the max over the group
+    and the queries taken before the ``exp``), computed in float32 a block of queries at a time (``query_block``:
+    the peak is a block's logits). Two ways, one result to float rounding:
 
-    One pass computes both, in float32, a block of queries at a time (``query_block``: the peak is a block's
-    logits over the context): the reconstruction tokens' own causal part by the fused attention kernel with its
-    log-normaliser (``attention_with_lse``), the context part as explicit logits, one query-key product. Those
-    logits give the scores (the largest probability is ``exp`` of the largest logit minus its row's
-    log-normaliser: the max over the group and queries is taken before the ``exp``; with one chunk, of the
-    attention's probabilities themselves) and, exponentiated in place, the context part of the attention output;
-    the two parts are merged by their log-normalisers. So scoring costs no query-key product beyond the
-    attention's. Logits more than ``LOGIT_FLOOR`` (87) below their row's largest are raised to that floor before the
-    ``exp``: their probabilities are below ``exp(-87)`` of the row's largest either way, and the ``exp`` of a real
-    model's spread (SmolLM2's logits span 150-300 within a row) otherwise lands in float32's subnormal range, several
-    times slower on CPU (the scores of SmolLM2 and Qwen2.5-Coder on the shipped books' contexts are bit for bit the
-    same). ``attend=False`` (the forward's last layer, whose output nothing reads) scores only: the returned tensor
-    is left unwritten."""
+    - One chunk covering the context, on a device in ``EXPLICIT_LOGITS_DEVICES`` (a CPU): the logits over the whole
+      context that the scores need are those of the attention itself, so one query-key product gives both
+      (``_scores_from_explicit_logits``).
+    - Otherwise (several chunks: the scores need only the chunk's and the sinks' columns; or a GPU, where a dozen
+      elementwise passes over explicit logits cost far more than one more product): the attention by PyTorch's fused
+      kernels with their log-normalisers, the scores from a product over the scored columns alone
+      (``_scores_beside_fused_attention``).
+
+    ``attend=False`` (the forward's last layer, whose output nothing reads) scores only: the returned tensor is
+    left unwritten."""
     length, start, end, sinks = policy.scoring
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    whole = sinks == 0 and start == 0 and end == length
+    parts = query, key, value, own_key, own_value, scale, attend
+    if whole and query.device.type in EXPLICIT_LOGITS_DEVICES:
+        output, best = _scores_from_explicit_logits(*parts)
+    else:
+        output, best = _scores_beside_fused_attention(*parts, None if whole else (start, end, sinks))
+    policy.scores[:, :, start:end] = best
+    return output
+
+
+def _scores_from_explicit_logits(query, key, value, own_key, own_value, scale, attend):
+    """Scores over the whole context and the attention output from one query-key product: the reconstruction
+    tokens' own causal part by the fused kernel with its log-normaliser (``attention_with_lse``), the context part as
+    explicit logits, exponentiated in place for the output (merged with the own part by their log-normalisers).
+    Logits more than ``LOGIT_FLOOR`` (87) below their row's largest are raised to that floor before the ``exp``:
+    their probabilities are below ``exp(-87)`` of the row's largest either way, and the ``exp`` of a real model's
+    spread (SmolLM2's logits span 150-300 within a row) otherwise lands in float32's subnormal range, several times
+    slower on CPU (the scores of SmolLM2 and Qwen2.5-Coder on the shipped books' contexts are bit for bit the same)."""
     batch, query_heads, count, dim = query.shape
     heads, columns = key.shape[1], key.shape[2]
     groups = query_heads // heads
-    scale = dim**-0.5 if scaling is None else scaling
-    whole = sinks == 0 and start == 0 and end == length
     own_output, own_lse = attention_with_lse(query, own_key, own_value, scale)
     keys, values = key.float().transpose(-1, -2), value.float()  # [B, H, d, n], [B, H, n, d]
     output = torch.empty_like(query)
@@ -144,26 +167,53 @@ def score_chunk(
         rows = (query[:, :, row:stop].float() * scale).reshape(batch, heads, size, dim)
         logits = rows @ keys  # [B, H, G*r, n]
         own = own_lse[:, :, row:stop].reshape(batch, heads, size, 1)
-        if not whole:  # the subsample's normaliser: the sinks, the chunk's context tokens, the own tokens
-            scored = logits[..., start:end]
-            normaliser = scored.logsumexp(-1, keepdim=True)
-            if sinks:
-                normaliser = torch.logaddexp(normaliser, logits[..., :sinks].logsumexp(-1, keepdim=True))
-            normaliser = torch.logaddexp(normaliser, own)
-            peak = (scored - normaliser).view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3)).exp()
         top = logits.amax(-1, keepdim=True)
         probs = logits.sub_(top).clamp_(min=-LOGIT_FLOOR).exp_()  # (in place: the logits are not read again)
         total = torch.logaddexp(probs.sum(-1, keepdim=True).log_().add_(top), own)
         probs.mul_((top - total).exp_())  # the attention's probabilities of the context columns
-        if whole:
-            peak = probs.view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
+        peak = probs.view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
         if attend:
             own_part = own_output[:, :, row:stop].reshape(batch, heads, size, dim) * (own - total).exp()
             part = (probs @ values).add_(own_part)
             output[:, :, row:stop] = part.view(batch, query_heads, stop - row, dim)
         best = peak if best is None else torch.maximum(best, peak)
-    policy.scores[:, :, start:end] = best
-    return output
+    return output, best
+
+
+def _scores_beside_fused_attention(query, key, value, own_key, own_value, scale, attend, subsample):
+    """The attention's context and own parts by fused kernels with their log-normalisers, merged by them; the
+    scores from a product of the queries with the scored columns: every context column normalised by the
+    attention's log-normaliser (``subsample`` ``None``), or the chunk's ``(start, end)`` columns normalised over
+    themselves, the first ``sinks`` columns and the own tokens."""
+    batch, query_heads, count, dim = query.shape
+    heads = key.shape[1]
+    groups = query_heads // heads
+    own_output, own_lse = attention_with_lse(query, own_key, own_value, scale)
+    output = torch.empty_like(query)
+    if attend or subsample is None:
+        context_output, context_lse = attention_with_lse(query, key, value, scale, causal=False)
+        total = torch.logaddexp(context_lse, own_lse)
+        if attend:
+            context_part = context_output.float() * (context_lse - total).exp_()[..., None]
+            output = context_part.add_(own_output.float() * (own_lse - total).exp_()[..., None]).to(query.dtype)
+    keys = key.float().transpose(-1, -2)  # [B, H, d, n]
+    start, end, sinks = (0, key.shape[2], 0) if subsample is None else subsample
+    normaliser = total if subsample is None else own_lse
+    block = query_block(query_heads, end - start + sinks, query.device.type == "cpu")
+    best = None
+    for row in range(0, count, block):
+        stop = min(count, row + block)
+        size = groups * (stop - row)
+        rows = (query[:, :, row:stop].float() * scale).reshape(batch, heads, size, dim)
+        logits = rows @ keys[..., start:end]  # [B, H, G*r, end - start]
+        lse = normaliser[:, :, row:stop].reshape(batch, heads, size, 1)
+        if subsample is not None:
+            lse = torch.logaddexp(lse, logits.logsumexp(-1, keepdim=True))
+            if sinks:
+                lse = torch.logaddexp(lse, (rows @ keys[..., :sinks]).logsumexp(-1, keepdim=True))
+        peak = logits.sub_(lse).view(batch, heads, groups, stop - row, -1).amax(dim=(2, 3))
+        best = peak if best is None else torch.maximum(best, peak)
+    return output, best.exp_()
 
 
 @torch.no_grad()
