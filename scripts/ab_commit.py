@@ -11,6 +11,10 @@ interquartile range; one torch thread.
 
     python scripts/ab_commit.py --commit 390a389 [--method cascade] [--tokens 32] [--forwards 80] [--prefill 1024]
         [--budget 512] [--model smollm2-135m]
+    python scripts/ab_commit.py --commit 898b3b5 --method kvzip --prefill 4096 --prompts 4
+
+``--prompts N`` times whole prompts instead: N ``prefill`` calls of each version over the ``--prefill`` tokens in one
+forward, each into a fresh cache, interleaved (a one-shot method's compression, KVzip's reconstruction included).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens before the timed forwards")
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=0, help="time this many whole prompts instead of forwards")
     args = parser.parse_args()
     set_threads(1)
     model, shown = load_bench_model(args.model)
@@ -78,6 +83,26 @@ def main() -> None:
             "then": (old_common.bench_cache(model, args.method, args.budget), old_attention, old_prefill),
         }
         ratios = []
+        if args.prompts:
+            makers = {"this": bench_cache, "then": old_common.bench_cache}
+            with torch.no_grad():
+                for i in range(args.prompts):
+                    times = {}
+                    for side in ("this", "then") if i % 2 else ("then", "this"):
+                        _, attention, fill = sides[side]
+                        cache = makers[side](model, args.method, args.budget)
+                        use_attention(model, attention)
+                        begin = time.process_time()
+                        fill(model, ids[:, : args.prefill], cache)
+                        times[side] = time.process_time() - begin
+                    ratios.append(times["this"] / times["then"])
+                    print(f"prompt {i}: this {times['this']:.2f} s, then {times['then']:.2f} s", flush=True)
+            print(
+                f"{shown}, {args.method} at budget {args.budget}, {args.prompts} prompts of {args.prefill} tokens: "
+                f"this checkout / {args.commit} CPU time median {statistics.median(ratios):.3f} "
+                f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+            )
+            return
         with torch.no_grad():
             for cache, attention, fill in sides.values():
                 use_attention(model, attention)
