@@ -10,6 +10,11 @@ are counted apart. A ``.tolist()`` of a CPU tensor dispatches no operation, so s
 
     python scripts/count_decode_ops.py [--methods window,streaming,h2o] [--prompt 1024] [--budget 512] [--by-op]
     python scripts/count_decode_ops.py --methods "" --spec snapkv:allocation=adakv,ratio=0.5 --by-op
+    python scripts/count_decode_ops.py --prefill --methods full --spec keydiff:ratio=0.5 --by-op
+
+``--prefill`` counts a whole prompt's ``prefill`` in one forward instead (a one-shot method's compression, KVzip's
+reconstruction included), against the same prompt's forward into a ``DynamicCache``: on a GPU, where a small model's
+prefill is a few fused kernels a layer, what a compression adds is mostly its launches.
 
 ``--spec`` (repeatable) names a method with its parameters as the CLI does (``method:key=value,...``); a spec
 without ``budget`` or ``ratio`` gets ``--budget``.
@@ -59,6 +64,15 @@ def step_ops(model, ids: torch.Tensor, cache, attention: str) -> Count:
     return count
 
 
+def decoding_step_ops(model, ids: torch.Tensor, cache, args) -> Count:
+    """The operations of one decoding step of ``cache`` after ``args.prompt`` tokens prefilled in chunks and three
+    decoding steps (past the first steps' one-off work)."""
+    prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
+    for token in range(args.prompt, args.prompt + 3):
+        model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache), use_cache=True)
+    return step_ops(model, ids[:, args.prompt + 3 : args.prompt + 4], cache, ATTENTION_NAME)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -68,6 +82,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     parser.add_argument("--by-op", action="store_true", help="also list each method's added ops by name, per layer")
     parser.add_argument("--spec", action="append", default=[], help="a method with parameters (method:key=value,...)")
+    parser.add_argument("--prefill", action="store_true", help="count a whole prompt's prefill, not a decoding step")
     args = parser.parse_args()
     set_threads(1)
     model, _ = load_model(args.model)
@@ -77,10 +92,14 @@ def main() -> None:
     with torch.inference_mode():
         dynamic = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa")
-        model(input_ids=ids[:, : args.budget], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
-        baseline = step_ops(model, ids[:, args.prompt : args.prompt + 1], dynamic, "sdpa")
+        if args.prefill:
+            baseline = step_ops(model, ids[:, : args.prompt], dynamic, "sdpa")
+        else:
+            model(input_ids=ids[:, : args.budget], **cache_argument(model, dynamic), use_cache=True, logits_to_keep=1)
+            baseline = step_ops(model, ids[:, args.prompt : args.prompt + 1], dynamic, "sdpa")
         base_ops, base_views = sum(baseline.ops.values()), baseline.views
-        print(f"DynamicCache: {base_ops} ops and {base_views} views per decoding step ({layers} layers)")
+        counted = f"prefill of {args.prompt} tokens" if args.prefill else "decoding step"
+        print(f"DynamicCache: {base_ops} ops and {base_views} views per {counted} ({layers} layers)")
         print(
             f"{'method':14s} {'ops/step':>9s} {'ops added/layer':>16s} {'views added/layer':>18s} {'host reads':>11s}"
         )
@@ -92,10 +111,11 @@ def main() -> None:
             cache = kvcompress.cache_for(model, method, **params)
             method = spec
             model.set_attn_implementation(ATTENTION_NAME)
-            prefill(model, ids[:, : args.prompt], cache, chunk_size=args.chunk)
-            for token in range(args.prompt, args.prompt + 3):  # past the first step's one-off work
-                model(input_ids=ids[:, token : token + 1], **cache_argument(model, cache), use_cache=True)
-            count = step_ops(model, ids[:, args.prompt + 3 : args.prompt + 4], cache, ATTENTION_NAME)
+            if args.prefill:
+                with Count() as count:
+                    prefill(model, ids[:, : args.prompt], cache)
+            else:
+                count = decoding_step_ops(model, ids, cache, args)
             ops = sum(count.ops.values())
             added, views = (ops - base_ops) / layers, (count.views - base_views) / layers
             reads = sum(count.ops[name] for name in READS)
