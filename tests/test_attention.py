@@ -7,8 +7,8 @@ import torch
 
 from kvcompress.core import attention, softmax
 from kvcompress.core.contract import StatsRequest
-from kvcompress.core.rope import rotate_by
 from kvcompress.core.fused_attention import attention_with_lse
+from kvcompress.core.rope import rotate_by
 
 B, HQ, HKV, Q, L, D = 2, 6, 2, 5, 12, 8
 

@@ -33,6 +33,7 @@ METHODS = {
     "pod": {"block_size": 2, "n_recent": 4, "n_sink": 2, "base": SnapKVConfig(budget=12, window=4)},
     "duo": {"pattern": duo_pattern_file(), "sink_size": 2, "recent_size": 8},
     "kvzip-head": {"ratio": 0.5, "level": "head", "pattern": kvzip_head_file(), "sink_size": 2, "recent_size": 8},
+    "less": {"budget": 12},  # (the low-rank state, and the kernels' weights as tensors)
 }
 CONTEXT = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
 QUESTIONS = torch.randint(3, 128, (2, 2, 5), generator=torch.Generator().manual_seed(1))  # [question, batch, tokens]
@@ -177,11 +178,33 @@ def test_a_cache_recorded_for_a_backward_pass_is_refused_at_fork_in_one_line(tin
     cache.fork()  # the same cache filled without gradients forks
 
 
+def test_a_less_cache_file_holds_the_kernels_it_was_made_with(tiny_llama, tmp_path):
+    """A LESS cache's file holds its kernels' weights (tensors), not their modules: the loaded cache continues with
+    those weights, rebuilding nothing from its config."""
+    cache = compressed(tiny_llama, "less")
+    loaded = kvcompress.load_cache(kvcompress.save_cache(cache, tmp_path / "less.safetensors"), tiny_llama)
+    continued(tiny_llama, loaded, QUESTIONS[0])
+    for got, want in zip(loaded.compressed_layers, cache.compressed_layers, strict=True):
+        assert got.policy.kernels is None and want.policy.kernels is not None
+        pairs = zip(
+            (*got.policy.weights.phi, *got.policy.weights.psi),
+            (*want.policy.weights.phi, *want.policy.weights.psi),
+            strict=True,
+        )
+        assert all(torch.equal(a, b) for a, b in pairs)
+
+
 def test_caches_holding_modules_are_refused_at_save(tiny_llama, tmp_path):
-    cache = kvcompress.cache_for(tiny_llama, "less", budget=12)
+    """LESS kernels given as modules (not a directory or a seed) are part of the method's config: refused in one
+    line naming them (a cache of kernels named by directory or seed saves their weights: ``METHODS["less"]``)."""
+    from kvcompress.methods.less.kernels import LessKernels, init_kernels
+
+    kernels = LessKernels([init_kernels(4, 2, 16, layer_idx=i).eval() for i in range(2)])
+    cache = kvcompress.cache_for(tiny_llama, "less", budget=12, kernels=kernels)
     with torch.no_grad():
         prefill(tiny_llama, CONTEXT, cache)
-    with pytest.raises(ValueError, match=r"cannot save a 'less' cache: cache\.layers\[0\]\.policy\.kernels holds"):
+    module = r"config\.kernels\.layers\[0\] holds a kvcompress\.methods\.less\.kernels\.LayerKernels, which"
+    with pytest.raises(ValueError, match=rf"^cannot save a 'less' cache: .*{module}"):
         kvcompress.save_cache(cache, tmp_path / "less.safetensors")
     fork = cache.fork()  # a fork copies them
     assert_same(continued(tiny_llama, fork, QUESTIONS[0]), continued(tiny_llama, cache, QUESTIONS[0]))

@@ -17,9 +17,11 @@ without calling any of its code, its attributes then set); anything else is refu
 when the caller names one, for another method or other parameters, is refused with one ``ValueError`` naming the
 file and the difference. All tensors are loaded onto one device, the model's unless ``device`` is given.
 
+An object's class may name attributes a file does not hold (``NOT_SAVED``): what the object rebuilds from its
+config when it needs it, and holds otherwise as tensors (LESS's kernel modules, whose weights its policy holds as
+tensors: those are saved, so a loaded cache continues with the kernels it was made with); they load as ``None``.
 What cannot be saved, refused at ``save_cache`` with the reason: a cache holding modules or other objects outside
-kvcompress (LESS's learned kernels are ``torch.nn`` modules), tensors that require gradients, or per-layer
-observers (functions).
+kvcompress, tensors that require gradients, or per-layer observers (functions).
 """
 
 from __future__ import annotations
@@ -116,9 +118,12 @@ class _Writer:
         if isinstance(obj, MethodConfig):
             fields = {f.name: self.value(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
             return {"config": obj.name, "params": fields}
-        if not hasattr(obj, "__dict__") or callable(obj):
+        if not hasattr(obj, "__dict__") or callable(obj) or isinstance(obj, torch.nn.Module):
             self.refuse(obj, where)
-        attributes = {name: self.value(item, f"{where}.{name}") for name, item in vars(obj).items()}
+        skipped = getattr(type(obj), "NOT_SAVED", ())
+        attributes = {
+            name: self.value(item, f"{where}.{name}") for name, item in vars(obj).items() if name not in skipped
+        }
         return {"class": self.class_name(obj, where), "attributes": attributes}
 
     def class_name(self, obj: Any, where: str) -> str:
@@ -333,6 +338,7 @@ class _Reader:
             made = into if into is not None else object.__new__(self.kvcompress_class(entry.get("class")))
             self.built[index] = made
             made.__dict__.update(self.attributes(entry["attributes"]))
+            made.__dict__.update(dict.fromkeys(getattr(type(made), "NOT_SAVED", ())))
         return made
 
     def attributes(self, encoded: dict) -> dict[str, Any]:

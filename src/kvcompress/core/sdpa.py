@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention(query, key, value, **kwargs)`` without the cuDNN backend on CUDA."""
     if not query.is_cuda:

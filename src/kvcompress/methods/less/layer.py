@@ -69,7 +69,7 @@ class LessLayer(CompressedLayer):
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Add ``ψ(k)ᵀ v`` and ``ψ(k)`` of the real tokens about to be evicted to ``H`` and ``z`` (Eqs. 4–5):
         the ``victims`` ``[B, H_kv, e]`` slots, or the ``dropped`` ``[B, H_kv, W]`` ones."""
-        if self.policy.kernels is None:  # evicting before any attention (not reached through the attention function)
+        if self.policy.weights is None:  # evicting before any attention (not reached through the attention function)
             raise RuntimeError("LESS kernels are set at the layer's first attention; evict only after attention")
         if self.policy.inert:  # ψ ≡ 0: nothing to fold, the state stays empty
             return

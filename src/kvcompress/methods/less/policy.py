@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # annotations only: the config module imports this one
 class LessPolicy(Policy):
     """The base policy's decisions and statistics, plus the low-rank attention term (``attend``)."""
 
+    NOT_SAVED = ("kernels",)  # a cache file holds the ``weights`` (tensors), not the modules (``kvcompress.persist``)
+
     def __init__(self, config: LessConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.base = config.base_config.policy(layer_idx)
@@ -52,10 +54,11 @@ class LessPolicy(Policy):
     def select(self, layer):
         return self.base.select(layer)
 
-    def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels:
+    def layer_kernels(self, q_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> LayerKernels | None:
         """This layer's kernels on ``device``, copied there if elsewhere (shared kernels stay where they are), and
-        their ``weights`` as inference takes them, made once (kernels are frozen while a cache uses them)."""
-        if self.kernels is None:
+        their ``weights`` as inference takes them, made once (kernels are frozen while a cache uses them); ``None``
+        in a cache loaded from a file, which holds the weights it was saved with."""
+        if self.weights is None:
             kernels = self.config.kernels_for(self.layer_idx, q_heads, kv_heads, head_dim)
             self.inert = kernels.psi_is_zero()  # read where the kernels were made or loaded, before any copy
             if kernels.phi_w1.device != device:  # each parameter copied straight to ``device`` (none where it is)
