@@ -29,9 +29,10 @@ BLOCK_BYTES = 2**20
 GPU_BLOCK_BYTES = 2**29
 # devices where a chunk covering the whole context is scored from the attention's own explicit logits (one query-key
 # product for both); elsewhere, and for every chunk of a longer context, beside PyTorch's fused attention
-# (``score_chunk``). On a CPU the products dominate: SmolLM2-135M's 1,024-token reconstruction attention took 1.08x
-# the time beside the fused kernel (one more product); with several chunks (4,096 tokens in 2,048-token chunks)
-# 0.87x. On a GPU the explicit logits' elementwise passes dominate (``experiments.kvzip_cost --device cuda``).
+# (``score_chunk``). On a CPU the products dominate, and the fused way costs one more for a whole-context chunk;
+# with several chunks it saves more than that (4,096 tokens in 2,048-token chunks: 0.93x the prefill and compression
+# of scoring every chunk from explicit logits, SmolLM2-135M, ``scripts/ab_commit.py --prompts``). On a GPU the
+# explicit logits' elementwise passes dominate (``experiments.kvzip_cost --device cuda``).
 EXPLICIT_LOGITS_DEVICES = ("cpu",)
 LOGIT_FLOOR = 87.0  # logits further below their row's maximum count as that far (exp stays a normal float32)
 STOP = ("kvzip", "last layer scored")  # the reconstruction forward's job after its last layer (``stop_forward``)
