@@ -137,11 +137,11 @@ def test_compaction_quantizes_what_attention_read(monkeypatch, method, params):
     compactions = []
     compact = quantized_slots.QuantizedSlotBuffers.compact
 
-    def checked(slots, width, ordered, shrink):
+    def checked(slots, width, ordered, shrink, used=None):
         keys, values = (tensor.clone() for tensor in slots.view(width))
         before = slots.token_idx[:, :, :width].clone()
         value_codes = slots.values[:, :, :width].clone()
-        used, ragged = compact(slots, width, ordered, shrink)
+        used, ragged = compact(slots, width, ordered, shrink, used)
         after = slots.token_idx[:, :, :used]
         occupied = after >= 0
         source = (after[..., None] == before[:, :, None, :]).float().argmax(-1)  # each token's former slot

@@ -254,7 +254,8 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
             return
         self.slots.free_at(victims)
         self.ordered = self.ordered and was_dense
-        self.compact(shrink=not self.more_prompt)
+        # a dense layer held ``occupied`` slots in every row, each row lost as many
+        self.compact(shrink=not self.more_prompt, used=self.occupied if was_dense else None)
 
     def _at_capacity(self, width: int) -> bool:
         """Whether a dense layer of ``width`` slots has no room left."""
@@ -284,14 +285,14 @@ class CompressedLayer(SlotReplay, CacheLayerMixin):
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         """Hook for layers that keep something of what they evict (LESS folds it into its low-rank state)."""
 
-    def compact(self, shrink: bool = False) -> None:
+    def compact(self, shrink: bool = False, used: int | None = None) -> None:
         """Gather the occupied slots to the front in stream order; ``shrink`` also gives back the unused capacity
-        (keeping room for one token)."""
+        (keeping room for one token). ``used``: every row holds that many occupied slots (known: no host read)."""
         if self.slots is None or self.slots.capacity == 0:
             return
         self._settle()
         if not self.dense:
-            self.occupied, ragged = self.slots.compact(self.view_width, self.ordered, shrink)
+            self.occupied, ragged = self.slots.compact(self.view_width, self.ordered, shrink, used)
             self.all_valid = self.all_valid and not ragged
         elif shrink:
             self.slots.shrink(self.occupied + 1)

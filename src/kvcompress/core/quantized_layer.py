@@ -162,10 +162,10 @@ class QuantizedLayer(CompressedLayer):
         holed layer's view stays the slots it had (``_span``), so every slot it shows holds a token."""
         return width + self.slots.group > self.slots.capacity
 
-    def compact(self, shrink: bool = False) -> None:
+    def compact(self, shrink: bool = False, used: int | None = None) -> None:
         if self.slots is not None:
             self.slots.stream_seen = self.seen
-        super().compact(shrink)
+        super().compact(shrink, used)
 
     def kept(self):
         if self.slots is not None:

@@ -494,7 +494,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         self.fresh, self._view_cache = None, None
 
     # --- compaction and inspection -----------------------------------------------------------------------------
-    def compact(self, width: int, ordered: bool, shrink: bool) -> tuple[int, bool]:
+    def compact(self, width: int, ordered: bool, shrink: bool, used: int | None = None) -> tuple[int, bool]:
         """As ``SlotBuffers.compact``; the key groups are then formed anew in stream order and quantized from what
         attention read (exact for the forward's and the residual window's tokens), ``SEAL_BLOCK`` slots at a time.
 
@@ -505,7 +505,7 @@ class QuantizedSlotBuffers(SlotBuffers):
         marks = self._read_marks(width)
         fresh, old_params = self.fresh, (self.key_scale, self.key_min)
         self.tensors.update(marks)
-        used, ragged = super().compact(width, ordered, False)
+        used, ragged = super().compact(width, ordered, False, used)
         read = {name: self.tensors.pop(name)[:, :, :used] for name in marks}
         self.fresh, self._view_cache, self.stream_order = None, None, False
         count = -(-used // self.group)

@@ -94,9 +94,9 @@ class RaggedLayer(CompressedLayer):
                     return record, False
         return None, True
 
-    def compact(self, shrink: bool = False) -> None:
+    def compact(self, shrink: bool = False, used: int | None = None) -> None:
         if not self.ragged:
-            super().compact(shrink)
+            super().compact(shrink, used)
 
     # --- a forward over the pool ---------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -126,9 +126,9 @@ class SlotBuffers:
         """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
         resized = {}
         for name, tensor in self._all().items():
-            fill = FREE if name in ("token_idx", "rank") else 0
-            resized[name] = tensor.new_full((*tensor.shape[:2], capacity, *tensor.shape[3:]), fill)
-            resized[name][:, :, :keep] = tensor[:, :, :keep]
+            resized[name] = _free_buffer(name, tensor, capacity)
+            if keep:
+                resized[name][:, :, :keep] = tensor[:, :, :keep]
         self._put_all(resized)
 
     def grow(self, capacity: int) -> None:
@@ -243,27 +243,36 @@ class SlotBuffers:
         self.rank[:, :, :width].masked_fill_(dropped, FREE)
         self.valid[:, :, :width].masked_fill_(dropped, False)
 
-    def compact(self, width: int, ordered: bool, shrink: bool) -> tuple[int, bool]:
+    def compact(self, width: int, ordered: bool, shrink: bool, used: int | None = None) -> tuple[int, bool]:
         """Move the occupied slots of ``[0, width)`` to the front in stream order; returns the slots now in use
-        (the most of any row) and whether rows hold different counts."""
+        (the most of any row) and whether rows hold different counts. ``used``: every row holds that many (the
+        caller knows it: no host read). ``shrink``: give back the room beyond one slot; then each buffer is
+        gathered straight into a new one of that size (two operations a buffer, not a move, a fill and a copy)."""
         token_idx = self.token_idx[:, :, :width]
         occupied = token_idx >= 0
-        counts = occupied.sum(-1)
-        used = int(counts.max()) if counts.numel() else 0
-        ragged = bool((counts != used).any())
+        ragged = False
+        if used is None:
+            counts = occupied.sum(-1)
+            used = int(counts.max()) if counts.numel() else 0
+            ragged = bool((counts != used).any())
         if ordered:
             position = torch.arange(width, device=token_idx.device)
             key = torch.where(occupied, position, width + position)
         else:
             key = torch.where(occupied, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1, stable=True)[..., :used]
+        if shrink and used + 1 < self.capacity:
+            resized = {}
+            for name, tensor in self._all().items():
+                resized[name] = _free_buffer(name, tensor, used + 1)
+                self._gathered(tensor, name, order, width, out=resized[name][:, :, :used])
+            self._put_all(resized)
+            return used, ragged
         for name, tensor in self._all().items():
             tensor[:, :, :used] = self._gathered(tensor, name, order, width)
         self.token_idx[:, :, used:] = FREE
         self.rank[:, :, used:] = FREE
         self.valid[:, :, used:] = False
-        if shrink:
-            self.shrink(used + 1)
         return used, ragged
 
     def stream_view(self, width: int) -> StreamView:
@@ -274,11 +283,16 @@ class SlotBuffers:
         named = {name: tensor for name, tensor in gathered.items() if not name.startswith("state.")}
         return StreamView(**named, state={name: gathered[f"state.{name}"] for name in self.state})
 
-    def _gathered(self, tensor: torch.Tensor, name: str, order: torch.Tensor, width: int) -> torch.Tensor:
-        """The slots ``order`` ``[B, H, n]`` of ``tensor``'s first ``width`` (the stored key heads' rows for keys)."""
+    def _gathered(
+        self, tensor: torch.Tensor, name: str, order: torch.Tensor, width: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The slots ``order`` ``[B, H, n]`` of ``tensor``'s first ``width`` (the stored key heads' rows for keys),
+        written to ``out`` when given."""
         index = order if name != "keys" or self.key_heads is None else order.index_select(1, self.key_heads)
         index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
-        return tensor[:, :, :width].gather(2, index)
+        if out is not None and tensor.requires_grad:  # a cache recorded for a backward pass: ``out=`` records nothing
+            return out.copy_(tensor[:, :, :width].gather(2, index))
+        return torch.gather(tensor[:, :, :width], 2, index, out=out)
 
     @staticmethod
     def _bytes_per_slot(tensor: torch.Tensor) -> int:
@@ -290,6 +304,12 @@ class SlotBuffers:
     def metadata_bytes_per_slot(self) -> int:
         tensors = [self.token_idx, self.rope_pos, self.rank, self.valid, *self.state.values()]
         return sum(self._bytes_per_slot(t) for t in tensors)
+
+
+def _free_buffer(name: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A buffer shaped as ``like`` with ``capacity`` slots, every one free (``FREE`` indices, zeros elsewhere)."""
+    fill = FREE if name in ("token_idx", "rank") else 0
+    return like.new_full((*like.shape[:2], capacity, *like.shape[3:]), fill)
 
 
 def _per_slot(seen: int | torch.Tensor, slots: torch.Tensor) -> int | torch.Tensor:

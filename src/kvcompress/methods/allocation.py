@@ -42,10 +42,11 @@ import torch
 from kvcompress.core.checks import check_budget, ints, number, one_of, param
 from kvcompress.core.contract import Keep, KeepMask
 from kvcompress.core.eviction import lowest_victims, ranked_scores
+from kvcompress.core.forward import from_host
 from kvcompress.core.layer import CompressedLayer
 from kvcompress.core.ragged_layer import RaggedLayer
 from kvcompress.core.selection import keep_top
-from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence, prompt_lengths
 
 ALLOCATIONS = ("uniform", "pyramid", "adakv")
 
@@ -92,17 +93,20 @@ def allocated_keep(
     """What ``layer`` keeps of its prompt under ``policy.config``'s allocation, from ``scores`` ``[B, H or 1, W]``
     (higher kept) and ``protected`` tokens; ``window``: the scorer's protected window (pyramid's ``w``)."""
     config = policy.config
-    n_real = layer.valid[:, 0].sum(-1)
+    # uniform and pyramid: an int where every sequence holds the same count (no host read); adakv shares tensors
+    n_real = prompt_lengths(layer) if config.allocation != "adakv" else layer.valid[:, 0].sum(-1)
     keep = kept_per_sequence(n_real, config.ratio, config.budget)
     if config.allocation == "pyramid":
         layers = getattr(policy, "layer_count", None)
         if layers is None:
             raise ValueError("allocation='pyramid' needs the model's layer count: build the cache with cache_for")
-        counts = []
-        for n in n_real.tolist():  # once per prompt: host reads are fine here
+
+        def count(n: int) -> int:
             average = n * config.ratio if config.ratio is not None else min(config.budget, n)
-            counts.append(pyramid_count(n, average, window, config.beta, policy.layer_idx, layers))
-        keep = torch.tensor(counts, device=n_real.device)
+            return pyramid_count(n, average, window, config.beta, policy.layer_idx, layers)
+
+        # per-sequence lengths: once per prompt, so host reads are fine here
+        keep = count(n_real) if isinstance(n_real, int) else from_host(list(map(count, n_real.tolist())), layer.device)
     if config.allocation != "adakv":
         return keep_top(layer, scores, keep, protected)
     heads = layer.slots.token_idx.shape[1]

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from kvcompress.core.checks import number, param
 from kvcompress.core.selection import keep_top, recent_mask
 from kvcompress.methods.h2o import H2OPolicy
-from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence
+from kvcompress.methods.oneshot import OneShotConfig, kept_in, share_of
 
 
 class OneShotH2OPolicy(H2OPolicy):
     one_shot = True
 
     def select(self, layer):
-        keep = kept_per_sequence(layer.valid[:, 0].sum(-1), self.config.ratio, self.config.budget)
-        recent = keep - (keep.double() * self.config.heavy_ratio).floor().long()
+        keep = kept_in(layer, self.config)
+        recent = keep - share_of(keep, self.config.heavy_ratio)
         return keep_top(layer, layer.state["mass"], keep, recent_mask(layer, recent))
 
 

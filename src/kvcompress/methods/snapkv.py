@@ -58,7 +58,7 @@ class SnapKVPolicy(Policy):
         if keep is None and self.config.allocation != "uniform":
             return allocated_keep(self, layer, layer.state["vote"], window, self.config.window)
         if keep is None:
-            n_valid = layer.valid.sum(-1).amax(1)
+            n_valid = layer.view_width if layer.all_valid else layer.valid.sum(-1).amax(1)  # all_valid: no host read
             keep = self.config.budget if self.config.ratio is None else ratio_budget(n_valid, self.config.ratio)
         return keep_top(layer, layer.state["vote"], keep, window)
 

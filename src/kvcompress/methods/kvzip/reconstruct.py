@@ -276,7 +276,6 @@ def evict(config, layers) -> None:
     """Evict by the reconstruction scores under ``config.allocation`` (see the package docstring)."""
     scores = [layer.policy.scores for layer in layers]
     batch, heads, length = scores[0].shape
-    n = torch.full((batch,), length, device=scores[0].device)
     if config.ratio is not None:
         removed = 1 - config.ratio
         per_layer = heads * length - int(heads * length * removed)
@@ -285,10 +284,10 @@ def evict(config, layers) -> None:
         per_layer = heads * min(config.budget, length)
         overall = len(layers) * per_layer
     if config.allocation == "uniform":
-        keep = kept_per_sequence(n, config.ratio, config.budget)
+        keep = kept_per_sequence(length, config.ratio, config.budget)  # every sequence: ``length`` real tokens
         rules = [keep_top(layer, score, keep) for layer, score in zip(layers, scores, strict=True)]
     elif config.allocation == "layer":
-        total = torch.full((batch,), per_layer, device=n.device)
+        total = torch.full((batch,), per_layer, device=scores[0].device)
         rules = [heads_share(layer, score, None, total) for layer, score in zip(layers, scores, strict=True)]
     else:
         rules = global_masks(scores, overall)

@@ -290,7 +290,7 @@ class PoDLayer(CompressedLayer):
     def before_eviction(self, victims: torch.Tensor | None, dropped: torch.Tensor | None) -> None:
         self.leave_ring()
 
-    def compact(self, shrink: bool = False) -> None:
+    def compact(self, shrink: bool = False, used: int | None = None) -> None:
         """Gather the kept tokens to the front, the packed proximal keys following (a kept token's new slot: the
         kept tokens before it). Keys lent for this forward (``step``) are copied first: compaction is in place."""
         if self.slots is not None and not self.dense:
@@ -304,7 +304,7 @@ class PoDLayer(CompressedLayer):
                 old = self.prox_slot
                 new_slot = moved.gather(-1, old.clamp(min=0)).masked_fill_(old < 0, -1)
                 self._pack_proximal(new_slot >= 0, new_slot)
-        super().compact(shrink)
+        super().compact(shrink, used)
         self._new_views()
 
     def block_selection(self, base: Policy) -> Eviction | None:
