@@ -30,7 +30,6 @@ Choices where the source leaves room:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -72,23 +71,30 @@ class QueryStatistics:
         self.count = total
 
 
-def averaged_rotation(x: torch.Tensor, start: torch.Tensor, steps: int, inv_freq: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[B, H, d]`` (or ``[B, H, d, e]`` along ``d``) turned by the RoPE rotation averaged over positions
-    ``start .. start + steps - 1`` (``start`` ``[B]``); dimensions past the rotary ones pass unchanged (all of them
+class AveragedRotation:
+    """The RoPE rotation averaged over positions ``start .. start + steps - 1`` (``start`` ``[B]``), its tables made
+    once and applied to each statistic (``__call__``); dimensions past the rotary ones pass unchanged (all of them
     without RoPE: ``inv_freq`` None)."""
-    if inv_freq is None:
-        return x
-    positions = start.to(torch.float64)[:, None] + torch.arange(steps, device=start.device, dtype=torch.float64)
-    angles = positions[..., None] * inv_freq.to(start.device, torch.float64)  # [B, steps, d_rot / 2]
-    cos, sin = angles.cos().mean(1), angles.sin().mean(1)  # [B, d_rot / 2]
-    rotary = 2 * inv_freq.shape[-1]
-    cos = torch.cat([cos, cos, cos.new_ones(cos.shape[0], x.shape[2] - rotary)], -1)
-    sin = torch.cat([sin, sin, sin.new_zeros(sin.shape[0], x.shape[2] - rotary)], -1)
-    shape = (x.shape[0], 1, x.shape[2]) + (1,) * (x.dim() - 3)
-    cos, sin = cos.to(x.dtype).view(shape), sin.to(x.dtype).view(shape)
-    moved = x.movedim(2, -1)
-    half = torch.cat([rotate_half(moved[..., :rotary]), moved[..., rotary:] * 0], -1).movedim(-1, 2)
-    return x * cos + half * sin
+
+    def __init__(self, start: torch.Tensor, steps: int, inv_freq: torch.Tensor | None, dim: int) -> None:
+        self.rotary = 0 if inv_freq is None else 2 * inv_freq.shape[-1]
+        if inv_freq is None:
+            return
+        positions = start.to(torch.float64)[:, None] + torch.arange(steps, device=start.device, dtype=torch.float64)
+        angles = positions[..., None] * inv_freq.to(start.device, torch.float64)  # [B, steps, d_rot / 2]
+        cos, sin = angles.cos().mean(1), angles.sin().mean(1)  # [B, d_rot / 2]
+        self.cos = torch.cat([cos, cos, cos.new_ones(cos.shape[0], dim - self.rotary)], -1)  # [B, d]
+        self.sin = torch.cat([sin, sin, sin.new_zeros(sin.shape[0], dim - self.rotary)], -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, H, d]`` (or ``[B, H, d, e]`` along ``d``) turned by the averaged rotation."""
+        if not self.rotary:
+            return x
+        shape = (x.shape[0], 1, x.shape[2]) + (1,) * (x.dim() - 3)
+        cos, sin = self.cos.to(x.dtype).view(shape), self.sin.to(x.dtype).view(shape)
+        moved = x.movedim(2, -1)
+        half = torch.cat([rotate_half(moved[..., : self.rotary]), moved[..., self.rotary :] * 0], -1).movedim(-1, 2)
+        return x * cos + half * sin
 
 
 class ExpectedAttentionPolicy(Policy):
@@ -114,11 +120,9 @@ class ExpectedAttentionPolicy(Policy):
         keys, values, valid = layer.keys.float(), layer.values.float(), layer.valid
         sinks = sink_mask(layer, config.n_sink) & valid
         n_real = layer.valid[:, 0].sum(-1)
-        turn = functools.partial(
-            averaged_rotation, start=n_real, steps=config.n_future_positions, inv_freq=layer.inv_freq
-        )
-        mean = turn(stats.mean)
         heads, dim = keys.shape[1], keys.shape[-1]
+        turn = AveragedRotation(n_real, config.n_future_positions, layer.inv_freq, dim)
+        mean = turn(stats.mean)
         groups = mean.shape[1] // heads
         grouped = keys.repeat_interleave(groups, dim=1)  # [B, H_q, W, d]
         logits = (grouped @ mean[..., None]).squeeze(-1) / math.sqrt(dim)
