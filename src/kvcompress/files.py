@@ -1,5 +1,6 @@
 """Reading the files a user hands to kvcompress: tensors and plain values only, never code, and every failure one
-``ValueError`` naming the file, what is wrong with it and how to get a good one.
+``ValueError`` naming the file, what is wrong with it and how to get a good one; and writing the files kvcompress
+makes whole or not at all (``write_atomically``).
 
 ``torch.load`` is always called with ``weights_only=True``: a pickle that would import or call anything (a crafted
 checkpoint running a shell command) is refused before any of it runs. JSON files are read as JSON.
@@ -11,6 +12,7 @@ import json
 import os
 import pickle
 import zipfile
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -19,6 +21,22 @@ from typing import Any
 import torch
 
 REFUSED = "Weights only load failed"  # the start of torch.load's message when a pickle asks for more than tensors
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], object] | str) -> Path:
+    """Make ``path`` with ``write(temporary)`` (or this text), a file beside it renamed over ``path`` once complete:
+    no reader and no interrupted run sees half a file, and a file ``path`` held before stays whole until then."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        if isinstance(write, str):
+            temporary.write_text(write, encoding="utf-8")
+        else:
+            write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
 
 
 def load_tensors(path: str | os.PathLike[str], what: str, remedy: str) -> Any:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kvcompress
-from kvcompress.files import load_tensors
+from kvcompress.files import load_tensors, write_atomically
+from kvcompress.generation import prefill
 from kvcompress.methods.less.kernels import LessKernels, init_kernels, load_kernels
 from kvcompress.methods.pod.grouping import load_similarity
 from kvcompress.train.pod_adapt import load_adapted
@@ -145,3 +146,24 @@ def test_the_cli_answers_a_crafted_similarity_file_with_one_line(tmp_path):
     )
     assert run.returncode == 2 and not marker.exists()
     assert len(run.stderr.strip().splitlines()) == 1 and str(path) in run.stderr and "run code" in run.stderr
+
+
+def test_a_write_interrupted_leaves_the_former_file_whole_and_no_partial_file(tmp_path, tiny_llama):
+    """``write_atomically`` (cache files, kernel sets, calibrations): a write that fails midway (here: after part
+    of the file is out) leaves the file that was there as it was, and nothing else in the folder."""
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=8)
+    with torch.no_grad():
+        prefill(tiny_llama, torch.arange(3, 23)[None], cache)
+    path = kvcompress.save_cache(cache, tmp_path / "cache.safetensors")
+    before = path.read_bytes()
+
+    def half_then_fail(temporary: Path) -> None:
+        temporary.write_bytes(before[: len(before) // 2])
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, half_then_fail)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["cache.safetensors"]
+    write_atomically(path, lambda temporary: temporary.write_bytes(b"new"))
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["cache.safetensors"]

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvcompress.core.contract import Keep, LayerView
 
 
 def ratio_budget(n_tokens: torch.Tensor | int, ratio: float) -> torch.Tensor | int:
-    """Tokens kept for a prompt of ``n_tokens`` (``[B]``, or an int) at a ratio: ``max(1, floor(ratio * n))``
-    (kvpress rounds likewise), in float64 either way."""
+    """Tokens kept of ``n_tokens`` (``[B]`` or an int) at a ratio: ``max(1, floor(ratio * n))``, float64 (kvpress)."""
     if isinstance(n_tokens, int):
-        return max(1, math.floor(n_tokens * ratio))
+        return max(1, int(n_tokens * ratio))  # (non-negative: truncation is the floor)
     return torch.clamp((n_tokens.to(torch.float64) * ratio).floor().long(), min=1)
 
 

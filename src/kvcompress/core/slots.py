@@ -126,7 +126,8 @@ class SlotBuffers:
         """Reallocate every buffer with ``capacity`` slots, keeping the first ``keep`` (the rest is free)."""
         resized = {}
         for name, tensor in self._all().items():
-            resized[name] = _free_buffer(name, tensor, capacity)
+            fill = FREE if name in ("token_idx", "rank") else 0
+            resized[name] = tensor.new_full((*tensor.shape[:2], capacity, *tensor.shape[3:]), fill)
             if keep:
                 resized[name][:, :, :keep] = tensor[:, :, :keep]
         self._put_all(resized)
@@ -245,9 +246,8 @@ class SlotBuffers:
 
     def compact(self, width: int, ordered: bool, shrink: bool, used: int | None = None) -> tuple[int, bool]:
         """Move the occupied slots of ``[0, width)`` to the front in stream order; returns the slots now in use
-        (the most of any row) and whether rows hold different counts. ``used``: every row holds that many (the
-        caller knows it: no host read). ``shrink``: give back the room beyond one slot; then each buffer is
-        gathered straight into a new one of that size (two operations a buffer, not a move, a fill and a copy)."""
+        (the most of any row) and whether rows hold different counts. ``used``: every row holds that many (known: no
+        host read). ``shrink``: give back the room beyond one slot."""
         token_idx = self.token_idx[:, :, :width]
         occupied = token_idx >= 0
         ragged = False
@@ -261,12 +261,11 @@ class SlotBuffers:
         else:
             key = torch.where(occupied, token_idx, token_idx.new_tensor(torch.iinfo(torch.long).max))
         order = key.argsort(dim=-1, stable=True)[..., :used]
-        if shrink and used + 1 < self.capacity:
-            resized = {}
+        if shrink and used + 1 < self.capacity:  # gathered straight into new buffers of that size
+            old = self._all()
+            self.resize(used + 1, 0)
             for name, tensor in self._all().items():
-                resized[name] = _free_buffer(name, tensor, used + 1)
-                self._gathered(tensor, name, order, width, out=resized[name][:, :, :used])
-            self._put_all(resized)
+                self._gathered(old[name], name, order, width, out=tensor[:, :, :used])
             return used, ragged
         for name, tensor in self._all().items():
             tensor[:, :, :used] = self._gathered(tensor, name, order, width)
@@ -283,11 +282,8 @@ class SlotBuffers:
         named = {name: tensor for name, tensor in gathered.items() if not name.startswith("state.")}
         return StreamView(**named, state={name: gathered[f"state.{name}"] for name in self.state})
 
-    def _gathered(
-        self, tensor: torch.Tensor, name: str, order: torch.Tensor, width: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The slots ``order`` ``[B, H, n]`` of ``tensor``'s first ``width`` (the stored key heads' rows for keys),
-        written to ``out`` when given."""
+    def _gathered(self, tensor: torch.Tensor, name: str, order: torch.Tensor, width: int, out=None) -> torch.Tensor:
+        """The slots ``order`` ``[B, H, n]`` of ``tensor``'s first ``width`` (the key heads' rows for keys)."""
         index = order if name != "keys" or self.key_heads is None else order.index_select(1, self.key_heads)
         index = index.view(*index.shape, *[1] * (tensor.dim() - 3)).expand(*index.shape, *tensor.shape[3:])
         if out is not None and tensor.requires_grad:  # a cache recorded for a backward pass: ``out=`` records nothing
@@ -304,12 +300,6 @@ class SlotBuffers:
     def metadata_bytes_per_slot(self) -> int:
         tensors = [self.token_idx, self.rope_pos, self.rank, self.valid, *self.state.values()]
         return sum(self._bytes_per_slot(t) for t in tensors)
-
-
-def _free_buffer(name: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
-    """A buffer shaped as ``like`` with ``capacity`` slots, every one free (``FREE`` indices, zeros elsewhere)."""
-    fill = FREE if name in ("token_idx", "rank") else 0
-    return like.new_full((*like.shape[:2], capacity, *like.shape[3:]), fill)
 
 
 def _per_slot(seen: int | torch.Tensor, slots: torch.Tensor) -> int | torch.Tensor:

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from kvcompress.core.checks import number, param
 from kvcompress.core.selection import keep_top, recent_mask
 from kvcompress.methods.h2o import H2OPolicy
-from kvcompress.methods.oneshot import OneShotConfig, kept_in, share_of
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence, prompt_lengths, share_of
 
 
 class OneShotH2OPolicy(H2OPolicy):
     one_shot = True
 
     def select(self, layer):
-        keep = kept_in(layer, self.config)
+        keep = kept_per_sequence(prompt_lengths(layer), self.config.ratio, self.config.budget)
         recent = keep - share_of(keep, self.config.heavy_ratio)
         return keep_top(layer, layer.state["mass"], keep, recent_mask(layer, recent))
 

@@ -7,7 +7,6 @@ number of tokens.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,7 @@ from kvcompress.core.selection import ratio_budget
 
 
 def kept_per_sequence(n_real: torch.Tensor | int, ratio: float | None, budget: int | None) -> torch.Tensor | int:
-    """Tokens kept per sequence (``[B]``) from the real prompt lengths ``n_real`` (``[B]``); an int from an int
-    (every sequence's length)."""
+    """Tokens kept per sequence (``[B]``) from the real prompt lengths ``n_real`` (``[B]``, or one int for all)."""
     if isinstance(n_real, int):
         return min(n_real, budget) if budget is not None else min(ratio_budget(n_real, ratio), n_real)
     if budget is not None:
@@ -29,21 +27,12 @@ def kept_per_sequence(n_real: torch.Tensor | int, ratio: float | None, budget: i
 
 def share_of(count: torch.Tensor | int, fraction: float) -> torch.Tensor | int:
     """``floor(fraction * count)`` in float64, of ``[B]`` counts or an int."""
-    if isinstance(count, int):
-        return math.floor(count * fraction)
-    return (count.double() * fraction).floor().long()
+    return int(count * fraction) if isinstance(count, int) else (count.double() * fraction).floor().long()
 
 
 def prompt_lengths(layer: LayerView) -> torch.Tensor | int:
-    """Each sequence's real tokens in ``layer`` (``[B]``), or one int where every slot in the view holds a real
-    token: every sequence then holds the view's width, known without reading the device (a GPU keeps running)."""
+    """Each sequence's real tokens (``[B]``), or one int (no host read) where every slot of the view holds one."""
     return layer.view_width if layer.all_valid else layer.valid[:, 0].sum(-1)
-
-
-def kept_in(layer: LayerView, config: OneShotConfig) -> torch.Tensor | int:
-    """Tokens ``layer`` keeps per sequence under ``config``'s ``ratio`` or ``budget`` (an int: see
-    ``prompt_lengths``)."""
-    return kept_per_sequence(prompt_lengths(layer), config.ratio, config.budget)
 
 
 def check_ratio_or_budget(method: str, ratio: object, budget: object) -> None:

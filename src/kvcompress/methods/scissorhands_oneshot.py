@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvcompress.core.checks import ints, number, param
 from kvcompress.core.selection import keep_top, recent_mask
-from kvcompress.methods.oneshot import OneShotConfig, kept_in, share_of
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence, prompt_lengths, share_of
 from kvcompress.methods.scissorhands import ScissorhandsPolicy
 
 
@@ -20,7 +20,7 @@ class OneShotScissorhandsPolicy(ScissorhandsPolicy):
     one_shot = True
 
     def select(self, layer):
-        keep = kept_in(layer, self.config)
+        keep = kept_per_sequence(prompt_lengths(layer), self.config.ratio, self.config.budget)
         recent = share_of(keep, self.config.recent_share)
         # the score kept by ``ScissorhandsPolicy.observe``: fewer low counts first, ties to the newer token
         return keep_top(layer, layer.state["score"], keep, recent_mask(layer, recent))

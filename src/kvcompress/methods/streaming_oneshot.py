@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvcompress.core.checks import ints, one_of, param
 from kvcompress.core.rope import POSITION_MODES
 from kvcompress.core.selection import keep_top, sink_mask
-from kvcompress.methods.oneshot import OneShotConfig, kept_in
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence, prompt_lengths
 from kvcompress.methods.streaming import StreamingPolicy
 
 
@@ -20,7 +20,7 @@ class OneShotStreamingPolicy(StreamingPolicy):
     one_shot = True
 
     def select(self, layer):
-        keep = kept_in(layer, self.config)
+        keep = kept_per_sequence(prompt_lengths(layer), self.config.ratio, self.config.budget)
         return keep_top(layer, layer.token_idx[:, :1], keep, sink_mask(layer, self.config.sinks))
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.core.selection import keep_top
-from kvcompress.methods.oneshot import OneShotConfig, kept_in
+from kvcompress.methods.oneshot import OneShotConfig, kept_per_sequence, prompt_lengths
 from kvcompress.methods.tova import TOVAPolicy
 
 
@@ -30,7 +30,7 @@ class OneShotTOVAPolicy(TOVAPolicy):
         layer.state["attention"], self.current = self.current, None
 
     def select(self, layer):
-        keep = kept_in(layer, self.config)
+        keep = kept_per_sequence(prompt_lengths(layer), self.config.ratio, self.config.budget)
         return keep_top(layer, layer.state["attention"][:, :1], keep)
 
 

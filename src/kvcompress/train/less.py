@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -42,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcompress.files import load_tensors
+from kvcompress.files import load_tensors, write_atomically
 from kvcompress.methods.less import LessConfig, baseline_plus
-from kvcompress.methods.less.kernels import KERNEL_FORMAT, _write_json, init_kernels, layer_file, read_meta, save_layer
+from kvcompress.methods.less.kernels import KERNEL_FORMAT, META_FILE, init_kernels, layer_file, read_meta, save_layer
 from kvcompress.methods.less.masked import eviction_times, low_rank_parallel, sparse_attention
 from kvcompress.methods.less.policy import mix_low_rank
 from kvcompress.models import load_model
@@ -290,7 +291,7 @@ def train_less(
                 "resume it with the same settings or give another --out"
             )
     else:
-        _write_json(out / "meta.json", meta)
+        write_atomically(out / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
     todo = [
         i for i in (layers if layers is not None else range(shape["num_layers"])) if not layer_file(out, i).exists()

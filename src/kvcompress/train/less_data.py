@@ -13,6 +13,7 @@ from rich.progress import track
 from torch import nn
 
 from kvcompress.eval.data import data_root, load_documents
+from kvcompress.files import write_atomically
 from kvcompress.methods.less.masked import CaptureRun, less_attention
 from kvcompress.models import model_info
 
@@ -110,9 +111,8 @@ def collect_attention_inputs(
             handle.remove()
     directory.mkdir(parents=True, exist_ok=True)
     for index, parts in enumerate(inputs):
-        tmp = directory / f"layer_{index:03d}.tmp"
-        torch.save({"hidden": torch.cat(parts), "cos": rope[index][0], "sin": rope[index][1]}, tmp)
-        os.replace(tmp, directory / f"layer_{index:03d}.pt")
+        payload = {"hidden": torch.cat(parts), "cos": rope[index][0], "sin": rope[index][1]}
+        write_atomically(directory / f"layer_{index:03d}.pt", lambda path, payload=payload: torch.save(payload, path))
 
 
 def track_if(iterable, description: str, enabled: bool):

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
-from kvcompress.files import load_tensors, require_keys
+from kvcompress.files import load_tensors, require_keys, write_atomically
 from kvcompress.generation import cache_argument
 from kvcompress.methods.pod import PoDConfig
 from kvcompress.models import load_model
@@ -102,9 +102,7 @@ def lm_loss(model: PreTrainedModel, input_ids: torch.Tensor, pod: PoDConfig | No
 
 
 def _save(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    write_atomically(path, lambda temporary: torch.save(payload, temporary))
 
 
 def _truncate_log(path: Path, step: int) -> None:

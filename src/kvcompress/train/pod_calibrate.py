@@ -30,6 +30,7 @@ from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.contract import MethodConfig, Policy, StatsRequest
 from kvcompress.eval.data import data_root, read_text, strip_gutenberg
+from kvcompress.files import write_atomically
 from kvcompress.generation import cache_argument
 from kvcompress.models import load_model
 
@@ -153,14 +154,14 @@ def save_similarity(
 ) -> None:
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result, path)
+    write_atomically(path, lambda temporary: torch.save(result, temporary))
     if json_path is not None:
         data = {
             "sim": [[[round(float(v), 5) for v in row] for row in head] for head in result["sim"]],
             "kv_heads": result["kv_heads"],
             "meta": result["meta"],
         }
-        Path(json_path).write_text(json.dumps(data, separators=(",", ":")) + "\n")
+        write_atomically(json_path, json.dumps(data, separators=(",", ":")) + "\n")
 
 
 def pod_calibrate(

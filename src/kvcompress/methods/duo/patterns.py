@@ -43,7 +43,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcompress.files import damaged, load_json, require_keys, shipped_folder, shipped_json, shipped_json_meta
+from kvcompress.files import (
+    damaged,
+    load_json,
+    require_keys,
+    shipped_folder,
+    shipped_json,
+    shipped_json_meta,
+    write_atomically,
+)
 
 FORMAT = "kvcompress-duo-pattern"
 CALIBRATE = "kvcompress train duo-calibrate --model <model> --out <file.json>"
@@ -100,8 +108,7 @@ class DuoPattern:
 def write_pattern(pattern: DuoPattern, path: str | os.PathLike[str], kind: PatternKind = DUO) -> Path:
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(pattern.to_json(kind)) + "\n", encoding="utf-8")
-    return path
+    return write_atomically(path, json.dumps(pattern.to_json(kind)) + "\n")
 
 
 def _scores(values, path: Path, what: str, remedy: str = REMEDY) -> np.ndarray:

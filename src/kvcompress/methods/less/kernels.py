@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcompress.files import damaged, load_json, load_tensors, require_keys, shipped_folder
+from kvcompress.files import damaged, load_json, load_tensors, require_keys, shipped_folder, write_atomically
 
 KERNEL_FORMAT = 1
 SHAPE = ("q_heads", "kv_heads", "head_dim", "rank", "hidden")  # a layer's shape, as its file and meta.json record it
@@ -157,7 +157,7 @@ class LessKernels:
         directory.mkdir(parents=True, exist_ok=True)
         first = self.layers[0]
         meta = dict(self.meta, format=KERNEL_FORMAT, num_layers=len(self.layers), rank=first.rank, hidden=first.hidden)
-        _write_json(directory / META_FILE, meta)
+        write_atomically(directory / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
         for index, layer in enumerate(self.layers):
             save_layer(directory, index, layer, dtype=dtype)
         return directory
@@ -170,21 +170,11 @@ def save_layer(
     extra: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write one layer's kernels (atomically: a finished file is always complete)."""
-    path = layer_file(directory, index)
+    """Write one layer's kernels (whole or not at all)."""
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in layer.state_dict().items()}
     shape = {name: getattr(layer, name) for name in SHAPE}
     payload = {"format": KERNEL_FORMAT, "layer": index, "shape": shape, "state_dict": state, **(extra or {})}
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    return write_atomically(layer_file(directory, index), lambda path: torch.save(payload, path))
 
 
 def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
