@@ -7,7 +7,7 @@ import torch
 
 from kvcompress.core import attention, softmax
 from kvcompress.core.contract import StatsRequest
-from kvcompress.core.fused_attention import attention_with_lse
+from kvcompress.core.fused_attention import attention_with_lse, chunked_attention_with_lse
 from kvcompress.core.rope import rotate_by
 
 B, HQ, HKV, Q, L, D = 2, 6, 2, 5, 12, 8
@@ -116,17 +116,19 @@ def test_rerotation_equals_rotating_at_the_new_position():
     torch.testing.assert_close(once, rotate_by(x, target, inv_freq), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("function", [attention_with_lse, chunked_attention_with_lse], ids=["cpu-kernel", "fallback"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "every-key"])
-def test_attention_with_lse_equals_explicit_softmax(causal):
-    """The fused output and log-normalisers equal explicit float32 attention (the fused CPU kernel on CPU): causal
-    over the queries' own keys, or over every key of a longer sequence."""
+def test_attention_with_lse_equals_explicit_softmax(causal, function):
+    """The output and log-normalisers equal explicit float32 attention, from the fused CPU kernel and from the
+    chunked softmax that devices without such a kernel take: causal over the queries' own keys, or over every key of
+    a longer sequence."""
     generator = torch.Generator().manual_seed(3)
     batch, kv_heads, groups, queries, dim = 2, 2, 3, 7, 8
     length = queries if causal else 11
     query = torch.randn(batch, kv_heads * groups, queries, dim, generator=generator)
     key = torch.randn(batch, kv_heads, length, dim, generator=generator)
     value = torch.randn(batch, kv_heads, length, dim, generator=generator)
-    output, lse = attention_with_lse(query, key, value, 0.3, causal=causal)
+    output, lse = function(query, key, value, 0.3, causal=causal)
     logits = query.view(batch, kv_heads, groups, queries, dim) @ key[:, :, None].transpose(-1, -2) * 0.3
     if causal:
         logits = logits.masked_fill(~softmax.causal_mask(queries, queries, query.device)[:, :, None], -torch.inf)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvcompress
+from kvcompress.core.fused_attention import chunked_attention_with_lse
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models.testing import tiny_model, tiny_tokenizer
 from tests.references.driver import kept_sets, token_ids
@@ -130,12 +131,17 @@ def test_kvzip_scores_in_query_blocks_as_in_one(case, tiny_llama, tokenizer_dir,
     assert got == want
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["cpu-kernel", "chunked-fallback"])
 @pytest.mark.parametrize("case", ["global", "layer"])
-def test_kvzip_scores_beside_the_fused_attention_keep_the_reference_pairs(case, tiny_llama, tokenizer_dir, monkeypatch):
+def test_kvzip_scores_beside_the_fused_attention_keep_the_reference_pairs(
+    case, fallback, tiny_llama, tokenizer_dir, monkeypatch
+):
     """A chunk covering the whole context scored beside the fused attention (as on a GPU) instead of from the
     attention's explicit logits (as on a CPU) keeps the reference's pairs too (several chunks take that way on every
-    device: the chunked cases above)."""
+    device: the chunked cases above), also with the attention of devices without a fused kernel (MPS, XPU)."""
     monkeypatch.setattr("kvcompress.methods.kvzip.reconstruct.EXPLICIT_LOGITS_DEVICES", ())
+    if fallback:
+        monkeypatch.setattr("kvcompress.methods.kvzip.reconstruct.attention_with_lse", chunked_attention_with_lse)
     params, chunk = CASES[case]
     ids = token_ids(2, 30, seed=11)
     cache = kvcompress.cache_for(tiny_llama, "kvzip", tokenizer=tokenizer_dir, **params)

@@ -38,6 +38,13 @@ def attention_with_lse(
         output, lse = efficient(rows, key, value, None, True, 0.0, causal, scale=scale)[:2]
         # (the kernel's log-normalisers may be padded past the last row)
         return output.reshape(query.shape), lse[..., : rows.shape[2]].reshape(batch, q_heads, count).float()
+    return chunked_attention_with_lse(query, key, value, scale, causal)
+
+
+def chunked_attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` on devices without such a kernel (MPS, XPU, ...): the exact chunked softmax."""
     mask = None if causal else (lambda start, stop: query.new_ones(1, 1, stop - start, key.shape[2], dtype=torch.bool))
     parts = chunked_softmax(query, key, mask, scale, value=value, lse=True, rows_see_keys=True)
     return parts.output, parts.lse
