@@ -194,6 +194,16 @@ def test_a_less_cache_file_holds_the_kernels_it_was_made_with(tiny_llama, tmp_pa
         assert all(torch.equal(a, b) for a, b in pairs)
 
 
+def test_a_save_into_a_missing_folder_names_it_and_writes_nothing(tiny_llama, tmp_path):
+    cache = kvcompress.cache_for(tiny_llama, "h2o", budget=12)
+    with torch.no_grad():
+        prefill(tiny_llama, CONTEXT, cache)
+    target = tmp_path / "missing" / "cache.safetensors"
+    with pytest.raises(FileNotFoundError, match=r"^cannot save the cache to .*: no folder '.*missing'$"):
+        kvcompress.save_cache(cache, target)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_caches_holding_modules_are_refused_at_save(tiny_llama, tmp_path):
     """LESS kernels given as modules (not a directory or a seed) are part of the method's config: refused in one
     line naming them (a cache of kernels named by directory or seed saves their weights: ``METHODS["less"]``)."""

@@ -43,7 +43,7 @@ from kvcompress.core.attention import prepare_model
 from kvcompress.core.cache import CompressedCache
 from kvcompress.core.contract import MethodConfig, method_fields
 from kvcompress.core.model_spec import ModelCheck, ModelSpec, architecture
-from kvcompress.files import damaged, write_atomically
+from kvcompress.files import damaged
 from kvcompress.registry import make_config
 
 # a file holds the cache objects' own attributes: the number changes whenever they do, so a file written by a
@@ -178,8 +178,11 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike[str]) -> Path:
         "objects": writer.objects,
     }
     path = Path(path).expanduser()
-    metadata = {"kvcompress": json.dumps(description)}
-    return write_atomically(path, lambda temporary: save_file(writer.tensors, str(temporary), metadata=metadata))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save the cache to {str(path)!r}: no folder {str(path.parent)!r}")
+    # (safetensors writes a temporary file beside ``path`` and renames it: an interrupted save leaves no half file)
+    save_file(writer.tensors, str(path), metadata={"kvcompress": json.dumps(description)})
+    return path
 
 
 def _cache_dtype(cache: CompressedCache) -> str | None:

@@ -149,8 +149,8 @@ def test_the_cli_answers_a_crafted_similarity_file_with_one_line(tmp_path):
 
 
 def test_a_write_interrupted_leaves_the_former_file_whole_and_no_partial_file(tmp_path, tiny_llama):
-    """``write_atomically`` (cache files, kernel sets, calibrations): a write that fails midway (here: after part
-    of the file is out) leaves the file that was there as it was, and nothing else in the folder."""
+    """``write_atomically`` (kernel sets, head patterns, calibrations): a write that fails midway (here: after part
+    of the file is out) leaves the file that was there as it was (a saved cache here), and nothing else."""
     cache = kvcompress.cache_for(tiny_llama, "h2o", budget=8)
     with torch.no_grad():
         prefill(tiny_llama, torch.arange(3, 23)[None], cache)
