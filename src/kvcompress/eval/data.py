@@ -99,18 +99,25 @@ def strip_gutenberg(text: str) -> str:
     return text.strip("\n")
 
 
-def load_documents(path: str | os.PathLike[str], patterns: tuple[str, ...] = ("*.txt", "*.txt.gz")) -> list[Document]:
-    """Every text under ``path`` (a file, or a folder searched recursively for ``patterns``), sorted by path."""
+def text_files(path: str | os.PathLike[str], patterns: tuple[str, ...] = ("*.txt", "*.txt.gz")) -> list[Path]:
+    """``path`` if a file, else every file under the folder ``path`` matching ``patterns`` (recursively), sorted."""
     path = Path(path)
     if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted({p for pattern in patterns for p in path.rglob(pattern) if p.is_file()})
-    else:
+        return [path]
+    if not path.is_dir():
         raise FileNotFoundError(f"no such file or folder: {str(path)!r}")
+    files = sorted({p for pattern in patterns for p in path.rglob(pattern) if p.is_file()})
     if not files:
         raise FileNotFoundError(f"no {' or '.join(patterns)} files under {str(path)!r}")
-    return [Document(name=file.name.split(".")[0], text=strip_gutenberg(read_text(file))) for file in files]
+    return files
+
+
+def load_documents(path: str | os.PathLike[str], patterns: tuple[str, ...] = ("*.txt", "*.txt.gz")) -> list[Document]:
+    """Every text under ``path`` (a file, or a folder searched recursively for ``patterns``), sorted by path."""
+    return [
+        Document(name=file.name.split(".")[0], text=strip_gutenberg(read_text(file)))
+        for file in text_files(path, patterns)
+    ]
 
 
 def _corpus(subdir: str, path, data) -> list[Document]:

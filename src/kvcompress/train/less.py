@@ -53,6 +53,7 @@ from kvcompress.train.less_data import (
     attention_modules,
     budget_tokens,
     collect_attention_inputs,
+    data_record,
     default_data_files,
     default_out_dir,
     layer_tensors,
@@ -268,7 +269,7 @@ def train_less(
         "hidden": hidden,
         "dropout": dropout,
         "seed": seed,
-        "data": [str(f) for f in files],
+        "data": data_record(files),
     }
     meta = {
         "format": KERNEL_FORMAT,

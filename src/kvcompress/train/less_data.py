@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ import torch
 from rich.progress import track
 from torch import nn
 
-from kvcompress.eval.data import data_root, load_documents
+from kvcompress.eval.data import data_root, load_documents, text_files
 from kvcompress.files import write_atomically
 from kvcompress.methods.less.masked import CaptureRun, less_attention
 from kvcompress.models import model_info
@@ -28,6 +29,21 @@ def default_data_files() -> list[Path]:
     """The data folder's Gutenberg books and ``wikitext-2/valid.txt``."""
     root = data_root()
     return sorted((root / "gutenberg").glob("*.txt")) + [root / "wikitext-2" / "valid.txt"]
+
+
+def data_record(paths: Sequence[Path]) -> list[dict[str, str]]:
+    """What a kernel set's ``meta.json`` records of its training texts, the same on every machine: each given file's
+    or folder's name and a SHA-256 (a file's of its bytes, as ``sha256sum`` prints it; a folder's over its text
+    files' relative paths and bytes, in order), so that a resumed training refuses changed texts, not moved ones."""
+    record = []
+    for path in map(Path, paths):
+        digest = hashlib.sha256()
+        for file in text_files(path):
+            if path.is_dir():
+                digest.update(f"{file.relative_to(path)}\0".encode())
+            digest.update(file.read_bytes())
+        record.append({"name": path.name, "sha256": digest.hexdigest()})
+    return record
 
 
 def budget_tokens(budget: float | int, window: int, base: str) -> int:
