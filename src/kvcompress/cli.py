@@ -42,17 +42,26 @@ EXTRAS = {"matplotlib": "eval", "rouge_score": "eval", "tqdm": "eval", "vllm": "
 USAGE_STATUS = 2
 
 
-def method_params(method: str, budget: int | None, ratio: float | None, extra: list[str]) -> dict[str, object]:
-    """The method's parameters from ``--budget``, ``--ratio`` and ``-p key=value`` (parsed by each one's type);
-    a parameter given both as an option and with ``-p`` is a ``ValueError``."""
-    params = parse_params.method_params(method, parse_params.split_pairs(extra))
+def method_params(
+    spec: str, budget: int | None, ratio: float | None, extra: list[str]
+) -> tuple[str, dict[str, object]]:
+    """The method's name and parameters from ``--method NAME[:key=value,...]`` (the spec ``eval`` and ``leaderboard``
+    take), ``--budget``, ``--ratio`` and ``-p key=value``, each parsed by its type; a parameter given twice is a
+    ``ValueError``."""
+    method, _, rest = spec.partition(":")
+    pairs = parse_params.split_pairs([part.strip() for part in rest.split(",") if part.strip()], "--method")
+    for name, text in parse_params.split_pairs(extra).items():
+        if name in pairs:
+            raise ValueError(f"{name} is given twice (--method {name}={pairs[name]}, -p {name}={text}); give it once")
+        pairs[name] = text
+    params = parse_params.method_params(method.strip(), pairs)
     for name, value in (("budget", budget), ("ratio", ratio)):
         if value is None:
             continue
         if name in params:
-            raise ValueError(f"{name} is given twice (--{name} {value} and -p {name}={params[name]}); give it once")
+            raise ValueError(f"{name} is given twice (--{name} {value} and {name}={params[name]}); give it once")
         params[name] = value
-    return params
+    return method.strip(), params
 
 
 def read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -87,9 +96,9 @@ def human_bytes(count: float) -> str:
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="Prompt text (or use --file).")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
-    method: Annotated[str, typer.Option("--method", "-m", help="Compression method (see `kvcompress methods`).")] = (
-        "streaming"
-    ),
+    method: Annotated[
+        str, typer.Option("--method", "-m", help="Method: NAME or NAME:key=value,... (`kvcompress methods`).")
+    ] = "streaming",
     budget: Annotated[int | None, typer.Option(help="Tokens kept per layer and KV head.")] = None,
     ratio: Annotated[float | None, typer.Option(help="Share of the prompt kept, one-shot methods.")] = None,
     param: Annotated[list[str], typer.Option("--param", "-p", help="Extra method parameter key=value.")] = [],  # noqa: B006
@@ -102,7 +111,8 @@ def generate(
 ) -> None:
     """Generate with a compressed cache and report tokens seen vs stored and KV bytes vs the full cache."""
     text = read_prompt(prompt, file)
-    config = kvcompress.make_config(method, **method_params(method, budget, ratio, param))
+    name, params = method_params(method, budget, ratio, param)
+    config = kvcompress.make_config(name, **params)
     torch.set_num_threads(threads)
     with console.status(f"loading {model}"):
         lm, tokenizer = load_model(model)
