@@ -1,10 +1,13 @@
 """``preset="kvpress"``: one argument sets kvpress's settings; given parameters win; other names are refused; a
-method's own ``preset`` parameter (NaCl) is not taken for the library preset."""
+method's own ``preset`` parameter (NaCl) is not taken for the library preset; a method spec (``eval``,
+``leaderboard``, ``generate``) takes it as ``snapkv:preset=kvpress``."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvcompress.eval.configs import expand_configs
+from kvcompress.params import parse_method_spec
 from kvcompress.registry import make_config
 
 
@@ -29,3 +32,18 @@ def test_a_method_with_its_own_preset_parameter_takes_the_value():
     assert make_config("nacl", ratio=0.2, preset="official-128k").preset == "official-128k"
     with pytest.raises(ValueError, match="preset"):
         make_config("nacl", ratio=0.2, preset="kvpress")
+
+
+def test_a_method_spec_takes_the_preset_as_the_cli_and_evaluation_pass_it_on():
+    name, params = parse_method_spec("snapkv:preset=kvpress,window=16")
+    assert (name, params) == ("snapkv", {"preset": "kvpress", "window": 16})
+    snapkv = make_config(name, **params, ratio=0.5)
+    assert (snapkv.window, snapkv.kernel, snapkv.pooling) == (16, 5, "avg")
+    (config,) = expand_configs(["snapkv:preset=kvpress"], [0.5])
+    assert config.label == "snapkv(preset=kvpress)"
+    assert make_config(config.method, **config.cache_params()).kernel == 5
+    assert parse_method_spec("nacl:preset=official-128k") == ("nacl", {"preset": "official-128k"})
+    with pytest.raises(ValueError, match="preset must be one of kvpress; got 'vllm'"):
+        parse_method_spec("snapkv:preset=vllm")
+    with pytest.raises(ValueError, match="no settings for method 'h2o'"):
+        parse_method_spec("h2o:preset=kvpress")

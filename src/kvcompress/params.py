@@ -16,6 +16,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from kvcompress.presets import preset_params
 from kvcompress.registry import METHODS
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -88,8 +89,14 @@ def method_fields(method: str) -> dict[str, Any]:
 
 
 def method_params(method: str, pairs: dict[str, str]) -> dict[str, object]:
-    """Typed parameters of ``method`` from text pairs; unknown names are a ``ValueError`` listing the known ones."""
+    """Typed parameters of ``method`` from text pairs; unknown names are a ``ValueError`` listing the known ones.
+    ``preset=NAME`` is one of them for every method: ``make_config``'s ``preset`` (``kvcompress.presets``: another
+    library's settings, e.g. ``snapkv:preset=kvpress``), checked here, or the method's own field where it has one."""
     fields = method_fields(method)
+    if "preset" not in fields:
+        fields["preset"] = str
+        if "preset" in pairs:
+            preset_params(pairs["preset"], method)  # a preset unknown, or without settings for the method, raises
     unknown = sorted(set(pairs) - set(fields))
     if unknown:
         raise ValueError(
