@@ -31,6 +31,10 @@ def test_the_method_takes_the_spec_eval_and_leaderboard_take_and_a_parameter_giv
         "snapkv",
         {"window": 16, "pooling": "avg", "ratio": 0.5, "kernel": 3},
     )
+    assert method_params("kvzip:ragged=false;kv_bits=4", None, 0.5, []) == (
+        "kvzip",
+        {"ragged": False, "kv_bits": 4, "ratio": 0.5},
+    )
     with pytest.raises(ValueError, match="window is given twice"):
         method_params("snapkv:window=16", None, None, ["window=8"])
     with pytest.raises(ValueError, match="ratio is given twice"):

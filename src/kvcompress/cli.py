@@ -45,11 +45,12 @@ USAGE_STATUS = 2
 def method_params(
     spec: str, budget: int | None, ratio: float | None, extra: list[str]
 ) -> tuple[str, dict[str, object]]:
-    """The method's name and parameters from ``--method NAME[:key=value,...]`` (the spec ``eval`` and ``leaderboard``
-    take), ``--budget``, ``--ratio`` and ``-p key=value``, each parsed by its type; a parameter given twice is a
-    ``ValueError``."""
+    """The method's name and parameters from ``--method NAME[:key=value;...]`` (the spec ``eval`` and ``leaderboard``
+    take; ``,`` separates parameters too), ``--budget``, ``--ratio`` and ``-p key=value``, each parsed by its type;
+    a parameter given twice is a ``ValueError``."""
     method, _, rest = spec.partition(":")
-    pairs = parse_params.split_pairs([part.strip() for part in rest.split(",") if part.strip()], "--method")
+    items = rest.replace(";", ",").split(",")  # ';' as in eval's --methods list, where ',' separates methods
+    pairs = parse_params.split_pairs([part.strip() for part in items if part.strip()], "--method")
     for name, text in parse_params.split_pairs(extra).items():
         if name in pairs:
             raise ValueError(f"{name} is given twice (--method {name}={pairs[name]}, -p {name}={text}); give it once")
@@ -97,7 +98,7 @@ def generate(
     prompt: Annotated[str | None, typer.Argument(help="Prompt text (or use --file).")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Read the prompt from this file.")] = None,
     method: Annotated[
-        str, typer.Option("--method", "-m", help="Method: NAME or NAME:key=value,... (`kvcompress methods`).")
+        str, typer.Option("--method", "-m", help="Method: NAME or NAME:key=value;... (`kvcompress methods`).")
     ] = "streaming",
     budget: Annotated[int | None, typer.Option(help="Tokens kept per layer and KV head.")] = None,
     ratio: Annotated[float | None, typer.Option(help="Share of the prompt kept, one-shot methods.")] = None,
