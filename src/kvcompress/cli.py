@@ -29,6 +29,7 @@ from kvcompress import params as parse_params
 from kvcompress.generation import cache_argument
 from kvcompress.models import list_models, load_model, model_info
 from kvcompress.models.registry import ModelNotInstalledError
+from kvcompress.presets import PRESETS
 from kvcompress.registry import METHODS, method_defaults
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="KV-cache compression for transformers models.")
@@ -165,7 +166,8 @@ def methods() -> None:
     console.print(table)
     console.print(
         f"{len(METHODS)} methods; each parameter's meaning is in its config docstring "
-        "(e.g. `python -c 'import kvcompress; help(kvcompress.METHODS[\"h2o\"])'`)."
+        "(e.g. `python -c 'import kvcompress; help(kvcompress.METHODS[\"h2o\"])'`). "
+        f"With preset=kvpress, {', '.join(PRESETS['kvpress'])} take kvpress's settings (`snapkv:preset=kvpress`)."
     )
 
 

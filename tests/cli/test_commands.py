@@ -148,6 +148,7 @@ def test_methods_lists_every_registered_method_with_its_defaults():
         assert defaults == (expected or "-"), name
         assert paper == config.paper
     assert f"{len(METHODS)} methods" in output
+    assert "With preset=kvpress, streaming_oneshot, snapkv," in " ".join(output.split())
 
 
 def test_models_lists_the_registry_with_installed_and_converted_columns(tmp_path, monkeypatch):
