@@ -47,23 +47,21 @@ def method_params(
     spec: str, budget: int | None, ratio: float | None, extra: list[str]
 ) -> tuple[str, dict[str, object]]:
     """The method's name and parameters from ``--method NAME[:key=value;...]`` (the spec ``eval`` and ``leaderboard``
-    take; ``,`` separates parameters too), ``--budget``, ``--ratio`` and ``-p key=value``, each parsed by its type;
+    take: ``params.split_spec``), ``--budget``, ``--ratio`` and ``-p key=value``, each parsed by its type;
     a parameter given twice is a ``ValueError``."""
-    method, _, rest = spec.partition(":")
-    items = rest.replace(";", ",").split(",")  # ';' as in eval's --methods list, where ',' separates methods
-    pairs = parse_params.split_pairs([part.strip() for part in items if part.strip()], "--method")
+    method, pairs = parse_params.split_spec(spec, "--method")
     for name, text in parse_params.split_pairs(extra).items():
         if name in pairs:
             raise ValueError(f"{name} is given twice (--method {name}={pairs[name]}, -p {name}={text}); give it once")
         pairs[name] = text
-    params = parse_params.method_params(method.strip(), pairs)
+    params = parse_params.method_params(method, pairs)
     for name, value in (("budget", budget), ("ratio", ratio)):
         if value is None:
             continue
         if name in params:
             raise ValueError(f"{name} is given twice (--{name} {value} and {name}={params[name]}); give it once")
         params[name] = value
-    return method.strip(), params
+    return method, params
 
 
 def read_prompt(prompt: str | None, file: Path | None) -> str:

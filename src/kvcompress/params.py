@@ -106,11 +106,18 @@ def method_params(method: str, pairs: dict[str, str]) -> dict[str, object]:
     return {key: parse_typed(key, text, fields[key]) for key, text in pairs.items()}
 
 
+def split_spec(spec: str, option: str = "method parameters") -> tuple[str, dict[str, str]]:
+    """``"h2o:heavy_ratio=0.25;budget=64"`` -> ``("h2o", {"heavy_ratio": "0.25", "budget": "64"})`` (text): the
+    parameters separated by ``;`` (as in a command line's list of methods, where ``,`` separates methods) or ``,``."""
+    name, _, rest = spec.strip().partition(":")
+    items = [part.strip() for part in rest.replace(";", ",").split(",") if part.strip()]
+    return name.strip(), split_pairs(items, option)
+
+
 def parse_method_spec(spec: str) -> tuple[str, dict[str, object]]:
     """``"h2o:heavy_ratio=0.25,budget=64"`` -> ``("h2o", {"heavy_ratio": 0.25, "budget": 64})``."""
-    name, _, rest = spec.strip().partition(":")
-    items = [part.strip() for part in rest.split(",") if part.strip()]
     try:
-        return name.strip(), method_params(name.strip(), split_pairs(items, "method parameters"))
+        name, pairs = split_spec(spec)
+        return name, method_params(name, pairs)
     except ValueError as error:
         raise ValueError(f"{error} (in {spec!r})") from None
