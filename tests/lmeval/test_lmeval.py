@@ -17,7 +17,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from kvcompress.lmeval import KVCompressLM, build_tasks  # noqa: E402
 from kvcompress.lmeval.cli import main, with_local_tasks  # noqa: E402
 from kvcompress.lmeval.scoring import score_batch, split_request  # noqa: E402
-from kvcompress.models import model_cache_dir, tiny_model, tiny_tokenizer  # noqa: E402
+from kvcompress.models import is_cached, load_model, model_cache_dir, tiny_model, tiny_tokenizer  # noqa: E402
 from tests.helpers import data_folder, needs_smollm2  # noqa: E402
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -137,6 +137,8 @@ def test_cli_runs_the_local_tasks_with_a_saved_model(tmp_path, monkeypatch):
 @needs_smollm2
 def test_smollm2_full_equals_hf_and_a_budget_stores_less(tmp_path):
     folder = build_tasks(tmp_path / "tasks", data_folder(tmp_path / "data"), samples=2, words=200)
+    if not is_cached("smollm2-135m"):  # lm-eval's own model reads the converted folder: convert it first
+        load_model("smollm2-135m")
     manager = lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False)
     reported, info = {}, {}
     kvc = {"pretrained": "smollm2-135m", "chunk_size": 128}
