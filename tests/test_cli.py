@@ -4,11 +4,13 @@ commands handing --help to their module (tests/cli runs every command for real o
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from kvcompress.cli import app, method_params
+import kvcompress
+from kvcompress.cli import app, method_params, one_line_warning
 from kvcompress.eval.data import prose
 from tests.helpers import needs_smollm2
 
@@ -90,3 +92,11 @@ def test_unknown_benchmark_names_the_choices():
     result = runner.invoke(app, ["bench", "nope"])
     assert result.exit_code != 0
     assert "cache-op, decode, prefill" in result.output
+
+
+def test_kvcompress_warnings_print_as_one_line_and_other_packages_as_python_shows_them():
+    own = str(Path(kvcompress.__file__).parent / "core" / "cache.py")
+    line = one_line_warning(UserWarning("less: no kernels given"), UserWarning, own, 94)
+    assert line == "kvcompress: warning: less: no kernels given\n"
+    other = one_line_warning(UserWarning("careful"), UserWarning, "/elsewhere/module.py", 7, "x = 1")
+    assert other.startswith("/elsewhere/module.py:7: UserWarning: careful\n")

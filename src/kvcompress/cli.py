@@ -16,6 +16,7 @@ import importlib
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     args = [arg for arg in args if arg != "--debug"]
     logging.basicConfig(level=logging.WARNING)
+    warnings.formatwarning = one_line_warning
     try:
         check_repeated_options(args)
         status = app(args=args, prog_name="kvcompress", standalone_mode=False)
@@ -328,6 +330,16 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         status = 130
     raise SystemExit(status if isinstance(status, int) else 0)
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning kvcompress gives as one line, ``kvcompress: warning: ...``; other packages' as Python shows them."""
+    if Path(filename).resolve().is_relative_to(Path(kvcompress.__file__).resolve().parent):
+        return f"kvcompress: warning: {message}\n"
+    return ORIGINAL_FORMATWARNING(message, category, filename, lineno, line)
+
+
+ORIGINAL_FORMATWARNING = warnings.formatwarning
 
 
 def report_error(error: Exception, args: list[str]) -> int:

@@ -4,6 +4,7 @@ token-by-token decoding, kernel shapes and initial scalars, Eq. 3 arithmetic, ke
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,18 @@ def test_paper_init_is_a_warm_start_close_to_the_base_policy(tiny_llama):
     difference = float((logits - base_logits).abs().max())
     assert 0 < difference < 1e-2  # scalars 1e-4: the state is tiny but not zero
     assert bool(cache.compressed_layers[0].low_rank_z.any())
+
+
+def test_untrained_kernels_are_said_in_a_warning_naming_the_shipped_sets(tiny_llama):
+    with pytest.warns(UserWarning, match="no kernels given") as caught:
+        kvcompress.cache_for(tiny_llama, "less", budget=12)
+    [warning] = caught
+    assert "smollm2-135m-h2o-50of512 (model smollm2-135m, base h2o)" in str(warning.message)
+    assert "base 'h2o'" in str(warning.message)
+    for config in (LessConfig(budget=12, init="zero"), LessConfig(budget=12, kernels=strong_kernels(tiny_llama))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # chosen kernels (trained, or ψ ≡ 0 asked for) warn of nothing
+            kvcompress.cache_for(tiny_llama, config)
 
 
 @pytest.mark.parametrize("base", ["h2o", "streaming", "tova"])
