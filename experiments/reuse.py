@@ -11,6 +11,7 @@ whether the three answers are the same tokens and the largest difference of thei
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -94,4 +95,16 @@ def main(out: str, count: int = 1) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/frontier", *map(int, sys.argv[2:3])))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "out", nargs="?", default="runs/frontier", help="a folder holding experiments.compare's samples.json"
+    )
+    parser.add_argument("samples", nargs="?", type=int, default=1, help="how many of its samples (the first)")
+    args = parser.parse_args()
+    if not (Path(args.out) / "samples.json").is_file():
+        parser.error(
+            f"{args.out!r} holds no samples.json: run `python -m experiments.compare frontier --out {args.out}` first"
+        )
+    if args.samples < 1:
+        parser.error(f"samples must be at least 1, got {args.samples}")
+    sys.exit(main(args.out, args.samples))

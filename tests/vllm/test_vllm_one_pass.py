@@ -4,6 +4,10 @@ engine: vLLM's own cache writer, scheduler metadata and kernel, called as its ba
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm.v1", reason="the vLLM suite runs in .venv-vllm (bash scripts/test_vllm.sh)")
@@ -111,3 +115,12 @@ def test_one_pass_engine_keeps_the_second_pass_blocks_and_tokens(method, short_m
     assert one.live_blocks == second.live_blocks
     for request_id, logprobs in one.logprobs.items():
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(second.logprobs[request_id]), rtol=0, atol=1e-4)
+
+
+def test_the_one_pass_cost_script_answers_help_with_its_usage(monkeypatch, capsys):
+    script = Path(__file__).resolve().parents[2] / "scripts" / "vllm_one_pass_cost.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(script), run_name="__main__")
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage:")
