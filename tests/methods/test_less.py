@@ -75,7 +75,7 @@ def test_zero_psi_equals_base_policy_exactly(tiny_llama):
     assert torch.equal(less_seq, base_seq)
     for base_layer, less_layer in zip(base_cache.compressed_layers, less_cache.compressed_layers, strict=True):
         assert kept_tokens(less_layer) == kept_tokens(base_layer)
-        assert not bool(less_layer.low_rank_z.any())
+        assert not bool(less_layer.low_rank[..., -1].any())
 
 
 def test_paper_init_is_a_warm_start_close_to_the_base_policy(tiny_llama):
@@ -85,19 +85,21 @@ def test_paper_init_is_a_warm_start_close_to_the_base_policy(tiny_llama):
     logits, _ = cache_logits(tiny_llama, ids, cache, new_tokens=8)
     difference = float((logits - base_logits).abs().max())
     assert 0 < difference < 1e-2  # scalars 1e-4: the state is tiny but not zero
-    assert bool(cache.compressed_layers[0].low_rank_z.any())
+    assert bool(cache.compressed_layers[0].low_rank[..., -1].any())
 
 
 def test_untrained_kernels_are_said_in_a_warning_naming_the_shipped_sets(tiny_llama):
+    ids = ids_of(1, 8)
     with pytest.warns(UserWarning, match="no kernels given") as caught:
-        kvcompress.cache_for(tiny_llama, "less", budget=12)
-    [warning] = caught
-    assert "smollm2-135m-h2o-50of512 (model smollm2-135m, base h2o)" in str(warning.message)
-    assert "base 'h2o'" in str(warning.message)
+        cache_logits(tiny_llama, ids, kvcompress.cache_for(tiny_llama, "less", budget=12), new_tokens=1)
+    assert {str(warning.message) for warning in caught} == {
+        "less: no kernels given: untrained, ≈ its base 'h2o'; pass kernels=smollm2-135m-h2o-50of512 or a directory "
+        "from `kvcompress train less`"
+    }
     for config in (LessConfig(budget=12, init="zero"), LessConfig(budget=12, kernels=strong_kernels(tiny_llama))):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # chosen kernels (trained, or ψ ≡ 0 asked for) warn of nothing
-            kvcompress.cache_for(tiny_llama, config)
+            cache_logits(tiny_llama, ids, kvcompress.cache_for(tiny_llama, config), new_tokens=1)
 
 
 @pytest.mark.parametrize("base", ["h2o", "streaming", "tova"])
@@ -140,8 +142,8 @@ def test_state_equals_direct_sum_over_evicted_tokens(tiny_llama):
             psi = kernels.psi(keys[:, :, evicted])[0, head]  # [n, R]
             expected_h = psi.T @ values[0, head, evicted]
             torch.testing.assert_close(layer.low_rank[..., :-1][0, head], expected_h, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(layer.low_rank_z[0, head], psi.sum(0), rtol=1e-4, atol=1e-5)
-        assert layer.low_rank[..., :-1].shape == (1, 2, 8, 16) and layer.low_rank_z.shape == (1, 2, 8)
+            torch.testing.assert_close(layer.low_rank[..., -1][0, head], psi.sum(0), rtol=1e-4, atol=1e-5)
+        assert layer.low_rank[..., :-1].shape == (1, 2, 8, 16) and layer.low_rank[..., -1].shape == (1, 2, 8)
 
 
 def test_folds_done_together_at_the_end_of_a_forward_equal_folding_layer_by_layer(tiny_llama):

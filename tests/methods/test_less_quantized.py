@@ -66,7 +66,7 @@ def test_evicting_stays_within_the_quantization_noise_of_the_16_bit_method(bits)
     expected, ours = forced_logits(model, ids, plain, 30), forced_logits(model, ids, cache, 30)
     assert float((ours - expected).abs().max()) <= 2 * noise
     assert cache.tokens_stored() == plain.tokens_stored()
-    assert all(layer.folded and bool(layer.low_rank_z.any()) for layer in cache.layers)
+    assert all(layer.folded and bool(layer.low_rank[..., -1].any()) for layer in cache.layers)
 
 
 def test_the_state_folds_what_attention_read(monkeypatch):

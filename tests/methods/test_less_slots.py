@@ -53,7 +53,7 @@ def eq3_mix(query, key, value, features, low_rank):
 def test_slots_attention_equals_the_eq3_mix_and_the_sparse_statistics(logit_scale):
     query, key, value, features, low_rank = random_step(0, logit_scale)
     output, stats = low_rank_slots_attention(
-        query, key, value, None, heads_first(features), low_rank[..., -1], state_ratio(low_rank), REQUEST
+        query, key, value, None, heads_first(features), low_rank, state_ratio(low_rank), REQUEST
     )
     expected, sparse = eq3_mix(query, key, value, features, low_rank)
     assert bool(torch.isfinite(output).all())
@@ -67,7 +67,7 @@ def test_an_empty_state_takes_no_mass():
     query, key, value, features, low_rank = random_step(1)
     empty = torch.zeros_like(low_rank)
     output, stats = low_rank_slots_attention(
-        query, key, value, None, heads_first(features), empty[..., -1], state_ratio(empty), REQUEST
+        query, key, value, None, heads_first(features), empty, state_ratio(empty), REQUEST
     )
     sparse_output, sparse = attention_with_stats(query, key, value, None, None, REQUEST, rows_see_keys=True)
     torch.testing.assert_close(output, sparse_output)  # to rounding: the softmax runs over the state's rows too
@@ -78,7 +78,7 @@ def test_an_empty_state_takes_no_mass():
 def test_statistics_are_computed_only_when_asked_and_the_output_keeps_the_dtype():
     query, key, value, features, low_rank = (t.bfloat16() if i < 3 else t for i, t in enumerate(random_step(2)))
     output, stats = low_rank_slots_attention(
-        query, key, value, None, heads_first(features), low_rank[..., -1], state_ratio(low_rank), StatsRequest()
+        query, key, value, None, heads_first(features), low_rank, state_ratio(low_rank), StatsRequest()
     )
     assert output.dtype == torch.bfloat16 and stats.received is None and stats.last is None
     expected, _ = eq3_mix(query.float(), key.float(), value.float(), features, low_rank)

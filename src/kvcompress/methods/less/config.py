@@ -50,7 +50,7 @@ from kvcompress.methods.less.kernels import (
     init_kernels,
     load_kernels_once,
     resolve_kernels,
-    shipped_descriptions,
+    shipped_kernels,
     zero_kernels,
 )
 from kvcompress.methods.less.layer import LessLayer, LessQuantizedLayer
@@ -157,12 +157,12 @@ class LessConfig(MethodConfig):
             return layer
         if self.init == "zero":
             return zero_kernels(q_heads, kv_heads, head_dim, self.rank, self.hidden)
+        hint = f"pass kernels={', '.join(shipped_kernels()) or 'none'} or a directory from `kvcompress train less`"
+        warnings.warn(f"less: no kernels given: untrained, ≈ its base {self.base_config.name!r}; {hint}", stacklevel=2)
         return init_kernels(q_heads, kv_heads, head_dim, self.rank, self.hidden, self.seed, layer_idx).eval()
 
     def connect(self, layers) -> None:
         kernels = self.kernel_set
-        if kernels is None and self.init == "paper":
-            warnings.warn(untrained_warning(self.base_config.name), UserWarning, stacklevel=2)
         if kernels is not None and len(kernels.layers) != len(layers):
             raise ValueError(
                 f"LESS kernels have {len(kernels.layers)} layers but the model has {len(layers)}: "
@@ -173,15 +173,6 @@ class LessConfig(MethodConfig):
         if trained_budget is not None and budget is not None and trained_budget != budget:
             logger.info("LESS kernels trained at budget %s used at budget %s", trained_budget, budget)
         self.base_config.connect(layers)
-
-
-def untrained_warning(base: str) -> str:
-    """What a LESS cache without ``kernels`` runs, and where trained ones come from."""
-    shipped = "; ".join(shipped_descriptions()) or "none"
-    return (
-        f"less: no kernels given, so φ and ψ are untrained (the paper's initialisation: LESS then stays close to its "
-        f"base {base!r}); pass kernels=NAME (shipped: {shipped}) or a directory written by `kvcompress train less`"
-    )
 
 
 def baseline_plus(base: MethodConfig, rank: int = 8) -> MethodConfig:

@@ -209,15 +209,6 @@ def shipped_kernels() -> list[str]:
     return sorted(p.name for p in SHIPPED.iterdir() if (p / META_FILE).is_file()) if SHIPPED.is_dir() else []
 
 
-def shipped_descriptions() -> list[str]:
-    """Each shipped kernel set as ``NAME (model MODEL, base BASE)``, from its ``meta.json``."""
-    described = []
-    for name in shipped_kernels():
-        meta = read_meta(SHIPPED / name)
-        described.append(f"{name} (model {meta.get('model', '?')}, base {meta.get('base', {}).get('name', '?')})")
-    return described
-
-
 def resolve_kernels(name_or_path: str | os.PathLike[str]) -> Path:
     """A kernel directory: an existing path, or the name of a shipped kernel set."""
     path = Path(name_or_path)

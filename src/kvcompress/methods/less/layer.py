@@ -53,11 +53,6 @@ class LessLayer(CompressedLayer):
             self.stored_ratio = state_ratio(low_rank)
         return self.stored_ratio
 
-    @property
-    def low_rank_z(self) -> torch.Tensor | None:
-        """``z`` ``[B, H_kv, R]``: the sum of ``ψ(k)`` over the evicted tokens (a view of ``low_rank``)."""
-        return None if self.low_rank is None else self.low_rank[..., -1]
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         batch, heads, _, dim = value_states.shape

@@ -24,20 +24,20 @@ def low_rank_slots_attention(
     value: torch.Tensor,
     scaling: float | None,
     features: torch.Tensor,
-    z: torch.Tensor,
+    low_rank: torch.Tensor,
     ratio: torch.Tensor,
     request: StatsRequest,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Eq. 3 for one query per row that sees every stored key, and the base policy's ``request``ed statistics:
     ``query`` ``[B, H_q, 1, D]``, ``key``/``value`` ``[B, H_kv, L, D]``, ``features`` ``[H_q, B, R]`` = ``φ(q)`` heads
-    first (``phi_head_major``), the state's ``z`` ``[B, H_kv, R]`` and ``ratio`` ``[B, H_kv, R, D]`` = ``H / z``; the
+    first (``phi_head_major``), the state ``[H | z]`` ``[B, H_kv, R, D + 1]`` and its ``ratio`` ``H / z``; the
     output ``[B, H_q, 1, D]`` in the query's dtype."""
     batch, q_heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     rows = batch * kv_heads
     logits = one_query_logits(query, key, dim**-0.5 if scaling is None else scaling)  # the base policy's own
     features = features.transpose(0, 1).reshape(rows, -1, features.shape[-1])  # [B H_kv, G, R]
-    state_logits = features.mul(z.reshape(rows, 1, -1)).log_()
+    state_logits = features.mul(low_rank[..., -1].reshape(rows, 1, -1)).log_()
     probs = torch.cat([logits, state_logits], dim=-1).softmax(dim=-1)  # [B H_kv, G, L + R]
     output = torch.bmm(probs[..., :length].to(value.dtype), value.flatten(0, 1))
     output = output.float().baddbmm_(probs[..., length:], ratio.flatten(0, 1))

@@ -75,7 +75,7 @@ class LessPolicy(Policy):
         if query.shape[2] == 1 and mask is None:  # a decoding step that sees every stored key
             features = phi_head_major(query, *self.weights.phi)
             ratio = layer.ratio  # (folds what is pending first)
-            return low_rank_slots_attention(query, key, value, scaling, features, layer.low_rank_z, ratio, self.stats)
+            return low_rank_slots_attention(query, key, value, scaling, features, layer.low_rank, ratio, self.stats)
         # the layer's masks leave every query its own key
         output, stats = attention_with_stats(query, key, value, mask, scaling, self.request, rows_see_keys=True)
         return self.with_low_rank(layer, query, output, stats)
