@@ -25,6 +25,7 @@ def answers_help(run, argv0: str, monkeypatch, capsys) -> str:
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_answers_help_with_its_usage(name, monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, f"experiments.{name}", raising=False)  # run afresh, as `python -m` does
     out = answers_help(lambda: runpy.run_module(f"experiments.{name}", run_name="__main__"), name, monkeypatch, capsys)
     assert out.startswith("usage:")
 
