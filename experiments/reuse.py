@@ -103,7 +103,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if not (Path(args.out) / "samples.json").is_file():
         parser.error(
-            f"{args.out!r} holds no samples.json: run `python -m experiments.compare frontier --out {args.out}` first"
+            f"{args.out!r} holds no samples.json: run `python -m experiments.compare samples --out {args.out}` first"
         )
     if args.samples < 1:
         parser.error(f"samples must be at least 1, got {args.samples}")

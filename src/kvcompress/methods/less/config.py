@@ -29,7 +29,7 @@ the base policy's statistics), Baseline+. Choices where the paper is silent or l
   scores, and LESS folds, what attention reads (``LessQuantizedLayer``).
 - Untrained kernels (``kernels=None``): the paper's initialisation (scalars 1e-4: LESS ≈ its base policy); trained
   kernels are a directory written by ``python -m kvcompress.train.less``, matching the model's shape and the base
-  method (not the budget: training and test sparsity are independent, Table 2).
+  method (not the budget: training and test sparsity are independent, Table 2). Untrained ones warn once.
 - Budgets are tokens per layer and KV head, as for every method here (the paper's "5 %" is of the model's maximum
   context; our CPU experiments use a share of the evaluation window).
 """
